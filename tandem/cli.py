@@ -1,0 +1,79 @@
+"""The `tandem` command: one entry point, a subcommand per process kind.
+
+Heavy imports (torch, transformers, the services) happen inside the subcommand, so
+`tandem --help` and the SDK stay light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+SERVICES = {
+    # name: (config module, config class, serve module)
+    "encoder": ("services.encoder.config", "EncoderConfig", "services.encoder.main"),
+    "language": ("services.language.config", "LanguageConfig", "services.language.main"),
+    "router": ("services.router.config", "RouterConfig", "services.router.main"),
+}
+
+
+def _run_service(name: str, argv: list[str]) -> int:
+    import importlib
+
+    from tandem.config import parse_settings
+
+    config_mod, config_cls, serve_mod = SERVICES[name]
+    cls = getattr(importlib.import_module(config_mod), config_cls)
+    cfg = parse_settings(cls, argv, f"tandem {name}")
+    return importlib.import_module(serve_mod).serve(cfg) or 0
+
+
+def _tiny_model(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="tandem tiny-model",
+        description="Write a random-weight Hugging Face checkpoint (config, safetensors, "
+        "tokenizer, processor, chat template) for tests and benchmarks.",
+    )
+    p.add_argument("dir", help="Output directory (created).")
+    p.add_argument("--arch", choices=["qwen2_5_vl", "qwen3_vl"], default="qwen2_5_vl")
+    p.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    p.add_argument("--seed", type=int, default=0, help="Same seed, identical weight files.")
+    args = p.parse_args(argv)
+    from tandem.models.tiny import build_tiny_model
+
+    path = build_tiny_model(args.dir, arch=args.arch, size=args.size, seed=args.seed)
+    print(path)
+    return 0
+
+
+def _up(argv: list[str]) -> int:
+    from tandem.launch.up import main as up_main
+
+    return up_main(argv) or 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {
+        "encoder": "run the encode tier (ViT) service",
+        "language": "run the prefill/decode service",
+        "router": "run the router (OpenAI HTTP + gRPC)",
+        "up": "run a whole local cluster (encoders, language instances, router)",
+        "tiny-model": "write a small random-weight checkpoint",
+    }
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print("usage: tandem {" + ",".join(commands) + "} [options]\n")
+        for name, text in commands.items():
+            print(f"  {name:<11} {text}")
+        print("\n`tandem COMMAND --help` lists the command's options.")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd in SERVICES:
+        return _run_service(cmd, rest)
+    if cmd == "tiny-model":
+        return _tiny_model(rest)
+    return _up(rest)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,75 @@
+"""Settings plumbing shared by every service: CLI flags + TANDEM_* environment variables.
+
+Each service declares one pydantic-settings model (fields documented with `description`,
+ranges with `ge`/`le`), and `parse_settings` turns argv + environment into a validated
+instance, or exits with one line naming the bad field.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TypeVar
+
+from pydantic import BaseModel, Field, ValidationError
+from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, SettingsConfigDict
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+class TandemSettings(BaseSettings):
+    """Base of every service config: `TANDEM_<FIELD>` env vars, `--field` CLI flags,
+    nested models as `--transfer.protocol` / `TANDEM_TRANSFER__PROTOCOL`."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="TANDEM_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        cli_avoid_json=True,
+        validate_default=True,
+    )
+
+
+class TransferConfig(BaseModel):
+    """Mooncake transfer engine settings (shared by encoder and language)."""
+
+    protocol: str = Field(
+        "tcp", pattern="^(tcp|rdma)$", description="Transfer protocol: tcp (any host) or rdma."
+    )
+    device_name: str = Field(
+        "", description="RDMA device names (e.g. 'mlx5_0,mlx5_1'); empty for tcp."
+    )
+    metadata_server: str = Field(
+        "P2PHANDSHAKE",
+        description="Mooncake metadata server URL, or P2PHANDSHAKE for peer-to-peer handshakes.",
+    )
+    host: str = Field(
+        "127.0.0.1", description="Host/IP this instance's transfer engine is reachable at."
+    )
+    min_port: int = Field(15000, ge=1024, le=65535, description="Lowest transfer RPC port.")
+    max_port: int = Field(15999, ge=1024, le=65535, description="Highest transfer RPC port.")
+    timeout_s: float = Field(
+        10.0, gt=0, le=600, description="Room timeout: max seconds without Init or data."
+    )
+
+
+def format_validation_error(prog: str, err: ValidationError) -> str:
+    """One line per bad field: `prog: invalid config: port=-1: Input should be >= 1`."""
+    parts = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "config"
+        value = e.get("input")
+        shown = f"={value!r}" if not isinstance(value, dict) else ""
+        parts.append(f"{field}{shown}: {e['msg']}")
+    return f"{prog}: invalid config: " + "; ".join(parts)
+
+
+def parse_settings(cls: type[S], argv: list[str], prog: str) -> S:
+    """Build `cls` from argv and the environment; exit(2) with one clear line if invalid."""
+    try:
+        source = CliSettingsSource(cls, cli_prog_name=prog)
+        return CliApp.run(cls, cli_args=argv, cli_settings_source=source)
+    except ValidationError as err:
+        print(format_validation_error(prog, err), file=sys.stderr)
+        raise SystemExit(2) from None

@@ -1,0 +1,1 @@
+"""Transfer layer shared by encoder and language: block buffers, Mooncake engine, Attach."""

@@ -1,0 +1,63 @@
+"""Shared fixtures: tiny checkpoints built once per source version and cached on disk."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / ".cache" / "test-models"
+
+
+def _builder_digest() -> str:
+    """Hash of the checkpoint builder's sources: a change rebuilds the cached models."""
+    h = hashlib.sha256()
+    for p in sorted((ROOT / "tandem" / "models").rglob("*.py")):
+        h.update(p.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def build_checkpoint(arch: str, size: str = "tiny", seed: int = 0) -> Path:
+    """Path of a `tandem tiny-model` checkpoint, built on first use (process-safe)."""
+    from tandem.models.tiny import build_tiny_model
+
+    out = CACHE / f"{arch}-{size}-s{seed}-{_builder_digest()}"
+    if (out / ".complete").exists():
+        return out
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    build_tiny_model(tmp, arch=arch, size=size, seed=seed)
+    (tmp / ".complete").touch()
+    try:
+        tmp.rename(out)
+    except OSError:  # another process won the race
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def checkpoint():
+    """`checkpoint(arch, size="tiny", seed=0) -> Path` of a cached tiny checkpoint."""
+    return build_checkpoint
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

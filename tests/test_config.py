@@ -1,0 +1,65 @@
+"""Service configs: validated at start with one clear line; --help documents every field."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from services.encoder.config import EncoderConfig
+from services.language.config import LanguageConfig
+from services.router.config import RouterConfig
+from tandem.config import parse_settings
+
+TANDEM = [sys.executable, "-m", "tandem.cli"]
+CONFIGS = {"encoder": EncoderConfig, "language": LanguageConfig, "router": RouterConfig}
+
+
+def _run(args, env=None):
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    full_env.update(env or {})
+    return subprocess.run(TANDEM + args, capture_output=True, text=True, env=full_env, timeout=60)
+
+
+@pytest.mark.parametrize(
+    "args,env,field",
+    [
+        (["encoder", "--model", "m", "--port", "-1"], {}, "port"),
+        (["language", "--model", "m"], {"TANDEM_PORT": "70000"}, "port"),
+        (["router", "--http-port", "0"], {}, "http_port"),
+        (["encoder", "--model", "m", "--transfer.protocol", "udp"], {}, "transfer.protocol"),
+        (["language", "--model", "m", "--kv-memory-fraction", "2"], {}, "kv_memory_fraction"),
+    ],
+)
+def test_bad_value_stops_with_one_line_naming_field(args, env, field):
+    r = _run(args, env)
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    assert f"invalid config: {field}=" in lines[0]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_help_documents_every_field(name):
+    r = _run([name, "--help"])
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    cls = CONFIGS[name]
+    for fname, info in cls.model_fields.items():
+        assert info.description, f"{name}.{fname} has no description"
+        if fname != "transfer":
+            assert "--" + fname.replace("_", "-") in text
+        assert " ".join(info.description.split())[:30] in text
+
+
+def test_env_and_flags_and_nested():
+    os.environ["TANDEM_TRANSFER__PROTOCOL"] = "rdma"
+    try:
+        cfg = parse_settings(EncoderConfig, ["--model", "m", "--port", "1234"], "t")
+    finally:
+        del os.environ["TANDEM_TRANSFER__PROTOCOL"]
+    assert cfg.port == 1234 and cfg.transfer.protocol == "rdma"
+    r = parse_settings(RouterConfig, ["--encoders", "a:1,b:2"], "t")
+    assert r.encoders == ["a:1", "b:2"]
