@@ -1,8 +1,13 @@
 """Tandem: encoder/language disaggregated serving for vision-language models.
 
-Importing `tandem` is cheap (no torch). `tandem.models` registers the processor classes
-that let `transformers`' Auto classes load Tandem's checkpoints on machines without
-torchvision; it is imported lazily by the code that needs it.
+Importing `tandem` is cheap (no torch, no transformers). It installs an import hook
+(`tandem.models.hook`) that registers image-only Qwen processors with transformers'
+`AutoProcessor` when transformers loads it, so Tandem's checkpoints (and real Qwen-VL ones)
+load with the Auto classes on machines without torchvision.
 """
 
+from tandem.models import hook as _hook
+
 __version__ = "0.1.0"
+
+_hook.install()

@@ -1,0 +1,165 @@
+"""`build_tiny_model`: random-weight Qwen2.5-VL / Qwen3-VL checkpoints for tests and benchmarks.
+
+The checkpoint is a complete Hugging Face directory, written by transformers itself:
+
+    config.json               Qwen2_5_VLConfig / Qwen3VLConfig
+    generation_config.json    eos = [<|im_end|>, <|endoftext|>], greedy by default
+    model.safetensors         float32; same (arch, size, seed) => byte-identical file
+    tokenizer.json, tokenizer_config.json, chat_template.jinja
+                              byte-level BPE trained offline (tandem.models.tokenizer)
+    processor_config.json     Qwen2VLImageProcessor settings (min/max pixels, patch, merge)
+
+Sizes: `tiny` is a few hundred thousand parameters (unit tests); `small` is about 50M
+(benchmarks). The vision geometry is the real one (Qwen2.5-VL: patch 14, merge 2; Qwen3-VL:
+patch 16, merge 2), so `smart_resize` and token counts behave as in the released models.
+mrope_section sums to head_dim / 2, as the rotary embedding requires.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tandem.models import tokenizer as tk
+
+ARCHS = ("qwen2_5_vl", "qwen3_vl")
+SIZES = ("tiny", "small")
+
+_TEXT = {
+    # hidden, intermediate, layers, heads, kv heads, head_dim
+    "tiny": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    ),
+    "small": dict(
+        hidden_size=512, intermediate_size=1536, num_hidden_layers=12,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+    ),
+}  # fmt: skip
+_MROPE = {  # per arch and head_dim: sections of the rotary half-dim (t, h, w)
+    ("qwen2_5_vl", 16): [2, 3, 3], ("qwen2_5_vl", 64): [8, 12, 12],
+    ("qwen3_vl", 16): [4, 2, 2], ("qwen3_vl", 64): [12, 10, 10],
+}  # fmt: skip
+_VISION = {
+    "tiny": dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2),
+    "small": dict(depth=6, hidden_size=384, intermediate_size=1024, num_heads=6),
+}
+# Which sizes tie lm_head to the embedding: both layouts occur in released models.
+_TIED = {"qwen2_5_vl": False, "qwen3_vl": True}
+_PIXELS = {"tiny": (4, 256), "small": (4, 1024)}  # min / max merged tokens per image
+
+
+def make_config(arch: str, size: str):
+    """The transformers config of a tiny/small model (no weights)."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {SIZES}, got {size!r}")
+    text = dict(_TEXT[size], vocab_size=tk.VOCAB_SIZE, max_position_embeddings=32768,
+                bos_token_id=tk.ENDOFTEXT_ID, eos_token_id=tk.IM_END_ID,
+                tie_word_embeddings=_TIED[arch], initializer_range=0.05)  # fmt: skip
+    mrope = _MROPE[(arch, text["head_dim"])]
+    vision = dict(_VISION[size], out_hidden_size=text["hidden_size"], spatial_merge_size=2,
+                  temporal_patch_size=2, initializer_range=0.05)  # fmt: skip
+    ids = dict(
+        image_token_id=tk.IMAGE_PAD_ID,
+        video_token_id=tk.VIDEO_PAD_ID,
+        vision_start_token_id=tk.VISION_START_ID,
+        vision_end_token_id=tk.VISION_END_ID,
+        tie_word_embeddings=_TIED[arch],
+    )
+    if arch == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLConfig
+
+        del text["head_dim"]  # derived from hidden / heads in Qwen2
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": mrope}
+        depth = vision["depth"]
+        vision.update(patch_size=14, window_size=112, tokens_per_second=2,
+                      fullatt_block_indexes=[depth // 2 - 1, depth - 1] if depth > 2 else [depth - 1])  # fmt: skip
+        return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
+    from transformers import Qwen3VLConfig
+
+    text["rope_parameters"] = {
+        "rope_type": "default", "rope_theta": 5e6, "mrope_section": mrope, "mrope_interleaved": True,
+    }  # fmt: skip
+    depth = vision["depth"]
+    vision.update(
+        patch_size=16,
+        hidden_act="gelu_pytorch_tanh",
+        intermediate_size=vision["intermediate_size"] * 3 // 2,
+        num_position_embeddings=2304,  # a 48 x 48 learned grid, interpolated per image
+        deepstack_visual_indexes=[0, 1] if depth == 2 else [depth // 3, 2 * depth // 3],
+    )
+    return Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
+
+
+def make_processor(arch: str, size: str):
+    """Tokenizer + image processor + chat template, as one (image-only) processor."""
+    from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from tandem.models.processor import ImageOnlyQwen2_5_VLProcessor, ImageOnlyQwen3VLProcessor
+
+    vocab, merges = tk.vocab_and_merges(tk.train_tokenizer())
+    # Specials sit right after the BPE entries, in Qwen's order, whatever order transformers
+    # adds them in (added tokens already in the vocabulary keep their ids).
+    vocab.update(tk.TOKEN_IDS)
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        model_max_length=32768,
+        extra_special_tokens=[t for t in tk.SPECIAL_TOKENS[1:] if tk.is_special(t)],
+    )
+    from tokenizers import AddedToken
+
+    tokenizer.add_tokens([AddedToken(t, special=False) for t in tk.SPECIAL_TOKENS if not tk.is_special(t)])
+    got = tokenizer.convert_tokens_to_ids(tk.SPECIAL_TOKENS)
+    if got != [tk.TOKEN_IDS[t] for t in tk.SPECIAL_TOKENS]:
+        raise RuntimeError(f"special token ids {got} do not follow the BPE vocabulary")
+
+    patch = 14 if arch == "qwen2_5_vl" else 16
+    factor = patch * 2
+    lo, hi = _PIXELS[size]
+    if arch == "qwen2_5_vl":
+        mean, std = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+    else:
+        mean, std = [0.5, 0.5, 0.5], [0.5, 0.5, 0.5]
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=lo * factor * factor,
+        max_pixels=hi * factor * factor,
+        patch_size=patch,
+        temporal_patch_size=2,
+        merge_size=2,
+        image_mean=mean,
+        image_std=std,
+    )
+    if arch == "qwen2_5_vl":
+        return ImageOnlyQwen2_5_VLProcessor(image_processor, tokenizer, chat_template=tk.CHAT_TEMPLATE_QWEN2_5)
+    return ImageOnlyQwen3VLProcessor(image_processor, tokenizer, chat_template=tk.CHAT_TEMPLATE_QWEN3)
+
+
+def build_tiny_model(out_dir, arch: str = "qwen2_5_vl", size: str = "tiny", seed: int = 0) -> Path:
+    """Write a complete random-weight checkpoint to `out_dir` (created) and return its path."""
+    import torch
+    from transformers import AutoModelForImageTextToText, GenerationConfig
+
+    config = make_config(arch, size)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    # NOTE: the weights depend only on (config, seed): a private generator state, float32,
+    # CPU, and safetensors' fixed header (sorted names, metadata {"format": "pt"}).
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tk.ENDOFTEXT_ID,
+        eos_token_id=[tk.IM_END_ID, tk.ENDOFTEXT_ID],
+        pad_token_id=tk.ENDOFTEXT_ID,
+        do_sample=False,
+    )
+    model.save_pretrained(out)
+    make_processor(arch, size).save_pretrained(out)
+    return out
