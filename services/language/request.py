@@ -1,0 +1,157 @@
+"""One generation request inside the language tier: status, counters, pages, timings.
+
+A request's sequence is its prompt followed by its generated tokens:
+
+    position  0 ........ L-1 | L ........ L+k-1
+              prompt (embeds)  | output_ids[0..k) (token ids)
+              ^ num_computed_tokens counts positions whose K/V are in the cache
+
+The next step computes the *pending* range [num_computed_tokens, L + k). Normally that is
+the last generated token (a decode step); after admission it is the prompt (chunked
+prefill); after a retraction it is the whole sequence again (prompt from embeddings, then
+generated tokens from their ids). A step whose chunk reaches L + k samples one new token.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.transfer.payload import PromptPayload
+
+
+class RequestStatus(enum.Enum):
+    WAITING_FOR_INPUT = "waiting_for_input"  # transfer room open, prompt not complete
+    WAITING = "waiting"  # in the waiting queue (new, or retracted and to be recomputed)
+    PREFILLING = "prefilling"  # admitted; pending range still longer than one token
+    RUNNING = "running"  # decoding one token per step
+    FINISHED_STOP = "finished_stop"  # EOS, stop token id or stop string
+    FINISHED_LENGTH = "finished_length"  # max_tokens reached
+    FINISHED_ABORT = "finished_abort"  # client abort, deadline, drain
+    FINISHED_ERROR = "finished_error"  # server-side failure
+
+    @property
+    def finished(self) -> bool:
+        return self.value.startswith("finished")
+
+    @property
+    def scheduled(self) -> bool:
+        """Admitted by the scheduler (holds or may hold KV pages)."""
+        return self in (RequestStatus.PREFILLING, RequestStatus.RUNNING)
+
+
+@dataclass
+class SamplingParams:
+    """Plain-data twin of `tandem.v1.SamplingParams`, with defaults resolved."""
+
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # (0, 1]; 1 = off
+    top_k: int = 0  # 0 = off
+    max_tokens: int = 256
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0):
+            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"sampling.top_k must be >= 0, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"sampling.max_tokens must be >= 1, got {self.max_tokens}")
+        if any(not s for s in self.stop):
+            raise ValueError("sampling.stop must not contain empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass
+class StreamDelta:
+    """What one step produced for one request (plain twin of LanguageGenerateResponse)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: RequestStatus | None = None  # set on the last delta
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    timings_ms: dict[str, float] = field(default_factory=dict)  # queue, prefill, decode
+    error: str = ""
+    error_code: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+_arrival = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """A request from admission to finish. Owned by the engine thread once submitted."""
+
+    rid: int  # the room id (unique per instance)
+    sampling: SamplingParams
+    prompt: PromptPayload | None = None
+    request_id: str = ""
+    priority: int = 0
+    deadline: float = float("inf")  # time.monotonic() seconds
+    status: RequestStatus = RequestStatus.WAITING_FOR_INPUT
+    arrival: int = field(default_factory=lambda: next(_arrival))  # FCFS order
+    # --- counters ---
+    num_computed_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)  # KV page ids
+    num_retractions: int = 0
+    error: str = ""
+    error_code: str = ""
+    # --- timestamps (time.monotonic()) ---
+    t_created: float = field(default_factory=time.monotonic)
+    t_queued: float = 0.0  # prompt complete, entered the waiting queue
+    t_first_scheduled: float = 0.0
+    t_first_token: float = 0.0
+    t_last_token: float = 0.0
+    generator: torch.Generator | None = None  # created by the sampler on first use
+
+    @property
+    def prompt_len(self) -> int:
+        return self.prompt.num_tokens if self.prompt is not None else 0
+
+    @property
+    def seq_len(self) -> int:
+        """Known tokens: prompt plus generated."""
+        return self.prompt_len + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        return self.seq_len - self.num_computed_tokens
+
+    @property
+    def remaining_tokens(self) -> int:
+        """Tokens it may still generate."""
+        return max(self.sampling.max_tokens - len(self.output_ids), 0)
+
+    def sort_key(self, by_priority: bool) -> tuple[int, int]:
+        return (-self.priority if by_priority else 0, self.arrival)
+
+    def timings_ms(self) -> dict[str, float]:
+        def span(a: float, b: float) -> float:
+            return max(b - a, 0.0) * 1e3 if a and b else 0.0
+
+        return {
+            "queue": span(self.t_queued, self.t_first_scheduled),
+            "prefill": span(self.t_first_scheduled, self.t_first_token),
+            "decode": span(self.t_first_token, self.t_last_token),
+        }

@@ -1,0 +1,165 @@
+"""Small scheduling managers, each answering one question.
+
+- `WaitingQueue`: who is next? (FCFS, or priority then FCFS)
+- `NewTokenRatio`: how much of a running request's remaining output do we expect to need?
+- `PrefillAdder`: which prompt chunks fit this step's token budget and the KV headroom?
+
+Page accounting (all in pages of `page_size` tokens):
+
+    free pages ──┬── committed: pages scheduled requests will still need, estimated as
+                 │   pages_for(seq_len + remaining_output * ratio) - pages held
+                 └── headroom: what a new admission may claim (prompt + its own reserve)
+
+The ratio starts conservative (0.7), decays each decode step towards ~0.1 and is raised
+again on a retraction, as in SGLang's scheduler.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator
+from typing import Protocol
+
+from services.language.request import Request, RequestStatus
+
+
+class PagePool(Protocol):
+    """What the scheduler needs from the KV page allocator."""
+
+    def can_alloc(self, n_pages: int) -> bool: ...
+    def alloc(self, n_pages: int) -> list[int]: ...
+    def free(self, pages: list[int]) -> None: ...
+
+    @property
+    def num_free(self) -> int: ...
+
+    @property
+    def num_total(self) -> int: ...
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+class WaitingQueue:
+    """Requests ready for prefill, kept sorted by (priority?, arrival)."""
+
+    def __init__(self, by_priority: bool) -> None:
+        self.by_priority = by_priority
+        self._items: list[tuple[tuple[int, int], Request]] = []
+
+    def push(self, req: Request) -> None:
+        # NOTE: a retracted request keeps its arrival number, so it goes back ahead of
+        # everything that arrived after it (FCFS is preserved across retraction).
+        key = req.sort_key(self.by_priority)
+        bisect.insort(self._items, (key, req))  # keys are unique: req is never compared
+
+    def remove(self, req: Request) -> bool:
+        for i, (_, r) in enumerate(self._items):
+            if r is req:
+                del self._items[i]
+                return True
+        return False
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter([r for _, r in self._items])
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class NewTokenRatio:
+    """Expected share of a request's remaining max_tokens that it will really generate."""
+
+    RETRACT_DECODE_STEPS = 20  # steps of headroom granted after a retraction
+
+    def __init__(self, init: float = 0.7, min_factor: float = 0.14, decay_steps: int = 600):
+        self.init = min(init, 1.0)
+        self.min = self.init * min_factor
+        self.step = (self.init - self.min) / decay_steps
+        self.value = self.init
+
+    def decay(self) -> None:
+        self.value = max(self.value - self.step, self.min)
+
+    def on_retract(self, running: list[Request]) -> None:
+        decoded = sum(len(r.output_ids) for r in running)
+        total = sum(r.sampling.max_tokens for r in running)
+        estimate = (decoded + self.RETRACT_DECODE_STEPS * len(running)) / (total + 1)
+        self.value = min(1.0, max(estimate, self.value))
+
+    def reserve_tokens(self, req: Request, clip: int) -> int:
+        return int(min(req.remaining_tokens, clip) * self.value)
+
+
+class PrefillAdder:
+    """Fills one step's prompt budget: first continuing chunks, then new admissions.
+
+    A chunk never crosses the prompt/output boundary L (the runner takes a chunk either
+    from embeddings or from token ids, not both), and one request gets one chunk per step.
+    """
+
+    def __init__(
+        self,
+        pool: PagePool,
+        page_size: int,
+        token_budget: int,
+        headroom_pages: int,
+        free_slots: int,
+        nothing_scheduled: bool,
+    ) -> None:
+        self.pool = pool
+        self.page_size = page_size
+        self.budget = token_budget
+        self.headroom = headroom_pages
+        self.free_slots = free_slots
+        # With nothing holding pages, admit on the prompt alone (ignore the reserve) so a
+        # large request can always make progress in an otherwise idle pool.
+        self.nothing_scheduled = nothing_scheduled
+
+    def chunk_len(self, req: Request) -> int:
+        start = req.num_computed_tokens
+        end = req.seq_len if start >= req.prompt_len else req.prompt_len
+        return min(end - start, self.budget)
+
+    def _grow(self, req: Request, n_tokens: int) -> int:
+        """Allocate pages for `n_tokens` more; shrink to what free pages allow."""
+        start = req.num_computed_tokens
+        held = len(req.block_table)
+        need = pages_for(start + n_tokens, self.page_size) - held
+        if need > 0 and not self.pool.can_alloc(need):
+            n_tokens = min(n_tokens, (held + self.pool.num_free) * self.page_size - start)
+            if n_tokens <= 0:
+                return 0
+            need = pages_for(start + n_tokens, self.page_size) - held
+        if need > 0:
+            req.block_table.extend(self.pool.alloc(need))
+        self.budget -= n_tokens
+        return n_tokens
+
+    def add_continuing(self, req: Request) -> int:
+        """Next chunk of an admitted request; 0 when no budget or no pages are left."""
+        if self.budget <= 0:
+            return 0
+        return self._grow(req, self.chunk_len(req))
+
+    def try_admit(self, req: Request, reserve_tokens: int) -> int:
+        """Admit a waiting request with its first chunk, or return 0 (caller stops: FCFS)."""
+        if self.budget <= 0 or self.free_slots <= 0:
+            return 0
+        if self.nothing_scheduled:
+            need = pages_for(req.seq_len + 1, self.page_size)
+            fits = need <= self.pool.num_free
+        else:
+            need = pages_for(req.seq_len + reserve_tokens, self.page_size)
+            fits = need <= self.headroom
+        if not fits:
+            return 0
+        n = self._grow(req, self.chunk_len(req))
+        if n == 0:
+            return 0
+        self.headroom -= need
+        self.free_slots -= 1
+        self.nothing_scheduled = False
+        req.status = RequestStatus.PREFILLING
+        return n

@@ -1,0 +1,270 @@
+"""The step scheduler: which chunks run next, on which KV pages.
+
+One step is `schedule() -> runner.forward(step.batch) -> commit(step, tokens)`, all on the
+engine thread. `schedule()` builds a mixed batch:
+
+    1. decode  every RUNNING request gets one token (and a page when it crosses one);
+               when pages run out the newest scheduled request is retracted
+    2. chunks  PREFILLING requests continue their prompt under the token budget
+    3. admit   waiting requests in queue order while budget, slots and headroom allow
+               (FCFS: the head blocks the queue; no skipping ahead)
+
+A retracted request frees all its pages and goes back to the waiting queue with its
+generated tokens kept; when readmitted it recomputes its prompt (embeddings) and then its
+generated tokens (ids) before decoding on. Sampling state (the request's generator) is
+not touched, so its output is the same as without the retraction.
+
+NOTE: every path that ends a request goes through `finish()`, which frees its pages.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from services.language.forward_batch import ForwardBatch, SeqChunk
+from services.language.request import Request, RequestStatus
+from services.language.schedule_policy import (
+    NewTokenRatio,
+    PagePool,
+    PrefillAdder,
+    WaitingQueue,
+    pages_for,
+)
+
+
+class AdmissionError(ValueError):
+    """A request that can never run here (too long for the model or the KV pool)."""
+
+
+@dataclass
+class ScheduledChunk:
+    req: Request
+    start: int
+    num_tokens: int
+    samples: bool  # reaches the end of the known sequence: its logits give a new token
+
+
+@dataclass
+class Step:
+    chunks: list[ScheduledChunk]
+    batch: ForwardBatch
+    failed: list[Request] = field(default_factory=list)  # ended by the scheduler this step
+
+    @property
+    def num_decode(self) -> int:
+        return sum(1 for c in self.chunks if c.req.status is RequestStatus.RUNNING)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        pool: PagePool,
+        page_size: int,
+        max_prefill_tokens: int,
+        max_running_requests: int,
+        policy: str = "fcfs",
+        clip_max_new_tokens: int = 4096,
+        ratio: NewTokenRatio | None = None,
+    ) -> None:
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown schedule policy {policy!r}")
+        self.pool = pool
+        self.page_size = page_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_running = max_running_requests
+        self.by_priority = policy == "priority"
+        self.clip = clip_max_new_tokens
+        self.ratio = ratio or NewTokenRatio()
+        self.waiting = WaitingQueue(self.by_priority)
+        self.running: list[Request] = []  # PREFILLING and RUNNING, i.e. may hold pages
+        self.num_retractions = 0
+
+    # ---- requests in and out ----------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        """Queue a request whose prompt is complete."""
+        if req.prompt is None or req.prompt_len == 0:
+            raise AdmissionError("empty prompt")
+        need = pages_for(req.prompt_len + 1, self.page_size)
+        if need > self.pool.num_total:
+            raise AdmissionError(
+                f"prompt of {req.prompt_len} tokens needs {need} KV pages; "
+                f"the pool has {self.pool.num_total}"
+            )
+        req.status = RequestStatus.WAITING
+        req.t_queued = req.t_queued or time.monotonic()
+        self.waiting.push(req)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """End a request at any stage; frees its pages. Idempotent."""
+        assert status.finished
+        if req.status.finished:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._free_pages(req)
+        req.status = status
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or bool(len(self.waiting))
+
+    # ---- one step ---------------------------------------------------------------------
+
+    def schedule(self) -> Step | None:
+        chunks: dict[Request, int] = {}
+        failed: list[Request] = []
+        for _ in range(len(self.running) + len(self.waiting) + 1):
+            self._schedule_decode(chunks, failed)
+            self._schedule_prefill(chunks)
+            if chunks or not self.has_work():
+                break
+            # Nothing could run: requests hold pages but none can grow (or the head of the
+            # queue cannot fit). Retract the newest holder and try again.
+            if self.running:
+                self._retract(self._newest())
+            else:
+                head = next(iter(self.waiting))
+                head.error, head.error_code = (
+                    "KV pool too small for this prompt",
+                    "RESOURCE_EXHAUSTED",
+                )
+                self.finish(head, RequestStatus.FINISHED_ERROR)
+                failed.append(head)
+        if not chunks:
+            return Step([], ForwardBatch(), failed) if failed else None
+        if any(r.status is RequestStatus.RUNNING for r in chunks):
+            self.ratio.decay()
+        now = time.monotonic()
+        scheduled = []
+        for req, n in chunks.items():
+            req.t_first_scheduled = req.t_first_scheduled or now
+            start = req.num_computed_tokens
+            scheduled.append(ScheduledChunk(req, start, n, start + n == req.seq_len))
+        return Step(scheduled, ForwardBatch([self._seq_chunk(c) for c in scheduled]), failed)
+
+    def commit(self, step: Step, new_tokens: list[int | None]) -> None:
+        """Advance counters after the forward; `new_tokens[i]` for chunks that sample."""
+        for chunk, token in zip(step.chunks, new_tokens, strict=True):
+            req = chunk.req
+            if req.status.finished:
+                continue
+            req.num_computed_tokens = chunk.start + chunk.num_tokens
+            if chunk.samples:
+                assert token is not None
+                req.output_ids.append(int(token))
+                req.status = RequestStatus.RUNNING
+            assert req.num_computed_tokens <= len(req.block_table) * self.page_size
+
+    # ---- policy pieces ----------------------------------------------------------------
+
+    def _schedule_decode(self, chunks: dict[Request, int], failed: list[Request]) -> None:
+        retracted = False
+        for req in sorted(self.running, key=lambda r: r.sort_key(self.by_priority)):
+            if req.status is not RequestStatus.RUNNING or req in chunks:
+                continue
+            need = pages_for(req.num_computed_tokens + 1, self.page_size) - len(req.block_table)
+            while need > 0 and not self.pool.can_alloc(need) and req in self.running:
+                victim = self._newest()
+                if victim is req and len(self.running) == 1:
+                    req.error = "KV pool exhausted by a single request"
+                    req.error_code = "RESOURCE_EXHAUSTED"
+                    self.finish(req, RequestStatus.FINISHED_ERROR)
+                    failed.append(req)
+                    break
+                self._retract(victim)
+                chunks.pop(victim, None)
+                retracted = True
+            if req not in self.running:
+                continue
+            if need > 0:
+                req.block_table.extend(self.pool.alloc(need))
+            chunks[req] = 1
+        if retracted:
+            self.ratio.on_retract(self.running)
+
+    def _schedule_prefill(self, chunks: dict[Request, int]) -> None:
+        adder = PrefillAdder(
+            self.pool,
+            self.page_size,
+            token_budget=self.max_prefill_tokens,
+            headroom_pages=self.pool.num_free - sum(self._committed(r) for r in self.running),
+            free_slots=self.max_running - len(self.running),
+            nothing_scheduled=not self.running,
+        )
+        for req in sorted(self.running, key=lambda r: r.sort_key(self.by_priority)):
+            if req.status is RequestStatus.PREFILLING and req not in chunks:
+                n = adder.add_continuing(req)
+                if n:
+                    chunks[req] = n
+        for req in list(self.waiting):
+            n = adder.try_admit(req, self.ratio.reserve_tokens(req, self.clip))
+            if n == 0:
+                break  # FCFS: the head of the queue blocks the rest
+            self.waiting.remove(req)
+            self.running.append(req)
+            chunks[req] = n
+
+    def _committed(self, req: Request) -> int:
+        """Pages a scheduled request is still expected to need."""
+        total = req.seq_len + self.ratio.reserve_tokens(req, self.clip)
+        return max(pages_for(total, self.page_size) - len(req.block_table), 0)
+
+    def _newest(self) -> Request:
+        """Retraction victim: lowest priority (when honoured), then latest arrival."""
+        return max(self.running, key=lambda r: r.sort_key(self.by_priority))
+
+    def _retract(self, req: Request) -> None:
+        self.running.remove(req)
+        self._free_pages(req)
+        req.num_computed_tokens = 0
+        req.num_retractions += 1
+        self.num_retractions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.push(req)
+
+    def _free_pages(self, req: Request) -> None:
+        if req.block_table:
+            self.pool.free(req.block_table)
+            req.block_table = []
+        req.num_computed_tokens = 0
+
+    def _seq_chunk(self, c: ScheduledChunk) -> SeqChunk:
+        req, s, e = c.req, c.start, c.start + c.num_tokens
+        prompt = req.prompt
+        assert prompt is not None
+        pages = req.block_table[: pages_for(e, self.page_size)]
+        if s < req.prompt_len:  # prompt range: embeddings and the encoder's MRoPE positions
+            return SeqChunk(
+                seq_id=req.rid,
+                start=s,
+                positions=prompt.mrope_positions[:, s:e].to(torch.int64),
+                block_table=pages,
+                input_embeds=prompt.input_embeds[s:e],
+            )
+        # generated tokens: ids, text positions shifted by the prompt's MRoPE delta
+        L = req.prompt_len
+        pos = torch.arange(s, e, dtype=torch.int64) + prompt.mrope_delta
+        return SeqChunk(
+            seq_id=req.rid,
+            start=s,
+            positions=pos.expand(3, -1).contiguous(),
+            block_table=pages,
+            token_ids=torch.tensor(req.output_ids[s - L : e - L], dtype=torch.int64),
+        )
