@@ -1,0 +1,136 @@
+{{/* Names, labels and shared pod pieces. */}}
+
+{{- define "tandem.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Object-name prefix; tier objects append "-encoder" etc., so keep room for it. */}}
+{{- define "tandem.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "tandem.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "tandem.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: tandem
+{{- end -}}
+
+{{/* Selector labels of one tier: call with (dict "root" $ "tier" "encoder"). */}}
+{{- define "tandem.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "tandem.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .tier }}
+{{- end -}}
+
+{{- define "tandem.tierLabels" -}}
+{{ include "tandem.labels" .root }}
+app.kubernetes.io/component: {{ .tier }}
+{{- end -}}
+
+{{- define "tandem.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "tandem.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "tandem.image" -}}
+{{- $tag := .Values.image.tag | default (printf "%s-%s" .Chart.AppVersion .Values.image.variant) -}}
+{{- printf "%s:%s" .Values.image.repository $tag -}}
+{{- end -}}
+
+{{/* Headless Service name of a tier (the router's DNS discovery name). */}}
+{{- define "tandem.headlessName" -}}
+{{- printf "%s-%s-headless" (include "tandem.fullname" .root) .tier -}}
+{{- end -}}
+
+{{/* "name.namespace.svc.domain:port" the router resolves to find a tier's pods. */}}
+{{- define "tandem.discovery" -}}
+{{- $v := index .root.Values .tier -}}
+{{- printf "%s.%s.svc.%s:%d" (include "tandem.headlessName" .) .root.Release.Namespace .root.Values.clusterDomain (int $v.port) -}}
+{{- end -}}
+
+{{/* The TANDEM_MODEL value: a Hugging Face id or a path in the model volume. */}}
+{{- define "tandem.modelRef" -}}
+{{- $m := .Values.model -}}
+{{- if eq $m.source "huggingface" -}}
+{{- required "model.id is required when model.source=huggingface" $m.id -}}
+{{- else -}}
+{{- if eq $m.source "pvc" }}{{ required "model.claimName is required when model.source=pvc" $m.claimName | trunc 0 }}{{ end -}}
+{{- if eq $m.source "hostPath" }}{{ required "model.hostPath is required when model.source=hostPath" $m.hostPath | trunc 0 }}{{ end -}}
+{{- printf "%s/%s" (trimSuffix "/" $m.mountPath) (trimPrefix "/" $m.path) | trimSuffix "/" -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Extra config fields of a tier as TANDEM_<FIELD> entries. Lists/maps are JSON (what
+pydantic-settings parses for complex fields). A key the chart already manages is refused,
+so one value never has two sources.
+*/}}
+{{- define "tandem.extraConfig" -}}
+{{- range $k, $v := .config }}
+{{- if has $k $.managed }}
+{{- fail (printf "%s.config.%s is set by a dedicated chart value; use that instead" $.tier $k) }}
+{{- end }}
+{{- if or (kindIs "slice" $v) (kindIs "map" $v) }}
+TANDEM_{{ upper $k }}: {{ toJson $v | quote }}
+{{- else }}
+TANDEM_{{ upper $k }}: {{ include "tandem.scalar" $v | quote }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/*
+A scalar as the service expects to read it. NOTE: YAML numbers from values files arrive as
+float64, and toString would write 1073741824 as "1.073741824e+09"; whole numbers are
+printed as integers.
+*/}}
+{{- define "tandem.scalar" -}}
+{{- if and (kindIs "float64" .) (eq (floor .) .) -}}
+{{- int64 . -}}
+{{- else -}}
+{{- toString . -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Mooncake settings shared by encoder and language ConfigMaps. */}}
+{{- define "tandem.transferConfig" -}}
+{{- $t := .Values.transfer -}}
+{{- if lt (int $t.maxPort) (int $t.minPort) }}{{ fail "transfer.maxPort must be >= transfer.minPort" }}{{ end -}}
+{{- if and (eq $t.protocol "rdma") (not $t.deviceName) }}{{ fail "transfer.deviceName is required when transfer.protocol=rdma" }}{{ end -}}
+TANDEM_TRANSFER__PROTOCOL: {{ $t.protocol | quote }}
+TANDEM_TRANSFER__DEVICE_NAME: {{ $t.deviceName | quote }}
+TANDEM_TRANSFER__METADATA_SERVER: {{ $t.metadataServer | quote }}
+TANDEM_TRANSFER__MIN_PORT: {{ include "tandem.scalar" $t.minPort | quote }}
+TANDEM_TRANSFER__MAX_PORT: {{ include "tandem.scalar" $t.maxPort | quote }}
+TANDEM_TRANSFER__TIMEOUT_S: {{ include "tandem.scalar" $t.timeoutS | quote }}
+{{- /* NOTE: Mooncake reads these itself; same range as above, so its listeners stay
+  inside what the NetworkPolicy opens even if started outside Tandem's wrapper. */}}
+MC_MIN_RPC_PORT: {{ include "tandem.scalar" $t.minPort | quote }}
+MC_MAX_RPC_PORT: {{ include "tandem.scalar" $t.maxPort | quote }}
+{{- end -}}
+
+{{- define "tandem.podSpread" -}}
+{{- if .spread }}
+topologySpreadConstraints:
+  - maxSkew: 1
+    topologyKey: kubernetes.io/hostname
+    whenUnsatisfiable: ScheduleAnyway
+    labelSelector:
+      matchLabels:
+        {{- include "tandem.selectorLabels" . | nindent 8 }}
+{{- end }}
+{{- end -}}
