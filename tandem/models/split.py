@@ -1,0 +1,152 @@
+"""Split loading: each tier reads only its own tensors from the checkpoint.
+
+    encoder tier   load_vision_part  -> transformers' own vision tower + the token embedding
+    language tier  load_text_weights -> decoder layers, final norm, lm_head (normalized names)
+
+Tensors are read one by one with `safetensors.safe_open` (memory-mapped; only the named
+tensors are ever read), so neither side materialises the other side's weights. The vision
+tower is transformers' class built with initialisation switched off, then filled with
+`load_state_dict(strict=True)`: every parameter comes from the checkpoint, and its output
+equals the full model's `get_image_features` bit for bit.
+
+Normalized text names (`TextWeights.tensors`), whatever the checkpoint's layout:
+
+    embed_tokens.weight                           [vocab, hidden]
+    layers.{i}.input_layernorm.weight             [hidden]
+    layers.{i}.self_attn.{q,k,v}_proj.weight      [heads * head_dim | kv_heads * head_dim, hidden]
+    layers.{i}.self_attn.{q,k,v}_proj.bias        (Qwen2.5-VL only)
+    layers.{i}.self_attn.o_proj.weight            [hidden, heads * head_dim]
+    layers.{i}.self_attn.{q,k}_norm.weight        [head_dim] (Qwen3-VL only)
+    layers.{i}.post_attention_layernorm.weight    [hidden]
+    layers.{i}.mlp.{gate,up}_proj.weight          [intermediate, hidden]
+    layers.{i}.mlp.down_proj.weight               [hidden, intermediate]
+    norm.weight                                   [hidden]
+    lm_head.weight                                [vocab, hidden] (the embedding tensor itself when tied)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tandem.models.checkpoint import CheckpointError, ModelSpec, read_spec, resolve_model_path
+
+_TEXT_NAME = re.compile(r"^(embed_tokens\.weight|norm\.weight|layers\.\d+\.(?!.*rotary_emb).+)$")
+
+
+def _spec(model: str | os.PathLike | ModelSpec) -> ModelSpec:
+    return model if isinstance(model, ModelSpec) else read_spec(resolve_model_path(model))
+
+
+def read_tensors(spec: ModelSpec, names, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+    """The named tensors, converted to `dtype` on `device`; nothing else is read."""
+    from safetensors import safe_open
+
+    missing = [n for n in names if n not in spec.weight_map]
+    if missing:
+        raise CheckpointError(f"{spec.path}: missing tensors {missing[:5]}")
+    out: dict[str, torch.Tensor] = {}
+    for file, group in spec.files(names).items():
+        with safe_open(str(spec.path / file), framework="pt", device=str(device)) as f:
+            for name in group:
+                out[name] = f.get_tensor(name).to(dtype)
+    return out
+
+
+@dataclass
+class VisionPart:
+    """What the encoder tier runs: the vision tower and the token-embedding table."""
+
+    spec: ModelSpec
+    visual: nn.Module  # Qwen2_5_VisionTransformerPretrainedModel | Qwen3VLVisionModel
+    embed_tokens: nn.Embedding
+
+    @torch.inference_mode()
+    def encode_images(
+        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Merged image embeddings `[N, hidden]` for all images in order, and the deepstack
+        features (one `[N, hidden]` tensor per deepstack layer; empty for Qwen2.5-VL)."""
+        pixel_values = pixel_values.to(self.embed_tokens.weight.device, self.visual.dtype)
+        out = self.visual(pixel_values, grid_thw=grid_thw, return_dict=True)
+        deepstack = list(getattr(out, "deepstack_features", None) or [])
+        return out.pooler_output, deepstack
+
+
+def _vision_class(arch: str):
+    if arch == "qwen2_5_vl":
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+            Qwen2_5_VisionTransformerPretrainedModel as cls,
+        )
+    else:
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as cls
+    return cls
+
+
+def load_vision_part(
+    model: str | os.PathLike | ModelSpec, dtype: torch.dtype = torch.float32, device="cpu"
+) -> VisionPart:
+    """The vision tower (transformers' class) and the embedding table; no decoder weight is read."""
+    from transformers import AutoConfig
+    from transformers.initialization import no_init_weights
+
+    spec = _spec(model)
+    vision_config = AutoConfig.from_pretrained(spec.path).vision_config
+    names = [n for n in spec.weight_map if n.startswith(spec.visual_prefix)]
+    embed_name = spec.text_prefix + "embed_tokens.weight"
+    tensors = read_tensors(spec, names + [embed_name], dtype, device)
+
+    # NOTE: parameters are allocated empty (no init) and every one is overwritten below;
+    # non-persistent buffers (rotary inv_freq) are computed by the constructors as usual.
+    with no_init_weights(), torch.device(device):
+        visual = _vision_class(spec.arch)._from_config(vision_config, dtype=dtype)
+    visual.load_state_dict({n[len(spec.visual_prefix) :]: tensors[n] for n in names}, strict=True)
+    visual.eval().requires_grad_(False)
+    embed = nn.Embedding.from_pretrained(tensors[embed_name], freeze=True)
+    return VisionPart(spec=spec, visual=visual, embed_tokens=embed)
+
+
+@dataclass
+class TextWeights:
+    """What the language tier loads: decoder, final norm and head, under normalized names."""
+
+    spec: ModelSpec
+    tensors: dict[str, torch.Tensor]
+
+
+def text_tensor_names(spec: ModelSpec) -> dict[str, str]:
+    """Normalized name -> checkpoint name for every text-side tensor (no lm_head when tied)."""
+    out = {}
+    for name in spec.weight_map:
+        if name.startswith(spec.visual_prefix) or not name.startswith(spec.text_prefix):
+            continue
+        rel = name[len(spec.text_prefix) :]
+        if _TEXT_NAME.match(rel):
+            out[rel] = name
+    if "lm_head.weight" in spec.weight_map and not spec.tie_word_embeddings:
+        out["lm_head.weight"] = "lm_head.weight"
+    return out
+
+
+def load_text_weights(
+    model: str | os.PathLike | ModelSpec, dtype: torch.dtype = torch.float32, device="cpu"
+) -> TextWeights:
+    """The text decoder's tensors, normalized names (see module doc); no `visual` tensor is read."""
+    spec = _spec(model)
+    names = text_tensor_names(spec)
+    raw = read_tensors(spec, list(names.values()), dtype, device)
+    tensors = {norm: raw[name] for norm, name in names.items()}
+    if "lm_head.weight" not in tensors:
+        tensors["lm_head.weight"] = tensors["embed_tokens.weight"]  # tied: one tensor, two names
+    want = {"embed_tokens.weight", "norm.weight"} | {
+        f"layers.{i}.{part}"
+        for i in range(spec.num_hidden_layers)
+        for part in ("input_layernorm.weight", "post_attention_layernorm.weight", "mlp.down_proj.weight")
+    }
+    if missing := sorted(want - tensors.keys()):
+        raise CheckpointError(f"{spec.path}: text decoder tensors missing: {missing[:5]}")
+    return TextWeights(spec=spec, tensors=tensors)
