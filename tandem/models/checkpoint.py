@@ -66,7 +66,9 @@ def resolve_model_path(
                 text, allow_patterns=_HUB_PATTERNS, local_files_only=local, cache_dir=cache_dir
             )
         except HFValidationError as e:
-            raise CheckpointError(f"model {text!r}: neither a directory nor a valid Hugging Face id ({e})") from e
+            raise CheckpointError(
+                f"model {text!r}: neither a directory nor a valid Hugging Face id ({e})"
+            ) from e
         except Exception as e:  # not cached / offline / not found / gated: try the next way
             reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             continue
@@ -74,7 +76,9 @@ def resolve_model_path(
         if (path / "config.json").is_file():
             return path
         reason = "the snapshot has no config.json"
-    where = "the local Hugging Face cache" if only_local else "the local cache or the Hugging Face Hub"
+    where = (
+        "the local Hugging Face cache" if only_local else "the local cache or the Hugging Face Hub"
+    )
     raise CheckpointError(
         f"model {text!r}: not a local directory, and not found in {where} ({reason}). "
         "Pass a checkpoint directory, or download it first (huggingface-cli download ...)."
@@ -157,7 +161,9 @@ def _prefixes(names) -> tuple[str, str]:
     elif any(n.startswith("model.embed_tokens.") or n.startswith("model.layers.") for n in names):
         text = "model."
     else:
-        raise CheckpointError("cannot find the text decoder's tensors (model.layers.* or model.language_model.*)")
+        raise CheckpointError(
+            "cannot find the text decoder's tensors (model.layers.* or model.language_model.*)"
+        )
     if any(n.startswith("model.visual.") for n in names):
         visual = "model.visual."
     elif any(n.startswith("visual.") for n in names):
@@ -176,9 +182,13 @@ def read_spec(path: str | os.PathLike) -> ModelSpec:
         raise CheckpointError(f"{path}: no config.json") from e
     arch = config.get("model_type")
     if arch not in ARCHS:
-        raise CheckpointError(f"{path}: model_type {arch!r} is not supported (supported: {', '.join(ARCHS)})")
+        raise CheckpointError(
+            f"{path}: model_type {arch!r} is not supported (supported: {', '.join(ARCHS)})"
+        )
     # Old Qwen2.5-VL configs keep the text fields at the top level.
-    text = dict(config.get("text_config") or {k: v for k, v in config.items() if k != "vision_config"})
+    text = dict(
+        config.get("text_config") or {k: v for k, v in config.items() if k != "vision_config"}
+    )
     vision = dict(config["vision_config"])
     rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
     heads = text["num_attention_heads"]
@@ -186,7 +196,9 @@ def read_spec(path: str | os.PathLike) -> ModelSpec:
     head_dim = text.get("head_dim") or hidden // heads
     mrope = tuple(rope.get("mrope_section") or ())
     if 2 * sum(mrope) != head_dim:
-        raise CheckpointError(f"{path}: mrope_section {list(mrope)} does not cover head_dim/2 = {head_dim // 2}")
+        raise CheckpointError(
+            f"{path}: mrope_section {list(mrope)} does not cover head_dim/2 = {head_dim // 2}"
+        )
     deepstack = len(vision.get("deepstack_visual_indexes") or ()) if arch == "qwen3_vl" else 0
 
     eos = text.get("eos_token_id", config.get("eos_token_id"))
@@ -232,7 +244,9 @@ def read_spec(path: str | os.PathLike) -> ModelSpec:
         spatial_merge_size=vision.get("spatial_merge_size", 2),
         tokens_per_second=vision.get("tokens_per_second", 2),
         eos_token_ids=eos_ids,
-        torch_dtype=str(config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or "float32"),
+        torch_dtype=str(
+            config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or "float32"
+        ),
         text_prefix=text_prefix,
         visual_prefix=visual_prefix,
         weight_map=weight_map,

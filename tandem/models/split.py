@@ -145,7 +145,11 @@ def load_text_weights(
     want = {"embed_tokens.weight", "norm.weight"} | {
         f"layers.{i}.{part}"
         for i in range(spec.num_hidden_layers)
-        for part in ("input_layernorm.weight", "post_attention_layernorm.weight", "mlp.down_proj.weight")
+        for part in (
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+            "mlp.down_proj.weight",
+        )
     }
     if missing := sorted(want - tensors.keys()):
         raise CheckpointError(f"{spec.path}: text decoder tensors missing: {missing[:5]}")

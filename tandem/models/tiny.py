@@ -71,7 +71,11 @@ def make_config(arch: str, size: str):
         from transformers import Qwen2_5_VLConfig
 
         del text["head_dim"]  # derived from hidden / heads in Qwen2
-        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": mrope}
+        text["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": 1e6,
+            "mrope_section": mrope,
+        }
         depth = vision["depth"]
         vision.update(patch_size=14, window_size=112, tokens_per_second=2,
                       fullatt_block_indexes=[depth // 2 - 1, depth - 1] if depth > 2 else [depth - 1])  # fmt: skip
@@ -114,7 +118,9 @@ def make_processor(arch: str, size: str):
     )
     from tokenizers import AddedToken
 
-    tokenizer.add_tokens([AddedToken(t, special=False) for t in tk.SPECIAL_TOKENS if not tk.is_special(t)])
+    tokenizer.add_tokens(
+        [AddedToken(t, special=False) for t in tk.SPECIAL_TOKENS if not tk.is_special(t)]
+    )
     got = tokenizer.convert_tokens_to_ids(tk.SPECIAL_TOKENS)
     if got != [tk.TOKEN_IDS[t] for t in tk.SPECIAL_TOKENS]:
         raise RuntimeError(f"special token ids {got} do not follow the BPE vocabulary")
@@ -136,8 +142,12 @@ def make_processor(arch: str, size: str):
         image_std=std,
     )
     if arch == "qwen2_5_vl":
-        return ImageOnlyQwen2_5_VLProcessor(image_processor, tokenizer, chat_template=tk.CHAT_TEMPLATE_QWEN2_5)
-    return ImageOnlyQwen3VLProcessor(image_processor, tokenizer, chat_template=tk.CHAT_TEMPLATE_QWEN3)
+        return ImageOnlyQwen2_5_VLProcessor(
+            image_processor, tokenizer, chat_template=tk.CHAT_TEMPLATE_QWEN2_5
+        )
+    return ImageOnlyQwen3VLProcessor(
+        image_processor, tokenizer, chat_template=tk.CHAT_TEMPLATE_QWEN3
+    )
 
 
 def build_tiny_model(out_dir, arch: str = "qwen2_5_vl", size: str = "tiny", seed: int = 0) -> Path:

@@ -27,7 +27,14 @@ SPECIAL_TOKENS = [
     "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>",
 ]  # fmt: skip
 # Tokens that `skip_special_tokens` removes (Qwen marks the tool/think tags as non-special).
-_NOT_SPECIAL = {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"}
+_NOT_SPECIAL = {
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+}
 TOKEN_IDS = {tok: BASE_VOCAB + i for i, tok in enumerate(SPECIAL_TOKENS)}
 ENDOFTEXT_ID = TOKEN_IDS["<|endoftext|>"]
 IM_START_ID = TOKEN_IDS["<|im_start|>"]
