@@ -117,10 +117,6 @@ TANDEM_TRANSFER__METADATA_SERVER: {{ $t.metadataServer | quote }}
 TANDEM_TRANSFER__MIN_PORT: {{ include "tandem.scalar" $t.minPort | quote }}
 TANDEM_TRANSFER__MAX_PORT: {{ include "tandem.scalar" $t.maxPort | quote }}
 TANDEM_TRANSFER__TIMEOUT_S: {{ include "tandem.scalar" $t.timeoutS | quote }}
-{{- /* NOTE: Mooncake reads these itself; same range as above, so its listeners stay
-  inside what the NetworkPolicy opens even if started outside Tandem's wrapper. */}}
-MC_MIN_RPC_PORT: {{ include "tandem.scalar" $t.minPort | quote }}
-MC_MAX_RPC_PORT: {{ include "tandem.scalar" $t.maxPort | quote }}
 {{- end -}}
 
 {{- define "tandem.podSpread" -}}
