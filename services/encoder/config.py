@@ -23,10 +23,17 @@ class EncoderConfig(TandemSettings):
         description="Model dtype; 'auto' is bfloat16 on CUDA and float32 on CPU.",
     )
     min_pixels: int = Field(
-        3136, ge=784, description="Smallest image area after smart_resize (pixels)."
+        0,
+        ge=0,
+        description="Smallest image area after smart_resize (pixels); 0 = the checkpoint's.",
     )
     max_pixels: int = Field(
-        1003520, ge=784, description="Largest image area after smart_resize (pixels)."
+        0,
+        ge=0,
+        description="Largest image area after smart_resize (pixels); 0 = the checkpoint's.",
+    )
+    max_source_pixels: int = Field(
+        40_000_000, ge=784, description="Largest decoded image (width * height) accepted."
     )
     max_image_bytes: int = Field(
         20 * 1024 * 1024, ge=1024, description="Largest encoded image accepted (bytes)."
@@ -49,6 +56,18 @@ class EncoderConfig(TandemSettings):
     preprocess_workers: int = Field(2, ge=1, le=64, description="Preprocessing worker threads.")
     cache_bytes: int = Field(
         512 * 1024 * 1024, ge=0, description="Embedding cache byte budget; 0 disables it."
+    )
+    devices: list[str] = Field(
+        default_factory=list,
+        description="Devices to run one vision tower each on (e.g. 'cuda:0,cuda:1'); "
+        "empty = just `device`. Batches are split largest-image-first across them.",
+    )
+    cpu_threads: int = Field(
+        1,
+        ge=0,
+        le=256,
+        description="torch intra-op threads on CPU (0 = torch's default). With 1, batched "
+        "and one-at-a-time encodes are bit-identical in float32.",
     )
     cuda_graph_max: int = Field(
         16, ge=0, le=256, description="Max ViT CUDA graphs kept (0 disables graphs)."

@@ -1,0 +1,138 @@
+"""Image sources -> decoded RGB images, with the encoder's input limits.
+
+Sources: raw bytes, `data:image/...;base64,` URLs, and http(s) URLs whose host is on the
+allow-list (`allowed_url_hosts`), fetched with a timeout and a byte cap, refused when the
+host resolves to a private, loopback, link-local or reserved address unless
+`allow_private_urls`. Every refusal is an INVALID_ARGUMENT naming the content part.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import ipaddress
+import socket
+import urllib.parse
+import warnings
+from dataclasses import dataclass
+
+from PIL import Image, UnidentifiedImageError
+
+from .chat import ImageInput, invalid
+
+# Formats the encoder decodes; others (TIFF, ICO, PSD, EPS, ...) are refused by name.
+SUPPORTED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    max_image_bytes: int
+    max_source_pixels: int
+    allowed_url_hosts: tuple[str, ...] = ()
+    allow_private_urls: bool = False
+    url_timeout_s: float = 5.0
+
+
+def image_bytes(img: ImageInput, field: str, lim: ImageLimits) -> bytes:
+    """The encoded image file of one part (decoding base64 or fetching a URL)."""
+    if img.data is not None:
+        raw = img.data
+    else:
+        url = img.url or ""
+        if url.startswith("data:"):
+            raw = _data_url(url, field, lim)
+        elif url.startswith(("http://", "https://")):
+            raw = _fetch(url, field, lim)
+        else:
+            scheme = url.split(":", 1)[0] if ":" in url else url[:16]
+            raise invalid(field, f"unsupported image url scheme {scheme!r} (data:, http(s):)")
+    if not raw:
+        raise invalid(field, "image is empty (0 bytes)")
+    if len(raw) > lim.max_image_bytes:
+        raise invalid(field, f"image is {len(raw)} bytes, over the limit of {lim.max_image_bytes}")
+    return raw
+
+
+def _data_url(url: str, field: str, lim: ImageLimits) -> bytes:
+    head, sep, body = url.partition(",")
+    if not sep or not head.endswith(";base64"):
+        raise invalid(field, "data url must be data:<mime>;base64,<data>")
+    # NOTE: check the size before decoding so a huge string is never materialised twice.
+    if len(body) * 3 // 4 > lim.max_image_bytes + 3:
+        raise invalid(field, f"image is over the limit of {lim.max_image_bytes} bytes")
+    try:
+        return base64.b64decode(body, validate=True)
+    except (binascii.Error, ValueError):
+        raise invalid(field, "data url is not valid base64") from None
+
+
+def _check_host(host: str, port: int, field: str, lim: ImageLimits) -> None:
+    if host.lower() not in {h.lower() for h in lim.allowed_url_hosts}:
+        raise invalid(field, f"url host {host!r} is not in the encoder's allowed_url_hosts")
+    if lim.allow_private_urls:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)
+    except OSError as e:
+        raise invalid(field, f"url host {host!r} does not resolve: {e}") from None
+    for info in infos:
+        ip = ipaddress.ip_address(info[4][0])
+        if not ip.is_global:
+            raise invalid(field, f"url host {host!r} resolves to non-public address {ip}")
+
+
+def _fetch(url: str, field: str, lim: ImageLimits) -> bytes:
+    import httpx
+
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    _check_host(host, port, field, lim)
+    buf = bytearray()
+    try:
+        # NOTE: redirects are not followed: a redirect could leave the allow-list.
+        with httpx.stream("GET", url, timeout=lim.url_timeout_s, follow_redirects=False) as r:
+            if r.status_code != 200:
+                raise invalid(field, f"fetching the image url gave HTTP {r.status_code}")
+            for chunk in r.iter_bytes():
+                buf += chunk
+                if len(buf) > lim.max_image_bytes:
+                    raise invalid(field, f"image is over the limit of {lim.max_image_bytes} bytes")
+    except httpx.TimeoutException:
+        raise invalid(
+            field, f"fetching the image url timed out after {lim.url_timeout_s}s"
+        ) from None
+    except httpx.HTTPError as e:
+        raise invalid(field, f"fetching the image url failed: {e}") from None
+    return bytes(buf)
+
+
+def decode_image(raw: bytes, field: str, lim: ImageLimits) -> Image.Image:
+    """Encoded bytes -> RGB image; refuses unknown, unsupported, oversized, truncated files."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(raw))
+    except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise invalid(field, _not_decodable()) from None
+    except Exception:
+        raise invalid(field, _not_decodable()) from None
+    if img.format not in SUPPORTED_FORMATS:
+        raise invalid(
+            field, f"image format {img.format} is not supported ({', '.join(SUPPORTED_FORMATS)})"
+        )
+    w, h = img.size
+    if w < 1 or h < 1 or w * h > lim.max_source_pixels:
+        raise invalid(
+            field, f"image is {w}x{h} = {w * h} pixels, over the limit of {lim.max_source_pixels}"
+        )
+    try:
+        img.load()  # NOTE: PIL decodes lazily; truncation only shows here.
+        return img.convert("RGB")
+    except Exception as e:
+        raise invalid(field, f"image data is truncated or corrupt ({img.format}: {e})") from None
+
+
+def _not_decodable() -> str:
+    return f"image is not a decodable {'/'.join(SUPPORTED_FORMATS)} file"

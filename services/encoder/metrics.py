@@ -1,0 +1,67 @@
+"""Prometheus metrics of the encode tier (one set per registry).
+
+tandem_encoder_images_encoded_total     images run through the ViT
+tandem_encoder_patches_total            vision patches run through the ViT
+tandem_encoder_vit_seconds              ViT batch time (histogram)
+tandem_encoder_preprocess_seconds       per-request preprocessing time (histogram)
+tandem_encoder_cache_hits_total / _cache_misses_total / _cache_evictions_total
+tandem_encoder_cache_bytes              bytes held by the embedding cache
+tandem_encoder_queue_patches            patches waiting for the ViT
+tandem_encoder_queued_requests          requests accepted and not yet answered
+tandem_encoder_batch_images             images per ViT batch (histogram)
+tandem_encoder_requests_total{code}     finished Encode calls by gRPC code name
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+_lock = threading.Lock()
+_by_registry: dict[int, EncoderMetrics] = {}
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class EncoderMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        kw = {"registry": registry}
+        p = "tandem_encoder_"
+        self.images = Counter(p + "images_encoded", "Images run through the ViT.", **kw)
+        self.patches = Counter(p + "patches", "Vision patches run through the ViT.", **kw)
+        self.vit_seconds = Histogram(p + "vit_seconds", "ViT batch time.", buckets=_SECONDS, **kw)
+        self.preprocess_seconds = Histogram(
+            p + "preprocess_seconds", "Preprocessing time per request.", buckets=_SECONDS, **kw
+        )
+        self.cache_hits = Counter(p + "cache_hits", "Embedding cache hits.", **kw)
+        self.cache_misses = Counter(p + "cache_misses", "Embedding cache misses.", **kw)
+        self.cache_evictions = Gauge(p + "cache_evictions", "Embedding cache evictions.", **kw)
+        self.cache_bytes = Gauge(p + "cache_bytes", "Bytes held by the embedding cache.", **kw)
+        self.queue_patches = Gauge(p + "queue_patches", "Patches waiting for the ViT.", **kw)
+        self.queued_requests = Gauge(p + "queued_requests", "Requests in progress.", **kw)
+        self.batch_images = Histogram(
+            p + "batch_images",
+            "Images per ViT batch.",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            **kw,
+        )
+        self.requests = Counter(p + "requests", "Finished Encode calls.", ["code"], **kw)
+
+    def cache(self, hit: bool) -> None:
+        (self.cache_hits if hit else self.cache_misses).inc()
+
+    def batch(self, images: int, patches: int, seconds: float) -> None:
+        self.images.inc(images)
+        self.patches.inc(patches)
+        self.vit_seconds.observe(seconds)
+        self.batch_images.observe(images)
+
+
+def encoder_metrics(registry: CollectorRegistry | None = None) -> EncoderMetrics:
+    """The metric set of `registry` (default: the process registry), created once."""
+    reg = registry if registry is not None else REGISTRY
+    with _lock:
+        m = _by_registry.get(id(reg))
+        if m is None:
+            m = _by_registry[id(reg)] = EncoderMetrics(reg)
+        return m

@@ -1,0 +1,201 @@
+"""Encoder scheduler: images from many requests -> batched ViT calls under a patch budget.
+
+    request A ─┐  cache hit ─────────────────────────────▶ features
+               ├─ miss ─▶ ImageJob ─┐
+    request B ─┘  same hash in flight: shares the job    ├─▶ FIFO queue ─▶ batch (<= budget)
+                                                          │     ─▶ lb_assign over devices
+    request C ─── miss ─▶ ImageJob ─┘                     │     ─▶ runner threads ─▶ cache
+
+A request awaits only its own images' jobs, so it leaves as soon as they are done, never
+behind a slower request. Identical images in flight are encoded once. A job whose every
+waiter went away (cancelled, deadline) before its batch started is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import CachedFeatures, EmbeddingCache
+from .preprocess import PreparedImage
+from .vit_runner import VisionRunner
+
+
+def lb_assign(patches: list[int], num_devices: int) -> list[list[int]]:
+    """Largest image first onto the least-loaded device (SGLang's ViT-DP balancing).
+
+    Returns, per device, the indices it runs, in ascending index order. With one device
+    every image lands on it in input order.
+    """
+    loads = [0] * num_devices
+    out: list[list[int]] = [[] for _ in range(num_devices)]
+    for i in sorted(range(len(patches)), key=lambda i: (-patches[i], i)):
+        d = min(range(num_devices), key=lambda d: (loads[d], d))
+        out[d].append(i)
+        loads[d] += patches[i]
+    return [sorted(ix) for ix in out]
+
+
+@dataclass
+class ImageJob:
+    key: str
+    image: PreparedImage
+    future: asyncio.Future
+    waiters: int = 1
+    started: bool = False
+
+
+@dataclass
+class FeatureResult:
+    features: list[CachedFeatures]
+    cached_tokens: int = 0
+    vit_s: float = 0.0
+    hits: list[bool] = field(default_factory=list)
+
+
+class EncoderScheduler:
+    def __init__(
+        self, runners: list[VisionRunner], cache: EmbeddingCache, patch_budget: int, metrics=None
+    ) -> None:
+        self.runners = runners
+        self.cache = cache
+        self.patch_budget = patch_budget
+        self.metrics = metrics
+        self.queue: collections.deque[ImageJob] = collections.deque()
+        self.inflight: dict[str, ImageJob] = {}
+        self.queued_patches = 0
+        self.batches = 0
+        # One thread per device: a runner is driven by one thread at a time.
+        self._pools = [
+            ThreadPoolExecutor(1, thread_name_prefix=f"vit{d}") for d in range(len(runners))
+        ]
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="vit-batcher")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for p in self._pools:
+            p.shutdown(wait=True)
+
+    async def features(self, images: list[PreparedImage]) -> FeatureResult:
+        """Features of each image in order, from the cache or the ViT."""
+        res = FeatureResult(features=[None] * len(images))  # type: ignore[list-item]
+        waits: list[tuple[int, ImageJob]] = []
+        for i, img in enumerate(images):
+            hit = self.cache.get(img.hash)
+            if self.metrics:
+                self.metrics.cache(hit is not None)
+            res.hits.append(hit is not None)
+            if hit is not None:
+                res.features[i] = hit
+                res.cached_tokens += img.num_tokens
+                continue
+            job = self.inflight.get(img.hash)
+            if job is not None:
+                job.waiters += 1
+            else:
+                job = ImageJob(img.hash, img, asyncio.get_running_loop().create_future())
+                self.inflight[img.hash] = job
+                self.queue.append(job)
+                self.queued_patches += img.num_patches
+                self._wake.set()
+            waits.append((i, job))
+        pending = list(waits)
+        try:
+            for i, job in waits:
+                # NOTE: shield: a shared job must survive one waiter's cancellation.
+                feats, vit_s = await asyncio.shield(job.future)
+                res.features[i] = feats
+                res.vit_s = max(res.vit_s, vit_s)
+                pending.remove((i, job))
+        finally:
+            for _, job in pending:  # cancelled or failed: let go of what we still wait on
+                job.waiters -= 1
+        return res
+
+    # -------------------------------------------------------------- batching
+    def _take_batch(self) -> list[ImageJob]:
+        batch, patches = [], 0
+        while self.queue:
+            job = self.queue[0]
+            if job.waiters <= 0:  # nobody wants it any more
+                self.queue.popleft()
+                self.queued_patches -= job.image.num_patches
+                self.inflight.pop(job.key, None)
+                job.future.cancel()
+                continue
+            n = job.image.num_patches
+            if batch and patches + n > self.patch_budget:
+                break
+            self.queue.popleft()
+            self.queued_patches -= n
+            job.started = True
+            batch.append(job)
+            patches += n
+        return batch
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            batch = self._take_batch()
+            if not batch:
+                self._wake.clear()
+                continue
+            groups = lb_assign([j.image.num_patches for j in batch], len(self.runners))
+            t0 = time.perf_counter()
+            try:
+                outs = await asyncio.gather(
+                    *[
+                        loop.run_in_executor(
+                            self._pools[d], self._run, d, [batch[i].image for i in ix]
+                        )
+                        for d, ix in enumerate(groups)
+                        if ix
+                    ]
+                )
+            except Exception as e:  # a ViT failure fails this batch's jobs, not the loop
+                for job in batch:
+                    self.inflight.pop(job.key, None)
+                    if not job.future.done():
+                        job.future.set_exception(e)
+                continue
+            vit_s = time.perf_counter() - t0
+            self.batches += 1
+            if self.metrics:
+                self.metrics.batch(len(batch), sum(j.image.num_patches for j in batch), vit_s)
+            done = [i for _, ix in ((d, ix) for d, ix in enumerate(groups) if ix) for i in ix]
+            feats = [f for out in outs for f in out]
+            for i, f in zip(done, feats, strict=True):
+                job = batch[i]
+                self.cache.put(job.key, f)
+                self.inflight.pop(job.key, None)
+                if not job.future.done():
+                    job.future.set_result((f, vit_s))
+
+    def _run(self, device: int, images: list[PreparedImage]) -> list[CachedFeatures]:
+        """On runner `device`'s thread: one ViT call over `images`, split per image."""
+        runner = self.runners[device]
+        pixels = torch.cat([im.pixel_values for im in images])
+        out = runner.run(pixels, [im.grid for im in images])
+        sizes = [im.num_tokens for im in images]
+        embeds = out.embeds.cpu().split(sizes)
+        deep = [d.cpu().split(sizes) for d in out.deepstack]
+        # clone: a cached entry must not pin the whole batch's output tensor
+        return [
+            CachedFeatures(embeds[k].clone(), tuple(d[k].clone() for d in deep))
+            for k in range(len(images))
+        ]

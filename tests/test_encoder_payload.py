@@ -1,0 +1,156 @@
+"""The encoder's prompt payload equals what transformers computes, bit for bit (float32).
+
+For both architectures and chats with 0, 1 and 3 images of different sizes: token ids,
+text embeddings with image features spliced in (`get_input_embeddings` + `get_image_features`
++ `masked_scatter`), the Qwen3-VL deepstack columns, and `get_rope_index`'s positions and
+delta. Then: batching many requests in one ViT call gives the same payloads as encoding
+each alone, and a repeated image is a counted cache hit with an identical payload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from encoder_peers.chats import chat, oracle  # noqa: E402
+
+from services.encoder.config import EncoderConfig  # noqa: E402
+from services.encoder.pipeline import EncodePipeline  # noqa: E402
+
+ARCHS = ["qwen2_5_vl", "qwen3_vl"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # NOTE: float32 rows are batch-invariant on CPU with one intra-op thread (MKL splits
+    # rows across threads); the encoder's default cpu_threads=1 runs the same way.
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+_models: dict = {}
+
+
+def oracle_model(path):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    import tandem  # noqa: F401
+
+    if path not in _models:
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+        _models[path] = (model, AutoProcessor.from_pretrained(path))
+    return _models[path]
+
+
+def pipeline(path, **kw) -> EncodePipeline:
+    cfg = EncoderConfig(model=str(path), device="cpu", dtype="float32", **kw)
+    return EncodePipeline.from_config(cfg)
+
+
+def run(coro_fn, pipe: EncodePipeline):
+    async def main():
+        pipe.start()
+        try:
+            return await coro_fn()
+        finally:
+            await pipe.stop()
+
+    return asyncio.run(main())
+
+
+def assert_payload_equals(payload, ref, num_deepstack: int):
+    hidden = ref["embeds"].shape[1]
+    assert payload.fill_ids.dtype == torch.int32
+    assert torch.equal(payload.fill_ids.long(), ref["ids"])
+    assert payload.input_embeds.dtype == torch.float32
+    assert payload.embed_dim == hidden * (1 + num_deepstack)
+    assert torch.equal(payload.input_embeds[:, :hidden], ref["embeds"])
+    assert len(ref["deepstack"]) in (0, num_deepstack)
+    for k, d in enumerate(ref["deepstack"]):
+        assert torch.equal(payload.input_embeds[:, hidden * (k + 1) : hidden * (k + 2)], d)
+    assert torch.equal(payload.mrope_positions.long(), ref["positions"])
+    assert payload.mrope_delta == ref["delta"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_payload_matches_transformers(checkpoint, arch):
+    path = checkpoint(arch)
+    model, processor = oracle_model(path)
+    pipe = pipeline(path)
+    nd = pipe.num_deepstack
+    assert nd == (2 if arch == "qwen3_vl" else 0)
+    chats = [chat(0, seed=1), chat(1, seed=2), chat(3, seed=3)]
+
+    async def go():
+        return [await pipe.encode(c) for c in chats]
+
+    results = run(go, pipe)
+    for c, res in zip(chats, results, strict=True):
+        ref = oracle(model, processor, c)
+        assert_payload_equals(res.payload, ref, nd)
+        n_img = sum(1 for m in c for p in m.parts if not isinstance(p, str))
+        assert len(res.image_hashes) == n_img and len(set(res.image_hashes)) == n_img
+        if n_img:  # the images really differ in size, and pixels/grids match the processor
+            prep = pipe.preprocessor(c)
+            assert torch.equal(torch.tensor([im.grid for im in prep.images]), ref["grid"])
+            assert len({im.grid for im in prep.images}) == n_img
+            assert torch.equal(
+                torch.cat([im.pixel_values for im in prep.images]), ref["pixel_values"]
+            )
+        else:
+            assert res.payload.mrope_delta == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batched_equals_alone_and_cache_hits(checkpoint, arch):
+    path = checkpoint(arch)
+    chats = [chat(n, seed=10 + i) for i, n in enumerate([2, 1, 3, 0, 1, 2, 3])]
+    chats.append(chat(2, seed=10))  # the same images as the first chat, arriving together
+
+    alone_pipe = pipeline(path)
+
+    async def alone():
+        out = []
+        for c in chats:
+            alone_pipe.cache.entries.clear()
+            alone_pipe.cache.bytes_used = 0
+            out.append(await alone_pipe.encode(c))
+        return out
+
+    singles = run(alone, alone_pipe)
+    assert alone_pipe.scheduler.batches == sum(len(r.image_hashes) and 1 or 0 for r in singles)
+
+    pipe = pipeline(path)
+    prepared = [pipe.preprocessor(c) for c in chats]
+    n_images = sum(len(p.images) for p in prepared)
+
+    async def together():
+        # Every request enqueues before the batcher runs: one ViT call under the budget.
+        feats = await asyncio.gather(*[pipe.scheduler.features(p.images) for p in prepared])
+        return feats, [await pipe.encode(c) for c in chats]
+
+    feats, again = run(together, pipe)
+    assert pipe.scheduler.batches == 1
+    distinct = len({im.hash for p in prepared for im in p.images})
+    assert distinct < n_images  # the duplicate chat shared in-flight jobs
+    for res_alone, f, p, res_again in zip(singles, feats, prepared, again, strict=True):
+        emb = torch.cat([x.embeds for x in f.features]) if f.features else None
+        alone_emb = res_alone.payload.input_embeds[p.input_ids == pipe.spec.image_token_id]
+        if emb is not None:
+            hidden = emb.shape[1]
+            assert torch.equal(alone_emb[:, :hidden], emb)
+        # second pass: every image is a cache hit, and the payload is identical
+        assert res_again.cached_image_tokens == sum(im.num_tokens for im in p.images)
+        assert torch.equal(res_again.payload.input_embeds, res_alone.payload.input_embeds)
+        assert torch.equal(res_again.payload.mrope_positions, res_alone.payload.mrope_positions)
+        assert torch.equal(res_again.payload.fill_ids, res_alone.payload.fill_ids)
+    assert pipe.cache.hits == n_images  # the whole second pass
+    assert pipe.cache.misses == n_images  # first pass: all missed (dupes shared jobs)
+    assert pipe.scheduler.batches == 1  # hits never reach the ViT
