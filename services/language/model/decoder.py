@@ -1,0 +1,131 @@
+"""The Qwen2.5-VL / Qwen3-VL text decoder over a paged KV cache.
+
+Parameter names equal the split loader's normalized names (`embed_tokens.weight`,
+`layers.{i}.self_attn.q_proj.weight`, ..., `norm.weight`, `lm_head.weight`), so a
+`TextWeights.tensors` dict loads with `load_state_dict(strict=True)`.
+
+Differences between the two architectures are flags on `DecoderConfig`:
+q/k/v bias (Qwen2.5), q/k RMSNorm over head_dim (Qwen3), interleaved MRoPE (Qwen3), and
+deepstack: for Qwen3-VL a prompt row carries num_deepstack extra hidden-size blocks, and
+block k is added to the hidden states right AFTER decoder layer k (zeros at text rows).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.language.attention import AttentionMetadata, paged_attention
+from services.language.model.config import DecoderConfig
+from services.language.model.rope import MRope, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.scale = cfg.head_dim**-0.5
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = SelfAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, meta, k_cache, v_cache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class QwenVLDecoder(nn.Module):
+    """hidden [T, hidden] + positions [3, T] -> final-normed hidden [T, hidden]."""
+
+    def __init__(self, cfg: DecoderConfig, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = MRope(
+            cfg.head_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved, device
+        )
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy normalized weights in; `lm_head.weight` falls back to the tied embedding."""
+        tensors = dict(tensors)
+        if "lm_head.weight" not in tensors and "embed_tokens.weight" in tensors:
+            tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
+        missing, unexpected = self.load_state_dict(tensors, strict=False)
+        if missing or unexpected:
+            raise ValueError(
+                f"decoder weights do not match the config: missing {sorted(missing)[:8]}, "
+                f"unexpected {sorted(unexpected)[:8]}"
+            )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        deepstack: torch.Tensor | None = None,  # [T, num_deepstack * hidden] or None
+    ) -> torch.Tensor:
+        cos, sin = self.rope.cos_sin(positions, hidden.dtype)
+        hs = self.cfg.hidden_size
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, cos, sin, meta, k_caches[i], v_caches[i])
+            if deepstack is not None and i < self.cfg.num_deepstack:
+                hidden = hidden + deepstack[:, i * hs : (i + 1) * hs]
+        return self.norm(hidden)

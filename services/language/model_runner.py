@@ -1,0 +1,236 @@
+"""Runs one `ForwardBatch` through the decoder over the paged KV cache.
+
+Positions convention (the scheduler builds them; the runner never invents positions):
+- a prompt chunk carries its MRoPE positions [3, n] straight from the payload
+  (`PromptPayload.mrope_positions[:, start:start + n]`);
+- a generated token at sequence index i (i = tokens already in the KV cache, i.e. the
+  chunk's `start`) has position i + mrope_delta in all three rows, [3, 1]
+  (`decode_positions(i, mrope_delta)` builds it).
+
+Flat token layout of one step (see attention.py): single-token chunks first, then the
+multi-token chunks; logits come back in the batch's chunk order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from services.language.attention import AttentionMetadata, PrefillChunkMeta
+from services.language.forward_batch import ForwardBatch, ForwardOutput, SeqChunk
+from services.language.kv_cache import KVCache, KVPagePool, pages_needed
+from services.language.model import DecoderConfig, QwenVLDecoder
+
+
+def decode_positions(index: int, mrope_delta: int) -> torch.Tensor:
+    """Positions [3, 1] of the token at sequence index `index` (generated tokens)."""
+    return torch.full((3, 1), index + mrope_delta, dtype=torch.int64)
+
+
+class ModelRunner:
+    """Owns the decoder, the KV tensors and (optionally) the decode graph runner.
+
+    `weights` is a `tandem.models.split.TextWeights`-like object: `.spec` with
+    `text_config`, `num_deepstack` and `eos_token_ids`; `.tensors` with normalized names.
+    """
+
+    def __init__(
+        self,
+        weights: Any,
+        *,
+        page_size: int = 16,
+        num_pages: int = 0,
+        kv_memory_fraction: float = 0.5,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        cuda_graph_max_bs: int = 0,
+        max_seq_len: int = 4096,
+    ) -> None:
+        spec = weights.spec
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.cfg = DecoderConfig.from_text_config(spec.text_config, int(spec.num_deepstack))
+        self.eos_token_ids: tuple[int, ...] = tuple(
+            int(t) for t in getattr(spec, "eos_token_ids", ())
+        )
+        # Build on the meta device and adopt the loaded tensors (no second copy of weights).
+        with torch.device("meta"):
+            model = QwenVLDecoder(self.cfg, device=self.device)
+        tensors = {k: t.to(device=self.device, dtype=dtype) for k, t in weights.tensors.items()}
+        if "lm_head.weight" not in tensors and "embed_tokens.weight" in tensors:
+            tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
+        missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+        if missing or unexpected:
+            raise ValueError(
+                f"decoder weights do not match the config: missing {sorted(missing)[:8]}, "
+                f"unexpected {sorted(unexpected)[:8]}"
+            )
+        self.model = model.eval()
+
+        c = self.cfg
+        if num_pages <= 0:
+            num_pages = KVCache.pages_for_memory(
+                kv_memory_fraction, self.device, c.num_layers, page_size, c.num_kv_heads,
+                c.head_dim, dtype,
+            )  # fmt: skip
+        self.kv = KVCache(
+            c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, dtype, self.device
+        )
+        self.graph_runner = None
+        if cuda_graph_max_bs > 0:
+            from services.language.graph_runner import GraphRunner
+
+            self.graph_runner = GraphRunner(self, max_bs=cuda_graph_max_bs, max_seq_len=max_seq_len)
+
+    # -- what the scheduler needs ------------------------------------------------------
+    @property
+    def kv_pool(self) -> KVPagePool:
+        return self.kv.pool
+
+    @property
+    def page_size(self) -> int:
+        return self.kv.page_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.cfg.hidden_size
+
+    @property
+    def embed_dim(self) -> int:
+        return self.cfg.embed_dim
+
+    # -- forward -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        """Graph runner when it can serve the batch (pure decode, small enough), else eager."""
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.run(batch)
+        return self.forward_eager(batch)
+
+    @torch.inference_mode()
+    def forward_eager(self, batch: ForwardBatch) -> ForwardOutput:
+        chunks = batch.chunks
+        if not chunks:
+            raise ValueError("empty ForwardBatch")
+        for c in chunks:
+            self._check_chunk(c)
+        # Flat order: single-token chunks first (batched attention), then longer chunks.
+        order = [i for i, c in enumerate(chunks) if c.num_tokens == 1]
+        order += [i for i, c in enumerate(chunks) if c.num_tokens > 1]
+        ordered = [chunks[i] for i in order]
+        meta, row_start = self._metadata(ordered)
+        hidden, deepstack = self._embed(ordered, row_start)
+        positions = torch.cat([c.positions for c in ordered], dim=1).to(self.device, torch.int64)
+        out = self.model(hidden, positions, meta, self.kv.k, self.kv.v, deepstack)
+
+        # Logits only for the rows anyone reads (one lm_head call): the last row of each
+        # chunk, or all its rows when prompt logits are asked for (last = their final row).
+        flat_of = dict(zip(order, range(len(order)), strict=True))
+        rows, spans = [], []
+        for i, c in enumerate(chunks):
+            a = row_start[flat_of[i]]
+            lo = a if c.want_prompt_logits else a + c.num_tokens - 1
+            spans.append((len(rows), len(rows) + a + c.num_tokens - lo))
+            rows.extend(range(lo, a + c.num_tokens))
+        logits = self.compute_logits(out[torch.tensor(rows, device=self.device)])
+        last_logits = logits[torch.tensor([e - 1 for _, e in spans], device=self.device)]
+        prompt_logits = {
+            c.seq_id: logits[b:e]
+            for c, (b, e) in zip(chunks, spans, strict=True)
+            if c.want_prompt_logits
+        }
+        return ForwardOutput(last_logits=last_logits, prompt_logits=prompt_logits)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(hidden).float()
+
+    # -- helpers -----------------------------------------------------------------------
+    def _check_chunk(self, c: SeqChunk) -> None:
+        n = c.num_tokens
+        if c.positions.dim() != 2 or c.positions.shape[0] != 3 or n < 1:
+            raise ValueError(
+                f"seq {c.seq_id}: positions must be [3, n>=1], got {tuple(c.positions.shape)}"
+            )
+        if (c.input_embeds is None) == (c.token_ids is None):
+            raise ValueError(f"seq {c.seq_id}: exactly one of input_embeds / token_ids")
+        if c.token_ids is not None:
+            if tuple(c.token_ids.shape) != (n,):
+                raise ValueError(f"seq {c.seq_id}: token_ids must be [{n}]")
+            lo, hi = int(c.token_ids.min()), int(c.token_ids.max())
+            if lo < 0 or hi >= self.cfg.vocab_size:
+                raise ValueError(f"seq {c.seq_id}: token id out of [0, {self.cfg.vocab_size})")
+        if c.input_embeds is not None:
+            shape = tuple(c.input_embeds.shape)
+            if shape not in ((n, self.cfg.embed_dim), (n, self.cfg.hidden_size)):
+                raise ValueError(
+                    f"seq {c.seq_id}: input_embeds must be [{n}, {self.cfg.embed_dim}], got {shape}"
+                )
+        need = pages_needed(c.start + n, self.page_size)
+        if c.start < 0 or len(c.block_table) < need:
+            raise ValueError(
+                f"seq {c.seq_id}: block table has {len(c.block_table)} pages, "
+                f"positions [0, {c.start + n}) need {need}"
+            )
+        bad = [p for p in c.block_table[:need] if not 0 <= p < self.kv.num_pages]
+        if bad:
+            raise ValueError(f"seq {c.seq_id}: page ids {bad[:4]} out of range")
+
+    def _metadata(self, ordered: list[SeqChunk]) -> tuple[AttentionMetadata, list[int]]:
+        ps = self.page_size
+        row_start, slots, row = [], [], 0
+        singles = [c for c in ordered if c.num_tokens == 1]
+        for c in ordered:
+            row_start.append(row)
+            row += c.num_tokens
+            p = torch.arange(c.start, c.start + c.num_tokens)
+            bt = torch.tensor(c.block_table[: pages_needed(c.start + c.num_tokens, ps)])
+            slots.append(bt[p // ps] * ps + p % ps)
+        width = max((pages_needed(c.start + 1, ps) for c in singles), default=0)
+        tables = torch.full((len(singles), width), self.kv.dummy_page, dtype=torch.int64)
+        for i, c in enumerate(singles):
+            n = pages_needed(c.start + 1, ps)
+            tables[i, :n] = torch.tensor(c.block_table[:n])
+        prefill = []
+        for i, c in enumerate(ordered[len(singles) :], start=len(singles)):
+            kv_len = c.start + c.num_tokens
+            pages = torch.tensor(c.block_table[: pages_needed(kv_len, ps)], dtype=torch.int64)
+            prefill.append(
+                PrefillChunkMeta(row_start[i], c.num_tokens, kv_len, pages.to(self.device))
+            )
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slots).to(dev),
+            num_single=len(singles),
+            single_block_tables=tables.to(dev),
+            single_seq_lens=torch.tensor([c.start + 1 for c in singles], dtype=torch.int64).to(dev),
+            prefill=prefill,
+        )
+        return meta, row_start
+
+    def _embed(self, ordered: list[SeqChunk], row_start: list[int]):
+        """hidden [T, hidden] and the deepstack blocks [T, nd*hidden] (None if unused)."""
+        hs, nd = self.cfg.hidden_size, self.cfg.num_deepstack
+        total = row_start[-1] + ordered[-1].num_tokens
+        hidden = torch.empty(total, hs, dtype=self.dtype, device=self.device)
+        deepstack = None
+        if nd and any(c.input_embeds is not None and c.input_embeds.shape[1] > hs for c in ordered):
+            deepstack = torch.zeros(total, nd * hs, dtype=self.dtype, device=self.device)
+        tok_rows, tok_ids = [], []
+        for a, c in zip(row_start, ordered, strict=True):
+            if c.token_ids is not None:
+                tok_rows.append(torch.arange(a, a + c.num_tokens))
+                tok_ids.append(c.token_ids)
+                continue
+            e = c.input_embeds.to(self.device, self.dtype)
+            hidden[a : a + c.num_tokens] = e[:, :hs]
+            if deepstack is not None and e.shape[1] > hs:
+                deepstack[a : a + c.num_tokens] = e[:, hs:]
+        if tok_ids:
+            ids = torch.cat(tok_ids).to(self.device, torch.int64)
+            hidden[torch.cat(tok_rows).to(self.device)] = self.model.embed_tokens(ids)
+        return hidden, deepstack

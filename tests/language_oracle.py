@@ -1,0 +1,129 @@
+"""transformers as the oracle for the language tier's runner tests.
+
+From a `tandem tiny-model` checkpoint: the HF model, a chat prompt with images run through
+the real processor, the prompt payload exactly as the encoder would produce it (text
+embeddings with image features spliced in; deepstack features in extra columns for
+Qwen3-VL; `get_rope_index` positions and delta), and the decoder weights with normalized
+names, as `tandem.models.split.load_text_weights` delivers them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import tandem  # noqa: F401  (registers the image-only processors with AutoProcessor)
+from tandem.transfer.payload import PromptPayload
+
+_TEXT_PREFIX = "model.language_model."
+
+
+@dataclass
+class OracleWeights:
+    """Same shape as `TextWeights`: `.spec` (text_config, num_deepstack, eos) + `.tensors`."""
+
+    spec: Any
+    tensors: dict[str, torch.Tensor]
+
+
+@dataclass
+class OracleSpec:
+    text_config: Any
+    num_deepstack: int
+    eos_token_ids: tuple[int, ...]
+
+
+@lru_cache(maxsize=4)
+def load(path: Path):
+    """(model, processor) in float32 eval mode."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from tandem.models.processor import register
+
+    register()  # NOTE: idempotent; covers a checkpoint built earlier in this process
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    return model, AutoProcessor.from_pretrained(path)
+
+
+def num_deepstack(model) -> int:
+    return len(getattr(model.config.vision_config, "deepstack_visual_indexes", None) or ())
+
+
+def text_weights(model) -> OracleWeights:
+    """Decoder tensors under normalized names, taken from the HF model itself."""
+    tensors = {}
+    for name, t in model.state_dict().items():
+        if name.startswith(_TEXT_PREFIX):
+            tensors[name[len(_TEXT_PREFIX) :]] = t.detach().clone()
+    tensors["lm_head.weight"] = model.lm_head.weight.detach().clone()
+    eos = model.generation_config.eos_token_id
+    eos = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+    spec = OracleSpec(model.config.text_config, num_deepstack(model), eos)
+    return OracleWeights(spec, tensors)
+
+
+def make_image(seed: int, size: tuple[int, int]):
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    arr = torch.randint(0, 256, (size[1], size[0], 3), generator=g, dtype=torch.uint8)
+    return Image.fromarray(arr.numpy())
+
+
+def make_inputs(processor, text: str, images: list) -> dict:
+    """Processor outputs for one user turn with `images` (then `text`)."""
+    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+    messages = [{"role": "user", "content": content}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return dict(processor(text=[prompt], images=images or None, return_tensors="pt"))
+
+
+@torch.inference_mode()
+def payload(model, inputs: dict) -> PromptPayload:
+    """What the encoder sends for these inputs (float32)."""
+    ids = inputs["input_ids"]
+    embeds = model.get_input_embeddings()(ids)[0]  # [L, hidden]
+    hidden = embeds.shape[-1]
+    nd = num_deepstack(model)
+    extra = torch.zeros(embeds.shape[0], hidden * nd, dtype=embeds.dtype)
+    if "pixel_values" in inputs:
+        out = model.model.get_image_features(
+            inputs["pixel_values"], inputs["image_grid_thw"], return_dict=True
+        )
+        mask = ids[0] == model.config.image_token_id
+        embeds = embeds.clone()
+        embeds[mask] = torch.cat(out.pooler_output, dim=0).to(embeds.dtype)
+        for k in range(nd):
+            extra[mask, k * hidden : (k + 1) * hidden] = torch.cat(out.deepstack_features[k], dim=0)
+    pos, delta = model.model.get_rope_index(
+        ids,
+        mm_token_type_ids=inputs.get("mm_token_type_ids", torch.zeros_like(ids)),
+        image_grid_thw=inputs.get("image_grid_thw"),
+    )
+    return PromptPayload(
+        input_embeds=torch.cat([embeds, extra], dim=1),
+        fill_ids=ids[0].to(torch.int32),
+        mrope_positions=pos[:, 0].to(torch.int32),
+        mrope_delta=int(delta.reshape(-1)[0]),
+    )
+
+
+@torch.inference_mode()
+def prompt_logits(model, inputs: dict) -> torch.Tensor:
+    """transformers' logits [L, vocab] for the whole prompt (float32)."""
+    return model(**inputs).logits[0].float()
+
+
+@torch.inference_mode()
+def generate(model, inputs: dict, max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy `generate()`: the new tokens and the raw logits [n, vocab] of every step."""
+    out = model.generate(
+        **inputs, max_new_tokens=max_new_tokens, do_sample=False,
+        output_logits=True, return_dict_in_generate=True,
+    )  # fmt: skip
+    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    return tokens, torch.cat([step[0:1] for step in out.logits]).float()
