@@ -46,3 +46,15 @@ class RouterConfig(TandemSettings):
     api_key: str = Field("", description="If set, required as Bearer token / gRPC metadata.")
     tls_cert: str = Field("", description="PEM certificate for the gRPC port (enables TLS).")
     tls_key: str = Field("", description="PEM private key for the gRPC port.")
+    max_image_bytes: int = Field(
+        20 * 1024 * 1024, ge=1024, description="Largest inline image accepted (bytes); 413 above."
+    )
+    max_request_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024, description="Largest HTTP/gRPC request body (bytes); 413 above."
+    )
+    affinity_slack: float = Field(
+        0.25, ge=0, le=10, description="Image affinity yields once load exceeds mean*(1+slack)+1."
+    )
+    drain_timeout_s: float = Field(
+        10.0, ge=0, le=3600, description="On SIGTERM, wait this long for in-flight requests."
+    )

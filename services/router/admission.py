@@ -1,0 +1,53 @@
+"""Admission control and access: a bounded in-flight count and an optional API key."""
+
+from __future__ import annotations
+
+import hmac
+from contextlib import contextmanager
+
+from services.router.errors import RouterError
+from services.router.metrics import RouterMetrics
+
+
+class Admission:
+    """At most `limit` requests in flight; the next one is refused at once (429) rather
+    than queued without end. `acquire`/`release` are synchronous: no await between the
+    check and the increment, so the bound holds on one event loop."""
+
+    def __init__(self, limit: int, metrics: RouterMetrics | None = None) -> None:
+        self.limit = limit
+        self.inflight = 0
+        self.metrics = metrics
+
+    def acquire(self) -> None:
+        if self.inflight >= self.limit:
+            if self.metrics:
+                self.metrics.rejected.inc()
+            raise RouterError("OVERLOADED", f"router at capacity ({self.limit} requests in flight)")
+        self.inflight += 1
+        if self.metrics:
+            self.metrics.inflight.set(self.inflight)
+
+    def release(self) -> None:
+        assert self.inflight > 0, "release without acquire"
+        self.inflight -= 1
+        if self.metrics:
+            self.metrics.inflight.set(self.inflight)
+
+    @contextmanager
+    def slot(self):
+        self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
+
+
+def check_api_key(expected: str, authorization: str | None) -> None:
+    """Raise UNAUTHENTICATED unless `authorization` is `Bearer <expected>` (when a key is
+    configured). Constant-time comparison."""
+    if not expected:
+        return
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), expected):
+        raise RouterError("UNAUTHENTICATED", "missing or invalid API key")

@@ -1,0 +1,44 @@
+"""The router's shared state, used by both front-ends (HTTP and gRPC)."""
+
+from __future__ import annotations
+
+from pathlib import PurePath
+
+from services.router.admission import Admission
+from services.router.errors import RouterError
+from services.router.metrics import RouterMetrics
+from services.router.pipeline import Dispatcher
+from services.router.registry import Registry
+from services.router.selection import Selector
+
+
+class RouterCore:
+    def __init__(self, cfg) -> None:
+        self.cfg = cfg
+        self.metrics = RouterMetrics()
+        self.registry = Registry(cfg)
+        self.selector = Selector(cfg.policy, cfg.affinity_slack)
+        self.dispatcher = Dispatcher(self.registry, self.selector, cfg, self.metrics)
+        self.admission = Admission(cfg.max_inflight, self.metrics)
+        self.draining = False
+
+    def model_name(self) -> str:
+        return self.registry.model_name() or "tandem"
+
+    def check_model(self, name: str) -> None:
+        """Empty means the served model; the name or its last path component match."""
+        served = self.model_name()
+        if name and name not in (served, PurePath(served).name):
+            raise RouterError("NOT_FOUND", f"model {name!r} is not served here", "model")
+
+    def ready(self) -> bool:
+        return not self.draining and self.registry.ready()
+
+    def refresh_gauges(self) -> None:
+        self.metrics.healthy.labels("encoder").set(self.registry.encoders.healthy_count())
+        self.metrics.healthy.labels("language").set(self.registry.languages.healthy_count())
+
+    def admit(self):
+        if self.draining:
+            raise RouterError("UNAVAILABLE", "router is draining")
+        return self.admission.slot()

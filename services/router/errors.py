@@ -1,0 +1,92 @@
+"""One error type for the router, mapped to gRPC status codes and OpenAI's HTTP errors.
+
+`RouterError.code` is a gRPC status code name (as in `ErrorInfo.code`); `http_status` and
+`openai_type` derive from it. The encoder's RESOURCE_EXHAUSTED means "input over a limit"
+(413); the router's own admission control raises OVERLOADED (429, RESOURCE_EXHAUSTED on
+gRPC) so clients can tell "too big" from "try again".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+# code -> (HTTP status, OpenAI error type)
+_HTTP = {
+    "INVALID_ARGUMENT": (400, "invalid_request_error"),
+    "OUT_OF_RANGE": (400, "invalid_request_error"),
+    "FAILED_PRECONDITION": (400, "invalid_request_error"),
+    "TOO_LARGE": (413, "invalid_request_error"),
+    "UNAUTHENTICATED": (401, "authentication_error"),
+    "PERMISSION_DENIED": (403, "permission_error"),
+    "NOT_FOUND": (404, "invalid_request_error"),
+    "OVERLOADED": (429, "rate_limit_error"),
+    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
+    "UNAVAILABLE": (503, "server_error"),
+    "ABORTED": (503, "server_error"),
+    "CANCELLED": (499, "server_error"),
+    "DEADLINE_EXCEEDED": (504, "timeout_error"),
+}
+
+# Router-internal codes that are not gRPC names, and what gRPC callers see instead.
+_GRPC_ALIAS = {"TOO_LARGE": "RESOURCE_EXHAUSTED", "OVERLOADED": "RESOURCE_EXHAUSTED"}
+
+
+@dataclass
+class RouterError(Exception):
+    code: str
+    message: str
+    param: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+    @property
+    def http_status(self) -> int:
+        return _HTTP.get(self.code, (500, "server_error"))[0]
+
+    @property
+    def openai_type(self) -> str:
+        return _HTTP.get(self.code, (500, "server_error"))[1]
+
+    @property
+    def grpc_code(self) -> grpc.StatusCode:
+        name = _GRPC_ALIAS.get(self.code, self.code)
+        return getattr(grpc.StatusCode, name, grpc.StatusCode.INTERNAL)
+
+    @property
+    def grpc_name(self) -> str:
+        return self.grpc_code.name
+
+    def openai_body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.openai_type,
+                "param": self.param,
+                "code": self.code.lower(),
+            }
+        }
+
+
+def from_rpc(err: grpc.RpcError, tier: str) -> RouterError:
+    """Map a tier's gRPC failure. RESOURCE_EXHAUSTED from the encoder is an input limit."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = (err.details() if hasattr(err, "details") else None) or str(code)
+    name = code.name if code is not None else "UNKNOWN"
+    if name == "RESOURCE_EXHAUSTED" and tier == "encoder":
+        name = "TOO_LARGE"
+    return RouterError(name, f"{tier}: {details}")
+
+
+def from_error_info(info, tier: str) -> RouterError:
+    """Map an `ErrorInfo` carried inside a stream."""
+    name = info.code or "INTERNAL"
+    if name == "RESOURCE_EXHAUSTED" and tier == "encoder":
+        name = "TOO_LARGE"
+    return RouterError(name, f"{tier}: {info.message}", info.field or None)
+
+
+# Codes after which another encoder may succeed: the instance, not the input, failed.
+RETRYABLE_ENCODER = {"UNAVAILABLE", "INTERNAL", "UNKNOWN", "ABORTED", "CANCELLED"}

@@ -1,0 +1,129 @@
+"""gRPC `Router` front-end (the SDK's endpoint): same semantics as the HTTP API.
+
+Errors before any output end the call with a status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
+UNAUTHENTICATED, UNAVAILABLE, DEADLINE_EXCEEDED, ...); a failure after output is a last
+message with finish_reason ERROR and `error` set. A client that cancels the call cancels
+this handler's task, which closes the pipeline (see pipeline.py's leak note).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import grpc
+
+from services.router.admission import check_api_key
+from services.router.core import RouterCore
+from services.router.errors import RouterError
+from services.router.pipeline import ChatRequest, Piece
+from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+_FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH}
+
+
+def _validate(request: router_pb2.RouterGenerateRequest, cfg) -> ChatRequest:
+    if not request.messages:
+        raise RouterError("INVALID_ARGUMENT", "messages must not be empty", "messages")
+    s = request.sampling
+    if s.max_tokens < 0:
+        raise RouterError("INVALID_ARGUMENT", "max_tokens must be >= 0", "sampling.max_tokens")
+    if not 0.0 <= s.temperature <= 2.0:
+        raise RouterError("INVALID_ARGUMENT", "temperature must be in [0, 2]", "sampling.temperature")
+    if not 0.0 <= s.top_p <= 1.0:
+        raise RouterError("INVALID_ARGUMENT", "top_p must be in [0, 1]", "sampling.top_p")
+    if s.top_k < 0:
+        raise RouterError("INVALID_ARGUMENT", "top_k must be >= 0", "sampling.top_k")
+    if request.timeout_ms < 0:
+        raise RouterError("INVALID_ARGUMENT", "timeout_ms must be >= 0", "timeout_ms")
+    for i, m in enumerate(request.messages):
+        if m.role not in ("system", "user", "assistant"):
+            raise RouterError("INVALID_ARGUMENT", f"unknown role {m.role!r}", f"messages[{i}].role")
+        for j, part in enumerate(m.content):
+            if part.WhichOneof("part") == "image" and len(part.image.data) > cfg.max_image_bytes:
+                raise RouterError(
+                    "TOO_LARGE",
+                    f"image larger than {cfg.max_image_bytes} bytes",
+                    f"messages[{i}].content[{j}].image",
+                )
+    return ChatRequest(
+        messages=list(request.messages),
+        sampling=s,
+        timeout_s=request.timeout_ms / 1000 if request.timeout_ms else cfg.request_timeout_s,
+        request_id=request.request_id or f"req-{uuid.uuid4().hex[:24]}",
+        priority=request.priority,
+    )
+
+
+def _to_proto(piece: Piece, request_id: str) -> router_pb2.RouterGenerateResponse:
+    out = router_pb2.RouterGenerateResponse(
+        text=piece.text, token_ids=piece.token_ids, request_id=request_id
+    )
+    for tid, lp in piece.logprobs:
+        out.logprobs.add(token_id=tid, logprob=lp)
+    if piece.finish_reason is not None:
+        out.finish_reason = _FINISH[piece.finish_reason]
+        u = piece.usage
+        out.usage.CopyFrom(
+            common_pb2.Usage(
+                prompt_tokens=u.prompt_tokens,
+                completion_tokens=u.completion_tokens,
+                total_tokens=u.total_tokens,
+                cached_image_tokens=u.cached_image_tokens,
+            )
+        )
+        out.timings.CopyFrom(common_pb2.StageTimings(**(piece.timings or {})))
+    return out
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    def __init__(self, core: RouterCore) -> None:
+        self.core = core
+
+    def _auth(self, context: grpc.aio.ServicerContext) -> None:
+        md = dict(context.invocation_metadata() or ())
+        check_api_key(self.core.cfg.api_key, md.get("authorization"))
+
+    async def Generate(self, request, context):
+        core = self.core
+        sent = False
+        request_id = request.request_id
+        try:
+            self._auth(context)
+            core.check_model(request.model)
+            req = _validate(request, core.cfg)
+            request_id = req.request_id
+            if core.draining:
+                raise RouterError("UNAVAILABLE", "router is draining")
+            core.admission.acquire()
+            try:
+                agen = core.dispatcher.generate(req)
+                try:
+                    async for piece in agen:
+                        sent = True
+                        yield _to_proto(piece, request_id)
+                finally:
+                    await agen.aclose()
+            finally:
+                core.admission.release()
+            core.metrics.requests.labels("grpc", "ok").inc()
+        except RouterError as err:
+            core.metrics.requests.labels("grpc", err.code.lower()).inc()
+            if not sent:
+                await context.abort(err.grpc_code, err.message)
+            yield router_pb2.RouterGenerateResponse(
+                finish_reason=common_pb2.FINISH_REASON_ERROR,
+                error=common_pb2.ErrorInfo(
+                    code=err.grpc_name, message=err.message, field=err.param or ""
+                ),
+                request_id=request_id,
+            )
+
+    async def ListModels(self, request, context):
+        try:
+            self._auth(context)
+        except RouterError as err:
+            await context.abort(err.grpc_code, err.message)
+        name = self.core.model_name()
+        return router_pb2.ListModelsResponse(
+            models=[router_pb2.ModelInfo(id=name, source=self.core.cfg.model or name)]
+        )

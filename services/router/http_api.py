@@ -1,0 +1,285 @@
+"""OpenAI-compatible HTTP front-end (fastapi): chat completions (SSE streaming), models,
+health, metrics. Every failure answers OpenAI's error shape
+`{"error": {"message", "type", "param", "code"}}` with a matching status; bad input is a
+4xx, never a 500.
+
+Tandem extension: the last chunk (or the response) carries
+`"tandem": {"timings": {stage: ms}, "cached_image_tokens": n, "request_id": id}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.router.admission import check_api_key
+from services.router.core import RouterCore
+from services.router.errors import RouterError
+from services.router.openai_models import ChatCompletionRequest, to_chat_request
+from services.router.pipeline import Piece
+
+
+def _error(err: RouterError) -> JSONResponse:
+    return JSONResponse(err.openai_body(), status_code=err.http_status)
+
+
+def _loc(loc) -> str:
+    parts = [str(p) for p in loc if p != "body"]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+    return out
+
+
+def _logprobs(piece: Piece) -> dict | None:
+    if not piece.logprobs:
+        return None
+    # NOTE: the language tier detokenizes incrementally; a piece usually holds one token, and
+    # its text is that token's text. When it holds several, the text goes to the first.
+    content = []
+    for k, (_tid, lp) in enumerate(piece.logprobs):
+        tok = piece.text if k == 0 else ""
+        content.append(
+            {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
+        )
+    return {"content": content}
+
+
+def _usage(piece: Piece) -> dict:
+    u = piece.usage
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+
+
+def _extension(piece: Piece, request_id: str) -> dict:
+    return {
+        "timings": piece.timings or {},
+        "cached_image_tokens": piece.usage.cached_image_tokens if piece.usage else 0,
+        "request_id": request_id,
+    }
+
+
+def build_app(core: RouterCore) -> FastAPI:
+    app = FastAPI(title="Tandem router", docs_url=None, redoc_url=None)
+    cfg = core.cfg
+
+    @app.exception_handler(RouterError)
+    async def _router_error(_req, err: RouterError):
+        return _error(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_req, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        param = None if first.get("type") == "json_invalid" else (_loc(first.get("loc", ())) or None)
+        msg = f"{param}: {first['msg']}" if param else first["msg"]
+        return _error(RouterError("INVALID_ARGUMENT", msg, param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_req, exc: StarletteHTTPException):
+        code = {404: "NOT_FOUND", 405: "INVALID_ARGUMENT", 413: "TOO_LARGE"}.get(
+            exc.status_code, "INVALID_ARGUMENT"
+        )
+        body = RouterError(code, str(exc.detail)).openai_body()
+        return JSONResponse(body, status_code=exc.status_code)
+
+    @app.middleware("http")
+    async def _guard(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > cfg.max_request_bytes:
+            return _error(RouterError("TOO_LARGE", f"request body over {cfg.max_request_bytes} bytes"))
+        if request.url.path.startswith("/v1/"):
+            try:
+                check_api_key(cfg.api_key, request.headers.get("authorization"))
+            except RouterError as err:
+                return _error(err)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        ok = core.ready()
+        body = {
+            "status": "ok" if ok else "unavailable",
+            "encoders": core.registry.encoders.healthy_count(),
+            "languages": core.registry.languages.healthy_count(),
+            "inflight": core.admission.inflight,
+        }
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        core.refresh_gauges()
+        return Response(core.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        name = core.model_name()
+        return {
+            "object": "list",
+            "data": [{"id": name, "object": "model", "created": 0, "owned_by": "tandem"}],
+        }
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        core.check_model(body.model)
+        req = to_chat_request(body, cfg)
+        model = body.model or core.model_name()
+        if core.draining:
+            raise RouterError("UNAVAILABLE", "router is draining")
+        core.admission.acquire()
+        released = False
+
+        def release():
+            nonlocal released
+            if not released:
+                released = True
+                core.admission.release()
+
+        try:
+            agen = core.dispatcher.generate(req)
+            if body.stream:
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                # Wait for the first piece so errors before output get a real status code.
+                first = await _first_or_disconnect(agen, request)
+                stream = _sse(agen, first, req.request_id, model, include_usage, release)
+                core.metrics.requests.labels("http", "started").inc()
+                # NOTE: if the client is gone before the body starts, `stream` never runs
+                # its finally; the background task closes the pipeline and frees the slot.
+
+                async def cleanup():
+                    release()
+                    await _close_quietly(agen)
+
+                return StreamingResponse(
+                    stream, media_type="text/event-stream", background=BackgroundTask(cleanup)
+                )
+            result = await _collect_or_disconnect(agen, request)
+            core.metrics.requests.labels("http", "ok").inc()
+            return _completion(result, req.request_id, model)
+        except RouterError as err:
+            core.metrics.requests.labels("http", err.code.lower()).inc()
+            release()
+            raise
+        except BaseException:
+            release()
+            raise
+        finally:
+            if not body.stream:
+                release()
+
+    return app
+
+
+async def _watch_disconnect(task: asyncio.Future, request: Request) -> None:
+    """Cancel `task` when the HTTP client goes away (non-streaming requests)."""
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.25)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+
+
+async def _first_or_disconnect(agen, request: Request) -> Piece:
+    task = asyncio.ensure_future(agen.__anext__())
+    try:
+        await _watch_disconnect(task, request)
+        return task.result()
+    except (asyncio.CancelledError, StopAsyncIteration):
+        await agen.aclose()
+        raise RouterError("CANCELLED", "client disconnected") from None
+    except BaseException:
+        await agen.aclose()
+        raise
+
+
+async def _collect_or_disconnect(agen, request: Request) -> list[Piece]:
+    async def collect():
+        return [p async for p in agen]
+
+    task = asyncio.ensure_future(collect())
+    try:
+        await _watch_disconnect(task, request)
+        return task.result()
+    except asyncio.CancelledError:
+        raise RouterError("CANCELLED", "client disconnected") from None
+    finally:
+        await agen.aclose()
+
+
+def _completion(pieces: list[Piece], request_id: str, model: str) -> dict:
+    last = pieces[-1]
+    lps = [c for p in pieces for c in (_logprobs(p) or {"content": []})["content"]]
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "".join(p.text for p in pieces)},
+                "logprobs": {"content": lps} if lps else None,
+                "finish_reason": last.finish_reason,
+            }
+        ],
+        "usage": _usage(last),
+        "tandem": _extension(last, request_id),
+    }
+
+
+def _chunk(request_id: str, model: str, created: int, delta: dict, **extra) -> bytes:
+    choice = {"index": 0, "delta": delta, "logprobs": extra.pop("logprobs", None),
+              "finish_reason": extra.pop("finish_reason", None)}
+    body = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+            "model": model, "choices": [choice], **extra}
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
+async def _sse(agen, first: Piece, request_id, model, include_usage, release):
+    """Server-sent events: role chunk, content chunks, a finish chunk, an optional usage
+    chunk, `[DONE]`. A failure after output is an `{"error": ...}` event."""
+    created = int(time.time())
+    try:
+        yield _chunk(request_id, model, created, {"role": "assistant", "content": ""})
+        piece = first
+        while True:
+            if piece.text or piece.token_ids:
+                yield _chunk(request_id, model, created, {"content": piece.text},
+                             logprobs=_logprobs(piece))
+            if piece.finish_reason is not None:
+                ext = _extension(piece, request_id)
+                yield _chunk(request_id, model, created, {}, finish_reason=piece.finish_reason,
+                             tandem=ext)
+                if include_usage:
+                    body = {"id": request_id, "object": "chat.completion.chunk",
+                            "created": created, "model": model, "choices": [],
+                            "usage": _usage(piece), "tandem": ext}
+                    yield f"data: {json.dumps(body)}\n\n".encode()
+                break
+            try:
+                piece = await agen.__anext__()
+            except StopAsyncIteration:
+                break
+    except RouterError as err:
+        yield f"data: {json.dumps(err.openai_body())}\n\n".encode()
+    finally:
+        # NOTE: release first: under a cancelled scope any await below raises at once.
+        release()
+        await _close_quietly(agen)
+    yield b"data: [DONE]\n\n"
+
+
+async def _close_quietly(agen) -> None:
+    try:
+        await agen.aclose()
+    except (Exception, asyncio.CancelledError):
+        pass

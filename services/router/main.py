@@ -1,0 +1,133 @@
+"""Router process: gRPC Router (+ health, reflection) and OpenAI HTTP on one event loop.
+
+Health: the overall service "" is SERVING while the process runs (liveness);
+"tandem.v1.Router" is SERVING only while at least one encoder and one language instance
+are healthy and the router is not draining (readiness, mirrored by HTTP /health).
+On SIGTERM/SIGINT: stop admitting, wait up to `drain_timeout_s` for in-flight requests,
+then stop both servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import uvicorn
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.router.core import RouterCore
+from services.router.grpc_api import RouterServicer
+from services.router.http_api import build_app
+from tandem.v1 import router_pb2, router_pb2_grpc
+
+log = logging.getLogger("tandem.router")
+ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+
+
+class _HttpServer(uvicorn.Server):
+    """uvicorn without its own signal handling: the router drains first."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+def build_grpc_server(core: RouterCore):
+    cfg = core.cfg
+    opts = [
+        ("grpc.max_receive_message_length", cfg.max_request_bytes),
+        ("grpc.max_send_message_length", cfg.max_request_bytes),
+    ]
+    server = grpc.aio.server(options=opts)
+    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(core), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (ROUTER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    address = f"{cfg.host}:{cfg.grpc_port}"
+    if cfg.tls_cert or cfg.tls_key:
+        if not (cfg.tls_cert and cfg.tls_key):
+            raise SystemExit("tandem router: tls_cert and tls_key must be given together")
+        creds = grpc.ssl_server_credentials(
+            [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())]
+        )
+        port = server.add_secure_port(address, creds)
+    else:
+        port = server.add_insecure_port(address)
+    return server, health_servicer, port
+
+
+async def _health_loop(core: RouterCore, servicer) -> None:
+    S = health_pb2.HealthCheckResponse
+    while True:
+        status = S.SERVING if core.ready() else S.NOT_SERVING
+        await servicer.set(ROUTER_SERVICE, status)
+        await asyncio.sleep(0.25)
+
+
+async def run_router(cfg, stop: asyncio.Event) -> None:
+    """Serve until `stop` is set, then drain and shut down."""
+    core = RouterCore(cfg)
+    await core.registry.start()
+    server, health_servicer, grpc_port = build_grpc_server(core)
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set(ROUTER_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+    sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((cfg.host, cfg.http_port))
+    http = _HttpServer(
+        uvicorn.Config(
+            build_app(core), log_level="warning", access_log=False, lifespan="off",
+            timeout_graceful_shutdown=1,
+        )
+    )
+    http_task = asyncio.create_task(http.serve(sockets=[sock]))
+    health_task = asyncio.create_task(_health_loop(core, health_servicer))
+    print(
+        f"tandem router: http://{cfg.host}:{sock.getsockname()[1]} grpc {cfg.host}:{grpc_port} "
+        f"encoders={len(core.registry.encoders.instances)} "
+        f"languages={len(core.registry.languages.instances)}",
+        flush=True,
+    )
+    stop_task = asyncio.create_task(stop.wait())
+    await asyncio.wait({stop_task, http_task}, return_when=asyncio.FIRST_COMPLETED)
+    # Drain: refuse new work, let in-flight requests finish.
+    core.draining = True
+    health_task.cancel()
+    await health_servicer.enter_graceful_shutdown()
+    end = time.monotonic() + cfg.drain_timeout_s
+    while core.admission.inflight and time.monotonic() < end:
+        await asyncio.sleep(0.05)
+    http.should_exit = True
+    with contextlib.suppress(BaseException):
+        await asyncio.wait_for(http_task, timeout=5)
+    await server.stop(grace=1.0)
+    stop_task.cancel()
+    await core.registry.stop()
+    sock.close()
+
+
+def serve(cfg) -> int:
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await run_router(cfg, stop)
+
+    asyncio.run(main())
+    return 0

@@ -1,0 +1,138 @@
+"""OpenAI chat-completions request schema (pydantic, with bounds) and its conversion to
+the wire protos. Unknown fields are ignored, as OpenAI-compatible servers do; fields we
+cannot honour (n > 1, top_logprobs > 0) are refused with a 400 naming the field."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import uuid
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.router.errors import RouterError
+from services.router.pipeline import ChatRequest
+from tandem.v1 import common_pb2
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ImageURL(_Model):
+    url: str = Field(min_length=1)
+    detail: str | None = None
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURLPart(_Model):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+Part = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
+
+
+class Message(_Model):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[Part] | None = None
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Model):
+    model: str = ""
+    messages: list[Message] = Field(min_length=1, max_length=4096)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1, le=1 << 20)
+    max_completion_tokens: int | None = Field(None, ge=1, le=1 << 20)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, le=1 << 20)  # extension
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=1, description="Only n=1 is served.")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=0, description="Alternatives unsupported.")
+    ignore_eos: bool = False  # extension (benchmarks)
+    timeout_ms: int | None = Field(None, ge=1, le=86_400_000)  # extension: per-request deadline
+    priority: int = Field(0, ge=-(1 << 31), lt=1 << 31)  # extension
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if len(stops) > 16:
+        raise RouterError("INVALID_ARGUMENT", "at most 16 stop sequences", "stop")
+    if any(not s for s in stops):
+        raise RouterError("INVALID_ARGUMENT", "stop sequences must be non-empty", "stop")
+    return stops
+
+
+def _image_part(url: str, param: str, max_bytes: int) -> common_pb2.ImagePart:
+    """data: URLs are decoded here (bad base64 -> 400, too large -> 413) and sent as bytes;
+    http(s) URLs go to the encoder, whose allow-list decides."""
+    if url.startswith("data:"):
+        header, sep, payload = url.partition(",")
+        if not sep or ";base64" not in header:
+            raise RouterError("INVALID_ARGUMENT", "image data URL must be base64-encoded", param)
+        if len(payload) * 3 // 4 > max_bytes:
+            raise RouterError("TOO_LARGE", f"image larger than {max_bytes} bytes", param)
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise RouterError("INVALID_ARGUMENT", "image data URL is not valid base64", param) from None
+        if not data:
+            raise RouterError("INVALID_ARGUMENT", "image data URL is empty", param)
+        return common_pb2.ImagePart(data=data)
+    if url.startswith(("http://", "https://")):
+        return common_pb2.ImagePart(url=url)
+    raise RouterError("INVALID_ARGUMENT", "image_url must be a data: or http(s) URL", param)
+
+
+def to_chat_request(body: ChatCompletionRequest, cfg) -> ChatRequest:
+    """Validated body -> front-end-independent request (raises RouterError on bad input)."""
+    messages = []
+    for i, m in enumerate(body.messages):
+        role = "system" if m.role == "developer" else m.role
+        msg = common_pb2.ChatMessage(role=role)
+        if isinstance(m.content, str):
+            msg.content.add(text=m.content)
+        elif m.content is not None:
+            for j, part in enumerate(m.content):
+                if isinstance(part, TextPart):
+                    msg.content.add(text=part.text)
+                else:
+                    param = f"messages[{i}].content[{j}].image_url"
+                    msg.content.add(image=_image_part(part.image_url.url, param, cfg.max_image_bytes))
+        messages.append(msg)
+    max_tokens = body.max_completion_tokens or body.max_tokens or 0
+    sampling = common_pb2.SamplingParams(
+        # NOTE: OpenAI's default temperature is 1.0; our proto reads 0 as greedy.
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=body.top_p or 0.0,
+        top_k=body.top_k or 0,
+        max_tokens=max_tokens,
+        stop=_stop_list(body.stop),
+        ignore_eos=body.ignore_eos,
+        logprobs=body.logprobs,
+    )
+    if body.seed is not None:
+        sampling.seed = body.seed
+    timeout_s = body.timeout_ms / 1000 if body.timeout_ms else cfg.request_timeout_s
+    return ChatRequest(
+        messages=messages,
+        sampling=sampling,
+        timeout_s=timeout_s,
+        request_id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
+        priority=body.priority,
+    )

@@ -1,0 +1,285 @@
+"""The request life cycle: pick E and L, open the room, relay tokens, retry, clean up.
+
+    pick L (least load), E (image affinity); room = random 63-bit id
+    L.Generate(room, E.address, sampling, deadline) ──▶ token stream ──▶ Piece, Piece, ...
+    E.Encode(room, messages, deadline)  (concurrently; returns once the prompt is delivered)
+       └─ E failed (UNAVAILABLE, broken) before delivery: E2 = another encoder,
+          L.Reattach(room, E2.address), E2.Encode(room, ...)   (up to `encoder_retries`)
+
+NOTE (leak hazard): every exit path — normal end, error, deadline, caller gone (the
+generator is closed or its task cancelled) — runs the `finally` below, which cancels
+whatever is still in flight and sends L.Abort(room) unless the stream ended normally, so
+the language instance frees its blocks and KV pages at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.router.errors import (
+    RETRYABLE_ENCODER,
+    RouterError,
+    from_error_info,
+    from_rpc,
+)
+from services.router.metrics import RouterMetrics
+from services.router.registry import Instance, Registry
+from services.router.selection import NoInstanceError, Selector
+from tandem.v1 import common_pb2, encoder_pb2, language_pb2
+
+log = logging.getLogger("tandem.router")
+
+FINISH = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+}
+TIMING_FIELDS = ("preprocess_ms", "vit_ms", "transfer_ms", "queue_ms", "prefill_ms", "decode_ms")
+ENCODER_TIMINGS = ("preprocess_ms", "vit_ms", "transfer_ms")
+
+
+@dataclass
+class ChatRequest:
+    """A validated chat request, front-end independent."""
+
+    messages: list[common_pb2.ChatMessage]
+    sampling: common_pb2.SamplingParams
+    timeout_s: float
+    request_id: str
+    priority: int = 0
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_image_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class Piece:
+    """New output since the previous piece; the last one has `finish_reason` set."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[tuple[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    timings: dict[str, float] | None = None
+
+
+def image_hashes(messages: list[common_pb2.ChatMessage]) -> list[str]:
+    """sha256 of each image's raw bytes (or of its URL) in order: the affinity keys."""
+    out = []
+    for m in messages:
+        for part in m.content:
+            if part.WhichOneof("part") == "image":
+                img = part.image
+                raw = img.data if img.WhichOneof("source") == "data" else img.url.encode()
+                out.append(hashlib.sha256(raw).hexdigest())
+    return out
+
+
+class Dispatcher:
+    """Runs chat requests across the tiers."""
+
+    def __init__(self, registry: Registry, selector: Selector, cfg, metrics: RouterMetrics):
+        self.registry = registry
+        self.selector = selector
+        self.cfg = cfg
+        self.metrics = metrics
+        self._background: set[asyncio.Task] = set()
+
+    def _pick(self, kind: str, hashes=(), exclude=frozenset()) -> Instance:
+        pool = self.registry.pool(kind)
+        try:
+            addr = self.selector.pick(pool.candidates(), hashes, exclude)
+        except NoInstanceError:
+            raise RouterError("UNAVAILABLE", f"no healthy {kind} instance") from None
+        return pool.instances[addr]
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _abort(self, lang: Instance, room: int) -> None:
+        try:
+            await lang.stub.Abort(language_pb2.AbortRequest(room=room), timeout=2.0)
+        except grpc.RpcError:
+            pass
+
+    async def _encode(
+        self, req: ChatRequest, room: int, enc: Instance, lang: Instance, deadline: float
+    ) -> encoder_pb2.EncodeResponse | None:
+        """Deliver the prompt, retrying on other encoders. None: the language side
+        declined a Reattach (it already holds the prompt, or the room is gone) and its
+        stream tells which."""
+        hashes = image_hashes(req.messages)
+        tried: set[str] = set()
+        for attempt in range(self.cfg.encoder_retries + 1):
+            tried.add(enc.address)
+            enc.outstanding += 1
+            try:
+                resp = await enc.stub.Encode(
+                    encoder_pb2.EncodeRequest(
+                        room=room,
+                        request_id=req.request_id,
+                        messages=req.messages,
+                        deadline_unix_ms=int(deadline * 1000),
+                    ),
+                    timeout=max(0.001, deadline - time.time()),
+                )
+                self.registry.encoders.record_success(enc.address)
+                return resp
+            except grpc.RpcError as e:
+                err = from_rpc(e, "encoder")
+                if err.code not in RETRYABLE_ENCODER or attempt == self.cfg.encoder_retries:
+                    raise err from None
+                self.registry.encoders.record_failure(enc.address)
+                log.warning("%s: encoder %s failed (%s); retrying", req.request_id, enc.address, err)
+            finally:
+                enc.outstanding -= 1
+            try:
+                enc = self._pick("encoder", hashes, frozenset(tried))
+            except RouterError:
+                raise err from None
+            self.metrics.encoder_retries.inc()
+            try:
+                r = await lang.stub.Reattach(
+                    language_pb2.ReattachRequest(room=room, encoder_address=enc.address),
+                    timeout=max(0.001, min(5.0, deadline - time.time())),
+                )
+            except grpc.RpcError as e2:
+                raise from_rpc(e2, "language") from None
+            if not r.accepted:
+                return None
+        raise AssertionError("unreachable")
+
+    async def generate(self, req: ChatRequest) -> AsyncIterator[Piece]:
+        """Yield pieces; raise `RouterError` (before or between pieces) on failure."""
+        start = time.time()
+        deadline = start + req.timeout_s
+        hashes = image_hashes(req.messages)
+        lang = self._pick("language")
+        enc = self._pick("encoder", hashes)
+        room = secrets.randbits(63)
+        lang.outstanding += 1
+        gen_call = lang.stub.Generate(
+            language_pb2.LanguageGenerateRequest(
+                room=room,
+                request_id=req.request_id,
+                encoder_address=enc.address,
+                sampling=req.sampling,
+                deadline_unix_ms=int(deadline * 1000),
+                priority=req.priority,
+            ),
+            timeout=req.timeout_s,
+        )
+        encode_task = asyncio.ensure_future(self._encode(req, room, enc, lang, deadline))
+        stream = gen_call.__aiter__()
+        finished = False
+        first = True
+        try:
+            while True:
+                next_msg = asyncio.ensure_future(stream.__anext__())
+                try:
+                    while not next_msg.done():
+                        waits = {next_msg} if encode_task.done() else {next_msg, encode_task}
+                        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                        if encode_task.done() and encode_task.exception() is not None:
+                            raise encode_task.exception()
+                finally:
+                    if not next_msg.done():
+                        next_msg.cancel()
+                try:
+                    msg = next_msg.result()
+                except StopAsyncIteration:
+                    raise RouterError("UNAVAILABLE", "language: stream ended early") from None
+                except grpc.RpcError as e:
+                    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED or time.time() >= deadline:
+                        raise RouterError("DEADLINE_EXCEEDED", "request deadline passed") from None
+                    await self._raise_encoder_error(encode_task, deadline)
+                    self.registry.languages.record_failure(lang.address)
+                    raise from_rpc(e, "language") from None
+                if msg.finish_reason == common_pb2.FINISH_REASON_ERROR and first:
+                    await self._raise_encoder_error(encode_task, deadline)
+                piece = await self._convert(msg, encode_task, deadline)
+                if first and (piece.token_ids or piece.text or piece.finish_reason):
+                    first = False
+                    self.metrics.ttft.observe(time.time() - start)
+                if piece.finish_reason is not None:
+                    finished = True
+                    self.registry.languages.record_success(lang.address)
+                    self.metrics.latency.observe(time.time() - start)
+                    if piece.usage:
+                        self.metrics.cached_image_tokens.inc(piece.usage.cached_image_tokens)
+                    yield piece
+                    return
+                if piece.token_ids or piece.text:
+                    yield piece
+        finally:
+            lang.outstanding -= 1
+            if not encode_task.done():
+                encode_task.cancel()
+            elif not encode_task.cancelled():
+                encode_task.exception()  # retrieved: no "never retrieved" warning
+            if not finished:
+                gen_call.cancel()
+                self._spawn(self._abort(lang, room))
+
+    async def _raise_encoder_error(self, encode_task: asyncio.Future, deadline: float) -> None:
+        """When the language side fails before any token, the encoder's own error (bad
+        image, too large) is the one the caller needs: wait briefly for it and raise it."""
+        if not encode_task.done():
+            await asyncio.wait({encode_task}, timeout=max(0.0, min(1.0, deadline - time.time())))
+        if encode_task.done() and not encode_task.cancelled() and encode_task.exception():
+            raise encode_task.exception()
+
+    async def _convert(self, msg, encode_task: asyncio.Future, deadline: float) -> Piece:
+        piece = Piece(
+            text=msg.text,
+            token_ids=list(msg.token_ids),
+            logprobs=[(lp.token_id, lp.logprob) for lp in msg.logprobs],
+        )
+        reason = msg.finish_reason
+        if reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+            return piece
+        if reason == common_pb2.FINISH_REASON_ERROR:
+            raise from_error_info(msg.error, "language")
+        if reason == common_pb2.FINISH_REASON_ABORT:
+            if time.time() >= deadline:
+                raise RouterError("DEADLINE_EXCEEDED", "request deadline passed")
+            raise RouterError("ABORTED", "language: request aborted")
+        piece.finish_reason = FINISH[reason]
+        # The Encode answer normally precedes the first token (delivery precedes prefill);
+        # wait a little for it to merge encoder timings and cache figures.
+        enc_resp = None
+        if not encode_task.done():
+            await asyncio.wait({encode_task}, timeout=max(0.0, min(2.0, deadline - time.time())))
+        if encode_task.done() and not encode_task.cancelled() and not encode_task.exception():
+            enc_resp = encode_task.result()
+        piece.usage = Usage(
+            prompt_tokens=msg.usage.prompt_tokens or (enc_resp.prompt_tokens if enc_resp else 0),
+            completion_tokens=msg.usage.completion_tokens,
+            cached_image_tokens=(
+                enc_resp.cached_image_tokens if enc_resp else msg.usage.cached_image_tokens
+            ),
+        )
+        timings = {f: getattr(msg.timings, f) for f in TIMING_FIELDS}
+        if enc_resp is not None:
+            for f in ENCODER_TIMINGS:
+                timings[f] = getattr(enc_resp.timings, f)
+        piece.timings = timings
+        return piece

@@ -1,0 +1,101 @@
+"""Instance selection on plain data: least outstanding work, image-hash affinity, round-robin.
+
+The policy never talks to the network. It sees `Candidate`s (address + a load figure that
+already merges the instance's last GetLoad report with the router's own outstanding
+requests) and answers one question: which instance gets this request.
+
+Affinity is consistent hashing with bounded loads: every image hash ranks the encoders by
+rendezvous (highest-random-weight) score, so adding or removing an encoder only moves the
+images that hashed to it. The request goes to the encoder most of its images prefer, unless
+that encoder's load exceeds `bound = ceil(mean_load * (1 + slack)) + 1`; then the next
+encoder in the first image's ranking within the bound, else plain least-load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An eligible (healthy, not draining) instance and its current load."""
+
+    address: str
+    load: float
+
+
+class NoInstanceError(Exception):
+    """No healthy instance of the wanted kind."""
+
+
+def _hrw(key: str, address: str) -> int:
+    digest = hashlib.blake2b(f"{key}|{address}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def rendezvous_order(key: str, addresses: Sequence[str]) -> list[str]:
+    """Addresses ranked for `key`, best first (stable under membership changes)."""
+    return sorted(addresses, key=lambda a: _hrw(key, a), reverse=True)
+
+
+def load_bound(candidates: Sequence[Candidate], slack: float) -> float:
+    """Highest load an affinity target may carry (bounded-load consistent hashing)."""
+    mean = sum(c.load for c in candidates) / len(candidates)
+    return math.ceil(mean * (1.0 + slack)) + 1
+
+
+class Selector:
+    """Picks one instance per request. `policy`: "least_load" or "round_robin"."""
+
+    def __init__(self, policy: str = "least_load", affinity_slack: float = 0.25) -> None:
+        if policy not in ("least_load", "round_robin"):
+            raise ValueError(f"unknown policy {policy!r}")
+        self.policy = policy
+        self.affinity_slack = affinity_slack
+        self._rr = itertools.count()
+
+    def pick(
+        self,
+        candidates: Sequence[Candidate],
+        image_hashes: Sequence[str] = (),
+        exclude: frozenset[str] | set[str] = frozenset(),
+    ) -> str:
+        """Address of the chosen instance; `exclude` lists addresses already tried."""
+        pool = [c for c in candidates if c.address not in exclude]
+        if not pool:
+            raise NoInstanceError("no healthy instance available")
+        pool.sort(key=lambda c: c.address)  # deterministic tie-breaks
+        if self.policy == "round_robin":
+            return pool[next(self._rr) % len(pool)].address
+        if image_hashes:
+            target = self._affinity(pool, image_hashes)
+            if target is not None:
+                return target
+        return self._least_load(pool)
+
+    def _least_load(self, pool: Sequence[Candidate]) -> str:
+        low = min(c.load for c in pool)
+        tied = [c for c in pool if c.load == low]
+        # NOTE: rotate among equally loaded instances so a burst that arrives before the
+        # next load report does not all land on the first address.
+        return tied[next(self._rr) % len(tied)].address
+
+    def _affinity(self, pool: Sequence[Candidate], image_hashes: Sequence[str]) -> str | None:
+        loads = {c.address: c.load for c in pool}
+        bound = load_bound(pool, self.affinity_slack)
+        addresses = list(loads)
+        votes = Counter(rendezvous_order(h, addresses)[0] for h in image_hashes)
+        # Most-preferred first; ties broken by the first image's ranking.
+        first_rank = {a: i for i, a in enumerate(rendezvous_order(image_hashes[0], addresses))}
+        for addr in sorted(votes, key=lambda a: (-votes[a], first_rank[a])):
+            if loads[addr] <= bound:
+                return addr
+        for addr in rendezvous_order(image_hashes[0], addresses):
+            if loads[addr] <= bound:
+                return addr
+        return None

@@ -1,0 +1,79 @@
+"""asyncio gRPC client of the Tandem router (same API as `Client`, awaitable)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from tandem.client.errors import error_from_rpc
+from tandem.client.results import ChatResult, add, backoff_s, build_request, check, retryable
+from tandem.client.sync import _OPTIONS, make_channel_args
+from tandem.v1 import router_pb2, router_pb2_grpc
+
+
+class AsyncClient:
+    """`async with AsyncClient("127.0.0.1:50051") as c: r = await c.chat("Hello")`."""
+
+    def __init__(self, address: str = "127.0.0.1:50051", *, api_key: str | None = None,
+                 timeout: float = 120.0, retries: int = 3, backoff: float = 0.2,
+                 tls: bool = False, root_certificates: bytes | None = None) -> None:
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff = backoff
+        self._metadata, creds = make_channel_args(address, api_key, tls, root_certificates)
+        self._channel = (grpc.aio.secure_channel(address, creds, options=_OPTIONS) if creds
+                         else grpc.aio.insecure_channel(address, options=_OPTIONS))
+        self._stub = router_pb2_grpc.RouterStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    async def _stream(self, messages, timeout, kw) -> AsyncIterator:
+        timeout = timeout or self.timeout
+        request = build_request(messages, timeout=timeout, **kw)
+        attempt = 0
+        while True:
+            got_any = False
+            call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
+            try:
+                async for msg in call:
+                    got_any = True
+                    yield msg
+                return
+            except grpc.RpcError as e:
+                err = error_from_rpc(e)
+                if got_any or not retryable(err) or attempt >= self.retries:
+                    raise err from None
+            finally:
+                call.cancel()  # no-op when done; cancels the server side when abandoned
+            await asyncio.sleep(backoff_s(attempt, self.backoff))
+            attempt += 1
+
+    async def chat(self, messages, *, timeout: float | None = None, **kw) -> ChatResult:
+        result = ChatResult()
+        async for msg in self._stream(messages, timeout, kw):
+            add(result, msg)
+        return result
+
+    async def stream_chat(self, messages, *, timeout: float | None = None,
+                          **kw) -> AsyncIterator[str]:
+        async for msg in self._stream(messages, timeout, kw):
+            check(msg)
+            if msg.text:
+                yield msg.text
+
+    async def models(self) -> list[str]:
+        try:
+            r = await self._stub.ListModels(router_pb2.ListModelsRequest(),
+                                            timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise error_from_rpc(e) from None
+        return [m.id for m in r.models]

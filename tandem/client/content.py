@@ -1,0 +1,103 @@
+"""Building chat messages: text and images from a path, bytes or a PIL image.
+
+`messages` passed to the client may be a plain string (one user turn), or a list of
+OpenAI-style dicts whose `content` is a string or a list of parts. A part is a string, a
+`ContentPart` from the helpers below, `{"type": "text", "text": ...}`,
+`{"type": "image_url", "image_url": {"url": ...}}`, or `{"type": "image", "image": X}`
+where X is a path, bytes or a PIL image. PIL is imported only when a PIL image is given.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from tandem.v1 import common_pb2
+
+
+def text(s: str) -> common_pb2.ContentPart:
+    return common_pb2.ContentPart(text=s)
+
+
+def image_from_bytes(data: bytes, *, min_pixels: int = 0, max_pixels: int = 0):
+    """An image part from encoded file bytes (PNG, JPEG, WebP, ...)."""
+    if not isinstance(data, bytes | bytearray | memoryview) or not data:
+        raise ValueError("image bytes must be a non-empty bytes object")
+    part = common_pb2.ImagePart(data=bytes(data), min_pixels=min_pixels, max_pixels=max_pixels)
+    return common_pb2.ContentPart(image=part)
+
+
+def image_from_path(path: str | os.PathLike, **kw) -> common_pb2.ContentPart:
+    """An image part from a file on disk."""
+    return image_from_bytes(Path(path).read_bytes(), **kw)
+
+
+def image_from_pil(img, *, format: str = "PNG", **kw) -> common_pb2.ContentPart:
+    """An image part from a PIL image (encoded losslessly as PNG by default)."""
+    buf = io.BytesIO()
+    img.save(buf, format=format)
+    return image_from_bytes(buf.getvalue(), **kw)
+
+
+def image_from_url(url: str, **kw) -> common_pb2.ContentPart:
+    """A data: URL (decoded here) or an http(s) URL (fetched by the encoder if allowed)."""
+    if url.startswith("data:"):
+        header, _, payload = url.partition(",")
+        if ";base64" not in header:
+            raise ValueError("data URL must be base64-encoded")
+        return image_from_bytes(base64.b64decode(payload, validate=True), **kw)
+    part = common_pb2.ImagePart(url=url, **{k: v for k, v in kw.items() if v})
+    return common_pb2.ContentPart(image=part)
+
+
+def image(source, **kw) -> common_pb2.ContentPart:
+    """An image part from a path, bytes, a data/http URL string or a PIL image."""
+    if isinstance(source, bytes | bytearray | memoryview):
+        return image_from_bytes(bytes(source), **kw)
+    if isinstance(source, Path):
+        return image_from_path(source, **kw)
+    if isinstance(source, str):
+        if source.startswith(("data:", "http://", "https://")):
+            return image_from_url(source, **kw)
+        return image_from_path(source, **kw)
+    if hasattr(source, "save") and hasattr(source, "size"):
+        return image_from_pil(source, **kw)
+    raise TypeError(f"cannot make an image from {type(source).__name__}")
+
+
+def _part(p) -> common_pb2.ContentPart:
+    if isinstance(p, common_pb2.ContentPart):
+        return p
+    if isinstance(p, str):
+        return text(p)
+    if isinstance(p, dict):
+        kind = p.get("type")
+        if kind == "text":
+            return text(p["text"])
+        if kind == "image_url":
+            ref = p["image_url"]
+            return image_from_url(ref["url"] if isinstance(ref, dict) else ref)
+        if kind == "image":
+            return image(p["image"])
+        raise ValueError(f"unknown content part type {kind!r}")
+    return image(p)  # a Path, bytes or PIL image given bare
+
+
+def to_messages(messages) -> list[common_pb2.ChatMessage]:
+    """Normalize the accepted message forms into protos."""
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    out = []
+    for m in messages:
+        if isinstance(m, common_pb2.ChatMessage):
+            out.append(m)
+            continue
+        content = m.get("content")
+        parts: Iterable = [] if content is None else [content] if isinstance(content, str) else content
+        out.append(common_pb2.ChatMessage(role=m["role"], content=[_part(p) for p in parts]))
+    if not out:
+        raise ValueError("messages must not be empty")
+    return out

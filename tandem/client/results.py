@@ -1,0 +1,117 @@
+"""Plain results of the SDK, and the request/response plumbing both clients share."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from tandem.client.content import to_messages
+from tandem.client.errors import TandemError, error_from_code
+from tandem.v1 import common_pb2, router_pb2
+
+_FINISH = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    cached_image_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class StageTimings:
+    """Milliseconds per stage: encoder (preprocess, vit, transfer), language (queue,
+    prefill, decode)."""
+
+    preprocess_ms: float = 0.0
+    vit_ms: float = 0.0
+    transfer_ms: float = 0.0
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+
+
+@dataclass
+class ChatResult:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    usage: Usage = field(default_factory=Usage)
+    timings: StageTimings = field(default_factory=StageTimings)
+    logprobs: list[float] = field(default_factory=list)
+    request_id: str = ""
+
+
+def build_request(
+    messages,
+    *,
+    model: str = "",
+    max_tokens: int | None = None,
+    temperature: float = 0.0,
+    top_p: float = 0.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    stop: list[str] | str | None = None,
+    logprobs: bool = False,
+    timeout: float | None = None,
+    request_id: str = "",
+    priority: int = 0,
+) -> router_pb2.RouterGenerateRequest:
+    """Temperature 0 (the default here) is greedy decoding."""
+    sampling = common_pb2.SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        max_tokens=max_tokens or 0,
+        stop=[stop] if isinstance(stop, str) else list(stop or []),
+        logprobs=logprobs,
+    )
+    if seed is not None:
+        sampling.seed = seed
+    return router_pb2.RouterGenerateRequest(
+        model=model,
+        messages=to_messages(messages),
+        sampling=sampling,
+        timeout_ms=int(timeout * 1000) if timeout else 0,
+        request_id=request_id,
+        priority=priority,
+    )
+
+
+def check(msg: router_pb2.RouterGenerateResponse) -> None:
+    """Raise the typed error a stream's last message carries, if any."""
+    if msg.finish_reason == common_pb2.FINISH_REASON_ERROR:
+        e = msg.error
+        raise error_from_code(e.code or "INTERNAL", e.message or "request failed", e.field)
+
+
+def add(result: ChatResult, msg: router_pb2.RouterGenerateResponse) -> None:
+    """Fold one streamed message into `result`."""
+    check(msg)
+    result.text += msg.text
+    result.token_ids.extend(msg.token_ids)
+    result.logprobs.extend(lp.logprob for lp in msg.logprobs)
+    result.request_id = msg.request_id or result.request_id
+    if msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+        result.finish_reason = _FINISH.get(msg.finish_reason, "")
+        u = msg.usage
+        result.usage = Usage(u.prompt_tokens, u.completion_tokens, u.total_tokens,
+                             u.cached_image_tokens)
+        t = msg.timings
+        result.timings = StageTimings(t.preprocess_ms, t.vit_ms, t.transfer_ms, t.queue_ms,
+                                      t.prefill_ms, t.decode_ms)
+
+
+def backoff_s(attempt: int, base: float, cap: float = 5.0) -> float:
+    """Exponential backoff with full jitter."""
+    return random.uniform(0, min(cap, base * (2**attempt)))
+
+
+def retryable(err: TandemError) -> bool:
+    return err.code == "UNAVAILABLE"

@@ -1,0 +1,1 @@
+"""`tandem up`: the local cluster launcher (process supervision, readiness, demo)."""

@@ -1,0 +1,168 @@
+"""Child processes of `tandem up`: start, forward logs, wait for readiness, stop.
+
+Each child runs in its own session (process group), so a terminal Ctrl-C reaches only
+`tandem up`, which then stops the children in order (router first, so no new work
+arrives; then the instances) with SIGTERM, and SIGKILLs each child's whole process group
+after `stop_timeout_s`. On Linux the children also get PR_SET_PDEATHSIG, so even a
+`kill -9` of `tandem up` leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+_PRINT = threading.Lock()
+
+
+def say(line: str) -> None:
+    with _PRINT:
+        print(line, flush=True)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+@dataclass
+class Child:
+    """One service process. `health_service` is the grpc.health.v1 service name whose
+    SERVING status means ready ("" for the tiers, "tandem.v1.Router" for the router)."""
+
+    name: str
+    argv: list[str]
+    grpc_address: str
+    health_service: str = ""
+    proc: subprocess.Popen | None = None
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=40))
+    started_at: float = 0.0
+    ready_after_s: float | None = None
+    _pump: threading.Thread | None = None
+
+    def start(self, env: dict[str, str]) -> None:
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        self._pump = threading.Thread(target=self._forward, name=f"log-{self.name}", daemon=True)
+        self._pump.start()
+
+    def _forward(self) -> None:
+        width = 11
+        for raw in iter(self.proc.stdout.readline, b""):
+            line = raw.decode(errors="replace").rstrip()
+            self.tail.append(line)
+            say(f"{self.name:<{width}}| {line}")
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive:
+            try:
+                os.kill(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill_group(self) -> None:
+        """Last resort: SIGKILL the child's whole process group."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+
+    def join_logs(self, timeout: float = 2.0) -> None:
+        if self._pump is not None:
+            self._pump.join(timeout)
+
+
+def probe(child: Child, timeout: float = 1.0) -> bool:
+    """True when the child's health service answers SERVING."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(child.grpc_address) as ch:
+        try:
+            r = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=child.health_service), timeout=timeout
+            )
+        except grpc.RpcError:
+            return False
+    return r.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def wait_ready(children: list[Child], timeout_s: float, stop: threading.Event) -> None:
+    """Block until every child is SERVING; one progress line per child as it gets there.
+    Raises RuntimeError naming the child that died or did not become ready."""
+    pending = list(children)
+    end = time.monotonic() + timeout_s
+    last_note = time.monotonic()
+    while pending:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        for c in list(pending):
+            if not c.alive:
+                tail = "\n  ".join(list(c.tail)[-15:])
+                raise RuntimeError(
+                    f"{c.name} exited with code {c.proc.returncode} before it was ready:\n  {tail}"
+                )
+            if probe(c, timeout=0.5):
+                c.ready_after_s = time.monotonic() - c.started_at
+                say(f"[up] {c.name:<11} ready   {c.grpc_address:<21} ({c.ready_after_s:.1f} s)")
+                pending.remove(c)
+        if time.monotonic() > end:
+            names = ", ".join(c.name for c in pending)
+            raise RuntimeError(f"not ready after {timeout_s:.0f} s: {names}")
+        if pending and time.monotonic() - last_note > 5:
+            last_note = time.monotonic()
+            say("[up] waiting for " + ", ".join(c.name for c in pending))
+        stop.wait(0.2)
+
+
+def stop_all(groups: list[list[Child]], timeout_s: float) -> None:
+    """SIGTERM group by group (each gets up to `timeout_s` to drain), then SIGKILL the
+    process groups of whatever is left. Returns once every child has exited."""
+    for group in groups:
+        for c in group:
+            c.signal(signal.SIGTERM)
+        end = time.monotonic() + timeout_s
+        for c in group:
+            if c.proc is None:
+                continue
+            try:
+                c.proc.wait(max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                say(f"[up] {c.name} did not stop in {timeout_s:.0f} s; killing it")
+            # NOTE: kill the group even after a clean exit: a grandchild must not survive.
+            c.kill_group()
+    for group in groups:
+        for c in group:
+            c.join_logs()

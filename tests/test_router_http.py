@@ -1,0 +1,142 @@
+"""HTTP front-end without tiers: validation, auth, admission, unknown model, health —
+every failure in OpenAI's error shape with the right status, never a 500."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+from fastapi.testclient import TestClient
+
+from services.router.config import RouterConfig
+from services.router.core import RouterCore
+from services.router.http_api import build_app
+
+PNG_1PX = base64.b64decode(
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+)
+
+
+def make(**kw) -> tuple[RouterCore, TestClient]:
+    core = RouterCore(RouterConfig(**kw))
+    return core, TestClient(build_app(core))
+
+
+def chat(**kw) -> dict:
+    body = {"model": "", "messages": [{"role": "user", "content": "hi"}]}
+    body.update(kw)
+    return body
+
+
+def img_msg(url: str) -> list:
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": "what?"},
+            ],
+        }
+    ]
+
+
+def assert_openai_error(r, status: int, code: str, param=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == code and err["message"]
+    if param is not None:
+        assert err["param"] == param
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        (chat(messages=[]), "messages"),
+        (chat(max_tokens=-1), "max_tokens"),
+        (chat(max_completion_tokens=0), "max_completion_tokens"),
+        (chat(temperature=-0.5), "temperature"),
+        (chat(top_p=0), "top_p"),
+        (chat(n=2), "n"),
+        (chat(top_logprobs=3), "top_logprobs"),
+        (chat(stop=["a"] * 17), "stop"),
+        (chat(messages=[{"role": "wizard", "content": "x"}]), None),
+        (
+            chat(messages=img_msg("data:image/png;base64,@@notbase64@@")),
+            "messages[0].content[0].image_url",
+        ),
+        (chat(messages=img_msg("data:image/png,rawbytes")), "messages[0].content[0].image_url"),
+        (chat(messages=img_msg("ftp://example.com/a.png")), "messages[0].content[0].image_url"),
+        (chat(messages=[{"role": "user", "content": [{"type": "audio", "x": 1}]}]), None),
+    ],
+)
+def test_bad_input_is_400(body, param):
+    _, c = make()
+    assert_openai_error(c.post("/v1/chat/completions", json=body), 400, "invalid_argument", param)
+
+
+def test_malformed_json_is_400():
+    _, c = make()
+    r = c.post(
+        "/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"}
+    )
+    assert_openai_error(r, 400, "invalid_argument")
+
+
+def test_oversized_image_is_413():
+    _, c = make(max_image_bytes=1024)
+    url = "data:image/png;base64," + base64.b64encode(b"\x89PNG" + b"\0" * 4096).decode()
+    r = c.post("/v1/chat/completions", json=chat(messages=img_msg(url)))
+    assert_openai_error(r, 413, "too_large", "messages[0].content[0].image_url")
+
+
+def test_oversized_body_is_413():
+    _, c = make(max_request_bytes=2048)
+    r = c.post(
+        "/v1/chat/completions", json=chat(messages=[{"role": "user", "content": "x" * 5000}])
+    )
+    assert_openai_error(r, 413, "too_large")
+
+
+def test_unknown_model_is_404():
+    _, c = make(model="tiny-vlm")
+    assert c.get("/v1/models").json()["data"][0]["id"] == "tiny-vlm"
+    assert_openai_error(
+        c.post("/v1/chat/completions", json=chat(model="gpt-9")), 404, "not_found", "model"
+    )
+
+
+def test_no_instances_is_503_and_health_not_ready():
+    _, c = make()
+    url = "data:image/png;base64," + base64.b64encode(PNG_1PX).decode()
+    assert_openai_error(
+        c.post("/v1/chat/completions", json=chat(messages=img_msg(url))), 503, "unavailable"
+    )
+    assert_openai_error(c.post("/v1/chat/completions", json=chat(stream=True)), 503, "unavailable")
+    r = c.get("/health")
+    assert r.status_code == 503 and r.json()["status"] == "unavailable"
+    assert b"tandem_router_inflight 0.0" in c.get("/metrics").content
+
+
+def test_api_key_401_and_accepted():
+    core, c = make(api_key="s3cret")
+    assert_openai_error(c.post("/v1/chat/completions", json=chat()), 401, "unauthenticated")
+    r = c.post("/v1/chat/completions", json=chat(), headers={"Authorization": "Bearer wrong"})
+    assert_openai_error(r, 401, "unauthenticated")
+    assert_openai_error(c.get("/v1/models"), 401, "unauthenticated")
+    ok = c.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
+    assert ok.status_code == 200
+    # with the key the request passes auth and reaches selection (no instances here: 503)
+    r = c.post("/v1/chat/completions", json=chat(), headers={"Authorization": "Bearer s3cret"})
+    assert_openai_error(r, 503, "unavailable")
+    assert c.get("/health").status_code == 503  # probes need no key
+
+
+def test_admission_full_is_429_and_slot_is_not_leaked():
+    core, c = make(max_inflight=1)
+    core.admission.acquire()  # one request in flight
+    assert_openai_error(c.post("/v1/chat/completions", json=chat()), 429, "overloaded")
+    core.admission.release()
+    for _ in range(3):  # failing requests give their slot back
+        assert_openai_error(c.post("/v1/chat/completions", json=chat()), 503, "unavailable")
+    assert core.admission.inflight == 0

@@ -1,0 +1,158 @@
+"""A real router (gRPC + uvicorn on loopback) without tiers, driven by the SDK, httpx and
+grpc health; and a real pool ejecting a dead address and probing it back."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from services.router.config import RouterConfig
+from services.router.health import InstanceState
+from services.router.main import run_router
+from services.router.registry import Pool, resolve
+from tandem.client import (
+    AsyncClient,
+    AuthenticationError,
+    Client,
+    InvalidRequestError,
+    NotFoundError,
+    UnavailableError,
+    image,
+)
+from tandem.launch.procs import free_port
+
+
+@pytest.fixture(scope="module")
+def router():
+    cfg = RouterConfig(http_port=free_port(), grpc_port=free_port(), api_key="k3y",
+                       encoders=[f"127.0.0.1:{free_port()}"], languages=[f"127.0.0.1:{free_port()}"],
+                       load_refresh_s=0.1, model="tiny")
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    t = threading.Thread(target=loop.run_until_complete, args=(run_router(cfg, stop),))
+    t.start()
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        try:
+            httpx.get(f"http://127.0.0.1:{cfg.http_port}/health", timeout=0.5)
+            break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    yield cfg
+    loop.call_soon_threadsafe(stop.set)
+    t.join(30)
+    assert not t.is_alive()
+
+
+def test_sdk_typed_errors(router):
+    addr = f"127.0.0.1:{router.grpc_port}"
+    with Client(addr) as c:
+        with pytest.raises(AuthenticationError):
+            c.chat("hi")
+        with pytest.raises(AuthenticationError):
+            c.models()
+    with Client(addr, api_key="k3y", retries=2, backoff=0.01) as c:
+        assert c.models() == ["tiny"]
+        with pytest.raises(UnavailableError, match="no healthy"):
+            c.chat([{"role": "user", "content": [image(b"\x89PNG..."), "what?"]}])
+        with pytest.raises(NotFoundError):
+            c.chat("hi", model="other")
+        with pytest.raises(InvalidRequestError, match="role"):
+            c.chat([{"role": "wizard", "content": "x"}])
+        with pytest.raises(InvalidRequestError):
+            list(c.stream_chat("hi", temperature=-1))
+
+
+def test_async_sdk_and_unreachable_router(router):
+    async def go():
+        async with AsyncClient(f"127.0.0.1:{router.grpc_port}", api_key="k3y", retries=1,
+                               backoff=0.01) as c:
+            assert await c.models() == ["tiny"]
+            with pytest.raises(UnavailableError):
+                await c.chat("hi")
+        async with AsyncClient(f"127.0.0.1:{free_port()}", retries=2, backoff=0.01,
+                               timeout=5) as c:
+            with pytest.raises(UnavailableError):
+                await c.chat("hi")
+
+    asyncio.run(go())
+
+
+def test_http_and_grpc_health_reflection(router):
+    base = f"http://127.0.0.1:{router.http_port}"
+    assert httpx.get(f"{base}/health").status_code == 503
+    assert httpx.get(f"{base}/v1/models").status_code == 401
+    r = httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer k3y"})
+    assert r.json()["data"][0]["id"] == "tiny"
+    assert "tandem_router_healthy_instances" in httpx.get(f"{base}/metrics").text
+    with grpc.insecure_channel(f"127.0.0.1:{router.grpc_port}") as ch:
+        h = health_pb2_grpc.HealthStub(ch)
+        S = health_pb2.HealthCheckResponse
+        assert h.Check(health_pb2.HealthCheckRequest(service="")).status == S.SERVING
+        ready = h.Check(health_pb2.HealthCheckRequest(service="tandem.v1.Router")).status
+        assert ready == S.NOT_SERVING  # no healthy tiers behind it
+        refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+        req = reflection_pb2.ServerReflectionRequest(list_services="")
+        names = [s.name for r in refl.ServerReflectionInfo(iter([req]))
+                 for s in r.list_services_response.service]
+        assert "tandem.v1.Router" in names
+
+
+def test_pool_ejects_dead_instance_and_probes_it_back():
+    async def go():
+        port = free_port()
+        pool = Pool("encoder", eject_after=2, rpc_timeout_s=0.5)
+        await pool.set_addresses([f"127.0.0.1:{port}"])
+        inst = pool.instances[f"127.0.0.1:{port}"]
+        pool.record_success(inst.address)  # as if it had answered before dying
+        for _ in range(2):
+            await pool.poll()
+        assert inst.tracker.state is InstanceState.EJECTED and pool.candidates() == []
+        server = grpc.aio.server()
+        hs = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await hs.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        await pool.poll()
+        assert inst.tracker.state is InstanceState.EJECTED
+        await hs.set("", health_pb2.HealthCheckResponse.SERVING)
+        for _ in range(20):
+            await pool.poll()
+            if inst.tracker.healthy:
+                break
+            await asyncio.sleep(0.1)
+        assert inst.tracker.healthy and [c.address for c in pool.candidates()] == [inst.address]
+        await server.stop(None)
+        await pool.set_addresses([])
+        assert pool.instances == {}
+        await pool.close()
+
+    asyncio.run(go())
+
+
+def test_dns_resolution():
+    async def go():
+        assert await resolve("localhost:50061") in (["127.0.0.1:50061"],
+                                                    ["127.0.0.1:50061", "[::1]:50061"])
+        assert await resolve("no-such-host.invalid:1") == []
+        with pytest.raises(ValueError):
+            await resolve("nohostport")
+
+    asyncio.run(go())
+
+
+def test_client_import_is_light():
+    code = ("import sys, tandem.client; heavy = [m for m in ('torch', 'transformers', 'numpy') "
+            "if m in sys.modules]; print(heavy); sys.exit(1 if heavy else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
