@@ -108,7 +108,8 @@ def test_cli_builds_the_same_checkpoint_in_another_process(tmp_path):
     ):
         assert (out / name).is_file(), name
     here = build_tiny_model(tmp_path / "here", arch="qwen3_vl", size="tiny", seed=3)
-    assert (out / "model.safetensors").read_bytes() == (here / "model.safetensors").read_bytes()
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (out / name).read_bytes() == (here / name).read_bytes(), name
     bad = subprocess.run(
         cmd + ["tiny-model", str(tmp_path / "x"), "--arch", "llama"], capture_output=True, text=True
     )
@@ -172,31 +173,35 @@ def test_import_tandem_is_light(checkpoint):
 
 def test_import_tandem_enables_auto_processor(checkpoint):
     """In a fresh interpreter: without `import tandem` AutoProcessor fails (no torchvision for
-    the stock video processor); after it, the image-only processor loads, and the model too."""
+    the stock video processor); with it (imported before or after transformers) it loads the
+    image-only processor."""
     from transformers.utils import is_torchvision_available
 
     path = str(checkpoint("qwen2_5_vl"))
     code = """
         {imp}
         from transformers import AutoProcessor
-        try:
-            p = AutoProcessor.from_pretrained({path!r})
-        except Exception as e:
-            print("FAIL", type(e).__name__)
-        else:
-            print("OK", type(p).__module__, sorted(p.get_attributes()))
+
+        def load():
+            try:
+                p = AutoProcessor.from_pretrained({path!r})
+            except Exception as e:
+                return "FAIL " + type(e).__name__
+            return " ".join(["OK", type(p).__module__, *sorted(p.get_attributes())])
+
+        print(load())
+        import tandem  # late: transformers' auto-mapping is already loaded
+        print(load())
     """
+    ok = "OK tandem.models.processor image_processor tokenizer"
     with_hook = run_py(code.format(imp="import tandem", path=path))
     assert with_hook.returncode == 0, with_hook.stderr
-    assert with_hook.stdout.split() == [
-        "OK",
-        "tandem.models.processor",
-        "['image_processor',",
-        "'tokenizer']",
-    ]
+    assert with_hook.stdout.splitlines() == [ok, ok]
     if not is_torchvision_available():
-        without = run_py(code.format(imp="", path=path))
-        assert without.stdout.startswith("FAIL"), without.stdout + without.stderr
+        late = run_py(code.format(imp="", path=path))
+        assert late.returncode == 0, late.stderr
+        first, second = late.stdout.splitlines()
+        assert first.startswith("FAIL") and second == ok
 
 
 def test_hub_style_processor_files_load(checkpoint, tmp_path):
