@@ -1,0 +1,156 @@
+"""Decode CUDA-graph runner: static buffers, batch-size x KV-width buckets, pad and slice.
+
+A graph replays fixed kernels on fixed addresses, so every input lives in a static buffer
+allocated once, and a graph exists per (batch bucket, KV width bucket):
+
+    token_ids     [max_bs]                 int64
+    positions     [3, max_bs]              int64   (t, h, w rows; equal for decode)
+    block_tables  [max_bs, max_pages]      int64   pages of each row, padded with DUMMY
+    seq_lens      [max_bs]                 int64   keys visible to each row (>= 1)
+    slot_mapping  [max_bs]                 int64   cache slot the new K/V goes to
+
+    graph (bs, W) reads   token_ids[:bs], positions[:, :bs], block_tables[:bs, :W], ...
+    rows [raw_bs, bs) are padding: token 0, position 0, seq_len 1, every page and the
+    slot on the KV cache's dummy page, so they touch no real KV; their logits are sliced off.
+
+Batch buckets are [1, 2, 4, 8] + range(16, max_bs + 1, 16); width buckets double from 16
+pages up to max_pages (attention over a padded block table costs O(W), so a short batch
+does not pay for max_seq_len). Graphs are captured largest first into ONE memory pool.
+
+On a machine without CUDA nothing is captured: `run` executes the very same `_step` over
+the same static buffers eagerly, so padding and slicing are tested everywhere.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import TYPE_CHECKING
+
+import torch
+
+from services.language.attention import AttentionMetadata
+from services.language.forward_batch import ForwardBatch, ForwardOutput
+from services.language.kv_cache import pages_needed
+
+if TYPE_CHECKING:
+    from services.language.model_runner import ModelRunner
+
+
+def batch_buckets(max_bs: int) -> list[int]:
+    return [b for b in (1, 2, 4, 8) if b <= max_bs] + list(range(16, max_bs + 1, 16))
+
+
+def width_buckets(max_pages: int, smallest: int = 16) -> list[int]:
+    out, w = [], smallest
+    while w < max_pages:
+        out.append(w)
+        w *= 2
+    return out + [max_pages]
+
+
+class GraphRunner:
+    def __init__(self, runner: ModelRunner, max_bs: int, max_seq_len: int) -> None:
+        if max_bs < 1 or max_seq_len < 1:
+            raise ValueError(f"bad graph runner limits: max_bs={max_bs}, max_seq_len={max_seq_len}")
+        self.runner = runner
+        self.device = runner.device
+        self.batch_sizes = batch_buckets(max_bs)
+        self.max_pages = pages_needed(max_seq_len, runner.page_size)
+        self.widths = width_buckets(self.max_pages)
+        n, dev = self.batch_sizes[-1], self.device
+        self.dummy_page = runner.kv.dummy_page
+        self.dummy_slot = self.dummy_page * runner.page_size
+        self.token_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(3, n, dtype=torch.int64, device=dev)
+        self.block_tables = torch.full(
+            (n, self.max_pages), self.dummy_page, dtype=torch.int64, device=dev
+        )
+        self.seq_lens = torch.ones(n, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((n,), self.dummy_slot, dtype=torch.int64, device=dev)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.use_graphs = self.device.type == "cuda"
+        if self.use_graphs:
+            self.capture()
+
+    # -- the step a graph records -----------------------------------------------------
+    def _step(self, bs: int, width: int) -> torch.Tensor:
+        """Logits [bs, vocab] float32 for rows [0, bs) of the static buffers (capture-safe)."""
+        model = self.runner.model
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs],
+            num_single=bs,
+            single_block_tables=self.block_tables[:bs, :width],
+            single_seq_lens=self.seq_lens[:bs],
+        )
+        hidden = model.embed_tokens(self.token_ids[:bs])
+        out = model(hidden, self.positions[:, :bs], meta, self.runner.kv.k, self.runner.kv.v)
+        return self.runner.compute_logits(out)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every (bs, width) graph, largest first, into one shared memory pool."""
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        for bs in reversed(self.batch_sizes):
+            for width in reversed(self.widths):
+                # Warm up on a side stream (lazy inits, allocator) before recording.
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        self._step(bs, width)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    out = self._step(bs, width)
+                self.graphs[(bs, width)] = graph
+                self.outputs[(bs, width)] = out
+        torch.cuda.synchronize(self.device)
+
+    # -- serving ---------------------------------------------------------------------------
+    def can_run(self, batch: ForwardBatch) -> bool:
+        if not batch.is_pure_decode or len(batch.chunks) > self.batch_sizes[-1]:
+            return False
+        return all(c.start + 1 <= self.max_pages * self.runner.page_size for c in batch.chunks)
+
+    @torch.inference_mode()
+    def run(self, batch: ForwardBatch) -> ForwardOutput:
+        if not self.can_run(batch):
+            raise ValueError("graph runner cannot serve this batch (use the eager path)")
+        ps = self.runner.page_size
+        raw = len(batch.chunks)
+        bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, raw)]
+        need = max(pages_needed(c.start + 1, ps) for c in batch.chunks)
+        width = self.widths[bisect.bisect_left(self.widths, need)]
+        for c in batch.chunks:
+            self.runner._check_chunk(c)
+
+        # Build the [bs]-row inputs on the host, padding rows included, then copy once.
+        ids = torch.zeros(bs, dtype=torch.int64)
+        pos = torch.zeros(3, bs, dtype=torch.int64)
+        tables = torch.full((bs, width), self.dummy_page, dtype=torch.int64)
+        lens = torch.ones(bs, dtype=torch.int64)
+        slots = torch.full((bs,), self.dummy_slot, dtype=torch.int64)
+        for i, c in enumerate(batch.chunks):
+            n = pages_needed(c.start + 1, ps)
+            ids[i] = c.token_ids[0]
+            pos[:, i] = c.positions[:, 0]
+            tables[i, :n] = torch.as_tensor(c.block_table[:n])
+            lens[i] = c.start + 1
+            slots[i] = c.block_table[c.start // ps] * ps + c.start % ps
+        self.token_ids[:bs].copy_(ids, non_blocking=True)
+        self.positions[:, :bs].copy_(pos, non_blocking=True)
+        self.block_tables[:bs, :width].copy_(tables, non_blocking=True)
+        self.seq_lens[:bs].copy_(lens, non_blocking=True)
+        self.slot_mapping[:bs].copy_(slots, non_blocking=True)
+
+        if self.use_graphs:
+            self.graphs[(bs, width)].replay()
+            logits = self.outputs[(bs, width)][:raw].clone()
+        else:
+            logits = self._step(bs, width)[:raw]
+        # A 1-token chunk's prompt logits are its last logits.
+        prompt = {
+            c.seq_id: logits[i : i + 1] for i, c in enumerate(batch.chunks) if c.want_prompt_logits
+        }
+        return ForwardOutput(last_logits=logits, prompt_logits=prompt)
