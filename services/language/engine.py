@@ -1,0 +1,295 @@
+"""The engine thread: scheduler -> runner -> sampler -> detokenizer -> per-request sinks.
+
+Threads:
+
+    gRPC asyncio loop ──submit()/abort()──▶ inbox (SimpleQueue) ──▶ engine thread
+    engine thread ──sink(StreamDelta)──▶ caller (the server hops back to its loop with
+                                          call_soon_threadsafe)
+
+Everything about a request after `submit()` (its pages, counters, detokenizer) is touched
+only by the engine thread. `submit()` validates synchronously so bad input fails fast
+with a clear error; `abort()` only posts a command.
+
+NOTE: every way out of the engine for a request (finish, stop string, deadline, abort,
+runner failure, shutdown) goes through `_finish()`, which frees its KV pages and sends
+exactly one final delta.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from services.language.detokenizer import IncrementalDetokenizer
+from services.language.metrics import LanguageMetrics
+from services.language.request import Request, RequestStatus, StreamDelta
+from services.language.sampler import sample
+from services.language.schedule_policy import NewTokenRatio
+from services.language.scheduler import AdmissionError, Scheduler
+
+log = logging.getLogger("tandem.language.engine")
+
+Sink = Callable[[StreamDelta], None]
+
+
+@dataclass
+class EngineConfig:
+    max_prefill_tokens: int = 4096
+    max_running_requests: int = 64
+    schedule_policy: str = "fcfs"
+    max_model_len: int = 32768
+    init_new_token_ratio: float = 0.7  # share of max_tokens reserved at admission (decays)
+
+
+@dataclass
+class _Live:
+    req: Request
+    sink: Sink
+    detok: IncrementalDetokenizer
+
+
+class Engine:
+    def __init__(
+        self,
+        runner,
+        tokenizer,
+        cfg: EngineConfig,
+        eos_token_ids: tuple[int, ...] = (),
+        metrics: LanguageMetrics | None = None,
+    ) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.eos = frozenset(eos_token_ids or getattr(runner, "eos_token_ids", ()))
+        self.metrics = metrics or LanguageMetrics()
+        self.pool = runner.kv_pool
+        self.scheduler = Scheduler(
+            self.pool,
+            runner.page_size,
+            cfg.max_prefill_tokens,
+            cfg.max_running_requests,
+            policy=cfg.schedule_policy,
+            ratio=NewTokenRatio(init=cfg.init_new_token_ratio),
+        )
+        self.metrics.kv_total.set(self.pool.num_total)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._live: dict[int, _Live] = {}  # engine thread only
+        self._known: set[int] = set()  # rids submitted and not yet finished (any thread)
+        self._known_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.num_steps = 0
+
+    # ---- any thread -------------------------------------------------------------------
+
+    def start(self) -> Engine:
+        self._thread = threading.Thread(target=self._loop, name="language-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort what is left and stop the thread."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, req: Request, sink: Sink) -> None:
+        """Queue a request whose prompt is complete; raises AdmissionError on bad input."""
+        if req.prompt is None or req.prompt_len == 0:
+            raise AdmissionError("empty prompt")
+        room = self.cfg.max_model_len - req.prompt_len
+        if room <= 0:
+            raise AdmissionError(
+                f"prompt of {req.prompt_len} tokens reaches max_model_len {self.cfg.max_model_len}"
+            )
+        if req.prompt.embed_dim not in (self.runner.embed_dim, self.runner.hidden_size):
+            raise AdmissionError(
+                f"prompt embed_dim {req.prompt.embed_dim} does not match the model's "
+                f"{self.runner.embed_dim}"
+            )
+        req.sampling.max_tokens = min(req.sampling.max_tokens, room)
+        need = -(-(req.prompt_len + 1) // self.runner.page_size)
+        if need > self.pool.num_total:
+            raise AdmissionError(
+                f"prompt of {req.prompt_len} tokens needs {need} KV pages; "
+                f"the pool has {self.pool.num_total}"
+            )
+        with self._known_lock:
+            if req.rid in self._known:
+                raise AdmissionError(f"request {req.rid} is already running")
+            self._known.add(req.rid)
+        self._inbox.put(("submit", req, sink))
+        self._wake.set()
+
+    def abort(self, rid: int, reason: str = "aborted", code: str = "CANCELLED") -> bool:
+        """Abort a submitted request at any stage; False when it is unknown or finished."""
+        with self._known_lock:
+            if rid not in self._known:
+                return False
+        self._inbox.put(("abort", rid, (reason, code)))
+        self._wake.set()
+        return True
+
+    def load(self) -> dict[str, int]:
+        """Racy but consistent-enough counters for GetLoad."""
+        return {
+            "waiting": self.scheduler.num_waiting,
+            "running": self.scheduler.num_running,
+            "free_kv_pages": self.pool.num_free,
+            "total_kv_pages": self.pool.num_total,
+        }
+
+    @property
+    def num_active(self) -> int:
+        with self._known_lock:
+            return len(self._known)
+
+    # ---- engine thread ----------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox()
+            self._check_deadlines()
+            try:
+                progressed = self._step()
+            except Exception as e:  # a runner failure ends the requests in it, not the loop
+                log.exception("engine step failed")
+                for live in list(self._live.values()):
+                    if live.req.status.scheduled:
+                        self._finish(live, RequestStatus.FINISHED_ERROR, f"engine: {e}", "INTERNAL")
+                progressed = True
+            if not progressed:
+                self._wake.wait(0.05)
+                self._wake.clear()
+        self._drain_inbox()
+        for live in list(self._live.values()):
+            self._finish(live, RequestStatus.FINISHED_ABORT, "server shutting down", "UNAVAILABLE")
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                cmd, a, b = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if cmd == "submit":
+                live = _Live(a, b, IncrementalDetokenizer(self.tokenizer, a.sampling.stop))
+                self._live[a.rid] = live
+                try:
+                    self.scheduler.add(a)
+                except AdmissionError as e:
+                    self._finish(live, RequestStatus.FINISHED_ERROR, str(e), "RESOURCE_EXHAUSTED")
+            elif cmd == "abort" and a in self._live:
+                self._finish(self._live[a], RequestStatus.FINISHED_ABORT, *b)
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        for live in list(self._live.values()):
+            if now >= live.req.deadline:
+                self._finish(
+                    live, RequestStatus.FINISHED_ABORT, "deadline exceeded", "DEADLINE_EXCEEDED"
+                )
+
+    def _step(self) -> bool:
+        retractions = self.scheduler.num_retractions
+        step = self.scheduler.schedule()
+        self._update_gauges()
+        if step is None:
+            return False
+        for req in step.failed:
+            self._finish(self._live[req.rid], req.status, req.error, req.error_code)
+        if not step.chunks:
+            return True
+        self.num_steps += 1
+        m = self.metrics
+        m.batch_size.observe(len(step.chunks))
+        m.batch_tokens.observe(step.num_tokens)
+        m.retractions.inc(self.scheduler.num_retractions - retractions)
+        m.prompt_tokens.inc(sum(c.num_tokens for c in step.chunks if c.start < c.req.prompt_len))
+
+        out = self.runner.forward(step.batch)
+        rows = [i for i, c in enumerate(step.chunks) if c.samples]
+        tokens: list[int | None] = [None] * len(step.chunks)
+        logprobs: list[float | None] = [None] * len(step.chunks)
+        if rows:
+            idx = torch.tensor(rows, device=out.last_logits.device)
+            res = sample(out.last_logits.index_select(0, idx), [step.chunks[i].req for i in rows])
+            for i, t, lp in zip(rows, res.token_ids, res.logprobs, strict=True):
+                tokens[i], logprobs[i] = t, lp
+        self.scheduler.commit(step, tokens)
+        now = time.monotonic()
+        m.count_generated(len(rows))
+        for i in rows:
+            self._on_token(self._live[step.chunks[i].req.rid], tokens[i], logprobs[i], now)
+        return True
+
+    def _on_token(self, live: _Live, token: int, logprob: float | None, now: float) -> None:
+        req, p = live.req, live.req.sampling
+        if not req.t_first_token:
+            req.t_first_token = now
+            self.metrics.ttft.observe(now - req.t_created)
+        req.t_last_token = now
+        delta = StreamDelta(token_ids=[token])
+        if logprob is not None:
+            req.output_logprobs.append(logprob)
+            delta.logprobs = [logprob]
+        if (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids:
+            self._finish(live, RequestStatus.FINISHED_STOP, delta=delta)
+            return
+        delta.text = live.detok.add([token])
+        if live.detok.stopped:
+            self._finish(live, RequestStatus.FINISHED_STOP, delta=delta)
+        elif len(req.output_ids) >= p.max_tokens:
+            self._finish(live, RequestStatus.FINISHED_LENGTH, delta=delta)
+        else:
+            self._emit(live, delta)
+
+    def _finish(
+        self,
+        live: _Live,
+        status: RequestStatus,
+        error: str = "",
+        code: str = "",
+        delta: StreamDelta | None = None,
+    ) -> None:
+        req = live.req
+        self.scheduler.finish(req, status)  # frees its pages (idempotent)
+        req.status = status
+        self._live.pop(req.rid, None)
+        with self._known_lock:
+            self._known.discard(req.rid)
+        delta = delta or StreamDelta()
+        if status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOP):
+            delta.text += live.detok.flush()  # held-back text that never became a stop string
+        delta.finish_reason = status
+        delta.prompt_tokens = req.prompt_len
+        delta.completion_tokens = len(req.output_ids)
+        delta.timings_ms = req.timings_ms()
+        delta.error, delta.error_code = error or req.error, code or req.error_code
+        m = self.metrics
+        m.finished.labels(status.value).inc()
+        m.e2e.observe(time.monotonic() - req.t_created)
+        if len(req.output_ids) > 1 and req.t_first_token:
+            m.tpot.observe((req.t_last_token - req.t_first_token) / (len(req.output_ids) - 1))
+        self._emit(live, delta)
+
+    def _emit(self, live: _Live, delta: StreamDelta) -> None:
+        try:
+            live.sink(delta)
+        except Exception:  # a broken sink must not take the engine down
+            log.exception("sink of request %s failed", live.req.rid)
+            if not delta.finished:
+                self._finish(live, RequestStatus.FINISHED_ABORT, "output sink failed", "INTERNAL")
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.waiting.set(self.scheduler.num_waiting)
+        m.running.set(self.scheduler.num_running)
+        m.kv_used.set(self.pool.num_total - self.pool.num_free)

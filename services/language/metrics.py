@@ -1,0 +1,61 @@
+"""Prometheus metrics of the language tier (one registry per instance, so tests and
+several engines in one process never collide)."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+_BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class LanguageMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        p = "tandem_language_"
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first token.",
+                              buckets=_LATENCY, registry=r)  # fmt: skip
+        self.tpot = Histogram(p + "time_per_output_token_seconds",
+                              "Mean time between output tokens of a finished request.",
+                              buckets=_TPOT, registry=r)  # fmt: skip
+        self.e2e = Histogram(p + "request_latency_seconds", "Arrival to finish.",
+                             buckets=_LATENCY, registry=r)  # fmt: skip
+        self.waiting = Gauge(p + "waiting_requests", "Requests in the waiting queue.", registry=r)
+        self.running = Gauge(p + "running_requests", "Requests prefilling or decoding.",
+                             registry=r)  # fmt: skip
+        self.transferring = Gauge(p + "transferring_requests", "Rooms waiting for their prompt.",
+                                  registry=r)  # fmt: skip
+        self.kv_used = Gauge(p + "kv_pages_used", "KV pages held by requests.", registry=r)
+        self.kv_total = Gauge(p + "kv_pages_total", "KV pages in the pool.", registry=r)
+        self.retractions = Counter(p + "retractions", "Requests retracted for KV pages.",
+                                   registry=r)  # fmt: skip
+        self.batch_size = Histogram(p + "batch_size", "Sequences per forward step.",
+                                    buckets=_BATCH, registry=r)  # fmt: skip
+        self.batch_tokens = Histogram(p + "batch_tokens", "Tokens per forward step.",
+                                      buckets=(1, 8, 32, 128, 512, 1024, 2048, 4096, 8192),
+                                      registry=r)  # fmt: skip
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens prefilled.", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated.",
+                                         registry=r)  # fmt: skip
+        self.tokens_per_s = Gauge(p + "generation_tokens_per_second",
+                                  "Generated tokens per second over the last few seconds.",
+                                  registry=r)  # fmt: skip
+        self.finished = Counter(p + "requests_finished", "Finished requests by reason.",
+                                ["reason"], registry=r)  # fmt: skip
+        self._window_start = time.monotonic()
+        self._window_tokens = 0
+
+    def count_generated(self, n: int) -> None:
+        self.generation_tokens.inc(n)
+        self._window_tokens += n
+        now = time.monotonic()
+        if now - self._window_start >= 2.0:
+            self.tokens_per_s.set(self._window_tokens / (now - self._window_start))
+            self._window_start, self._window_tokens = now, 0
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
+        """Expose /metrics over HTTP (a daemon thread)."""
+        start_http_server(port, addr=host, registry=self.registry)

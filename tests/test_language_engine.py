@@ -1,0 +1,220 @@
+"""The engine end to end in one process: real decoder (our runner), real checkpoint loading,
+transformers' `generate()` as the oracle.
+
+16 chat prompts with 0-3 images of different sizes run concurrently, so prompt chunks and
+decode tokens share steps; greedy output must equal `generate()` token for token, also
+with a KV pool so small (and an admission ratio so optimistic) that requests are
+retracted and recomputed. Afterwards every KV page is free.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import language_oracle as oracle
+import pytest
+
+from services.language.engine import Engine, EngineConfig
+from services.language.model_runner import ModelRunner
+from services.language.request import Request, RequestStatus, SamplingParams, StreamDelta
+from tandem.models.split import load_text_weights
+
+SIZES = [(28, 28), (56, 84), (112, 56), (84, 140)]
+N_PROMPTS = 16
+
+
+class Case:
+    def __init__(self, ckpt):
+        self.model, self.processor = oracle.load(ckpt)
+        self.tokenizer = self.processor.tokenizer
+        self.weights = load_text_weights(ckpt)
+        self.inputs, self.payloads, self.refs, self.max_new = [], [], [], []
+        for i in range(N_PROMPTS):
+            images = [oracle.make_image(10 * i + j, SIZES[(i + j) % 4]) for j in range(i % 4)]
+            text = f"prompt {i}: describe these " + "words " * (3 * i)
+            inputs = oracle.make_inputs(self.processor, text, images)
+            self.inputs.append(inputs)
+            self.payloads.append(oracle.payload(self.model, inputs))
+            self.max_new.append(8 + i % 9)
+            out = oracle.generate(self.model, inputs, self.max_new[-1])  # greedy, stops at EOS
+            self.refs.append(out[0] if isinstance(out, tuple) else out)
+
+    def engine(self, num_pages: int, **cfg) -> Engine:
+        runner = ModelRunner(self.weights, page_size=4, num_pages=num_pages)
+        return Engine(runner, self.tokenizer, EngineConfig(**cfg)).start()
+
+
+_cases: dict[str, Case] = {}
+
+
+@pytest.fixture(params=["qwen2_5_vl", "qwen3_vl"])
+def case(request, checkpoint):
+    arch = request.param
+    if arch not in _cases:
+        _cases[arch] = Case(checkpoint(arch))
+    return _cases[arch]
+
+
+def collect(engine: Engine, reqs: list[Request], timeout: float = 120) -> dict[int, list]:
+    """Submit all, gather every request's deltas until each has finished."""
+    q: queue.Queue = queue.Queue()
+    for r in reqs:
+        engine.submit(r, lambda d, rid=r.rid: q.put((rid, d)))
+    out: dict[int, list[StreamDelta]] = {r.rid: [] for r in reqs}
+    pending = len(reqs)
+    while pending:
+        rid, d = q.get(timeout=timeout)
+        out[rid].append(d)
+        pending -= d.finished
+    return out
+
+
+def greedy_requests(case: Case, base: int) -> list[Request]:
+    return [
+        Request(base + i, SamplingParams(max_tokens=n), p)
+        for i, (p, n) in enumerate(zip(case.payloads, case.max_new, strict=True))
+    ]
+
+
+@pytest.mark.parametrize("pool", ["roomy", "tiny"])
+def test_concurrent_greedy_equals_generate(case, pool):
+    if pool == "roomy":
+        engine = case.engine(num_pages=512, max_prefill_tokens=64)
+    else:  # 48 pages * 4 tokens: the longest prompt + output barely fits alone
+        engine = case.engine(num_pages=48, max_prefill_tokens=64, init_new_token_ratio=0.05)
+    try:
+        reqs = greedy_requests(case, 1000)
+        streams = collect(engine, reqs)
+        mixed = engine.num_steps < sum(len(r) for r in case.refs)  # steps were shared
+        assert mixed
+        if pool == "tiny":
+            assert engine.scheduler.num_retractions > 0
+            assert any(r.num_retractions for r in reqs)
+        for r, ref, n in zip(reqs, case.refs, case.max_new, strict=True):
+            deltas = streams[r.rid]
+            assert [t for d in deltas for t in d.token_ids] == ref, f"request {r.rid}"
+            last = deltas[-1]
+            stopped = ref[-1] in engine.eos
+            assert len(ref) == n or stopped
+            assert last.finish_reason is (
+                RequestStatus.FINISHED_STOP if stopped else RequestStatus.FINISHED_LENGTH
+            )
+            assert (last.prompt_tokens, last.completion_tokens) == (r.prompt_len, len(ref))
+            text = case.tokenizer.decode(ref[:-1] if stopped else ref, skip_special_tokens=True)
+            assert "".join(d.text for d in deltas) == text
+        assert engine.pool.num_free == engine.pool.num_total
+    finally:
+        engine.stop()
+
+
+def test_seeded_sampling_is_independent_of_batch_composition(checkpoint):
+    case = _cases.get("qwen2_5_vl") or Case(checkpoint("qwen2_5_vl"))
+    engine = case.engine(num_pages=512, max_prefill_tokens=48)
+    try:
+        params = dict(temperature=1.0, top_p=0.9, top_k=50, max_tokens=12, ignore_eos=True)
+
+        def mine(rid, seed=7):
+            return Request(rid, SamplingParams(seed=seed, **params), case.payloads[5])
+
+        alone = collect(engine, [mine(1)])[1]
+        crowd = [Request(10 + i, SamplingParams(**params), p) for i, p in enumerate(case.payloads)]
+        together = collect(engine, crowd[:6] + [mine(2)] + crowd[6:])[2]
+        other_seed = collect(engine, [mine(3, seed=8)])[3]
+
+        def toks(ds):
+            return [t for d in ds for t in d.token_ids]
+
+        assert toks(alone) == toks(together)
+        assert "".join(d.text for d in alone) == "".join(d.text for d in together)
+        assert toks(other_seed) != toks(alone)
+        assert engine.pool.num_free == engine.pool.num_total
+    finally:
+        engine.stop()
+
+
+def test_stop_string_stop_token_and_eos(checkpoint):
+    case = _cases.get("qwen2_5_vl") or Case(checkpoint("qwen2_5_vl"))
+    engine = case.engine(num_pages=256)
+    try:
+        ref = case.refs[3]
+        full = case.tokenizer.decode(ref)
+        stop = full[len(full) // 3 : len(full) // 3 + 3]
+        assert stop and stop in full
+        expected = full[: full.index(stop)]
+        reqs = [
+            Request(1, SamplingParams(max_tokens=len(ref), ignore_eos=True, stop=[stop]),
+                    case.payloads[3]),
+            Request(2, SamplingParams(max_tokens=len(ref), ignore_eos=True,
+                                      stop_token_ids=[ref[2]]), case.payloads[3]),
+        ]  # fmt: skip
+        out = collect(engine, reqs)
+        text = "".join(d.text for d in out[1])
+        assert text == expected and stop not in text
+        assert out[1][-1].finish_reason is RequestStatus.FINISHED_STOP
+        stopped = [t for d in out[2] for t in d.token_ids]
+        assert stopped == ref[: ref.index(ref[2]) + 1]
+        assert out[2][-1].finish_reason is RequestStatus.FINISHED_STOP
+        # EOS ends a request unless ignore_eos: make EOS the greedy token by asking for
+        # it as the engine's EOS id set
+        eos_engine = Engine(engine.runner, case.tokenizer, EngineConfig(), eos_token_ids=(ref[1],))
+        engine.stop()
+        engine = eos_engine.start()
+        out = collect(engine, [Request(3, SamplingParams(max_tokens=len(ref)), case.payloads[3])])
+        assert [t for d in out[3] for t in d.token_ids] == ref[: ref.index(ref[1]) + 1]
+        assert out[3][-1].finish_reason is RequestStatus.FINISHED_STOP
+        assert engine.pool.num_free == engine.pool.num_total
+    finally:
+        engine.stop()
+
+
+def test_abort_deadline_and_shutdown_free_every_page(checkpoint):
+    case = _cases.get("qwen2_5_vl") or Case(checkpoint("qwen2_5_vl"))
+    engine = case.engine(num_pages=256, max_prefill_tokens=32)
+    try:
+        q: queue.Queue = queue.Queue()
+        long = dict(max_tokens=10_000, ignore_eos=True)
+        a = Request(1, SamplingParams(**long), case.payloads[9])
+        b = Request(2, SamplingParams(**long), case.payloads[10], deadline=time.monotonic() - 1)
+        c = Request(3, SamplingParams(**long), case.payloads[11])
+        for r in (a, b, c):
+            engine.submit(r, lambda d, rid=r.rid: q.put((rid, d)))
+        finals: dict[int, StreamDelta] = {}
+        aborted = False
+        while 2 not in finals or 1 not in finals:
+            rid, d = q.get(timeout=60)
+            if d.finished:
+                finals[rid] = d
+            elif rid == 1 and not aborted:  # a is decoding: abort it mid-stream
+                assert engine.abort(1)
+                aborted = True
+        assert finals[1].finish_reason is RequestStatus.FINISHED_ABORT
+        assert finals[2].finish_reason is RequestStatus.FINISHED_ABORT
+        assert finals[2].error_code == "DEADLINE_EXCEEDED"
+        assert not engine.abort(1)  # already gone
+        engine.stop()  # c is still running: shutdown aborts it
+        while 3 not in finals:
+            rid, d = q.get(timeout=60)
+            if d.finished:
+                finals[rid] = d
+        assert finals[3].finish_reason is RequestStatus.FINISHED_ABORT
+        assert engine.pool.num_free == engine.pool.num_total
+        assert engine.scheduler.num_running == engine.scheduler.num_waiting == 0
+    finally:
+        engine.stop()
+
+
+def test_bad_input_is_rejected_before_queueing(checkpoint):
+    from services.language.scheduler import AdmissionError
+
+    case = _cases.get("qwen2_5_vl") or Case(checkpoint("qwen2_5_vl"))
+    engine = case.engine(num_pages=8, max_model_len=64)
+    try:
+        with pytest.raises(AdmissionError, match="max_model_len"):
+            engine.submit(Request(1, SamplingParams(), case.payloads[15]), print)
+        with pytest.raises(AdmissionError, match="needs"):
+            big = Engine(engine.runner, case.tokenizer, EngineConfig())
+            big.submit(Request(2, SamplingParams(), case.payloads[15]), print)
+        assert engine.num_active == 0
+    finally:
+        engine.stop()
