@@ -266,3 +266,32 @@ def test_read_spec_rejects_unsupported_checkpoints(checkpoint, tmp_path):
     (dst / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="no safetensors weights"):
         read_spec(dst)
+
+
+def test_flat_hub_config_reads_the_same(checkpoint, tmp_path):
+    """Released Qwen2.5-VL configs keep the text fields at the top level, with
+    `rope_scaling: {type: mrope}` and `torch_dtype`; the spec and the vision part agree."""
+    src = checkpoint("qwen2_5_vl")
+    cfg = json.loads((src / "config.json").read_text())
+    text = cfg.pop("text_config")
+    rope = text.pop("rope_parameters")
+    flat = {k: v for k, v in text.items() if k not in ("model_type", "dtype")}
+    flat.update(cfg, rope_theta=rope["rope_theta"], torch_dtype=cfg.pop("dtype"))
+    flat["rope_scaling"] = {"type": "mrope", "mrope_section": rope["mrope_section"]}
+    flat.pop("dtype", None)
+    dst = tmp_path / "flat"
+    shutil.copytree(src, dst)
+    (dst / "config.json").write_text(json.dumps(flat))
+
+    a, b = read_spec(src), read_spec(dst)
+    fields = [
+        "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "head_dim", "intermediate_size", "rms_norm_eps", "rope_theta", "mrope_section",
+        "mrope_interleaved", "vocab_size", "tie_word_embeddings", "embed_dim", "image_token_id",
+        "vision_start_token_id", "eos_token_ids", "torch_dtype", "patch_size", "spatial_merge_size",
+    ]  # fmt: skip
+    assert {f: getattr(b, f) for f in fields} == {f: getattr(a, f) for f in fields}
+    pv, grid = pixels(src, [(60, 60)])
+    ea, _ = load_vision_part(src).encode_images(pv, grid)
+    eb, _ = load_vision_part(dst).encode_images(pv, grid)
+    assert torch.equal(ea, eb)

@@ -18,9 +18,14 @@ TARGET = "transformers.models.auto.processing_auto"
 
 
 def _register() -> None:
-    from tandem.models.processor import register
+    try:
+        from tandem.models.processor import register
 
-    register()
+        register()
+    except Exception as e:  # never break transformers' own import
+        import warnings
+
+        warnings.warn(f"tandem: could not register image-only processors: {e!r}", stacklevel=2)
 
 
 class _RegisteringLoader(importlib.abc.Loader):
