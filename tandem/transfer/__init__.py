@@ -1,1 +1,22 @@
-"""Transfer layer shared by encoder and language: block buffers, Mooncake engine, Attach."""
+"""Transfer layer shared by encoder and language: block buffers, Mooncake engine, Attach.
+
+Encoder side:   MooncakeEngine, StagingArea, EmbeddingSender (serves Encoder.Attach)
+Language side:  MooncakeEngine, EmbeddingBuffers, BlockAllocator, EmbeddingReceiver
+Both:           PromptPayload, TransferError, transfer_metrics
+"""
+
+from tandem.transfer.allocator import BlockAllocator
+from tandem.transfer.buffers import BufferLayout, EmbeddingBuffers
+from tandem.transfer.engine import MooncakeEngine
+from tandem.transfer.errors import TransferError
+from tandem.transfer.metrics import transfer_metrics
+from tandem.transfer.payload import PromptPayload
+from tandem.transfer.receiver import EmbeddingReceiver, ReceiverState
+from tandem.transfer.sender import EmbeddingSender, SenderState, SendStats
+from tandem.transfer.staging import StagingArea
+
+__all__ = [
+    "BlockAllocator", "BufferLayout", "EmbeddingBuffers", "EmbeddingReceiver", "EmbeddingSender",
+    "MooncakeEngine", "PromptPayload", "ReceiverState", "SendStats", "SenderState",
+    "StagingArea", "TransferError", "transfer_metrics",
+]

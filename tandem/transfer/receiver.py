@@ -1,0 +1,369 @@
+"""EmbeddingReceiver: the language side of a room — reserves blocks, attaches, merges pieces.
+
+Use inside the language service's event loop:
+
+    receiver = EmbeddingReceiver(engine, buffers, allocator, config)   # config: TransferConfig
+    payload = await receiver.receive(room, encoder_address, deadline=None)  # PromptPayload
+    receiver.reattach(room, other_encoder_address) -> bool   # router retry before Done
+    receiver.abort(room) -> bool                             # any stage; frees everything
+
+Per room: BOOTSTRAPPING (reserving `reserve_tokens`) -> WAITING_FOR_INPUT (Init sent) ->
+TRANSFERRING (a piece arrived) -> SUCCESS | FAILED. On a partial Progress the piece is
+copied out, blocks for the rest are reserved (waiting for free blocks up to `timeout_s`)
+and a Resume names them. No message within `timeout_s` fails the room. When the Attach
+stream breaks before Done the room keeps its reservation for `reattach_grace_s` waiting
+for `reattach()`, then fails. Every block is freed on every path: after the payload is
+gathered out, on failure, on abort and when the awaiting task is cancelled.
+`deadline` is Unix seconds. Failures raise TransferError(reason, code).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from tandem.config import TransferConfig
+from tandem.transfer.allocator import BlockAllocator
+from tandem.transfer.buffers import AUX_MROPE_DELTA, EmbeddingBuffers
+from tandem.transfer.errors import TransferError
+from tandem.transfer.metrics import transfer_metrics
+from tandem.transfer.payload import PromptPayload
+from tandem.v1 import encoder_pb2, encoder_pb2_grpc
+
+
+class ReceiverState(enum.Enum):
+    BOOTSTRAPPING = "bootstrapping"
+    WAITING_FOR_INPUT = "waiting_for_input"
+    TRANSFERRING = "transferring"
+    SUCCESS = "success"
+    FAILED = "failed"
+
+
+class _Broken(Exception):
+    """The Attach stream ended before Done (or reattach() asked to switch encoders)."""
+
+    def __init__(self, reason: str, new_address: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason, self.new_address = reason, new_address
+
+
+@dataclass
+class _Room:
+    room: int
+    address: str
+    state: ReceiverState = ReceiverState.BOOTSTRAPPING
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # (kind, attempt, value)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    keys: set = field(default_factory=set)  # allocator owners held by this room
+    key: tuple | None = None  # owner of the current destination blocks
+    ids: list[int] = field(default_factory=list)
+    allocated: int = 0
+    n_keys: int = 0
+    attempt: int = 0
+    sent: int = 0
+    total: int | None = None
+    out: tuple | None = None  # (embeds, fill_ids, mrope) of the whole prompt
+    resumes: int = 0
+    call: object | None = None
+    reader: asyncio.Task | None = None
+
+    def post(self, kind: str, value=None, attempt: int | None = None) -> None:
+        self.events.put_nowait((kind, self.attempt if attempt is None else attempt, value))
+        self.wake.set()
+
+
+class EmbeddingReceiver:
+    def __init__(
+        self,
+        engine,
+        buffers: EmbeddingBuffers,
+        allocator: BlockAllocator,
+        config: TransferConfig,
+        reserve_tokens: int = 8192,
+        reattach_grace_s: float = 1.0,
+        max_prompt_tokens: int = 1 << 20,
+        registry=None,
+    ) -> None:
+        if allocator.block_size != buffers.block_size or allocator.num_total != buffers.num_blocks:
+            raise ValueError("allocator and buffers disagree on block size or block count")
+        self.engine, self.buffers, self.allocator, self.config = engine, buffers, allocator, config
+        self.reserve_tokens, self.reattach_grace_s = reserve_tokens, reattach_grace_s
+        self.max_prompt_tokens = max_prompt_tokens
+        self.metrics = transfer_metrics(registry)
+        self.rooms: dict[int, _Room] = {}
+        self._layout = buffers.layout().to_proto()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._pool_changed = asyncio.Event()
+        self._gauges()
+
+    # ---- public control ---------------------------------------------------------------
+    def state(self, room: int) -> ReceiverState | None:
+        r = self.rooms.get(room)
+        return r.state if r else None
+
+    def reattach(self, room: int, encoder_address: str) -> bool:
+        """Point a room whose encoder failed before Done at another encoder."""
+        r = self.rooms.get(room)
+        if r is None or r.state in (ReceiverState.SUCCESS, ReceiverState.FAILED):
+            return False
+        r.post("reattach", encoder_address)
+        return True
+
+    def abort(self, room: int) -> bool:
+        r = self.rooms.get(room)
+        if r is None:
+            return False
+        r.post("abort")
+        return True
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+
+    # ---- blocks -----------------------------------------------------------------------
+    def _gauges(self) -> None:
+        self.metrics.blocks_free.set(self.allocator.num_free)
+        self.metrics.blocks_total.set(self.allocator.num_total)
+
+    def _free(self, r: _Room, key) -> None:
+        self.allocator.free(key)
+        r.keys.discard(key)
+        self._gauges()
+        ev, self._pool_changed = self._pool_changed, asyncio.Event()
+        ev.set()
+
+    def _try_alloc(self, r: _Room, tokens: int) -> tuple | None:
+        key = (r.room, r.n_keys)
+        ids = self.allocator.alloc(tokens, key)
+        if ids is None:
+            return None
+        r.n_keys += 1
+        r.keys.add(key)
+        self._gauges()
+        return key, ids
+
+    async def _alloc(self, r: _Room, tokens: int, deadline: float | None) -> tuple:
+        """Blocks for `tokens`, waiting for frees up to the room timeout; room events
+        (abort, a broken stream, an encoder failure) interrupt the wait."""
+        end = time.monotonic() + self._timeout(deadline)
+        while True:
+            got = self._try_alloc(r, tokens)
+            if got is not None:
+                return got
+            if not r.events.empty():
+                self._interrupt(r, r.events.get_nowait())
+                continue
+            left = end - time.monotonic()
+            if left <= 0:
+                raise TransferError(
+                    f"room {r.room}: no free embedding blocks for {tokens} tokens within "
+                    f"{self._timeout(deadline):.1f}s ({self.allocator.num_free}/"
+                    f"{self.allocator.num_total} free)", "RESOURCE_EXHAUSTED")
+            r.wake.clear()
+            waits = [asyncio.ensure_future(self._pool_changed.wait()),
+                     asyncio.ensure_future(r.wake.wait())]
+            await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
+
+    def _interrupt(self, r: _Room, ev) -> None:
+        """Handle an event that arrives while no message is expected."""
+        kind, attempt, value = ev
+        if attempt != r.attempt and kind in ("msg", "broken"):
+            return  # left over from an earlier Attach
+        if kind == "abort":
+            raise TransferError(f"room {r.room}: aborted", "CANCELLED")
+        if kind == "broken":
+            raise _Broken(value)
+        if kind == "reattach":
+            raise _Broken("reattach requested", new_address=value)
+        if value.WhichOneof("msg") == "failed":
+            e = value.failed.error
+            raise TransferError(f"room {r.room}: encoder failed: {e.message}", e.code or "UNKNOWN")
+        raise TransferError(f"room {r.room}: unexpected {value.WhichOneof('msg')} from the "
+                            f"encoder while waiting for blocks", "INTERNAL")
+
+    def _timeout(self, deadline: float | None) -> float:
+        t = self.config.timeout_s
+        return t if deadline is None else max(0.0, min(t, deadline - time.time()))
+
+    # ---- the room ---------------------------------------------------------------------
+    async def receive(self, room: int, encoder_address: str, deadline: float | None = None
+                      ) -> PromptPayload:
+        """Reserve, attach to `encoder_address`, and return the room's prompt payload."""
+        if room in self.rooms:
+            raise TransferError(f"room {room} is already receiving", "ALREADY_EXISTS")
+        r = self.rooms[room] = _Room(room, encoder_address)
+        t0 = time.monotonic()
+        try:
+            r.key, r.ids = await self._alloc(r, self.reserve_tokens, deadline)
+            r.allocated = len(r.ids) * self.buffers.block_size
+            while True:
+                try:
+                    payload = await self._attempt(r, deadline)
+                    break
+                except _Broken as b:
+                    self._hang_up(r)
+                    r.address = b.new_address or await self._await_reattach(r, b.reason, deadline)
+                    r.attempt += 1
+                    r.sent, r.total, r.out, r.state = 0, None, None, ReceiverState.BOOTSTRAPPING
+        except TransferError as e:
+            r.state = ReceiverState.FAILED
+            self.metrics.failures.labels("language", e.code).inc()
+            raise
+        except asyncio.CancelledError:
+            r.state = ReceiverState.FAILED
+            self.metrics.failures.labels("language", "CANCELLED").inc()
+            raise
+        finally:
+            self._hang_up(r)
+            for key in list(r.keys):  # NOTE: every path ends here; no block outlives the room
+                self._free(r, key)
+            self.rooms.pop(room, None)
+        r.state = ReceiverState.SUCCESS
+        m = self.metrics
+        m.tokens.labels("language").inc(payload.num_tokens)
+        m.bytes.labels("language").inc(sum(t.numel() * t.element_size() for t in r.out))
+        m.resumes.labels("language").inc(r.resumes)
+        m.seconds.labels("language").observe(time.monotonic() - t0)
+        return payload
+
+    def _hang_up(self, r: _Room) -> None:
+        if r.reader is not None:
+            r.reader.cancel()
+            r.reader = None
+        if r.call is not None:
+            r.call.cancel()
+            r.call = None
+
+    async def _await_reattach(self, r: _Room, reason: str, deadline: float | None) -> str:
+        grace = self.reattach_grace_s
+        if deadline is not None:
+            grace = min(grace, deadline - time.time())
+        end = time.monotonic() + grace
+        while (left := end - time.monotonic()) > 0:
+            try:
+                kind, attempt, value = await asyncio.wait_for(r.events.get(), left)
+            except asyncio.TimeoutError:
+                break
+            if kind == "abort":
+                raise TransferError(f"room {r.room}: aborted", "CANCELLED")
+            if kind == "reattach":
+                return value
+        raise TransferError(f"room {r.room}: {reason}", "UNAVAILABLE")
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.aio.insecure_channel(address)
+        return ch
+
+    async def _attempt(self, r: _Room, deadline: float | None) -> PromptPayload:
+        stub = encoder_pb2_grpc.EncoderStub(self._channel(r.address))
+        r.call = call = stub.Attach()
+        r.reader = asyncio.create_task(self._read(r, call, r.attempt))
+        init = encoder_pb2.AttachInit(
+            room=r.room, session_id=self.engine.session_id, layout=self._layout,
+            block_ids=r.ids, allocated_tokens=r.allocated)
+        await self._write(r, encoder_pb2.AttachRequest(init=init))
+        r.state = ReceiverState.WAITING_FOR_INPUT
+        while True:
+            timeout = self._timeout(deadline)
+            try:
+                ev = await asyncio.wait_for(r.events.get(), timeout)
+            except asyncio.TimeoutError:
+                raise TransferError(
+                    f"room {r.room}: no data from encoder {r.address} within {timeout:.1f}s "
+                    f"({r.state.value}, {r.sent} tokens received)", "DEADLINE_EXCEEDED") from None
+            kind, attempt, msg = ev
+            if kind != "msg" or attempt != r.attempt:
+                self._interrupt(r, ev)
+                continue
+            which = msg.WhichOneof("msg")
+            if which == "progress" and msg.progress.partial:
+                await self._on_partial(r, msg.progress, deadline)
+            elif which == "done":
+                return await self._on_done(r, msg.done)
+            elif which != "progress":
+                self._interrupt(r, ev)
+
+    async def _write(self, r: _Room, req: encoder_pb2.AttachRequest) -> None:
+        try:
+            await r.call.write(req)
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
+            raise _Broken(f"Attach stream to {r.address} broken while writing: {e}") from None
+
+    async def _read(self, r: _Room, call, attempt: int) -> None:
+        try:
+            while True:
+                msg = await call.read()
+                if msg is grpc.aio.EOF:
+                    r.post("broken", f"encoder {r.address} ended the Attach stream before Done",
+                           attempt)
+                    return
+                r.post("msg", msg, attempt)
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as e:
+            r.post("broken", f"Attach stream to encoder {r.address} broken: "
+                   f"{e.code().name}: {e.details()}", attempt)
+
+    def _start_piece(self, r: _Room, sent: int, total: int) -> int:
+        """Validate a piece announcement; returns the piece's token count."""
+        if not 0 < total <= self.max_prompt_tokens or (r.total is not None and total != r.total):
+            raise TransferError(f"room {r.room}: bad total_tokens {total} (expected "
+                                f"{r.total or f'<= {self.max_prompt_tokens}'})", "INVALID_ARGUMENT")
+        n = sent - r.sent
+        if not 0 < n <= r.allocated or sent > total:
+            raise TransferError(f"room {r.room}: encoder reports {sent}/{total} tokens after "
+                                f"{r.sent}, with {r.allocated} reserved", "INVALID_ARGUMENT")
+        if r.out is None:
+            r.total = total
+            b = self.buffers
+            r.out = (torch.empty((total, b.embed_dim), dtype=b.dtype, device=b.embeddings.device),
+                     torch.empty(total, dtype=torch.int32, device=b.embeddings.device),
+                     torch.empty((3, total), dtype=torch.int32, device=b.embeddings.device))
+        r.state = ReceiverState.TRANSFERRING
+        self.buffers.check_piece(r.ids, r.room, total, r.sent, n)
+        return n
+
+    async def _copy_out(self, r: _Room, key, ids: list[int], start: int, n: int) -> None:
+        await asyncio.get_running_loop().run_in_executor(
+            None, self.buffers.gather_into, ids, n, *r.out, start)
+        self._free(r, key)
+
+    async def _on_partial(self, r: _Room, p: encoder_pb2.AttachProgress, deadline) -> None:
+        n = self._start_piece(r, p.sent_tokens, p.total_tokens)
+        old_key, old_ids, start = r.key, r.ids, r.sent
+        r.sent = p.sent_tokens
+        cap = self.allocator.num_total * self.allocator.block_size
+        want = min(p.total_tokens - p.sent_tokens, cap)
+        got = self._try_alloc(r, want)
+        if got is None:  # pool busy: free this piece first, then wait for blocks
+            await self._copy_out(r, old_key, old_ids, start, n)
+            got = await self._alloc(r, want, deadline)
+        r.key, r.ids = got
+        r.allocated = len(r.ids) * self.buffers.block_size
+        r.resumes += 1
+        await self._write(r, encoder_pb2.AttachRequest(resume=encoder_pb2.AttachResume(
+            room=r.room, block_ids=r.ids, sent_tokens=r.sent, allocated_tokens=r.allocated)))
+        if old_key in r.keys:  # NOTE: Resume first, so this copy overlaps the next write
+            await self._copy_out(r, old_key, old_ids, start, n)
+
+    async def _on_done(self, r: _Room, d: encoder_pb2.AttachDone) -> PromptPayload:
+        n = self._start_piece(r, d.total_tokens, d.total_tokens)
+        delta = int(self.buffers.aux[r.ids[0], AUX_MROPE_DELTA])
+        if delta != d.mrope_position_delta:
+            raise TransferError(f"room {r.room}: Done says mrope delta {d.mrope_position_delta}, "
+                                f"blocks say {delta}", "DATA_LOSS")
+        await self._copy_out(r, r.key, r.ids, r.sent, n)
+        r.sent = d.total_tokens
+        e, f, m = r.out
+        return PromptPayload(input_embeds=e, fill_ids=f, mrope_positions=m,
+                             mrope_delta=d.mrope_position_delta)

@@ -1,0 +1,300 @@
+"""EmbeddingSender: the encoder side of a room — serves `Encoder.Attach` and writes pieces.
+
+Use inside the encoder's grpc.aio server (same event loop):
+
+    sender = EmbeddingSender(engine, staging, config)      # config: TransferConfig
+    # EncoderServicer.Attach(self, request_iterator, context):
+    #     await sender.attach(request_iterator, context)
+    stats = await sender.send(room, payload, deadline=None)  # -> SendStats, or TransferError
+
+`send` and `attach` meet on the room id, in either order. Per room:
+
+    WAITING_FOR_INIT (send first) ─┐
+    WAITING_FOR_PAYLOAD (Init first)┴▶ TRANSFERRING ⇄ WAITING_FOR_RESUME ─▶ DONE | FAILED
+
+A room with no Init (send waiting) or no payload (Init waiting) within `timeout_s` fails;
+so does one whose Resume does not come within `timeout_s`. A broken Attach stream fails the
+room at once, even while a write is in flight (the write is not waited for; its staging
+slot is returned when Mooncake gives the thread back). `deadline` is Unix seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from tandem.config import TransferConfig
+from tandem.transfer.buffers import BufferLayout
+from tandem.transfer.errors import TransferError
+from tandem.transfer.metrics import transfer_metrics
+from tandem.transfer.payload import PromptPayload
+from tandem.transfer.staging import StagingArea
+from tandem.v1 import common_pb2, encoder_pb2
+
+log = logging.getLogger(__name__)
+
+
+class SenderState(enum.Enum):
+    WAITING_FOR_INIT = "waiting_for_init"
+    WAITING_FOR_PAYLOAD = "waiting_for_payload"
+    TRANSFERRING = "transferring"
+    WAITING_FOR_RESUME = "waiting_for_resume"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass
+class SendStats:
+    tokens: int
+    bytes: int
+    resumes: int
+    seconds: float
+
+
+@dataclass
+class _Room:
+    room: int
+    state: SenderState
+    born: float = field(default_factory=time.monotonic)
+    init: encoder_pb2.AttachInit | None = None
+    sending: bool = False
+    finishing: bool = False  # Done queued: a half-close from now on is normal
+    error: TransferError | None = None
+    attached: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # failed or stream gone
+    done_written: asyncio.Event = field(default_factory=asyncio.Event)
+    inbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # AttachResume
+    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # AttachResponse | None
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in (SenderState.DONE, SenderState.FAILED)
+
+
+def _failed_msg(err: TransferError) -> encoder_pb2.AttachResponse:
+    info = common_pb2.ErrorInfo(code=err.code, message=err.reason)
+    return encoder_pb2.AttachResponse(failed=encoder_pb2.AttachFailed(error=info))
+
+
+class EmbeddingSender:
+    def __init__(self, engine, staging: StagingArea, config: TransferConfig, registry=None):
+        self.engine, self.staging, self.config = engine, staging, config
+        self.metrics = transfer_metrics(registry)
+        self.rooms: dict[int, _Room] = {}
+        # NOTE: writes busy-poll inside Mooncake; a private pool keeps a frozen peer's
+        # spinning thread from starving the loop's default executor.
+        self._pool = ThreadPoolExecutor(staging.slots + 2, thread_name_prefix="tandem-send")
+
+    def state(self, room: int) -> SenderState | None:
+        r = self.rooms.get(room)
+        return r.state if r else None
+
+    # ---- room bookkeeping -------------------------------------------------------------
+    def _room(self, room: int, state: SenderState) -> _Room:
+        r = self.rooms.get(room)
+        if r is None:
+            r = self.rooms[room] = _Room(room, state)
+        return r
+
+    def _fail(self, r: _Room, err: TransferError) -> None:
+        if r.terminal or r.done_written.is_set():  # Done delivered: nothing left to fail
+            return
+        r.state, r.error = SenderState.FAILED, err
+        self.metrics.failures.labels("encoder", err.code).inc()
+        log.info("room %d failed: %s", r.room, err)
+        r.outbox.put_nowait(_failed_msg(err))
+        r.ended.set()
+        self.rooms.pop(r.room, None)
+
+    async def _race(self, r: _Room, aw, timeout: float | None, what: str):
+        """Await `aw`, unless the room ends or `timeout` passes first (TransferError)."""
+        task = asyncio.ensure_future(aw)
+        ended = asyncio.ensure_future(r.ended.wait())
+        try:
+            done, _ = await asyncio.wait({task, ended}, timeout=timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ended.cancel()
+        if task in done:
+            return task.result()
+        task.cancel()  # NOTE: never an executor write; those are wrapped and shielded
+        if r.error is not None:
+            raise r.error
+        if r.ended.is_set():
+            raise TransferError(f"room {r.room}: Attach stream closed while {what}", "UNAVAILABLE")
+        raise TransferError(f"room {r.room}: no progress within {timeout:.1f}s while {what}",
+                            "DEADLINE_EXCEEDED")
+
+    def _timeout(self, deadline: float | None) -> float:
+        t = self.config.timeout_s
+        return t if deadline is None else max(0.0, min(t, deadline - time.time()))
+
+    # ---- the Attach stream ------------------------------------------------------------
+    async def attach(self, request_iterator, context) -> None:
+        """Body of `Encoder.Attach` (grpc.aio): first message Init, then Resumes."""
+        it = request_iterator.__aiter__()
+        try:
+            first = await asyncio.wait_for(it.__anext__(), self.config.timeout_s)
+        except (StopAsyncIteration, asyncio.TimeoutError):
+            return
+        if first.WhichOneof("msg") != "init":
+            await context.write(_failed_msg(TransferError(
+                "the first Attach message must be init", "INVALID_ARGUMENT")))
+            return
+        room = first.init.room
+        r = self.rooms.get(room)
+        if r is not None and r.init is not None:
+            await context.write(_failed_msg(TransferError(
+                f"room {room} already has an Attach stream", "ALREADY_EXISTS")))
+            return
+        r = self._room(room, SenderState.WAITING_FOR_PAYLOAD)
+        r.init, r.born = first.init, time.monotonic()
+        r.attached.set()
+        reader = asyncio.create_task(self._read(r, it))
+        try:
+            while True:
+                wait = None
+                if not r.sending:  # Init is here; the payload has timeout_s to show up
+                    wait = max(0.0, r.born + self.config.timeout_s - time.monotonic())
+                try:
+                    msg = await asyncio.wait_for(r.outbox.get(), wait)
+                except asyncio.TimeoutError:
+                    if not r.sending:
+                        self._fail(r, TransferError(
+                            f"room {room}: no payload within {self.config.timeout_s:.1f}s "
+                            f"of Init", "DEADLINE_EXCEEDED"))
+                    continue
+                await context.write(msg)
+                kind = msg.WhichOneof("msg")
+                if kind == "done":
+                    r.done_written.set()
+                if kind in ("done", "failed"):
+                    return
+        finally:
+            reader.cancel()
+            self._fail(r, TransferError(f"room {room}: language closed the Attach stream",
+                                        "UNAVAILABLE"))
+            r.ended.set()
+
+    async def _read(self, r: _Room, it) -> None:
+        try:
+            async for req in it:
+                if req.WhichOneof("msg") != "resume" or req.resume.room != r.room:
+                    self._fail(r, TransferError(
+                        f"room {r.room}: unexpected Attach message after Init", "INVALID_ARGUMENT"))
+                    return
+                r.inbox.put_nowait(req.resume)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the stream broke under us
+            self._fail(r, TransferError(f"room {r.room}: Attach stream broken: {e}", "UNAVAILABLE"))
+            return
+        if not r.finishing:
+            self._fail(r, TransferError(f"room {r.room}: language half-closed the Attach "
+                                        f"stream before Done", "UNAVAILABLE"))
+
+    # ---- sending ----------------------------------------------------------------------
+    async def send(self, room: int, payload: PromptPayload, deadline: float | None = None
+                   ) -> SendStats:
+        """Deliver `payload` into the room's blocks; returns once Done is on the stream."""
+        r = self._room(room, SenderState.WAITING_FOR_INIT)
+        if r.sending or r.terminal:
+            raise TransferError(f"room {room} is already being sent", "ALREADY_EXISTS")
+        r.sending = True
+        t0 = time.monotonic()
+        try:
+            if not r.attached.is_set():
+                await self._race(r, r.attached.wait(), self._timeout(deadline),
+                                 "waiting for the language side's Init")
+            init = r.init
+            layout = BufferLayout.from_proto(init.layout)
+            why = self.staging.check_layout(layout, payload)
+            if why:
+                raise TransferError(f"room {room}: layout mismatch: {why}", "INVALID_ARGUMENT")
+            r.state = SenderState.TRANSFERRING
+            t0 = time.monotonic()
+            total, sent, resumes, nbytes = payload.num_tokens, 0, 0, 0
+            ids, allocated = list(init.block_ids), init.allocated_tokens
+            while True:
+                self._check_blocks(room, layout, ids, allocated)
+                piece = min(total - sent, allocated)
+                nbytes += await self._write_piece(r, payload, layout, ids, sent, piece, deadline)
+                sent += piece
+                if sent >= total:
+                    break
+                r.state = SenderState.WAITING_FOR_RESUME
+                r.outbox.put_nowait(encoder_pb2.AttachResponse(progress=encoder_pb2.AttachProgress(
+                    sent_tokens=sent, total_tokens=total, partial=True)))
+                res = await self._race(r, r.inbox.get(), self._timeout(deadline),
+                                       f"waiting for Resume at token {sent}/{total}")
+                if res.sent_tokens != sent:
+                    raise TransferError(f"room {room}: Resume at token {res.sent_tokens}, "
+                                        f"expected {sent}", "INVALID_ARGUMENT")
+                ids, allocated = list(res.block_ids), res.allocated_tokens
+                resumes += 1
+                r.state = SenderState.TRANSFERRING
+            r.finishing = True
+            r.outbox.put_nowait(encoder_pb2.AttachResponse(done=encoder_pb2.AttachDone(
+                total_tokens=total, mrope_position_delta=payload.mrope_delta)))
+            await self._race(r, r.done_written.wait(), self._timeout(deadline), "sending Done")
+        except TransferError as e:
+            self._fail(r, e)
+            raise
+        except asyncio.CancelledError:
+            self._fail(r, TransferError(f"room {room}: send cancelled", "CANCELLED"))
+            raise
+        except Exception as e:
+            err = TransferError(f"room {room}: internal error: {e!r}", "INTERNAL")
+            self._fail(r, err)
+            raise err from e
+        r.state = SenderState.DONE
+        r.ended.set()
+        self.rooms.pop(room, None)
+        secs = time.monotonic() - t0
+        m = self.metrics
+        m.bytes.labels("encoder").inc(nbytes)
+        m.tokens.labels("encoder").inc(total)
+        m.resumes.labels("encoder").inc(resumes)
+        m.seconds.labels("encoder").observe(secs)
+        return SendStats(tokens=total, bytes=nbytes, resumes=resumes, seconds=secs)
+
+    def _check_blocks(self, room: int, layout: BufferLayout, ids: list[int], allocated: int):
+        bs = layout.block_size
+        if allocated <= 0 or not ids or allocated > len(ids) * bs:
+            raise TransferError(f"room {room}: {allocated} tokens reserved in {len(ids)} blocks "
+                                f"of {bs}", "INVALID_ARGUMENT")
+        bad = [b for b in ids if not 0 <= b < layout.num_blocks]
+        if bad or len(set(ids)) != len(ids):
+            raise TransferError(f"room {room}: bad destination block ids {bad or 'duplicates'} "
+                                f"(pool of {layout.num_blocks})", "INVALID_ARGUMENT")
+
+    async def _write_piece(self, r: _Room, payload: PromptPayload, layout: BufferLayout,
+                           ids: list[int], start: int, piece: int, deadline) -> int:
+        """Write tokens [start, start+piece) into `ids`, one batch per staging round."""
+        loop = asyncio.get_running_loop()
+        peer, step, nbytes = r.init.session_id, self.staging.round_tokens(layout.block_size), 0
+        for t0 in range(start, start + piece, step):
+            t1 = min(t0 + step, start + piece)
+            slot = await self._race(r, self.staging.acquire(), self._timeout(deadline),
+                                    "waiting for a staging slot")
+
+            def job(slot=slot, t0=t0, t1=t1) -> int:
+                srcs, dsts, lens = self.staging.stage(
+                    slot, payload, r.room, layout, ids, start, piece, t0, t1)
+                self.engine.write(peer, srcs, dsts, lens)
+                return sum(lens)
+
+            cf = self._pool.submit(job)
+            # NOTE: the slot goes back only when the thread is done with it, even if the
+            # room failed long before (a frozen peer keeps Mooncake busy up to its timeout).
+            cf.add_done_callback(lambda _f, s=slot: loop.call_soon_threadsafe(
+                self.staging.release, s))
+            inner = asyncio.wrap_future(cf)
+            inner.add_done_callback(lambda f: f.cancelled() or f.exception())
+            nbytes += await self._race(r, asyncio.shield(inner), self._timeout(deadline),
+                                       f"writing tokens {t0}..{t1}")
+        return nbytes

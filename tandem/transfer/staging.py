@@ -1,0 +1,156 @@
+"""StagingArea: the encoder's registered memory for outgoing pieces, and the write plan.
+
+`slots` independent slots (one in-flight round each), each laid out so a round of whole
+destination blocks maps onto few, large writes:
+
+    embeds [slots, slot_tokens, embed_dim]   dtype  token-major: a token range is contiguous
+    fill   [slots, slot_tokens]              int32
+    mrope  [slots, 3 * slot_tokens]          int32  per round: [nb, 3, bs] = destination rows
+    aux    [slots, max_round_blocks, 16]     int32  one aux row per destination block
+
+A round covers whole destination blocks (bs = the language's block size, <= slot_tokens),
+so each block is written exactly once; runs of consecutive destination blocks coalesce
+into one write per buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from tandem.transfer import buffers as B
+from tandem.transfer.buffers import BufferLayout, dtype_name
+from tandem.transfer.payload import PromptPayload
+
+
+def coalesce(entries: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Merge (src, dst, len) writes that continue each other on both ends."""
+    out: list[list[int]] = []
+    for s, d, n in entries:
+        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
+            out[-1][2] += n
+        else:
+            out.append([s, d, n])
+    return [tuple(e) for e in out]
+
+
+class StagingArea:
+    def __init__(
+        self,
+        slots: int,
+        slot_tokens: int,
+        embed_dim: int,
+        dtype: torch.dtype = torch.bfloat16,
+        max_round_blocks: int = 256,
+    ) -> None:
+        if slots < 1 or slot_tokens < 1:
+            raise ValueError(f"staging needs slots >= 1 and slot_tokens >= 1, got {slots}, {slot_tokens}")
+        self.slots, self.slot_tokens, self.embed_dim, self.dtype = slots, slot_tokens, embed_dim, dtype
+        self.max_round_blocks = max_round_blocks
+        mk = lambda shape, dt: torch.empty(shape, dtype=dt).zero_()  # noqa: E731  (pre-fault)
+        self.embeds = mk((slots, slot_tokens, embed_dim), dtype)
+        self.fill = mk((slots, slot_tokens), torch.int32)
+        self.mrope = mk((slots, 3 * slot_tokens), torch.int32)
+        self.aux = mk((slots, max_round_blocks, B.AUX_WIDTH), torch.int32)
+        self._free = list(range(slots))
+        self._changed = asyncio.Event()
+        self._registered = False
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def register(self, engine) -> None:
+        if self._registered:
+            raise RuntimeError("StagingArea is already registered")
+        for t in (self.embeds, self.fill, self.mrope, self.aux):
+            engine.register(t)
+        self._registered = True
+
+    async def acquire(self) -> int:
+        """A free slot; waits while all are busy (callers bound the wait)."""
+        while not self._free:
+            ev = self._changed
+            await ev.wait()
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        if slot in self._free or not 0 <= slot < self.slots:
+            raise KeyError(f"release of staging slot {slot} that is not held")
+        self._free.append(slot)
+        ev, self._changed = self._changed, asyncio.Event()
+        ev.set()
+
+    def round_tokens(self, block_size: int) -> int:
+        return min(self.slot_tokens // block_size, self.max_round_blocks) * block_size
+
+    def stage(
+        self,
+        slot: int,
+        payload: PromptPayload,
+        room: int,
+        layout: BufferLayout,
+        block_ids: list[int],
+        piece_start: int,
+        piece_tokens: int,
+        t0: int,
+        t1: int,
+    ) -> tuple[list[int], list[int], list[int]]:
+        """Copy payload tokens [t0, t1) of the piece into `slot`; return the writes.
+
+        The piece starts at token `piece_start` and lands in `block_ids` (token order);
+        t0 - piece_start is a multiple of the block size (rounds cover whole blocks).
+        """
+        bs, d = layout.block_size, self.embed_dim
+        n, i0 = t1 - t0, (t0 - piece_start) // bs
+        nb = -(-n // bs)
+        es = self.embeds.element_size()
+        e, f = self.embeds[slot], self.fill[slot]
+        e[:n].copy_(payload.input_embeds[t0:t1])
+        f[:n].copy_(payload.fill_ids[t0:t1])
+        m = self.mrope[slot][: nb * 3 * bs].view(nb, 3, bs)
+        src, full = payload.mrope_positions[:, t0:t1], n // bs
+        if full:
+            m[:full].copy_(src[:, : full * bs].reshape(3, full, bs).permute(1, 0, 2))
+        if n % bs:
+            m[full, :, : n % bs].copy_(src[:, full * bs :])
+        a = self.aux[slot][:nb]
+        a.zero_()
+        lo, hi = B.room_words(room)
+        total = payload.num_tokens
+        a[:, B.AUX_TOTAL], a[:, B.AUX_MROPE_DELTA] = total, payload.mrope_delta
+        a[:, B.AUX_PIECE_START], a[:, B.AUX_PIECE_TOKENS] = piece_start, piece_tokens
+        a[:, B.AUX_BLOCK_INDEX] = torch.arange(i0, i0 + nb, dtype=torch.int32)
+        a[:, B.AUX_BLOCK_TOKENS] = torch.clamp(n - torch.arange(nb, dtype=torch.int32) * bs, max=bs)
+        a[:, B.AUX_ROOM_LO], a[:, B.AUX_ROOM_HI], a[:, B.AUX_EMBED_DIM] = lo, hi, d
+        plans: list[list[tuple[int, int, int]]] = [[], [], [], []]
+        row_e, row_f, row_m, row_a = bs * d * es, bs * 4, 3 * bs * 4, B.AUX_WIDTH * 4
+        for k in range(nb):
+            b, valid = block_ids[i0 + k], min(bs, n - k * bs)
+            plans[0].append((e.data_ptr() + k * row_e, layout.embeddings_addr + b * row_e, valid * d * es))
+            plans[1].append((f.data_ptr() + k * row_f, layout.fill_ids_addr + b * row_f, valid * 4))
+            plans[2].append((m.data_ptr() + k * row_m, layout.mrope_positions_addr + b * row_m, row_m))
+            plans[3].append((a.data_ptr() + k * row_a, layout.aux_addr + b * row_a, row_a))
+        srcs, dsts, lens = [], [], []
+        for plan in plans:
+            for s, dd, ln in coalesce(plan):
+                srcs.append(s)
+                dsts.append(dd)
+                lens.append(ln)
+        return srcs, dsts, lens
+
+    def check_layout(self, layout: BufferLayout, payload: PromptPayload) -> str | None:
+        """Why this layout cannot take this payload from this staging area, or None."""
+        if layout.embed_dim != payload.embed_dim:
+            return f"embed_dim mismatch: language buffers {layout.embed_dim}, payload {payload.embed_dim}"
+        if layout.dtype != dtype_name(payload.input_embeds.dtype):
+            return f"dtype mismatch: language buffers {layout.dtype}, payload {dtype_name(payload.input_embeds.dtype)}"
+        if payload.embed_dim != self.embed_dim or payload.input_embeds.dtype != self.dtype:
+            return (f"payload [{payload.embed_dim}] {payload.input_embeds.dtype} does not match the "
+                    f"staging area [{self.embed_dim}] {self.dtype}")
+        if not 1 <= layout.block_size <= self.slot_tokens:
+            return f"block_size {layout.block_size} outside [1, staging slot {self.slot_tokens}]"
+        if layout.num_blocks < 1:
+            return f"num_blocks {layout.num_blocks} < 1"
+        return None

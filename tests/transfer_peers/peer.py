@@ -1,0 +1,134 @@
+"""A transfer peer process: `peer.py encoder|language [options]`, driven by JSON lines.
+
+stdin  {"op": ...} commands; stdout {"event": ...} results. First line: {"event": "ready"}.
+encoder: hosts a grpc.aio server whose Encoder.Attach is an EmbeddingSender.
+    send {room, tokens, seed, deadline_s?}   -> sent {room, ok, resumes|code, reason}
+    cancel {room}
+language: an EmbeddingReceiver over its own buffers.
+    receive {room, address, deadline_s?}     -> received {room, ok, digest, tokens|code, reason}
+    abort {room}, reattach {room, address}
+both: stats -> stats {free, total, rooms}; exit
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import grpc  # noqa: E402
+from peerlib import digest, emit, make_payload  # noqa: E402
+
+from tandem.config import TransferConfig  # noqa: E402
+from tandem.transfer import (  # noqa: E402
+    BlockAllocator,
+    EmbeddingBuffers,
+    EmbeddingReceiver,
+    EmbeddingSender,
+    MooncakeEngine,
+    StagingArea,
+    TransferError,
+)
+from tandem.transfer.buffers import DTYPES  # noqa: E402
+from tandem.v1 import encoder_pb2_grpc  # noqa: E402
+
+
+class Attach(encoder_pb2_grpc.EncoderServicer):
+    def __init__(self, sender: EmbeddingSender) -> None:
+        self.sender = sender
+
+    async def Attach(self, request_iterator, context):  # noqa: N802
+        await self.sender.attach(request_iterator, context)
+
+
+def _deadline(cmd) -> float | None:
+    return time.time() + cmd["deadline_s"] if cmd.get("deadline_s") else None
+
+
+async def _report(kind: str, room: int, coro, extra) -> None:
+    t0 = time.monotonic()
+    try:
+        res = await coro
+        emit(event=kind, room=room, ok=True, elapsed=time.monotonic() - t0, **extra(res))
+    except TransferError as e:
+        emit(event=kind, room=room, ok=False, code=e.code, reason=e.reason,
+             elapsed=time.monotonic() - t0)
+    except asyncio.CancelledError:
+        emit(event=kind, room=room, ok=False, code="CANCELLED", reason="task cancelled",
+             elapsed=time.monotonic() - t0)
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("role", choices=["encoder", "language"])
+    ap.add_argument("--embed-dim", type=int, default=32)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--timeout-s", type=float, default=3.0)
+    ap.add_argument("--slots", type=int, default=2)
+    ap.add_argument("--slot-tokens", type=int, default=256)
+    ap.add_argument("--blocks", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--reserve", type=int, default=64)
+    ap.add_argument("--grace", type=float, default=0.0)
+    a = ap.parse_args()
+    cfg = TransferConfig(timeout_s=a.timeout_s)
+    engine = MooncakeEngine(cfg)
+    dtype = DTYPES[a.dtype]
+    tasks: dict[int, asyncio.Task] = {}
+    loop = asyncio.get_running_loop()
+    if a.role == "encoder":
+        staging = StagingArea(a.slots, a.slot_tokens, a.embed_dim, dtype)
+        staging.register(engine)
+        sender = EmbeddingSender(engine, staging, cfg)
+        server = grpc.aio.server()
+        encoder_pb2_grpc.add_EncoderServicer_to_server(Attach(sender), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        emit(event="ready", address=f"127.0.0.1:{port}", session=engine.session_id)
+    else:
+        buffers = EmbeddingBuffers(a.blocks, a.block_size, a.embed_dim, dtype)
+        buffers.register(engine)
+        alloc = BlockAllocator(a.blocks, a.block_size)
+        receiver = EmbeddingReceiver(engine, buffers, alloc, cfg, reserve_tokens=a.reserve,
+                                     reattach_grace_s=a.grace)
+        emit(event="ready", session=engine.session_id)
+
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    while line := await reader.readline():
+        cmd = json.loads(line)
+        op, room = cmd["op"], cmd.get("room", 0)
+        if op == "exit":
+            break
+        if op == "send":
+            p = make_payload(cmd["tokens"], a.embed_dim, a.dtype, cmd["seed"])
+            tasks[room] = asyncio.create_task(_report(
+                "sent", room, sender.send(room, p, _deadline(cmd)),
+                extra=lambda s: {"resumes": s.resumes, "bytes": s.bytes}))
+        elif op == "receive":
+            tasks[room] = asyncio.create_task(_report(
+                "received", room, receiver.receive(room, cmd["address"], _deadline(cmd)),
+                extra=lambda p: {"digest": digest(p), "tokens": p.num_tokens}))
+        elif op == "cancel":
+            tasks[room].cancel()
+        elif op == "abort":
+            emit(event="aborted", room=room, found=receiver.abort(room))
+        elif op == "reattach":
+            emit(event="reattached", room=room, ok=receiver.reattach(room, cmd["address"]))
+        elif op == "stats":
+            if a.role == "encoder":
+                emit(event="stats", rooms=list(sender.rooms), free=staging.num_free,
+                     total=staging.slots, states={k: v.state.value for k, v in sender.rooms.items()})
+            else:
+                emit(event="stats", rooms=list(receiver.rooms), free=alloc.num_free,
+                     total=alloc.num_total, owners=[str(o) for o in alloc.owners],
+                     states={k: v.state.value for k, v in receiver.rooms.items()})
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
