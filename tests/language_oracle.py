@@ -3,38 +3,19 @@
 From a `tandem tiny-model` checkpoint: the HF model, a chat prompt with images run through
 the real processor, the prompt payload exactly as the encoder would produce it (text
 embeddings with image features spliced in; deepstack features in extra columns for
-Qwen3-VL; `get_rope_index` positions and delta), and the decoder weights with normalized
-names, as `tandem.models.split.load_text_weights` delivers them.
+Qwen3-VL; `get_rope_index` positions and delta), and the decoder weights through the split
+loader the language service uses.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
 
 import torch
 
 import tandem  # noqa: F401  (registers the image-only processors with AutoProcessor)
 from tandem.transfer.payload import PromptPayload
-
-_TEXT_PREFIX = "model.language_model."
-
-
-@dataclass
-class OracleWeights:
-    """Same shape as `TextWeights`: `.spec` (text_config, num_deepstack, eos) + `.tensors`."""
-
-    spec: Any
-    tensors: dict[str, torch.Tensor]
-
-
-@dataclass
-class OracleSpec:
-    text_config: Any
-    num_deepstack: int
-    eos_token_ids: tuple[int, ...]
 
 
 @lru_cache(maxsize=4)
@@ -53,17 +34,11 @@ def num_deepstack(model) -> int:
     return len(getattr(model.config.vision_config, "deepstack_visual_indexes", None) or ())
 
 
-def text_weights(model) -> OracleWeights:
-    """Decoder tensors under normalized names, taken from the HF model itself."""
-    tensors = {}
-    for name, t in model.state_dict().items():
-        if name.startswith(_TEXT_PREFIX):
-            tensors[name[len(_TEXT_PREFIX) :]] = t.detach().clone()
-    tensors["lm_head.weight"] = model.lm_head.weight.detach().clone()
-    eos = model.generation_config.eos_token_id
-    eos = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
-    spec = OracleSpec(model.config.text_config, num_deepstack(model), eos)
-    return OracleWeights(spec, tensors)
+def text_weights(path: Path, dtype: torch.dtype = torch.float32):
+    """The language tier's view of the checkpoint: `load_text_weights` (normalized names)."""
+    from tandem.models.split import load_text_weights
+
+    return load_text_weights(path, dtype=dtype)
 
 
 def make_image(seed: int, size: tuple[int, int]):

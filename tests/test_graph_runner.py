@@ -53,9 +53,8 @@ def _decode_batch(seqs) -> ForwardBatch:
 
 @pytest.fixture(scope="module")
 def runner(checkpoint):
-    model, _proc = oracle.load(checkpoint("qwen3_vl"))
     r = ModelRunner(
-        oracle.text_weights(model), page_size=PAGE, num_pages=40 * pages_needed(MAX_SEQ, PAGE),
+        oracle.text_weights(checkpoint("qwen3_vl")), page_size=PAGE, num_pages=40 * pages_needed(MAX_SEQ, PAGE),
         cuda_graph_max_bs=MAX_BS, max_seq_len=MAX_SEQ,
     )  # fmt: skip
     return r, _prefill(r, 36, seed=0)
@@ -108,9 +107,8 @@ def test_batches_the_graph_runner_cannot_serve_fall_back(runner):
 
 @pytest.mark.gpu
 def test_cuda_graph_replay_equals_eager(checkpoint):
-    model, _proc = oracle.load(checkpoint("qwen2_5_vl"))
     r = ModelRunner(
-        oracle.text_weights(model), page_size=PAGE, num_pages=40 * pages_needed(MAX_SEQ, PAGE),
+        oracle.text_weights(checkpoint("qwen2_5_vl")), page_size=PAGE, num_pages=40 * pages_needed(MAX_SEQ, PAGE),
         device="cuda", cuda_graph_max_bs=MAX_BS, max_seq_len=MAX_SEQ,
     )  # fmt: skip
     gr = r.graph_runner

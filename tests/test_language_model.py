@@ -59,7 +59,8 @@ class Seq:
 @pytest.fixture(scope="module", params=ARCHS)
 def case(request, checkpoint):
     """(arch, hf model, weights, [(inputs, payload, reference prompt logits)] for 0/1/2 images)."""
-    model, proc = oracle.load(checkpoint(request.param))
+    path = checkpoint(request.param)
+    model, proc = oracle.load(path)
     prompts = []
     for n_img in (0, 1, 2):
         images = [
@@ -67,7 +68,7 @@ def case(request, checkpoint):
         ]
         inputs = oracle.make_inputs(proc, f"Describe picture {n_img} in a few words.", images)
         prompts.append((inputs, oracle.payload(model, inputs), oracle.prompt_logits(model, inputs)))
-    return request.param, model, oracle.text_weights(model), prompts
+    return request.param, model, oracle.text_weights(path), prompts
 
 
 def make_runner(weights, pages: int = 96) -> ModelRunner:
@@ -200,10 +201,11 @@ def test_greedy_decode_equals_generate(case):
 
 
 def test_small_checkpoint_prompt_logits_and_greedy(checkpoint):
-    model, proc = oracle.load(checkpoint("qwen3_vl", "small"))
+    path = checkpoint("qwen3_vl", "small")
+    model, proc = oracle.load(path)
     inputs = oracle.make_inputs(proc, "What is in this image?", [oracle.make_image(7, (112, 84))])
     payload, ref = oracle.payload(model, inputs), oracle.prompt_logits(model, inputs)
-    runner = ModelRunner(oracle.text_weights(model), page_size=16, num_pages=16)
+    runner = ModelRunner(oracle.text_weights(path), page_size=16, num_pages=16)
     s = Seq(0, payload, runner)
     half = payload.num_tokens // 2
     got = torch.cat([runner.forward(ForwardBatch([s.prompt_chunk(n)])).prompt_logits[0]

@@ -13,7 +13,7 @@ multi-token chunks; logits come back in the batch's chunk order.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +21,9 @@ from services.language.attention import AttentionMetadata, PrefillChunkMeta
 from services.language.forward_batch import ForwardBatch, ForwardOutput, SeqChunk
 from services.language.kv_cache import KVCache, KVPagePool, pages_needed
 from services.language.model import DecoderConfig, QwenVLDecoder
+
+if TYPE_CHECKING:
+    from tandem.models.split import TextWeights
 
 
 def decode_positions(index: int, mrope_delta: int) -> torch.Tensor:
@@ -31,13 +34,13 @@ def decode_positions(index: int, mrope_delta: int) -> torch.Tensor:
 class ModelRunner:
     """Owns the decoder, the KV tensors and (optionally) the decode graph runner.
 
-    `weights` is a `tandem.models.split.TextWeights`-like object: `.spec` with
-    `text_config`, `num_deepstack` and `eos_token_ids`; `.tensors` with normalized names.
+    `weights` is a `tandem.models.split.TextWeights` (`load_text_weights(path, dtype,
+    device)`): `.spec` (ModelSpec) and `.tensors` under normalized names.
     """
 
     def __init__(
         self,
-        weights: Any,
+        weights: TextWeights,
         *,
         page_size: int = 16,
         num_pages: int = 0,
@@ -50,23 +53,10 @@ class ModelRunner:
         spec = weights.spec
         self.device = torch.device(device)
         self.dtype = dtype
-        self.cfg = DecoderConfig.from_text_config(spec.text_config, int(spec.num_deepstack))
-        self.eos_token_ids: tuple[int, ...] = tuple(
-            int(t) for t in getattr(spec, "eos_token_ids", ())
-        )
-        # Build on the meta device and adopt the loaded tensors (no second copy of weights).
-        with torch.device("meta"):
-            model = QwenVLDecoder(self.cfg, device=self.device)
-        tensors = {k: t.to(device=self.device, dtype=dtype) for k, t in weights.tensors.items()}
-        if "lm_head.weight" not in tensors and "embed_tokens.weight" in tensors:
-            tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
-        missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
-        if missing or unexpected:
-            raise ValueError(
-                f"decoder weights do not match the config: missing {sorted(missing)[:8]}, "
-                f"unexpected {sorted(unexpected)[:8]}"
-            )
-        self.model = model.eval()
+        self.spec = spec
+        self.cfg = DecoderConfig.from_weights(spec, weights.tensors)
+        self.eos_token_ids: tuple[int, ...] = tuple(int(t) for t in spec.eos_token_ids)
+        self.model = QwenVLDecoder.build(self.cfg, weights.tensors, self.device, dtype)
 
         c = self.cfg
         if num_pages <= 0:

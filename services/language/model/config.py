@@ -1,28 +1,16 @@
-"""The decoder's shape, read once from a Hugging Face text config (object or dict)."""
+"""The decoder's shape, from the checkpoint spec and the tensors actually loaded."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-# Architectures we run and what sets them apart. transformers' defaults apply when a
-# checkpoint's rope parameters omit `mrope_section`.
-_ARCHS = {
-    # model_type: (qkv bias, q/k RMSNorm, interleaved MRoPE, default mrope_section)
-    "qwen2_5_vl_text": (True, False, False, (16, 24, 24)),
-    "qwen3_vl_text": (None, True, True, (24, 20, 20)),  # None: config.attention_bias
-}
-
-
-def _get(cfg: Any, name: str, default: Any = None) -> Any:
-    if isinstance(cfg, dict):
-        return cfg.get(name, default)
-    return getattr(cfg, name, default)
+ARCHS = ("qwen2_5_vl", "qwen3_vl")
 
 
 @dataclass(frozen=True)
 class DecoderConfig:
-    model_type: str
+    arch: str
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -34,9 +22,9 @@ class DecoderConfig:
     rope_theta: float
     mrope_section: tuple[int, int, int]
     mrope_interleaved: bool
-    qkv_bias: bool
-    o_bias: bool
-    qk_norm: bool
+    qkv_bias: bool  # Qwen2.5-VL: q/k/v carry biases
+    o_bias: bool  # Qwen3-VL with attention_bias: o_proj too
+    qk_norm: bool  # Qwen3-VL: per-head RMSNorm on q and k
     num_deepstack: int  # deepstack feature blocks added after layers [0, num_deepstack)
 
     @property
@@ -45,50 +33,37 @@ class DecoderConfig:
         return self.hidden_size * (1 + self.num_deepstack)
 
     @classmethod
-    def from_text_config(cls, text_config: Any, num_deepstack: int = 0) -> DecoderConfig:
-        model_type = _get(text_config, "model_type")
-        if model_type not in _ARCHS:
-            raise ValueError(f"unsupported text decoder {model_type!r}; know {sorted(_ARCHS)}")
-        qkv_bias, qk_norm, interleaved, default_section = _ARCHS[model_type]
-        attention_bias = bool(_get(text_config, "attention_bias", False))
-        if qkv_bias is None:
-            qkv_bias = attention_bias
-        o_bias = attention_bias and model_type == "qwen3_vl_text"
-        act = _get(text_config, "hidden_act", "silu")
+    def from_weights(cls, spec: Any, tensors: dict) -> DecoderConfig:
+        """`spec` is a `tandem.models.checkpoint.ModelSpec`; biases and q/k norms are read
+        off the tensors that were loaded, so config and weights cannot disagree."""
+        if spec.arch not in ARCHS:
+            raise ValueError(f"unsupported architecture {spec.arch!r}; know {ARCHS}")
+        act = spec.text_config.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r} (want silu)")
-        if _get(text_config, "use_sliding_window", False):
+        if spec.text_config.get("use_sliding_window", False):
             raise ValueError("sliding-window attention is not supported")
-        if model_type == "qwen3_vl_text":
-            num_heads = int(_get(text_config, "num_attention_heads"))
-            head_dim = int(
-                _get(text_config, "head_dim") or _get(text_config, "hidden_size") // num_heads
-            )
-        else:
-            # Qwen2.5-VL's attention always uses hidden // heads (head_dim is not a field).
-            num_heads = int(_get(text_config, "num_attention_heads"))
-            head_dim = int(_get(text_config, "hidden_size")) // num_heads
-        rope = _get(text_config, "rope_parameters") or {}
-        if rope.get("rope_type", "default") not in ("default", "mrope"):
-            raise ValueError(f"unsupported rope_type {rope.get('rope_type')!r}")
-        section = tuple(int(s) for s in rope.get("mrope_section", default_section))
-        if len(section) != 3 or sum(section) != head_dim // 2:
-            raise ValueError(f"mrope_section {section} must be 3 parts summing to {head_dim // 2}")
+        rope_type = (spec.text_config.get("rope_parameters") or {}).get("rope_type", "default")
+        if rope_type not in ("default", "mrope"):
+            raise ValueError(f"unsupported rope_type {rope_type!r}")
+        section = tuple(int(s) for s in spec.mrope_section)
+        if len(section) != 3 or 2 * sum(section) != spec.head_dim:
+            raise ValueError(f"mrope_section {section} must be 3 parts summing to head_dim/2")
         return cls(
-            model_type=model_type,
-            vocab_size=int(_get(text_config, "vocab_size")),
-            hidden_size=int(_get(text_config, "hidden_size")),
-            num_layers=int(_get(text_config, "num_hidden_layers")),
-            num_heads=num_heads,
-            num_kv_heads=int(_get(text_config, "num_key_value_heads")),
-            head_dim=head_dim,
-            intermediate_size=int(_get(text_config, "intermediate_size")),
-            rms_norm_eps=float(_get(text_config, "rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", _get(text_config, "rope_theta", 10000.0))),
+            arch=spec.arch,
+            vocab_size=int(spec.vocab_size),
+            hidden_size=int(spec.hidden_size),
+            num_layers=int(spec.num_hidden_layers),
+            num_heads=int(spec.num_attention_heads),
+            num_kv_heads=int(spec.num_key_value_heads),
+            head_dim=int(spec.head_dim),
+            intermediate_size=int(spec.intermediate_size),
+            rms_norm_eps=float(spec.rms_norm_eps),
+            rope_theta=float(spec.rope_theta),
             mrope_section=section,  # type: ignore[arg-type]
-            mrope_interleaved=interleaved,
-            qkv_bias=qkv_bias,
-            o_bias=o_bias,
-            qk_norm=qk_norm,
-            num_deepstack=int(num_deepstack),
+            mrope_interleaved=bool(spec.mrope_interleaved),
+            qkv_bias="layers.0.self_attn.q_proj.bias" in tensors,
+            o_bias="layers.0.self_attn.o_proj.bias" in tensors,
+            qk_norm="layers.0.self_attn.q_norm.weight" in tensors,
+            num_deepstack=int(spec.num_deepstack),
         )

@@ -101,17 +101,24 @@ class QwenVLDecoder(nn.Module):
             cfg.head_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved, device
         )
 
-    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy normalized weights in; `lm_head.weight` falls back to the tied embedding."""
-        tensors = dict(tensors)
+    @classmethod
+    def build(
+        cls, cfg: DecoderConfig, tensors: dict[str, torch.Tensor], device: torch.device, dtype
+    ) -> QwenVLDecoder:
+        """A decoder that adopts `tensors` (moved to device/dtype): built on the meta device,
+        so no throwaway random initialisation and no second copy of the weights."""
+        with torch.device("meta"):
+            model = cls(cfg, device=device)
+        tensors = {k: t.to(device=device, dtype=dtype) for k, t in tensors.items()}
         if "lm_head.weight" not in tensors and "embed_tokens.weight" in tensors:
-            tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
-        missing, unexpected = self.load_state_dict(tensors, strict=False)
+            tensors["lm_head.weight"] = tensors["embed_tokens.weight"]  # tied head
+        missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
         if missing or unexpected:
             raise ValueError(
                 f"decoder weights do not match the config: missing {sorted(missing)[:8]}, "
                 f"unexpected {sorted(unexpected)[:8]}"
             )
+        return model.eval()
 
     def forward(
         self,
