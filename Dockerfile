@@ -1,0 +1,85 @@
+# syntax=docker/dockerfile:1.7
+# Tandem's container image: one image runs every tier (`tandem encoder|language|router`).
+#
+#   docker build -t tandem:0.1.0-cuda .                      # GPU hosts (default)
+#   docker build -t tandem:0.1.0-cpu --build-arg VARIANT=cpu .
+#
+# The steps are the ones `make` runs (tests/test_deploy_dockerfile.py holds them together):
+#   build stage    `make proto`: venv, the pinned torch first, the package with
+#                  PIP_CONSTRAINT=constraints.txt, gRPC stubs generated from protos/;
+#                  then a wheel of the package with its stubs inside.
+#   runtime stage  the Debian libraries Mooncake links (make's sysdeps), a venv, the same
+#                  pinned torch first, the wheel under the same constraints; the GPU variant
+#                  swaps in the CUDA build of Mooncake (the plain package needs CUDA).
+# NOTE: never built in the development environment (it has no Docker engine).
+
+ARG VARIANT=cuda
+ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+ARG CPU_IMAGE=ubuntu:24.04
+
+FROM ${CUDA_IMAGE} AS base-cuda
+FROM ${CPU_IMAGE} AS base-cpu
+
+# ---- base: Python, and the libraries Mooncake's engine.so links even for TCP --------------
+FROM base-${VARIANT} AS base
+ENV DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+# libibverbs1 ibverbs-providers: the Makefile's sysdeps; libnuma1 and curl (libcurl) are the
+# rest of what engine.so links on a slim base; tini forwards SIGTERM (drain) to the service.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends \
+      python3 python3-venv libibverbs1 ibverbs-providers libnuma1 curl ca-certificates tini \
+ && rm -rf /var/lib/apt/lists/*
+
+# ---- build: `make proto` exactly as in development, then a wheel with the stubs ------------
+FROM base AS build
+ARG TORCH_SPEC=torch==2.13.0
+ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+RUN apt-get update && apt-get install -y --no-install-recommends make \
+ && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY Makefile pyproject.toml constraints.txt README.md ./
+COPY protos ./protos
+COPY tandem ./tandem
+COPY services ./services
+# Stubs need only grpcio-tools, so the build venv always takes the CPU torch build.
+RUN PIP_EXTRA_INDEX_URL="$TORCH_CPU_INDEX" \
+    make proto PYTHON=python3 VENV=/opt/build TORCH_SPEC="${TORCH_SPEC}+cpu"
+RUN /opt/build/bin/pip wheel --no-deps --wheel-dir /wheels .
+
+# ---- runtime --------------------------------------------------------------------------------
+FROM base AS runtime
+ARG VARIANT
+ARG TORCH_SPEC=torch==2.13.0
+ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+ARG MOONCAKE_CUDA_SPEC="mooncake-transfer-engine>=0.3.7"
+COPY --from=build /wheels /wheels
+COPY constraints.txt /opt/constraints.txt
+RUN python3 -m venv /opt/venv && /opt/venv/bin/pip install -q --upgrade pip
+# torch first, from the pinned build, so nothing later can pull another one (as make does).
+# PyPI's default torch wheel is the CUDA build; the cpu variant takes the +cpu build.
+RUN if [ "$VARIANT" = cpu ]; then \
+      PIP_EXTRA_INDEX_URL="$TORCH_CPU_INDEX" /opt/venv/bin/pip install -q "${TORCH_SPEC}+cpu"; \
+    else \
+      /opt/venv/bin/pip install -q "$TORCH_SPEC"; \
+    fi
+RUN PIP_CONSTRAINT=/opt/constraints.txt /opt/venv/bin/pip install -q /wheels/tandem-*.whl
+# NOTE: both Mooncake packages install the same `mooncake` module: remove the CPU build
+# before installing the CUDA one, never after (that would delete the new files). The CUDA
+# engine is not imported here: it may need the driver, which a build host need not have.
+RUN if [ "$VARIANT" = cuda ]; then \
+      /opt/venv/bin/pip uninstall -y -q mooncake-transfer-engine-non-cuda \
+      && PIP_CONSTRAINT=/opt/constraints.txt /opt/venv/bin/pip install -q --no-deps "$MOONCAKE_CUDA_SPEC"; \
+    fi \
+ && /opt/venv/bin/python -c "import tandem.v1.encoder_pb2, services.encoder.config" \
+ && rm -rf /wheels
+
+# Same uid as the Helm chart's podSecurityContext.runAsUser.
+RUN groupadd --gid 10001 tandem && useradd --uid 10001 --gid 10001 --create-home tandem \
+ && mkdir -p /cache/huggingface && chown -R tandem:tandem /cache
+ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 HF_HOME=/cache/huggingface
+USER 10001:10001
+WORKDIR /home/tandem
+# encoder gRPC, language gRPC, router HTTP + gRPC, metrics
+EXPOSE 50061 50071 8000 50051 9090
+ENTRYPOINT ["/usr/bin/tini", "--", "tandem"]
+CMD ["--help"]
