@@ -67,6 +67,7 @@ def _extension(piece: Piece, request_id: str) -> dict:
         "timings": piece.timings or {},
         "cached_image_tokens": piece.usage.cached_image_tokens if piece.usage else 0,
         "request_id": request_id,
+        **(piece.route or {}),
     }
 
 

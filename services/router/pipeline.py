@@ -77,6 +77,8 @@ class Piece:
     finish_reason: str | None = None
     usage: Usage | None = None
     timings: dict[str, float] | None = None
+    # Set on the last piece: where it ran and how the transfer went.
+    route: dict | None = None
 
 
 def image_hashes(messages: list[common_pb2.ChatMessage]) -> list[str]:
@@ -121,7 +123,8 @@ class Dispatcher:
             pass
 
     async def _encode(
-        self, req: ChatRequest, room: int, enc: Instance, lang: Instance, deadline: float
+        self, req: ChatRequest, room: int, enc: Instance, lang: Instance, deadline: float,
+        route: dict,
     ) -> encoder_pb2.EncodeResponse | None:
         """Deliver the prompt, retrying on other encoders. None: the language side
         declined a Reattach (it already holds the prompt, or the room is gone) and its
@@ -130,6 +133,8 @@ class Dispatcher:
         tried: set[str] = set()
         for attempt in range(self.cfg.encoder_retries + 1):
             tried.add(enc.address)
+            route["encoder"] = enc.address
+            route["encoder_attempts"] = attempt + 1
             enc.outstanding += 1
             try:
                 resp = await enc.stub.Encode(
@@ -142,6 +147,7 @@ class Dispatcher:
                     timeout=max(0.001, deadline - time.time()),
                 )
                 self.registry.encoders.record_success(enc.address)
+                route["resumes"] = resp.resumes
                 return resp
             except grpc.RpcError as e:
                 err = from_rpc(e, "encoder")
@@ -187,7 +193,8 @@ class Dispatcher:
             ),
             timeout=req.timeout_s,
         )
-        encode_task = asyncio.ensure_future(self._encode(req, room, enc, lang, deadline))
+        route = {"language": lang.address, "encoder": enc.address, "encoder_attempts": 1}
+        encode_task = asyncio.ensure_future(self._encode(req, room, enc, lang, deadline, route))
         stream = gen_call.__aiter__()
         finished = False
         first = True
@@ -216,6 +223,8 @@ class Dispatcher:
                 if msg.finish_reason == common_pb2.FINISH_REASON_ERROR and first:
                     await self._raise_encoder_error(encode_task, deadline)
                 piece = await self._convert(msg, encode_task, deadline)
+                if piece.finish_reason is not None:
+                    piece.route = route
                 if first and (piece.token_ids or piece.text or piece.finish_reason):
                     first = False
                     self.metrics.ttft.observe(time.time() - start)

@@ -1,0 +1,141 @@
+"""`LocalCluster`: run `tandem up` as a child process and learn its endpoints (tests, bench).
+
+    with LocalCluster(model, encoders=2, languages=2) as cl:
+        cl.http_url, cl.grpc_address, cl.instances["encoder-0"].address / .pid
+
+`tandem up` runs in its own session; `stop()` sends it SIGINT (as a terminal Ctrl-C
+would) or SIGTERM and returns its exit code.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from tandem.launch.procs import free_port
+
+_READY = re.compile(r"^\[up\] (\S+)\s+ready\s+(\S+)")
+_PIDS = re.compile(r"^\[up\] pids: (.*)$")
+
+
+@dataclass
+class InstanceInfo:
+    name: str
+    address: str = ""
+    pid: int = 0
+
+
+@dataclass
+class LocalCluster:
+    model: str
+    encoders: int = 1
+    languages: int = 1
+    api_key: str = ""
+    encoder_args: str = ""
+    language_args: str = ""
+    router_args: str = ""
+    echo: bool = False  # copy the cluster's log lines to our stdout
+    env: dict[str, str] | None = None
+    http_port: int = 0
+    grpc_port: int = 0
+    instances: dict[str, InstanceInfo] = field(default_factory=dict)
+    lines: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4000))
+    proc: subprocess.Popen | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def addresses(self, kind: str) -> list[str]:
+        return [i.address for n, i in sorted(self.instances.items()) if n.startswith(kind + "-")]
+
+    def start(self, timeout_s: float = 300.0) -> LocalCluster:
+        self.http_port = self.http_port or free_port()
+        self.grpc_port = self.grpc_port or free_port()
+        argv = [sys.executable, "-m", "tandem.cli", "up", "--model", self.model,
+                "--encoders", str(self.encoders), "--languages", str(self.languages),
+                "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port)]
+        for flag, value in (("--api-key", self.api_key), ("--encoder-args", self.encoder_args),
+                            ("--language-args", self.language_args),
+                            ("--router-args", self.router_args)):
+            if value:
+                argv += [flag, value]
+        env = dict(os.environ if self.env is None else self.env, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        ready = threading.Event()
+        threading.Thread(target=self._read, args=(ready,), daemon=True).start()
+        end = time.monotonic() + timeout_s
+        while not ready.wait(0.2):
+            if self.proc.poll() is not None or time.monotonic() > end:
+                self.stop(signal.SIGTERM)
+                tail = "\n".join(list(self.lines)[-60:])
+                raise RuntimeError(f"tandem up did not get ready:\n{tail}")
+        return self
+
+    def _read(self, ready: threading.Event) -> None:
+        for raw in iter(self.proc.stdout.readline, b""):
+            line = raw.decode(errors="replace").rstrip()
+            self.lines.append(line)
+            if self.echo:
+                print(line, flush=True)
+            if m := _READY.match(line):
+                self.instances.setdefault(m.group(1), InstanceInfo(m.group(1))).address = m.group(2)
+            elif m := _PIDS.match(line):
+                for item in m.group(1).split():
+                    name, _, pid = item.partition("=")
+                    self.instances.setdefault(name, InstanceInfo(name)).pid = int(pid)
+                ready.set()
+
+    def loads(self, kind: str, timeout_s: float = 2.0) -> dict[str, object]:
+        """GetLoad of every live instance of `kind` ("encoder" or "language")."""
+        import grpc
+
+        from tandem.v1 import encoder_pb2, encoder_pb2_grpc, language_pb2, language_pb2_grpc
+
+        out = {}
+        for addr in self.addresses(kind):
+            with grpc.insecure_channel(addr) as ch:
+                try:
+                    if kind == "encoder":
+                        r = encoder_pb2_grpc.EncoderStub(ch).GetLoad(
+                            encoder_pb2.EncoderGetLoadRequest(), timeout=timeout_s)
+                    else:
+                        r = language_pb2_grpc.LanguageStub(ch).GetLoad(
+                            language_pb2.LanguageGetLoadRequest(), timeout=timeout_s)
+                except grpc.RpcError:
+                    continue  # a dead instance has no load
+            out[addr] = r
+        return out
+
+    def log_text(self) -> str:
+        return "\n".join(self.lines)
+
+    def stop(self, sig: int = signal.SIGINT, timeout_s: float = 90.0) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,306 @@
+"""End to end through real processes: `tandem up` with 2 encoders + 2 language instances on
+the tiny Qwen2.5-VL, driven by the official `openai` client, raw HTTP and the SDK.
+
+Proves: greedy answers (streaming and not, HTTP and SDK) equal transformers `generate()`,
+including prompts that need resumed transfers (languages reserve only 64 tokens); repeated
+images reach the encoder that caches them; bad input is a 4xx and the router stays healthy;
+a client that disconnects mid-stream frees the language pages within 1 s; 200 concurrent
+requests succeed and leave every block and page free; kill -9 of an encoder under load
+gives each request an answer or a clear error before its deadline and the cluster keeps
+serving; Ctrl-C of `tandem up` leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import os
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tandem.launch.cluster import LocalCluster
+
+ARCH = "qwen2_5_vl"
+MAX_NEW = 10
+TEXT_LONG = "Look carefully at the picture and describe every colour, shape and texture you see. "
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def tiers_present() -> bool:
+    import importlib.util
+
+    return all(
+        importlib.util.find_spec(m) for m in ("services.encoder.main", "services.language.main")
+    )
+
+
+if not tiers_present():  # NOTE: temporary, until both tiers' serve() have landed
+    pytest.skip("encoder/language serve() not present yet", allow_module_level=True)
+
+from language_oracle import generate, load, make_image, make_inputs  # noqa: E402
+
+from tandem.client import Client, image  # noqa: E402
+
+# (name, text, [(seed, (w, h))])
+CHATS = [
+    ("text", "Hello, who are you?", []),
+    ("one_image", "Describe the picture.", [(1, (56, 56))]),
+    ("two_images", "Compare the two pictures.", [(2, (84, 56)), (3, (56, 112))]),
+    ("resumed", TEXT_LONG * 2, [(4, (224, 224))]),  # ~64 image tokens + text > 64 reserved
+]
+
+
+def png(seed: int, size) -> bytes:
+    buf = io.BytesIO()
+    make_image(seed, size).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(raw: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(raw).decode()
+
+
+def openai_messages(text: str, images) -> list:
+    parts = [{"type": "image_url", "image_url": {"url": data_url(png(s, sz))}} for s, sz in images]
+    return [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
+
+
+@pytest.fixture(scope="module")
+def ckpt(checkpoint):
+    return checkpoint(ARCH)
+
+
+@pytest.fixture(scope="module")
+def cluster(ckpt):
+    cl = LocalCluster(
+        str(ckpt), encoders=2, languages=2,
+        language_args="--embedding-block-size 16 --default-reservation-tokens 64",
+        router_args="--load-refresh-s 0.2 --eject-after-failures 2 --max-image-bytes 200000",
+    )
+    cl.start()
+    yield cl
+    cl.stop()
+
+
+@pytest.fixture(scope="module")
+def oracle(ckpt):
+    model, processor = load(ckpt)
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list | tuple) else [eos])
+    cache = {}
+
+    def expected(text, images):
+        key = (text, tuple(images))
+        if key not in cache:
+            inputs = make_inputs(processor, text, [make_image(s, sz) for s, sz in images])
+            tokens, _ = generate(model, inputs, MAX_NEW)
+            cache[key] = tokens
+        return cache[key]
+
+    return expected, eos
+
+
+def strip_eos(tokens, eos):
+    tokens = list(tokens)
+    while tokens and tokens[-1] in eos:
+        tokens.pop()
+    return tokens
+
+
+def openai_client(cluster):
+    from openai import OpenAI
+
+    return OpenAI(base_url=cluster.http_url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def wait_idle(cluster, timeout_s: float) -> dict:
+    """Poll every instance until nothing is held; return the last loads."""
+    end = time.monotonic() + timeout_s
+    while True:
+        langs, encs = cluster.loads("language"), cluster.loads("encoder")
+        idle = all(
+            r.free_kv_pages == r.total_kv_pages
+            and r.free_embedding_blocks == r.total_embedding_blocks
+            and r.transferring + r.waiting + r.running == 0
+            for r in langs.values()
+        ) and all(r.queued_requests == 0 and r.open_rooms == 0 for r in encs.values())
+        if idle or time.monotonic() > end:
+            return {"language": langs, "encoder": encs, "idle": idle}
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("name,text,images", CHATS, ids=[c[0] for c in CHATS])
+def test_greedy_equals_transformers(cluster, oracle, name, text, images):
+    expected, eos = oracle
+    want = expected(text, images)
+    client = openai_client(cluster)
+    msgs = openai_messages(text, images)
+    resp = client.chat.completions.create(model="", messages=msgs, max_tokens=MAX_NEW,
+                                          temperature=0)
+    streamed, finish, usage = "", None, None
+    for chunk in client.chat.completions.create(
+        model="", messages=msgs, max_tokens=MAX_NEW, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ):
+        if chunk.choices:
+            streamed += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage:
+            usage = chunk.usage
+    with Client(cluster.grpc_address) as c:
+        parts = [image(png(s, sz)) for s, sz in images] + [text]
+        sdk = c.chat([{"role": "user", "content": parts}], max_tokens=MAX_NEW)
+        pieces = list(c.stream_chat([{"role": "user", "content": parts}], max_tokens=MAX_NEW))
+
+    assert strip_eos(sdk.token_ids, eos) == strip_eos(want, eos)
+    assert resp.choices[0].message.content == streamed == sdk.text == "".join(pieces)
+    want_finish = "stop" if len(strip_eos(want, eos)) < MAX_NEW else "length"
+    assert resp.choices[0].finish_reason == finish == sdk.finish_reason == want_finish
+    assert resp.usage.completion_tokens == usage.completion_tokens == sdk.usage.completion_tokens
+    assert resp.usage.prompt_tokens == sdk.usage.prompt_tokens > 0
+    ext = resp.model_extra["tandem"]
+    assert set(ext["timings"]) >= {"preprocess_ms", "vit_ms", "transfer_ms", "queue_ms",
+                                   "prefill_ms", "decode_ms"}
+    if name == "resumed":
+        assert resp.usage.prompt_tokens > 64 and ext["resumes"] >= 1
+
+
+def test_repeated_image_reaches_the_caching_encoder(cluster):
+    client = openai_client(cluster)
+    msgs = openai_messages("What is this?", [(11, (112, 112))])
+    exts = []
+    for _ in range(3):
+        r = client.chat.completions.create(model="", messages=msgs, max_tokens=2, temperature=0)
+        exts.append(r.model_extra["tandem"])
+    assert len({e["encoder"] for e in exts}) == 1
+    assert exts[0]["cached_image_tokens"] == 0
+    assert all(e["cached_image_tokens"] > 0 for e in exts[1:])
+
+
+def test_bad_input_is_4xx_and_router_stays_healthy(cluster):
+    url = cluster.http_url + "/v1/chat/completions"
+    good = openai_messages("hi", [])
+
+    def img_body(raw_url):
+        return {"model": "", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": raw_url}}, {"type": "text", "text": "x"}]}]}
+
+    big = data_url(os.urandom(300_000))
+    cases = [
+        (img_body("data:image/png;base64,###"), 400),  # bad base64
+        (img_body(data_url(b"definitely not an image")), 400),  # decoded by the encoder
+        (img_body(big), 413),  # over the router's max_image_bytes
+        ({"model": "", "messages": []}, 400),
+        ({"model": "", "messages": good, "max_tokens": -3}, 400),
+        ({"model": "no-such-model", "messages": good}, 404),
+    ]
+    for body, status in cases:
+        for stream in (False, True):
+            r = httpx.post(url, json={**body, "stream": stream}, timeout=30)
+            assert r.status_code == status, (body.get("model"), stream, r.text)
+            err = r.json()["error"]
+            assert err["message"] and err["type"] and err["code"]
+    assert httpx.get(cluster.http_url + "/health").status_code == 200
+    r = httpx.post(url, json={"model": "", "messages": good, "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200
+    assert wait_idle(cluster, 5)["idle"]
+
+
+def test_client_disconnect_frees_pages_within_1s(cluster):
+    body = {"model": "", "messages": openai_messages("Tell me a story.", [(5, (56, 56))]),
+            "max_tokens": 4000, "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", cluster.http_url + "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got = 0
+            for line in lines:
+                if line.startswith("data: ") and '"content"' in line:
+                    got += 1
+                if got >= 3:
+                    break
+            busy = sum(x.running + x.waiting for x in cluster.loads("language").values())
+            assert busy >= 1  # the generation is still running when we hang up
+        closed = time.monotonic()
+    state = wait_idle(cluster, 1.0)
+    freed_in = time.monotonic() - closed
+    assert state["idle"], (freed_in, state)
+
+
+async def _many(cluster, n: int, timeout_ms: int, on_progress=None) -> list:
+    url = cluster.http_url + "/v1/chat/completions"
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    async with httpx.AsyncClient(timeout=timeout_ms / 1000 + 15, limits=limits) as http:
+
+        async def one(i: int):
+            body = {"model": "", "max_tokens": 4 + i % 5, "temperature": 0,
+                    "timeout_ms": timeout_ms,
+                    "messages": openai_messages(f"Request {i}: what is shown?",
+                                                [(100 + i % 8, (56 + 28 * (i % 3), 56))])}
+            if i % 4 == 0:  # some streaming
+                body["stream"] = True
+                async with http.stream("POST", url, json=body) as r:
+                    text = (await r.aread()).decode()
+                    return r.status_code, text
+            r = await http.post(url, json=body)
+            return r.status_code, r.text
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
+        if on_progress is not None:
+            await on_progress(tasks)
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _ok(status_text) -> bool:
+    status, text = status_text
+    if status != 200:
+        return False
+    return '"error"' not in text and ("[DONE]" in text or '"finish_reason"' in text)
+
+
+def test_200_concurrent_requests_then_everything_free(cluster):
+    results = asyncio.run(_many(cluster, 200, timeout_ms=120_000))
+    bad = [r for r in results if isinstance(r, BaseException) or not _ok(r)]
+    assert not bad, bad[:3]
+    state = wait_idle(cluster, 10)
+    assert state["idle"], state
+
+
+def test_kill9_encoder_during_load(cluster):
+    victim = cluster.instances["encoder-0"].pid
+    timeout_ms = 30_000
+
+    async def kill_after_some(tasks):
+        while sum(t.done() for t in tasks) < 5:
+            await asyncio.sleep(0.01)
+        os.kill(victim, signal.SIGKILL)
+
+    t0 = time.monotonic()
+    results = asyncio.run(_many(cluster, 50, timeout_ms, on_progress=kill_after_some))
+    assert time.monotonic() - t0 < timeout_ms / 1000 + 10  # nobody hung past its deadline
+    for r in results:
+        assert not isinstance(r, BaseException), r  # an httpx timeout would land here
+        status, text = r
+        if not _ok(r):  # a clear error: OpenAI error shape, 5xx status or error event
+            assert status in (200, 502, 503, 504) and '"error"' in text, (status, text[:300])
+    assert sum(_ok(r) for r in results) >= 5
+    # The cluster serves the next requests normally (on the surviving encoder).
+    after = asyncio.run(_many(cluster, 10, timeout_ms))
+    assert all(_ok(r) for r in after), after
+    assert wait_idle(cluster, 10)["idle"]
+
+
+def test_ctrl_c_stops_every_child(cluster):
+    up = psutil.Process(cluster.proc.pid)
+    children = up.children(recursive=True)
+    assert len(children) >= 4  # router, 2 languages, 1 surviving encoder
+    assert cluster.stop(signal.SIGINT) == 0
+    _, alive = psutil.wait_procs(children, timeout=5)
+    assert alive == [], alive
+    assert "[up] stopped" in cluster.log_text()

@@ -1,0 +1,78 @@
+"""`tandem up` plumbing without the tiers: argument checks, the plan of child commands
+(distinct ports and Mooncake ranges), and the supervisor's stop escalation on real
+processes (a child that ignores SIGTERM and has a grandchild is killed with its group)."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import threading
+
+import psutil
+import pytest
+
+from tandem.launch.procs import Child, stop_all, wait_ready
+from tandem.launch.up import parse_args, plan, transfer_ranges
+
+
+def test_parse_args_rejects_zero_instances(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--encoders", "0"])
+    assert "--encoders" in capsys.readouterr().err
+
+
+def test_plan_gives_distinct_ports_and_transfer_ranges():
+    args = parse_args(["--model", "/m", "--encoders", "2", "--languages", "3",
+                       "--language-args", "--default-reservation-tokens 64", "--api-key", "k"])
+    encoders, languages, router = plan(args, "/m")
+    assert [c.name for c in encoders + languages] == [
+        "encoder-0", "encoder-1", "language-0", "language-1", "language-2"]
+    ports = {c.grpc_address for c in encoders + languages}
+    assert len(ports) == 5
+
+    def flag(c, name):
+        return int(c.argv[c.argv.index(name) + 1])
+
+    ranges = sorted((flag(c, "--transfer.min-port"), flag(c, "--transfer.max-port"))
+                    for c in encoders + languages)
+    assert all(a[1] < b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+    assert languages[0].argv[-2:] == ["--default-reservation-tokens", "64"]
+    r = router.argv
+    assert r[r.index("--encoders") + 1] == ",".join(c.grpc_address for c in encoders)
+    assert r[r.index("--languages") + 1] == ",".join(c.grpc_address for c in languages)
+    assert r[r.index("--api-key") + 1] == "k" and router.health_service == "tandem.v1.Router"
+    assert all(lo < hi for lo, hi in transfer_ranges(4))
+
+
+STUBBORN = textwrap.dedent("""
+    import signal, subprocess, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print("stubborn up", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_stop_all_kills_stubborn_child_and_grandchild():
+    c = Child("stubborn-0", [sys.executable, "-c", STUBBORN], "127.0.0.1:1")
+    c.start(env=None)
+    for _ in range(100):
+        kids = psutil.Process(c.proc.pid).children(recursive=True)
+        if kids and any("stubborn up" in line for line in c.tail):
+            break
+        threading.Event().wait(0.05)
+    tree = [psutil.Process(c.proc.pid)] + kids
+    assert len(tree) == 2
+    stop_all([[c]], timeout_s=0.5)
+    _, alive = psutil.wait_procs(tree, timeout=5)
+    assert alive == []
+
+
+def test_wait_ready_reports_a_dead_child():
+    c = Child("broken-0", [sys.executable, "-c", "print('boom: bad flag'); raise SystemExit(3)"],
+              "127.0.0.1:1")
+    c.start(env=None)
+    c.proc.wait(30)
+    with pytest.raises(RuntimeError, match="broken-0 exited with code 3"):
+        wait_ready([c], timeout_s=10, stop=threading.Event())
+    stop_all([[c]], timeout_s=1)
