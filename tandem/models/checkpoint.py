@@ -81,7 +81,7 @@ def resolve_model_path(
     )
     raise CheckpointError(
         f"model {text!r}: not a local directory, and not found in {where} ({reason}). "
-        "Pass a checkpoint directory, or download it first (huggingface-cli download ...)."
+        "Pass a checkpoint directory, or download it first (`hf download ID`)."
     )
 
 

@@ -48,6 +48,12 @@ _TIED = {"qwen2_5_vl": False, "qwen3_vl": True}
 _PIXELS = {"tiny": (4, 256), "small": (4, 1024)}  # min / max merged tokens per image
 
 
+def _init_std(size: str) -> float:
+    # Wider than transformers' 0.02 so random models are not near-uniform: greedy outputs
+    # vary from token to token and depend on the image (oracle tests compare them).
+    return round(1.6 / _TEXT[size]["hidden_size"] ** 0.5, 4)
+
+
 def make_config(arch: str, size: str):
     """The transformers config of a tiny/small model (no weights)."""
     if arch not in ARCHS:
@@ -56,10 +62,10 @@ def make_config(arch: str, size: str):
         raise ValueError(f"size must be one of {SIZES}, got {size!r}")
     text = dict(_TEXT[size], vocab_size=tk.VOCAB_SIZE, max_position_embeddings=32768,
                 bos_token_id=tk.ENDOFTEXT_ID, eos_token_id=tk.IM_END_ID,
-                tie_word_embeddings=_TIED[arch], initializer_range=0.05)  # fmt: skip
+                tie_word_embeddings=_TIED[arch], initializer_range=_init_std(size))  # fmt: skip
     mrope = _MROPE[(arch, text["head_dim"])]
     vision = dict(_VISION[size], out_hidden_size=text["hidden_size"], spatial_merge_size=2,
-                  temporal_patch_size=2, initializer_range=0.05)  # fmt: skip
+                  temporal_patch_size=2, initializer_range=_init_std(size))  # fmt: skip
     ids = dict(
         image_token_id=tk.IMAGE_PAD_ID,
         video_token_id=tk.VIDEO_PAD_ID,

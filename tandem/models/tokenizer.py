@@ -8,15 +8,18 @@ Vocabulary layout (ids are fixed by construction; `BASE_VOCAB` BPE entries, then
 
     0 .. BASE_VOCAB-1              byte-level BPE (256 byte symbols + merges)
     BASE_VOCAB + i                 SPECIAL_TOKENS[i]  (<|endoftext|> first, as in Qwen)
-    .. VOCAB_SIZE-1                padding rows of the embedding (never produced by the tokenizer)
+
+Unlike the released models, the embedding has no padding rows above the tokenizer
+(VOCAB_SIZE == BASE_VOCAB + len(SPECIAL_TOKENS)): a random-weight model then never emits an
+id that has no token.
 """
 
 from __future__ import annotations
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-BASE_VOCAB = 900
-VOCAB_SIZE = 1024  # embedding rows; like Qwen, padded above the tokenizer's size
+BASE_VOCAB = 998
+VOCAB_SIZE = 1024  # embedding rows (== BASE_VOCAB + len(SPECIAL_TOKENS))
 
 # Qwen2.5-VL / Qwen3-VL order; the last four are Qwen3's (plain added tokens there too).
 SPECIAL_TOKENS = [
@@ -35,6 +38,7 @@ _NOT_SPECIAL = {
     "<think>",
     "</think>",
 }
+assert BASE_VOCAB + len(SPECIAL_TOKENS) == VOCAB_SIZE
 TOKEN_IDS = {tok: BASE_VOCAB + i for i, tok in enumerate(SPECIAL_TOKENS)}
 ENDOFTEXT_ID = TOKEN_IDS["<|endoftext|>"]
 IM_START_ID = TOKEN_IDS["<|im_start|>"]
