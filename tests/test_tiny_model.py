@@ -148,8 +148,9 @@ def test_tokenizer_round_trips_and_splits_multibyte_characters(checkpoint):
         assert tok.decode(tok(text)["input_ids"]) == text
     # Some character spans several byte-level tokens: a partial decode is not valid UTF-8,
     # which is what streaming detokenizers must handle.
-    pieces = [tok.decode([i]) for i in tok("😀 ꙮ")["input_ids"]]
-    assert any("\ufffd" in p for p in pieces)
+    for char in ("🙂", "ꙮ"):  # kept out of the corpus on purpose (other tests rely on it)
+        pieces = [tok.decode([i]) for i in tok(char)["input_ids"]]
+        assert len(pieces) > 1 and all("\ufffd" in p for p in pieces), (char, pieces)
 
 
 def test_import_tandem_is_light(checkpoint):

@@ -1,8 +1,9 @@
 """An offline byte-level BPE tokenizer with the Qwen family's special tokens.
 
 Trained with `tokenizers` on a corpus shipped here (English plus multi-byte UTF-8: accents,
-CJK, emoji), so no download is needed. The corpus is small on purpose: rarer multi-byte
-characters stay split over several byte tokens, which exercises streaming detokenization.
+CJK, emoji), so no download is needed. The corpus is small on purpose: multi-byte characters
+it lacks stay split over several byte tokens, which exercises streaming detokenization.
+Tests rely on it: 🙂 (and ꙮ) are kept out of the corpus and always take several tokens.
 
 Vocabulary layout (ids are fixed by construction; `BASE_VOCAB` BPE entries, then specials):
 
@@ -77,7 +78,7 @@ Café au lait, crème brûlée, naïve façade, déjà vu, piñata, Übermäßig
 日本語のテキスト：こんにちは、世界。東京は大きな都市です。
 한국어 문장: 안녕하세요, 만나서 반갑습니다.
 Русский текст: привет, мир! Ελληνικά: γεια σου κόσμε. العربية: مرحبا بالعالم. עברית: שלום.
-Emoji: 😀 😂 🎉 🚀 🐱 🐶 🌍 ❤️ 👍🏽 👨‍👩‍👧 🇯🇵 — mixed with text 🙂 and symbols ™ © ® ° ± × ÷ € £ ¥.
+Emoji: 😀 😂 🎉 🚀 🐱 🐶 🌍 ❤️ 👍🏽 👨‍👩‍👧 🇯🇵 — mixed with text and symbols ™ © ® ° ± × ÷ € £ ¥.
 Math: ∑ ∫ √ ∞ ≈ ≠ ≤ ≥ π θ λ μ σ Ω → ⇒ ∀ ∃ ∈ ∉ ∪ ∩.
 Tabs\tand\tnewlines\n are whitespace; so are   multiple   spaces.
 The image shows a mountain lake at sunrise. Snow covers the peaks, pine trees line the
