@@ -78,6 +78,12 @@ class EncoderConfig(TandemSettings):
     drain_timeout_s: float = Field(
         30.0, ge=0, le=3600, description="On SIGTERM, wait this long for rooms to finish."
     )
+    staging_slots: int = Field(
+        2, ge=1, le=64, description="Transfer staging slots (pieces in flight at once)."
+    )
+    staging_tokens: int = Field(
+        4096, ge=16, description="Tokens per staging slot (>= the language block size)."
+    )
     transfer: TransferConfig = Field(
         default_factory=TransferConfig, description="Transfer engine settings."
     )

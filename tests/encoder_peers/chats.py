@@ -77,3 +77,24 @@ def oracle(model, processor, messages: list[Message]) -> dict:
         "pixel_values": inputs.get("pixel_values"),
         "grid": grid,
     }
+
+
+def to_proto(messages: list[Message]):
+    """[Message] -> [tandem.v1.ChatMessage]."""
+    from tandem.v1 import common_pb2
+
+    out = []
+    for m in messages:
+        parts = []
+        for p in m.parts:
+            if isinstance(p, ImageInput):
+                img = common_pb2.ImagePart(min_pixels=p.min_pixels, max_pixels=p.max_pixels)
+                if p.data is not None:
+                    img.data = p.data
+                else:
+                    img.url = p.url
+                parts.append(common_pb2.ContentPart(image=img))
+            else:
+                parts.append(common_pb2.ContentPart(text=p))
+        out.append(common_pb2.ChatMessage(role=m.role, content=parts))
+    return out

@@ -1,0 +1,122 @@
+"""`tandem encoder`: load the vision part, start the transfer engine and the gRPC server.
+
+Start-up order: model (vision tower + embeddings) -> Mooncake engine + registered staging
+-> gRPC server (Encoder, health, reflection) -> metrics HTTP -> "ready" log line.
+SIGTERM / SIGINT drain: health turns NOT_SERVING, new Encodes get UNAVAILABLE, Encodes in
+progress get up to `drain_timeout_s` to deliver, then the server stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tandem.v1 import encoder_pb2, encoder_pb2_grpc
+
+from .config import EncoderConfig
+from .metrics import encoder_metrics
+from .pipeline import EncodePipeline
+from .server import EncoderServicer
+
+log = logging.getLogger("tandem.encoder")
+SERVICE = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name
+
+
+def serve(cfg: EncoderConfig) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if cfg.cpu_threads:
+        # NOTE: with one thread, float32 rows do not depend on the batch (see vit_runner).
+        torch.set_num_threads(cfg.cpu_threads)
+    asyncio.run(run(cfg))
+    return 0
+
+
+def _message_limit(cfg: EncoderConfig) -> int:
+    per_request = cfg.max_image_bytes * max(1, cfg.max_images_per_request) * 4 // 3
+    return min(2**31 - 1, per_request + (4 << 20))
+
+
+async def run(
+    cfg: EncoderConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None
+) -> None:
+    from tandem.transfer.engine import MooncakeEngine
+    from tandem.transfer.sender import EmbeddingSender
+    from tandem.transfer.staging import StagingArea
+
+    metrics = encoder_metrics()
+    pipeline = EncodePipeline.from_config(cfg, metrics)
+    engine = MooncakeEngine(cfg.transfer)
+    staging = StagingArea(
+        cfg.staging_slots,
+        cfg.staging_tokens,
+        pipeline.spec.embed_dim,
+        dtype=pipeline.embed_tokens.weight.dtype,
+    )
+    staging.register(engine)
+    sender = EmbeddingSender(engine, staging, cfg.transfer)
+
+    limit = _message_limit(cfg)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", 16 << 20),
+        ]
+    )
+    servicer = EncoderServicer(pipeline, sender, cfg.model, cfg.request_timeout_s, metrics)
+    encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (
+            SERVICE,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
+    )
+    address = f"{cfg.host}:{cfg.port}"
+    if server.add_insecure_port(address) == 0:
+        raise SystemExit(f"tandem encoder: cannot bind {address}")
+    if cfg.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(cfg.metrics_port, addr=cfg.host)
+    pipeline.start()
+    await server.start()
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+            pass
+    log.info(
+        "encoder ready on %s (model %s, transfer %s, devices %s)",
+        address,
+        cfg.model,
+        engine.session_id,
+        [str(r.device) for r in pipeline.scheduler.runners],
+    )
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+
+    log.info("draining: %d encodes in progress", servicer.in_progress)
+    servicer.draining = True
+    await health_servicer.enter_graceful_shutdown()
+    try:
+        await asyncio.wait_for(servicer.idle.wait(), cfg.drain_timeout_s)
+    except TimeoutError:
+        log.warning("drain timeout: %d encodes still in progress", servicer.in_progress)
+    await server.stop(grace=1.0)
+    await pipeline.stop()
+    log.info("encoder stopped")

@@ -1,0 +1,142 @@
+"""gRPC `Encoder` servicer: converts protos, delegates, maps errors onto status codes.
+
+    Encode(room, messages, limits, deadline)
+        job_from_proto ─▶ pipeline.encode (preprocess ─▶ cache / ViT ─▶ merge)
+                       ─▶ sender.send(room, payload, deadline)   (waits for Attach Init)
+                       ─▶ EncodeResponse once Done is on the Attach stream
+    Attach  ─▶ sender.attach (the transfer layer owns the room protocol)
+    GetLoad ─▶ queue, cache and room figures
+
+Status codes: INVALID_ARGUMENT for bad input and per-request limits (the message starts
+with the offending field, e.g. `messages[0].content[1].image: ...`), UNAVAILABLE while
+draining, DEADLINE_EXCEEDED past the deadline, and the transfer layer's code when the
+delivery fails. A failure never takes the service down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from tandem.transfer.errors import TransferError
+from tandem.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
+
+from .chat import EncodeError, ErrorCode, job_from_proto
+from .pipeline import EncodePipeline
+
+log = logging.getLogger(__name__)
+
+
+class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
+    def __init__(
+        self,
+        pipeline: EncodePipeline,
+        sender,
+        model_name: str,
+        default_timeout_s: float,
+        metrics=None,
+    ) -> None:
+        self.pipeline = pipeline
+        self.sender = sender
+        self.model_name = model_name
+        self.default_timeout_s = default_timeout_s
+        self.metrics = metrics
+        self.draining = False
+        self.in_progress = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    async def Encode(self, request, context):  # noqa: N802  (gRPC method name)
+        if self.draining:
+            await self._abort(context, ErrorCode.UNAVAILABLE, "encoder is draining")
+        self.in_progress += 1
+        self.idle.clear()
+        self._gauge()
+        code = "OK"
+        try:
+            return await self._encode(request)
+        except EncodeError as e:
+            code = e.code.value
+            await self._abort(context, e.code, str(e))
+        except TimeoutError:
+            code = "DEADLINE_EXCEEDED"
+            await self._abort(
+                context,
+                ErrorCode.DEADLINE_EXCEEDED,
+                f"room {request.room}: deadline passed while encoding",
+            )
+        except TransferError as e:
+            code = e.code
+            await context.abort(_status(e.code), f"transfer: {e.reason}")
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        except Exception as e:  # a bug must not take the server down; it is reported
+            log.exception("room %d: encode failed", request.room)
+            code = "INTERNAL"
+            await self._abort(context, ErrorCode.INTERNAL, f"internal error: {e!r}")
+        finally:
+            self.in_progress -= 1
+            if self.in_progress == 0:
+                self.idle.set()
+            self._gauge()
+            if self.metrics:
+                self.metrics.requests.labels(code).inc()
+
+    async def _encode(self, request) -> encoder_pb2.EncodeResponse:
+        now = time.time()
+        deadline = (
+            request.deadline_unix_ms / 1e3
+            if request.deadline_unix_ms
+            else (now + self.default_timeout_s)
+        )
+        if deadline <= now:
+            raise TimeoutError
+        job = job_from_proto(request)
+        async with asyncio.timeout(deadline - now):
+            res = await self.pipeline.encode(job.messages, job.limits)
+            t0 = time.perf_counter()
+            stats = await self.sender.send(job.room, res.payload, deadline=deadline)
+            transfer_ms = (time.perf_counter() - t0) * 1e3
+        return encoder_pb2.EncodeResponse(
+            room=job.room,
+            prompt_tokens=res.payload.num_tokens,
+            num_images=len(res.image_hashes),
+            cached_image_tokens=res.cached_image_tokens,
+            image_hashes=res.image_hashes,
+            resumes=stats.resumes,
+            timings=common_pb2.StageTimings(
+                preprocess_ms=res.preprocess_ms, vit_ms=res.vit_ms, transfer_ms=transfer_ms
+            ),
+        )
+
+    async def Attach(self, request_iterator, context):  # noqa: N802
+        await self.sender.attach(request_iterator, context)
+
+    async def GetLoad(self, request, context):  # noqa: N802
+        f = self.pipeline.load_figures()
+        return encoder_pb2.EncoderGetLoadResponse(
+            queued_requests=self.in_progress,
+            queued_patches=f["queued_patches"],
+            cache_bytes=f["cache_bytes"],
+            cache_capacity_bytes=f["cache_capacity_bytes"],
+            open_rooms=len(self.sender.rooms),
+            draining=self.draining,
+            model=self.model_name,
+        )
+
+    def _gauge(self) -> None:
+        if self.metrics:
+            self.metrics.queued_requests.set(self.in_progress)
+            self.metrics.queue_patches.set(self.pipeline.scheduler.queued_patches)
+
+    @staticmethod
+    async def _abort(context, code: ErrorCode, message: str):
+        await context.abort(_status(code.value), message)
+
+
+def _status(name: str) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, name, grpc.StatusCode.INTERNAL)

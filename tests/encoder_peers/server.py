@@ -1,0 +1,84 @@
+"""Start a real `tandem encoder` process on loopback and wait until it serves."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_range(width: int = 40) -> tuple[int, int]:
+    base = random.randrange(20000, 40000, width)
+    return base, base + width - 1
+
+
+class EncoderProcess:
+    def __init__(self, model: Path, log: Path, *args: str) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        lo, hi = port_range()
+        cmd = [
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            "encoder",
+            "--model",
+            str(model),
+            "--port",
+            str(self.port),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--transfer.min-port",
+            str(lo),
+            "--transfer.max-port",
+            str(hi),
+            *args,
+        ]
+        self.log = log
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT
+        )
+
+    def wait_serving(self, timeout: float = 90.0) -> None:
+        end = time.monotonic() + timeout
+        with grpc.insecure_channel(self.address) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while time.monotonic() < end:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"encoder exited: {self.log.read_text()[-3000:]}")
+                try:
+                    r = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    if r.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        raise TimeoutError(f"encoder not serving: {self.log.read_text()[-3000:]}")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()  # SIGTERM: graceful drain
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise

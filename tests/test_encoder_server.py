@@ -1,0 +1,260 @@
+"""A real `tandem encoder` process over gRPC, delivering to a real receiver in this process.
+
+- A good chat is encoded, delivered through Mooncake (with Resume rounds: the receiver
+  reserves fewer tokens than the prompt) and equals transformers' payload bit for bit.
+- Each bad input is refused with INVALID_ARGUMENT naming the part and the problem, and the
+  next good request still succeeds (the service stays up).
+- A repeated image is served from the cache (response and GetLoad say so).
+- Health, reflection, GetLoad; SIGTERM drains and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from encoder_peers.chats import chat, oracle, png, to_proto  # noqa: E402
+from encoder_peers.language_side import LanguageSide  # noqa: E402
+from encoder_peers.server import EncoderProcess, port_range  # noqa: E402
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa: E402
+
+from services.encoder.chat import ImageInput, Message  # noqa: E402
+from tandem.v1 import encoder_pb2, encoder_pb2_grpc  # noqa: E402
+
+ARCH = "qwen3_vl"  # deepstack: the widest payload
+MAX_IMAGE_BYTES = 150_000
+MAX_SOURCE_PIXELS = 1_000_000
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # The encoder runs with cpu_threads=1; the oracle must too (MKL splits rows by thread).
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    lp = asyncio.new_event_loop()
+    yield lp
+    lp.close()
+
+
+@pytest.fixture(scope="module")
+def env(checkpoint, tmp_path_factory, loop):
+    path = checkpoint(ARCH)
+    log = tmp_path_factory.mktemp("encoder") / "encoder.log"
+    enc = EncoderProcess(
+        path,
+        log,
+        "--max-image-bytes",
+        str(MAX_IMAGE_BYTES),
+        "--max-source-pixels",
+        str(MAX_SOURCE_PIXELS),
+        "--allowed-url-hosts",
+        "127.0.0.1",
+        "--max-images-per-request",
+        "4",
+    )
+    try:
+        enc.wait_serving()
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        import tandem  # noqa: F401
+        from tandem.models.checkpoint import read_spec
+
+        spec = read_spec(path)
+        lang = loop.run_until_complete(_make_side(spec.embed_dim))
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+        yield {
+            "enc": enc,
+            "lang": lang,
+            "model": model,
+            "processor": AutoProcessor.from_pretrained(path),
+            "log": log,
+        }
+        loop.run_until_complete(lang.receiver.close())
+    finally:
+        rc = enc.stop()
+    assert rc == 0, log.read_text()[-2000:]
+
+
+async def _make_side(embed_dim: int) -> LanguageSide:
+    return LanguageSide(embed_dim, port_range(), reserve_tokens=48)
+
+
+_room = iter(range(1000, 10**6))
+
+
+async def _encode(env, messages, limits=None, receive=True):
+    room = next(_room)
+    async with grpc.aio.insecure_channel(env["enc"].address) as ch:
+        stub = encoder_pb2_grpc.EncoderStub(ch)
+        req = encoder_pb2.EncodeRequest(
+            room=room,
+            request_id=f"t{room}",
+            messages=to_proto(messages),
+            deadline_unix_ms=int((time.time() + 30) * 1000),
+        )
+        if limits:
+            req.limits.CopyFrom(encoder_pb2.EncodeLimits(**limits))
+        if not receive:
+            return await stub.Encode(req), None
+        got = asyncio.ensure_future(env["lang"].receiver.receive(room, env["enc"].address))
+        try:
+            resp = await stub.Encode(req)
+        except BaseException as e:
+            env["lang"].receiver.abort(room)
+            why = await asyncio.gather(got, return_exceptions=True)
+            raise AssertionError(f"encode failed: {e}; receiver: {why[0]!r}") from e
+        return resp, await got
+
+
+def _good(env, loop, messages):
+    resp, payload = loop.run_until_complete(_encode(env, messages))
+    ref = oracle(env["model"], env["processor"], messages)
+    hidden = ref["embeds"].shape[1]
+    assert torch.equal(payload.fill_ids.long(), ref["ids"])
+    assert torch.equal(payload.input_embeds[:, :hidden], ref["embeds"])
+    for k, d in enumerate(ref["deepstack"]):
+        assert torch.equal(payload.input_embeds[:, hidden * (k + 1) : hidden * (k + 2)], d)
+    assert torch.equal(payload.mrope_positions.long(), ref["positions"])
+    assert payload.mrope_delta == ref["delta"]
+    assert resp.prompt_tokens == payload.num_tokens
+    return resp, payload
+
+
+def test_end_to_end_delivery_with_resumes(env, loop):
+    resp, payload = _good(env, loop, chat(3, seed=5))
+    assert resp.num_images == 3 and len(resp.image_hashes) == 3
+    assert resp.resumes >= 1  # 48 reserved tokens < prompt: delivered in pieces
+    assert env["lang"].allocator.num_free == env["lang"].allocator.num_total  # nothing leaked
+
+
+def _bad_cases():
+    big = png(260, 260, 1)  # noise PNG over MAX_IMAGE_BYTES
+    assert len(big) > MAX_IMAGE_BYTES
+    tiff = png(40, 40, 2, fmt="TIFF")
+    ok = png(64, 64, 3)
+    u = lambda *parts: [Message("user", tuple(parts))]  # noqa: E731
+    img = lambda **kw: ImageInput(**kw)  # noqa: E731
+    solid = _solid_png(1200, 1000)
+    return [
+        (
+            u("x", img(data=b"definitely not an image")),
+            "messages[0].content[1].image",
+            "not a decodable",
+        ),
+        (u(img(data=ok[: len(ok) // 2])), "messages[0].content[0].image", "truncated or corrupt"),
+        (u(img(data=tiff)), "messages[0].content[0].image", "format TIFF is not supported"),
+        (u(img(data=big)), "messages[0].content[0].image", f"over the limit of {MAX_IMAGE_BYTES}"),
+        (
+            u(img(data=solid)),
+            "messages[0].content[0].image",
+            f"1200x1000 = 1200000 pixels, over the limit of {MAX_SOURCE_PIXELS}",
+        ),
+        (u(*[img(data=ok)] * 5), "messages", "5 images, over the limit of 4"),
+        (
+            u(img(url="data:image/png;base64,@@@@")),
+            "messages[0].content[0].image",
+            "not valid base64",
+        ),
+        (
+            u(img(url="http://example.com/a.png")),
+            "messages[0].content[0].image",
+            "not in the encoder's allowed_url_hosts",
+        ),
+        (
+            u(img(url="http://127.0.0.1:9/a.png")),
+            "messages[0].content[0].image",
+            "non-public address 127.0.0.1",
+        ),
+        (
+            u(img(url="file:///etc/passwd")),
+            "messages[0].content[0].image",
+            "unsupported image url scheme 'file'",
+        ),
+        ([Message("robot", ("hi",))], "messages[0].role", "is not one of"),
+        (u("see <|image_pad|>"), "messages[0].content[0].text", "reserved token"),
+        ([], "messages", "no messages"),
+    ]
+
+
+def _solid_png(w, h) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (10, 200, 30)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_bad_inputs_are_invalid_argument_and_service_stays_up(env, loop):
+    cases = _bad_cases()
+    for messages, field, text in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            loop.run_until_complete(_encode(env, messages, receive=False))
+        err = ei.value
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, err.details())
+        assert err.details().startswith(field + ":"), err.details()
+        assert text in err.details(), err.details()
+        _good(env, loop, chat(1, seed=len(field)))  # the next good request succeeds
+    # per-request limits
+    for limits, text in (
+        ({"max_images": 1}, "2 images, over the limit of 1"),
+        ({"max_prompt_tokens": 20}, "over the limit of 20"),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            loop.run_until_complete(_encode(env, chat(2, seed=1), limits, receive=False))
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert text in ei.value.details()
+    # a data URL of a good image works
+    b64 = base64.b64encode(png(80, 60, 4)).decode()
+    _good(env, loop, [Message("user", ("look", ImageInput(url=f"data:image/png;base64,{b64}")))])
+
+
+def test_repeated_image_is_a_cache_hit(env, loop):
+    messages = chat(2, seed=40)
+    first, p1 = _good(env, loop, messages)
+    second, p2 = _good(env, loop, messages)
+    assert first.cached_image_tokens == 0
+    assert second.cached_image_tokens > 0
+    assert second.image_hashes == first.image_hashes
+    assert torch.equal(p1.input_embeds, p2.input_embeds)
+    assert second.timings.vit_ms == 0.0
+
+
+def test_health_reflection_and_load(env, loop):
+    import grpc as g
+
+    with g.insecure_channel(env["enc"].address) as ch:
+        h = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="tandem.v1.Encoder"), timeout=5
+        )
+        assert h.status == health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+        resp = next(
+            refl.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+            )
+        )
+        names = {s.name for s in resp.list_services_response.service}
+        assert {"tandem.v1.Encoder", "grpc.health.v1.Health"} <= names
+        load = encoder_pb2_grpc.EncoderStub(ch).GetLoad(
+            encoder_pb2.EncoderGetLoadRequest(), timeout=5
+        )
+        assert load.cache_bytes > 0 and load.cache_capacity_bytes >= load.cache_bytes
+        assert load.queued_requests == 0 and not load.draining
+        assert load.model.endswith(env["enc"].log.parent.name) or load.model
