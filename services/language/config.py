@@ -55,6 +55,16 @@ class LanguageConfig(TandemSettings):
     request_timeout_s: float = Field(
         120.0, gt=0, le=86400, description="Default deadline of a request without one."
     )
+    init_new_token_ratio: float = Field(
+        0.7, gt=0, le=1.0,
+        description="Share of a request's max_tokens reserved in KV pages at admission; "
+        "decays towards ~0.1 while nothing is retracted.",
+    )  # fmt: skip
+    reattach_grace_s: float = Field(
+        1.0, ge=0, le=600,
+        description="How long a room whose encoder broke before Done waits for Reattach.",
+    )  # fmt: skip
+    cpu_threads: int = Field(0, ge=0, le=1024, description="torch CPU threads; 0 = default.")
     drain_timeout_s: float = Field(
         30.0, ge=0, le=3600, description="On SIGTERM, wait this long for running requests."
     )

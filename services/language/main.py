@@ -1,0 +1,174 @@
+"""`tandem language`: load the decoder, start the engine thread and the gRPC server.
+
+Start-up order: text weights (split loader) -> model runner + KV pool -> engine thread ->
+Mooncake engine + registered embedding buffers -> gRPC server (Language, health,
+reflection) -> metrics HTTP -> "ready" log line.
+
+SIGTERM / SIGINT drain: health turns NOT_SERVING and new Generates are refused
+(UNAVAILABLE); rooms in transfer and requests in the engine get up to `drain_timeout_s`
+to finish; whatever is left is aborted (its blocks and pages freed), then the process
+exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tandem.v1 import language_pb2, language_pb2_grpc
+
+from .config import LanguageConfig
+from .engine import Engine, EngineConfig
+from .metrics import LanguageMetrics
+from .server import LanguageServicer, ServiceLimits
+
+log = logging.getLogger("tandem.language")
+SERVICE = language_pb2.DESCRIPTOR.services_by_name["Language"].full_name
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def serve(cfg: LanguageConfig) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if cfg.cpu_threads:
+        torch.set_num_threads(cfg.cpu_threads)
+    asyncio.run(run(cfg))
+    return 0
+
+
+def resolve_device(cfg: LanguageConfig) -> tuple[torch.device, torch.dtype]:
+    if cfg.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(cfg.device)
+    if cfg.dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        dtype = _DTYPES[cfg.dtype]
+    return device, dtype
+
+
+def build_engine(cfg: LanguageConfig, metrics: LanguageMetrics):
+    """(engine, spec, tokenizer) for `cfg` (also used by the benchmark)."""
+    from transformers import AutoTokenizer
+
+    from services.language.model_runner import ModelRunner
+    from tandem.models.split import load_text_weights
+
+    device, dtype = resolve_device(cfg)
+    weights = load_text_weights(cfg.model, dtype=dtype, device=device)
+    spec = weights.spec
+    max_len = cfg.max_model_len or spec.max_position_embeddings
+    runner = ModelRunner(
+        weights,
+        page_size=cfg.kv_page_size,
+        num_pages=cfg.kv_pages,
+        kv_memory_fraction=cfg.kv_memory_fraction,
+        device=device,
+        dtype=dtype,
+        cuda_graph_max_bs=cfg.cuda_graph_max_bs if device.type == "cuda" else 0,
+        max_seq_len=max_len,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(spec.path)
+    engine = Engine(
+        runner,
+        tokenizer,
+        EngineConfig(
+            max_prefill_tokens=cfg.max_prefill_tokens,
+            max_running_requests=cfg.max_running_requests,
+            schedule_policy=cfg.schedule_policy,
+            max_model_len=max_len,
+            init_new_token_ratio=cfg.init_new_token_ratio,
+        ),
+        eos_token_ids=tuple(spec.eos_token_ids),
+        metrics=metrics,
+    )
+    return engine, spec, tokenizer
+
+
+async def run(
+    cfg: LanguageConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None
+) -> None:
+    from tandem.transfer import BlockAllocator, EmbeddingBuffers, EmbeddingReceiver
+    from tandem.transfer.engine import MooncakeEngine
+
+    metrics = LanguageMetrics()
+    engine, spec, _ = build_engine(cfg, metrics)
+    engine.start()
+    transfer = MooncakeEngine(cfg.transfer)
+    # NOTE: embedding buffers live in host memory (the CPU Mooncake build registers host
+    # memory only); chunks are copied to the model's device when they run.
+    buffers = EmbeddingBuffers(
+        cfg.embedding_blocks, cfg.embedding_block_size, spec.embed_dim, engine.runner.dtype
+    )
+    buffers.register(transfer)
+    allocator = BlockAllocator(cfg.embedding_blocks, cfg.embedding_block_size)
+    receiver = EmbeddingReceiver(
+        transfer, buffers, allocator, cfg.transfer,
+        reserve_tokens=cfg.default_reservation_tokens,
+        reattach_grace_s=cfg.reattach_grace_s,
+        max_prompt_tokens=cfg.max_model_len or spec.max_position_embeddings,
+        registry=metrics.registry,
+    )  # fmt: skip
+
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", 16 << 20)])
+    limits = ServiceLimits(cfg.default_max_tokens, cfg.request_timeout_s, cfg.model)
+    servicer = LanguageServicer(engine, receiver, allocator, limits, metrics)
+    language_pb2_grpc.add_LanguageServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)  # fmt: skip
+    address = f"{cfg.host}:{cfg.port}"
+    if server.add_insecure_port(address) == 0:
+        raise SystemExit(f"tandem language: cannot bind {address}")
+    if cfg.metrics_port:
+        metrics.serve(cfg.metrics_port, cfg.host)
+    await server.start()
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+            pass
+    log.info(
+        "language ready on %s (model %s, %s %s, %d KV pages of %d, transfer %s)",
+        address, cfg.model, engine.runner.device, engine.runner.dtype,
+        engine.pool.num_total, engine.runner.page_size, transfer.session_id,
+    )  # fmt: skip
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+
+    # -- drain --
+    log.info("draining: %d requests in progress", servicer.num_active)
+    servicer.draining = True
+    await health_servicer.enter_graceful_shutdown()
+    end = time.monotonic() + cfg.drain_timeout_s
+    while servicer.num_active and time.monotonic() < end:
+        await asyncio.sleep(0.05)
+    if servicer.num_active:
+        log.warning("drain timeout: aborting %d requests", servicer.num_active)
+        for room in list(servicer.transferring):
+            receiver.abort(room)
+    engine.stop()  # aborts what is left: each stream gets its final ABORT message
+    end = time.monotonic() + 2.0
+    while servicer.num_active and time.monotonic() < end:
+        await asyncio.sleep(0.02)
+    await server.stop(grace=1.0)
+    await receiver.close()
+    log.info(
+        "language stopped (KV pages free %d/%d, embedding blocks free %d/%d)",
+        engine.pool.num_free, engine.pool.num_total, allocator.num_free, allocator.num_total,
+    )  # fmt: skip

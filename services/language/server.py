@@ -1,0 +1,204 @@
+"""The `tandem.v1.Language` servicer: converts protos and delegates.
+
+Generate, per room:
+
+    open the room (EmbeddingReceiver.receive: reserve blocks, Attach to the encoder,
+    merge resumed pieces) ─▶ Engine.submit ─▶ stream StreamDeltas as responses
+
+Failures inside a started stream are reported in-stream (finish_reason ERROR or ABORT and
+an ErrorInfo with a gRPC code name), as the wire contract says for streams.
+
+NOTE: a client that goes away cancels the handler; the `finally` blocks abort the room in
+the receiver (blocks freed) or in the engine (KV pages freed) at once. Deadlines are
+enforced by both: the receiver's wait and the engine's per-request deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from services.language.engine import Engine
+from services.language.metrics import LanguageMetrics
+from services.language.request import Request, RequestStatus, SamplingParams, StreamDelta
+from services.language.scheduler import AdmissionError
+from tandem.transfer import BlockAllocator, EmbeddingReceiver, TransferError
+from tandem.v1 import common_pb2, language_pb2, language_pb2_grpc
+
+_FINISH = {
+    RequestStatus.FINISHED_STOP: common_pb2.FINISH_REASON_STOP,
+    RequestStatus.FINISHED_LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    RequestStatus.FINISHED_ABORT: common_pb2.FINISH_REASON_ABORT,
+    RequestStatus.FINISHED_ERROR: common_pb2.FINISH_REASON_ERROR,
+}
+
+
+def sampling_from_proto(p: common_pb2.SamplingParams, default_max_tokens: int) -> SamplingParams:
+    """Proto zero values mean "default"; raises ValueError naming a bad field."""
+    return SamplingParams(
+        temperature=p.temperature,
+        top_p=p.top_p if p.top_p > 0 else 1.0,
+        top_k=p.top_k,
+        max_tokens=p.max_tokens if p.max_tokens > 0 else default_max_tokens,
+        seed=p.seed if p.HasField("seed") else None,
+        stop=list(p.stop),
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs,
+    )
+
+
+def delta_to_proto(
+    d: StreamDelta, transfer_ms: float = 0.0
+) -> language_pb2.LanguageGenerateResponse:
+    out = language_pb2.LanguageGenerateResponse(token_ids=d.token_ids, text=d.text)
+    if d.logprobs:
+        out.logprobs.extend(
+            common_pb2.TokenLogprob(token_id=t, logprob=lp)
+            for t, lp in zip(d.token_ids, d.logprobs, strict=True)
+        )
+    if d.finish_reason is not None:
+        out.finish_reason = _FINISH[d.finish_reason]
+        out.usage.CopyFrom(common_pb2.Usage(
+            prompt_tokens=d.prompt_tokens, completion_tokens=d.completion_tokens,
+            total_tokens=d.prompt_tokens + d.completion_tokens))  # fmt: skip
+        t = d.timings_ms
+        out.timings.CopyFrom(common_pb2.StageTimings(
+            transfer_ms=transfer_ms, queue_ms=t.get("queue", 0.0),
+            prefill_ms=t.get("prefill", 0.0), decode_ms=t.get("decode", 0.0)))  # fmt: skip
+        if d.error:
+            out.error.CopyFrom(common_pb2.ErrorInfo(code=d.error_code or "INTERNAL",
+                                                    message=d.error))  # fmt: skip
+    return out
+
+
+def error_response(code: str, message: str, field: str = "", abort: bool = False):
+    reason = common_pb2.FINISH_REASON_ABORT if abort else common_pb2.FINISH_REASON_ERROR
+    return language_pb2.LanguageGenerateResponse(
+        finish_reason=reason, error=common_pb2.ErrorInfo(code=code, message=message, field=field)
+    )
+
+
+@dataclass
+class ServiceLimits:
+    default_max_tokens: int
+    request_timeout_s: float
+    model: str
+
+
+class LanguageServicer(language_pb2_grpc.LanguageServicer):
+    def __init__(
+        self,
+        engine: Engine,
+        receiver: EmbeddingReceiver,
+        allocator: BlockAllocator,
+        limits: ServiceLimits,
+        metrics: LanguageMetrics,
+    ) -> None:
+        self.engine, self.receiver, self.allocator = engine, receiver, allocator
+        self.limits, self.metrics = limits, metrics
+        self.transferring: set[int] = set()
+        self.streams: set[int] = set()  # rooms with a Generate call in progress
+        self.draining = False
+
+    @property
+    def num_active(self) -> int:
+        return len(self.streams)
+
+    async def Generate(self, request, context):  # noqa: N802
+        room = request.room
+        if self.draining:
+            yield error_response("UNAVAILABLE", "language instance is draining")
+            return
+        try:
+            sampling = sampling_from_proto(request.sampling, self.limits.default_max_tokens)
+        except ValueError as e:
+            yield error_response("INVALID_ARGUMENT", str(e), field="sampling")
+            return
+        if room in self.streams:
+            yield error_response("ALREADY_EXISTS", f"room {room} is already in progress")
+            return
+        now = time.time()
+        deadline = (
+            request.deadline_unix_ms / 1000.0
+            if request.deadline_unix_ms > 0
+            else now + self.limits.request_timeout_s
+        )
+        if deadline <= now:
+            yield error_response("DEADLINE_EXCEEDED", "deadline already passed", abort=True)
+            return
+        self.streams.add(room)
+        t_created = time.monotonic()
+        try:
+            # -- 1. the prompt arrives through the room --
+            self.transferring.add(room)
+            self.metrics.transferring.set(len(self.transferring))
+            try:
+                payload = await self.receiver.receive(room, request.encoder_address, deadline)
+            except TransferError as e:
+                abort = e.code in ("CANCELLED", "DEADLINE_EXCEEDED")
+                yield error_response(e.code, e.reason, abort=abort)
+                return
+            finally:
+                self.transferring.discard(room)
+                self.metrics.transferring.set(len(self.transferring))
+            transfer_ms = (time.monotonic() - t_created) * 1e3
+            # -- 2. the engine generates --
+            req = Request(
+                rid=room, sampling=sampling, prompt=payload, request_id=request.request_id,
+                priority=request.priority, t_created=t_created,
+                deadline=time.monotonic() + (deadline - time.time()),
+            )  # fmt: skip
+            q: asyncio.Queue[StreamDelta] = asyncio.Queue()
+            loop = asyncio.get_running_loop()
+            try:
+                self.engine.submit(req, lambda d: loop.call_soon_threadsafe(q.put_nowait, d))
+            except AdmissionError as e:
+                yield error_response("INVALID_ARGUMENT", str(e))
+                return
+            finished = False
+            try:
+                while not finished:
+                    d = await q.get()
+                    # Coalesce what piled up while we were sending (one message, same order).
+                    while not d.finished and not q.empty():
+                        d = _merge(d, q.get_nowait())
+                    finished = d.finished
+                    yield delta_to_proto(d, transfer_ms)
+            finally:
+                if not finished:  # client gone or handler cancelled: free its pages now
+                    self.engine.abort(room, "client cancelled", "CANCELLED")
+        finally:
+            self.streams.discard(room)
+
+    async def Reattach(self, request, context):  # noqa: N802
+        ok = self.receiver.reattach(request.room, request.encoder_address)
+        return language_pb2.ReattachResponse(accepted=ok)
+
+    async def Abort(self, request, context):  # noqa: N802
+        found = self.receiver.abort(request.room) or self.engine.abort(
+            request.room, "aborted by request", "CANCELLED"
+        )
+        return language_pb2.AbortResponse(found=found)
+
+    async def GetLoad(self, request, context):  # noqa: N802
+        load = self.engine.load()
+        return language_pb2.LanguageGetLoadResponse(
+            transferring=len(self.transferring),
+            waiting=load["waiting"],
+            running=load["running"],
+            free_kv_pages=load["free_kv_pages"],
+            total_kv_pages=load["total_kv_pages"],
+            free_embedding_blocks=self.allocator.num_free,
+            total_embedding_blocks=self.allocator.num_total,
+            draining=self.draining,
+            model=self.limits.model,
+        )
+
+
+def _merge(a: StreamDelta, b: StreamDelta) -> StreamDelta:
+    b.token_ids = a.token_ids + b.token_ids
+    b.text = a.text + b.text
+    b.logprobs = a.logprobs + b.logprobs
+    return b
