@@ -1,0 +1,229 @@
+"""Encoder parts on their own: cache budget and LRU, device assignment, scheduler batching,
+independence and cancellation, image fetching rules, per-image pixel bounds, the
+graph-safe ViT path (and, on CUDA, graph replay against eager)."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from encoder_peers.chats import chat, png  # noqa: E402
+
+from services.encoder.cache import CachedFeatures, EmbeddingCache  # noqa: E402
+from services.encoder.chat import EncodeError, ImageInput, Message  # noqa: E402
+from services.encoder.config import EncoderConfig  # noqa: E402
+from services.encoder.images import ImageLimits, image_bytes  # noqa: E402
+from services.encoder.pipeline import EncodePipeline  # noqa: E402
+from services.encoder.scheduler import lb_assign  # noqa: E402
+from services.encoder.vit_runner import VisionRunner  # noqa: E402
+
+
+def feats(rows: int, width: int = 8, deep: int = 0) -> CachedFeatures:
+    return CachedFeatures(
+        torch.zeros(rows, width), tuple(torch.zeros(rows, width) for _ in range(deep))
+    )
+
+
+def test_cache_never_exceeds_budget_and_evicts_lru():
+    rng = random.Random(0)
+    cap = 10_000
+    c = EmbeddingCache(cap)
+    for _ in range(500):
+        key = f"k{rng.randrange(60)}"
+        if rng.random() < 0.5:
+            c.get(key)
+        else:
+            c.put(key, feats(rng.randrange(1, 120), deep=rng.randrange(0, 3)))
+        assert c.bytes_used <= cap
+        assert c.bytes_used == sum(v.nbytes for v in c.entries.values())
+    assert c.evictions > 0 and c.hits > 0 and c.misses > 0
+    # LRU: a touched entry survives the next eviction, the untouched oldest does not
+    c = EmbeddingCache(3 * feats(10).nbytes)
+    for k in "abc":
+        c.put(k, feats(10))
+    assert c.get("a") is not None
+    c.put("d", feats(10))
+    assert "b" not in c and "a" in c and c.evictions == 1
+    assert not c.put("huge", feats(1000)) and "a" in c  # too big for the budget: refused
+
+
+def test_lb_assign_largest_first():
+    assert lb_assign([1250, 100, 200, 50], 4) == [[0], [2], [1], [3]]
+    assert lb_assign([5, 9, 1, 7], 1) == [[0, 1, 2, 3]]
+    # greedy LPT: 100->d0, 90->d1, 80->d1 (90 < 100), 20->d0, 10->d0
+    assert lb_assign([100, 90, 80, 20, 10], 2) == [[0, 3, 4], [1, 2]]
+
+
+@pytest.fixture(scope="module")
+def tiny_pipe(checkpoint):
+    torch.set_num_threads(1)
+    cfg = EncoderConfig(model=str(checkpoint("qwen2_5_vl")), device="cpu", dtype="float32")
+    return EncodePipeline.from_config(cfg)
+
+
+def test_scheduler_budget_independence_and_cancel(tiny_pipe):
+    pipe = tiny_pipe
+    pre = pipe.preprocessor
+    a = pre(chat(3, seed=60)).images
+    b = pre(chat(1, seed=70)).images
+    c = pre(chat(1, seed=80)).images
+    sched = pipe.scheduler
+
+    async def go():
+        pipe.cache.entries.clear()
+        pipe.cache.bytes_used = 0
+        sched.patch_budget = max(im.num_patches for im in a + b)  # one image per batch
+        sched.batches = 0
+        pipe.start()
+        try:
+            tb = asyncio.ensure_future(sched.features(b))
+            ta = asyncio.ensure_future(sched.features(a))
+            tc = asyncio.ensure_future(sched.features(c))
+            await asyncio.sleep(0)  # all three enqueued: b1, a1, a2, a3, c1
+            tc.cancel()  # c leaves before its batch: its job is dropped, never encoded
+            await tb
+            assert not ta.done()  # b left as soon as its own image was done
+            await ta
+            with pytest.raises(asyncio.CancelledError):
+                await tc
+            assert sched.batches == 4 and c[0].hash not in pipe.cache
+            assert sched.queued_patches == 0 and not sched.inflight
+        finally:
+            await pipe.scheduler.stop()
+            pipe.scheduler.__init__(sched.runners, pipe.cache, 16384, None)
+
+    asyncio.run(go())
+
+
+def test_per_image_pixel_bounds_are_clamped(tiny_pipe):
+    pre = tiny_pipe.preprocessor
+    lim = pre.limits
+    data = png(300, 200, 5)
+    base = pre([Message("user", (ImageInput(data=data),))]).images[0]
+    small = pre([Message("user", (ImageInput(data=data, max_pixels=lim.min_pixels * 2),))])
+    big = pre([Message("user", (ImageInput(data=data, min_pixels=lim.max_pixels * 50),))])
+    assert small.images[0].num_tokens < base.num_tokens
+    at_max = pre([Message("user", (ImageInput(data=data, min_pixels=lim.max_pixels),))])
+    assert big.images[0].grid == at_max.images[0].grid  # clamped: cannot loosen the server
+    assert big.images[0].num_tokens > base.num_tokens
+    assert small.images[0].hash != base.hash  # identity is the processed pixels
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    body = png(64, 48, 9)
+
+    def do_GET(self):  # noqa: N802
+        if self.path == "/slow.png":
+            time.sleep(1.5)
+        if self.path == "/redirect.png":
+            self.send_response(302)
+            self.send_header("Location", "http://example.com/x.png")
+            self.end_headers()
+            return
+        if self.path == "/missing.png":
+            self.send_response(404)
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture(scope="module")
+def http_server():
+    class Server(http.server.ThreadingHTTPServer):
+        def handle_error(self, request, client_address):  # the timed-out client hung up
+            pass
+
+    srv = Server(("127.0.0.1", 0), _Handler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+def test_url_fetch_rules(http_server):
+    ok = ImageLimits(10**6, 10**7, ("127.0.0.1",), allow_private_urls=True, url_timeout_s=0.5)
+    assert image_bytes(ImageInput(url=http_server + "/a.png"), "f", ok) == _Handler.body
+    cases = [
+        (ok, "/slow.png", "timed out"),
+        (ok, "/redirect.png", "HTTP 302"),
+        (ok, "/missing.png", "HTTP 404"),
+        (ImageLimits(100, 10**7, ("127.0.0.1",), True), "/a.png", "over the limit of 100"),
+        (ImageLimits(10**6, 10**7, ("127.0.0.1",), False), "/a.png", "non-public address"),
+        (ImageLimits(10**6, 10**7, (), True), "/a.png", "not in the encoder's allowed"),
+    ]
+    for lim, path, text in cases:
+        with pytest.raises(EncodeError) as ei:
+            image_bytes(ImageInput(url=http_server + path), "messages[0].content[0].image", lim)
+        assert text in ei.value.message and ei.value.field == "messages[0].content[0].image"
+
+
+def _images(path, n):
+    from transformers import AutoProcessor
+
+    import tandem  # noqa: F401
+
+    proc = AutoProcessor.from_pretrained(path)
+    out = proc.image_processor(
+        images=[_pil(w, h, i) for i, (w, h) in enumerate(n)], return_tensors="pt"
+    )
+    return out["pixel_values"], [tuple(g) for g in out["image_grid_thw"].tolist()]
+
+
+def _pil(w, h, seed):
+    import io
+
+    from PIL import Image
+
+    return Image.open(io.BytesIO(png(w, h, seed))).convert("RGB")
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_static_path_matches_eager_on_cpu(checkpoint, arch):
+    from tandem.models.split import load_vision_part
+
+    path = checkpoint(arch)
+    part = load_vision_part(path, torch.float32, "cpu")
+    pixels, grids = _images(path, [(64, 48), (120, 90), (40, 150)])
+    eager = VisionRunner(part.visual, mode="eager").run(pixels, grids)
+    static = VisionRunner(part.visual, mode="static").run(pixels, grids)
+    torch.testing.assert_close(static.embeds, eager.embeds, rtol=1e-5, atol=1e-5)
+    assert len(static.deepstack) == len(eager.deepstack) == (2 if arch == "qwen3_vl" else 0)
+    for s, e in zip(static.deepstack, eager.deepstack, strict=True):
+        torch.testing.assert_close(s, e, rtol=1e-5, atol=1e-5)
+    full = part.encode_images(pixels, torch.tensor(grids))
+    assert torch.equal(eager.embeds, full[0])  # eager is transformers' own tower, bit for bit
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_cuda_graph_replay_matches_eager(checkpoint, arch):
+    from tandem.models.split import load_vision_part
+
+    path = checkpoint(arch)
+    part = load_vision_part(path, torch.float32, "cuda")
+    graph = VisionRunner(part.visual, max_graphs=2, mode="graph")
+    eager = VisionRunner(part.visual, mode="eager")
+    sets = [[(64, 48)], [(120, 90), (40, 150)], [(64, 48)], [(200, 130)]]
+    for sizes in sets:
+        pixels, grids = _images(path, sizes)
+        g, e = graph.run(pixels, grids), eager.run(pixels, grids)
+        torch.testing.assert_close(g.embeds, e.embeds, rtol=2e-3, atol=2e-3)
+        for a, b in zip(g.deepstack, e.deepstack, strict=True):
+            torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
+    assert graph.captures == 3  # the repeated patch count replayed its graph
+    assert len(graph.graphs) == 2  # bounded: the least recently used graph was evicted
