@@ -16,6 +16,9 @@ allocated once, and a graph exists per (batch bucket, KV width bucket):
 Batch buckets are [1, 2, 4, 8] + range(16, max_bs + 1, 16); width buckets double from 16
 pages up to max_pages (attention over a padded block table costs O(W), so a short batch
 does not pay for max_seq_len). Graphs are captured largest first into ONE memory pool.
+NOTE: graphs cover sequences up to min(max_seq_len, GRAPH_MAX_SEQ_LEN) tokens: the gathered
+K/V of the widest graph is max_bs * W * page_size rows per layer, captured in the pool;
+longer sequences run eagerly, which gathers only the width they need.
 
 On a machine without CUDA nothing is captured: `run` executes the very same `_step` over
 the same static buffers eagerly, so padding and slicing are tested everywhere.
@@ -34,6 +37,9 @@ from services.language.kv_cache import pages_needed
 
 if TYPE_CHECKING:
     from services.language.model_runner import ModelRunner
+
+
+GRAPH_MAX_SEQ_LEN = 8192
 
 
 def batch_buckets(max_bs: int) -> list[int]:
@@ -55,7 +61,7 @@ class GraphRunner:
         self.runner = runner
         self.device = runner.device
         self.batch_sizes = batch_buckets(max_bs)
-        self.max_pages = pages_needed(max_seq_len, runner.page_size)
+        self.max_pages = pages_needed(min(max_seq_len, GRAPH_MAX_SEQ_LEN), runner.page_size)
         self.widths = width_buckets(self.max_pages)
         n, dev = self.batch_sizes[-1], self.device
         self.dummy_page = runner.kv.dummy_page
