@@ -200,6 +200,28 @@ def test_greedy_decode_equals_generate(case):
         s.free()
 
 
+def test_resume_recomputes_prompt_and_generated_tokens_in_one_step(case):
+    """After a retraction the scheduler re-prefills prompt embeddings plus the generated
+    tokens (as token ids): two chunks of ONE sequence in one batch, the second attending
+    to the first's fresh K/V. The next logits equal those of uninterrupted decoding."""
+    _arch, _model, weights, prompts = case
+    runner = make_runner(weights, pages=96)
+    payload = prompts[1][1]
+    tokens, logits = _greedy_alone(runner, payload, 5)
+    s = Seq(0, payload, runner)
+    first = s.prompt_chunk(payload.num_tokens, want=False)
+    a = s.done
+    s._grow(a + 4)
+    s.done += 4
+    pos = torch.arange(a, a + 4).expand(3, 4) + payload.mrope_delta
+    again = SeqChunk(0, a, pos, list(s.pages), token_ids=torch.tensor(tokens[:4]))
+    out = runner.forward(ForwardBatch([first, again]))
+    assert (out.last_logits[0] - logits[0]).abs().max().item() < TOL
+    assert (out.last_logits[1] - logits[4]).abs().max().item() < TOL
+    assert int(out.last_logits[1].argmax()) == tokens[4]
+    s.free()
+
+
 def test_small_checkpoint_prompt_logits_and_greedy(checkpoint):
     path = checkpoint("qwen3_vl", "small")
     model, proc = oracle.load(path)
