@@ -1,0 +1,132 @@
+"""`tandem up --ray`: the tiers as Ray actors on a local Ray instance, end to end.
+
+The test owns the Ray instance (so it can look inside after the launcher is gone); the
+launcher runs as a real process connected to it, serves one chat with an image through the
+router, and after SIGINT must leave no named actor, no placement group and no service
+process behind. Everything binds to loopback.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from tandem.launch.procs import free_port
+
+# Ray's switch for "no cluster networking": every node address becomes 127.0.0.1.
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def _image_data_url() -> str:
+    from PIL import Image
+
+    img = Image.new("RGB", (64, 48), (200, 40, 40))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _ours(ray, namespace: str) -> list[str]:
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == namespace]  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_ray_launcher_serves_a_chat_and_leaves_nothing_behind(checkpoint, monkeypatch):
+    # NOTE: before Ray is imported: it reads the loopback switch at import time.
+    for k, v in LOOPBACK_ENV.items():
+        monkeypatch.setenv(k, v)
+    if "ray" in sys.modules:
+        pytest.skip("ray was imported earlier in this process; cannot confine it to loopback")
+    ray = pytest.importorskip("ray")
+    from ray.util import placement_group_table
+
+    model = checkpoint("qwen2_5_vl")
+    ctx = ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False,
+                   namespace="tandem-test", log_to_driver=False)  # fmt: skip
+    namespace = "tandem-ray-e2e"
+    http_port, grpc_port = free_port(), free_port()
+    argv = [sys.executable, "-m", "tandem.launch.ray_up", "--ray", ctx.address_info["gcs_address"],
+            "--ray-namespace", namespace, "--encoder-gpus", "0", "--language-gpus", "0",
+            "--model", str(model), "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+            "--ready-timeout", "180", "--stop-timeout", "20"]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))  # fmt: skip
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def pump():
+        for raw in iter(proc.stdout.readline, b""):
+            line = raw.decode(errors="replace").rstrip()
+            lines.append(line)
+            if line.startswith("[up] pids:"):
+                ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        end = time.monotonic() + 240
+        while not ready.wait(0.5):
+            assert proc.poll() is None and time.monotonic() < end, "\n".join(lines[-60:])
+        pids = {k: int(v) for k, v in (p.split("=") for p in lines[-1].split()[2:])}
+        assert set(pids) == {"encoder-0", "language-0", "router"}
+        assert all(_alive(p) for p in pids.values())
+        addrs = [
+            ln.split()[3] for ln in lines if re.match(r"^\[up\] (encoder|language)-\d+ +ready", ln)
+        ]
+        assert len(addrs) == 2 and all(a.startswith("127.0.0.1:") for a in addrs), addrs
+        assert sorted(_ours(ray, namespace)) == ["tandem-encoder-0", "tandem-language-0"]
+
+        base = f"http://127.0.0.1:{http_port}/v1"
+        (served,) = httpx.get(f"{base}/models", timeout=10).json()["data"]
+        body = {
+            "model": served["id"],
+            "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": _image_data_url()}},
+                {"type": "text", "text": "What colour is this?"},
+            ]}],
+            "max_tokens": 8,
+            "temperature": 0,
+        }  # fmt: skip
+        r = httpx.post(f"{base}/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["usage"]["completion_tokens"] > 0
+        # The image went through the encoder actor: its tokens count in the prompt.
+        assert out["usage"]["prompt_tokens"] > 8
+        assert out["choices"][0]["message"]["content"]
+
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(120) == 0, "\n".join(lines[-60:])
+        assert lines[-1] == "[up] stopped"
+        assert _ours(ray, namespace) == []
+        pgs = [pg for pg in placement_group_table().values()
+               if pg["name"] == f"tandem-{proc.pid}"]  # fmt: skip
+        assert pgs and all(pg["state"] == "REMOVED" for pg in pgs)
+        deadline = time.monotonic() + 10  # the reaper of a killed actor's child may lag
+        while any(_alive(p) for p in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [n for n, p in pids.items() if _alive(p)], "service processes left behind"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        ray.shutdown()
