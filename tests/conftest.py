@@ -28,6 +28,10 @@ def build_checkpoint(arch: str, size: str = "tiny", seed: int = 0) -> Path:
     out = CACHE / f"{arch}-{size}-s{seed}-{_builder_digest()}"
     if (out / ".complete").exists():
         return out
+    # Builds from older builder sources are dead weight: drop them.
+    for stale in CACHE.glob(f"{arch}-{size}-s{seed}-*"):
+        if stale != out and (stale / ".complete").exists():
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     build_tiny_model(tmp, arch=arch, size=size, seed=seed)
