@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import io
 import os
 import signal
@@ -168,7 +169,7 @@ def test_greedy_equals_transformers(cluster, oracle, name, text, images):
     assert set(ext["timings"]) >= {"preprocess_ms", "vit_ms", "transfer_ms", "queue_ms",
                                    "prefill_ms", "decode_ms"}
     if name == "resumed":
-        assert resp.usage.prompt_tokens > 64 and ext["resumes"] >= 1
+        assert resp.usage.prompt_tokens > 64 and ext.get("resumes", 0) >= 1, ext
 
 
 def test_repeated_image_reaches_the_caching_encoder(cluster):
@@ -289,7 +290,11 @@ def test_kill9_encoder_during_load(cluster):
         status, text = r
         if not _ok(r):  # a clear error: OpenAI error shape, 5xx status or error event
             assert status in (200, 502, 503, 504) and '"error"' in text, (status, text[:300])
-    assert sum(_ok(r) for r in results) >= 5
+    outcomes = collections.Counter("ok" if _ok(r) else f"{r[0]}: {r[1][:120]}" for r in results)
+    retried = [ln for ln in cluster.lines if "retrying" in ln or "ejected" in ln]
+    print("kill -9 outcomes:", dict(outcomes), "router retries/ejections:", len(retried))
+    print("\n".join(retried[:5]))
+    assert outcomes["ok"] >= 5
     # The cluster serves the next requests normally (on the surviving encoder).
     after = asyncio.run(_many(cluster, 10, timeout_ms))
     assert all(_ok(r) for r in after), after

@@ -132,7 +132,14 @@ def test_pool_ejects_dead_instance_and_probes_it_back():
                 break
             await asyncio.sleep(0.1)
         assert inst.tracker.healthy and [c.address for c in pool.candidates()] == [inst.address]
+        # A failed request on an instance that still answers health checks is not its fault.
+        for _ in range(3):
+            await pool.verify(inst.address)
+        assert inst.tracker.healthy and inst.tracker.consecutive_failures == 0
         await server.stop(None)
+        for _ in range(2):  # ... but once it is gone, failed requests eject it
+            await pool.verify(inst.address)
+        assert inst.tracker.state is InstanceState.EJECTED
         await pool.set_addresses([])
         assert pool.instances == {}
         await pool.close()

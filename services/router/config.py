@@ -43,6 +43,9 @@ class RouterConfig(TandemSettings):
     encoder_retries: int = Field(
         1, ge=0, le=10, description="Retries on another encoder before the prompt is delivered."
     )
+    request_retries: int = Field(
+        1, ge=0, le=5, description="Whole-request retries when instances fail before any output."
+    )
     api_key: str = Field("", description="If set, required as Bearer token / gRPC metadata.")
     tls_cert: str = Field("", description="PEM certificate for the gRPC port (enables TLS).")
     tls_key: str = Field("", description="PEM private key for the gRPC port.")

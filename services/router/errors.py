@@ -90,3 +90,6 @@ def from_error_info(info, tier: str) -> RouterError:
 
 # Codes after which another encoder may succeed: the instance, not the input, failed.
 RETRYABLE_ENCODER = {"UNAVAILABLE", "INTERNAL", "UNKNOWN", "ABORTED", "CANCELLED"}
+
+# Codes after which the whole request may be retried, if the caller has seen no output.
+RETRYABLE_REQUEST = {"UNAVAILABLE", "ABORTED", "INTERNAL", "UNKNOWN"}

@@ -30,6 +30,10 @@ class RouterMetrics:
         self.encoder_retries = Counter(
             "tandem_router_encoder_retries", "Encodes retried on another encoder.", registry=r
         )
+        self.request_retries = Counter(
+            "tandem_router_request_retries", "Requests retried as a whole before any output.",
+            registry=r,
+        )
         self.cached_image_tokens = Counter(
             "tandem_router_cached_image_tokens", "Image tokens served from encoder caches.",
             registry=r,

@@ -26,6 +26,7 @@ import grpc
 
 from services.router.errors import (
     RETRYABLE_ENCODER,
+    RETRYABLE_REQUEST,
     RouterError,
     from_error_info,
     from_rpc,
@@ -153,7 +154,7 @@ class Dispatcher:
                 err = from_rpc(e, "encoder")
                 if err.code not in RETRYABLE_ENCODER or attempt == self.cfg.encoder_retries:
                     raise err from None
-                self.registry.encoders.record_failure(enc.address)
+                self._spawn(self.registry.encoders.verify(enc.address))
                 log.warning("%s: encoder %s failed (%s); retrying", req.request_id, enc.address, err)
             finally:
                 enc.outstanding -= 1
@@ -174,12 +175,54 @@ class Dispatcher:
         raise AssertionError("unreachable")
 
     async def generate(self, req: ChatRequest) -> AsyncIterator[Piece]:
-        """Yield pieces; raise `RouterError` (before or between pieces) on failure."""
+        """Yield pieces; raise `RouterError` (before or between pieces) on failure.
+
+        A failure of the instances (not of the input) before any output is retried once
+        more as a whole (new room, other instances where there are any): the caller has
+        seen nothing yet, so it still gets exactly one answer."""
         start = time.time()
         deadline = start + req.timeout_s
+        avoid: dict[str, set[str]] = {"encoder": set(), "language": set()}
+        for attempt in range(self.cfg.request_retries + 1):
+            route: dict = {"attempts": attempt + 1}
+            attempt_gen = self._attempt(req, start, deadline, avoid, route)
+            yielded = False
+            try:
+                async for piece in attempt_gen:
+                    yielded = True
+                    yield piece
+                return
+            except RouterError as err:
+                if (
+                    yielded
+                    or err.code not in RETRYABLE_REQUEST
+                    or attempt == self.cfg.request_retries
+                    or time.time() >= deadline
+                ):
+                    raise
+                log.warning("%s: attempt %d failed (%s); retrying the request",
+                            req.request_id, attempt + 1, err)
+                self.metrics.request_retries.inc()
+                avoid["encoder"].add(route.get("encoder", ""))
+                if err.message.startswith("language"):
+                    avoid["language"].add(route.get("language", ""))
+            finally:
+                # NOTE: close the attempt now (cancels its calls, aborts its room) rather
+                # than at garbage collection; it has no awaits in its own finally.
+                await attempt_gen.aclose()
+
+    def _pick_avoiding(self, kind: str, hashes, avoid: set[str]) -> Instance:
+        try:
+            return self._pick(kind, hashes, frozenset(avoid))
+        except RouterError:
+            return self._pick(kind, hashes)  # nothing else healthy: try the same again
+
+    async def _attempt(
+        self, req: ChatRequest, start: float, deadline: float, avoid: dict, route: dict
+    ) -> AsyncIterator[Piece]:
         hashes = image_hashes(req.messages)
-        lang = self._pick("language")
-        enc = self._pick("encoder", hashes)
+        lang = self._pick_avoiding("language", (), avoid["language"])
+        enc = self._pick_avoiding("encoder", hashes, avoid["encoder"])
         room = secrets.randbits(63)
         lang.outstanding += 1
         gen_call = lang.stub.Generate(
@@ -191,9 +234,9 @@ class Dispatcher:
                 deadline_unix_ms=int(deadline * 1000),
                 priority=req.priority,
             ),
-            timeout=req.timeout_s,
+            timeout=max(0.001, deadline - time.time()),
         )
-        route = {"language": lang.address, "encoder": enc.address, "encoder_attempts": 1}
+        route.update(language=lang.address, encoder=enc.address, encoder_attempts=1)
         encode_task = asyncio.ensure_future(self._encode(req, room, enc, lang, deadline, route))
         stream = gen_call.__aiter__()
         finished = False
@@ -218,7 +261,7 @@ class Dispatcher:
                     if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED or time.time() >= deadline:
                         raise RouterError("DEADLINE_EXCEEDED", "request deadline passed") from None
                     await self._raise_encoder_error(encode_task, deadline)
-                    self.registry.languages.record_failure(lang.address)
+                    self._spawn(self.registry.languages.verify(lang.address))
                     raise from_rpc(e, "language") from None
                 if msg.finish_reason == common_pb2.FINISH_REASON_ERROR and first:
                     await self._raise_encoder_error(encode_task, deadline)

@@ -121,6 +121,23 @@ class Pool:
         if inst is not None:
             inst.tracker.record_success()
 
+    async def verify(self, address: str) -> None:
+        """A request on `address` failed: count it against the instance only if the
+        instance itself does not answer a health check (a peer-caused failure, e.g. the
+        other tier closing a room, must not eject a healthy instance)."""
+        inst = self.instances.get(address)
+        if inst is None:
+            return
+        try:
+            r = await inst.health_stub.Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=min(1.0, self.rpc_timeout_s)
+            )
+            if r.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError:
+            pass
+        self.record_failure(address)
+
     async def _poll_one(self, inst: Instance) -> None:
         if inst.tracker.state is InstanceState.EJECTED:
             try:

@@ -26,6 +26,7 @@ from tandem.launch.procs import Child, free_port, say, stop_all, wait_ready
 
 ROUTER_HEALTH = "tandem.v1.Router"
 PORT_RANGE = 40  # Mooncake RPC ports per instance
+CPU_KV_PAGES = 4096  # KV pages per language instance on a machine without CUDA
 
 
 def cache_dir() -> Path:
@@ -100,13 +101,30 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _cpu_only() -> bool:
+    try:
+        import torch
+
+        return not torch.cuda.is_available()
+    except ImportError:
+        return True
+
+
+def language_defaults(extra: str) -> str:
+    """NOTE: the language tier sizes its KV pool from free GPU memory; without CUDA it
+    needs an explicit page count, so give it one unless the caller did."""
+    if "--kv-pages" not in extra and _cpu_only():
+        return f"--kv-pages {CPU_KV_PAGES} {extra}".strip()
+    return extra
+
+
 def plan(args: argparse.Namespace, model: str) -> tuple[list[Child], list[Child], Child]:
     py = [sys.executable, "-m", "tandem.cli"]
     ranges = transfer_ranges(args.encoders + args.languages)
     encoders, languages = [], []
     for kind, count, extra, out in (
         ("encoder", args.encoders, args.encoder_args, encoders),
-        ("language", args.languages, args.language_args, languages),
+        ("language", args.languages, language_defaults(args.language_args), languages),
     ):
         for i in range(count):
             port = free_port(args.host)
