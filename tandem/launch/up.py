@@ -3,6 +3,7 @@
     tandem up [--model M] [--encoders 1] [--languages 1] [--http-port 8000]
               [--grpc-port 50051] [--demo] [--api-key K]
               [--encoder-args "..."] [--language-args "..."] [--router-args "..."]
+    tandem up --ray [ADDRESS] ...   the tiers as Ray actors (see tandem/launch/ray_up.py)
 
 Instances get free gRPC ports and disjoint Mooncake port ranges; the router is given their
 addresses. Each child is a separate `python -m tandem.cli <kind>` process whose log lines
@@ -146,7 +147,13 @@ def plan(args: argparse.Namespace, model: str) -> tuple[list[Child], list[Child]
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--ray" or a.startswith("--ray=") for a in argv):
+        # The tiers as Ray actors instead of local processes (tandem/launch/ray_up.py).
+        from tandem.launch.ray_up import main as ray_main
+
+        return ray_main(argv)
+    args = parse_args(argv)
     stop = threading.Event()
 
     def on_signal(signum, _frame):
