@@ -44,6 +44,10 @@ class AttentionMetadata:
     single_block_tables: torch.Tensor  # [num_single, W] int64 (pad: any valid page)
     single_seq_lens: torch.Tensor  # [num_single] int64, >= 1: keys [0, seq_len) visible
     prefill: list[PrefillChunkMeta] = field(default_factory=list)
+    # Optional reusable gather buffers (K, V), each [>= num_single * W, page_size, Hkv, D].
+    # NOTE: on CPU a fresh multi-MB gather per layer costs more in page faults than the
+    # copy itself; the runner hands in one buffer pair that every layer reuses.
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def write_kv(
@@ -73,10 +77,16 @@ def paged_attention(
     ns = meta.num_single
     if ns:
         bt = meta.single_block_tables  # [B, W]
+        flat = bt.reshape(-1)
         width = bt.shape[1] * k_cache.shape[1]
-        # [B, W, ps, Hkv, D] -> [B, Hkv, W*ps, D]
-        ks = k_cache[bt].view(ns, width, kv_heads, head_dim).transpose(1, 2)
-        vs = v_cache[bt].view(ns, width, kv_heads, head_dim).transpose(1, 2)
+        if meta.workspace is None:
+            kg, vg = k_cache.index_select(0, flat), v_cache.index_select(0, flat)
+        else:
+            kg = torch.index_select(k_cache, 0, flat, out=meta.workspace[0][: flat.numel()])
+            vg = torch.index_select(v_cache, 0, flat, out=meta.workspace[1][: flat.numel()])
+        # [B*W, ps, Hkv, D] -> [B, Hkv, W*ps, D]
+        ks = kg.view(ns, width, kv_heads, head_dim).transpose(1, 2)
+        vs = vg.view(ns, width, kv_heads, head_dim).transpose(1, 2)
         visible = torch.arange(width, device=q.device)[None, :] < meta.single_seq_lens[:, None]
         out = F.scaled_dot_product_attention(
             q[:ns].unsqueeze(2),  # [B, H, 1, D]

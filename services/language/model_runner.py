@@ -67,6 +67,7 @@ class ModelRunner:
         self.kv = KVCache(
             c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, dtype, self.device
         )
+        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         self.graph_runner = None
         if cuda_graph_max_bs > 0:
             from services.language.graph_runner import GraphRunner
@@ -199,8 +200,21 @@ class ModelRunner:
             single_block_tables=tables.to(dev),
             single_seq_lens=torch.tensor([c.start + 1 for c in singles], dtype=torch.int64).to(dev),
             prefill=prefill,
+            workspace=self._gather_workspace(len(singles) * width),
         )
         return meta, row_start
+
+    def _gather_workspace(self, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V gather buffers for `pages` pages, grown (never shrunk) and reused across steps."""
+        if self._workspace is None or self._workspace[0].shape[0] < pages:
+            k = self.kv.k[0]
+            grow = max(pages, 2 * (0 if self._workspace is None else self._workspace[0].shape[0]))
+            shape = (grow, *k.shape[1:])
+            self._workspace = (
+                torch.empty(shape, dtype=k.dtype, device=k.device),
+                torch.empty(shape, dtype=k.dtype, device=k.device),
+            )
+        return self._workspace
 
     def _embed(self, ordered: list[SeqChunk], row_start: list[int]):
         """hidden [T, hidden] and the deepstack blocks [T, nd*hidden] (None if unused)."""
