@@ -234,6 +234,20 @@ def test_client_disconnect_frees_pages_within_1s(cluster):
     assert state["idle"], (freed_in, state)
 
 
+def test_deadline_gives_504_or_error_event_and_frees(cluster):
+    url = cluster.http_url + "/v1/chat/completions"
+    body = {"model": "", "messages": openai_messages("Go on and on.", [(6, (56, 56))]),
+            "max_tokens": 4000, "ignore_eos": True, "timeout_ms": 400}
+    r = httpx.post(url, json=body, timeout=30)
+    assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded", r.text
+    r = httpx.post(url, json={**body, "stream": True}, timeout=30)
+    if r.status_code == 200:  # the deadline passed mid-stream: an error event, then [DONE]
+        assert '"deadline_exceeded"' in r.text and r.text.rstrip().endswith("data: [DONE]")
+    else:
+        assert r.status_code == 504
+    assert wait_idle(cluster, 2)["idle"]
+
+
 async def _many(cluster, n: int, timeout_ms: int, on_progress=None) -> list:
     url = cluster.http_url + "/v1/chat/completions"
     limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)

@@ -163,3 +163,52 @@ def test_client_import_is_light():
             "if m in sys.modules]; print(heavy); sys.exit(1 if heavy else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _self_signed(tmp_path):
+    from datetime import datetime, timedelta, timezone
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.now(timezone.utc)
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name)
+        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(minutes=1)).not_valid_after(now + timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    cert_pem = cert.public_bytes(serialization.Encoding.PEM)
+    (tmp_path / "cert.pem").write_bytes(cert_pem)
+    (tmp_path / "key.pem").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption()))
+    return cert_pem
+
+
+def test_tls_on_the_grpc_port(tmp_path):
+    pytest.importorskip("cryptography")
+    cert_pem = _self_signed(tmp_path)
+    cfg = RouterConfig(http_port=free_port(), grpc_port=free_port(), host="127.0.0.1",
+                       tls_cert=str(tmp_path / "cert.pem"), tls_key=str(tmp_path / "key.pem"),
+                       model="tiny")
+
+    async def go():
+        stop = asyncio.Event()
+        task = asyncio.create_task(run_router(cfg, stop))
+        await asyncio.sleep(0.5)
+        async with AsyncClient(f"127.0.0.1:{cfg.grpc_port}", tls=True, root_certificates=cert_pem,
+                               tls_server_name="localhost") as c:
+            assert await c.models() == ["tiny"]
+        async with AsyncClient(f"127.0.0.1:{cfg.grpc_port}", retries=0) as c:
+            with pytest.raises(UnavailableError):  # plaintext is refused on a TLS port
+                await c.models()
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+    asyncio.run(go())

@@ -26,18 +26,23 @@ class Client:
 
     timeout: default per-request deadline in seconds (sent to the router, and the gRPC
     deadline). retries: how often a request failing with UNAVAILABLE before any output is
-    retried, with exponential backoff from `backoff` seconds.
+    retried, with exponential backoff from `backoff` seconds. tls / root_certificates /
+    tls_server_name: TLS to the router (PEM roots for a private CA; the name the
+    certificate was issued for, when it differs from the address's host).
     """
 
     def __init__(self, address: str = "127.0.0.1:50051", *, api_key: str | None = None,
                  timeout: float = 120.0, retries: int = 3, backoff: float = 0.2,
-                 tls: bool = False, root_certificates: bytes | None = None) -> None:
+                 tls: bool = False, root_certificates: bytes | None = None,
+                 tls_server_name: str = "") -> None:
         self.timeout = timeout
         self.retries = retries
         self.backoff = backoff
         self._metadata, creds = make_channel_args(address, api_key, tls, root_certificates)
-        self._channel = (grpc.secure_channel(address, creds, options=_OPTIONS) if creds
-                         else grpc.insecure_channel(address, options=_OPTIONS))
+        opts = _OPTIONS + ([("grpc.ssl_target_name_override", tls_server_name)]
+                           if tls_server_name else [])
+        self._channel = (grpc.secure_channel(address, creds, options=opts) if creds
+                         else grpc.insecure_channel(address, options=opts))
         self._stub = router_pb2_grpc.RouterStub(self._channel)
 
     def close(self) -> None:
