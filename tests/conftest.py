@@ -9,6 +9,13 @@ from pathlib import Path
 
 import pytest
 
+# NOTE: set before torch is imported anywhere in the session. The suite runs several
+# processes at once (servers under test, the test process) on a 2-core machine; torch's
+# default of one OpenMP thread per core oversubscribes it and slows index/SDPA kernels
+# by orders of magnitude. Subprocesses inherit the setting, so cross-process bit-exact
+# comparisons run with the same thread count on both sides.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "test-models"
 
