@@ -23,7 +23,9 @@ import time
 import httpx
 import psutil
 import pytest
+from language_oracle import generate, load, make_image, make_inputs
 
+from tandem.client import Client, image
 from tandem.launch.cluster import LocalCluster
 
 ARCH = "qwen2_5_vl"
@@ -31,22 +33,6 @@ MAX_NEW = 10
 TEXT_LONG = "Look carefully at the picture and describe every colour, shape and texture you see. "
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def tiers_present() -> bool:
-    import importlib.util
-
-    return all(
-        importlib.util.find_spec(m) for m in ("services.encoder.main", "services.language.main")
-    )
-
-
-if not tiers_present():  # NOTE: temporary, until both tiers' serve() have landed
-    pytest.skip("encoder/language serve() not present yet", allow_module_level=True)
-
-from language_oracle import generate, load, make_image, make_inputs  # noqa: E402
-
-from tandem.client import Client, image  # noqa: E402
 
 # (name, text, [(seed, (w, h))])
 CHATS = [

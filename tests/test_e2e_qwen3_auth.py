@@ -13,7 +13,10 @@ import signal
 import httpx
 import psutil
 import pytest
+from language_oracle import generate, load, make_image, make_inputs
+from test_e2e_cluster import TEXT_LONG, openai_messages, png, strip_eos, wait_idle
 
+from tandem.client import AuthenticationError, Client, image
 from tandem.launch.cluster import LocalCluster
 
 ARCH = "qwen3_vl"
@@ -21,17 +24,6 @@ MAX_NEW = 10
 KEY = "e2e-secret"
 
 pytestmark = pytest.mark.timeout(240)
-
-from language_oracle import generate, load, make_image, make_inputs  # noqa: E402
-from test_e2e_cluster import (  # noqa: E402  (skips the module until the tiers exist)
-    TEXT_LONG,
-    openai_messages,
-    png,
-    strip_eos,
-    wait_idle,
-)
-
-from tandem.client import AuthenticationError, Client, image  # noqa: E402
 
 CHATS = [
     ("one_image", "Describe the picture.", [(21, (64, 64))]),
