@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from services.router.config import RouterConfig
 from services.router.health import InstanceState
 from services.router.main import run_router
-from services.router.registry import Pool, resolve
+from services.router.registry import Pool, Registry, resolve
 from tandem.client import (
     AsyncClient,
     AuthenticationError,
@@ -154,6 +154,19 @@ def test_dns_resolution():
         assert await resolve("no-such-host.invalid:1") == []
         with pytest.raises(ValueError):
             await resolve("nohostport")
+        # The registry merges the static list with what the DNS name resolves to, and a
+        # failed re-resolution keeps the instances it had.
+        cfg = RouterConfig(encoders=["10.1.1.1:50061"], encoder_dns="localhost:50061",
+                           language_dns="localhost:50071")
+        reg = Registry(cfg)
+        await reg.refresh_membership()
+        assert "10.1.1.1:50061" in reg.encoders.instances
+        assert "127.0.0.1:50061" in reg.encoders.instances
+        assert "127.0.0.1:50071" in reg.languages.instances
+        reg.cfg = cfg.model_copy(update={"language_dns": "no-such-host.invalid:50071"})
+        await reg.refresh_membership()
+        assert "127.0.0.1:50071" in reg.languages.instances
+        await reg.stop()
 
     asyncio.run(go())
 
