@@ -102,18 +102,26 @@ class EmbeddingBuffers:
         self.fill_ids = mk((num_blocks, block_size), torch.int32)
         self.mrope_positions = mk((num_blocks, 3 * block_size), torch.int32)
         self.aux = mk((num_blocks, AUX_WIDTH), torch.int32)
-        self._registered = False
+        self._engine = None  # set by register()
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.embeddings, self.fill_ids, self.mrope_positions, self.aux]
 
     def register(self, engine) -> None:
         """Register the four buffers with `engine` (a MooncakeEngine); once per instance."""
-        if self._registered:
+        if self._engine is not None:
             raise RuntimeError("EmbeddingBuffers are already registered")
         for t in self.tensors():
             engine.register(t)
-        self._registered = True
+        self._engine = engine
+
+    def unregister(self) -> None:
+        """Undo register(); NOTE: required before dropping the tensors, or Mooncake keeps a
+        registration over memory that the allocator may hand out again (overlap error)."""
+        if self._engine is not None:
+            for t in self.tensors():
+                self._engine.unregister(t)
+            self._engine = None
 
     def layout(self) -> BufferLayout:
         return BufferLayout(

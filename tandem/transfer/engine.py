@@ -3,6 +3,7 @@
     engine = MooncakeEngine(config)          # initialize(host, metadata, protocol, device)
     engine.session_id                        # "host:rpc_port", what peers write to
     engine.register(tensor)                  # once per buffer, at start-up
+    engine.unregister(tensor)                # NOTE: before the tensor's memory is freed
     engine.write(peer, srcs, dsts, lengths)  # one batch, blocking: run it in an executor
 
 Mooncake facts this wrapper handles (checked against mooncake-transfer-engine 0.3.13):
@@ -71,6 +72,18 @@ class MooncakeEngine:
             if rc != 0:
                 raise TransferError(f"Mooncake register_memory({addr:#x}, {n}) returned {rc}")
             self._regions.append((addr, n))
+
+    def unregister(self, tensor: torch.Tensor) -> None:
+        """Unregister memory registered with `register` (before the tensor is freed)."""
+        addr = tensor.data_ptr()
+        with self._lock:
+            region = next((r for r in self._regions if r[0] == addr), None)
+            if region is None:
+                raise KeyError(f"memory at {addr:#x} is not registered")
+            rc = self._te.unregister_memory(addr)
+            if rc != 0:
+                raise TransferError(f"Mooncake unregister_memory({addr:#x}) returned {rc}")
+            self._regions.remove(region)
 
     def owns(self, addr: int, length: int) -> bool:
         """True when [addr, addr+length) lies inside one registered region."""

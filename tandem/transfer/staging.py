@@ -55,18 +55,26 @@ class StagingArea:
         self.aux = mk((slots, max_round_blocks, B.AUX_WIDTH), torch.int32)
         self._free = list(range(slots))
         self._changed = asyncio.Event()
-        self._registered = False
+        self._engine = None  # set by register()
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
     def register(self, engine) -> None:
-        if self._registered:
+        if self._engine is not None:
             raise RuntimeError("StagingArea is already registered")
         for t in (self.embeds, self.fill, self.mrope, self.aux):
             engine.register(t)
-        self._registered = True
+        self._engine = engine
+
+    def unregister(self) -> None:
+        """Undo register(); NOTE: required before dropping the tensors, or Mooncake keeps a
+        registration over memory that the allocator may hand out again (overlap error)."""
+        if self._engine is not None:
+            for t in (self.embeds, self.fill, self.mrope, self.aux):
+                self._engine.unregister(t)
+            self._engine = None
 
     async def acquire(self) -> int:
         """A free slot; waits while all are busy (callers bound the wait)."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -79,8 +78,7 @@ class Peer:
 
     async def stop(self) -> None:
         if self.proc.returncode is None:
-            try:
-                self.proc.send_signal(signal.SIGCONT)
+            try:  # NOTE: SIGKILL ends a stopped process too; never SIGCONT a frozen writer
                 self.proc.kill()
             except ProcessLookupError:
                 pass
@@ -96,15 +94,29 @@ class Attach(encoder_pb2_grpc.EncoderServicer):
         await self.sender.attach(request_iterator, context)
 
 
+_ENGINE: list[MooncakeEngine] = []
+_REGISTERED: list = []  # buffers / staging areas to unregister when a test ends
+
+
+def release_all() -> None:
+    while _REGISTERED:
+        _REGISTERED.pop().unregister()
+
+
 def make_engine(timeout_s: float = 3.0) -> tuple[MooncakeEngine, TransferConfig]:
+    """This process's one Mooncake engine (shared by the test modules) and a room config."""
     cfg = TransferConfig(timeout_s=timeout_s)
-    return MooncakeEngine(cfg), cfg
+    if not _ENGINE:
+        os.environ.setdefault("MC_TRANSFER_TIMEOUT", "5")
+        _ENGINE.append(MooncakeEngine(cfg))
+    return _ENGINE[0], cfg
 
 
 def make_receiver(engine, cfg, blocks=64, block_size=16, embed_dim=32, dtype="float32",
                   reserve=64, grace=0.0) -> EmbeddingReceiver:
     buffers = EmbeddingBuffers(blocks, block_size, embed_dim, DTYPES[dtype])
     buffers.register(engine)
+    _REGISTERED.append(buffers)
     return EmbeddingReceiver(engine, buffers, BlockAllocator(blocks, block_size), cfg,
                              reserve_tokens=reserve, reattach_grace_s=grace)
 
@@ -112,6 +124,7 @@ def make_receiver(engine, cfg, blocks=64, block_size=16, embed_dim=32, dtype="fl
 async def start_sender(engine, cfg, slots=2, slot_tokens=256, embed_dim=32, dtype="float32"):
     staging = StagingArea(slots, slot_tokens, embed_dim, DTYPES[dtype])
     staging.register(engine)
+    _REGISTERED.append(staging)
     sender = EmbeddingSender(engine, staging, cfg)
     server = grpc.aio.server()
     encoder_pb2_grpc.add_EncoderServicer_to_server(Attach(sender), server)

@@ -22,6 +22,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import grpc  # noqa: E402
+from harness import Attach  # noqa: E402
 from peerlib import digest, emit, make_payload  # noqa: E402
 
 from tandem.config import TransferConfig  # noqa: E402
@@ -36,14 +37,6 @@ from tandem.transfer import (  # noqa: E402
 )
 from tandem.transfer.buffers import DTYPES  # noqa: E402
 from tandem.v1 import encoder_pb2_grpc  # noqa: E402
-
-
-class Attach(encoder_pb2_grpc.EncoderServicer):
-    def __init__(self, sender: EmbeddingSender) -> None:
-        self.sender = sender
-
-    async def Attach(self, request_iterator, context):  # noqa: N802
-        await self.sender.attach(request_iterator, context)
 
 
 def _deadline(cmd) -> float | None:

@@ -1,0 +1,312 @@
+"""Failure semantics across two real processes: each fault ends the room on both sides
+with a clear reason, and every block / staging slot / room-table entry is returned.
+
+Kills and cuts must be noticed from the Attach stream: those tests run with a 10 s room
+timeout and wait at most 2 s, so passing proves the stream (not the timeout) ended it.
+Frozen peers (SIGSTOP) are only visible as silence: the survivor fails at its timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent / "transfer_peers"))
+from harness import Peer, make_engine, make_receiver, release_all, start_sender  # noqa: E402
+from peerlib import digest, make_payload  # noqa: E402
+
+from tandem.transfer import ReceiverState, SenderState, TransferError  # noqa: E402
+from tandem.v1 import encoder_pb2, encoder_pb2_grpc  # noqa: E402
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+DETECT_S = 2.0  # the issue's bound from "fault visible on the stream" to FAILED
+
+
+@pytest.fixture(autouse=True)
+def _unregister():
+    yield
+    release_all()
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def shared_enc(tmp_path_factory):
+    """An encoder peer for the faults it survives (cuts, bad input, timeouts)."""
+    peer = await Peer.start("encoder", tmp_path_factory.mktemp("enc"), timeout_s=10)
+    yield peer
+    await peer.stop()
+
+
+async def until(pred, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > end:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.01)
+
+
+async def fails(task, within: float) -> TransferError:
+    with pytest.raises(TransferError) as ei:
+        await asyncio.wait_for(task, within)
+    return ei.value
+
+
+def assert_rx_clean(rx) -> None:
+    assert not rx.rooms and not rx.allocator.owners
+    assert rx.allocator.num_free == rx.allocator.num_total
+
+
+async def assert_peer_clean(peer: Peer, within: float = DETECT_S) -> None:
+    """The peer's room table is empty and its slots/blocks are all free (staging slots
+    come back when Mooncake returns the writing thread, a moment after the room ends)."""
+    end = time.monotonic() + within
+    while True:
+        st = await peer.stats()
+        if st["rooms"] == [] and st["free"] == st["total"]:
+            return
+        assert time.monotonic() < end, st
+        await asyncio.sleep(0.05)
+
+
+async def mid_transfer_on_receiver(rx, address: str, enc: Peer, tokens: int = 300):
+    """Room 2 gets its first piece and then waits for blocks held by room 1."""
+    holder = asyncio.create_task(rx.receive(1, address))
+    room = asyncio.create_task(rx.receive(2, address))
+    await until(lambda: rx.allocator.num_free == 0)
+    enc.send(op="send", room=2, tokens=tokens, seed=5)
+    await until(lambda: rx.state(2) == ReceiverState.TRANSFERRING and rx.allocator.num_free == 4)
+    return holder, room
+
+
+async def test_encoder_killed_mid_transfer_and_reattach(tmp_path):
+    enc = await Peer.start("encoder", tmp_path, timeout_s=10)
+    engine, cfg = make_engine(timeout_s=10)
+    sender, server, address2 = await start_sender(engine, cfg, slots=1, slot_tokens=64)
+    rx = make_receiver(engine, cfg, blocks=8, block_size=16, reserve=64)
+    rx2 = make_receiver(engine, cfg, blocks=8, block_size=16, reserve=64, grace=5.0)
+    try:
+        t5 = asyncio.create_task(rx2.receive(5, enc.ready["address"]))
+        await until(lambda: rx2.state(5) == ReceiverState.WAITING_FOR_INPUT)
+        holder, room = await mid_transfer_on_receiver(rx, enc.ready["address"], enc)
+        enc.signal(signal.SIGKILL)
+        err = await fails(room, DETECT_S)
+        assert err.code == "UNAVAILABLE" and "Attach stream" in err.reason, err
+        assert (await fails(holder, DETECT_S)).code == "UNAVAILABLE"
+        assert_rx_clean(rx)
+        # Reattach (router retry): rx2's room saw the same break but has a grace period;
+        # it keeps its reservation and completes from another encoder (this process).
+        await until(lambda: rx2.rooms[5].call is None, DETECT_S)
+        assert rx2.allocator.num_free == 4 and not rx2.reattach(55, address2)
+        assert rx2.reattach(5, address2)
+        p = make_payload(150, 32, "float32", 5)
+        stats = await asyncio.wait_for(sender.send(5, p), 10)
+        got = await asyncio.wait_for(t5, 10)
+        assert digest(got) == digest(p) and stats.resumes == 1
+        assert_rx_clean(rx2)
+        assert not sender.rooms and sender.staging.num_free == 1
+    finally:
+        await enc.stop()
+        await server.stop(None)
+        await rx.close()
+        await rx2.close()
+
+
+async def test_language_killed_mid_transfer(tmp_path):
+    engine, cfg = make_engine(timeout_s=10)
+    sender, server, address = await start_sender(engine, cfg, slots=2, slot_tokens=64)
+    lang = await Peer.start("language", tmp_path, blocks=8, block_size=16, reserve=64,
+                            timeout_s=10)
+    try:
+        for room in (1, 2):
+            lang.send(op="receive", room=room, address=address)
+        await until(lambda: sender.state(1) == sender.state(2) == SenderState.WAITING_FOR_PAYLOAD)
+        task = asyncio.create_task(sender.send(2, make_payload(300, 32, "float32", 1)))
+        await until(lambda: sender.state(2) == SenderState.WAITING_FOR_RESUME)
+        lang.signal(signal.SIGKILL)
+        err = await fails(task, DETECT_S)
+        assert err.code == "UNAVAILABLE" and "closed" in err.reason, err
+        await until(lambda: not sender.rooms and sender.staging.num_free == 2, DETECT_S)
+    finally:
+        await lang.stop()
+        await server.stop(None)
+
+
+class CutProxy:
+    """A TCP relay whose connections can be cut mid-stream (both processes survive)."""
+
+    def __init__(self, upstream: str) -> None:
+        self.host, port = upstream.rsplit(":", 1)
+        self.port, self.writers = int(port), []
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
+        return f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _conn(self, r, w) -> None:
+        ur, uw = await asyncio.open_connection(self.host, self.port)
+        self.writers += [w, uw]
+
+        async def pipe(src, dst):
+            while data := await src.read(1 << 16):
+                dst.write(data)
+        await asyncio.gather(pipe(r, uw), pipe(ur, w), return_exceptions=True)
+
+    def cut(self) -> None:
+        for w in self.writers:
+            w.transport.abort()
+        self.server.close()
+
+
+async def test_stream_cut(shared_enc):
+    enc = shared_enc
+    proxy = CutProxy(enc.ready["address"])
+    engine, cfg = make_engine(timeout_s=10)
+    rx = make_receiver(engine, cfg, blocks=8, block_size=16, reserve=64)
+    try:
+        holder, room = await mid_transfer_on_receiver(rx, await proxy.start(), enc)
+        proxy.cut()
+        err = await fails(room, DETECT_S)
+        assert err.code == "UNAVAILABLE" and "Attach stream" in err.reason, err
+        sent = await enc.wait(lambda e: e["event"] == "sent" and e["room"] == 2, DETECT_S)
+        assert not sent["ok"] and sent["code"] == "UNAVAILABLE", sent
+        await fails(holder, DETECT_S)
+        assert_rx_clean(rx)
+        await assert_peer_clean(enc)
+    finally:
+        await rx.close()
+
+
+async def test_frozen_encoder_fails_at_timeout(tmp_path):
+    enc = await Peer.start("encoder", tmp_path, timeout_s=10)
+    engine, cfg = make_engine(timeout_s=1.0)
+    rx = make_receiver(engine, cfg, blocks=8, block_size=16, reserve=64)
+    try:
+        holder, room = await mid_transfer_on_receiver(rx, enc.ready["address"], enc)
+        enc.signal(signal.SIGSTOP)
+        rx.abort(1)  # blocks come back: room 2 sends Resume into silence
+        with pytest.raises(TransferError, match="aborted"):
+            await holder
+        err = await fails(room, cfg.timeout_s + DETECT_S)
+        assert err.code == "DEADLINE_EXCEEDED" and "no data from encoder" in err.reason, err
+        assert_rx_clean(rx)
+    finally:
+        await enc.stop()
+        await rx.close()
+
+
+async def test_frozen_language_fails_at_timeout(tmp_path):
+    engine, cfg = make_engine(timeout_s=1.0)
+    sender, server, address = await start_sender(engine, cfg, slots=2, slot_tokens=64)
+    lang = await Peer.start("language", tmp_path, blocks=8, block_size=16, reserve=64,
+                            timeout_s=10)
+    try:
+        for room in (1, 2):
+            lang.send(op="receive", room=room, address=address)
+        await until(lambda: sender.state(1) == sender.state(2) == SenderState.WAITING_FOR_PAYLOAD)
+        task = asyncio.create_task(sender.send(2, make_payload(300, 32, "float32", 1)))
+        await until(lambda: sender.state(2) == SenderState.WAITING_FOR_RESUME)
+        lang.signal(signal.SIGSTOP)
+        err = await fails(task, cfg.timeout_s + DETECT_S)
+        assert err.code == "DEADLINE_EXCEEDED" and "Resume" in err.reason, err
+        # Room 1 had an Init but no payload: it ends at the same timeout.
+        await until(lambda: not sender.rooms and sender.staging.num_free == 2, 5)
+    finally:
+        await lang.stop()
+        await server.stop(None)
+
+
+async def test_bad_block_ids_rejected(shared_enc):
+    """A language side naming blocks outside its own pool gets Failed, nothing written."""
+    enc = shared_enc
+    engine, cfg = make_engine()
+    rx = make_receiver(engine, cfg, blocks=8, block_size=16)
+    try:
+        import grpc
+        async with grpc.aio.insecure_channel(enc.ready["address"]) as ch:
+            call = encoder_pb2_grpc.EncoderStub(ch).Attach()
+            await call.write(encoder_pb2.AttachRequest(init=encoder_pb2.AttachInit(
+                room=9, session_id=engine.session_id, layout=rx.buffers.layout().to_proto(),
+                block_ids=[0, 99], allocated_tokens=32)))
+            enc.send(op="send", room=9, tokens=20, seed=1)
+            msg = await asyncio.wait_for(call.read(), DETECT_S)
+            assert msg.failed.error.code == "INVALID_ARGUMENT"
+            assert "bad destination block ids [99]" in msg.failed.error.message
+        sent = await enc.wait(lambda e: e["event"] == "sent" and e["room"] == 9, DETECT_S)
+        assert sent["code"] == "INVALID_ARGUMENT"
+        assert torch.count_nonzero(rx.buffers.aux) == 0  # nothing landed
+        await assert_peer_clean(enc)
+    finally:
+        await rx.close()
+
+
+async def test_bad_address_fails_both_sides(shared_enc):
+    """Addresses outside the language's registered memory: Mooncake refuses the write."""
+    enc = shared_enc
+    engine, cfg = make_engine(timeout_s=10)
+    rx = make_receiver(engine, cfg, blocks=8, block_size=16)
+    rx._layout.embeddings_addr += 1 << 40  # a corrupted layout, as a buggy peer would send
+    try:
+        task = asyncio.create_task(rx.receive(3, enc.ready["address"]))
+        enc.send(op="send", room=3, tokens=40, seed=1)
+        err = await fails(task, DETECT_S)
+        assert err.code == "UNAVAILABLE" and "encoder failed" in err.reason, err
+        sent = await enc.wait(lambda e: e["event"] == "sent" and e["room"] == 3, DETECT_S)
+        assert not sent["ok"] and "write" in sent["reason"], sent
+        assert_rx_clean(rx)
+        await assert_peer_clean(enc)
+    finally:
+        await rx.close()
+
+
+@pytest.mark.parametrize("embed_dim,dtype,why", [
+    (48, "float32", "embed_dim mismatch: language buffers 48, payload 32"),
+    (32, "bfloat16", "dtype mismatch: language buffers bfloat16, payload float32"),
+])
+async def test_layout_mismatch(shared_enc, embed_dim, dtype, why):
+    enc = shared_enc
+    engine, cfg = make_engine(timeout_s=10)
+    rx = make_receiver(engine, cfg, blocks=8, block_size=16, embed_dim=embed_dim, dtype=dtype)
+    try:
+        task = asyncio.create_task(rx.receive(4, enc.ready["address"]))
+        enc.send(op="send", room=4, tokens=40, seed=1)
+        err = await fails(task, DETECT_S)
+        assert err.code == "INVALID_ARGUMENT" and why in err.reason, err
+        sent = await enc.wait(lambda e: e["event"] == "sent" and e["room"] == 4, DETECT_S)
+        assert sent["code"] == "INVALID_ARGUMENT" and why in sent["reason"]
+        assert_rx_clean(rx)
+        await assert_peer_clean(enc)
+    finally:
+        await rx.close()
+
+
+async def test_timeouts_abort_and_cancel(shared_enc):
+    """No Init, no payload, abort, and cancellation of the awaiting task."""
+    enc = shared_enc
+    engine, cfg = make_engine(timeout_s=1.0)
+    rx = make_receiver(engine, cfg, blocks=8, block_size=16, reserve=64)
+    addr = enc.ready["address"]
+    try:
+        enc.send(op="send", room=11, tokens=10, seed=1, deadline_s=1.0)  # nobody attaches
+        sent = await enc.wait(lambda e: e["event"] == "sent" and e["room"] == 11, 1 + DETECT_S)
+        assert sent["code"] == "DEADLINE_EXCEEDED" and "Init" in sent["reason"], sent
+        err = await fails(rx.receive(12, addr), 1.0 + DETECT_S)  # nobody sends
+        assert err.code in ("DEADLINE_EXCEEDED", "UNAVAILABLE"), err
+        assert "no data" in err.reason or "no payload" in err.reason, err
+        t3 = asyncio.create_task(rx.receive(13, addr))
+        t4 = asyncio.create_task(rx.receive(14, addr))
+        await until(lambda: rx.state(13) == rx.state(14) == ReceiverState.WAITING_FOR_INPUT)
+        assert rx.abort(13) and not rx.abort(333)
+        assert (await fails(t3, DETECT_S)).code == "CANCELLED"
+        t4.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t4
+        assert_rx_clean(rx)
+        await assert_peer_clean(enc)
+    finally:
+        await rx.close()
