@@ -4,6 +4,7 @@ processes (a child that ignores SIGTERM and has a grandchild is killed with its 
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import textwrap
 import threading
@@ -76,3 +77,24 @@ def test_wait_ready_reports_a_dead_child():
     with pytest.raises(RuntimeError, match="broken-0 exited with code 3"):
         wait_ready([c], timeout_s=10, stop=threading.Event())
     stop_all([[c]], timeout_s=1)
+
+
+PARENT = textwrap.dedent("""
+    import sys, time
+    from tandem.launch.procs import Child
+    c = Child("sleeper-0", [sys.executable, "-c", "import time; time.sleep(600)"], "127.0.0.1:1")
+    c.start(env=None)
+    print(c.proc.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def test_children_die_with_a_killed_launcher():
+    """kill -9 of the launcher itself: PR_SET_PDEATHSIG takes the children down too."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+    child_pid = int(parent.stdout.readline())
+    child = psutil.Process(child_pid)
+    parent.kill()
+    parent.wait()
+    _, alive = psutil.wait_procs([child], timeout=10)
+    assert alive == []
