@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from encoder_peers.chats import chat, oracle, png, to_proto  # noqa: E402
 from encoder_peers.language_side import LanguageSide  # noqa: E402
-from encoder_peers.server import EncoderProcess, port_range  # noqa: E402
+from encoder_peers.server import EncoderProcess, free_port, port_range  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa: E402
 
@@ -55,9 +55,12 @@ def loop():
 def env(checkpoint, tmp_path_factory, loop):
     path = checkpoint(ARCH)
     log = tmp_path_factory.mktemp("encoder") / "encoder.log"
+    metrics_port = free_port()
     enc = EncoderProcess(
         path,
         log,
+        "--metrics-port",
+        str(metrics_port),
         "--max-image-bytes",
         str(MAX_IMAGE_BYTES),
         "--max-source-pixels",
@@ -78,6 +81,7 @@ def env(checkpoint, tmp_path_factory, loop):
         lang = loop.run_until_complete(_make_side(spec.embed_dim))
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
         yield {
+            "metrics_port": metrics_port,
             "enc": enc,
             "lang": lang,
             "model": model,
@@ -257,4 +261,17 @@ def test_health_reflection_and_load(env, loop):
         )
         assert load.cache_bytes > 0 and load.cache_capacity_bytes >= load.cache_bytes
         assert load.queued_requests == 0 and not load.draining
-        assert load.model.endswith(env["enc"].log.parent.name) or load.model
+        assert load.model
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{env['metrics_port']}/metrics", timeout=5).text
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("tandem_encoder_") and " " in line:
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    assert values["tandem_encoder_images_encoded_total"] > 0
+    assert values["tandem_encoder_cache_hits_total"] >= 2  # the repeated chat's two images
+    assert values["tandem_encoder_cache_bytes"] == load.cache_bytes
+    assert values['tandem_encoder_requests_total{code="INVALID_ARGUMENT"}'] >= 10
+    assert values["tandem_encoder_vit_seconds_count"] > 0

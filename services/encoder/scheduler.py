@@ -112,6 +112,7 @@ class EncoderScheduler:
                 self.queue.append(job)
                 self.queued_patches += img.num_patches
                 self._wake.set()
+                self._gauge()
             waits.append((i, job))
         pending = list(waits)
         try:
@@ -152,6 +153,7 @@ class EncoderScheduler:
         while True:
             await self._wake.wait()
             batch = self._take_batch()
+            self._gauge()
             if not batch:
                 self._wake.clear()
                 continue
@@ -185,6 +187,10 @@ class EncoderScheduler:
                 self.inflight.pop(job.key, None)
                 if not job.future.done():
                     job.future.set_result((f, vit_s))
+
+    def _gauge(self) -> None:
+        if self.metrics:
+            self.metrics.queue_patches.set(self.queued_patches)
 
     def _run(self, device: int, images: list[PreparedImage]) -> list[CachedFeatures]:
         """On runner `device`'s thread: one ViT call over `images`, split per image."""

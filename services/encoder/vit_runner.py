@@ -11,8 +11,8 @@ Two block paths:
 - `eager`: transformers' own block modules with their per-segment attention. Bit-exact with
   `get_image_features` in float32 (the serving path on CPU, and the fallback on CUDA).
 - `static`: a graph-safe block loop over static buffers (padded `cu_seqlens`, fixed max
-  length): varlen flash attention on CUDA (torch.nn.attention.varlen), a block-diagonal
-  masked SDPA elsewhere. On CUDA it is captured once per patch count (lazily; at most
+  length): varlen flash attention on CUDA in bf16/fp16 (torch.nn.attention.varlen), a
+  block-diagonal masked SDPA otherwise. On CUDA it is captured once per patch count (lazily; at most
   `max_graphs` kept, least recently used evicted) and replayed; on CPU it runs eagerly over
   the same buffers so its padding is tested everywhere.
 
@@ -199,7 +199,7 @@ class VisionRunner:
     def _attention(self, attn, x, cos, sin, cu, n):
         q, k, val = attn.qkv(x).reshape(n, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
         q, k = _rope(q, k, cos, sin)
-        if self._varlen is not None:
+        if self._varlen is not None and q.dtype in (torch.bfloat16, torch.float16):
             o = self._varlen(q, k, val, cu, cu, n, n, scale=attn.scaling)
         else:  # block-diagonal mask from the (padded) cumulative lengths; graph-safe
             seg = torch.searchsorted(cu[1:], torch.arange(n, device=x.device), right=True)

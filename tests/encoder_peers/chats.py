@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import io
 
 import numpy as np
@@ -39,7 +40,8 @@ def hf_messages(messages: list[Message]) -> tuple[list[dict], list[Image.Image]]
         content = []
         for p in m.parts:
             if isinstance(p, ImageInput):
-                images.append(Image.open(io.BytesIO(p.data)).convert("RGB"))
+                data = p.data if p.data is not None else base64.b64decode(p.url.split(",", 1)[1])
+                images.append(Image.open(io.BytesIO(data)).convert("RGB"))
                 content.append({"type": "image"})
             else:
                 content.append({"type": "text", "text": p})
