@@ -275,3 +275,43 @@ def test_health_reflection_and_load(env, loop):
     assert values["tandem_encoder_cache_bytes"] == load.cache_bytes
     assert values['tandem_encoder_requests_total{code="INVALID_ARGUMENT"}'] >= 10
     assert values["tandem_encoder_vit_seconds_count"] > 0
+
+
+def test_sigterm_drains_in_flight_encodes(env, loop):
+    """Runs last: SIGTERM lets an Encode in progress deliver, refuses new ones, exits 0."""
+    import signal
+
+    enc = env["enc"]
+    messages = chat(1, seed=90)
+
+    async def go():
+        room = next(_room)
+        async with grpc.aio.insecure_channel(enc.address) as ch:
+            stub = encoder_pb2_grpc.EncoderStub(ch)
+            req = encoder_pb2.EncodeRequest(room=room, messages=to_proto(messages))
+            first = asyncio.ensure_future(stub.Encode(req))  # waits for the language's Init
+            await asyncio.sleep(1.0)
+            enc.proc.send_signal(signal.SIGTERM)
+            health = health_pb2_grpc.HealthStub(ch)
+            for _ in range(100):
+                h = await health.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                if h.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+                await asyncio.sleep(0.05)
+            assert h.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await stub.Encode(
+                    encoder_pb2.EncodeRequest(room=room + 1, messages=to_proto(messages))
+                )
+            assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "draining" in ei.value.details()
+            assert not first.done()
+            payload = await env["lang"].receiver.receive(room, enc.address)  # attach late
+            resp = await first
+            return resp, payload
+
+    resp, payload = loop.run_until_complete(go())
+    assert resp.prompt_tokens == payload.num_tokens
+    ref = oracle(env["model"], env["processor"], messages)
+    assert torch.equal(payload.fill_ids.long(), ref["ids"])
+    assert enc.proc.wait(30) == 0
