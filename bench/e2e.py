@@ -1,11 +1,12 @@
 """End-to-end HTTP load against `tandem up` clusters, against one transformers process.
 
     .venv/bin/python bench/e2e.py [--size small] [--configs 1x1,1x2,2x1,2x2,2x2rr]
-                                  [--requests 24] [--concurrency 8] [--max-tokens 16]
+                                  [--requests 32] [--concurrency 8] [--max-tokens 16]
                                   [--runs 3] [--out bench/results/e2e.md]
 
 Workload (fixed seed): chats with 0 or 1 image (sizes 112..448 px), short or long text,
-a share of them repeating an earlier image of the same run (the encoder cache's case);
+a share of them repeating an image sent at least `--concurrency` requests earlier in the
+same run (the encoder cache's case);
 `ignore_eos` so every request generates exactly `--max-tokens` tokens. Each run uses fresh
 images (so the cache starts cold each run) with the same repetition pattern.
 
@@ -46,20 +47,23 @@ class Req:
     repeat: bool
 
 
-def workload(n: int, seed: int) -> list[Req]:
+def workload(n: int, seed: int, gap: int) -> list[Req]:
+    """A repeat reuses an image first sent at least `gap` requests earlier (with `gap` =
+    the concurrency, its first encode has usually finished, so a cache can serve it)."""
     rng = random.Random(seed)
-    reqs, seen = [], []
-    for _ in range(n):
+    reqs, seen = [], []  # seen: (image key, size, index of the request that introduced it)
+    for i in range(n):
         text = rng.choice(["What is in this picture?", LONG, "Name the main colour."])
         roll = rng.random()
+        old = [(k, sz) for k, sz, at in seen if i - at >= gap]
         if roll < 0.15:
             reqs.append(Req(text, None, (0, 0), False))
-        elif roll < 0.45 and seen:
-            key, size = rng.choice(seen)
+        elif roll < 0.5 and old:
+            key, size = rng.choice(old)
             reqs.append(Req(text, key, size, True))
         else:
             size = (rng.choice([112, 224, 336, 448]), rng.choice([112, 224, 336]))
-            seen.append((len(seen), size))
+            seen.append((len(seen), size, i))
             reqs.append(Req(text, len(seen) - 1, size, False))
     return reqs
 
@@ -199,7 +203,7 @@ def main() -> int:
     p.add_argument("--arch", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl"])
     p.add_argument("--size", default="small", choices=["tiny", "small"])
     p.add_argument("--configs", default="1x1,1x2,2x1,2x2,2x2rr")
-    p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--requests", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--runs", type=int, default=3)
@@ -210,7 +214,7 @@ def main() -> int:
     from conftest import build_checkpoint
 
     model_dir = build_checkpoint(args.arch, args.size)
-    base = workload(args.requests, seed=1234)
+    base = workload(args.requests, seed=1234, gap=args.concurrency)
     ideal = sum(r.repeat for r in base) / max(1, sum(r.image_key is not None for r in base))
     rows = []
     print(f"model {args.arch}/{args.size}; {args.requests} requests x {args.runs} runs, "
