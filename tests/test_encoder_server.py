@@ -277,6 +277,38 @@ def test_health_reflection_and_load(env, loop):
     assert values["tandem_encoder_vit_seconds_count"] > 0
 
 
+def test_deadline_and_cancel_leave_nothing_behind(env, loop):
+    """No language side ever attaches: the deadline fails the Encode; a cancelled Encode
+    frees its room; GetLoad then shows nothing in progress."""
+    enc = env["enc"]
+
+    async def go():
+        async with grpc.aio.insecure_channel(enc.address) as ch:
+            stub = encoder_pb2_grpc.EncoderStub(ch)
+            req = encoder_pb2.EncodeRequest(
+                room=next(_room),
+                messages=to_proto(chat(1, seed=95)),
+                deadline_unix_ms=int((time.time() + 1.5) * 1000),
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await stub.Encode(req)
+            assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, ei.value.details()
+            call = stub.Encode(
+                encoder_pb2.EncodeRequest(room=next(_room), messages=to_proto(chat(1, seed=96)))
+            )
+            await asyncio.sleep(1.0)
+            call.cancel()
+            for _ in range(50):
+                load = await stub.GetLoad(encoder_pb2.EncoderGetLoadRequest())
+                if load.queued_requests == 0 and load.open_rooms == 0:
+                    break
+                await asyncio.sleep(0.1)
+            return load
+
+    load = loop.run_until_complete(go())
+    assert load.queued_requests == 0 and load.open_rooms == 0 and load.queued_patches == 0
+
+
 def test_sigterm_drains_in_flight_encodes(env, loop):
     """Runs last: SIGTERM lets an Encode in progress deliver, refuses new ones, exits 0."""
     import signal

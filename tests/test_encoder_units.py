@@ -229,3 +229,26 @@ def test_cuda_graph_replay_matches_eager(checkpoint, arch, dtype):
             torch.testing.assert_close(a, b, rtol=tol, atol=tol)
     assert graph.captures == 3  # the repeated patch count replayed its graph
     assert len(graph.graphs) == 2  # bounded: the least recently used graph was evicted
+
+
+def test_two_devices_give_the_same_features(checkpoint, tiny_pipe):
+    """Two runners (two 'devices', here both CPU): images split largest-first, same result."""
+    from services.encoder.scheduler import EncoderScheduler
+    from tandem.models.split import load_vision_part
+
+    path = checkpoint("qwen2_5_vl")
+    runners = [VisionRunner(load_vision_part(path, torch.float32, "cpu").visual) for _ in range(2)]
+    images = [im for s in (61, 62, 63) for im in tiny_pipe.preprocessor(chat(2, seed=s)).images]
+
+    async def go(rs):
+        sched = EncoderScheduler(rs, EmbeddingCache(0), 1 << 20)
+        sched.start()
+        try:
+            return await sched.features(images), sched
+        finally:
+            await sched.stop()
+
+    (two, s2), (one, s1) = asyncio.run(go(runners)), asyncio.run(go(runners[:1]))
+    assert s2.batches == s1.batches == 1
+    for a, b in zip(two.features, one.features, strict=True):
+        assert torch.equal(a.embeds, b.embeds)
