@@ -91,7 +91,7 @@ class Language:
             "--embedding-block-size", "16", "--embedding-blocks", "64",
             "--default-reservation-tokens", "32", "--max-prefill-tokens", "64",
             "--drain-timeout-s", "1.5", "--reattach-grace-s", "0.5",
-            "--transfer.timeout-s", "5", "--cpu-threads", "2",
+            "--transfer.timeout-s", "20", "--cpu-threads", "2",
         ]  # fmt: skip
         self.log = log
         self.proc = subprocess.Popen(args, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
@@ -199,7 +199,7 @@ def test_concurrent_generations_equal_generate(cluster, refs):
             peer.send(room, i)
         streams = [f.result() for f in futs]
     for i, (msgs, ref) in enumerate(zip(streams, refs, strict=True)):
-        assert [t for m in msgs for t in m.token_ids] == ref, f"prompt {i}"
+        assert [t for m in msgs for t in m.token_ids] == ref, f"prompt {i}: {msgs[-1]}"
         last = msgs[-1]
         assert last.finish_reason in (
             common_pb2.FINISH_REASON_LENGTH,
@@ -208,8 +208,32 @@ def test_concurrent_generations_equal_generate(cluster, refs):
         assert last.usage.completion_tokens == len(ref)
         assert last.usage.total_tokens == last.usage.prompt_tokens + len(ref)
     # prompts longer than the 32-token reservation came through resumed transfers
-    resumes = [peer.wait_sent(room)["resumes"] for room in rooms]
+    sent = [peer.wait_sent(room) for room in rooms]
+    assert all(ev["ok"] for ev in sent), [ev for ev in sent if not ev["ok"]]
+    resumes = [ev["resumes"] for ev in sent]
     assert sum(r > 0 for r in resumes) >= N_PROMPTS // 2
+    lang.assert_all_free()
+
+
+def test_seeded_sampling_logprobs_and_bad_params(cluster):
+    lang, peer, *_ = cluster
+    sampling = dict(max_tokens=12, temperature=0.8, top_p=0.9, seed=1234, logprobs=True)
+    rooms = [next(_rooms) for _ in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        futs = [pool.submit(drain, lang.generate(r, peer.address, **sampling)) for r in rooms]
+        for r in rooms:
+            peer.send(r, 4)
+        a, b = (f.result() for f in futs)
+
+    def toks(msgs):
+        return [t for m in msgs for t in m.token_ids]
+
+    assert toks(a) == toks(b) and "".join(m.text for m in a) == "".join(m.text for m in b)
+    lps = [lp for m in a for lp in m.logprobs]
+    assert [lp.token_id for lp in lps] == toks(a) and all(lp.logprob <= 0 for lp in lps)
+    bad = drain(lang.generate(next(_rooms), peer.address, top_p=1.5))
+    assert bad[-1].finish_reason == common_pb2.FINISH_REASON_ERROR
+    assert (bad[-1].error.code, bad[-1].error.field) == ("INVALID_ARGUMENT", "sampling")
     lang.assert_all_free()
 
 

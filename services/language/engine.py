@@ -124,7 +124,8 @@ class Engine:
         if need > self.pool.num_total:
             raise AdmissionError(
                 f"prompt of {req.prompt_len} tokens needs {need} KV pages; "
-                f"the pool has {self.pool.num_total}"
+                f"the pool has {self.pool.num_total}",
+                "RESOURCE_EXHAUSTED",
             )
         with self._known_lock:
             if req.rid in self._known:
@@ -189,7 +190,7 @@ class Engine:
                 try:
                     self.scheduler.add(a)
                 except AdmissionError as e:
-                    self._finish(live, RequestStatus.FINISHED_ERROR, str(e), "RESOURCE_EXHAUSTED")
+                    self._finish(live, RequestStatus.FINISHED_ERROR, str(e), e.code)
             elif cmd == "abort" and a in self._live:
                 self._finish(self._live[a], RequestStatus.FINISHED_ABORT, *b)
 

@@ -38,6 +38,10 @@ from services.language.schedule_policy import (
 class AdmissionError(ValueError):
     """A request that can never run here (too long for the model or the KV pool)."""
 
+    def __init__(self, message: str, code: str = "INVALID_ARGUMENT") -> None:
+        super().__init__(message)
+        self.code = code  # gRPC status code name
+
 
 @dataclass
 class ScheduledChunk:
@@ -96,7 +100,8 @@ class Scheduler:
         if need > self.pool.num_total:
             raise AdmissionError(
                 f"prompt of {req.prompt_len} tokens needs {need} KV pages; "
-                f"the pool has {self.pool.num_total}"
+                f"the pool has {self.pool.num_total}",
+                "RESOURCE_EXHAUSTED",
             )
         req.status = RequestStatus.WAITING
         req.t_queued = req.t_queued or time.monotonic()

@@ -129,7 +129,11 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             yield error_response("DEADLINE_EXCEEDED", "deadline already passed", abort=True)
             return
         self.streams.add(room)
-        t_created = time.monotonic()
+        req = Request(
+            rid=room, sampling=sampling, request_id=request.request_id,
+            priority=request.priority, status=RequestStatus.WAITING_FOR_INPUT,
+            deadline=time.monotonic() + (deadline - now),
+        )  # fmt: skip
         try:
             # -- 1. the prompt arrives through the room --
             self.transferring.add(room)
@@ -143,19 +147,15 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             finally:
                 self.transferring.discard(room)
                 self.metrics.transferring.set(len(self.transferring))
-            transfer_ms = (time.monotonic() - t_created) * 1e3
+            transfer_ms = (time.monotonic() - req.t_created) * 1e3
             # -- 2. the engine generates --
-            req = Request(
-                rid=room, sampling=sampling, prompt=payload, request_id=request.request_id,
-                priority=request.priority, t_created=t_created,
-                deadline=time.monotonic() + (deadline - time.time()),
-            )  # fmt: skip
+            req.prompt = payload
             q: asyncio.Queue[StreamDelta] = asyncio.Queue()
             loop = asyncio.get_running_loop()
             try:
                 self.engine.submit(req, lambda d: loop.call_soon_threadsafe(q.put_nowait, d))
             except AdmissionError as e:
-                yield error_response("INVALID_ARGUMENT", str(e))
+                yield error_response(e.code, str(e))
                 return
             finished = False
             try:
