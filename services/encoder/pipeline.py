@@ -12,6 +12,7 @@ The gRPC servicer adds delivery (transfer) and status mapping on top.
 from __future__ import annotations
 
 import asyncio
+import enum
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -26,6 +27,17 @@ from .merge import build_payload
 from .preprocess import PreprocessLimits, Preprocessor
 from .scheduler import EncoderScheduler
 from .vit_runner import VisionRunner
+
+
+class EncodeState(enum.Enum):
+    """Where one Encode is; the servicer reports it in logs and deadline errors."""
+
+    PREPROCESSING = "preprocessing"
+    ENCODING = "waiting for the ViT"
+    MERGING = "merging"
+    SENDING = "delivering to the language instance"
+    DONE = "done"
+    FAILED = "failed"
 
 
 @dataclass
@@ -122,12 +134,19 @@ class EncodePipeline:
         await self.scheduler.stop()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    async def encode(self, messages: list[Message], limits: Limits | None = None) -> EncodeResult:
+    async def encode(
+        self, messages: list[Message], limits: Limits | None = None, on_state=None
+    ) -> EncodeResult:
+        """`on_state(EncodeState)` is called as the request moves from stage to stage."""
+        step = on_state or (lambda _s: None)
         loop = asyncio.get_running_loop()
+        step(EncodeState.PREPROCESSING)
         prep = await loop.run_in_executor(self.pool, self.preprocessor, messages, limits)
         if self.metrics:
             self.metrics.preprocess_seconds.observe(prep.preprocess_s)
+        step(EncodeState.ENCODING)
         feats = await self.scheduler.features(prep.images)
+        step(EncodeState.MERGING)
         payload = await loop.run_in_executor(
             self.pool,
             lambda: build_payload(

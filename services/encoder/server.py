@@ -25,7 +25,7 @@ from tandem.transfer.errors import TransferError
 from tandem.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 
 from .chat import EncodeError, ErrorCode, job_from_proto
-from .pipeline import EncodePipeline
+from .pipeline import EncodePipeline, EncodeState
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         self.metrics = metrics
         self.draining = False
         self.in_progress = 0
+        self.states: dict[int, EncodeState] = {}  # room -> stage, for Encodes in progress
         self.idle = asyncio.Event()
         self.idle.set()
 
@@ -63,10 +64,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             await self._abort(context, e.code, str(e))
         except TimeoutError:
             code = "DEADLINE_EXCEEDED"
+            stage = self.states.get(request.room, EncodeState.PREPROCESSING).value
             await self._abort(
                 context,
                 ErrorCode.DEADLINE_EXCEEDED,
-                f"room {request.room}: deadline passed while encoding",
+                f"room {request.room}: deadline passed while {stage}",
             )
         except TransferError as e:
             code = e.code
@@ -79,6 +81,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             code = "INTERNAL"
             await self._abort(context, ErrorCode.INTERNAL, f"internal error: {e!r}")
         finally:
+            state = self.states.pop(request.room, None)
+            if code != "OK":
+                log.info(
+                    "room %d: %s while %s", request.room, code, state.value if state else "starting"
+                )
             self.in_progress -= 1
             if self.in_progress == 0:
                 self.idle.set()
@@ -96,8 +103,13 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         if deadline <= now:
             raise TimeoutError
         job = job_from_proto(request)
+
+        def mark(state: EncodeState) -> None:
+            self.states[job.room] = state
+
         async with asyncio.timeout(deadline - now):
-            res = await self.pipeline.encode(job.messages, job.limits)
+            res = await self.pipeline.encode(job.messages, job.limits, on_state=mark)
+            mark(EncodeState.SENDING)
             t0 = time.perf_counter()
             stats = await self.sender.send(job.room, res.payload, deadline=deadline)
             transfer_ms = (time.perf_counter() - t0) * 1e3
