@@ -98,6 +98,7 @@ class EmbeddingReceiver:
         self.rooms: dict[int, _Room] = {}
         self._layout = buffers.layout().to_proto()
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._closing: set[asyncio.Task] = set()  # calls ending gracefully after Done
         self._pool_changed = asyncio.Event()
         self._gauges()
 
@@ -122,6 +123,7 @@ class EmbeddingReceiver:
         return True
 
     async def close(self) -> None:
+        await asyncio.gather(*self._closing, return_exceptions=True)
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
@@ -222,7 +224,7 @@ class EmbeddingReceiver:
             self.metrics.failures.labels("language", "CANCELLED").inc()
             raise
         finally:
-            self._hang_up(r)
+            self._hang_up(r, graceful=r.state == ReceiverState.TRANSFERRING and r.sent == r.total)
             for key in list(r.keys):  # NOTE: every path ends here; no block outlives the room
                 self._free(r, key)
             self.rooms.pop(room, None)
@@ -234,13 +236,30 @@ class EmbeddingReceiver:
         m.seconds.labels("language").observe(time.monotonic() - t0)
         return payload
 
-    def _hang_up(self, r: _Room) -> None:
-        if r.reader is not None:
-            r.reader.cancel()
-            r.reader = None
-        if r.call is not None:
-            r.call.cancel()
-            r.call = None
+    def _hang_up(self, r: _Room, graceful: bool = False) -> None:
+        if graceful and r.call is not None:
+            # NOTE: after Done, let the encoder finish its side of the stream. Cancelling the
+            # call (or the task blocked in call.read(), which grpc.aio turns into an RPC
+            # cancel) can land before the encoder sees Done written, failing it there.
+            task = asyncio.create_task(self._close_call(r.call, r.reader))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        else:
+            if r.reader is not None:
+                r.reader.cancel()
+            if r.call is not None:
+                r.call.cancel()
+        r.call = r.reader = None
+
+    async def _close_call(self, call, reader) -> None:
+        try:
+            await call.done_writing()
+            await asyncio.wait_for(asyncio.shield(reader), self.config.timeout_s)
+        except Exception:
+            pass
+        finally:
+            reader.cancel()
+            call.cancel()
 
     async def _await_reattach(self, r: _Room, reason: str, deadline: float | None) -> str:
         grace = self.reattach_grace_s

@@ -111,23 +111,37 @@ class EmbeddingSender:
         self.rooms.pop(r.room, None)
 
     async def _race(self, r: _Room, aw, timeout: float | None, what: str):
-        """Await `aw`, unless the room ends or `timeout` passes first (TransferError)."""
+        """Await `aw`, unless the room ends or `timeout` passes first (TransferError).
+        NOTE: `aw` is cancelled on every other exit, including our own cancellation."""
         task = asyncio.ensure_future(aw)
         ended = asyncio.ensure_future(r.ended.wait())
         try:
             done, _ = await asyncio.wait({task, ended}, timeout=timeout,
                                          return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
         finally:
             ended.cancel()
         if task in done:
             return task.result()
-        task.cancel()  # NOTE: never an executor write; those are wrapped and shielded
+        task.cancel()
         if r.error is not None:
             raise r.error
         if r.ended.is_set():
             raise TransferError(f"room {r.room}: Attach stream closed while {what}", "UNAVAILABLE")
         raise TransferError(f"room {r.room}: no progress within {timeout:.1f}s while {what}",
                             "DEADLINE_EXCEEDED")
+
+    async def _acquire_slot(self, r: _Room, deadline: float | None) -> int:
+        task = asyncio.ensure_future(self.staging.acquire())
+        try:
+            return await self._race(r, task, self._timeout(deadline), "waiting for a staging slot")
+        except BaseException:
+            # NOTE: the acquire may have won the race at the last moment: give it back.
+            if task.done() and not task.cancelled() and task.exception() is None:
+                self.staging.release(task.result())
+            raise
 
     def _timeout(self, deadline: float | None) -> float:
         t = self.config.timeout_s
@@ -194,8 +208,8 @@ class EmbeddingSender:
             self._fail(r, TransferError(f"room {r.room}: Attach stream broken: {e}", "UNAVAILABLE"))
             return
         if not r.finishing:
-            self._fail(r, TransferError(f"room {r.room}: language half-closed the Attach "
-                                        f"stream before Done", "UNAVAILABLE"))
+            self._fail(r, TransferError(f"room {r.room}: language closed the Attach stream "
+                                        f"before Done", "UNAVAILABLE"))
 
     # ---- sending ----------------------------------------------------------------------
     async def send(self, room: int, payload: PromptPayload, deadline: float | None = None
@@ -251,9 +265,11 @@ class EmbeddingSender:
             err = TransferError(f"room {room}: internal error: {e!r}", "INTERNAL")
             self._fail(r, err)
             raise err from e
+        finally:
+            if self.rooms.get(room) is r:  # NOTE: send is the room's last user on every path
+                del self.rooms[room]
         r.state = SenderState.DONE
         r.ended.set()
-        self.rooms.pop(room, None)
         secs = time.monotonic() - t0
         m = self.metrics
         m.bytes.labels("encoder").inc(nbytes)
@@ -279,8 +295,7 @@ class EmbeddingSender:
         peer, step, nbytes = r.init.session_id, self.staging.round_tokens(layout.block_size), 0
         for t0 in range(start, start + piece, step):
             t1 = min(t0 + step, start + piece)
-            slot = await self._race(r, self.staging.acquire(), self._timeout(deadline),
-                                    "waiting for a staging slot")
+            slot = await self._acquire_slot(r, deadline)
 
             def job(slot=slot, t0=t0, t1=t1) -> int:
                 srcs, dsts, lens = self.staging.stage(

@@ -44,6 +44,7 @@ def _deadline(cmd) -> float | None:
 
 
 async def _report(kind: str, room: int, coro, extra) -> None:
+    asyncio.current_task().started = True
     t0 = time.monotonic()
     try:
         res = await coro
@@ -108,7 +109,9 @@ async def main() -> None:
                 "received", room, receiver.receive(room, cmd["address"], _deadline(cmd)),
                 extra=lambda p: {"digest": digest(p), "tokens": p.num_tokens}))
         elif op == "cancel":
-            tasks[room].cancel()
+            task = tasks[room]
+            if task.cancel() and not getattr(task, "started", False):  # never ran: say so
+                emit(event="sent", room=room, ok=False, code="CANCELLED", reason="never started")
         elif op == "abort":
             emit(event="aborted", room=room, found=receiver.abort(room))
         elif op == "reattach":
