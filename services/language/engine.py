@@ -161,6 +161,7 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            self._wake.clear()  # NOTE: before draining, so a submit racing with us still wakes
             self._drain_inbox()
             self._check_deadlines()
             try:
@@ -173,7 +174,6 @@ class Engine:
                 progressed = True
             if not progressed:
                 self._wake.wait(0.05)
-                self._wake.clear()
         self._drain_inbox()
         for live in list(self._live.values()):
             self._finish(live, RequestStatus.FINISHED_ABORT, "server shutting down", "UNAVAILABLE")
