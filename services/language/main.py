@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 import time
 
 import grpc
@@ -36,9 +37,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def serve(cfg: LanguageConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from tandem.models.checkpoint import CheckpointError
+
     if cfg.cpu_threads:
         torch.set_num_threads(cfg.cpu_threads)
-    asyncio.run(run(cfg))
+    try:
+        asyncio.run(run(cfg))
+    except CheckpointError as e:  # a bad --model is one clear line, not a traceback
+        print(f"tandem language: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
