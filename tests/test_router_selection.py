@@ -144,3 +144,19 @@ def test_error_mapping():
             "code": "not_found",
         }
     }
+
+
+def test_round_robin_per_tier_alternates_each_tier():
+    """Each tier has its own selector: interleaved picks (language, encoder, language, ...)
+    still cycle through every instance of each tier."""
+    from services.router.config import RouterConfig
+    from services.router.core import RouterCore
+
+    core = RouterCore(RouterConfig(policy="round_robin"))
+    enc, lang = core.selectors["encoder"], core.selectors["language"]
+    assert enc is not lang
+    picks = []
+    for _ in range(4):
+        lang.pick(cands(0, 0))
+        picks.append(enc.pick(cands(0, 0)))
+    assert Counter(picks) == {"10.0.0.0:50061": 2, "10.0.0.1:50061": 2}

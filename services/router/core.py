@@ -17,8 +17,12 @@ class RouterCore:
         self.cfg = cfg
         self.metrics = RouterMetrics()
         self.registry = Registry(cfg)
-        self.selector = Selector(cfg.policy, cfg.affinity_slack)
-        self.dispatcher = Dispatcher(self.registry, self.selector, cfg, self.metrics)
+        # NOTE: one selector per tier: a shared round-robin counter would advance twice per
+        # request and pin every request of one tier to the same instance.
+        self.selectors = {
+            kind: Selector(cfg.policy, cfg.affinity_slack) for kind in ("encoder", "language")
+        }
+        self.dispatcher = Dispatcher(self.registry, self.selectors, cfg, self.metrics)
         self.admission = Admission(cfg.max_inflight, self.metrics)
         self.draining = False
 

@@ -97,9 +97,11 @@ def image_hashes(messages: list[common_pb2.ChatMessage]) -> list[str]:
 class Dispatcher:
     """Runs chat requests across the tiers."""
 
-    def __init__(self, registry: Registry, selector: Selector, cfg, metrics: RouterMetrics):
+    def __init__(
+        self, registry: Registry, selectors: dict[str, Selector], cfg, metrics: RouterMetrics
+    ):
         self.registry = registry
-        self.selector = selector
+        self.selectors = selectors
         self.cfg = cfg
         self.metrics = metrics
         self._background: set[asyncio.Task] = set()
@@ -107,7 +109,7 @@ class Dispatcher:
     def _pick(self, kind: str, hashes=(), exclude=frozenset()) -> Instance:
         pool = self.registry.pool(kind)
         try:
-            addr = self.selector.pick(pool.candidates(), hashes, exclude)
+            addr = self.selectors[kind].pick(pool.candidates(), hashes, exclude)
         except NoInstanceError:
             raise RouterError("UNAVAILABLE", f"no healthy {kind} instance") from None
         return pool.instances[addr]
