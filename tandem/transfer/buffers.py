@@ -136,21 +136,24 @@ class EmbeddingBuffers:
         )
 
     def check_piece(
-        self, block_ids: list[int], room: int, total: int, start: int, n_tokens: int
+        self, block_ids: list[int], room: int, total: int, start: int, piece_tokens: int,
+        n_tokens: int, first_index: int = 0,
     ) -> None:
-        """Raise DATA_LOSS unless every block of the piece carries this room's aux row."""
-        aux = self.aux[torch.tensor(block_ids[: -(-n_tokens // self.block_size)])]
+        """Raise DATA_LOSS unless the blocks holding `n_tokens` tokens (from block
+        `first_index` of the piece starting at token `start`) carry this piece's aux row."""
+        nb = -(-n_tokens // self.block_size)
+        aux = self.aux[torch.tensor(block_ids[:nb], dtype=torch.long)]
         lo, hi = room_words(room)
         for i, row in enumerate(aux.tolist()):
-            want = {AUX_TOTAL: total, AUX_PIECE_START: start, AUX_PIECE_TOKENS: n_tokens,
-                    AUX_BLOCK_INDEX: i, AUX_ROOM_LO: lo, AUX_ROOM_HI: hi,
+            want = {AUX_TOTAL: total, AUX_PIECE_START: start, AUX_PIECE_TOKENS: piece_tokens,
+                    AUX_BLOCK_INDEX: first_index + i, AUX_ROOM_LO: lo, AUX_ROOM_HI: hi,
                     AUX_EMBED_DIM: self.embed_dim}
             bad = {k: row[k] for k, v in want.items() if row[k] != v}
             if bad:
                 raise TransferError(
-                    f"room {room}: block {block_ids[i]} (piece at token {start}, index {i}) "
-                    f"does not hold this piece's data: aux mismatch {bad} (stale or "
-                    f"misdirected write)", "DATA_LOSS")
+                    f"room {room}: block {block_ids[i]} (piece at token {start}, index "
+                    f"{first_index + i}) does not hold this piece's data: aux mismatch {bad} "
+                    f"(stale or misdirected write)", "DATA_LOSS")
 
     def gather_into(
         self,

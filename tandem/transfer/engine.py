@@ -5,6 +5,7 @@
     engine.register(tensor)                  # once per buffer, at start-up
     engine.unregister(tensor)                # NOTE: before the tensor's memory is freed
     engine.write(peer, srcs, dsts, lengths)  # one batch, blocking: run it in an executor
+    bid = engine.submit(peer, ...); engine.wait(peer, bid, nbytes)   # the same, split
 
 Mooncake facts this wrapper handles (checked against mooncake-transfer-engine 0.3.13):
 - Its RPC/handshake ports listen on all interfaces; MC_MIN_RPC_PORT / MC_MAX_RPC_PORT,
@@ -89,20 +90,28 @@ class MooncakeEngine:
         """True when [addr, addr+length) lies inside one registered region."""
         return any(a <= addr and addr + length <= a + n for a, n in self._regions)
 
-    def write(self, peer: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> None:
-        """One batch of writes to `peer`; blocks until done. Raises TransferError."""
-        if not srcs:
-            return
+    def submit(self, peer: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> int:
+        """Start one batch of writes to `peer`; returns its batch id (never a bad one).
+        NOTE: every id returned must be passed to wait() exactly once, or it leaks and the
+        source memory stays in use."""
         bid = self._te.batch_transfer_async_write(peer, srcs, dsts, lengths)
         if bid in _BAD_BATCH_IDS:
             raise TransferError(
                 f"transfer submit to {peer} failed ({len(srcs)} writes, "
                 f"{sum(lengths)} bytes): peer unreachable or addresses rejected", "UNAVAILABLE")
+        return bid
+
+    def wait(self, peer: str, bid: int, nbytes: int) -> None:
+        """Block until batch `bid` completes; TransferError if it failed or timed out."""
         if self._te.get_batch_transfer_status([bid]) != 0:
             raise TransferError(
-                f"transfer write to {peer} failed ({len(srcs)} writes, {sum(lengths)} bytes): "
-                f"peer gone, timed out, or destination outside its registered memory",
-                "UNAVAILABLE")
+                f"transfer write to {peer} failed ({nbytes} bytes): peer gone, timed out, "
+                f"or destination outside its registered memory", "UNAVAILABLE")
+
+    def write(self, peer: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> None:
+        """One batch of writes to `peer`; blocks until done. Raises TransferError."""
+        if srcs:
+            self.wait(peer, self.submit(peer, srcs, dsts, lengths), sum(lengths))
 
     def raw_write(self, peer: str, src: int, dst: int, length: int) -> None:
         """One plain `transfer_sync_write` (the benchmark's baseline)."""

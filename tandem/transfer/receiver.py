@@ -65,7 +65,8 @@ class _Room:
     allocated: int = 0
     n_keys: int = 0
     attempt: int = 0
-    sent: int = 0
+    sent: int = 0  # first token of the current piece (all before it are copied out)
+    copied: int = 0  # tokens gathered into `out` so far
     total: int | None = None
     out: tuple | None = None  # (embeds, fill_ids, mrope) of the whole prompt
     resumes: int = 0
@@ -87,6 +88,7 @@ class EmbeddingReceiver:
         reserve_tokens: int = 8192,
         reattach_grace_s: float = 1.0,
         max_prompt_tokens: int = 1 << 20,
+        resume_tokens: int | None = None,
         registry=None,
     ) -> None:
         if allocator.block_size != buffers.block_size or allocator.num_total != buffers.num_blocks:
@@ -94,6 +96,9 @@ class EmbeddingReceiver:
         self.engine, self.buffers, self.allocator, self.config = engine, buffers, allocator, config
         self.reserve_tokens, self.reattach_grace_s = reserve_tokens, reattach_grace_s
         self.max_prompt_tokens = max_prompt_tokens
+        # Tokens reserved per Resume: None reserves the whole rest (fewest round trips),
+        # capped by the pool; a number bounds how much one room holds at a time.
+        self.resume_tokens = resume_tokens
         self.metrics = transfer_metrics(registry)
         self.rooms: dict[int, _Room] = {}
         self._layout = buffers.layout().to_proto()
@@ -214,7 +219,8 @@ class EmbeddingReceiver:
                     self._hang_up(r)
                     r.address = b.new_address or await self._await_reattach(r, b.reason, deadline)
                     r.attempt += 1
-                    r.sent, r.total, r.out, r.state = 0, None, None, ReceiverState.BOOTSTRAPPING
+                    r.sent = r.copied = 0
+                    r.total, r.out, r.state = None, None, ReceiverState.BOOTSTRAPPING
         except TransferError as e:
             r.state = ReceiverState.FAILED
             self.metrics.failures.labels("language", e.code).inc()
@@ -299,7 +305,7 @@ class EmbeddingReceiver:
             except asyncio.TimeoutError:
                 raise TransferError(
                     f"room {r.room}: no data from encoder {r.address} within {timeout:.1f}s "
-                    f"({r.state.value}, {r.sent} tokens received)", "DEADLINE_EXCEEDED") from None
+                    f"({r.state.value}, {r.copied} tokens received)", "DEADLINE_EXCEEDED") from None
             kind, attempt, msg = ev
             if kind != "msg" or attempt != r.attempt:
                 self._interrupt(r, ev)
@@ -307,9 +313,11 @@ class EmbeddingReceiver:
             which = msg.WhichOneof("msg")
             if which == "progress" and msg.progress.partial:
                 await self._on_partial(r, msg.progress, deadline)
+            elif which == "progress":
+                await self._on_progress(r, msg.progress)
             elif which == "done":
                 return await self._on_done(r, msg.done)
-            elif which != "progress":
+            else:
                 self._interrupt(r, ev)
 
     async def _write(self, r: _Room, req: encoder_pb2.AttachRequest) -> None:
@@ -333,55 +341,70 @@ class EmbeddingReceiver:
             r.post("broken", f"Attach stream to encoder {r.address} broken: "
                    f"{e.code().name}: {e.details()}", attempt)
 
-    def _start_piece(self, r: _Room, sent: int, total: int) -> int:
-        """Validate a piece announcement; returns the piece's token count."""
+    def _announce(self, r: _Room, sent: int, total: int, final: bool) -> None:
+        """Validate a Progress/Done against the room; allocate the output on first sight.
+        `r.sent` is where the current piece starts; it holds `r.allocated` tokens."""
         if not 0 < total <= self.max_prompt_tokens or (r.total is not None and total != r.total):
             raise TransferError(f"room {r.room}: bad total_tokens {total} (expected "
                                 f"{r.total or f'<= {self.max_prompt_tokens}'})", "INVALID_ARGUMENT")
-        n = sent - r.sent
-        if not 0 < n <= r.allocated or sent > total:
-            raise TransferError(f"room {r.room}: encoder reports {sent}/{total} tokens after "
-                                f"{r.sent}, with {r.allocated} reserved", "INVALID_ARGUMENT")
+        if not r.copied < sent <= min(total, r.sent + r.allocated) or (final and sent != total):
+            raise TransferError(f"room {r.room}: encoder reports {sent}/{total} tokens; piece "
+                                f"at {r.sent} holds {r.allocated}, {r.copied} copied out",
+                                "INVALID_ARGUMENT")
         if r.out is None:
             r.total = total
-            b = self.buffers
-            r.out = (torch.empty((total, b.embed_dim), dtype=b.dtype, device=b.embeddings.device),
-                     torch.empty(total, dtype=torch.int32, device=b.embeddings.device),
-                     torch.empty((3, total), dtype=torch.int32, device=b.embeddings.device))
+            b, dev = self.buffers, self.buffers.embeddings.device
+            r.out = (torch.empty((total, b.embed_dim), dtype=b.dtype, device=dev),
+                     torch.empty(total, dtype=torch.int32, device=dev),
+                     torch.empty((3, total), dtype=torch.int32, device=dev))
         r.state = ReceiverState.TRANSFERRING
-        self.buffers.check_piece(r.ids, r.room, total, r.sent, n)
-        return n
 
-    async def _copy_out(self, r: _Room, key, ids: list[int], start: int, n: int) -> None:
+    async def _copy_out(self, r: _Room, ids: list[int], start: int, upto: int) -> None:
+        """Check and gather tokens [r.copied, upto) of the piece at `start` in `ids`."""
+        a, bs = r.copied, self.buffers.block_size
+        i0 = (a - start) // bs
+        piece_tokens = min(r.total - start, len(ids) * bs)
+        self.buffers.check_piece(ids[i0:], r.room, r.total, start, piece_tokens, upto - a, i0)
         await asyncio.get_running_loop().run_in_executor(
-            None, self.buffers.gather_into, ids, n, *r.out, start)
-        self._free(r, key)
+            None, self.buffers.gather_into, ids[i0:], upto - a, *r.out, a)
+        r.copied = upto
+
+    async def _on_progress(self, r: _Room, p: encoder_pb2.AttachProgress) -> None:
+        """A chunk of the current piece is written: copy it out while the rest flies."""
+        self._announce(r, p.sent_tokens, p.total_tokens, final=False)
+        if (p.sent_tokens - r.sent) % self.buffers.block_size == 0:
+            await self._copy_out(r, r.ids, r.sent, p.sent_tokens)
 
     async def _on_partial(self, r: _Room, p: encoder_pb2.AttachProgress, deadline) -> None:
-        n = self._start_piece(r, p.sent_tokens, p.total_tokens)
-        old_key, old_ids, start = r.key, r.ids, r.sent
-        r.sent = p.sent_tokens
+        self._announce(r, p.sent_tokens, p.total_tokens, final=False)
+        old_key, old_ids, start, sent = r.key, r.ids, r.sent, p.sent_tokens
         cap = self.allocator.num_total * self.allocator.block_size
-        want = min(p.total_tokens - p.sent_tokens, cap)
+        if self.resume_tokens:
+            cap = min(cap, self.resume_tokens)
+        want = min(p.total_tokens - sent, cap)
         got = self._try_alloc(r, want)
         if got is None:  # pool busy: free this piece first, then wait for blocks
-            await self._copy_out(r, old_key, old_ids, start, n)
+            await self._copy_out(r, old_ids, start, sent)
+            self._free(r, old_key)
             got = await self._alloc(r, want, deadline)
         r.key, r.ids = got
         r.allocated = len(r.ids) * self.buffers.block_size
         r.resumes += 1
         await self._write(r, encoder_pb2.AttachRequest(resume=encoder_pb2.AttachResume(
-            room=r.room, block_ids=r.ids, sent_tokens=r.sent, allocated_tokens=r.allocated)))
+            room=r.room, block_ids=r.ids, sent_tokens=sent, allocated_tokens=r.allocated)))
         if old_key in r.keys:  # NOTE: Resume first, so this copy overlaps the next write
-            await self._copy_out(r, old_key, old_ids, start, n)
+            await self._copy_out(r, old_ids, start, sent)
+            self._free(r, old_key)
+        r.sent = sent
 
     async def _on_done(self, r: _Room, d: encoder_pb2.AttachDone) -> PromptPayload:
-        n = self._start_piece(r, d.total_tokens, d.total_tokens)
+        self._announce(r, d.total_tokens, d.total_tokens, final=True)
         delta = int(self.buffers.aux[r.ids[0], AUX_MROPE_DELTA])
         if delta != d.mrope_position_delta:
             raise TransferError(f"room {r.room}: Done says mrope delta {d.mrope_position_delta}, "
                                 f"blocks say {delta}", "DATA_LOSS")
-        await self._copy_out(r, r.key, r.ids, r.sent, n)
+        await self._copy_out(r, r.ids, r.sent, d.total_tokens)
+        self._free(r, r.key)
         r.sent = d.total_tokens
         e, f, m = r.out
         return PromptPayload(input_embeds=e, fill_ids=f, mrope_positions=m,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -66,6 +67,7 @@ class _Room:
     error: TransferError | None = None
     attached: asyncio.Event = field(default_factory=asyncio.Event)
     ended: asyncio.Event = field(default_factory=asyncio.Event)  # failed or stream gone
+    dead: threading.Event = field(default_factory=threading.Event)  # `ended`, for threads
     done_written: asyncio.Event = field(default_factory=asyncio.Event)
     inbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # AttachResume
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # AttachResponse | None
@@ -81,8 +83,10 @@ def _failed_msg(err: TransferError) -> encoder_pb2.AttachResponse:
 
 
 class EmbeddingSender:
-    def __init__(self, engine, staging: StagingArea, config: TransferConfig, registry=None):
+    def __init__(self, engine, staging: StagingArea, config: TransferConfig,
+                 chunk_tokens: int = 2048, registry=None):
         self.engine, self.staging, self.config = engine, staging, config
+        self.chunk_tokens = chunk_tokens  # tokens per write batch (pipelining unit)
         self.metrics = transfer_metrics(registry)
         self.rooms: dict[int, _Room] = {}
         # NOTE: writes busy-poll inside Mooncake; a private pool keeps a frozen peer's
@@ -108,6 +112,7 @@ class EmbeddingSender:
         log.info("room %d failed: %s", r.room, err)
         r.outbox.put_nowait(_failed_msg(err))
         r.ended.set()
+        r.dead.set()
         self.rooms.pop(r.room, None)
 
     async def _race(self, r: _Room, aw, timeout: float | None, what: str):
@@ -193,6 +198,7 @@ class EmbeddingSender:
             self._fail(r, TransferError(f"room {room}: language closed the Attach stream",
                                         "UNAVAILABLE"))
             r.ended.set()
+            r.dead.set()
 
     async def _read(self, r: _Room, it) -> None:
         try:
@@ -290,20 +296,50 @@ class EmbeddingSender:
 
     async def _write_piece(self, r: _Room, payload: PromptPayload, layout: BufferLayout,
                            ids: list[int], start: int, piece: int, deadline) -> int:
-        """Write tokens [start, start+piece) into `ids`, one batch per staging round."""
+        """Write tokens [start, start+piece) into `ids`: per staging round, chunks of
+        `chunk_tokens` are staged and submitted as one batch each, two deep (chunk k+1 is
+        copied while chunk k is on the wire); each finished chunk but the piece's last is
+        announced with a non-partial Progress, so the language side copies it out early."""
         loop = asyncio.get_running_loop()
-        peer, step, nbytes = r.init.session_id, self.staging.round_tokens(layout.block_size), 0
-        for t0 in range(start, start + piece, step):
-            t1 = min(t0 + step, start + piece)
+        peer, bs = r.init.session_id, layout.block_size
+        step = self.staging.round_tokens(bs)
+        chunk = max(bs, min(step, self.chunk_tokens // bs * bs))
+        end, nbytes = start + piece, 0
+
+        def progress(sent: int) -> None:
+            r.outbox.put_nowait(encoder_pb2.AttachResponse(progress=encoder_pb2.AttachProgress(
+                sent_tokens=sent, total_tokens=payload.num_tokens, partial=False)))
+
+        def job(slot: int, t0: int, t1: int) -> int:
+            pending: list[tuple[int, int, int]] = []  # (batch id, bytes, end token)
+            done_bytes = 0
+            try:
+                for c0 in range(t0, t1, chunk):
+                    if r.dead.is_set():  # the room ended: stop before writing more
+                        raise TransferError(f"room {r.room}: ended during the write", "ABORTED")
+                    c1 = min(c0 + chunk, t1)
+                    srcs, dsts, lens = self.staging.stage(
+                        slot, payload, r.room, layout, ids, start, piece, c0, c1, at=c0 - t0)
+                    pending.append((self.engine.submit(peer, srcs, dsts, lens), sum(lens), c1))
+                    while len(pending) > 1 or (pending and c1 == t1):
+                        bid, n, c_end = pending[0]
+                        self.engine.wait(peer, bid, n)
+                        pending.pop(0)
+                        done_bytes += n
+                        if c_end < end:
+                            loop.call_soon_threadsafe(progress, c_end)
+            finally:
+                # NOTE: never leave a submitted batch unwaited: it reads from this slot.
+                for bid, n, _ in pending:
+                    try:
+                        self.engine.wait(peer, bid, n)
+                    except TransferError:
+                        pass
+            return done_bytes
+
+        for t0 in range(start, end, step):
             slot = await self._acquire_slot(r, deadline)
-
-            def job(slot=slot, t0=t0, t1=t1) -> int:
-                srcs, dsts, lens = self.staging.stage(
-                    slot, payload, r.room, layout, ids, start, piece, t0, t1)
-                self.engine.write(peer, srcs, dsts, lens)
-                return sum(lens)
-
-            cf = self._pool.submit(job)
+            cf = self._pool.submit(job, slot, t0, min(t0 + step, end))
             # NOTE: the slot goes back only when the thread is done with it, even if the
             # room failed long before (a frozen peer keeps Mooncake busy up to its timeout).
             cf.add_done_callback(lambda _f, s=slot: loop.call_soon_threadsafe(
@@ -311,5 +347,5 @@ class EmbeddingSender:
             inner = asyncio.wrap_future(cf)
             inner.add_done_callback(lambda f: f.cancelled() or f.exception())
             nbytes += await self._race(r, asyncio.shield(inner), self._timeout(deadline),
-                                       f"writing tokens {t0}..{t1}")
+                                       f"writing tokens {t0}..{min(t0 + step, end)}")
         return nbytes

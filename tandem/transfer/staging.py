@@ -104,26 +104,30 @@ class StagingArea:
         piece_tokens: int,
         t0: int,
         t1: int,
+        at: int = 0,
     ) -> tuple[list[int], list[int], list[int]]:
-        """Copy payload tokens [t0, t1) of the piece into `slot`; return the writes.
+        """Copy payload tokens [t0, t1) of the piece into `slot` at token offset `at`;
+        return the writes (srcs, dsts, lengths).
 
         The piece starts at token `piece_start` and lands in `block_ids` (token order);
-        t0 - piece_start is a multiple of the block size (rounds cover whole blocks).
+        t0 - piece_start and `at` are multiples of the block size (whole blocks only).
         """
         bs, d = layout.block_size, self.embed_dim
         n, i0 = t1 - t0, (t0 - piece_start) // bs
         nb = -(-n // bs)
+        if at % bs or at + nb * bs > self.slot_tokens or at // bs + nb > self.max_round_blocks:
+            raise ValueError(f"staging range at {at} for {n} tokens does not fit the slot")
         es = self.embeds.element_size()
-        e, f = self.embeds[slot], self.fill[slot]
+        e, f = self.embeds[slot][at:], self.fill[slot][at:]
         e[:n].copy_(payload.input_embeds[t0:t1])
         f[:n].copy_(payload.fill_ids[t0:t1])
-        m = self.mrope[slot][: nb * 3 * bs].view(nb, 3, bs)
+        m = self.mrope[slot][3 * at : 3 * at + nb * 3 * bs].view(nb, 3, bs)
         src, full = payload.mrope_positions[:, t0:t1], n // bs
         if full:
             m[:full].copy_(src[:, : full * bs].reshape(3, full, bs).permute(1, 0, 2))
         if n % bs:
             m[full, :, : n % bs].copy_(src[:, full * bs :])
-        a = self.aux[slot][:nb]
+        a = self.aux[slot][at // bs : at // bs + nb]
         a.zero_()
         lo, hi = B.room_words(room)
         total = payload.num_tokens

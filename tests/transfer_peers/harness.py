@@ -121,11 +121,12 @@ def make_receiver(engine, cfg, blocks=64, block_size=16, embed_dim=32, dtype="fl
                              reserve_tokens=reserve, reattach_grace_s=grace)
 
 
-async def start_sender(engine, cfg, slots=2, slot_tokens=256, embed_dim=32, dtype="float32"):
+async def start_sender(engine, cfg, slots=2, slot_tokens=256, embed_dim=32, dtype="float32",
+                       chunk_tokens=32):
     staging = StagingArea(slots, slot_tokens, embed_dim, DTYPES[dtype])
     staging.register(engine)
     _REGISTERED.append(staging)
-    sender = EmbeddingSender(engine, staging, cfg)
+    sender = EmbeddingSender(engine, staging, cfg, chunk_tokens=chunk_tokens)
     server = grpc.aio.server()
     encoder_pb2_grpc.add_EncoderServicer_to_server(Attach(sender), server)
     port = server.add_insecure_port("127.0.0.1:0")

@@ -65,6 +65,7 @@ async def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=3.0)
     ap.add_argument("--slots", type=int, default=2)
     ap.add_argument("--slot-tokens", type=int, default=256)
+    ap.add_argument("--chunk-tokens", type=int, default=32)
     ap.add_argument("--blocks", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--reserve", type=int, default=64)
@@ -78,7 +79,7 @@ async def main() -> None:
     if a.role == "encoder":
         staging = StagingArea(a.slots, a.slot_tokens, a.embed_dim, dtype)
         staging.register(engine)
-        sender = EmbeddingSender(engine, staging, cfg)
+        sender = EmbeddingSender(engine, staging, cfg, chunk_tokens=a.chunk_tokens)
         server = grpc.aio.server()
         encoder_pb2_grpc.add_EncoderServicer_to_server(Attach(sender), server)
         port = server.add_insecure_port("127.0.0.1:0")
