@@ -1,0 +1,128 @@
+"""Single-process parts of the transfer layer: the block allocator, the write plan that
+StagingArea builds (executed here with memmove, so every address and length it names is
+exercised), aux rows, gather, the Mooncake wrapper's bookkeeping, and metrics."""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+sys.path.insert(0, str(Path(__file__).parent / "transfer_peers"))
+from harness import make_engine  # noqa: E402
+from peerlib import make_payload  # noqa: E402
+
+from tandem.transfer import (  # noqa: E402
+    BlockAllocator,
+    BufferLayout,
+    EmbeddingBuffers,
+    StagingArea,
+    TransferError,
+    transfer_metrics,
+)
+from tandem.transfer import buffers as B  # noqa: E402
+from tandem.transfer.staging import coalesce  # noqa: E402
+
+
+def test_allocator_all_or_none_fifo_and_errors():
+    a = BlockAllocator(8, 16)
+    assert a.num_total == 8 and a.num_free == 8 and a.blocks_for(17) == 2
+    assert a.alloc(40, "r1") == [0, 1, 2]
+    assert a.can_alloc(80) and not a.can_alloc(81) and not a.can_alloc(0)
+    assert a.alloc(81, "r2") is None and a.num_free == 5  # all or none
+    assert a.alloc(32, "r2") == [3, 4]
+    a.free("r1")
+    assert a.alloc(80, "r3") == [5, 6, 7, 0, 1]  # FIFO: freed blocks come back last
+    with pytest.raises(KeyError, match="already holds"):
+        a.alloc(1, "r3")
+    with pytest.raises(KeyError, match="already freed"):
+        a.free("r1")  # double free
+    with pytest.raises(KeyError, match="unknown"):
+        a.free("nobody")
+    with pytest.raises(ValueError):
+        a.alloc(0, "r4")
+    a.free("r2")
+    a.free("r3")
+    assert a.num_free == 8 and a.owners == []
+
+
+def test_coalesce_merges_only_continuations():
+    assert coalesce([(0, 100, 8), (8, 108, 8), (16, 200, 8), (24, 208, 4)]) == [
+        (0, 100, 16), (16, 200, 12)]
+    assert coalesce([(0, 100, 8), (8, 100, 8)]) == [(0, 100, 8), (8, 100, 8)]
+
+
+def _apply(plan) -> None:
+    for s, d, n in zip(*plan, strict=True):
+        ctypes.memmove(d, s, n)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_staged_writes_land_bit_exact_in_scattered_blocks(dtype):
+    """Stage a 2-piece prompt in chunks at slot offsets, write it with memmove into
+    out-of-order blocks, gather it back: bit-exact, and every aux row as documented."""
+    bs, d, room, total = 8, 24, (7 << 40) | 0x9ABCDEF0, 61
+    p = make_payload(total, d, dtype, seed=3)
+    buf = EmbeddingBuffers(12, bs, d, B.DTYPES[dtype])
+    st = StagingArea(1, 32, d, B.DTYPES[dtype])
+    layout = buf.layout()
+    out = (torch.empty(total, d, dtype=B.DTYPES[dtype]), torch.empty(total, dtype=torch.int32),
+           torch.empty(3, total, dtype=torch.int32))
+    pieces = [(0, 40, [9, 2, 3, 11, 0]), (40, 21, [5, 4, 10])]  # (start, tokens, blocks)
+    for start, n, ids in pieces:
+        for t0 in range(start, start + n, 16):  # chunks of 2 blocks, at offsets in the slot
+            t1 = min(t0 + 16, start + n)
+            _apply(st.stage(0, p, room, layout, ids, start, n, t0, t1, at=(t0 - start) % 32))
+        buf.check_piece(ids, room, total, start, n, n)
+        rows = buf.aux[torch.tensor(ids)]
+        lo, hi = B.room_words(room)
+        for i, row in enumerate(rows.tolist()):
+            assert row[:9] == [total, p.mrope_delta, start, n, i, min(bs, n - i * bs), lo, hi, d]
+            assert row[9:] == [0] * 7
+        buf.gather_into(ids, n, *out, start)
+    assert torch.equal(out[0].view(torch.uint8), p.input_embeds.view(torch.uint8))
+    assert torch.equal(out[1], p.fill_ids) and torch.equal(out[2], p.mrope_positions)
+    with pytest.raises(TransferError, match="aux mismatch") as ei:
+        buf.check_piece([5, 4, 10], room + 1, total, 40, 21, 21)  # another room's blocks
+    assert ei.value.code == "DATA_LOSS"
+    with pytest.raises(TransferError, match="index"):
+        buf.check_piece([4, 5, 10], room, total, 40, 21, 21)  # blocks out of their order
+
+
+def test_layout_roundtrip_and_checks():
+    buf = EmbeddingBuffers(4, 16, 32, torch.bfloat16)
+    lay = buf.layout()
+    assert BufferLayout.from_proto(lay.to_proto()) == lay
+    assert lay.embed_row_bytes == 16 * 32 * 2 and lay.elem_size == 2
+    assert lay.fill_ids_addr == buf.fill_ids.data_ptr() and lay.num_blocks == 4
+    st = StagingArea(1, 32, 32, torch.bfloat16)
+    good = make_payload(5, 32, "bfloat16", 0)
+    assert st.check_layout(lay, good) is None
+    assert "embed_dim mismatch" in st.check_layout(lay, make_payload(5, 48, "bfloat16", 0))
+    assert "dtype mismatch" in st.check_layout(lay, make_payload(5, 32, "float32", 0))
+    big = BufferLayout(**{**lay.__dict__, "block_size": 64})
+    assert "block_size 64" in st.check_layout(big, good)
+
+
+def test_engine_ports_registration_and_metrics():
+    engine, cfg = make_engine()
+    host, port = engine.session_id.rsplit(":", 1)
+    assert host == cfg.host and cfg.min_port <= int(port) <= cfg.max_port
+    t = torch.zeros(1024)
+    engine.register(t)
+    assert engine.owns(t.data_ptr(), 4096) and not engine.owns(t.data_ptr() + 1, 4096)
+    with pytest.raises(RuntimeError, match="already registered"):
+        engine.register(t)
+    engine.unregister(t)
+    with pytest.raises(KeyError):
+        engine.unregister(t)
+    reg = CollectorRegistry()
+    m1, m2 = transfer_metrics(reg), transfer_metrics(reg)  # no duplicate registration
+    assert m1 is m2 and transfer_metrics() is transfer_metrics()
+    m1.failures.labels("language", "UNAVAILABLE").inc()
+    assert reg.get_sample_value("tandem_transfer_failures_total",
+                                {"side": "language", "code": "UNAVAILABLE"}) == 1
