@@ -11,7 +11,8 @@ from tandem.transfer.engine import MooncakeEngine
 from tandem.transfer.errors import TransferError
 from tandem.transfer.metrics import transfer_metrics
 from tandem.transfer.payload import PromptPayload
-from tandem.transfer.receiver import EmbeddingReceiver, ReceiverState
+from tandem.transfer.receiver import EmbeddingReceiver
+from tandem.transfer.room import ReceiverState
 from tandem.transfer.sender import EmbeddingSender, SenderState, SendStats
 from tandem.transfer.staging import StagingArea
 

@@ -20,9 +20,7 @@ gathered out, on failure, on abort and when the awaiting task is cancelled.
 from __future__ import annotations
 
 import asyncio
-import enum
 import time
-from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -33,49 +31,8 @@ from tandem.transfer.buffers import AUX_MROPE_DELTA, EmbeddingBuffers
 from tandem.transfer.errors import TransferError
 from tandem.transfer.metrics import transfer_metrics
 from tandem.transfer.payload import PromptPayload
+from tandem.transfer.room import AttachBroken, BlockReservations, ReceiverRoom, ReceiverState
 from tandem.v1 import encoder_pb2, encoder_pb2_grpc
-
-
-class ReceiverState(enum.Enum):
-    BOOTSTRAPPING = "bootstrapping"
-    WAITING_FOR_INPUT = "waiting_for_input"
-    TRANSFERRING = "transferring"
-    SUCCESS = "success"
-    FAILED = "failed"
-
-
-class _Broken(Exception):
-    """The Attach stream ended before Done (or reattach() asked to switch encoders)."""
-
-    def __init__(self, reason: str, new_address: str | None = None) -> None:
-        super().__init__(reason)
-        self.reason, self.new_address = reason, new_address
-
-
-@dataclass
-class _Room:
-    room: int
-    address: str
-    state: ReceiverState = ReceiverState.BOOTSTRAPPING
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # (kind, attempt, value)
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    keys: set = field(default_factory=set)  # allocator owners held by this room
-    key: tuple | None = None  # owner of the current destination blocks
-    ids: list[int] = field(default_factory=list)
-    allocated: int = 0
-    n_keys: int = 0
-    attempt: int = 0
-    sent: int = 0  # first token of the current piece (all before it are copied out)
-    copied: int = 0  # tokens gathered into `out` so far
-    total: int | None = None
-    out: tuple | None = None  # (embeds, fill_ids, mrope) of the whole prompt
-    resumes: int = 0
-    call: object | None = None
-    reader: asyncio.Task | None = None
-
-    def post(self, kind: str, value=None, attempt: int | None = None) -> None:
-        self.events.put_nowait((kind, self.attempt if attempt is None else attempt, value))
-        self.wake.set()
 
 
 class EmbeddingReceiver:
@@ -100,12 +57,11 @@ class EmbeddingReceiver:
         # capped by the pool; a number bounds how much one room holds at a time.
         self.resume_tokens = resume_tokens
         self.metrics = transfer_metrics(registry)
-        self.rooms: dict[int, _Room] = {}
+        self.rooms: dict[int, ReceiverRoom] = {}
         self._layout = buffers.layout().to_proto()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._closing: set[asyncio.Task] = set()  # calls ending gracefully after Done
-        self._pool_changed = asyncio.Event()
-        self._gauges()
+        self.blocks = BlockReservations(allocator, self.metrics)
 
     # ---- public control ---------------------------------------------------------------
     def state(self, room: int) -> ReceiverState | None:
@@ -133,53 +89,7 @@ class EmbeddingReceiver:
             await ch.close()
         self._channels.clear()
 
-    # ---- blocks -----------------------------------------------------------------------
-    def _gauges(self) -> None:
-        self.metrics.blocks_free.set(self.allocator.num_free)
-        self.metrics.blocks_total.set(self.allocator.num_total)
-
-    def _free(self, r: _Room, key) -> None:
-        self.allocator.free(key)
-        r.keys.discard(key)
-        self._gauges()
-        ev, self._pool_changed = self._pool_changed, asyncio.Event()
-        ev.set()
-
-    def _try_alloc(self, r: _Room, tokens: int) -> tuple | None:
-        key = (r.room, r.n_keys)
-        ids = self.allocator.alloc(tokens, key)
-        if ids is None:
-            return None
-        r.n_keys += 1
-        r.keys.add(key)
-        self._gauges()
-        return key, ids
-
-    async def _alloc(self, r: _Room, tokens: int, deadline: float | None) -> tuple:
-        """Blocks for `tokens`, waiting for frees up to the room timeout; room events
-        (abort, a broken stream, an encoder failure) interrupt the wait."""
-        end = time.monotonic() + self._timeout(deadline)
-        while True:
-            got = self._try_alloc(r, tokens)
-            if got is not None:
-                return got
-            if not r.events.empty():
-                self._interrupt(r, r.events.get_nowait())
-                continue
-            left = end - time.monotonic()
-            if left <= 0:
-                raise TransferError(
-                    f"room {r.room}: no free embedding blocks for {tokens} tokens within "
-                    f"{self._timeout(deadline):.1f}s ({self.allocator.num_free}/"
-                    f"{self.allocator.num_total} free)", "RESOURCE_EXHAUSTED")
-            r.wake.clear()
-            waits = [asyncio.ensure_future(self._pool_changed.wait()),
-                     asyncio.ensure_future(r.wake.wait())]
-            await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-            for w in waits:
-                w.cancel()
-
-    def _interrupt(self, r: _Room, ev) -> None:
+    def _interrupt(self, r: ReceiverRoom, ev) -> None:
         """Handle an event that arrives while no message is expected."""
         kind, attempt, value = ev
         if attempt != r.attempt and kind in ("msg", "broken"):
@@ -187,9 +97,9 @@ class EmbeddingReceiver:
         if kind == "abort":
             raise TransferError(f"room {r.room}: aborted", "CANCELLED")
         if kind == "broken":
-            raise _Broken(value)
+            raise AttachBroken(value)
         if kind == "reattach":
-            raise _Broken("reattach requested", new_address=value)
+            raise AttachBroken("reattach requested", new_address=value)
         if value.WhichOneof("msg") == "failed":
             e = value.failed.error
             raise TransferError(f"room {r.room}: encoder failed: {e.message}", e.code or "UNKNOWN")
@@ -206,16 +116,17 @@ class EmbeddingReceiver:
         """Reserve, attach to `encoder_address`, and return the room's prompt payload."""
         if room in self.rooms:
             raise TransferError(f"room {room} is already receiving", "ALREADY_EXISTS")
-        r = self.rooms[room] = _Room(room, encoder_address)
+        r = self.rooms[room] = ReceiverRoom(room, encoder_address)
         t0 = time.monotonic()
         try:
-            r.key, r.ids = await self._alloc(r, self.reserve_tokens, deadline)
+            r.key, r.ids = await self.blocks.alloc(
+                r, self.reserve_tokens, self._timeout(deadline), lambda ev: self._interrupt(r, ev))
             r.allocated = len(r.ids) * self.buffers.block_size
             while True:
                 try:
                     payload = await self._attempt(r, deadline)
                     break
-                except _Broken as b:
+                except AttachBroken as b:
                     self._hang_up(r)
                     r.address = b.new_address or await self._await_reattach(r, b.reason, deadline)
                     r.attempt += 1
@@ -231,8 +142,7 @@ class EmbeddingReceiver:
             raise
         finally:
             self._hang_up(r, graceful=r.state == ReceiverState.TRANSFERRING and r.sent == r.total)
-            for key in list(r.keys):  # NOTE: every path ends here; no block outlives the room
-                self._free(r, key)
+            self.blocks.free_all(r)  # NOTE: every path ends here; no block outlives the room
             self.rooms.pop(room, None)
         r.state = ReceiverState.SUCCESS
         m = self.metrics
@@ -242,7 +152,7 @@ class EmbeddingReceiver:
         m.seconds.labels("language").observe(time.monotonic() - t0)
         return payload
 
-    def _hang_up(self, r: _Room, graceful: bool = False) -> None:
+    def _hang_up(self, r: ReceiverRoom, graceful: bool = False) -> None:
         if graceful and r.call is not None:
             # NOTE: after Done, let the encoder finish its side of the stream. Cancelling the
             # call (or the task blocked in call.read(), which grpc.aio turns into an RPC
@@ -267,7 +177,7 @@ class EmbeddingReceiver:
             reader.cancel()
             call.cancel()
 
-    async def _await_reattach(self, r: _Room, reason: str, deadline: float | None) -> str:
+    async def _await_reattach(self, r: ReceiverRoom, reason: str, deadline: float | None) -> str:
         grace = self.reattach_grace_s
         if deadline is not None:
             grace = min(grace, deadline - time.time())
@@ -289,7 +199,7 @@ class EmbeddingReceiver:
             ch = self._channels[address] = grpc.aio.insecure_channel(address)
         return ch
 
-    async def _attempt(self, r: _Room, deadline: float | None) -> PromptPayload:
+    async def _attempt(self, r: ReceiverRoom, deadline: float | None) -> PromptPayload:
         stub = encoder_pb2_grpc.EncoderStub(self._channel(r.address))
         r.call = call = stub.Attach()
         r.reader = asyncio.create_task(self._read(r, call, r.attempt))
@@ -320,13 +230,13 @@ class EmbeddingReceiver:
             else:
                 self._interrupt(r, ev)
 
-    async def _write(self, r: _Room, req: encoder_pb2.AttachRequest) -> None:
+    async def _write(self, r: ReceiverRoom, req: encoder_pb2.AttachRequest) -> None:
         try:
             await r.call.write(req)
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
-            raise _Broken(f"Attach stream to {r.address} broken while writing: {e}") from None
+            raise AttachBroken(f"Attach stream to {r.address} broken while writing: {e}") from None
 
-    async def _read(self, r: _Room, call, attempt: int) -> None:
+    async def _read(self, r: ReceiverRoom, call, attempt: int) -> None:
         try:
             while True:
                 msg = await call.read()
@@ -341,7 +251,7 @@ class EmbeddingReceiver:
             r.post("broken", f"Attach stream to encoder {r.address} broken: "
                    f"{e.code().name}: {e.details()}", attempt)
 
-    def _announce(self, r: _Room, sent: int, total: int, final: bool) -> None:
+    def _announce(self, r: ReceiverRoom, sent: int, total: int, final: bool) -> None:
         """Validate a Progress/Done against the room; allocate the output on first sight.
         `r.sent` is where the current piece starts; it holds `r.allocated` tokens."""
         if not 0 < total <= self.max_prompt_tokens or (r.total is not None and total != r.total):
@@ -359,7 +269,7 @@ class EmbeddingReceiver:
                      torch.empty((3, total), dtype=torch.int32, device=dev))
         r.state = ReceiverState.TRANSFERRING
 
-    async def _copy_out(self, r: _Room, ids: list[int], start: int, upto: int) -> None:
+    async def _copy_out(self, r: ReceiverRoom, ids: list[int], start: int, upto: int) -> None:
         """Check and gather tokens [r.copied, upto) of the piece at `start` in `ids`."""
         a, bs = r.copied, self.buffers.block_size
         i0 = (a - start) // bs
@@ -369,24 +279,25 @@ class EmbeddingReceiver:
             None, self.buffers.gather_into, ids[i0:], upto - a, *r.out, a)
         r.copied = upto
 
-    async def _on_progress(self, r: _Room, p: encoder_pb2.AttachProgress) -> None:
+    async def _on_progress(self, r: ReceiverRoom, p: encoder_pb2.AttachProgress) -> None:
         """A chunk of the current piece is written: copy it out while the rest flies."""
         self._announce(r, p.sent_tokens, p.total_tokens, final=False)
         if (p.sent_tokens - r.sent) % self.buffers.block_size == 0:
             await self._copy_out(r, r.ids, r.sent, p.sent_tokens)
 
-    async def _on_partial(self, r: _Room, p: encoder_pb2.AttachProgress, deadline) -> None:
+    async def _on_partial(self, r: ReceiverRoom, p: encoder_pb2.AttachProgress, deadline) -> None:
         self._announce(r, p.sent_tokens, p.total_tokens, final=False)
         old_key, old_ids, start, sent = r.key, r.ids, r.sent, p.sent_tokens
         cap = self.allocator.num_total * self.allocator.block_size
         if self.resume_tokens:
             cap = min(cap, self.resume_tokens)
         want = min(p.total_tokens - sent, cap)
-        got = self._try_alloc(r, want)
+        got = self.blocks.try_alloc(r, want)
         if got is None:  # pool busy: free this piece first, then wait for blocks
             await self._copy_out(r, old_ids, start, sent)
-            self._free(r, old_key)
-            got = await self._alloc(r, want, deadline)
+            self.blocks.free(r, old_key)
+            got = await self.blocks.alloc(r, want, self._timeout(deadline),
+                                          lambda ev: self._interrupt(r, ev))
         r.key, r.ids = got
         r.allocated = len(r.ids) * self.buffers.block_size
         r.resumes += 1
@@ -394,17 +305,17 @@ class EmbeddingReceiver:
             room=r.room, block_ids=r.ids, sent_tokens=sent, allocated_tokens=r.allocated)))
         if old_key in r.keys:  # NOTE: Resume first, so this copy overlaps the next write
             await self._copy_out(r, old_ids, start, sent)
-            self._free(r, old_key)
+            self.blocks.free(r, old_key)
         r.sent = sent
 
-    async def _on_done(self, r: _Room, d: encoder_pb2.AttachDone) -> PromptPayload:
+    async def _on_done(self, r: ReceiverRoom, d: encoder_pb2.AttachDone) -> PromptPayload:
         self._announce(r, d.total_tokens, d.total_tokens, final=True)
         delta = int(self.buffers.aux[r.ids[0], AUX_MROPE_DELTA])
         if delta != d.mrope_position_delta:
             raise TransferError(f"room {r.room}: Done says mrope delta {d.mrope_position_delta}, "
                                 f"blocks say {delta}", "DATA_LOSS")
         await self._copy_out(r, r.ids, r.sent, d.total_tokens)
-        self._free(r, r.key)
+        self.blocks.free(r, r.key)
         r.sent = d.total_tokens
         e, f, m = r.out
         return PromptPayload(input_embeds=e, fill_ids=f, mrope_positions=m,

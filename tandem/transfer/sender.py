@@ -33,7 +33,7 @@ from tandem.transfer.buffers import BufferLayout
 from tandem.transfer.errors import TransferError
 from tandem.transfer.metrics import transfer_metrics
 from tandem.transfer.payload import PromptPayload
-from tandem.transfer.staging import StagingArea
+from tandem.transfer.staging import StagingArea, write_round
 from tandem.v1 import common_pb2, encoder_pb2
 
 log = logging.getLogger(__name__)
@@ -310,36 +310,12 @@ class EmbeddingSender:
             r.outbox.put_nowait(encoder_pb2.AttachResponse(progress=encoder_pb2.AttachProgress(
                 sent_tokens=sent, total_tokens=payload.num_tokens, partial=False)))
 
-        def job(slot: int, t0: int, t1: int) -> int:
-            pending: list[tuple[int, int, int]] = []  # (batch id, bytes, end token)
-            done_bytes = 0
-            try:
-                for c0 in range(t0, t1, chunk):
-                    if r.dead.is_set():  # the room ended: stop before writing more
-                        raise TransferError(f"room {r.room}: ended during the write", "ABORTED")
-                    c1 = min(c0 + chunk, t1)
-                    srcs, dsts, lens = self.staging.stage(
-                        slot, payload, r.room, layout, ids, start, piece, c0, c1, at=c0 - t0)
-                    pending.append((self.engine.submit(peer, srcs, dsts, lens), sum(lens), c1))
-                    while len(pending) > 1 or (pending and c1 == t1):
-                        bid, n, c_end = pending[0]
-                        self.engine.wait(peer, bid, n)
-                        pending.pop(0)
-                        done_bytes += n
-                        if c_end < end:
-                            loop.call_soon_threadsafe(progress, c_end)
-            finally:
-                # NOTE: never leave a submitted batch unwaited: it reads from this slot.
-                for bid, n, _ in pending:
-                    try:
-                        self.engine.wait(peer, bid, n)
-                    except TransferError:
-                        pass
-            return done_bytes
-
         for t0 in range(start, end, step):
             slot = await self._acquire_slot(r, deadline)
-            cf = self._pool.submit(job, slot, t0, min(t0 + step, end))
+            cf = self._pool.submit(
+                write_round, self.engine, self.staging, peer, slot, payload, r.room, layout,
+                ids, start, piece, t0, min(t0 + step, end), chunk, r.dead,
+                lambda c_end: c_end < end and loop.call_soon_threadsafe(progress, c_end))
             # NOTE: the slot goes back only when the thread is done with it, even if the
             # room failed long before (a frozen peer keeps Mooncake busy up to its timeout).
             cf.add_done_callback(lambda _f, s=slot: loop.call_soon_threadsafe(

@@ -16,11 +16,13 @@ into one write per buffer.
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import torch
 
 from tandem.transfer import buffers as B
 from tandem.transfer.buffers import BufferLayout, dtype_name
+from tandem.transfer.errors import TransferError
 from tandem.transfer.payload import PromptPayload
 
 
@@ -166,3 +168,36 @@ class StagingArea:
         if layout.num_blocks < 1:
             return f"num_blocks {layout.num_blocks} < 1"
         return None
+
+
+def write_round(engine, staging: StagingArea, peer: str, slot: int, payload: PromptPayload,
+                room: int, layout: BufferLayout, ids: list[int], start: int, piece: int,
+                t0: int, t1: int, chunk: int, dead: threading.Event, on_chunk) -> int:
+    """Thread side of one staging round: tokens [t0, t1) of the piece at `start`, in
+    chunks of `chunk` tokens, each staged then submitted as one batch, two deep (chunk
+    k+1 is copied while chunk k is on the wire). `on_chunk(end_token)` runs as each batch
+    completes. Stops submitting once `dead` is set. Returns the bytes written."""
+    pending: list[tuple[int, int, int]] = []  # (batch id, bytes, end token)
+    written = 0
+    try:
+        for c0 in range(t0, t1, chunk):
+            if dead.is_set():  # the room ended: write nothing more
+                raise TransferError(f"room {room}: ended during the write", "ABORTED")
+            c1 = min(c0 + chunk, t1)
+            srcs, dsts, lens = staging.stage(
+                slot, payload, room, layout, ids, start, piece, c0, c1, at=c0 - t0)
+            pending.append((engine.submit(peer, srcs, dsts, lens), sum(lens), c1))
+            while len(pending) > 1 or (pending and c1 == t1):
+                bid, n, c_end = pending[0]
+                engine.wait(peer, bid, n)
+                pending.pop(0)
+                written += n
+                on_chunk(c_end)
+    finally:
+        # NOTE: never leave a submitted batch unwaited: it reads from this slot.
+        for bid, n, _ in pending:
+            try:
+                engine.wait(peer, bid, n)
+            except TransferError:
+                pass
+    return written

@@ -1,0 +1,116 @@
+"""Language-side room bookkeeping: the state enum, a room's record, and its blocks.
+
+`BlockReservations` wraps the shared BlockAllocator for the receiver: each room holds one
+or more owners `(room, n)` (the current piece's blocks, plus the previous piece's until it
+is copied out), waits for frees when the pool is busy, and keeps the block gauges current.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tandem.transfer.allocator import BlockAllocator
+from tandem.transfer.errors import TransferError
+
+
+class ReceiverState(enum.Enum):
+    BOOTSTRAPPING = "bootstrapping"
+    WAITING_FOR_INPUT = "waiting_for_input"
+    TRANSFERRING = "transferring"
+    SUCCESS = "success"
+    FAILED = "failed"
+
+
+class AttachBroken(Exception):
+    """The Attach stream ended before Done (or reattach() asked to switch encoders)."""
+
+    def __init__(self, reason: str, new_address: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason, self.new_address = reason, new_address
+
+
+@dataclass
+class ReceiverRoom:
+    room: int
+    address: str
+    state: ReceiverState = ReceiverState.BOOTSTRAPPING
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # (kind, attempt, value)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    keys: set = field(default_factory=set)  # allocator owners held by this room
+    key: tuple | None = None  # owner of the current destination blocks
+    ids: list[int] = field(default_factory=list)
+    allocated: int = 0
+    n_keys: int = 0
+    attempt: int = 0
+    sent: int = 0  # first token of the current piece (all before it are copied out)
+    copied: int = 0  # tokens gathered into `out` so far
+    total: int | None = None
+    out: tuple | None = None  # (embeds, fill_ids, mrope) of the whole prompt
+    resumes: int = 0
+    call: object | None = None
+    reader: asyncio.Task | None = None
+
+    def post(self, kind: str, value=None, attempt: int | None = None) -> None:
+        self.events.put_nowait((kind, self.attempt if attempt is None else attempt, value))
+        self.wake.set()
+
+
+class BlockReservations:
+    def __init__(self, allocator: BlockAllocator, metrics) -> None:
+        self.allocator, self.metrics = allocator, metrics
+        self._changed = asyncio.Event()  # replaced (and set) on every free
+        self._gauges()
+
+    def _gauges(self) -> None:
+        self.metrics.blocks_free.set(self.allocator.num_free)
+        self.metrics.blocks_total.set(self.allocator.num_total)
+
+    def free(self, r: ReceiverRoom, key) -> None:
+        self.allocator.free(key)
+        r.keys.discard(key)
+        self._gauges()
+        ev, self._changed = self._changed, asyncio.Event()
+        ev.set()
+
+    def free_all(self, r: ReceiverRoom) -> None:
+        for key in list(r.keys):
+            self.free(r, key)
+
+    def try_alloc(self, r: ReceiverRoom, tokens: int) -> tuple | None:
+        """(owner key, block ids) for `tokens`, or None when the pool is short now."""
+        key = (r.room, r.n_keys)
+        ids = self.allocator.alloc(tokens, key)
+        if ids is None:
+            return None
+        r.n_keys += 1
+        r.keys.add(key)
+        self._gauges()
+        return key, ids
+
+    async def alloc(self, r: ReceiverRoom, tokens: int, timeout: float, on_event) -> tuple:
+        """Blocks for `tokens`, waiting for frees up to `timeout`; each room event that
+        arrives meanwhile (abort, a broken stream, an encoder failure) goes to `on_event`,
+        which raises to end the wait."""
+        end = time.monotonic() + timeout
+        while True:
+            got = self.try_alloc(r, tokens)
+            if got is not None:
+                return got
+            if not r.events.empty():
+                on_event(r.events.get_nowait())
+                continue
+            left = end - time.monotonic()
+            if left <= 0:
+                raise TransferError(
+                    f"room {r.room}: no free embedding blocks for {tokens} tokens within "
+                    f"{timeout:.1f}s ({self.allocator.num_free}/{self.allocator.num_total} "
+                    f"free)", "RESOURCE_EXHAUSTED")
+            r.wake.clear()
+            waits = [asyncio.ensure_future(self._changed.wait()),
+                     asyncio.ensure_future(r.wake.wait())]
+            await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
