@@ -1,20 +1,33 @@
 """EmbeddingReceiver: the language side of a room — reserves blocks, attaches, merges pieces.
 
-Use inside the language service's event loop:
+Use inside the language service's event loop (one per process, one engine, buffers and
+allocator registered once at start-up):
 
-    receiver = EmbeddingReceiver(engine, buffers, allocator, config)   # config: TransferConfig
+    engine = MooncakeEngine(cfg.transfer)
+    buffers = EmbeddingBuffers(num_blocks, block_size, embed_dim, dtype); buffers.register(engine)
+    receiver = EmbeddingReceiver(engine, buffers, BlockAllocator(num_blocks, block_size),
+                                 cfg.transfer, reserve_tokens=8192, reattach_grace_s=1.0,
+                                 max_prompt_tokens=1 << 20, resume_tokens=None, registry=None)
     payload = await receiver.receive(room, encoder_address, deadline=None)  # PromptPayload
     receiver.reattach(room, other_encoder_address) -> bool   # router retry before Done
     receiver.abort(room) -> bool                             # any stage; frees everything
+    receiver.state(room) -> ReceiverState | None;  await receiver.close()  # at shutdown
 
 Per room: BOOTSTRAPPING (reserving `reserve_tokens`) -> WAITING_FOR_INPUT (Init sent) ->
-TRANSFERRING (a piece arrived) -> SUCCESS | FAILED. On a partial Progress the piece is
-copied out, blocks for the rest are reserved (waiting for free blocks up to `timeout_s`)
-and a Resume names them. No message within `timeout_s` fails the room. When the Attach
-stream breaks before Done the room keeps its reservation for `reattach_grace_s` waiting
-for `reattach()`, then fails. Every block is freed on every path: after the payload is
-gathered out, on failure, on abort and when the awaiting task is cancelled.
-`deadline` is Unix seconds. Failures raise TransferError(reason, code).
+TRANSFERRING (data arrived) -> SUCCESS | FAILED. A non-partial Progress names a finished
+chunk, which is copied out while the encoder writes the next. On a partial Progress the
+piece is copied out, blocks for the rest (or `resume_tokens` of it) are reserved, waiting
+for free blocks up to `timeout_s`, and a Resume names them. No message within `timeout_s`
+fails the room. When the Attach stream breaks before Done the room keeps its reservation
+for `reattach_grace_s` waiting for `reattach()`, then fails (0 fails at once). Every block
+is freed on every path: after the payload is gathered out, on failure, on abort and when
+the awaiting task is cancelled. `deadline` is Unix seconds. Failures raise
+TransferError(reason, code) with a gRPC code name.
+
+NOTE: blocks are reused as soon as a room ends. An encoder frozen mid-write (SIGSTOP) whose
+room timed out can, if it ever resumes, land a stale write in reused blocks; every block
+carries an aux row (room, piece, index) checked before it is copied out, so such a write is
+reported as DATA_LOSS instead of reaching the model when it hits the aux rows.
 """
 
 from __future__ import annotations

@@ -1,21 +1,32 @@
 """EmbeddingSender: the encoder side of a room — serves `Encoder.Attach` and writes pieces.
 
-Use inside the encoder's grpc.aio server (same event loop):
+Use inside the encoder's grpc.aio server (same event loop; one engine and staging area
+registered once at start-up):
 
-    sender = EmbeddingSender(engine, staging, config)      # config: TransferConfig
-    # EncoderServicer.Attach(self, request_iterator, context):
-    #     await sender.attach(request_iterator, context)
-    stats = await sender.send(room, payload, deadline=None)  # -> SendStats, or TransferError
+    engine = MooncakeEngine(cfg.transfer)
+    staging = StagingArea(slots=2, slot_tokens=16384, embed_dim, dtype); staging.register(engine)
+    sender = EmbeddingSender(engine, staging, cfg.transfer, chunk_tokens=2048, registry=None)
+    # In EncoderServicer (a coroutine handler, not an async generator):
+    #     async def Attach(self, request_iterator, context):
+    #         await sender.attach(request_iterator, context)
+    stats = await sender.send(room, payload, deadline=None)  # SendStats | TransferError
+    sender.state(room) -> SenderState | None;  len(sender.rooms) = open rooms
 
 `send` and `attach` meet on the room id, in either order. Per room:
 
     WAITING_FOR_INIT (send first) ─┐
     WAITING_FOR_PAYLOAD (Init first)┴▶ TRANSFERRING ⇄ WAITING_FOR_RESUME ─▶ DONE | FAILED
 
-A room with no Init (send waiting) or no payload (Init waiting) within `timeout_s` fails;
-so does one whose Resume does not come within `timeout_s`. A broken Attach stream fails the
-room at once, even while a write is in flight (the write is not waited for; its staging
-slot is returned when Mooncake gives the thread back). `deadline` is Unix seconds.
+Each piece (what the language side reserved) is written in staging rounds of at most
+`slot_tokens`, each round in batches of `chunk_tokens` (one Mooncake batch per chunk,
+the next chunk staged while the previous is on the wire); every finished chunk but the
+last is reported as Progress(partial=False), a piece that leaves tokens over as
+Progress(partial=True), the end as Done. A room with no Init (send waiting) or no payload
+(Init waiting) within `timeout_s` fails; so does one whose Resume does not come within
+`timeout_s`. A broken Attach stream fails the room at once, even while a write is in
+flight (the write is not waited for; its staging slot is returned when Mooncake gives the
+thread back). `deadline` is Unix seconds. Failures are sent as AttachFailed and raised as
+TransferError(reason, code).
 """
 
 from __future__ import annotations
