@@ -7,7 +7,8 @@ images reach the encoder that caches them; bad input is a 4xx and the router sta
 a client that disconnects mid-stream frees the language pages within 1 s; 200 concurrent
 requests succeed and leave every block and page free; kill -9 of an encoder under load
 gives each request an answer or a clear error before its deadline and the cluster keeps
-serving; Ctrl-C of `tandem up` leaves no process behind.
+serving; kill -9 of a language instance mid-stream ends that stream with an error event
+and the other instance serves what follows; Ctrl-C of `tandem up` leaves no process behind.
 """
 
 from __future__ import annotations
@@ -234,16 +235,18 @@ def test_deadline_gives_504_or_error_event_and_frees(cluster):
     assert wait_idle(cluster, 2)["idle"]
 
 
-async def _many(cluster, n: int, timeout_ms: int, on_progress=None) -> list:
+async def _many(cluster, n: int, timeout_ms: int, on_progress=None, stagger_s: float = 0.0,
+                distinct_images: bool = False) -> list:
     url = cluster.http_url + "/v1/chat/completions"
     limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
     async with httpx.AsyncClient(timeout=timeout_ms / 1000 + 15, limits=limits) as http:
 
         async def one(i: int):
+            await asyncio.sleep(i * stagger_s)
+            img = (300 + i, (224, 168)) if distinct_images else (100 + i % 8, (56 + 28 * (i % 3), 56))
             body = {"model": "", "max_tokens": 4 + i % 5, "temperature": 0,
                     "timeout_ms": timeout_ms,
-                    "messages": openai_messages(f"Request {i}: what is shown?",
-                                                [(100 + i % 8, (56 + 28 * (i % 3), 56))])}
+                    "messages": openai_messages(f"Request {i}: what is shown?", [img])}
             if i % 4 == 0:  # some streaming
                 body["stream"] = True
                 async with http.stream("POST", url, json=body) as r:
@@ -277,13 +280,22 @@ def test_kill9_encoder_during_load(cluster):
     victim = cluster.instances["encoder-0"].pid
     timeout_ms = 30_000
 
-    async def kill_after_some(tasks):
-        while sum(t.done() for t in tasks) < 5:
+    victim_addr = cluster.instances["encoder-0"].address
+
+    async def kill_while_it_works(tasks):
+        # Requests arrive over ~2.5 s; kill encoder-0 once it holds work, so some encodes
+        # die mid-flight (retried elsewhere) and later requests meet a dead instance.
+        await asyncio.sleep(0.5)
+        for _ in range(200):
+            load = (await asyncio.to_thread(cluster.loads, "encoder")).get(victim_addr)
+            if load is not None and load.queued_requests + load.open_rooms > 0:
+                break
             await asyncio.sleep(0.01)
         os.kill(victim, signal.SIGKILL)
 
     t0 = time.monotonic()
-    results = asyncio.run(_many(cluster, 50, timeout_ms, on_progress=kill_after_some))
+    results = asyncio.run(_many(cluster, 50, timeout_ms, on_progress=kill_while_it_works,
+                                stagger_s=0.05, distinct_images=True))
     assert time.monotonic() - t0 < timeout_ms / 1000 + 10  # nobody hung past its deadline
     for r in results:
         assert not isinstance(r, BaseException), r  # an httpx timeout would land here
@@ -301,10 +313,36 @@ def test_kill9_encoder_during_load(cluster):
     assert wait_idle(cluster, 10)["idle"]
 
 
+def test_kill9_language_mid_stream_ends_with_error_event(cluster):
+    body = {"model": "", "messages": openai_messages("Keep talking.", [(7, (56, 56))]),
+            "max_tokens": 4000, "ignore_eos": True, "stream": True, "timeout_ms": 60_000}
+    addr_to_pid = {i.address: i.pid for n, i in cluster.instances.items()
+                   if n.startswith("language-")}
+    events = []
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", cluster.http_url + "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            for line in lines:
+                events.append(line)
+                if sum('"content"' in e for e in events) >= 3:
+                    break
+            busy = [a for a, x in cluster.loads("language").items() if x.running]
+            assert len(busy) == 1
+            os.kill(addr_to_pid[busy[0]], signal.SIGKILL)
+            events.extend(lines)  # the rest of the stream: it must end, with an error
+    data = [e for e in events if e.startswith("data: ")]
+    assert data[-1] == "data: [DONE]" and '"error"' in data[-2], data[-3:]
+    assert '"finish_reason": "stop"' not in "".join(data)
+    # the surviving language instance serves the next requests
+    after = asyncio.run(_many(cluster, 6, 30_000))
+    assert all(_ok(r) for r in after), after
+
+
 def test_ctrl_c_stops_every_child(cluster):
     up = psutil.Process(cluster.proc.pid)
     children = up.children(recursive=True)
-    assert len(children) >= 4  # router, 2 languages, 1 surviving encoder
+    assert len(children) >= 3  # router, 1 surviving language, 1 surviving encoder
     assert cluster.stop(signal.SIGINT) == 0
     _, alive = psutil.wait_procs(children, timeout=5)
     assert alive == [], alive
