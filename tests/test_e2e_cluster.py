@@ -156,7 +156,11 @@ def test_greedy_equals_transformers(cluster, oracle, name, text, images):
     assert set(ext["timings"]) >= {"preprocess_ms", "vit_ms", "transfer_ms", "queue_ms",
                                    "prefill_ms", "decode_ms"}
     if name == "resumed":
-        assert resp.usage.prompt_tokens > 64 and ext.get("resumes", 0) >= 1, ext
+        assert resp.usage.prompt_tokens > 64
+        # NOTE: `resumes` comes from the Encode answer; when the encoder reports a failure
+        # after delivery (then Reattach is declined: the language already has the prompt),
+        # there is no answer to read it from.
+        assert ext.get("resumes", 0) >= 1 or ext["encoder_attempts"] > 1, ext
 
 
 def test_repeated_image_reaches_the_caching_encoder(cluster):

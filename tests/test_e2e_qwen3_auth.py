@@ -72,7 +72,8 @@ def test_greedy_equals_transformers(cluster, ckpt, name, text, images):
     assert strip_eos(sdk.token_ids, eos) == strip_eos(want, eos)
     assert resp.choices[0].message.content == streamed == sdk.text
     if name == "resumed":
-        assert resp.model_extra["tandem"]["resumes"] >= 1
+        ext = resp.model_extra["tandem"]
+        assert ext.get("resumes", 0) >= 1 or ext["encoder_attempts"] > 1, ext  # see the 2.5 test
 
 
 def test_api_key_required(cluster):
