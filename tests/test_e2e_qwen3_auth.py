@@ -95,6 +95,22 @@ def test_api_key_required(cluster):
     assert wait_idle(cluster, 5)["idle"]
 
 
+def test_sdk_stream_abandoned_mid_way_frees_pages(cluster):
+    """Breaking out of `stream_chat` cancels the gRPC call: the router cancels the
+    language stream and the room's pages are free within a second."""
+    with Client(cluster.grpc_address, api_key=KEY) as c:
+        stream = c.stream_chat([{"role": "user", "content": [image(png(23, (64, 64))), "Go."]}],
+                               max_tokens=4000, ignore_eos=True, timeout=60)
+        pieces = []
+        for piece in stream:
+            pieces.append(piece)
+            if len(pieces) >= 3:
+                break
+        assert sum(x.running for x in cluster.loads("language").values()) == 1
+        stream.close()
+    assert wait_idle(cluster, 1.0)["idle"]
+
+
 def test_sigterm_stops_every_child(cluster):
     children = psutil.Process(cluster.proc.pid).children(recursive=True)
     assert len(children) >= 3

@@ -131,6 +131,11 @@ def build_app(core: RouterCore) -> FastAPI:
             "data": [{"id": name, "object": "model", "created": 0, "owned_by": "tandem"}],
         }
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        core.check_model(model_id)
+        return {"id": core.model_name(), "object": "model", "created": 0, "owned_by": "tandem"}
+
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         core.check_model(body.model)

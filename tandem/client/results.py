@@ -59,6 +59,7 @@ def build_request(
     seed: int | None = None,
     stop: list[str] | str | None = None,
     logprobs: bool = False,
+    ignore_eos: bool = False,
     timeout: float | None = None,
     request_id: str = "",
     priority: int = 0,
@@ -71,6 +72,7 @@ def build_request(
         max_tokens=max_tokens or 0,
         stop=[stop] if isinstance(stop, str) else list(stop or []),
         logprobs=logprobs,
+        ignore_eos=ignore_eos,
     )
     if seed is not None:
         sampling.seed = seed
