@@ -310,3 +310,27 @@ async def test_timeouts_abort_and_cancel(shared_enc):
         await assert_peer_clean(enc)
     finally:
         await rx.close()
+
+
+async def test_reattach_while_reserving(shared_enc):
+    """A reattach that arrives while the room still waits for its first blocks simply
+    points the room elsewhere; it then completes there, bit-exact."""
+    engine, cfg = make_engine(timeout_s=10)
+    sender, server, address2 = await start_sender(engine, cfg, slots=1, slot_tokens=64)
+    rx = make_receiver(engine, cfg, blocks=4, block_size=16, reserve=64)
+    try:
+        holder = asyncio.create_task(rx.receive(21, shared_enc.ready["address"]))
+        await until(lambda: rx.state(21) == ReceiverState.WAITING_FOR_INPUT)
+        room = asyncio.create_task(rx.receive(22, shared_enc.ready["address"]))
+        await until(lambda: rx.state(22) == ReceiverState.BOOTSTRAPPING)
+        assert rx.reattach(22, address2)
+        rx.abort(21)
+        assert (await fails(holder, DETECT_S)).code == "CANCELLED"
+        p = make_payload(100, 32, "float32", 22)
+        stats = await asyncio.wait_for(sender.send(22, p), 10)
+        assert digest(await asyncio.wait_for(room, 10)) == digest(p) and stats.resumes == 1
+        assert_rx_clean(rx)
+        await assert_peer_clean(shared_enc)
+    finally:
+        await server.stop(None)
+        await rx.close()

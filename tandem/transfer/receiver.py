@@ -112,6 +112,9 @@ class EmbeddingReceiver:
         if kind == "broken":
             raise AttachBroken(value)
         if kind == "reattach":
+            if r.call is None:  # still reserving: nothing to hang up, just aim elsewhere
+                r.address = value
+                return
             raise AttachBroken("reattach requested", new_address=value)
         if value.WhichOneof("msg") == "failed":
             e = value.failed.error
