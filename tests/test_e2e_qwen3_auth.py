@@ -111,6 +111,16 @@ def test_sdk_stream_abandoned_mid_way_frees_pages(cluster):
     assert wait_idle(cluster, 1.0)["idle"]
 
 
+def test_http_non_streaming_client_gone_frees_pages(cluster):
+    """A non-streaming caller that hangs up (here: its read timeout) cancels the request."""
+    body = {"model": "", "messages": openai_messages("Go on.", [(24, (64, 64))]),
+            "max_tokens": 4000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(cluster.http_url + "/v1/chat/completions", json=body, timeout=1.5,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert wait_idle(cluster, 1.5)["idle"]
+
+
 def test_sigterm_stops_every_child(cluster):
     children = psutil.Process(cluster.proc.pid).children(recursive=True)
     assert len(children) >= 3

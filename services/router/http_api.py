@@ -95,17 +95,10 @@ def build_app(core: RouterCore) -> FastAPI:
         body = RouterError(code, str(exc.detail)).openai_body()
         return JSONResponse(body, status_code=exc.status_code)
 
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > cfg.max_request_bytes:
-            return _error(RouterError("TOO_LARGE", f"request body over {cfg.max_request_bytes} bytes"))
-        if request.url.path.startswith("/v1/"):
-            try:
-                check_api_key(cfg.api_key, request.headers.get("authorization"))
-            except RouterError as err:
-                return _error(err)
-        return await call_next(request)
+    # NOTE: a plain ASGI middleware, not `@app.middleware("http")`: Starlette's
+    # BaseHTTPMiddleware hides the client's disconnect from `request.is_disconnected()`,
+    # and a non-streaming request would then run to the end for a caller that is gone.
+    app.add_middleware(_Guard, cfg=cfg)
 
     @app.get("/health")
     async def health():
@@ -185,6 +178,32 @@ def build_app(core: RouterCore) -> FastAPI:
                 release()
 
     return app
+
+
+class _Guard:
+    """Body-size limit (413) and the API key on /v1/* (401), before any parsing."""
+
+    def __init__(self, app, cfg) -> None:
+        self.app = app
+        self.cfg = cfg
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                       for k, v in scope.get("headers", ())}
+            length = headers.get("content-length", "")
+            err = None
+            if length.isdigit() and int(length) > self.cfg.max_request_bytes:
+                err = RouterError("TOO_LARGE", f"request body over {self.cfg.max_request_bytes} bytes")
+            elif scope.get("path", "").startswith("/v1/"):
+                try:
+                    check_api_key(self.cfg.api_key, headers.get("authorization"))
+                except RouterError as e:
+                    err = e
+            if err is not None:
+                await _error(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def _watch_disconnect(task: asyncio.Future, request: Request) -> None:
