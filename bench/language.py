@@ -172,13 +172,16 @@ def main(argv=None) -> int:
     out_tokens = sum(n for _, n in work)
     res: dict[str, list[float]] = {}
     prof: dict[int, dict] = {}
-    for run in range(a.runs):
+
+    def engine_runs(run: int) -> None:
         for c in a.concurrency:
             engine.profile = dict.fromkeys(engine.profile, 0.0)
             secs, _ = run_engine(engine, work, payloads, c)
             prof[c] = dict(engine.profile, wall_s=secs)
             res.setdefault(f"engine@{c}", []).append(out_tokens / secs)
             print(f"run {run}: engine @ {c}: {out_tokens / secs:.1f} tok/s", flush=True)
+
+    def hf_runs(run: int) -> None:
         secs, _ = timed(lambda: [hf_generate(hf, [w], pad) for w in work], device)
         res.setdefault("hf_seq", []).append(out_tokens / secs)
         print(f"run {run}: HF one at a time: {out_tokens / secs:.1f} tok/s", flush=True)
@@ -189,6 +192,12 @@ def main(argv=None) -> int:
             secs, _ = timed(lambda bs=batches: [hf_generate(hf, b, pad) for b in bs], device)
             res.setdefault(f"hf_pad@{c}", []).append(out_tokens / secs)
             print(f"run {run}: HF padded batch @ {c}: {out_tokens / secs:.1f} tok/s", flush=True)
+
+    # NOTE: the order alternates run by run, so a slow drift of the machine's load
+    # (shared hosts) does not always favour the same side; ratios are taken per run.
+    for run in range(a.runs):
+        for part in (engine_runs, hf_runs) if run % 2 == 0 else (hf_runs, engine_runs):
+            part(run)
     engine.stop()
     # the compute floor both sides share: one prefill forward per prompt
     with torch.inference_mode():
@@ -207,16 +216,25 @@ def main(argv=None) -> int:
     lines = [
         f"Model `{ckpt.name}` ({a.arch} {a.size}), {dtype}, on {hw}; {a.requests} requests, "
         f"prompts 64-512 tokens, outputs 16-128 tokens ({out_tokens} in all); median of "
-        f"{a.runs} runs; greedy check {same}/4 identical to generate().",
+        f"{a.runs} runs (ratios: median of per-run ratios); greedy check {same}/4 identical "
+        "to generate().",
         "",
         "| concurrency | engine tok/s | HF one-at-a-time tok/s | HF padded batch tok/s "
         "| engine / one-at-a-time | engine / padded |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
+
+    def ratio(num: str, den: str) -> float:  # median of per-run ratios
+        return statistics.median(x / y for x, y in zip(res[num], res[den], strict=True))
+
     for c in a.concurrency:
         e, s = med[f"engine@{c}"], med["hf_seq"]
-        p = med.get(f"hf_pad@{c}", s)
-        lines.append(f"| {c} | {e:.1f} | {s:.1f} | {p:.1f} | {e / s:.2f}x | {e / p:.2f}x |")
+        pad_key = f"hf_pad@{c}" if c != 1 else "hf_seq"
+        p = med[pad_key]
+        lines.append(
+            f"| {c} | {e:.1f} | {s:.1f} | {p:.1f} | {ratio(f'engine@{c}', 'hf_seq'):.2f}x "
+            f"| {ratio(f'engine@{c}', pad_key):.2f}x |"
+        )
     lines += ["", "Where the engine's time goes (last run; seconds of forward+sampling per step "
               "kind, host = scheduling, detokenization, streaming):", "",
               "| concurrency | wall s | prefill/mixed steps | their s | decode steps | their s "
