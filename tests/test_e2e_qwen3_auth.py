@@ -76,6 +76,30 @@ def test_greedy_equals_transformers(cluster, ckpt, name, text, images):
         assert ext.get("resumes", 0) >= 1 or ext["encoder_attempts"] > 1, ext  # see the 2.5 test
 
 
+def test_logprobs_and_stop(cluster):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=cluster.http_url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    msgs = openai_messages("Describe the picture.", [(21, (64, 64))])
+    r = client.chat.completions.create(model="", messages=msgs, max_tokens=6, temperature=0,
+                                       logprobs=True)
+    lps = r.choices[0].logprobs.content
+    assert len(lps) == r.usage.completion_tokens and all(x.logprob <= 0 for x in lps)
+    assert "".join(x.token for x in lps) == r.choices[0].message.content
+    with Client(cluster.grpc_address, api_key=KEY) as c:
+        sdk = c.chat([{"role": "user", "content": [image(png(21, (64, 64))), "Describe the picture."]}],
+                     max_tokens=6, logprobs=True)
+    assert sdk.logprobs == pytest.approx([x.logprob for x in lps], abs=1e-4)
+    # a stop string cut from the greedy answer ends it there, unreturned
+    text = r.choices[0].message.content
+    assert len(text) >= 4
+    stop = text[2:4]
+    r2 = client.chat.completions.create(model="", messages=msgs, max_tokens=6, temperature=0,
+                                        stop=[stop])
+    assert r2.choices[0].finish_reason == "stop"
+    assert r2.choices[0].message.content == text[: text.index(stop)]
+
+
 def test_api_key_required(cluster):
     body = {"model": "", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     url = cluster.http_url + "/v1/chat/completions"

@@ -15,7 +15,7 @@ import grpc
 from services.router.admission import check_api_key
 from services.router.core import RouterCore
 from services.router.errors import RouterError
-from services.router.pipeline import ChatRequest, Piece
+from services.router.request import ChatRequest, Piece
 from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 _FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH}

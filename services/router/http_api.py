@@ -20,11 +20,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.router import openai_format as fmt
 from services.router.admission import check_api_key
 from services.router.core import RouterCore
 from services.router.errors import RouterError
 from services.router.openai_models import ChatCompletionRequest, to_chat_request
-from services.router.pipeline import Piece
+from services.router.request import Piece
 
 
 def _error(err: RouterError) -> JSONResponse:
@@ -37,39 +38,6 @@ def _loc(loc) -> str:
     for p in parts:
         out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
     return out
-
-
-def _logprobs(piece: Piece) -> dict | None:
-    if not piece.logprobs:
-        return None
-    # NOTE: the language tier detokenizes incrementally; a piece usually holds one token, and
-    # its text is that token's text. When it holds several, the text goes to the first.
-    content = []
-    for k, (_tid, lp) in enumerate(piece.logprobs):
-        tok = piece.text if k == 0 else ""
-        content.append(
-            {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
-        )
-    return {"content": content}
-
-
-def _usage(piece: Piece) -> dict:
-    u = piece.usage
-    return {
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": 0},
-    }
-
-
-def _extension(piece: Piece, request_id: str) -> dict:
-    return {
-        "timings": piece.timings or {},
-        "cached_image_tokens": piece.usage.cached_image_tokens if piece.usage else 0,
-        "request_id": request_id,
-        **(piece.route or {}),
-    }
 
 
 def build_app(core: RouterCore) -> FastAPI:
@@ -165,7 +133,7 @@ def build_app(core: RouterCore) -> FastAPI:
                 )
             result = await _collect_or_disconnect(agen, request)
             core.metrics.requests.labels("http", "ok").inc()
-            return _completion(result, req.request_id, model)
+            return fmt.completion(result, req.request_id, model)
         except RouterError as err:
             core.metrics.requests.labels("http", err.code.lower()).inc()
             release()
@@ -241,54 +209,25 @@ async def _collect_or_disconnect(agen, request: Request) -> list[Piece]:
         await agen.aclose()
 
 
-def _completion(pieces: list[Piece], request_id: str, model: str) -> dict:
-    last = pieces[-1]
-    lps = [c for p in pieces for c in (_logprobs(p) or {"content": []})["content"]]
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": "".join(p.text for p in pieces)},
-                "logprobs": {"content": lps} if lps else None,
-                "finish_reason": last.finish_reason,
-            }
-        ],
-        "usage": _usage(last),
-        "tandem": _extension(last, request_id),
-    }
-
-
-def _chunk(request_id: str, model: str, created: int, delta: dict, **extra) -> bytes:
-    choice = {"index": 0, "delta": delta, "logprobs": extra.pop("logprobs", None),
-              "finish_reason": extra.pop("finish_reason", None)}
-    body = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-            "model": model, "choices": [choice], **extra}
-    return f"data: {json.dumps(body)}\n\n".encode()
-
-
 async def _sse(agen, first: Piece, request_id, model, include_usage, release):
     """Server-sent events: role chunk, content chunks, a finish chunk, an optional usage
     chunk, `[DONE]`. A failure after output is an `{"error": ...}` event."""
     created = int(time.time())
     try:
-        yield _chunk(request_id, model, created, {"role": "assistant", "content": ""})
+        yield fmt.chunk(request_id, model, created, {"role": "assistant", "content": ""})
         piece = first
         while True:
             if piece.text or piece.token_ids:
-                yield _chunk(request_id, model, created, {"content": piece.text},
-                             logprobs=_logprobs(piece))
+                yield fmt.chunk(request_id, model, created, {"content": piece.text},
+                             logprobs=fmt.logprobs(piece))
             if piece.finish_reason is not None:
-                ext = _extension(piece, request_id)
-                yield _chunk(request_id, model, created, {}, finish_reason=piece.finish_reason,
+                ext = fmt.extension(piece, request_id)
+                yield fmt.chunk(request_id, model, created, {}, finish_reason=piece.finish_reason,
                              tandem=ext)
                 if include_usage:
                     body = {"id": request_id, "object": "chat.completion.chunk",
                             "created": created, "model": model, "choices": [],
-                            "usage": _usage(piece), "tandem": ext}
+                            "usage": fmt.usage(piece), "tandem": ext}
                     yield f"data: {json.dumps(body)}\n\n".encode()
                 break
             try:

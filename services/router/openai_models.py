@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.router.errors import RouterError
-from services.router.pipeline import ChatRequest
+from services.router.request import ChatRequest
 from tandem.v1 import common_pb2
 
 

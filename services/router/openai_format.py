@@ -1,0 +1,71 @@
+"""OpenAI chat-completion response shapes: full responses, SSE chunks, usage, logprobs,
+and Tandem's `tandem` extension object."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from services.router.request import Piece
+
+
+def logprobs(piece: Piece) -> dict | None:
+    if not piece.logprobs:
+        return None
+    # NOTE: the language tier detokenizes incrementally; a piece usually holds one token, and
+    # its text is that token's text. When it holds several, the text goes to the first.
+    content = []
+    for k, (_tid, lp) in enumerate(piece.logprobs):
+        tok = piece.text if k == 0 else ""
+        content.append(
+            {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
+        )
+    return {"content": content}
+
+
+def usage(piece: Piece) -> dict:
+    u = piece.usage
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+
+
+def extension(piece: Piece, request_id: str) -> dict:
+    return {
+        "timings": piece.timings or {},
+        "cached_image_tokens": piece.usage.cached_image_tokens if piece.usage else 0,
+        "request_id": request_id,
+        **(piece.route or {}),
+    }
+
+
+def completion(pieces: list[Piece], request_id: str, model: str) -> dict:
+    last = pieces[-1]
+    lps = [c for p in pieces for c in (logprobs(p) or {"content": []})["content"]]
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "".join(p.text for p in pieces)},
+                "logprobs": {"content": lps} if lps else None,
+                "finish_reason": last.finish_reason,
+            }
+        ],
+        "usage": usage(last),
+        "tandem": extension(last, request_id),
+    }
+
+
+def chunk(request_id: str, model: str, created: int, delta: dict, **extra) -> bytes:
+    choice = {"index": 0, "delta": delta, "logprobs": extra.pop("logprobs", None),
+              "finish_reason": extra.pop("finish_reason", None)}
+    body = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+            "model": model, "choices": [choice], **extra}
+    return f"data: {json.dumps(body)}\n\n".encode()

@@ -1,0 +1,63 @@
+"""Plain data of one chat request through the router (front-end independent)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from tandem.v1 import common_pb2
+
+FINISH = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+}
+TIMING_FIELDS = ("preprocess_ms", "vit_ms", "transfer_ms", "queue_ms", "prefill_ms", "decode_ms")
+ENCODER_TIMINGS = ("preprocess_ms", "vit_ms", "transfer_ms")
+
+
+@dataclass
+class ChatRequest:
+    """A validated chat request, front-end independent."""
+
+    messages: list[common_pb2.ChatMessage]
+    sampling: common_pb2.SamplingParams
+    timeout_s: float
+    request_id: str
+    priority: int = 0
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_image_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class Piece:
+    """New output since the previous piece; the last one has `finish_reason` set."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[tuple[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    timings: dict[str, float] | None = None
+    # Set on the last piece: where it ran and how the transfer went.
+    route: dict | None = None
+
+
+def image_hashes(messages: list[common_pb2.ChatMessage]) -> list[str]:
+    """sha256 of each image's raw bytes (or of its URL) in order: the affinity keys."""
+    out = []
+    for m in messages:
+        for part in m.content:
+            if part.WhichOneof("part") == "image":
+                img = part.image
+                raw = img.data if img.WhichOneof("source") == "data" else img.url.encode()
+                out.append(hashlib.sha256(raw).hexdigest())
+    return out
