@@ -5,18 +5,24 @@
     engine.register(tensor)                  # once per buffer, at start-up
     engine.unregister(tensor)                # NOTE: before the tensor's memory is freed
     engine.write(peer, srcs, dsts, lengths)  # one batch, blocking: run it in an executor
-    bid = engine.submit(peer, ...); engine.wait(peer, bid, nbytes)   # the same, split
+    started = engine.submit(peer, ...); engine.wait(peer, started)  # the same, split
 
 Mooncake facts this wrapper handles (checked against mooncake-transfer-engine 0.3.13):
 - Its RPC/handshake ports listen on all interfaces; MC_MIN_RPC_PORT / MC_MAX_RPC_PORT,
   read at initialize(), confine them to the configured range.
-- `batch_transfer_async_write` returns a batch id; 0 means the submit failed and an
-  unopenable peer comes back as -1 cast to uint64. Polling either id crashes the process,
-  so both are failures and are never polled.
-- NOTE: `get_batch_transfer_status` and the sync writes busy-poll in C++ (GIL released)
-  until the batch completes, fails, or MC_TRANSFER_TIMEOUT (default 30 s, min 5) passes.
-  A write to a frozen peer therefore holds one spinning thread for that long; callers
-  must race the write against the control stream and never await it blindly.
+- A submit returns a batch id; 0 means the submit failed and an unopenable peer comes back
+  as -1 cast to uint64. Polling either id crashes the process: both are failures, never
+  polled.
+- NOTE: `get_batch_transfer_status` and the sync writes busy-poll in C++ until the batch
+  ends or MC_TRANSFER_TIMEOUT (30 s default) passes: one core spinning per wait. On a
+  2-core host that spin cost more than the whole transfer (56 MiB over loopback: 54 ms
+  wall / 32 ms CPU for transfer_sync_write, 32 ms / 10 ms submitted and sleep-polled).
+  So writes go out as one async transfer per coalesced region (runs of consecutive blocks
+  are one region: a few per chunk, never one per block) and are sleep-polled with
+  `transfer_check_status`, which is exact for single-request transfers (it looks at
+  request 0 only, so it must never be used on a multi-request batch).
+- A transfer to a frozen peer can outlive the room; callers race waits against the
+  control stream and keep the source memory untouched until the wait returns.
 """
 
 from __future__ import annotations
@@ -24,15 +30,21 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 import torch
 
 from tandem.config import TransferConfig
-from tandem.transfer.errors import TransferError
+from tandem.transfer.errors import TransferError, TransferStuck
 
 log = logging.getLogger(__name__)
 
 _BAD_BATCH_IDS = (0, (1 << 64) - 1, -1)
+STUCK_MARGIN_S = 5.0
+
+
+def _transfer_timeout_s() -> float:
+    return max(5.0, float(os.environ.get("MC_TRANSFER_TIMEOUT", "30")))
 
 
 class MooncakeEngine:
@@ -90,28 +102,75 @@ class MooncakeEngine:
         """True when [addr, addr+length) lies inside one registered region."""
         return any(a <= addr and addr + length <= a + n for a, n in self._regions)
 
-    def submit(self, peer: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> int:
-        """Start one batch of writes to `peer`; returns its batch id (never a bad one).
-        NOTE: every id returned must be passed to wait() exactly once, or it leaks and the
-        source memory stays in use."""
-        bid = self._te.batch_transfer_async_write(peer, srcs, dsts, lengths)
-        if bid in _BAD_BATCH_IDS:
-            raise TransferError(
-                f"transfer submit to {peer} failed ({len(srcs)} writes, "
-                f"{sum(lengths)} bytes): peer unreachable or addresses rejected", "UNAVAILABLE")
-        return bid
+    def submit(self, peer: str, srcs: list[int], dsts: list[int], lengths: list[int]
+               ) -> list[tuple[int, int]]:
+        """Start writes to `peer`, one Mooncake transfer per (already coalesced) region;
+        returns [(transfer id, bytes)]. NOTE: started transfers read their source until
+        they end: pass them to wait()/drain() before reusing it. A failed submit raises
+        TransferError whose `pending` lists the ones already started."""
+        started: list[tuple[int, int]] = []
+        for s, d, n in zip(srcs, dsts, lengths, strict=True):
+            bid = self._te.transfer_submit_write(peer, s, d, n)
+            if bid in _BAD_BATCH_IDS:
+                err = TransferError(f"transfer submit to {peer} failed ({n} bytes): peer "
+                                    f"unreachable or address rejected", "UNAVAILABLE")
+                err.pending = started
+                raise err
+            started.append((bid, n))
+        return started
 
-    def wait(self, peer: str, bid: int, nbytes: int) -> None:
-        """Block until batch `bid` completes; TransferError if it failed or timed out."""
-        if self._te.get_batch_transfer_status([bid]) != 0:
-            raise TransferError(
-                f"transfer write to {peer} failed ({nbytes} bytes): peer gone, timed out, "
-                f"or destination outside its registered memory", "UNAVAILABLE")
+    def _poll(self, pending: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], int]:
+        still, failed = [], 0
+        for bid, n in pending:
+            rc = self._te.transfer_check_status(bid)  # frees the id once it ends
+            if rc == 0:
+                still.append((bid, n))
+            elif rc != 1:  # -1 failed, -2 timed out: both final
+                failed += n
+        return still, failed
+
+    def wait(self, peer: str, started: list[tuple[int, int]]) -> None:
+        """Sleep-poll until every transfer ended well. On the first failure raises
+        TransferError at once, its `pending` listing transfers that have not ended (NOTE:
+        a failed write can leave its siblings on the same session pending until Mooncake
+        times them out; drain() them before reusing their source)."""
+        pending, nap = list(started), 0.0001
+        give_up = time.monotonic() + _transfer_timeout_s() + STUCK_MARGIN_S
+        while pending:
+            pending, failed = self._poll(pending)
+            if failed or (pending and time.monotonic() > give_up):
+                err = TransferError(
+                    f"transfer write to {peer} failed ({failed} of "
+                    f"{sum(n for _, n in started)} bytes): peer gone, timed out, or "
+                    f"destination outside its registered memory", "UNAVAILABLE")
+                err.pending = pending
+                raise err
+            if pending:
+                time.sleep(nap)
+                nap = min(nap * 2, 0.001)
+
+    def drain(self, pending: list[tuple[int, int]]) -> bool:
+        """Wait for transfers to end, well or not; False if some outlive Mooncake's own
+        timeout by STUCK_MARGIN_S (their source memory must then never be reused)."""
+        give_up = time.monotonic() + _transfer_timeout_s() + STUCK_MARGIN_S
+        while pending:
+            pending, _ = self._poll(pending)
+            if pending:
+                if time.monotonic() > give_up:
+                    return False
+                time.sleep(0.001)
+        return True
 
     def write(self, peer: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> None:
-        """One batch of writes to `peer`; blocks until done. Raises TransferError."""
-        if srcs:
-            self.wait(peer, self.submit(peer, srcs, dsts, lengths), sum(lengths))
+        """Write and wait (draining leftovers on failure). Raises TransferError."""
+        started: list[tuple[int, int]] = []
+        try:
+            started = self.submit(peer, srcs, dsts, lengths)
+            self.wait(peer, started)
+        except TransferError as e:
+            if not self.drain(getattr(e, "pending", [])):
+                raise TransferStuck(f"writes to {peer} never finished", "UNAVAILABLE") from e
+            raise
 
     def raw_write(self, peer: str, src: int, dst: int, length: int) -> None:
         """One plain `transfer_sync_write` (the benchmark's baseline)."""

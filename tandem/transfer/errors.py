@@ -18,3 +18,8 @@ class TransferError(Exception):
 
     def __str__(self) -> str:
         return f"{self.code}: {self.reason}"
+
+
+class TransferStuck(TransferError):
+    """Writes that never ended (not even failed): their source memory is still in use and
+    must never be reused."""

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from tandem.config import TransferConfig
 from tandem.transfer.buffers import BufferLayout
-from tandem.transfer.errors import TransferError
+from tandem.transfer.errors import TransferError, TransferStuck
 from tandem.transfer.metrics import transfer_metrics
 from tandem.transfer.payload import PromptPayload
 from tandem.transfer.staging import StagingArea, write_round
@@ -305,6 +305,13 @@ class EmbeddingSender:
             raise TransferError(f"room {room}: bad destination block ids {bad or 'duplicates'} "
                                 f"(pool of {layout.num_blocks})", "INVALID_ARGUMENT")
 
+    def _slot_done(self, slot: int, f) -> None:
+        if isinstance(f.exception(), TransferStuck):
+            log.error("staging slot %d retired: its writes never finished", slot)
+            self.staging.retire(slot)
+        else:
+            self.staging.release(slot)
+
     async def _write_piece(self, r: _Room, payload: PromptPayload, layout: BufferLayout,
                            ids: list[int], start: int, piece: int, deadline) -> int:
         """Write tokens [start, start+piece) into `ids`: per staging round, chunks of
@@ -326,11 +333,12 @@ class EmbeddingSender:
             cf = self._pool.submit(
                 write_round, self.engine, self.staging, peer, slot, payload, r.room, layout,
                 ids, start, piece, t0, min(t0 + step, end), chunk, r.dead,
-                lambda c_end: c_end < end and loop.call_soon_threadsafe(progress, c_end))
+                lambda c_end: c_end < end and loop.call_soon_threadsafe(progress, c_end),
+                lambda err: loop.call_soon_threadsafe(self._fail, r, err))
             # NOTE: the slot goes back only when the thread is done with it, even if the
             # room failed long before (a frozen peer keeps Mooncake busy up to its timeout).
-            cf.add_done_callback(lambda _f, s=slot: loop.call_soon_threadsafe(
-                self.staging.release, s))
+            cf.add_done_callback(lambda f, s=slot: loop.call_soon_threadsafe(
+                self._slot_done, s, f))
             inner = asyncio.wrap_future(cf)
             inner.add_done_callback(lambda f: f.cancelled() or f.exception())
             nbytes += await self._race(r, asyncio.shield(inner), self._timeout(deadline),

@@ -22,7 +22,7 @@ import torch
 
 from tandem.transfer import buffers as B
 from tandem.transfer.buffers import BufferLayout, dtype_name
-from tandem.transfer.errors import TransferError
+from tandem.transfer.errors import TransferError, TransferStuck
 from tandem.transfer.payload import PromptPayload
 
 
@@ -56,6 +56,7 @@ class StagingArea:
         self.mrope = mk((slots, 3 * slot_tokens), torch.int32)
         self.aux = mk((slots, max_round_blocks, B.AUX_WIDTH), torch.int32)
         self._free = list(range(slots))
+        self.retired: set[int] = set()  # slots whose writes never ended
         self._changed = asyncio.Event()
         self._engine = None  # set by register()
 
@@ -84,6 +85,10 @@ class StagingArea:
             ev = self._changed
             await ev.wait()
         return self._free.pop()
+
+    def retire(self, slot: int) -> None:
+        """Never hand `slot` out again: a write from it never finished (frozen peer)."""
+        self.retired.add(slot)
 
     def release(self, slot: int) -> None:
         if slot in self._free or not 0 <= slot < self.slots:
@@ -172,12 +177,16 @@ class StagingArea:
 
 def write_round(engine, staging: StagingArea, peer: str, slot: int, payload: PromptPayload,
                 room: int, layout: BufferLayout, ids: list[int], start: int, piece: int,
-                t0: int, t1: int, chunk: int, dead: threading.Event, on_chunk) -> int:
+                t0: int, t1: int, chunk: int, dead: threading.Event, on_chunk, on_fail) -> int:
     """Thread side of one staging round: tokens [t0, t1) of the piece at `start`, in
-    chunks of `chunk` tokens, each staged then submitted as one batch, two deep (chunk
-    k+1 is copied while chunk k is on the wire). `on_chunk(end_token)` runs as each batch
-    completes. Stops submitting once `dead` is set. Returns the bytes written."""
-    pending: list[tuple[int, int, int]] = []  # (batch id, bytes, end token)
+    chunks of `chunk` tokens, each staged then submitted (one transfer per coalesced
+    region), two deep (chunk k+1 is copied while chunk k is on the wire).
+    `on_chunk(end_token)` runs as each chunk completes; `on_fail(err)` runs at the first
+    failure, before the leftovers are drained, so the room ends at once. Stops submitting
+    once `dead` is set. Returns the bytes written; raises TransferStuck when writes from
+    the slot never ended (the caller must retire it)."""
+    pending: list[tuple[list, int, int]] = []  # (started transfers, bytes, end token)
+    leftovers: list[tuple[int, int]] = []
     written = 0
     try:
         for c0 in range(t0, t1, chunk):
@@ -186,18 +195,27 @@ def write_round(engine, staging: StagingArea, peer: str, slot: int, payload: Pro
             c1 = min(c0 + chunk, t1)
             srcs, dsts, lens = staging.stage(
                 slot, payload, room, layout, ids, start, piece, c0, c1, at=c0 - t0)
-            pending.append((engine.submit(peer, srcs, dsts, lens), sum(lens), c1))
+            try:
+                pending.append((engine.submit(peer, srcs, dsts, lens), sum(lens), c1))
+            except TransferError as e:
+                leftovers += e.pending
+                raise
             while len(pending) > 1 or (pending and c1 == t1):
-                bid, n, c_end = pending[0]
-                engine.wait(peer, bid, n)
-                pending.pop(0)
+                started, n, c_end = pending.pop(0)
+                try:
+                    engine.wait(peer, started)
+                except TransferError as e:
+                    leftovers += e.pending
+                    raise
                 written += n
                 on_chunk(c_end)
+    except TransferError as e:
+        on_fail(e if e.reason.startswith("room ") else TransferError(f"room {room}: {e.reason}", e.code))
+        raise
     finally:
-        # NOTE: never leave a submitted batch unwaited: it reads from this slot.
-        for bid, n, _ in pending:
-            try:
-                engine.wait(peer, bid, n)
-            except TransferError:
-                pass
+        # NOTE: never reuse the slot while a started write may still read from it.
+        rest = leftovers + [t for started, _, _ in pending for t in started]
+        if rest and not engine.drain(rest):
+            raise TransferStuck(f"room {room}: writes from staging slot {slot} never "
+                                f"finished", "UNAVAILABLE")
     return written
