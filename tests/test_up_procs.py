@@ -41,7 +41,8 @@ def test_plan_gives_distinct_ports_and_transfer_ranges():
     r = router.argv
     assert r[r.index("--encoders") + 1] == ",".join(c.grpc_address for c in encoders)
     assert r[r.index("--languages") + 1] == ",".join(c.grpc_address for c in languages)
-    assert r[r.index("--api-key") + 1] == "k" and router.health_service == "tandem.v1.Router"
+    assert "--api-key" not in r and router.env_extra == {"TANDEM_API_KEY": "k"}
+    assert router.health_service == "tandem.v1.Router"
     assert all(lo < hi for lo, hi in transfer_ranges(4))
 
 

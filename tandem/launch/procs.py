@@ -58,6 +58,7 @@ class Child:
     argv: list[str]
     grpc_address: str
     health_service: str = ""
+    env_extra: dict[str, str] = field(default_factory=dict)  # e.g. secrets kept out of argv
     proc: subprocess.Popen | None = None
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=40))
     started_at: float = 0.0
@@ -71,7 +72,7 @@ class Child:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=env,
+            env={**(os.environ if env is None else env), **self.env_extra},
             start_new_session=True,
             preexec_fn=_die_with_parent,
         )

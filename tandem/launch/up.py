@@ -139,10 +139,11 @@ def plan(args: argparse.Namespace, model: str) -> tuple[list[Child], list[Child]
         "--http-port", str(args.http_port), "--grpc-port", str(args.grpc_port),
         "--encoders", ",".join(c.grpc_address for c in encoders),
         "--languages", ",".join(c.grpc_address for c in languages),
-        *(["--api-key", args.api_key] if args.api_key else []),
         *shlex.split(args.router_args),
     ]
     router = Child("router", router_argv, f"{args.host}:{args.grpc_port}", ROUTER_HEALTH)
+    if args.api_key:  # NOTE: through the environment, not argv (which `ps` shows to all)
+        router.env_extra["TANDEM_API_KEY"] = args.api_key
     return encoders, languages, router
 
 
