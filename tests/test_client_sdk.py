@@ -1,0 +1,109 @@
+"""SDK plumbing on plain data: message forms -> protos, image helpers, typed errors,
+stream folding. (The SDK against a live router: test_router_live.py and the e2e tests.)"""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import pytest
+from PIL import Image
+
+from tandem.client import (
+    AuthenticationError,
+    ChatResult,
+    DeadlineExceededError,
+    InternalError,
+    InvalidRequestError,
+    ResourceExhaustedError,
+    UnavailableError,
+    image,
+    image_from_pil,
+    to_messages,
+)
+from tandem.client.errors import error_from_code
+from tandem.client.results import add, backoff_s, build_request
+from tandem.v1 import common_pb2, router_pb2
+
+
+def _png() -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 6), "red").save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_message_forms(tmp_path):
+    raw = _png()
+    path = tmp_path / "a.png"
+    path.write_bytes(raw)
+    url = "data:image/png;base64," + base64.b64encode(raw).decode()
+    msgs = to_messages([
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [
+            image(str(path)), image(path), image(raw), image(url),
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "image", "image": Image.open(io.BytesIO(raw))},
+            {"type": "text", "text": "and"}, "what?",
+        ]},
+    ])
+    assert [m.role for m in msgs] == ["system", "user"]
+    parts = msgs[1].content
+    assert [p.WhichOneof("part") for p in parts] == ["image"] * 6 + ["text", "text"]
+    assert all(p.image.data == raw for p in parts[:5])
+    decoded = Image.open(io.BytesIO(parts[5].image.data))
+    assert decoded.size == (8, 6) and decoded.getpixel((0, 0)) == (255, 0, 0)
+    assert to_messages("hi")[0].content[0].text == "hi"
+    remote = image("https://example.com/cat.png", max_pixels=50176).image
+    assert remote.url == "https://example.com/cat.png" and remote.max_pixels == 50176
+    pil = image_from_pil(Image.new("L", (4, 4)), min_pixels=784).image
+    assert pil.min_pixels == 784 and pil.data.startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize("bad", [
+    [],
+    [{"role": "user", "content": [{"type": "audio", "x": 1}]}],
+    [{"role": "user", "content": [b""]}],
+    [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png,x"}}]}],
+    [{"role": "user", "content": [{"type": "image", "image": 42}]}],
+])
+def test_bad_message_forms_raise(bad):
+    with pytest.raises((ValueError, TypeError)):
+        to_messages(bad)
+
+
+def test_build_request_defaults_to_greedy():
+    r = build_request("hi", max_tokens=5, stop="x", seed=3, timeout=2.5, ignore_eos=True)
+    assert r.sampling.temperature == 0 and r.sampling.max_tokens == 5
+    assert list(r.sampling.stop) == ["x"] and r.sampling.seed == 3 and r.sampling.ignore_eos
+    assert r.timeout_ms == 2500
+
+
+def test_error_classes_by_code():
+    assert isinstance(error_from_code("INVALID_ARGUMENT", "m", "f"), InvalidRequestError)
+    assert isinstance(error_from_code("RESOURCE_EXHAUSTED", "m"), ResourceExhaustedError)
+    assert isinstance(error_from_code("UNAUTHENTICATED", "m"), AuthenticationError)
+    assert isinstance(error_from_code("UNAVAILABLE", "m"), UnavailableError)
+    assert isinstance(error_from_code("DEADLINE_EXCEEDED", "m"), DeadlineExceededError)
+    assert isinstance(error_from_code("DATA_LOSS", "m"), InternalError)
+    e = error_from_code("INVALID_ARGUMENT", "not an image", "messages[0].content[1].image")
+    assert e.field == "messages[0].content[1].image" and "not an image" in str(e)
+
+
+def test_stream_folding_and_error_message():
+    res = ChatResult()
+    add(res, router_pb2.RouterGenerateResponse(text="Hel", token_ids=[1, 2], request_id="r1"))
+    add(res, router_pb2.RouterGenerateResponse(
+        text="lo", token_ids=[3], finish_reason=common_pb2.FINISH_REASON_LENGTH,
+        usage=common_pb2.Usage(prompt_tokens=7, completion_tokens=3, total_tokens=10),
+        timings=common_pb2.StageTimings(vit_ms=1.5, decode_ms=2.0)))
+    assert (res.text, res.token_ids, res.finish_reason, res.request_id) == ("Hello", [1, 2, 3],
+                                                                            "length", "r1")
+    assert res.usage.total_tokens == 10 and res.timings.vit_ms == 1.5
+    with pytest.raises(UnavailableError, match="language gone"):
+        add(res, router_pb2.RouterGenerateResponse(
+            finish_reason=common_pb2.FINISH_REASON_ERROR,
+            error=common_pb2.ErrorInfo(code="UNAVAILABLE", message="language gone")))
+
+
+def test_backoff_is_bounded_and_grows():
+    assert all(0 <= backoff_s(a, 0.1) <= min(5.0, 0.1 * 2**a) for a in range(10) for _ in range(20))
