@@ -187,10 +187,15 @@ async def encoder() -> str:
     lines = ["## Transfer (bench/transfer.py)", "",
              f"Two processes on one host, Mooncake TCP over loopback, width {D} x bfloat16, "
              f"block size {BS}, median of {RUNS} runs after a warm-up. Ours is end to end: "
-             "Init already sent -> staging copy -> batched writes -> Done -> payload gathered "
-             "out on the language side. Raw is one `transfer_sync_write` of the same byte "
+             "Init already sent -> staging copy -> chunked async writes (sleep-polled) -> Done -> "
+             "payload gathered out on the language side. Raw is one `transfer_sync_write` of the same byte "
              "count between registered buffers. gRPC is the same bytes (embeddings, fill ids, "
-             "positions) as a 4 MiB-chunk byte stream into a preallocated buffer.", "",
+             "positions) as a 4 MiB-chunk byte stream into a preallocated buffer. Ratios are "
+             "medians of per-run ratios (the three are measured back to back in each run). "
+             f"Host: {os.cpu_count()} cores, load average at start "
+             f"{os.getloadavg()[0]:.1f} (shared); single runs vary by tens of percent. NOTE: "
+             "raw `transfer_sync_write` busy-polls a core while it waits; ours sleep-polls, "
+             "which on this 2-core host is worth more than the copies ours adds.", "",
              "| tokens | bytes | ours ms | ours GB/s | raw ms | raw GB/s | ours / raw "
              "throughput | gRPC ms | gRPC time / ours |",
              "|---|---|---|---|---|---|---|---|---|"]

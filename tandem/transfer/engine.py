@@ -4,8 +4,9 @@
     engine.session_id                        # "host:rpc_port", what peers write to
     engine.register(tensor)                  # once per buffer, at start-up
     engine.unregister(tensor)                # NOTE: before the tensor's memory is freed
-    engine.write(peer, srcs, dsts, lengths)  # one batch, blocking: run it in an executor
-    started = engine.submit(peer, ...); engine.wait(peer, started)  # the same, split
+    engine.write(peer, srcs, dsts, lengths)  # blocking (run it in an executor thread)
+    started = engine.submit(peer, ...); engine.wait(peer, started)  # the same, split;
+    engine.drain(err.pending)                # after a failure, before reusing the source
 
 Mooncake facts this wrapper handles (checked against mooncake-transfer-engine 0.3.13):
 - Its RPC/handshake ports listen on all interfaces; MC_MIN_RPC_PORT / MC_MAX_RPC_PORT,
@@ -21,6 +22,9 @@ Mooncake facts this wrapper handles (checked against mooncake-transfer-engine 0.
   are one region: a few per chunk, never one per block) and are sleep-polled with
   `transfer_check_status`, which is exact for single-request transfers (it looks at
   request 0 only, so it must never be used on a multi-request batch).
+- A write rejected by the peer (address outside its registered memory) can leave the
+  other transfers of that session pending until Mooncake's timeout: wait() fails the
+  caller at the first failure, and drain() waits the leftovers out separately.
 - A transfer to a frozen peer can outlive the room; callers race waits against the
   control stream and keep the source memory untouched until the wait returns.
 """

@@ -18,8 +18,9 @@ registered once at start-up):
     WAITING_FOR_PAYLOAD (Init first)┴▶ TRANSFERRING ⇄ WAITING_FOR_RESUME ─▶ DONE | FAILED
 
 Each piece (what the language side reserved) is written in staging rounds of at most
-`slot_tokens`, each round in batches of `chunk_tokens` (one Mooncake batch per chunk,
-the next chunk staged while the previous is on the wire); every finished chunk but the
+`slot_tokens`, each round in chunks of `chunk_tokens` (a chunk is a few async Mooncake
+transfers, one per run of consecutive destination blocks and buffer; the next chunk is
+staged while the previous is on the wire); every finished chunk but the
 last is reported as Progress(partial=False), a piece that leaves tokens over as
 Progress(partial=True), the end as Done. A room with no Init (send waiting) or no payload
 (Init waiting) within `timeout_s` fails; so does one whose Resume does not come within
@@ -97,7 +98,7 @@ class EmbeddingSender:
     def __init__(self, engine, staging: StagingArea, config: TransferConfig,
                  chunk_tokens: int = 2048, registry=None):
         self.engine, self.staging, self.config = engine, staging, config
-        self.chunk_tokens = chunk_tokens  # tokens per write batch (pipelining unit)
+        self.chunk_tokens = chunk_tokens  # tokens per submitted chunk (pipelining unit)
         self.metrics = transfer_metrics(registry)
         self.rooms: dict[int, _Room] = {}
         # NOTE: writes busy-poll inside Mooncake; a private pool keeps a frozen peer's
@@ -315,9 +316,9 @@ class EmbeddingSender:
     async def _write_piece(self, r: _Room, payload: PromptPayload, layout: BufferLayout,
                            ids: list[int], start: int, piece: int, deadline) -> int:
         """Write tokens [start, start+piece) into `ids`: per staging round, chunks of
-        `chunk_tokens` are staged and submitted as one batch each, two deep (chunk k+1 is
-        copied while chunk k is on the wire); each finished chunk but the piece's last is
-        announced with a non-partial Progress, so the language side copies it out early."""
+        `chunk_tokens` are staged and submitted, two deep (chunk k+1 is copied while chunk
+        k is on the wire); each finished chunk but the piece's last is announced with a
+        non-partial Progress, so the language side copies it out early."""
         loop = asyncio.get_running_loop()
         peer, bs = r.init.session_id, layout.block_size
         step = self.staging.round_tokens(bs)
