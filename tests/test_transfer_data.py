@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 import torch
+from prometheus_client import REGISTRY
 
 sys.path.insert(0, str(Path(__file__).parent / "transfer_peers"))
 from harness import Peer, make_engine, make_receiver, release_all, start_sender  # noqa: E402
@@ -91,14 +92,26 @@ async def test_scattered_out_of_order_blocks(encoder):
     await _clean(rx, encoder)
 
 
-async def test_concurrent_rooms(encoder):
+def _sample(name: str, **labels) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def test_concurrent_rooms_and_metrics(encoder):
     engine, cfg = make_engine(timeout_s=5)
     rx = make_receiver(engine, cfg, blocks=32, block_size=16, reserve=64)
     sizes = [5, 64, 130, 200, 33, 257]
+    before = {k: _sample(f"tandem_transfer_{k}_total", side="language")
+              for k in ("tokens", "resumes", "bytes")}
     results = await asyncio.gather(*[
         _roundtrip(rx, encoder, 400 + i, n, seed=40 + i) for i, n in enumerate(sizes)])
     assert [r["ok"] for r in results] == [True] * len(sizes)
     await _clean(rx, encoder)
+    got = {k: _sample(f"tandem_transfer_{k}_total", side="language") - v
+           for k, v in before.items()}
+    assert got["tokens"] == sum(sizes)
+    assert got["resumes"] == sum(r["resumes"] for r in results) == 3  # 130, 200, 257 > 64
+    assert got["bytes"] == sum(n * (32 * 4 + 4 + 12) for n in sizes)
+    assert _sample("tandem_transfer_blocks_free") == _sample("tandem_transfer_blocks_total") == 32
 
 
 async def test_sender_in_process_to_language_process(tmp_path):

@@ -11,6 +11,7 @@ registered once at start-up):
     #         await sender.attach(request_iterator, context)
     stats = await sender.send(room, payload, deadline=None)  # SendStats | TransferError
     sender.state(room) -> SenderState | None;  len(sender.rooms) = open rooms
+    sender.close()                                           # at shutdown
 
 `send` and `attach` meet on the room id, in either order. Per room:
 
@@ -104,6 +105,10 @@ class EmbeddingSender:
         # NOTE: writes busy-poll inside Mooncake; a private pool keeps a frozen peer's
         # spinning thread from starving the loop's default executor.
         self._pool = ThreadPoolExecutor(staging.slots + 2, thread_name_prefix="tandem-send")
+
+    def close(self) -> None:
+        """At shutdown: stop the write threads once their writes end."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def state(self, room: int) -> SenderState | None:
         r = self.rooms.get(room)
