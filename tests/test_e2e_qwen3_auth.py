@@ -3,7 +3,8 @@ the tiny Qwen3-VL (deepstack) with an API key.
 
 Proves: greedy answers via `openai` (streaming and not) and the SDK equal transformers
 `generate()`, including a resumed transfer; without the key HTTP answers 401 and gRPC
-UNAUTHENTICATED, with it requests succeed; SIGTERM to `tandem up` leaves no process behind.
+UNAUTHENTICATED, with it requests succeed; beyond --max-inflight the router answers 429
+at once; SIGTERM to `tandem up` leaves no process behind.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def cluster(ckpt):
     cl = LocalCluster(
         str(ckpt), encoders=1, languages=1, api_key=KEY,
         language_args="--embedding-block-size 16 --default-reservation-tokens 48",
+        router_args="--max-inflight 2",
     )
     cl.start()
     yield cl
@@ -143,6 +145,26 @@ def test_http_non_streaming_client_gone_frees_pages(cluster):
         httpx.post(cluster.http_url + "/v1/chat/completions", json=body, timeout=1.5,
                    headers={"Authorization": f"Bearer {KEY}"})
     assert wait_idle(cluster, 1.5)["idle"]
+
+
+def test_admission_answers_429_beyond_max_inflight(cluster):
+    import asyncio
+
+    body = {"model": "", "messages": openai_messages("Go.", [(25, (64, 64))]),
+            "max_tokens": 300, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+
+    async def go():
+        async with httpx.AsyncClient(timeout=60, headers=headers) as http:
+            return await asyncio.gather(*(
+                http.post(cluster.http_url + "/v1/chat/completions", json=body) for _ in range(6)))
+
+    codes = sorted(r.status_code for r in asyncio.run(go()))
+    assert codes.count(200) >= 2 and set(codes) <= {200, 429}, codes
+    assert codes.count(429) >= 1
+    refused = [r for r in asyncio.run(go()) if r.status_code == 429]
+    assert all(r.json()["error"]["type"] == "rate_limit_error" for r in refused)
+    assert wait_idle(cluster, 5)["idle"]
 
 
 def test_sigterm_stops_every_child(cluster):
