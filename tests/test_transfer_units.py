@@ -111,7 +111,10 @@ def test_layout_roundtrip_and_checks():
 def test_engine_ports_registration_and_metrics():
     engine, cfg = make_engine()
     host, port = engine.session_id.rsplit(":", 1)
-    assert host == cfg.host and cfg.min_port <= int(port) <= cfg.max_port
+    # Mooncake fixes the port range at the first engine of a process; the wrapper says
+    # which range is in force (the configured one unless another engine came first).
+    lo, hi = engine.port_range
+    assert host == cfg.host and lo <= int(port) <= hi
     t = torch.zeros(1024)
     engine.register(t)
     assert engine.owns(t.data_ptr(), 4096) and not engine.owns(t.data_ptr() + 1, 4096)
@@ -126,3 +129,21 @@ def test_engine_ports_registration_and_metrics():
     m1.failures.labels("language", "UNAVAILABLE").inc()
     assert reg.get_sample_value("tandem_transfer_failures_total",
                                 {"side": "language", "code": "UNAVAILABLE"}) == 1
+
+
+def test_port_range_confines_a_fresh_process():
+    """In a process's first engine (how services run) the configured range is in force."""
+    import subprocess
+    import sys
+
+    code = (
+        "from tandem.config import TransferConfig\n"
+        "from tandem.transfer.engine import MooncakeEngine\n"
+        "e = MooncakeEngine(TransferConfig(min_port=17100, max_port=17149))\n"
+        "print('PORT', e.session_id.rsplit(':', 1)[1], *e.port_range)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("PORT"))
+    port, lo, hi = map(int, line.split()[1:])
+    assert (lo, hi) == (17100, 17149) and 17100 <= port <= 17149

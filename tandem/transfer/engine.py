@@ -9,8 +9,10 @@
     engine.drain(err.pending)                # after a failure, before reusing the source
 
 Mooncake facts this wrapper handles (checked against mooncake-transfer-engine 0.3.13):
-- Its RPC/handshake ports listen on all interfaces; MC_MIN_RPC_PORT / MC_MAX_RPC_PORT,
-  read at initialize(), confine them to the configured range.
+- Its RPC/handshake ports listen on all interfaces; MC_MIN_RPC_PORT / MC_MAX_RPC_PORT
+  confine them, but Mooncake reads them once per process (at the first initialize()):
+  a later engine in the same process keeps the first range. `port_range` says which range
+  is in force; services run one engine per process, so their config always applies.
 - A submit returns a batch id; 0 means the submit failed and an unopenable peer comes back
   as -1 cast to uint64. Polling either id crashes the process: both are failures, never
   polled.
@@ -44,6 +46,8 @@ from tandem.transfer.errors import TransferError, TransferStuck
 log = logging.getLogger(__name__)
 
 _BAD_BATCH_IDS = (0, (1 << 64) - 1, -1)
+# The RPC port range Mooncake applied in this process (fixed by the first engine).
+_process_port_range: tuple[int, int] | None = None
 STUCK_MARGIN_S = 5.0
 
 
@@ -57,9 +61,17 @@ class MooncakeEngine:
     def __init__(self, config: TransferConfig) -> None:
         if config.min_port > config.max_port:
             raise ValueError(f"transfer min_port {config.min_port} > max_port {config.max_port}")
-        # NOTE: process-wide env, read by initialize(); set before the engine exists.
-        os.environ["MC_MIN_RPC_PORT"] = str(config.min_port)
-        os.environ["MC_MAX_RPC_PORT"] = str(config.max_port)
+        # NOTE: process-wide env, read by the first initialize() only.
+        global _process_port_range
+        wanted = (config.min_port, config.max_port)
+        if _process_port_range is None:
+            os.environ["MC_MIN_RPC_PORT"] = str(config.min_port)
+            os.environ["MC_MAX_RPC_PORT"] = str(config.max_port)
+            _process_port_range = wanted
+        elif _process_port_range != wanted:
+            log.warning("transfer port range %s-%s ignored: Mooncake keeps this process's "
+                        "first range %s-%s", *wanted, *_process_port_range)
+        self.port_range = _process_port_range
         os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
         from mooncake.engine import TransferEngine
 
