@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
+from tandem.serving import add_health_and_reflection, bind, set_serving, stop_on_signals
 from tandem.v1 import encoder_pb2, encoder_pb2_grpc
 
 from .config import EncoderConfig
@@ -70,35 +68,17 @@ async def run(
     )
     servicer = EncoderServicer(pipeline, sender, cfg.model, cfg.request_timeout_s, metrics)
     encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (
-            SERVICE,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ),
-        server,
-    )
+    health_servicer = add_health_and_reflection(server, SERVICE)
     address = f"{cfg.host}:{cfg.port}"
-    if server.add_insecure_port(address) == 0:
-        raise SystemExit(f"tandem encoder: cannot bind {address}")
+    bind(server, address, "tandem encoder")
     if cfg.metrics_port:
         from prometheus_client import start_http_server
 
         start_http_server(cfg.metrics_port, addr=cfg.host)
     pipeline.start()
     await server.start()
-    for name in ("", SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
-            pass
+    await set_serving(health_servicer, SERVICE)
+    stop = stop_on_signals(stop)
     log.info(
         "encoder ready on %s (model %s, transfer %s, devices %s)",
         address,

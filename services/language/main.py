@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import sys
 import time
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
+from tandem.serving import add_health_and_reflection, bind, set_serving, stop_on_signals
 from tandem.v1 import language_pb2, language_pb2_grpc
 
 from .config import LanguageConfig
@@ -128,27 +126,14 @@ async def run(
     limits = ServiceLimits(cfg.default_max_tokens, cfg.request_timeout_s, cfg.model)
     servicer = LanguageServicer(engine, receiver, allocator, limits, metrics)
     language_pb2_grpc.add_LanguageServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME), server)  # fmt: skip
+    health_servicer = add_health_and_reflection(server, SERVICE)
     address = f"{cfg.host}:{cfg.port}"
-    if server.add_insecure_port(address) == 0:
-        raise SystemExit(f"tandem language: cannot bind {address}")
+    bind(server, address, "tandem language")
     if cfg.metrics_port:
         metrics.serve(cfg.metrics_port, cfg.host)
     await server.start()
-    for name in ("", SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
-            pass
+    await set_serving(health_servicer, SERVICE)
+    stop = stop_on_signals(stop)
     log.info(
         "language ready on %s (model %s, %s %s, %d KV pages of %d, transfer %s)",
         address, cfg.model, engine.runner.device, engine.runner.dtype,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import socket
 import sys
 import time
@@ -20,12 +19,12 @@ from pathlib import Path
 
 import grpc
 import uvicorn
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 
 from services.router.core import RouterCore
 from services.router.grpc_api import RouterServicer
 from services.router.http_api import build_app
+from tandem.serving import add_health_and_reflection, bind, stop_on_signals
 from tandem.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger("tandem.router")
@@ -48,11 +47,7 @@ def build_grpc_server(core: RouterCore):
     ]
     server = grpc.aio.server(options=opts)
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(core), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (ROUTER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    health_servicer = add_health_and_reflection(server, ROUTER_SERVICE)
     address = f"{cfg.host}:{cfg.grpc_port}"
     if cfg.tls_cert or cfg.tls_key:
         if not (cfg.tls_cert and cfg.tls_key):
@@ -62,7 +57,7 @@ def build_grpc_server(core: RouterCore):
         )
         port = server.add_secure_port(address, creds)
     else:
-        port = server.add_insecure_port(address)
+        port = bind(server, address, "tandem router")
     return server, health_servicer, port
 
 
@@ -123,11 +118,7 @@ def serve(cfg) -> int:
     )
 
     async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await run_router(cfg, stop)
+        await run_router(cfg, stop_on_signals())
 
     asyncio.run(main())
     return 0
