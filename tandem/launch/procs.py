@@ -174,3 +174,17 @@ def stop_all(groups: list[list[Child]], timeout_s: float) -> None:
     for group in groups:
         for c in group:
             c.join_logs()
+
+
+def stop_event_on_signals() -> threading.Event:
+    """An event SIGINT / SIGTERM set (once announced): the launchers' main loops wait on it."""
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        if not stop.is_set():
+            say(f"[up] {signal.Signals(signum).name}: stopping the cluster")
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    return stop

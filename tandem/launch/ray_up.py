@@ -27,12 +27,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import threading
 
 from tandem.launch import up
-from tandem.launch.procs import Child, free_port, say, stop_all, wait_ready
+from tandem.launch.procs import (
+    Child,
+    free_port,
+    say,
+    stop_all,
+    stop_event_on_signals,
+    wait_ready,
+)
 
 CPU_KV_PAGES = 4096  # KV pages of a language instance granted no GPU
 
@@ -135,15 +141,7 @@ def _check_resources(ray, rargs: argparse.Namespace, args: argparse.Namespace) -
 
 def main(argv: list[str] | None = None) -> int:
     rargs, args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    stop = threading.Event()
-
-    def on_signal(signum, _frame):
-        if not stop.is_set():
-            say(f"[up] {signal.Signals(signum).name}: stopping the cluster")
-        stop.set()
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    stop = stop_event_on_signals()
 
     ray = _connect(rargs)
     from ray.util.placement_group import placement_group, remove_placement_group

@@ -17,13 +17,18 @@ import argparse
 import os
 import random
 import shlex
-import signal
 import socket
 import sys
-import threading
 from pathlib import Path
 
-from tandem.launch.procs import Child, free_port, say, stop_all, wait_ready
+from tandem.launch.procs import (
+    Child,
+    free_port,
+    say,
+    stop_all,
+    stop_event_on_signals,
+    wait_ready,
+)
 
 ROUTER_HEALTH = "tandem.v1.Router"
 PORT_RANGE = 40  # Mooncake RPC ports per instance
@@ -155,15 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return ray_main(argv)
     args = parse_args(argv)
-    stop = threading.Event()
-
-    def on_signal(signum, _frame):
-        if not stop.is_set():
-            say(f"[up] {signal.Signals(signum).name}: stopping the cluster")
-        stop.set()
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    stop = stop_event_on_signals()
 
     model = args.model or str(default_model(args.arch))
     encoders, languages, router = plan(args, model)
