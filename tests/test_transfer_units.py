@@ -111,10 +111,13 @@ def test_layout_roundtrip_and_checks():
 def test_engine_ports_registration_and_metrics():
     engine, cfg = make_engine()
     host, port = engine.session_id.rsplit(":", 1)
-    # Mooncake fixes the port range at the first engine of a process; the wrapper says
-    # which range is in force (the configured one unless another engine came first).
-    lo, hi = engine.port_range
-    assert host == cfg.host and lo <= int(port) <= hi
+    # Mooncake fixes the port range when its library loads; in this shared test process
+    # an earlier engine may have fixed it (test_port_range_confines_a_fresh_process proves
+    # confinement where the configured range applies, as in a service).
+    assert host == cfg.host and int(port) > 0
+    if engine.port_range is not None:
+        lo, hi = engine.port_range
+        assert lo <= int(port) <= hi
     t = torch.zeros(1024)
     engine.register(t)
     assert engine.owns(t.data_ptr(), 4096) and not engine.owns(t.data_ptr() + 1, 4096)

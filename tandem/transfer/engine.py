@@ -10,9 +10,11 @@
 
 Mooncake facts this wrapper handles (checked against mooncake-transfer-engine 0.3.13):
 - Its RPC/handshake ports listen on all interfaces; MC_MIN_RPC_PORT / MC_MAX_RPC_PORT
-  confine them, but Mooncake reads them once per process (at the first initialize()):
-  a later engine in the same process keeps the first range. `port_range` says which range
-  is in force; services run one engine per process, so their config always applies.
+  confine them, but Mooncake reads them once per process, when its library loads (the
+  first `import mooncake.engine`): later engines keep that range. `port_range` is the
+  range in force when this wrapper set it before the load, None when Mooncake was loaded
+  earlier (range unknown). Services make one engine per process before anything else
+  imports Mooncake, so their configured range applies.
 - A submit returns a batch id; 0 means the submit failed and an unopenable peer comes back
   as -1 cast to uint64. Polling either id crashes the process: both are failures, never
   polled.
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 
@@ -46,7 +49,7 @@ from tandem.transfer.errors import TransferError, TransferStuck
 log = logging.getLogger(__name__)
 
 _BAD_BATCH_IDS = (0, (1 << 64) - 1, -1)
-# The RPC port range Mooncake applied in this process (fixed by the first engine).
+# The RPC port range this wrapper applied before Mooncake's library loaded in this process.
 _process_port_range: tuple[int, int] | None = None
 STUCK_MARGIN_S = 5.0
 
@@ -64,13 +67,13 @@ class MooncakeEngine:
         # NOTE: process-wide env, read by the first initialize() only.
         global _process_port_range
         wanted = (config.min_port, config.max_port)
-        if _process_port_range is None:
+        if "mooncake.engine" not in sys.modules:
             os.environ["MC_MIN_RPC_PORT"] = str(config.min_port)
             os.environ["MC_MAX_RPC_PORT"] = str(config.max_port)
             _process_port_range = wanted
         elif _process_port_range != wanted:
-            log.warning("transfer port range %s-%s ignored: Mooncake keeps this process's "
-                        "first range %s-%s", *wanted, *_process_port_range)
+            log.warning("transfer port range %s-%s not applied: Mooncake was loaded in this "
+                        "process with range %s", *wanted, _process_port_range or "unknown")
         self.port_range = _process_port_range
         os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
         from mooncake.engine import TransferEngine
