@@ -264,8 +264,12 @@ class Dispatcher:
         if reason == common_pb2.FINISH_REASON_ERROR:
             raise from_error_info(msg.error, "language")
         if reason == common_pb2.FINISH_REASON_ABORT:
-            if time.time() >= deadline:
+            # NOTE: the language tier names why it aborted; its clock may pass the deadline
+            # a moment before ours, so its DEADLINE_EXCEEDED is believed as is.
+            if msg.error.code == "DEADLINE_EXCEEDED" or time.time() >= deadline:
                 raise RouterError("DEADLINE_EXCEEDED", "request deadline passed")
+            if msg.error.code and msg.error.code != "CANCELLED":
+                raise from_error_info(msg.error, "language")
             raise RouterError("ABORTED", "language: request aborted")
         piece.finish_reason = FINISH[reason]
         # The Encode answer normally precedes the first token (delivery precedes prefill);
