@@ -77,6 +77,22 @@ def greedy_requests(case: Case, base: int) -> list[Request]:
     ]
 
 
+def check_greedy_streams(case: Case, engine: Engine, reqs: list[Request], streams) -> None:
+    """Every request's tokens, text, finish reason and usage equal the oracle's."""
+    for r, ref, n in zip(reqs, case.refs, case.max_new, strict=True):
+        deltas = streams[r.rid]
+        assert [t for d in deltas for t in d.token_ids] == ref, f"request {r.rid}"
+        last = deltas[-1]
+        stopped = ref[-1] in engine.eos
+        assert len(ref) == n or stopped
+        assert last.finish_reason is (
+            RequestStatus.FINISHED_STOP if stopped else RequestStatus.FINISHED_LENGTH
+        )
+        assert (last.prompt_tokens, last.completion_tokens) == (r.prompt_len, len(ref))
+        text = case.tokenizer.decode(ref[:-1] if stopped else ref, skip_special_tokens=True)
+        assert "".join(d.text for d in deltas) == text
+
+
 @pytest.mark.parametrize("pool", ["roomy", "tiny"])
 def test_concurrent_greedy_equals_generate(case, pool):
     if pool == "roomy":
@@ -91,18 +107,7 @@ def test_concurrent_greedy_equals_generate(case, pool):
         if pool == "tiny":
             assert engine.scheduler.num_retractions > 0
             assert any(r.num_retractions for r in reqs)
-        for r, ref, n in zip(reqs, case.refs, case.max_new, strict=True):
-            deltas = streams[r.rid]
-            assert [t for d in deltas for t in d.token_ids] == ref, f"request {r.rid}"
-            last = deltas[-1]
-            stopped = ref[-1] in engine.eos
-            assert len(ref) == n or stopped
-            assert last.finish_reason is (
-                RequestStatus.FINISHED_STOP if stopped else RequestStatus.FINISHED_LENGTH
-            )
-            assert (last.prompt_tokens, last.completion_tokens) == (r.prompt_len, len(ref))
-            text = case.tokenizer.decode(ref[:-1] if stopped else ref, skip_special_tokens=True)
-            assert "".join(d.text for d in deltas) == text
+        check_greedy_streams(case, engine, reqs, streams)
         assert engine.pool.num_free == engine.pool.num_total
     finally:
         engine.stop()
@@ -216,5 +221,20 @@ def test_bad_input_is_rejected_before_queueing(checkpoint):
             big = Engine(engine.runner, case.tokenizer, EngineConfig())
             big.submit(Request(2, SamplingParams(), case.payloads[15]), print)
         assert engine.num_active == 0
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_small_checkpoint_concurrent_greedy_equals_generate(arch, checkpoint):
+    """The same 16 concurrent prompts on the ~50M-parameter `small` checkpoints."""
+    case = Case(checkpoint(arch, "small"))
+    engine = case.engine(num_pages=1024, max_prefill_tokens=128)
+    try:
+        reqs = greedy_requests(case, 3000)
+        streams = collect(engine, reqs, timeout=300)
+        assert engine.num_steps < sum(len(r) for r in case.refs)  # steps were shared
+        check_greedy_streams(case, engine, reqs, streams)
+        assert engine.pool.num_free == engine.pool.num_total
     finally:
         engine.stop()

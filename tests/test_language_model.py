@@ -222,8 +222,9 @@ def test_resume_recomputes_prompt_and_generated_tokens_in_one_step(case):
     s.free()
 
 
-def test_small_checkpoint_prompt_logits_and_greedy(checkpoint):
-    path = checkpoint("qwen3_vl", "small")
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_small_checkpoint_prompt_logits_and_greedy(arch, checkpoint):
+    path = checkpoint(arch, "small")
     model, proc = oracle.load(path)
     inputs = oracle.make_inputs(proc, "What is in this image?", [oracle.make_image(7, (112, 84))])
     payload, ref = oracle.payload(model, inputs), oracle.prompt_logits(model, inputs)
