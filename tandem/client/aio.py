@@ -9,7 +9,7 @@ import grpc
 
 from tandem.client.errors import error_from_rpc
 from tandem.client.results import ChatResult, add, backoff_s, build_request, check, retryable
-from tandem.client.sync import _OPTIONS, make_channel_args
+from tandem.client.sync import make_channel_args
 from tandem.v1 import router_pb2, router_pb2_grpc
 
 
@@ -23,9 +23,8 @@ class AsyncClient:
         self.timeout = timeout
         self.retries = retries
         self.backoff = backoff
-        self._metadata, creds = make_channel_args(address, api_key, tls, root_certificates)
-        opts = _OPTIONS + ([("grpc.ssl_target_name_override", tls_server_name)]
-                           if tls_server_name else [])
+        self._metadata, creds, opts = make_channel_args(
+            address, api_key, tls, root_certificates, tls_server_name)
         self._channel = (grpc.aio.secure_channel(address, creds, options=opts) if creds
                          else grpc.aio.insecure_channel(address, options=opts))
         self._stub = router_pb2_grpc.RouterStub(self._channel)

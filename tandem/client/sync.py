@@ -15,10 +15,13 @@ _OPTIONS = [("grpc.max_send_message_length", 256 << 20),
             ("grpc.max_receive_message_length", 256 << 20)]
 
 
-def make_channel_args(address, api_key, tls, root_certificates):
+def make_channel_args(address, api_key, tls, root_certificates, tls_server_name=""):
+    """(call metadata, channel credentials or None, channel options) for both clients."""
     metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
     creds = grpc.ssl_channel_credentials(root_certificates) if tls else None
-    return metadata, creds
+    opts = _OPTIONS + ([("grpc.ssl_target_name_override", tls_server_name)]
+                       if tls_server_name else [])
+    return metadata, creds, opts
 
 
 class Client:
@@ -38,9 +41,8 @@ class Client:
         self.timeout = timeout
         self.retries = retries
         self.backoff = backoff
-        self._metadata, creds = make_channel_args(address, api_key, tls, root_certificates)
-        opts = _OPTIONS + ([("grpc.ssl_target_name_override", tls_server_name)]
-                           if tls_server_name else [])
+        self._metadata, creds, opts = make_channel_args(
+            address, api_key, tls, root_certificates, tls_server_name)
         self._channel = (grpc.secure_channel(address, creds, options=opts) if creds
                          else grpc.insecure_channel(address, options=opts))
         self._stub = router_pb2_grpc.RouterStub(self._channel)
