@@ -47,8 +47,13 @@ class TransferConfig(BaseModel):
     host: str = Field(
         "127.0.0.1", description="Host/IP this instance's transfer engine is reachable at."
     )
-    min_port: int = Field(15000, ge=1024, le=65535, description="Lowest transfer RPC port.")
-    max_port: int = Field(15999, ge=1024, le=65535, description="Highest transfer RPC port.")
+    # NOTE: Mooncake silently ignores an RPC port range that reaches past 32767 and then
+    # listens anywhere in 15000-17000 (measured with 0.3.13), so the bound is enforced here.
+    min_port: int = Field(15000, ge=1024, le=32767, description="Lowest transfer RPC port.")
+    max_port: int = Field(
+        15999, ge=1024, le=32767,
+        description="Highest transfer RPC port (<= 32767: Mooncake ignores higher ranges).",
+    )
     timeout_s: float = Field(
         10.0, gt=0, le=600, description="Room timeout: max seconds without Init or data."
     )

@@ -63,3 +63,9 @@ def test_env_and_flags_and_nested():
     assert cfg.port == 1234 and cfg.transfer.protocol == "rdma"
     r = parse_settings(RouterConfig, ["--encoders", "a:1,b:2"], "t")
     assert r.encoders == ["a:1", "b:2"]
+
+
+def test_transfer_port_range_stays_where_mooncake_honours_it():
+    """Mooncake ignores RPC port ranges past 32767 (listening anywhere in 15000-17000)."""
+    r = _run(["encoder", "--model", "m", "--transfer.max-port", "40000"])
+    assert r.returncode == 2 and "transfer.max_port='40000'" in r.stderr

@@ -14,7 +14,8 @@ Mooncake facts this wrapper handles (checked against mooncake-transfer-engine 0.
   first `import mooncake.engine`): later engines keep that range. `port_range` is the
   range in force when this wrapper set it before the load, None when Mooncake was loaded
   earlier (range unknown). Services make one engine per process before anything else
-  imports Mooncake, so their configured range applies.
+  imports Mooncake, so their configured range applies. A range reaching past 32767 is
+  ignored by Mooncake (it falls back to 15000-17000); TransferConfig refuses one.
 - A submit returns a batch id; 0 means the submit failed and an unopenable peer comes back
   as -1 cast to uint64. Polling either id crashes the process: both are failures, never
   polled.
