@@ -14,12 +14,10 @@ tandem_encoder_requests_total{code}     finished Encode calls by gRPC code name
 
 from __future__ import annotations
 
-import threading
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from tandem.metrics import metric_set
 
-_lock = threading.Lock()
-_by_registry: dict[int, EncoderMetrics] = {}
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
@@ -59,9 +57,4 @@ class EncoderMetrics:
 
 def encoder_metrics(registry: CollectorRegistry | None = None) -> EncoderMetrics:
     """The metric set of `registry` (default: the process registry), created once."""
-    reg = registry if registry is not None else REGISTRY
-    with _lock:
-        m = _by_registry.get(id(reg))
-        if m is None:
-            m = _by_registry[id(reg)] = EncoderMetrics(reg)
-        return m
+    return metric_set(EncoderMetrics, registry)

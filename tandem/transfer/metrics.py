@@ -13,13 +13,11 @@ so constructing a second instance never raises "Duplicated timeseries".
 
 from __future__ import annotations
 
-import threading
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from tandem.metrics import metric_set
 
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
-_lock = threading.Lock()
-_by_registry: dict[int, TransferMetrics] = {}
 
 
 class TransferMetrics:
@@ -39,9 +37,4 @@ class TransferMetrics:
 
 def transfer_metrics(registry: CollectorRegistry | None = None) -> TransferMetrics:
     """The metric set of `registry` (default: the process registry), created once."""
-    reg = registry if registry is not None else REGISTRY
-    with _lock:
-        m = _by_registry.get(id(reg))
-        if m is None:
-            m = _by_registry[id(reg)] = TransferMetrics(reg)
-        return m
+    return metric_set(TransferMetrics, registry)
