@@ -234,15 +234,19 @@ class VisionRunner:
             if g is None:  # capture failed: eager fallback, bit-exact with transformers
                 return self._blocks_eager(prep)
         self.graphs.move_to_end(n)
+        self._load(g, prep, n)
+        g.graph.replay()
+        merged, deep = g.out
+        return merged.clone(), [d.clone() for d in deep]
+
+    def _load(self, g: _Graph, prep: _Prepared, n: int) -> None:
+        """Copy one call's inputs into graph `g`'s static buffers (capture and replay)."""
         cu, cw = self._padded_cu(prep, n)
         g.hidden.copy_(prep.hidden)
         g.cos.copy_(prep.cos)
         g.sin.copy_(prep.sin)
         g.cu.copy_(cu)
         g.cu_window.copy_(cw)
-        g.graph.replay()
-        merged, deep = g.out
-        return merged.clone(), [d.clone() for d in deep]
 
     def _capture(self, n: int, prep: _Prepared) -> _Graph | None:
         while len(self.graphs) >= self.max_graphs:
@@ -250,12 +254,7 @@ class VisionRunner:
         g = _Graph(
             n, prep.hidden.shape[1], prep.cos.shape[1], self._cu_len(n), self.device, self.dtype
         )
-        cu, cw = self._padded_cu(prep, n)
-        g.hidden.copy_(prep.hidden)
-        g.cos.copy_(prep.cos)
-        g.sin.copy_(prep.sin)
-        g.cu.copy_(cu)
-        g.cu_window.copy_(cw)
+        self._load(g, prep, n)
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
