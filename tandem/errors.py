@@ -1,0 +1,29 @@
+"""The one base error of Tandem's services: a message and a gRPC status code name.
+
+Every tier raises a subclass (`RouterError`, `EncodeError`, `AdmissionError`,
+`TransferError`); servicers map `code` straight onto a gRPC status or an `ErrorInfo`, and
+callers decide on `code` and on typed fields (a tier, a room), never on message text.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class ServiceError(Exception):
+    """`code` is a gRPC status code name ("INVALID_ARGUMENT", "UNAVAILABLE", ...)."""
+
+    code: str = "INTERNAL"
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+    @property
+    def grpc_code(self) -> grpc.StatusCode:
+        return getattr(grpc.StatusCode, self.code, grpc.StatusCode.INTERNAL)
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
