@@ -138,7 +138,7 @@ class ModelRunner:
         return ForwardOutput(last_logits=last_logits, prompt_logits=prompt_logits)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(hidden).float()
+        return self.model.logits(hidden)
 
     # -- helpers -----------------------------------------------------------------------
     def _check_chunk(self, c: SeqChunk) -> None:

@@ -18,6 +18,7 @@ from torch import nn
 
 from services.language.attention import AttentionMetadata, paged_attention
 from services.language.model.config import DecoderConfig
+from services.language.model.linear import DenseLinear, fuse_checkpoint_tensors
 from services.language.model.rope import MRope, apply_rotary
 
 
@@ -44,18 +45,19 @@ class SelfAttention(nn.Module):
         )
         self.scale = cfg.head_dim**-0.5
         h = cfg.hidden_size
-        self.q_proj = nn.Linear(h, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=cfg.o_bias)
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = DenseLinear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = DenseLinear(self.q_size, h, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -66,12 +68,13 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = DenseLinear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = DenseLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -90,13 +93,18 @@ class DecoderLayer(nn.Module):
 class QwenVLDecoder(nn.Module):
     """hidden [T, hidden] + positions [3, T] -> final-normed hidden [T, hidden]."""
 
-    def __init__(self, cfg: DecoderConfig, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, cfg: DecoderConfig, device: torch.device | str = "cpu", tied_head: bool = False
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # A tied head reads the embedding table (no transposed copy of vocab x hidden).
+        self.lm_head = (
+            None if tied_head else DenseLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        )
         self.rope = MRope(
             cfg.head_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved, device
         )
@@ -105,13 +113,14 @@ class QwenVLDecoder(nn.Module):
     def build(
         cls, cfg: DecoderConfig, tensors: dict[str, torch.Tensor], device: torch.device, dtype
     ) -> QwenVLDecoder:
-        """A decoder that adopts `tensors` (moved to device/dtype): built on the meta device,
-        so no throwaway random initialisation and no second copy of the weights."""
+        """A decoder that adopts `tensors` (moved to device/dtype, fused and transposed as
+        `linear.py` says): built on the meta device, so no throwaway random initialisation
+        and no second copy of the weights."""
+        tied = "lm_head.weight" not in tensors
         with torch.device("meta"):
-            model = cls(cfg, device=device)
+            model = cls(cfg, device=device, tied_head=tied)
         tensors = {k: t.to(device=device, dtype=dtype) for k, t in tensors.items()}
-        if "lm_head.weight" not in tensors and "embed_tokens.weight" in tensors:
-            tensors["lm_head.weight"] = tensors["embed_tokens.weight"]  # tied head
+        tensors = fuse_checkpoint_tensors(tensors, cfg.num_layers)
         missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
         if missing or unexpected:
             raise ValueError(
@@ -136,3 +145,9 @@ class QwenVLDecoder(nn.Module):
             if deepstack is not None and i < self.cfg.num_deepstack:
                 hidden = hidden + deepstack[:, i * hs : (i + 1) * hs]
         return self.norm(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] final-normed -> [T, vocab] float32."""
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
