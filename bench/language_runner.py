@@ -65,6 +65,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    from tandem.devices import resolve_device, resolve_dtype
     from tandem.models.split import load_text_weights
 
     path = args.model
@@ -74,13 +75,8 @@ def main(argv=None) -> int:
         path = ROOT / ".cache" / "bench-models" / f"{args.arch}-{args.size}"
         if not (path / "config.json").exists():
             build_tiny_model(path, arch=args.arch, size=args.size, seed=0)
-    device = torch.device(
-        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    )
-    if args.dtype == "auto":
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    else:
-        dtype = getattr(torch, args.dtype)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
     max_bs = max(args.batch_sizes)
     max_len = args.context + 8
     per_seq = pages_needed(max_len, args.page_size)

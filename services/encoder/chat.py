@@ -8,39 +8,36 @@ to fix.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
+
+from tandem.errors import ServiceError
 
 ROLES = ("system", "user", "assistant")
 
 
-class ErrorCode(enum.Enum):
-    """gRPC status names the encoder uses (see server.py for the mapping).
+class EncodeError(ServiceError):
+    """A refusal: `code` is a gRPC status code name, `field` the part of the request it
+    concerns (empty when the whole request is meant).
 
     Every per-request limit (image bytes, pixels, image count, prompt tokens) is an
     INVALID_ARGUMENT: the request itself is too big and retrying it elsewhere cannot help.
     RESOURCE_EXHAUSTED is kept for server capacity, UNAVAILABLE for a draining server.
     """
 
-    INVALID_ARGUMENT = "INVALID_ARGUMENT"
-    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
-    UNAVAILABLE = "UNAVAILABLE"
-    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
-    INTERNAL = "INTERNAL"
+    code = "INVALID_ARGUMENT"
 
-
-class EncodeError(Exception):
-    """A refusal with a status code and the field it concerns."""
-
-    def __init__(self, code: ErrorCode, message: str, field: str = "") -> None:
-        self.code = code
-        self.message = message
+    def __init__(self, message: str, field: str = "", code: str | None = None) -> None:
+        super().__init__(message, code)
         self.field = field
-        super().__init__(f"{field}: {message}" if field else message)
+
+    @property
+    def detail(self) -> str:
+        """The status message the client sees: the field first, then what is wrong."""
+        return f"{self.field}: {self.message}" if self.field else self.message
 
 
 def invalid(field: str, message: str) -> EncodeError:
-    return EncodeError(ErrorCode.INVALID_ARGUMENT, message, field)
+    return EncodeError(message, field)
 
 
 @dataclass(frozen=True)

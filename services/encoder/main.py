@@ -14,7 +14,7 @@ import logging
 import grpc
 import torch
 
-from tandem.serving import add_health_and_reflection, bind, set_serving, stop_on_signals
+from tandem.serving import add_health_and_reflection, bind, drain, set_serving, stop_on_signals
 from tandem.v1 import encoder_pb2, encoder_pb2_grpc
 
 from .config import EncoderConfig
@@ -90,13 +90,10 @@ async def run(
         ready.set()
     await stop.wait()
 
-    log.info("draining: %d encodes in progress", servicer.in_progress)
+    log.info("draining: %d encodes in progress", servicer.num_active)
     servicer.draining = True
-    await health_servicer.enter_graceful_shutdown()
-    try:
-        await asyncio.wait_for(servicer.idle.wait(), cfg.drain_timeout_s)
-    except TimeoutError:
-        log.warning("drain timeout: %d encodes still in progress", servicer.in_progress)
+    if await drain(health_servicer, lambda: servicer.num_active, cfg.drain_timeout_s):
+        log.warning("drain timeout: %d encodes still in progress", servicer.num_active)
     await server.stop(grace=1.0)
     await pipeline.stop()
     log.info("encoder stopped")

@@ -16,8 +16,7 @@ import enum
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import torch
-
+from tandem.devices import resolve_device, resolve_dtype
 from tandem.transfer.payload import PromptPayload
 
 from .cache import EmbeddingCache
@@ -47,20 +46,6 @@ class EncodeResult:
     cached_image_tokens: int
     preprocess_ms: float
     vit_ms: float
-
-
-def resolve_devices(device: str, devices: list[str]) -> list[torch.device]:
-    if devices:
-        return [torch.device(d) for d in devices]
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return [torch.device(device)]
-
-
-def resolve_dtype(dtype: str, dev: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if dev.type == "cuda" else torch.float32
-    return getattr(torch, dtype)
 
 
 class EncodePipeline:
@@ -96,7 +81,7 @@ class EncodePipeline:
 
         path = resolve_model_path(cfg.model)
         processor = AutoProcessor.from_pretrained(path)
-        devs = resolve_devices(cfg.device, cfg.devices)
+        devs = [resolve_device(d) for d in (cfg.devices or [cfg.device])]
         parts = [load_vision_part(path, resolve_dtype(cfg.dtype, d), d) for d in devs]
         runners = [VisionRunner(p.visual, max_graphs=cfg.cuda_graph_max) for p in parts]
         size = processor.image_processor.size

@@ -21,10 +21,11 @@ import time
 
 import grpc
 
+from tandem.serving import deadline_from_proto
 from tandem.transfer.errors import TransferError
 from tandem.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 
-from .chat import EncodeError, ErrorCode, job_from_proto
+from .chat import EncodeError, job_from_proto
 from .pipeline import EncodePipeline, EncodeState
 
 log = logging.getLogger(__name__)
@@ -39,35 +40,28 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         default_timeout_s: float,
         metrics=None,
     ) -> None:
-        self.pipeline = pipeline
-        self.sender = sender
-        self.model_name = model_name
-        self.default_timeout_s = default_timeout_s
-        self.metrics = metrics
-        self.draining = False
-        self.in_progress = 0
+        self.pipeline, self.sender, self.metrics = pipeline, sender, metrics
+        self.model_name, self.default_timeout_s = model_name, default_timeout_s
+        self.draining = False  # set once by the drain: new Encodes get UNAVAILABLE
+        self.num_active = 0  # Encodes in progress (the drain waits for 0)
         self.states: dict[int, EncodeState] = {}  # room -> stage, for Encodes in progress
-        self.idle = asyncio.Event()
-        self.idle.set()
 
     async def Encode(self, request, context):  # noqa: N802  (gRPC method name)
         if self.draining:
-            await self._abort(context, ErrorCode.UNAVAILABLE, "encoder is draining")
-        self.in_progress += 1
-        self.idle.clear()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "encoder is draining")
+        self.num_active += 1
         self._gauge()
         code = "OK"
         try:
             return await self._encode(request)
         except EncodeError as e:
-            code = e.code.value
-            await self._abort(context, e.code, str(e))
+            code = e.code
+            await context.abort(e.grpc_code, e.detail)
         except TimeoutError:
             code = "DEADLINE_EXCEEDED"
             stage = self.states.get(request.room, EncodeState.PREPROCESSING).value
-            await self._abort(
-                context,
-                ErrorCode.DEADLINE_EXCEEDED,
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"room {request.room}: deadline passed while {stage}",
             )
         except TransferError as e:
@@ -79,27 +73,21 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         except Exception as e:  # a bug must not take the server down; it is reported
             log.exception("room %d: encode failed", request.room)
             code = "INTERNAL"
-            await self._abort(context, ErrorCode.INTERNAL, f"internal error: {e!r}")
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {e!r}")
         finally:
             state = self.states.pop(request.room, None)
             if code != "OK":
                 log.info(
                     "room %d: %s while %s", request.room, code, state.value if state else "starting"
                 )
-            self.in_progress -= 1
-            if self.in_progress == 0:
-                self.idle.set()
+            self.num_active -= 1
             self._gauge()
             if self.metrics:
                 self.metrics.requests.labels(code).inc()
 
     async def _encode(self, request) -> encoder_pb2.EncodeResponse:
         now = time.time()
-        deadline = (
-            request.deadline_unix_ms / 1e3
-            if request.deadline_unix_ms
-            else (now + self.default_timeout_s)
-        )
+        deadline = deadline_from_proto(request.deadline_unix_ms, self.default_timeout_s, now)
         if deadline <= now:
             raise TimeoutError
         job = job_from_proto(request)
@@ -131,7 +119,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
     async def GetLoad(self, request, context):  # noqa: N802
         f = self.pipeline.load_figures()
         return encoder_pb2.EncoderGetLoadResponse(
-            queued_requests=self.in_progress,
+            queued_requests=self.num_active,
             queued_patches=f["queued_patches"],
             cache_bytes=f["cache_bytes"],
             cache_capacity_bytes=f["cache_capacity_bytes"],
@@ -142,12 +130,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
 
     def _gauge(self) -> None:
         if self.metrics:
-            self.metrics.queued_requests.set(self.in_progress)
+            self.metrics.queued_requests.set(self.num_active)
             self.metrics.queue_patches.set(self.pipeline.scheduler.queued_patches)
-
-    @staticmethod
-    async def _abort(context, code: ErrorCode, message: str):
-        await context.abort(_status(code.value), message)
 
 
 def _status(name: str) -> grpc.StatusCode:

@@ -15,12 +15,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-import time
 
 import grpc
 import torch
 
-from tandem.serving import add_health_and_reflection, bind, set_serving, stop_on_signals
+from tandem.devices import resolve_device, resolve_dtype
+from tandem.serving import (
+    add_health_and_reflection,
+    bind,
+    drain,
+    set_serving,
+    stop_on_signals,
+    wait_idle,
+)
 from tandem.v1 import language_pb2, language_pb2_grpc
 
 from .config import LanguageConfig
@@ -30,7 +37,6 @@ from .server import LanguageServicer, ServiceLimits
 
 log = logging.getLogger("tandem.language")
 SERVICE = language_pb2.DESCRIPTOR.services_by_name["Language"].full_name
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def serve(cfg: LanguageConfig) -> int:
@@ -47,18 +53,6 @@ def serve(cfg: LanguageConfig) -> int:
     return 0
 
 
-def resolve_device(cfg: LanguageConfig) -> tuple[torch.device, torch.dtype]:
-    if cfg.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(cfg.device)
-    if cfg.dtype == "auto":
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    else:
-        dtype = _DTYPES[cfg.dtype]
-    return device, dtype
-
-
 def build_engine(cfg: LanguageConfig, metrics: LanguageMetrics):
     """(engine, spec, tokenizer) for `cfg` (also used by the benchmark)."""
     from transformers import AutoTokenizer
@@ -66,7 +60,8 @@ def build_engine(cfg: LanguageConfig, metrics: LanguageMetrics):
     from services.language.model_runner import ModelRunner
     from tandem.models.split import load_text_weights
 
-    device, dtype = resolve_device(cfg)
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
     weights = load_text_weights(cfg.model, dtype=dtype, device=device)
     spec = weights.spec
     max_len = cfg.max_model_len or spec.max_position_embeddings
@@ -146,18 +141,12 @@ async def run(
     # -- drain --
     log.info("draining: %d requests in progress", servicer.num_active)
     servicer.draining = True
-    await health_servicer.enter_graceful_shutdown()
-    end = time.monotonic() + cfg.drain_timeout_s
-    while servicer.num_active and time.monotonic() < end:
-        await asyncio.sleep(0.05)
-    if servicer.num_active:
+    if await drain(health_servicer, lambda: servicer.num_active, cfg.drain_timeout_s):
         log.warning("drain timeout: aborting %d requests", servicer.num_active)
         for room in list(servicer.transferring):
             receiver.abort(room)
     engine.stop()  # aborts what is left: each stream gets its final ABORT message
-    end = time.monotonic() + 2.0
-    while servicer.num_active and time.monotonic() < end:
-        await asyncio.sleep(0.02)
+    await wait_idle(lambda: servicer.num_active, 2.0, poll_s=0.02)
     await server.stop(grace=1.0)
     await receiver.close()
     log.info(

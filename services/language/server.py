@@ -23,6 +23,7 @@ from services.language.engine import Engine
 from services.language.metrics import LanguageMetrics
 from services.language.request import Request, RequestStatus, SamplingParams, StreamDelta
 from services.language.scheduler import AdmissionError
+from tandem.serving import deadline_from_proto
 from tandem.transfer import BlockAllocator, EmbeddingReceiver, TransferError
 from tandem.v1 import common_pb2, language_pb2, language_pb2_grpc
 
@@ -120,11 +121,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             yield error_response("ALREADY_EXISTS", f"room {room} is already in progress")
             return
         now = time.time()
-        deadline = (
-            request.deadline_unix_ms / 1000.0
-            if request.deadline_unix_ms > 0
-            else now + self.limits.request_timeout_s
-        )
+        deadline = deadline_from_proto(request.deadline_unix_ms, self.limits.request_timeout_s, now)
         if deadline <= now:
             yield error_response("DEADLINE_EXCEEDED", "deadline already passed", abort=True)
             return

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.devices import DTYPES
 from tandem.transfer.errors import TransferError
 from tandem.v1 import encoder_pb2
 
@@ -33,8 +34,6 @@ AUX_ROOM_LO = 6  # room id, low 32 bits (int32 bit pattern)
 AUX_ROOM_HI = 7  # room id, high 32 bits
 AUX_EMBED_DIM = 8  # embedding width the writer used
 # aux[9:16] reserved, written as 0.
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
