@@ -59,6 +59,39 @@ class TransferConfig(BaseModel):
     )
 
 
+class ServiceSettings(TandemSettings):
+    """The fields every service has: its model, where it binds, how long a request without
+    a deadline may run, how long SIGTERM waits. A service with other defaults or another
+    meaning redeclares the field (it keeps its place in --help)."""
+
+    model: str = Field(..., description="Checkpoint: a local directory or a Hugging Face id.")
+    host: str = Field("127.0.0.1", description="Address the service's servers bind to.")
+    request_timeout_s: float = Field(
+        120.0, gt=0, le=86400, description="Default deadline of a request without one."
+    )
+    drain_timeout_s: float = Field(
+        30.0, ge=0, le=3600, description="On SIGTERM, wait this long for requests in progress."
+    )
+
+
+class ModelServiceSettings(ServiceSettings):
+    """A tier that loads a checkpoint onto a device and moves prompts through Mooncake
+    (encoder, language). Each declares its own `port` (the defaults differ)."""
+
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="Prometheus metrics HTTP port; 0 disables it."
+    )
+    device: str = Field("auto", description="'auto' (cuda if available), 'cpu' or 'cuda[:N]'.")
+    dtype: str = Field(
+        "auto",
+        pattern="^(auto|float32|bfloat16|float16)$",
+        description="Model dtype; 'auto' is bfloat16 on CUDA and float32 on CPU.",
+    )
+    transfer: TransferConfig = Field(
+        default_factory=TransferConfig, description="Transfer engine settings."
+    )
+
+
 def format_validation_error(prog: str, err: ValidationError) -> str:
     """One line per bad field: `prog: invalid config: port=-1: Input should be >= 1`."""
     parts = []

@@ -4,23 +4,17 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from tandem.config import TandemSettings, TransferConfig
+from tandem.config import ModelServiceSettings
 
 
-class EncoderConfig(TandemSettings):
+class EncoderConfig(ModelServiceSettings):
     """The ViT encode tier: preprocessing, vision tower, embedding cache, transfer out."""
 
-    model: str = Field(..., description="Checkpoint: a local directory or a Hugging Face id.")
-    host: str = Field("127.0.0.1", description="Address the gRPC server binds to.")
     port: int = Field(50061, ge=1, le=65535, description="gRPC port (Encode, Attach, GetLoad).")
-    metrics_port: int = Field(
-        0, ge=0, le=65535, description="Prometheus metrics HTTP port; 0 disables it."
-    )
-    device: str = Field("auto", description="'auto' (cuda if available), 'cpu' or 'cuda[:N]'.")
-    dtype: str = Field(
-        "auto",
-        pattern="^(auto|float32|bfloat16|float16)$",
-        description="Model dtype; 'auto' is bfloat16 on CUDA and float32 on CPU.",
+    # The encoder's own default: an Encode ends once its prompt is delivered, not when a
+    # generation does.
+    request_timeout_s: float = Field(
+        60.0, gt=0, le=3600, description="Default deadline of a request without one."
     )
     min_pixels: int = Field(
         0,
@@ -72,18 +66,9 @@ class EncoderConfig(TandemSettings):
     cuda_graph_max: int = Field(
         16, ge=0, le=256, description="Max ViT CUDA graphs kept (0 disables graphs)."
     )
-    request_timeout_s: float = Field(
-        60.0, gt=0, le=3600, description="Default deadline of a request without one."
-    )
-    drain_timeout_s: float = Field(
-        30.0, ge=0, le=3600, description="On SIGTERM, wait this long for rooms to finish."
-    )
-    staging_slots: int = Field(
-        2, ge=1, le=64, description="Transfer staging slots (pieces in flight at once)."
-    )
     staging_tokens: int = Field(
         4096, ge=16, description="Tokens per staging slot (>= the language block size)."
     )
-    transfer: TransferConfig = Field(
-        default_factory=TransferConfig, description="Transfer engine settings."
+    staging_slots: int = Field(
+        2, ge=1, le=64, description="Transfer staging slots (pieces in flight at once)."
     )

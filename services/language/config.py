@@ -4,24 +4,13 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from tandem.config import TandemSettings, TransferConfig
+from tandem.config import ModelServiceSettings
 
 
-class LanguageConfig(TandemSettings):
+class LanguageConfig(ModelServiceSettings):
     """The prefill/decode tier: embedding buffers, paged KV cache, scheduler, sampler."""
 
-    model: str = Field(..., description="Checkpoint: a local directory or a Hugging Face id.")
-    host: str = Field("127.0.0.1", description="Address the gRPC server binds to.")
     port: int = Field(50071, ge=1, le=65535, description="gRPC port (Generate, Abort, GetLoad).")
-    metrics_port: int = Field(
-        0, ge=0, le=65535, description="Prometheus metrics HTTP port; 0 disables it."
-    )
-    device: str = Field("auto", description="'auto' (cuda if available), 'cpu' or 'cuda[:N]'.")
-    dtype: str = Field(
-        "auto",
-        pattern="^(auto|float32|bfloat16|float16)$",
-        description="Model dtype; 'auto' is bfloat16 on CUDA and float32 on CPU.",
-    )
     embedding_block_size: int = Field(
         1024, ge=16, le=65536, description="Tokens per embedding-buffer block."
     )
@@ -52,9 +41,6 @@ class LanguageConfig(TandemSettings):
     cuda_graph_max_bs: int = Field(
         32, ge=0, le=1024, description="Largest decode batch captured in a CUDA graph; 0 = off."
     )
-    request_timeout_s: float = Field(
-        120.0, gt=0, le=86400, description="Default deadline of a request without one."
-    )
     init_new_token_ratio: float = Field(
         0.7, gt=0, le=1.0,
         description="Share of a request's max_tokens reserved in KV pages at admission; "
@@ -65,9 +51,3 @@ class LanguageConfig(TandemSettings):
         description="How long a room whose encoder broke before Done waits for Reattach.",
     )  # fmt: skip
     cpu_threads: int = Field(0, ge=0, le=1024, description="torch CPU threads; 0 = default.")
-    drain_timeout_s: float = Field(
-        30.0, ge=0, le=3600, description="On SIGTERM, wait this long for running requests."
-    )
-    transfer: TransferConfig = Field(
-        default_factory=TransferConfig, description="Transfer engine settings."
-    )

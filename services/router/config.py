@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from tandem.config import TandemSettings
+from tandem.config import ServiceSettings
 
 
-class RouterConfig(TandemSettings):
+class RouterConfig(ServiceSettings):
     """The front door: OpenAI-compatible HTTP, the SDK's gRPC API, instance selection."""
 
     model: str = Field("", description="Model name reported by /v1/models (default: from tiers).")
-    host: str = Field("127.0.0.1", description="Address the servers bind to.")
     http_port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP port.")
     grpc_port: int = Field(50051, ge=1, le=65535, description="gRPC Router port (SDK).")
     encoders: list[str] = Field(
@@ -36,9 +35,6 @@ class RouterConfig(TandemSettings):
     )
     max_inflight: int = Field(
         256, ge=1, le=100000, description="In-flight requests; beyond it answer 429."
-    )
-    request_timeout_s: float = Field(
-        120.0, gt=0, le=86400, description="Default request deadline."
     )
     encoder_retries: int = Field(
         1, ge=0, le=10, description="Retries on another encoder before the prompt is delivered."
