@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from prometheus_client import CollectorRegistry
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -150,7 +151,7 @@ def main(argv=None) -> int:
         max_prefill_tokens=a.max_prefill_tokens, max_running_requests=max(a.concurrency),
         cuda_graph_max_bs=max(a.concurrency),
     )  # fmt: skip
-    engine, spec, _ = build_engine(cfg, LanguageMetrics())
+    engine, spec, _ = build_engine(cfg, LanguageMetrics(CollectorRegistry()))
     device, dtype = engine.runner.device, engine.runner.dtype
     hf = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=dtype).to(device).eval()
     work = workload(a.requests, spec.vocab_size)

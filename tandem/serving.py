@@ -1,15 +1,15 @@
-"""gRPC server scaffolding every Tandem service shares: health, reflection, bind, signals,
-drain, deadlines.
+"""gRPC server scaffolding every Tandem service shares: process start, health, reflection,
+bind, signals, drain, deadlines.
 
+    return run_service("tandem encoder", run(cfg), cfg.cpu_threads)   # serve(cfg)
     server = grpc.aio.server(...)
     add_XServicer_to_server(servicer, server)
-    health = add_health_and_reflection(server, SERVICE)   # grpc.health.v1 + reflection
-    bind(server, address, "tandem encoder")                # exits with one line on failure
-    await server.start(); await set_serving(health, SERVICE)
+    health = await start_serving(server, SERVICE, address, "tandem encoder")
+        # = add_health_and_reflection (grpc.health.v1 + reflection), bind (exits with one
+        #   line on failure), server.start(), set_serving
     stop = stop_on_signals(stop)                           # SIGTERM / SIGINT set it
     await stop.wait()
-    servicer.draining = True                               # new calls get UNAVAILABLE
-    left = await drain(health, lambda: servicer.num_active, timeout_s)
+    left = await drain(servicer, health, timeout_s, log)   # new calls get UNAVAILABLE
 
 Request deadlines arrive as `deadline_unix_ms` (0 = the service's default timeout);
 `deadline_from_proto` is the one reading of that field.
@@ -21,13 +21,38 @@ chart's probes and the router's probes ask for these exact names.
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+
+def run_service(prog: str, main: Coroutine[None, None, None], cpu_threads: int = 0) -> int:
+    """The body of `tandem <service>`: log lines on stderr, torch's CPU threads (0 keeps
+    torch's default), the event loop until `main` returns. A checkpoint that cannot be
+    used is one line naming the problem and exit code 2, not a traceback."""
+    from tandem.models.checkpoint import CheckpointError
+
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )  # fmt: skip
+    if cpu_threads:
+        import torch
+
+        torch.set_num_threads(cpu_threads)
+    try:
+        asyncio.run(main)
+    except CheckpointError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service: str) -> health.aio.HealthServicer:
@@ -53,6 +78,18 @@ async def set_serving(servicer: health.aio.HealthServicer, service: str) -> None
         await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
+async def start_serving(
+    server: grpc.aio.Server, service: str, address: str, prog: str
+) -> health.aio.HealthServicer:
+    """Health and reflection beside `service`, bind `address`, start, and turn SERVING;
+    the health servicer, for the drain."""
+    servicer = add_health_and_reflection(server, service)
+    bind(server, address, prog)
+    await server.start()
+    await set_serving(servicer, service)
+    return servicer
+
+
 def stop_on_signals(stop: asyncio.Event | None = None) -> asyncio.Event:
     """An event that SIGTERM / SIGINT set (handlers only install on the main thread)."""
     stop = stop or asyncio.Event()
@@ -73,16 +110,32 @@ async def wait_idle(active: Callable[[], int], timeout_s: float, poll_s: float =
     return active()
 
 
-async def drain(
-    health_servicer: health.aio.HealthServicer, active: Callable[[], int], timeout_s: float
-) -> int:
-    """Every health name turns NOT_SERVING (load balancers and the router stop sending),
-    then wait up to `timeout_s` for the calls in progress; returns how many are left.
+class Drainable(Protocol):
+    """A servicer the drain can stop: it refuses new calls (UNAVAILABLE) once `draining`
+    is set, and counts the calls in progress."""
 
-    The caller refuses new calls (its `draining` flag) before this, so `active()` only
-    falls."""
+    draining: bool
+
+    @property
+    def num_active(self) -> int: ...
+
+
+async def drain(
+    servicer: Drainable,
+    health_servicer: health.aio.HealthServicer,
+    timeout_s: float,
+    log: logging.Logger,
+) -> int:
+    """Refuse new calls, turn every health name NOT_SERVING (load balancers and the router
+    stop sending), then wait up to `timeout_s` for the calls in progress; returns how many
+    are left (the caller ends those its own way)."""
+    log.info("draining: %d calls in progress", servicer.num_active)
+    servicer.draining = True  # set first: from here `num_active` only falls
     await health_servicer.enter_graceful_shutdown()
-    return await wait_idle(active, timeout_s)
+    left = await wait_idle(lambda: servicer.num_active, timeout_s)
+    if left:
+        log.warning("drain timeout: %d calls still in progress", left)
+    return left
 
 
 def deadline_from_proto(deadline_unix_ms: int, default_timeout_s: float, now: float) -> float:

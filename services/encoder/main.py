@@ -12,13 +12,13 @@ import asyncio
 import logging
 
 import grpc
-import torch
 
-from tandem.serving import add_health_and_reflection, bind, drain, set_serving, stop_on_signals
+from tandem.metrics import metric_set, serve_metrics, service_registry
+from tandem.serving import drain, run_service, start_serving, stop_on_signals
 from tandem.v1 import encoder_pb2, encoder_pb2_grpc
 
 from .config import EncoderConfig
-from .metrics import encoder_metrics
+from .metrics import EncoderMetrics
 from .pipeline import EncodePipeline
 from .server import EncoderServicer
 
@@ -27,12 +27,8 @@ SERVICE = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name
 
 
 def serve(cfg: EncoderConfig) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if cfg.cpu_threads:
-        # NOTE: with one thread, float32 rows do not depend on the batch (see vit_runner).
-        torch.set_num_threads(cfg.cpu_threads)
-    asyncio.run(run(cfg))
-    return 0
+    # NOTE: with one CPU thread, float32 rows do not depend on the batch (see vit_runner).
+    return run_service("tandem encoder", run(cfg), cfg.cpu_threads)
 
 
 def _message_limit(cfg: EncoderConfig) -> int:
@@ -47,7 +43,8 @@ async def run(
     from tandem.transfer.sender import EmbeddingSender
     from tandem.transfer.staging import StagingArea
 
-    metrics = encoder_metrics()
+    registry = service_registry()
+    metrics = metric_set(EncoderMetrics, registry)
     pipeline = EncodePipeline.from_config(cfg, metrics)
     engine = MooncakeEngine(cfg.transfer)
     staging = StagingArea(
@@ -57,7 +54,7 @@ async def run(
         dtype=pipeline.embed_tokens.weight.dtype,
     )
     staging.register(engine)
-    sender = EmbeddingSender(engine, staging, cfg.transfer)
+    sender = EmbeddingSender(engine, staging, cfg.transfer, registry=registry)
 
     limit = _message_limit(cfg)
     server = grpc.aio.server(
@@ -68,16 +65,11 @@ async def run(
     )
     servicer = EncoderServicer(pipeline, sender, cfg.model, cfg.request_timeout_s, metrics)
     encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server)
-    health_servicer = add_health_and_reflection(server, SERVICE)
-    address = f"{cfg.host}:{cfg.port}"
-    bind(server, address, "tandem encoder")
     if cfg.metrics_port:
-        from prometheus_client import start_http_server
-
-        start_http_server(cfg.metrics_port, addr=cfg.host)
+        serve_metrics(cfg.metrics_port, cfg.host, registry)
     pipeline.start()
-    await server.start()
-    await set_serving(health_servicer, SERVICE)
+    address = f"{cfg.host}:{cfg.port}"
+    health_servicer = await start_serving(server, SERVICE, address, "tandem encoder")
     stop = stop_on_signals(stop)
     log.info(
         "encoder ready on %s (model %s, transfer %s, devices %s)",
@@ -89,11 +81,7 @@ async def run(
     if ready is not None:
         ready.set()
     await stop.wait()
-
-    log.info("draining: %d encodes in progress", servicer.num_active)
-    servicer.draining = True
-    if await drain(health_servicer, lambda: servicer.num_active, cfg.drain_timeout_s):
-        log.warning("drain timeout: %d encodes still in progress", servicer.num_active)
+    await drain(servicer, health_servicer, cfg.drain_timeout_s, log)
     await server.stop(grace=1.0)
     await pipeline.stop()
     log.info("encoder stopped")

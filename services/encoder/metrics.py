@@ -1,4 +1,4 @@
-"""Prometheus metrics of the encode tier (one set per registry).
+"""Prometheus metrics of the encode tier: one set per registry (`tandem.metrics`).
 
 tandem_encoder_images_encoded_total     images run through the ViT
 tandem_encoder_patches_total            vision patches run through the ViT
@@ -15,8 +15,6 @@ tandem_encoder_requests_total{code}     finished Encode calls by gRPC code name
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-from tandem.metrics import metric_set
 
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -53,8 +51,3 @@ class EncoderMetrics:
         self.patches.inc(patches)
         self.vit_seconds.observe(seconds)
         self.batch_images.observe(images)
-
-
-def encoder_metrics(registry: CollectorRegistry | None = None) -> EncoderMetrics:
-    """The metric set of `registry` (default: the process registry), created once."""
-    return metric_set(EncoderMetrics, registry)

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from prometheus_client import CollectorRegistry
 
 from services.language.detokenizer import IncrementalDetokenizer
 from services.language.metrics import LanguageMetrics
@@ -67,7 +68,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.eos = frozenset(eos_token_ids or getattr(runner, "eos_token_ids", ()))
-        self.metrics = metrics or LanguageMetrics()
+        self.metrics = metrics or LanguageMetrics(CollectorRegistry())  # a registry of its own
         self.pool = runner.kv_pool
         self.scheduler = Scheduler(
             self.pool,

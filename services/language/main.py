@@ -14,20 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 
 import grpc
-import torch
 
 from tandem.devices import resolve_device, resolve_dtype
-from tandem.serving import (
-    add_health_and_reflection,
-    bind,
-    drain,
-    set_serving,
-    stop_on_signals,
-    wait_idle,
-)
+from tandem.metrics import metric_set, serve_metrics, service_registry
+from tandem.serving import drain, run_service, start_serving, stop_on_signals, wait_idle
 from tandem.v1 import language_pb2, language_pb2_grpc
 
 from .config import LanguageConfig
@@ -40,17 +32,7 @@ SERVICE = language_pb2.DESCRIPTOR.services_by_name["Language"].full_name
 
 
 def serve(cfg: LanguageConfig) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    from tandem.models.checkpoint import CheckpointError
-
-    if cfg.cpu_threads:
-        torch.set_num_threads(cfg.cpu_threads)
-    try:
-        asyncio.run(run(cfg))
-    except CheckpointError as e:  # a bad --model is one clear line, not a traceback
-        print(f"tandem language: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_service("tandem language", run(cfg), cfg.cpu_threads)
 
 
 def build_engine(cfg: LanguageConfig, metrics: LanguageMetrics):
@@ -98,7 +80,8 @@ async def run(
     from tandem.transfer import BlockAllocator, EmbeddingBuffers, EmbeddingReceiver
     from tandem.transfer.engine import MooncakeEngine
 
-    metrics = LanguageMetrics()
+    registry = service_registry()
+    metrics = metric_set(LanguageMetrics, registry)
     engine, spec, _ = build_engine(cfg, metrics)
     engine.start()
     transfer = MooncakeEngine(cfg.transfer)
@@ -114,20 +97,17 @@ async def run(
         reserve_tokens=cfg.default_reservation_tokens,
         reattach_grace_s=cfg.reattach_grace_s,
         max_prompt_tokens=cfg.max_model_len or spec.max_position_embeddings,
-        registry=metrics.registry,
+        registry=registry,
     )  # fmt: skip
 
     server = grpc.aio.server(options=[("grpc.max_send_message_length", 16 << 20)])
     limits = ServiceLimits(cfg.default_max_tokens, cfg.request_timeout_s, cfg.model)
     servicer = LanguageServicer(engine, receiver, allocator, limits, metrics)
     language_pb2_grpc.add_LanguageServicer_to_server(servicer, server)
-    health_servicer = add_health_and_reflection(server, SERVICE)
-    address = f"{cfg.host}:{cfg.port}"
-    bind(server, address, "tandem language")
     if cfg.metrics_port:
-        metrics.serve(cfg.metrics_port, cfg.host)
-    await server.start()
-    await set_serving(health_servicer, SERVICE)
+        serve_metrics(cfg.metrics_port, cfg.host, registry)
+    address = f"{cfg.host}:{cfg.port}"
+    health_servicer = await start_serving(server, SERVICE, address, "tandem language")
     stop = stop_on_signals(stop)
     log.info(
         "language ready on %s (model %s, %s %s, %d KV pages of %d, transfer %s)",
@@ -138,12 +118,8 @@ async def run(
         ready.set()
     await stop.wait()
 
-    # -- drain --
-    log.info("draining: %d requests in progress", servicer.num_active)
-    servicer.draining = True
-    if await drain(health_servicer, lambda: servicer.num_active, cfg.drain_timeout_s):
-        log.warning("drain timeout: aborting %d requests", servicer.num_active)
-        for room in list(servicer.transferring):
+    if await drain(servicer, health_servicer, cfg.drain_timeout_s, log):
+        for room in list(servicer.transferring):  # the engine's are aborted by its stop
             receiver.abort(room)
     engine.stop()  # aborts what is left: each stream gets its final ABORT message
     await wait_idle(lambda: servicer.num_active, 2.0, poll_s=0.02)

@@ -1,11 +1,11 @@
-"""Prometheus metrics of the language tier (one registry per instance, so tests and
-several engines in one process never collide)."""
+"""Prometheus metrics of the language tier: one set per registry (`tandem.metrics`), the
+service's own, so several engines in one process (tests) never collide."""
 
 from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
@@ -13,8 +13,8 @@ _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 class LanguageMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        r = self.registry = registry or CollectorRegistry()
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
         p = "tandem_language_"
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first token.",
                               buckets=_LATENCY, registry=r)  # fmt: skip
@@ -55,7 +55,3 @@ class LanguageMetrics:
         if now - self._window_start >= 2.0:
             self.tokens_per_s.set(self._window_tokens / (now - self._window_start))
             self._window_start, self._window_tokens = now, 0
-
-    def serve(self, port: int, host: str = "127.0.0.1") -> None:
-        """Expose /metrics over HTTP (a daemon thread)."""
-        start_http_server(port, addr=host, registry=self.registry)

@@ -10,12 +10,13 @@ from services.router.metrics import RouterMetrics
 from services.router.pipeline import Dispatcher
 from services.router.registry import Registry
 from services.router.selection import Selector
+from tandem.metrics import metric_set, service_registry
 
 
 class RouterCore:
     def __init__(self, cfg) -> None:
         self.cfg = cfg
-        self.metrics = RouterMetrics()
+        self.metrics = metric_set(RouterMetrics, service_registry())
         self.registry = Registry(cfg)
         # NOTE: one selector per tier: a shared round-robin counter would advance twice per
         # request and pin every request of one tier to the same instance.

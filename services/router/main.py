@@ -13,8 +13,6 @@ import asyncio
 import contextlib
 import logging
 import socket
-import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -24,7 +22,13 @@ from grpc_health.v1 import health_pb2
 from services.router.core import RouterCore
 from services.router.grpc_api import RouterServicer
 from services.router.http_api import build_app
-from tandem.serving import add_health_and_reflection, bind, stop_on_signals
+from tandem.serving import (
+    add_health_and_reflection,
+    bind,
+    run_service,
+    stop_on_signals,
+    wait_idle,
+)
 from tandem.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger("tandem.router")
@@ -100,9 +104,7 @@ async def run_router(cfg, stop: asyncio.Event) -> None:
     core.draining = True
     health_task.cancel()
     await health_servicer.enter_graceful_shutdown()
-    end = time.monotonic() + cfg.drain_timeout_s
-    while core.admission.inflight and time.monotonic() < end:
-        await asyncio.sleep(0.05)
+    await wait_idle(lambda: core.admission.inflight, cfg.drain_timeout_s)
     http.should_exit = True
     with contextlib.suppress(BaseException):
         await asyncio.wait_for(http_task, timeout=5)
@@ -113,12 +115,7 @@ async def run_router(cfg, stop: asyncio.Event) -> None:
 
 
 def serve(cfg) -> int:
-    logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
-
     async def main() -> None:
         await run_router(cfg, stop_on_signals())
 
-    asyncio.run(main())
-    return 0
+    return run_service("tandem router", main())

@@ -1,4 +1,5 @@
-"""Prometheus metrics of one router (a private registry, so tests can build many)."""
+"""Prometheus metrics of one router: one set per registry (`tandem.metrics`), the router's
+own, which its HTTP app renders on /metrics (so tests can build many routers)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 12
 
 
 class RouterMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
         r = self.registry
         self.requests = Counter(
             "tandem_router_requests", "Chat requests by front-end and outcome.",
