@@ -47,9 +47,14 @@ def _tiny_model(argv: list[str]) -> int:
 
 
 def _up(argv: list[str]) -> int:
-    from tandem.launch.up import main as up_main
+    """`tandem up` runs the tiers as local processes; with `--ray [ADDRESS]`, as Ray actors.
+    Both launchers read the same plan (tandem/launch/plan.py) and never import each other."""
+    if any(a == "--ray" or a.startswith("--ray=") for a in argv):
+        from tandem.launch.ray_up import main as launch
+    else:
+        from tandem.launch.up import main as launch
 
-    return up_main(argv) or 0
+    return launch(argv) or 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,17 +36,6 @@ def _image_data_url() -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def _launcher() -> list[str]:
-    """`tandem up --ray` once `tandem up` hands --ray over; the module itself until then."""
-    import inspect
-
-    from tandem.launch import up
-
-    if "ray_up" in inspect.getsource(up):
-        return [sys.executable, "-m", "tandem.cli", "up"]
-    return [sys.executable, "-m", "tandem.launch.ray_up"]
-
-
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -75,7 +64,7 @@ def test_ray_launcher_serves_a_chat_and_leaves_nothing_behind(checkpoint, monkey
                    namespace="tandem-test", log_to_driver=False)  # fmt: skip
     namespace = "tandem-ray-e2e"
     http_port, grpc_port = free_port(), free_port()
-    argv = [*_launcher(), "--ray", ctx.address_info["gcs_address"],
+    argv = [sys.executable, "-m", "tandem.cli", "up", "--ray", ctx.address_info["gcs_address"],
             "--ray-namespace", namespace, "--encoder-gpus", "0", "--language-gpus", "0",
             "--model", str(model), "--http-port", str(http_port), "--grpc-port", str(grpc_port),
             "--ready-timeout", "180", "--stop-timeout", "20"]  # fmt: skip

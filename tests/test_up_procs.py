@@ -12,8 +12,8 @@ import threading
 import psutil
 import pytest
 
+from tandem.launch.plan import parse_args, plan, transfer_ranges
 from tandem.launch.procs import Child, stop_all, wait_ready
-from tandem.launch.up import parse_args, plan, transfer_ranges
 
 
 def test_parse_args_rejects_zero_instances(capsys):

@@ -30,17 +30,8 @@ import os
 import sys
 import threading
 
-from tandem.launch import up
-from tandem.launch.procs import (
-    Child,
-    free_port,
-    say,
-    stop_all,
-    stop_event_on_signals,
-    wait_ready,
-)
-
-CPU_KV_PAGES = 4096  # KV pages of a language instance granted no GPU
+from tandem.launch import plan as launch_plan
+from tandem.launch.procs import Child, free_port, say, stop_all, stop_event_on_signals, wait_ready
 
 
 class ServiceHost:
@@ -58,16 +49,14 @@ class ServiceHost:
         ip = ray.util.get_node_ip_address()
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if not ray.get_gpu_ids():
-            # NOTE: no GPU was granted: hide the node's GPUs from the child, and give a
-            # language instance a KV page count (it sizes its pool from GPU memory otherwise).
+            # NOTE: no GPU was granted: hide the node's GPUs from the child; a language
+            # instance then needs a KV page count (see plan.CPU_KV_PAGES).
             env["CUDA_VISIBLE_DEVICES"] = ""
-            if self.kind == "language" and not any(a.startswith("--kv-pages") for a in extra):
-                extra = ["--kv-pages", str(CPU_KV_PAGES), *extra]
+            if self.kind == "language":
+                extra = launch_plan.cpu_language_args(extra)
         port = free_port(ip)
-        ((lo, hi),) = up.transfer_ranges(1)
-        argv = [sys.executable, "-m", "tandem.cli", self.kind, "--model", model,
-                "--host", ip, "--port", str(port), "--transfer.host", ip,
-                "--transfer.min-port", str(lo), "--transfer.max-port", str(hi), *extra]  # fmt: skip
+        (ports,) = launch_plan.transfer_ranges(1)
+        argv = launch_plan.instance_argv(self.kind, model, ip, port, ports, extra)
         self.child = Child(self.name, argv, f"{ip}:{port}")
         self.child.start(env)
         try:
@@ -104,14 +93,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]
     p.add_argument("--ray-namespace", default="", help="Ray namespace (default: tandem-<pid>).")
     if "-h" in argv or "--help" in argv:
         p.print_help()
-        up.parse_args(["--help"])
+        launch_plan.parse_args(["--help"])
     ray_args, rest = p.parse_known_args(argv)
     if ray_args.ray is None:
         p.error("--ray is required")
     for flag in ("encoder_gpus", "language_gpus", "encoder_cpus", "language_cpus"):
         if getattr(ray_args, flag) < 0:
             p.error(f"--{flag.replace('_', '-')} must be >= 0")
-    return ray_args, up.parse_args(rest)
+    return ray_args, launch_plan.parse_args(rest)
 
 
 def _connect(ray_args: argparse.Namespace):
@@ -155,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     actors, pg, router, code = [], None, None, 0
     try:
         _check_resources(ray, rargs, args)
-        model = args.model or str(up.default_model(args.arch))
+        model = args.model or str(launch_plan.default_model(args.arch))
         # SPREAD: bundles go to different nodes where possible (soft, unlike STRICT_SPREAD).
         pg = placement_group([{"CPU": c, "GPU": g} if g else {"CPU": c} for _, _, c, g, _ in plan],
                              strategy="SPREAD", name=f"tandem-{os.getpid()}")  # fmt: skip
@@ -183,14 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"(node {info['node_ip']}, gpus [{info['gpus']}])")  # fmt: skip
         addresses = {kind: [f["address"] for f in infos if f["name"].startswith(kind)]
                      for kind in ("encoder", "language")}  # fmt: skip
-        router = Child("router", [
-            sys.executable, "-m", "tandem.cli", "router", "--model", model, "--host", args.host,
-            "--http-port", str(args.http_port), "--grpc-port", str(args.grpc_port),
-            "--encoders", ",".join(addresses["encoder"]),
-            "--languages", ",".join(addresses["language"]),
-            *(["--api-key", args.api_key] if args.api_key else []),
-            *shlex.split(args.router_args),
-        ], f"{args.host}:{args.grpc_port}", up.ROUTER_HEALTH)  # fmt: skip
+        router = launch_plan.router_child(args, model, addresses["encoder"],
+                                          addresses["language"])  # fmt: skip
         say(f"[up] router      starting http://{args.host}:{args.http_port}")
         router.start(dict(os.environ, PYTHONUNBUFFERED="1"))
         wait_ready([router], args.ready_timeout, stop)

@@ -1,0 +1,166 @@
+"""The launch plan `tandem up` and `tandem up --ray` share: the cluster flags, the default
+model, the Mooncake port ranges, and the command line of every child.
+
+    args = parse_args(argv)                        # the cluster flags (both launchers)
+    model = args.model or str(default_model(args.arch))
+    encoders, languages, router = plan(args, model)         # local processes
+    instance_argv(kind, model, host, port, (lo, hi), extra)  # one tier instance (Ray too)
+    router_child(args, model, encoder_addrs, language_addrs)
+
+Nothing here starts a process; `up.py` and `ray_up.py` run what this plans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shlex
+import socket
+import sys
+from pathlib import Path
+
+from tandem.launch.procs import Child, free_port, say
+
+ROUTER_HEALTH = "tandem.v1.Router"
+PORT_RANGE = 40  # Mooncake RPC ports per instance
+# NOTE: the language tier sizes its KV pool from free GPU memory; an instance without a
+# GPU needs an explicit page count, so it gets this one unless the caller gave --kv-pages.
+CPU_KV_PAGES = 4096
+CLI = [sys.executable, "-m", "tandem.cli"]
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("TANDEM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tandem"
+    )
+    return Path(base)
+
+
+def default_model(arch: str) -> Path:
+    """The tiny checkpoint in the cache, built on first use (atomically)."""
+    out = cache_dir() / f"tiny-{arch}"
+    if (out / ".complete").exists():
+        return out
+    say(f"[up] building the tiny {arch} checkpoint into {out} (once)")
+    from tandem.models.tiny import build_tiny_model
+
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    build_tiny_model(tmp, arch=arch, size="tiny", seed=0)
+    (tmp / ".complete").touch()
+    try:
+        tmp.rename(out)
+    except OSError:  # built concurrently by another process
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def transfer_ranges(n: int) -> list[tuple[int, int]]:
+    """`n` disjoint Mooncake RPC port ranges in a random free-looking window."""
+    for _ in range(50):
+        base = random.randrange(20000, 32000 - n * PORT_RANGE)
+        ranges = [(base + i * PORT_RANGE, base + (i + 1) * PORT_RANGE - 1) for i in range(n)]
+        if all(_port_free(lo) and _port_free(lo + 1) for lo, _ in ranges):
+            return ranges
+    raise RuntimeError("no free port window for the transfer engines")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The cluster flags; `tandem up --ray` takes its own flags out first, then calls this."""
+    p = argparse.ArgumentParser(
+        prog="tandem up",
+        description="A whole local cluster: N encoders, M language instances, one router.",
+    )
+    p.add_argument("--model", default="", help="Local checkpoint dir or Hugging Face id "
+                   "(default: a tiny random-weight model built into the cache once).")
+    p.add_argument("--arch", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl"],
+                   help="Architecture of the default tiny model.")
+    p.add_argument("--encoders", type=int, default=1, help="Encoder instances.")
+    p.add_argument("--languages", type=int, default=1, help="Language instances.")
+    p.add_argument("--host", default="127.0.0.1", help="Address everything binds to.")
+    p.add_argument("--http-port", type=int, default=8000, help="Router HTTP port.")
+    p.add_argument("--grpc-port", type=int, default=50051, help="Router gRPC port.")
+    p.add_argument("--api-key", default="", help="Require this Bearer key at the router.")
+    p.add_argument("--demo", action="store_true",
+                   help="Send one chat with a generated image once ready (DEMO_ONLY=1: exit after).")
+    p.add_argument("--encoder-args", default="", help="Extra flags for every encoder.")
+    p.add_argument("--language-args", default="", help="Extra flags for every language instance.")
+    p.add_argument("--router-args", default="", help="Extra flags for the router.")
+    p.add_argument("--ready-timeout", type=float, default=300.0, help="Seconds to get ready.")
+    p.add_argument("--stop-timeout", type=float, default=15.0,
+                   help="Seconds each child gets to drain before it is killed.")
+    args = p.parse_args(argv)
+    if args.encoders < 1 or args.languages < 1:
+        p.error("--encoders and --languages must be >= 1")
+    return args
+
+
+def cpu_language_args(extra: list[str]) -> list[str]:
+    """A language instance's flags on a machine (or Ray bundle) without a GPU."""
+    if any(a.startswith("--kv-pages") for a in extra):
+        return extra
+    return ["--kv-pages", str(CPU_KV_PAGES), *extra]
+
+
+def instance_argv(
+    kind: str, model: str, host: str, port: int, ports: tuple[int, int], extra: list[str]
+) -> list[str]:
+    """The command of one tier instance: its gRPC port and its own Mooncake port range."""
+    lo, hi = ports
+    return [*CLI, kind, "--model", model, "--host", host, "--port", str(port),
+            "--transfer.host", host, "--transfer.min-port", str(lo),
+            "--transfer.max-port", str(hi), *extra]  # fmt: skip
+
+
+def router_child(
+    args: argparse.Namespace, model: str, encoders: list[str], languages: list[str]
+) -> Child:
+    """The router, local to the launcher, given every instance's address."""
+    argv = [*CLI, "router", "--model", model, "--host", args.host,
+            "--http-port", str(args.http_port), "--grpc-port", str(args.grpc_port),
+            "--encoders", ",".join(encoders), "--languages", ",".join(languages),
+            *shlex.split(args.router_args)]  # fmt: skip
+    router = Child("router", argv, f"{args.host}:{args.grpc_port}", ROUTER_HEALTH)
+    if args.api_key:  # NOTE: through the environment, not argv (which `ps` shows to all)
+        router.env_extra["TANDEM_API_KEY"] = args.api_key
+    return router
+
+
+def _cpu_only() -> bool:
+    try:
+        import torch
+
+        return not torch.cuda.is_available()
+    except ImportError:
+        return True
+
+
+def plan(args: argparse.Namespace, model: str) -> tuple[list[Child], list[Child], Child]:
+    """(encoders, languages, router) as local processes on `args.host`, free ports each."""
+    ranges = transfer_ranges(args.encoders + args.languages)
+    language_extra = shlex.split(args.language_args)
+    if _cpu_only():
+        language_extra = cpu_language_args(language_extra)
+    encoders, languages = [], []
+    for kind, count, extra, out in (
+        ("encoder", args.encoders, shlex.split(args.encoder_args), encoders),
+        ("language", args.languages, language_extra, languages),
+    ):
+        for i in range(count):
+            port = free_port(args.host)
+            argv = instance_argv(kind, model, args.host, port, ranges.pop(), extra)
+            out.append(Child(f"{kind}-{i}", argv, f"{args.host}:{port}"))
+    router = router_child(args, model, [c.grpc_address for c in encoders],
+                          [c.grpc_address for c in languages])  # fmt: skip
+    return encoders, languages, router
