@@ -7,27 +7,17 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from tandem.client.channel import RouterChannel
 from tandem.client.errors import error_from_rpc
 from tandem.client.results import ChatResult, add, backoff_s, build_request, check, retryable
-from tandem.client.sync import make_channel_args
-from tandem.v1 import router_pb2, router_pb2_grpc
+from tandem.v1 import router_pb2
 
 
-class AsyncClient:
-    """`async with AsyncClient("127.0.0.1:50051") as c: r = await c.chat("Hello")`."""
+class AsyncClient(RouterChannel):
+    """`async with AsyncClient("127.0.0.1:50051") as c: r = await c.chat("Hello")`
+    (the options are `Client`'s)."""
 
-    def __init__(self, address: str = "127.0.0.1:50051", *, api_key: str | None = None,
-                 timeout: float = 120.0, retries: int = 3, backoff: float = 0.2,
-                 tls: bool = False, root_certificates: bytes | None = None,
-                 tls_server_name: str = "") -> None:
-        self.timeout = timeout
-        self.retries = retries
-        self.backoff = backoff
-        self._metadata, creds, opts = make_channel_args(
-            address, api_key, tls, root_certificates, tls_server_name)
-        self._channel = (grpc.aio.secure_channel(address, creds, options=opts) if creds
-                         else grpc.aio.insecure_channel(address, options=opts))
-        self._stub = router_pb2_grpc.RouterStub(self._channel)
+    _grpc = grpc.aio
 
     async def close(self) -> None:
         await self._channel.close()

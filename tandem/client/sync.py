@@ -7,24 +7,13 @@ from collections.abc import Iterator
 
 import grpc
 
+from tandem.client.channel import RouterChannel
 from tandem.client.errors import TandemError, error_from_rpc
 from tandem.client.results import ChatResult, add, backoff_s, build_request, check, retryable
-from tandem.v1 import router_pb2, router_pb2_grpc
-
-_OPTIONS = [("grpc.max_send_message_length", 256 << 20),
-            ("grpc.max_receive_message_length", 256 << 20)]
+from tandem.v1 import router_pb2
 
 
-def make_channel_args(address, api_key, tls, root_certificates, tls_server_name=""):
-    """(call metadata, channel credentials or None, channel options) for both clients."""
-    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
-    creds = grpc.ssl_channel_credentials(root_certificates) if tls else None
-    opts = _OPTIONS + ([("grpc.ssl_target_name_override", tls_server_name)]
-                       if tls_server_name else [])
-    return metadata, creds, opts
-
-
-class Client:
+class Client(RouterChannel):
     """`Client("127.0.0.1:50051").chat("Hello")`.
 
     timeout: default per-request deadline in seconds (sent to the router, and the gRPC
@@ -34,18 +23,7 @@ class Client:
     certificate was issued for, when it differs from the address's host).
     """
 
-    def __init__(self, address: str = "127.0.0.1:50051", *, api_key: str | None = None,
-                 timeout: float = 120.0, retries: int = 3, backoff: float = 0.2,
-                 tls: bool = False, root_certificates: bytes | None = None,
-                 tls_server_name: str = "") -> None:
-        self.timeout = timeout
-        self.retries = retries
-        self.backoff = backoff
-        self._metadata, creds, opts = make_channel_args(
-            address, api_key, tls, root_certificates, tls_server_name)
-        self._channel = (grpc.secure_channel(address, creds, options=opts) if creds
-                         else grpc.insecure_channel(address, options=opts))
-        self._stub = router_pb2_grpc.RouterStub(self._channel)
+    _grpc = grpc
 
     def close(self) -> None:
         self._channel.close()

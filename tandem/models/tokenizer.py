@@ -131,32 +131,11 @@ def is_special(token: str) -> bool:
     return token not in _NOT_SPECIAL
 
 
-# Qwen2.5-VL's chat template (default system prompt; images as vision_start/image_pad/vision_end).
-CHAT_TEMPLATE_QWEN2_5 = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
-    "{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}"
-    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif content['type'] == 'video' or 'video' in content %}"
-    "{% set video_count.value = video_count.value + 1 %}"
-    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
-    "<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-# Qwen3-VL's chat template without the tool-calling branches (no default system prompt).
-CHAT_TEMPLATE_QWEN3 = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for content in message['content'] %}"
+# The part both Qwen chat templates share: counters, then a list-valued message's parts
+# (images as vision_start/image_pad/vision_end, videos with video_pad, text as is).
+_COUNTERS = "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+_CONTENT_PARTS = (
+    "{% for content in message['content'] %}"
     "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
     "{% set image_count.value = image_count.value + 1 %}"
     "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
@@ -166,6 +145,24 @@ CHAT_TEMPLATE_QWEN3 = (
     "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
     "<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}"
-    "{% endif %}<|im_end|>\n{% endfor %}"
+)
+
+# Qwen2.5-VL's chat template (default system prompt; images as vision_start/image_pad/vision_end).
+CHAT_TEMPLATE_QWEN2_5 = (
+    _COUNTERS
+    + "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}" + _CONTENT_PARTS + "<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Qwen3-VL's chat template without the tool-calling branches (no default system prompt).
+CHAT_TEMPLATE_QWEN3 = (
+    _COUNTERS
+    + "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}" + _CONTENT_PARTS + "{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
