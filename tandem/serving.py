@@ -1,15 +1,18 @@
 """gRPC server scaffolding every Tandem service shares: process start, health, reflection,
 bind, signals, drain, deadlines.
 
-    return run_service("tandem encoder", run(cfg), cfg.cpu_threads)   # serve(cfg)
-    server = grpc.aio.server(...)
-    add_XServicer_to_server(servicer, server)
-    health = await start_serving(server, SERVICE, address, "tandem encoder")
-        # = add_health_and_reflection (grpc.health.v1 + reflection), bind (exits with one
-        #   line on failure), server.start(), set_serving
-    stop = stop_on_signals(stop)                           # SIGTERM / SIGINT set it
-    await stop.wait()
-    left = await drain(servicer, health, timeout_s, log)   # new calls get UNAVAILABLE
+    def serve(cfg):                     # logging, CPU threads, event loop, one-line errors
+        return run_service("tandem encoder", run(cfg), cfg.cpu_threads)
+
+    async def run(cfg, ready=None, stop=None):
+        server = grpc.aio.server(...)
+        add_XServicer_to_server(servicer, server)
+        health = await start_serving(server, SERVICE, address, "tandem encoder")
+            # = add_health_and_reflection (grpc.health.v1 + reflection), bind (exits with
+            #   one line on failure), server.start(), set_serving
+        stop = stop_on_signals(stop)                         # SIGTERM / SIGINT set it
+        await stop.wait()
+        left = await drain(servicer, health, timeout_s, log) # new calls get UNAVAILABLE
 
 Request deadlines arrive as `deadline_unix_ms` (0 = the service's default timeout);
 `deadline_from_proto` is the one reading of that field.

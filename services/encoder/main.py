@@ -1,7 +1,8 @@
 """`tandem encoder`: load the vision part, start the transfer engine and the gRPC server.
 
 Start-up order: model (vision tower + embeddings) -> Mooncake engine + registered staging
--> gRPC server (Encoder, health, reflection) -> metrics HTTP -> "ready" log line.
+-> metrics HTTP (the service's own registry) -> gRPC server (Encoder, health, reflection)
+-> "ready" log line.
 SIGTERM / SIGINT drain: health turns NOT_SERVING, new Encodes get UNAVAILABLE, Encodes in
 progress get up to `drain_timeout_s` to deliver, then the server stops.
 """

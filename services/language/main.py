@@ -1,8 +1,8 @@
 """`tandem language`: load the decoder, start the engine thread and the gRPC server.
 
 Start-up order: text weights (split loader) -> model runner + KV pool -> engine thread ->
-Mooncake engine + registered embedding buffers -> gRPC server (Language, health,
-reflection) -> metrics HTTP -> "ready" log line.
+Mooncake engine + registered embedding buffers -> metrics HTTP (the service's own
+registry) -> gRPC server (Language, health, reflection) -> "ready" log line.
 
 SIGTERM / SIGINT drain: health turns NOT_SERVING and new Generates are refused
 (UNAVAILABLE); rooms in transfer and requests in the engine get up to `drain_timeout_s`
