@@ -24,9 +24,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from services.language.forward_batch import ForwardBatch, SeqChunk  # noqa: E402
-from services.language.kv_cache import pages_needed  # noqa: E402
-from services.language.model_runner import ModelRunner, decode_positions  # noqa: E402
+from services.language.forward_batch import ForwardBatch, SeqChunk, decode_positions  # noqa: E402
+from services.language.kv_cache import KVPagePool  # noqa: E402
+from services.language.model_runner import ModelRunner  # noqa: E402
+from tandem.units import ceil_div  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
     dtype = resolve_dtype(args.dtype, device)
     max_bs = max(args.batch_sizes)
     max_len = args.context + 8
-    per_seq = pages_needed(max_len, args.page_size)
+    per_seq = ceil_div(max_len, args.page_size)
     weights = load_text_weights(path, dtype=dtype, device=device)
     t0 = time.perf_counter()
     runner = ModelRunner(
@@ -87,6 +88,7 @@ def main(argv=None) -> int:
         dtype=dtype, cuda_graph_max_bs=max(max_bs, 1), max_seq_len=max_len,
     )  # fmt: skip
     setup_s = time.perf_counter() - t0
+    pool = KVPagePool(runner.num_pages, runner.page_size)
     gr = runner.graph_runner
     print(f"model {path} | device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'})"
           f" | dtype {str(dtype).removeprefix('torch.')} | context {args.context} | graphs {len(gr.graphs)}"
@@ -99,7 +101,7 @@ def main(argv=None) -> int:
         chunks = []
         for i in range(bs):
             ids = torch.randint(0, runner.vocab_size, (args.context,), generator=g)
-            pages = runner.kv_pool.alloc(per_seq)
+            pages = pool.alloc(per_seq)
             pos = torch.arange(args.context).expand(3, args.context)
             runner.forward_eager(ForwardBatch([SeqChunk(i, 0, pos, pages, token_ids=ids)]))
             chunks.append(SeqChunk(i, args.context, decode_positions(args.context, 0), pages,
@@ -112,7 +114,7 @@ def main(argv=None) -> int:
         e, gt = statistics.median(eager), statistics.median(graph)
         print(f"{bs:>4} | {e * 1e3:>14.3f} | {gt * 1e3:>14.3f} | {e / gt:>10.2f}x")
         for c in chunks:
-            runner.kv_pool.free(c.block_table)
+            pool.free(c.block_table)
     return 0
 
 

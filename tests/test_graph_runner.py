@@ -11,10 +11,11 @@ import language_oracle as oracle
 import pytest
 import torch
 
-from services.language.forward_batch import ForwardBatch, SeqChunk
+from services.language.forward_batch import ForwardBatch, SeqChunk, decode_positions
 from services.language.graph_runner import batch_buckets, width_buckets
-from services.language.kv_cache import pages_needed
-from services.language.model_runner import ModelRunner, decode_positions
+from services.language.kv_cache import KVPagePool
+from services.language.model_runner import ModelRunner
+from tandem.units import ceil_div
 
 PAGE = 4
 MAX_BS = 32
@@ -30,14 +31,14 @@ def test_buckets():
     assert width_buckets(8) == [8]
 
 
-def _prefill(runner: ModelRunner, n_seqs: int, seed: int):
+def _prefill(runner: ModelRunner, pool: KVPagePool, n_seqs: int, seed: int):
     """n_seqs sequences of varied lengths (3..~200 tokens) prefilled from token ids."""
     g = torch.Generator().manual_seed(seed)
     seqs = []
     for i in range(n_seqs):
         n = int(torch.randint(3, MAX_SEQ - 60, (1,), generator=g))
         ids = torch.randint(0, runner.vocab_size, (n,), generator=g)
-        pages = runner.kv_pool.alloc(pages_needed(n + 1, PAGE))
+        pages = pool.alloc(ceil_div(n + 1, PAGE))
         pos = torch.arange(n).expand(3, n)
         runner.forward_eager(ForwardBatch([SeqChunk(i, 0, pos, pages, token_ids=ids)]))
         seqs.append((i, n, pages, int(ids[-1])))
@@ -54,15 +55,16 @@ def _decode_batch(seqs) -> ForwardBatch:
 @pytest.fixture(scope="module")
 def runner(checkpoint):
     r = ModelRunner(
-        oracle.text_weights(checkpoint("qwen3_vl")), page_size=PAGE, num_pages=40 * pages_needed(MAX_SEQ, PAGE),
+        oracle.text_weights(checkpoint("qwen3_vl")), page_size=PAGE, num_pages=40 * ceil_div(MAX_SEQ, PAGE),
         cuda_graph_max_bs=MAX_BS, max_seq_len=MAX_SEQ,
     )  # fmt: skip
-    return r, _prefill(r, 36, seed=0)
+    pool = KVPagePool(r.num_pages, PAGE)
+    return r, pool, _prefill(r, pool, 36, seed=0)
 
 
 @pytest.mark.parametrize("bs", [1, 2, 3, 4, 5, 8, 9, 16, 17, 31, 32])
 def test_graph_equals_eager_for_every_bucket(runner, bs):
-    r, seqs = runner
+    r, _pool, seqs = runner
     gr = r.graph_runner
     batch = _decode_batch(seqs[:bs])
     assert gr.can_run(batch)
@@ -83,7 +85,7 @@ def test_graph_equals_eager_for_every_bucket(runner, bs):
 
 
 def test_batches_the_graph_runner_cannot_serve_fall_back(runner):
-    r, seqs = runner
+    r, pool, seqs = runner
     gr = r.graph_runner
     too_many = _decode_batch(seqs[: MAX_BS + 1])
     assert not gr.can_run(too_many)
@@ -95,25 +97,25 @@ def test_batches_the_graph_runner_cannot_serve_fall_back(runner):
     assert not mixed.is_pure_decode and not gr.can_run(mixed)
     with pytest.raises(ValueError, match="cannot serve"):
         gr.run(mixed)
-    long_pages = r.kv_pool.alloc(pages_needed(MAX_SEQ + 1, PAGE))
+    long_pages = pool.alloc(ceil_div(MAX_SEQ + 1, PAGE))
     try:
         too_long = ForwardBatch([SeqChunk(99, MAX_SEQ, decode_positions(MAX_SEQ, 0), long_pages,
                                           token_ids=torch.tensor([1]))])  # fmt: skip
         assert not gr.can_run(too_long)
         assert r.forward(too_long).last_logits.shape == (1, r.vocab_size)
     finally:
-        r.kv_pool.free(long_pages)
+        pool.free(long_pages)
 
 
 @pytest.mark.gpu
 def test_cuda_graph_replay_equals_eager(checkpoint):
     r = ModelRunner(
-        oracle.text_weights(checkpoint("qwen2_5_vl")), page_size=PAGE, num_pages=40 * pages_needed(MAX_SEQ, PAGE),
+        oracle.text_weights(checkpoint("qwen2_5_vl")), page_size=PAGE, num_pages=40 * ceil_div(MAX_SEQ, PAGE),
         device="cuda", cuda_graph_max_bs=MAX_BS, max_seq_len=MAX_SEQ,
     )  # fmt: skip
     gr = r.graph_runner
     assert gr.use_graphs and len(gr.graphs) == len(gr.batch_sizes) * len(gr.widths)
-    seqs = _prefill(r, MAX_BS, seed=1)
+    seqs = _prefill(r, KVPagePool(r.num_pages, PAGE), MAX_BS, seed=1)
     for bs in (1, 3, 8, 17, 32):
         batch = _decode_batch(seqs[:bs])
         got = gr.run(batch)

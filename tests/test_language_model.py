@@ -12,9 +12,10 @@ import language_oracle as oracle
 import pytest
 import torch
 
-from services.language.forward_batch import ForwardBatch, SeqChunk
-from services.language.kv_cache import pages_needed
-from services.language.model_runner import ModelRunner, decode_positions
+from services.language.forward_batch import ForwardBatch, SeqChunk, decode_positions
+from services.language.kv_cache import KVPagePool
+from services.language.model_runner import ModelRunner
+from tandem.units import ceil_div
 
 ARCHS = ["qwen2_5_vl", "qwen3_vl"]
 TOL = 1e-4
@@ -24,16 +25,16 @@ PAGE = 4  # small pages: chunk boundaries fall mid-page
 class Seq:
     """Test-side bookkeeping of one sequence: its payload, pages and generated tokens."""
 
-    def __init__(self, seq_id: int, payload, runner: ModelRunner) -> None:
-        self.id, self.p, self.runner = seq_id, payload, runner
+    def __init__(self, seq_id: int, payload, pool: KVPagePool) -> None:
+        self.id, self.p, self.pool = seq_id, payload, pool
         self.pages: list[int] = []
         self.done = 0  # tokens in the KV cache
         self.generated: list[int] = []
 
     def _grow(self, total: int) -> None:
-        more = pages_needed(total, self.runner.page_size) - len(self.pages)
+        more = ceil_div(total, self.pool.page_size) - len(self.pages)
         if more > 0:
-            self.pages += self.runner.kv_pool.alloc(more)
+            self.pages += self.pool.alloc(more)
 
     def prompt_chunk(self, n: int, want: bool = True) -> SeqChunk:
         a = self.done
@@ -52,7 +53,7 @@ class Seq:
         return SeqChunk(self.id, a, pos, list(self.pages), token_ids=torch.tensor([token]))
 
     def free(self) -> None:
-        self.runner.kv_pool.free(self.pages)
+        self.pool.free(self.pages)
         self.pages = []
 
 
@@ -71,29 +72,30 @@ def case(request, checkpoint):
     return request.param, model, oracle.text_weights(path), prompts
 
 
-def make_runner(weights, pages: int = 96) -> ModelRunner:
-    return ModelRunner(weights, page_size=PAGE, num_pages=pages)
+def make_runner(weights, pages: int = 96) -> tuple[ModelRunner, KVPagePool]:
+    """A runner and the pool of its KV pages (the engine's scheduler holds it in service)."""
+    return ModelRunner(weights, page_size=PAGE, num_pages=pages), KVPagePool(pages, PAGE)
 
 
 def test_prompt_logits_match_transformers(case):
     arch, model, weights, prompts = case
-    runner = make_runner(weights)
+    runner, pool = make_runner(weights)
     for i, (_inputs, payload, ref) in enumerate(prompts):
-        s = Seq(i, payload, runner)
+        s = Seq(i, payload, pool)
         out = runner.forward(ForwardBatch([s.prompt_chunk(payload.num_tokens)]))
         got = out.prompt_logits[i]
         assert got.dtype == torch.float32 and got.shape == ref.shape
         assert (got - ref).abs().max().item() < TOL, f"{arch} {i} images"
         assert torch.equal(out.last_logits[0], got[-1])
         s.free()
-    assert runner.kv_pool.num_free == runner.kv_pool.num_total
+    assert pool.num_free == pool.num_total
 
 
 def test_chunked_prefill_matches_whole_prompt(case):
     _arch, _model, weights, prompts = case
-    runner = make_runner(weights)
+    runner, pool = make_runner(weights)
     _inputs, payload, ref = prompts[2]  # two images: chunk edges cut through image runs
-    s = Seq(0, payload, runner)
+    s = Seq(0, payload, pool)
     sizes, left = [], payload.num_tokens
     for n in (7, 1, 13):  # includes a 1-token prompt chunk (the batched single-row path)
         sizes.append(n)
@@ -104,8 +106,8 @@ def test_chunked_prefill_matches_whole_prompt(case):
     s.free()
 
 
-def _greedy_alone(runner, payload, steps: int) -> tuple[list[int], list[torch.Tensor]]:
-    s = Seq(0, payload, runner)
+def _greedy_alone(runner, pool, payload, steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    s = Seq(0, payload, pool)
     logits = [
         runner.forward(ForwardBatch([s.prompt_chunk(payload.num_tokens, False)])).last_logits[0]
     ]
@@ -120,11 +122,11 @@ def _greedy_alone(runner, payload, steps: int) -> tuple[list[int], list[torch.Te
 def test_mixed_batch_matches_each_sequence_alone(case):
     """Two prompt chunks of A and B beside decode tokens of C and D, over several steps."""
     _arch, _model, weights, prompts = case
-    runner = make_runner(weights, pages=160)
-    alone = [_greedy_alone(runner, p[1], 4) for p in prompts]  # tokens + logits per prompt
+    runner, pool = make_runner(weights, pages=160)
+    alone = [_greedy_alone(runner, pool, p[1], 4) for p in prompts]  # tokens + logits per prompt
 
-    a, b = Seq(10, prompts[2][1], runner), Seq(11, prompts[1][1], runner)
-    c, d = Seq(12, prompts[0][1], runner), Seq(13, prompts[1][1], runner)
+    a, b = Seq(10, prompts[2][1], pool), Seq(11, prompts[1][1], pool)
+    c, d = Seq(12, prompts[0][1], pool), Seq(13, prompts[1][1], pool)
     # C and D are already decoding when A and B arrive.
     for s in (c, d):
         first = runner.forward(ForwardBatch([s.prompt_chunk(s.p.num_tokens, False)])).last_logits[0]
@@ -170,16 +172,16 @@ def test_mixed_batch_matches_each_sequence_alone(case):
         assert (out.last_logits[row] - ref).abs().max().item() < TOL, s.id
     for s in (a, b, c, d):
         s.free()
-    assert runner.kv_pool.num_free == runner.kv_pool.num_total
+    assert pool.num_free == pool.num_total
 
 
 def test_greedy_decode_equals_generate(case):
     """All three prompts decode together (one batch per step) and match generate()."""
     _arch, model, weights, prompts = case
     steps = 10
-    runner = make_runner(weights, pages=160)
+    runner, pool = make_runner(weights, pages=160)
     eos = set(runner.eos_token_ids)
-    seqs = [Seq(i, p[1], runner) for i, p in enumerate(prompts)]
+    seqs = [Seq(i, p[1], pool) for i, p in enumerate(prompts)]
     out = runner.forward(ForwardBatch([s.prompt_chunk(s.p.num_tokens, False) for s in seqs]))
     logits: dict[int, list[torch.Tensor]] = {s.id: [] for s in seqs}
     for s, row in zip(seqs, out.last_logits, strict=True):
@@ -205,10 +207,10 @@ def test_resume_recomputes_prompt_and_generated_tokens_in_one_step(case):
     tokens (as token ids): two chunks of ONE sequence in one batch, the second attending
     to the first's fresh K/V. The next logits equal those of uninterrupted decoding."""
     _arch, _model, weights, prompts = case
-    runner = make_runner(weights, pages=96)
+    runner, pool = make_runner(weights, pages=96)
     payload = prompts[1][1]
-    tokens, logits = _greedy_alone(runner, payload, 5)
-    s = Seq(0, payload, runner)
+    tokens, logits = _greedy_alone(runner, pool, payload, 5)
+    s = Seq(0, payload, pool)
     first = s.prompt_chunk(payload.num_tokens, want=False)
     a = s.done
     s._grow(a + 4)
@@ -229,7 +231,7 @@ def test_small_checkpoint_prompt_logits_and_greedy(arch, checkpoint):
     inputs = oracle.make_inputs(proc, "What is in this image?", [oracle.make_image(7, (112, 84))])
     payload, ref = oracle.payload(model, inputs), oracle.prompt_logits(model, inputs)
     runner = ModelRunner(oracle.text_weights(path), page_size=16, num_pages=16)
-    s = Seq(0, payload, runner)
+    s = Seq(0, payload, KVPagePool(16, 16))
     half = payload.num_tokens // 2
     got = torch.cat([runner.forward(ForwardBatch([s.prompt_chunk(n)])).prompt_logits[0]
                      for n in (half, payload.num_tokens - half)])  # fmt: skip
@@ -248,7 +250,7 @@ def test_small_checkpoint_prompt_logits_and_greedy(arch, checkpoint):
 
 def test_bad_batches_are_refused(case):
     _arch, _model, weights, prompts = case
-    runner = make_runner(weights, pages=8)
+    runner, _pool = make_runner(weights, pages=8)
     payload = prompts[0][1]
     pos = payload.mrope_positions[:, :8].long()
     with pytest.raises(ValueError, match="block table"):

@@ -7,8 +7,12 @@ Threads:
                                           call_soon_threadsafe)
 
 Everything about a request after `submit()` (its pages, counters, detokenizer) is touched
-only by the engine thread. `submit()` validates synchronously so bad input fails fast
-with a clear error; `abort()` only posts a command.
+only by the engine thread. `submit()` validates synchronously (the scheduler's one
+admission check) so bad input fails fast with a clear error; `abort()` only posts a
+command.
+
+KV pages: the engine builds the page pool over its runner's KV cache and hands it to the
+scheduler, the pages' only user; one engine per runner at a time.
 
 NOTE: every way out of the engine for a request (finish, stop string, deadline, abort,
 runner failure, shutdown) goes through `_finish()`, which frees its KV pages and sends
@@ -28,6 +32,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from services.language.detokenizer import IncrementalDetokenizer
+from services.language.kv_cache import KVPagePool
 from services.language.metrics import LanguageMetrics
 from services.language.request import Request, RequestStatus, StreamDelta
 from services.language.sampler import sample
@@ -69,7 +74,7 @@ class Engine:
         self.cfg = cfg
         self.eos = frozenset(eos_token_ids or getattr(runner, "eos_token_ids", ()))
         self.metrics = metrics or LanguageMetrics(CollectorRegistry())  # a registry of its own
-        self.pool = runner.kv_pool
+        self.pool = KVPagePool(runner.num_pages, runner.page_size)
         self.scheduler = Scheduler(
             self.pool,
             runner.page_size,
@@ -77,6 +82,8 @@ class Engine:
             cfg.max_running_requests,
             policy=cfg.schedule_policy,
             ratio=NewTokenRatio(init=cfg.init_new_token_ratio),
+            max_model_len=cfg.max_model_len,
+            embed_dims=(runner.embed_dim, runner.hidden_size),
         )
         self.metrics.kv_total.set(self.pool.num_total)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -108,26 +115,9 @@ class Engine:
 
     def submit(self, req: Request, sink: Sink) -> None:
         """Queue a request whose prompt is complete; raises AdmissionError on bad input."""
-        if req.prompt is None or req.prompt_len == 0:
-            raise AdmissionError("empty prompt")
-        room = self.cfg.max_model_len - req.prompt_len
-        if room <= 0:
-            raise AdmissionError(
-                f"prompt of {req.prompt_len} tokens reaches max_model_len {self.cfg.max_model_len}"
-            )
-        if req.prompt.embed_dim not in (self.runner.embed_dim, self.runner.hidden_size):
-            raise AdmissionError(
-                f"prompt embed_dim {req.prompt.embed_dim} does not match the model's "
-                f"{self.runner.embed_dim}"
-            )
-        req.sampling.max_tokens = min(req.sampling.max_tokens, room)
-        need = -(-(req.prompt_len + 1) // self.runner.page_size)
-        if need > self.pool.num_total:
-            raise AdmissionError(
-                f"prompt of {req.prompt_len} tokens needs {need} KV pages; "
-                f"the pool has {self.pool.num_total}",
-                "RESOURCE_EXHAUSTED",
-            )
+        self.scheduler.check(req)
+        tokens_left = self.cfg.max_model_len - req.prompt_len  # > 0: check() passed
+        req.sampling.max_tokens = min(req.sampling.max_tokens, tokens_left)
         with self._known_lock:
             if req.rid in self._known:
                 raise AdmissionError(f"request {req.rid} is already running")

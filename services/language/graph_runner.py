@@ -12,6 +12,7 @@ allocated once, and a graph exists per (batch bucket, KV width bucket):
     graph (bs, W) reads   token_ids[:bs], positions[:, :bs], block_tables[:bs, :W], ...
     rows [raw_bs, bs) are padding: token 0, position 0, seq_len 1, every page and the
     slot on the KV cache's dummy page, so they touch no real KV; their logits are sliced off.
+    Tables, seq_lens and slots come from `forward_batch.decode_rows`, as in the eager path.
 
 Batch buckets are [1, 2, 4, 8] + range(16, max_bs + 1, 16); width buckets double from 16
 pages up to max_pages (attention over a padded block table costs O(W), so a short batch
@@ -22,22 +23,23 @@ longer sequences run eagerly, which gathers only the width they need.
 
 On a machine without CUDA nothing is captured: `run` executes the very same `_step` over
 the same static buffers eagerly, so padding and slicing are tested everywhere.
+
+The runner is given what it reads and nothing more (the decoder, the KV tensors, the
+logits head, the chunk limits); it never sees the `ModelRunner` that owns it.
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
 from services.language.attention import AttentionMetadata
-from services.language.forward_batch import ForwardBatch, ForwardOutput
-from services.language.kv_cache import pages_needed
-
-if TYPE_CHECKING:
-    from services.language.model_runner import ModelRunner
-
+from services.language.forward_batch import ChunkLimits, ForwardBatch, ForwardOutput, decode_rows
+from services.language.kv_cache import KVCache
+from services.language.model import QwenVLDecoder
+from tandem.units import ceil_div
 
 GRAPH_MAX_SEQ_LEN = 8192
 
@@ -55,17 +57,27 @@ def width_buckets(max_pages: int, smallest: int = 16) -> list[int]:
 
 
 class GraphRunner:
-    def __init__(self, runner: ModelRunner, max_bs: int, max_seq_len: int) -> None:
+    def __init__(
+        self,
+        model: QwenVLDecoder,
+        kv: KVCache,
+        compute_logits: Callable[[torch.Tensor], torch.Tensor],
+        limits: ChunkLimits,
+        device: torch.device,
+        max_bs: int,
+        max_seq_len: int,
+    ) -> None:
         if max_bs < 1 or max_seq_len < 1:
             raise ValueError(f"bad graph runner limits: max_bs={max_bs}, max_seq_len={max_seq_len}")
-        self.runner = runner
-        self.device = runner.device
+        self.model, self.kv, self.compute_logits, self.limits = model, kv, compute_logits, limits
+        self.device = device
+        self.page_size = kv.page_size
         self.batch_sizes = batch_buckets(max_bs)
-        self.max_pages = pages_needed(min(max_seq_len, GRAPH_MAX_SEQ_LEN), runner.page_size)
+        self.max_pages = ceil_div(min(max_seq_len, GRAPH_MAX_SEQ_LEN), self.page_size)
         self.widths = width_buckets(self.max_pages)
         n, dev = self.batch_sizes[-1], self.device
-        self.dummy_page = runner.kv.dummy_page
-        self.dummy_slot = self.dummy_page * runner.page_size
+        self.dummy_page = kv.dummy_page
+        self.dummy_slot = self.dummy_page * self.page_size
         self.token_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(3, n, dtype=torch.int64, device=dev)
         self.block_tables = torch.full(
@@ -82,7 +94,7 @@ class GraphRunner:
     # -- the step a graph records -----------------------------------------------------
     def _step(self, bs: int, width: int) -> torch.Tensor:
         """Logits [bs, vocab] float32 for rows [0, bs) of the static buffers (capture-safe)."""
-        model = self.runner.model
+        model = self.model
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:bs],
             num_single=bs,
@@ -90,8 +102,8 @@ class GraphRunner:
             single_seq_lens=self.seq_lens[:bs],
         )
         hidden = model.embed_tokens(self.token_ids[:bs])
-        out = model(hidden, self.positions[:, :bs], meta, self.runner.kv.k, self.runner.kv.v)
-        return self.runner.compute_logits(out)
+        out = model(hidden, self.positions[:, :bs], meta, self.kv.k, self.kv.v)
+        return self.compute_logits(out)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -117,38 +129,31 @@ class GraphRunner:
     def can_run(self, batch: ForwardBatch) -> bool:
         if not batch.is_pure_decode or len(batch.chunks) > self.batch_sizes[-1]:
             return False
-        return all(c.start + 1 <= self.max_pages * self.runner.page_size for c in batch.chunks)
+        return all(c.start + 1 <= self.max_pages * self.page_size for c in batch.chunks)
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> ForwardOutput:
         if not self.can_run(batch):
             raise ValueError("graph runner cannot serve this batch (use the eager path)")
-        ps = self.runner.page_size
         raw = len(batch.chunks)
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, raw)]
-        need = max(pages_needed(c.start + 1, ps) for c in batch.chunks)
+        need = max(ceil_div(c.start + 1, self.page_size) for c in batch.chunks)
         width = self.widths[bisect.bisect_left(self.widths, need)]
         for c in batch.chunks:
-            self.runner._check_chunk(c)
+            self.limits.check(c)
 
         # Build the [bs]-row inputs on the host, padding rows included, then copy once.
         ids = torch.zeros(bs, dtype=torch.int64)
         pos = torch.zeros(3, bs, dtype=torch.int64)
-        tables = torch.full((bs, width), self.dummy_page, dtype=torch.int64)
-        lens = torch.ones(bs, dtype=torch.int64)
-        slots = torch.full((bs,), self.dummy_slot, dtype=torch.int64)
         for i, c in enumerate(batch.chunks):
-            n = pages_needed(c.start + 1, ps)
             ids[i] = c.token_ids[0]
             pos[:, i] = c.positions[:, 0]
-            tables[i, :n] = torch.as_tensor(c.block_table[:n])
-            lens[i] = c.start + 1
-            slots[i] = c.block_table[c.start // ps] * ps + c.start % ps
+        rows = decode_rows(batch.chunks, self.page_size, self.dummy_page, rows=bs, width=width)
         self.token_ids[:bs].copy_(ids, non_blocking=True)
         self.positions[:, :bs].copy_(pos, non_blocking=True)
-        self.block_tables[:bs, :width].copy_(tables, non_blocking=True)
-        self.seq_lens[:bs].copy_(lens, non_blocking=True)
-        self.slot_mapping[:bs].copy_(slots, non_blocking=True)
+        self.block_tables[:bs, :width].copy_(rows.block_tables, non_blocking=True)
+        self.seq_lens[:bs].copy_(rows.seq_lens, non_blocking=True)
+        self.slot_mapping[:bs].copy_(rows.slot_mapping, non_blocking=True)
 
         if self.use_graphs:
             self.graphs[(bs, width)].replay()

@@ -1,8 +1,13 @@
 """Paged KV cache: a page allocator (scheduler side) and the K/V tensors (runner side).
 
-The scheduler owns *which* pages a sequence holds (block tables built from
-`KVPagePool.alloc`); the runner owns the memory (`KVCache`). A page holds `page_size`
-consecutive tokens of one sequence; token p of a sequence lives in slot
+Ownership: the scheduler owns *which* pages a sequence holds — the `Engine` builds one
+`KVPagePool(runner.num_pages, runner.page_size)` and hands it to its `Scheduler`, which
+builds block tables from `alloc`. The runner owns the memory (`KVCache`: tensors only,
+it never hands out pages). So a runner serves one engine at a time: two live pools over
+one `KVCache` would give the same page to two sequences.
+
+A page holds `page_size` consecutive tokens of one sequence; token p of a sequence lives
+in slot (see `forward_batch.slot_of`)
 
     block_table[p // page_size] * page_size + p % page_size
 
@@ -11,8 +16,8 @@ Tensor layout, one K and one V tensor per decoder layer:
     k[layer]  [num_pages + 1, page_size, num_kv_heads, head_dim]
                ^^^^^^^^^^^^^
                pages 0 .. num_pages-1 are handed out by the pool;
-               page `num_pages` is the DUMMY page: never allocated, the CUDA-graph
-               runner points padded batch rows at it so their writes touch no real KV.
+               page `num_pages` is the DUMMY page: never allocated, padded rows of a
+               decode batch point at it so their writes touch no real KV.
 """
 
 from __future__ import annotations
@@ -20,13 +25,6 @@ from __future__ import annotations
 import math
 
 import torch
-
-
-def pages_needed(num_tokens: int, page_size: int) -> int:
-    """Pages that hold `num_tokens` tokens (ceil division)."""
-    if num_tokens < 0 or page_size <= 0:
-        raise ValueError(f"bad pages_needed({num_tokens}, {page_size})")
-    return (num_tokens + page_size - 1) // page_size
 
 
 class KVPagePool:
@@ -89,7 +87,7 @@ class KVPagePool:
 
 
 class KVCache:
-    """Per-layer K/V tensors for `num_pages` pages (+1 dummy page), and their pool."""
+    """Per-layer K/V tensors for `num_pages` pages (+1 dummy page); no page bookkeeping."""
 
     def __init__(
         self,
@@ -101,7 +99,8 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        self.pool = KVPagePool(num_pages, page_size)
+        if num_pages <= 0 or page_size <= 0:
+            raise ValueError(f"bad KV cache: num_pages={num_pages}, page_size={page_size}")
         self.page_size = page_size
         self.num_pages = num_pages
         self.dummy_page = num_pages

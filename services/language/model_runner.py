@@ -1,14 +1,8 @@
 """Runs one `ForwardBatch` through the decoder over the paged KV cache.
 
-Positions convention (the scheduler builds them; the runner never invents positions):
-- a prompt chunk carries its MRoPE positions [3, n] straight from the payload
-  (`PromptPayload.mrope_positions[:, start:start + n]`);
-- a generated token at sequence index i (i = tokens already in the KV cache, i.e. the
-  chunk's `start`) has position i + mrope_delta in all three rows, [3, 1]
-  (`decode_positions(i, mrope_delta)` builds it).
-
-Flat token layout of one step (see attention.py): single-token chunks first, then the
-multi-token chunks; logits come back in the batch's chunk order.
+The chunk invariants and the positions convention are `forward_batch.py`'s. Flat token
+layout of one step (see attention.py): single-token chunks first, then the multi-token
+chunks; logits come back in the batch's chunk order.
 """
 
 from __future__ import annotations
@@ -18,21 +12,28 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.language.attention import AttentionMetadata, PrefillChunkMeta
-from services.language.forward_batch import ForwardBatch, ForwardOutput, SeqChunk
-from services.language.kv_cache import KVCache, KVPagePool, pages_needed
+from services.language.forward_batch import (
+    ChunkLimits,
+    ForwardBatch,
+    ForwardOutput,
+    SeqChunk,
+    chunk_slots,
+    decode_rows,
+)
+from services.language.graph_runner import GraphRunner
+from services.language.kv_cache import KVCache
 from services.language.model import DecoderConfig, QwenVLDecoder
+from tandem.units import ceil_div
 
 if TYPE_CHECKING:
     from tandem.models.split import TextWeights
 
 
-def decode_positions(index: int, mrope_delta: int) -> torch.Tensor:
-    """Positions [3, 1] of the token at sequence index `index` (generated tokens)."""
-    return torch.full((3, 1), index + mrope_delta, dtype=torch.int64)
-
-
 class ModelRunner:
     """Owns the decoder, the KV tensors and (optionally) the decode graph runner.
+
+    It holds no page bookkeeping: whoever schedules (the `Engine`'s scheduler) builds a
+    `KVPagePool(runner.num_pages, runner.page_size)` and hands out the page ids.
 
     `weights` is a `tandem.models.split.TextWeights` (`load_text_weights(path, dtype,
     device)`): `.spec` (ModelSpec) and `.tensors` under normalized names.
@@ -67,33 +68,17 @@ class ModelRunner:
         self.kv = KVCache(
             c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, dtype, self.device
         )
+        # What the engine, the scheduler and the limits read; fixed for the runner's life.
+        self.num_pages, self.page_size = num_pages, page_size
+        self.vocab_size, self.hidden_size, self.embed_dim = c.vocab_size, c.hidden_size, c.embed_dim
+        self.limits = ChunkLimits(c.vocab_size, c.embed_dim, c.hidden_size, num_pages, page_size)
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.graph_runner = None
+        self.graph_runner: GraphRunner | None = None
         if cuda_graph_max_bs > 0:
-            from services.language.graph_runner import GraphRunner
-
-            self.graph_runner = GraphRunner(self, max_bs=cuda_graph_max_bs, max_seq_len=max_seq_len)
-
-    # -- what the scheduler needs ------------------------------------------------------
-    @property
-    def kv_pool(self) -> KVPagePool:
-        return self.kv.pool
-
-    @property
-    def page_size(self) -> int:
-        return self.kv.page_size
-
-    @property
-    def vocab_size(self) -> int:
-        return self.cfg.vocab_size
-
-    @property
-    def hidden_size(self) -> int:
-        return self.cfg.hidden_size
-
-    @property
-    def embed_dim(self) -> int:
-        return self.cfg.embed_dim
+            self.graph_runner = GraphRunner(
+                self.model, self.kv, self.compute_logits, self.limits, self.device,
+                max_bs=cuda_graph_max_bs, max_seq_len=max_seq_len,
+            )  # fmt: skip
 
     # -- forward -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -109,7 +94,7 @@ class ModelRunner:
         if not chunks:
             raise ValueError("empty ForwardBatch")
         for c in chunks:
-            self._check_chunk(c)
+            self.limits.check(c)
         # Flat order: single-token chunks first (batched attention), then longer chunks.
         order = [i for i, c in enumerate(chunks) if c.num_tokens == 1]
         order += [i for i, c in enumerate(chunks) if c.num_tokens > 1]
@@ -141,66 +126,30 @@ class ModelRunner:
         return self.model.logits(hidden)
 
     # -- helpers -----------------------------------------------------------------------
-    def _check_chunk(self, c: SeqChunk) -> None:
-        n = c.num_tokens
-        if c.positions.dim() != 2 or c.positions.shape[0] != 3 or n < 1:
-            raise ValueError(
-                f"seq {c.seq_id}: positions must be [3, n>=1], got {tuple(c.positions.shape)}"
-            )
-        if (c.input_embeds is None) == (c.token_ids is None):
-            raise ValueError(f"seq {c.seq_id}: exactly one of input_embeds / token_ids")
-        if c.token_ids is not None:
-            if tuple(c.token_ids.shape) != (n,):
-                raise ValueError(f"seq {c.seq_id}: token_ids must be [{n}]")
-            lo, hi = int(c.token_ids.min()), int(c.token_ids.max())
-            if lo < 0 or hi >= self.cfg.vocab_size:
-                raise ValueError(f"seq {c.seq_id}: token id out of [0, {self.cfg.vocab_size})")
-        if c.input_embeds is not None:
-            shape = tuple(c.input_embeds.shape)
-            if shape not in ((n, self.cfg.embed_dim), (n, self.cfg.hidden_size)):
-                raise ValueError(
-                    f"seq {c.seq_id}: input_embeds must be [{n}, {self.cfg.embed_dim}], got {shape}"
-                )
-        need = pages_needed(c.start + n, self.page_size)
-        if c.start < 0 or len(c.block_table) < need:
-            raise ValueError(
-                f"seq {c.seq_id}: block table has {len(c.block_table)} pages, "
-                f"positions [0, {c.start + n}) need {need}"
-            )
-        bad = [p for p in c.block_table[:need] if not 0 <= p < self.kv.num_pages]
-        if bad:
-            raise ValueError(f"seq {c.seq_id}: page ids {bad[:4]} out of range")
-
     def _metadata(self, ordered: list[SeqChunk]) -> tuple[AttentionMetadata, list[int]]:
         ps = self.page_size
-        row_start, slots, row = [], [], 0
-        singles = [c for c in ordered if c.num_tokens == 1]
+        row_start, row = [], 0
         for c in ordered:
             row_start.append(row)
             row += c.num_tokens
-            p = torch.arange(c.start, c.start + c.num_tokens)
-            bt = torch.tensor(c.block_table[: pages_needed(c.start + c.num_tokens, ps)])
-            slots.append(bt[p // ps] * ps + p % ps)
-        width = max((pages_needed(c.start + 1, ps) for c in singles), default=0)
-        tables = torch.full((len(singles), width), self.kv.dummy_page, dtype=torch.int64)
-        for i, c in enumerate(singles):
-            n = pages_needed(c.start + 1, ps)
-            tables[i, :n] = torch.tensor(c.block_table[:n])
-        prefill = []
+        singles = [c for c in ordered if c.num_tokens == 1]
+        rows = decode_rows(singles, ps, self.kv.dummy_page)
+        prefill, slots = [], [rows.slot_mapping]
         for i, c in enumerate(ordered[len(singles) :], start=len(singles)):
             kv_len = c.start + c.num_tokens
-            pages = torch.tensor(c.block_table[: pages_needed(kv_len, ps)], dtype=torch.int64)
+            pages = torch.tensor(c.block_table[: ceil_div(kv_len, ps)], dtype=torch.int64)
             prefill.append(
                 PrefillChunkMeta(row_start[i], c.num_tokens, kv_len, pages.to(self.device))
             )
+            slots.append(chunk_slots(c, ps))
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slots).to(dev),
             num_single=len(singles),
-            single_block_tables=tables.to(dev),
-            single_seq_lens=torch.tensor([c.start + 1 for c in singles], dtype=torch.int64).to(dev),
+            single_block_tables=rows.block_tables.to(dev),
+            single_seq_lens=rows.seq_lens.to(dev),
             prefill=prefill,
-            workspace=self._gather_workspace(len(singles) * width),
+            workspace=self._gather_workspace(rows.block_tables.numel()),
         )
         return meta, row_start
 

@@ -7,7 +7,7 @@
 Page accounting (all in pages of `page_size` tokens):
 
     free pages ──┬── committed: pages scheduled requests will still need, estimated as
-                 │   pages_for(seq_len + remaining_output * ratio) - pages held
+                 │   ceil_div(seq_len + remaining_output * ratio, page_size) - pages held
                  └── headroom: what a new admission may claim (prompt + its own reserve)
 
 The ratio starts conservative (0.7), decays each decode step towards ~0.1 and is raised
@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from services.language.request import Request, RequestStatus
+from tandem.units import ceil_div
 
 
 class PagePool(Protocol):
@@ -35,10 +36,6 @@ class PagePool(Protocol):
 
     @property
     def num_total(self) -> int: ...
-
-
-def pages_for(tokens: int, page_size: int) -> int:
-    return -(-tokens // page_size)
 
 
 class WaitingQueue:
@@ -126,12 +123,12 @@ class PrefillAdder:
         """Allocate pages for `n_tokens` more; shrink to what free pages allow."""
         start = req.num_computed_tokens
         held = len(req.block_table)
-        need = pages_for(start + n_tokens, self.page_size) - held
+        need = ceil_div(start + n_tokens, self.page_size) - held
         if need > 0 and not self.pool.can_alloc(need):
             n_tokens = min(n_tokens, (held + self.pool.num_free) * self.page_size - start)
             if n_tokens <= 0:
                 return 0
-            need = pages_for(start + n_tokens, self.page_size) - held
+            need = ceil_div(start + n_tokens, self.page_size) - held
         if need > 0:
             req.block_table.extend(self.pool.alloc(need))
         self.budget -= n_tokens
@@ -148,10 +145,10 @@ class PrefillAdder:
         if self.budget <= 0 or self.free_slots <= 0:
             return 0
         if self.nothing_scheduled:
-            need = pages_for(req.seq_len + 1, self.page_size)
+            need = ceil_div(req.seq_len + 1, self.page_size)
             fits = need <= self.pool.num_free
         else:
-            need = pages_for(req.seq_len + reserve_tokens, self.page_size)
+            need = ceil_div(req.seq_len + reserve_tokens, self.page_size)
             fits = need <= self.headroom
         if not fits:
             return 0

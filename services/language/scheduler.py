@@ -14,6 +14,11 @@ generated tokens kept; when readmitted it recomputes its prompt (embeddings) and
 generated tokens (ids) before decoding on. Sampling state (the request's generator) is
 not touched, so its output is the same as without the retraction.
 
+Admission: `check()` is the one rule for "can this request ever run here" (empty prompt,
+max_model_len, embedding width, KV pages for prompt + 1 token). The engine calls it in
+`submit()` on the caller's thread to fail fast, and `add()` calls it again; it reads only
+limits fixed at construction, so it is safe from any thread.
+
 NOTE: every path that ends a request goes through `finish()`, which frees its pages.
 """
 
@@ -24,15 +29,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.language.forward_batch import ForwardBatch, SeqChunk
+from services.language.forward_batch import ForwardBatch, SeqChunk, decode_positions
 from services.language.request import Request, RequestStatus
-from services.language.schedule_policy import (
-    NewTokenRatio,
-    PagePool,
-    PrefillAdder,
-    WaitingQueue,
-    pages_for,
-)
+from services.language.schedule_policy import NewTokenRatio, PagePool, PrefillAdder, WaitingQueue
+from tandem.units import ceil_div
 
 
 class AdmissionError(ValueError):
@@ -76,7 +76,10 @@ class Scheduler:
         policy: str = "fcfs",
         clip_max_new_tokens: int = 4096,
         ratio: NewTokenRatio | None = None,
+        max_model_len: int | None = None,
+        embed_dims: tuple[int, ...] = (),
     ) -> None:
+        """`max_model_len` None and `embed_dims` () leave those admission checks out."""
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown schedule policy {policy!r}")
         self.pool = pool
@@ -89,20 +92,33 @@ class Scheduler:
         self.waiting = WaitingQueue(self.by_priority)
         self.running: list[Request] = []  # PREFILLING and RUNNING, i.e. may hold pages
         self.num_retractions = 0
+        self.max_model_len = max_model_len
+        self.embed_dims = embed_dims  # widths a prompt's embeddings may have
 
     # ---- requests in and out ----------------------------------------------------------
 
-    def add(self, req: Request) -> None:
-        """Queue a request whose prompt is complete."""
+    def check(self, req: Request) -> None:
+        """Raise AdmissionError when `req` can never run here (see the module docstring)."""
         if req.prompt is None or req.prompt_len == 0:
             raise AdmissionError("empty prompt")
-        need = pages_for(req.prompt_len + 1, self.page_size)
+        n = req.prompt_len
+        if self.max_model_len is not None and n >= self.max_model_len:
+            raise AdmissionError(f"prompt of {n} tokens reaches max_model_len {self.max_model_len}")
+        if self.embed_dims and req.prompt.embed_dim not in self.embed_dims:
+            raise AdmissionError(
+                f"prompt embed_dim {req.prompt.embed_dim} does not match the model's "
+                f"{self.embed_dims[0]}"
+            )
+        need = ceil_div(n + 1, self.page_size)
         if need > self.pool.num_total:
             raise AdmissionError(
-                f"prompt of {req.prompt_len} tokens needs {need} KV pages; "
-                f"the pool has {self.pool.num_total}",
+                f"prompt of {n} tokens needs {need} KV pages; the pool has {self.pool.num_total}",
                 "RESOURCE_EXHAUSTED",
             )
+
+    def add(self, req: Request) -> None:
+        """Queue a request whose prompt is complete."""
+        self.check(req)
         req.status = RequestStatus.WAITING
         req.t_queued = req.t_queued or time.monotonic()
         self.waiting.push(req)
@@ -184,7 +200,7 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.sort_key(self.by_priority)):
             if req.status is not RequestStatus.RUNNING or req in chunks:
                 continue
-            need = pages_for(req.num_computed_tokens + 1, self.page_size) - len(req.block_table)
+            need = ceil_div(req.num_computed_tokens + 1, self.page_size) - len(req.block_table)
             while need > 0 and not self.pool.can_alloc(need) and req in self.running:
                 victim = self._newest()
                 if victim is req and len(self.running) == 1:
@@ -229,7 +245,7 @@ class Scheduler:
     def _committed(self, req: Request) -> int:
         """Pages a scheduled request is still expected to need."""
         total = req.seq_len + self.ratio.reserve_tokens(req, self.clip)
-        return max(pages_for(total, self.page_size) - len(req.block_table), 0)
+        return max(ceil_div(total, self.page_size) - len(req.block_table), 0)
 
     def _newest(self) -> Request:
         """Retraction victim: lowest priority (when honoured), then latest arrival."""
@@ -254,7 +270,7 @@ class Scheduler:
         req, s, e = c.req, c.start, c.start + c.num_tokens
         prompt = req.prompt
         assert prompt is not None
-        pages = req.block_table[: pages_for(e, self.page_size)]
+        pages = req.block_table[: ceil_div(e, self.page_size)]
         if s < req.prompt_len:  # prompt range: embeddings and the encoder's MRoPE positions
             return SeqChunk(
                 seq_id=req.rid,
@@ -265,11 +281,10 @@ class Scheduler:
             )
         # generated tokens: ids, text positions shifted by the prompt's MRoPE delta
         L = req.prompt_len
-        pos = torch.arange(s, e, dtype=torch.int64) + prompt.mrope_delta
         return SeqChunk(
             seq_id=req.rid,
             start=s,
-            positions=pos.expand(3, -1).contiguous(),
+            positions=decode_positions(s, prompt.mrope_delta, e - s),
             block_table=pages,
             token_ids=torch.tensor(req.output_ids[s - L : e - L], dtype=torch.int64),
         )
