@@ -8,8 +8,8 @@ Threads:
 
 Everything about a request after `submit()` (its pages, counters, detokenizer) is touched
 only by the engine thread. `submit()` validates synchronously (the scheduler's one
-admission check) so bad input fails fast with a clear error; `abort()` only posts a
-command.
+admission check) so bad input fails fast with a clear error; `abort()` only posts an
+`Abort`. The inbox carries `Submit` and `Abort` events, dispatched by type.
 
 KV pages: the engine builds the page pool over its runner's KV cache and hands it to the
 scheduler, the pages' only user; one engine per runner at a time.
@@ -51,6 +51,23 @@ class EngineConfig:
     schedule_policy: str = "fcfs"
     max_model_len: int = 32768
     init_new_token_ratio: float = 0.7  # share of max_tokens reserved at admission (decays)
+
+
+@dataclass
+class Submit:
+    """Inbox event: a request whose prompt is complete, and where its deltas go."""
+
+    req: Request
+    sink: Sink
+
+
+@dataclass
+class Abort:
+    """Inbox event: end request `rid` with an error message and a gRPC code name."""
+
+    rid: int
+    reason: str
+    code: str
 
 
 @dataclass
@@ -122,7 +139,7 @@ class Engine:
             if req.rid in self._known:
                 raise AdmissionError(f"request {req.rid} is already running")
             self._known.add(req.rid)
-        self._inbox.put(("submit", req, sink))
+        self._inbox.put(Submit(req, sink))
         self._wake.set()
 
     def abort(self, rid: int, reason: str = "aborted", code: str = "CANCELLED") -> bool:
@@ -130,7 +147,7 @@ class Engine:
         with self._known_lock:
             if rid not in self._known:
                 return False
-        self._inbox.put(("abort", rid, (reason, code)))
+        self._inbox.put(Abort(rid, reason, code))
         self._wake.set()
         return True
 
@@ -172,18 +189,19 @@ class Engine:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                cmd, a, b = self._inbox.get_nowait()
+                event = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if cmd == "submit":
-                live = _Live(a, b, IncrementalDetokenizer(self.tokenizer, a.sampling.stop))
-                self._live[a.rid] = live
-                try:
-                    self.scheduler.add(a)
-                except AdmissionError as e:
-                    self._finish(live, RequestStatus.FINISHED_ERROR, str(e), e.code)
-            elif cmd == "abort" and a in self._live:
-                self._finish(self._live[a], RequestStatus.FINISHED_ABORT, *b)
+            match event:
+                case Submit(req, sink):
+                    detok = IncrementalDetokenizer(self.tokenizer, req.sampling.stop)
+                    live = self._live[req.rid] = _Live(req, sink, detok)
+                    try:
+                        self.scheduler.add(req)
+                    except AdmissionError as e:
+                        self._finish(live, RequestStatus.FINISHED_ERROR, e.message, e.code)
+                case Abort(rid, reason, code) if rid in self._live:
+                    self._finish(self._live[rid], RequestStatus.FINISHED_ABORT, reason, code)
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
@@ -277,7 +295,7 @@ class Engine:
         delta.timings_ms = req.timings_ms()
         delta.error, delta.error_code = error or req.error, code or req.error_code
         m = self.metrics
-        m.finished.labels(status.value).inc()
+        m.finished.labels(status.label).inc()
         m.e2e.observe(time.monotonic() - req.t_created)
         if len(req.output_ids) > 1 and req.t_first_token:
             m.tpot.observe((req.t_last_token - req.t_first_token) / (len(req.output_ids) - 1))

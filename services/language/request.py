@@ -22,26 +22,48 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.transfer.payload import PromptPayload
+from tandem.v1 import common_pb2
 
 
-class RequestStatus(enum.Enum):
-    WAITING_FOR_INPUT = "waiting_for_input"  # transfer room open, prompt not complete
-    WAITING = "waiting"  # in the waiting queue (new, or retracted and to be recomputed)
-    PREFILLING = "prefilling"  # admitted; pending range still longer than one token
-    RUNNING = "running"  # decoding one token per step
-    FINISHED_STOP = "finished_stop"  # EOS, stop token id or stop string
-    FINISHED_LENGTH = "finished_length"  # max_tokens reached
-    FINISHED_ABORT = "finished_abort"  # client abort, deadline, drain
-    FINISHED_ERROR = "finished_error"  # server-side failure
+class RequestStatus(enum.IntEnum):
+    """Ordered: a request only moves forward, except a retraction (back to WAITING).
+
+    Everything after RUNNING is finished; `FINISH_REASONS` maps each finished status to
+    the wire's FinishReason. Values start at 1 so that no status is falsy.
+    """
+
+    WAITING_FOR_INPUT = 1  # transfer room open, prompt not complete
+    WAITING = 2  # in the waiting queue (new, or retracted and to be recomputed)
+    PREFILLING = 3  # admitted; pending range still longer than one token
+    RUNNING = 4  # decoding one token per step
+    FINISHED_STOP = 5  # EOS, stop token id or stop string
+    FINISHED_LENGTH = 6  # max_tokens reached
+    FINISHED_ABORT = 7  # client abort, deadline, drain
+    FINISHED_ERROR = 8  # server-side failure
 
     @property
     def finished(self) -> bool:
-        return self.value.startswith("finished")
+        return self > RequestStatus.RUNNING
 
     @property
     def scheduled(self) -> bool:
         """Admitted by the scheduler (holds or may hold KV pages)."""
-        return self in (RequestStatus.PREFILLING, RequestStatus.RUNNING)
+        return RequestStatus.PREFILLING <= self <= RequestStatus.RUNNING
+
+    @property
+    def label(self) -> str:
+        """Lower-case name, for metric labels and logs ("finished_stop")."""
+        return self.name.lower()
+
+
+# The one map from a finished status to the wire's finish reason.
+FINISH_REASONS: dict[RequestStatus, int] = {
+    RequestStatus.FINISHED_STOP: common_pb2.FINISH_REASON_STOP,
+    RequestStatus.FINISHED_LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    RequestStatus.FINISHED_ABORT: common_pb2.FINISH_REASON_ABORT,
+    RequestStatus.FINISHED_ERROR: common_pb2.FINISH_REASON_ERROR,
+}
+assert set(FINISH_REASONS) == {s for s in RequestStatus if s.finished}
 
 
 @dataclass

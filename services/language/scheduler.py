@@ -32,15 +32,14 @@ import torch
 from services.language.forward_batch import ForwardBatch, SeqChunk, decode_positions
 from services.language.request import Request, RequestStatus
 from services.language.schedule_policy import NewTokenRatio, PagePool, PrefillAdder, WaitingQueue
+from tandem.errors import ServiceError
 from tandem.units import ceil_div
 
 
-class AdmissionError(ValueError):
+class AdmissionError(ServiceError):
     """A request that can never run here (too long for the model or the KV pool)."""
 
-    def __init__(self, message: str, code: str = "INVALID_ARGUMENT") -> None:
-        super().__init__(message)
-        self.code = code  # gRPC status code name
+    code = "INVALID_ARGUMENT"
 
 
 @dataclass

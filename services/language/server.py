@@ -21,18 +21,17 @@ from dataclasses import dataclass
 
 from services.language.engine import Engine
 from services.language.metrics import LanguageMetrics
-from services.language.request import Request, RequestStatus, SamplingParams, StreamDelta
+from services.language.request import (
+    FINISH_REASONS,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    StreamDelta,
+)
 from services.language.scheduler import AdmissionError
 from tandem.serving import deadline_from_proto
 from tandem.transfer import BlockAllocator, EmbeddingReceiver, TransferError
 from tandem.v1 import common_pb2, language_pb2, language_pb2_grpc
-
-_FINISH = {
-    RequestStatus.FINISHED_STOP: common_pb2.FINISH_REASON_STOP,
-    RequestStatus.FINISHED_LENGTH: common_pb2.FINISH_REASON_LENGTH,
-    RequestStatus.FINISHED_ABORT: common_pb2.FINISH_REASON_ABORT,
-    RequestStatus.FINISHED_ERROR: common_pb2.FINISH_REASON_ERROR,
-}
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams, default_max_tokens: int) -> SamplingParams:
@@ -60,7 +59,7 @@ def delta_to_proto(
             for t, lp in zip(d.token_ids, d.logprobs, strict=True)
         )
     if d.finish_reason is not None:
-        out.finish_reason = _FINISH[d.finish_reason]
+        out.finish_reason = FINISH_REASONS[d.finish_reason]
         out.usage.CopyFrom(common_pb2.Usage(
             prompt_tokens=d.prompt_tokens, completion_tokens=d.completion_tokens,
             total_tokens=d.prompt_tokens + d.completion_tokens))  # fmt: skip
@@ -152,7 +151,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             try:
                 self.engine.submit(req, lambda d: loop.call_soon_threadsafe(q.put_nowait, d))
             except AdmissionError as e:
-                yield error_response(e.code, str(e))
+                yield error_response(e.code, e.message)
                 return
             finished = False
             try:
