@@ -19,6 +19,7 @@ so a chunk sees its own new tokens and a decode row sees the token it is adding.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +49,10 @@ class AttentionMetadata:
     # NOTE: on CPU a fresh multi-MB gather per layer costs more in page faults than the
     # copy itself; the runner hands in one buffer pair that every layer reuses.
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Decode attention that reads the pages in place (`cpu_kernels.paged_decode_op`):
+    # (q [B, H, D], k_cache, v_cache, block_tables, seq_lens, scale) -> [B, H, D].
+    # None: gather the pages into the workspace and run SDPA.
+    decode_op: Callable | None = None
 
 
 def write_kv(
@@ -75,7 +80,14 @@ def paged_attention(
     parts: list[torch.Tensor] = []
 
     ns = meta.num_single
-    if ns:
+    if ns and meta.decode_op is not None:
+        parts.append(
+            meta.decode_op(
+                q[:ns].contiguous(), k_cache, v_cache, meta.single_block_tables,
+                meta.single_seq_lens, scale,
+            )  # fmt: skip
+        )
+    elif ns:
         bt = meta.single_block_tables  # [B, W]
         flat = bt.reshape(-1)
         width = bt.shape[1] * k_cache.shape[1]

@@ -41,6 +41,13 @@ class LanguageConfig(ModelServiceSettings):
     cuda_graph_max_bs: int = Field(
         32, ge=0, le=1024, description="Largest decode batch captured in a CUDA graph; 0 = off."
     )
+    attention_backend: str = Field(
+        "auto",
+        pattern="^(auto|gather|paged_cpu)$",
+        description="Decode attention: 'paged_cpu' reads KV pages in place (a kernel compiled "
+        "once per machine), 'gather' copies them into a workspace for SDPA; 'auto' is "
+        "paged_cpu on CPU where it builds, gather otherwise (CUDA).",
+    )
     init_new_token_ratio: float = Field(
         0.7, gt=0, le=1.0,
         description="Share of a request's max_tokens reserved in KV pages at admission; "

@@ -56,6 +56,7 @@ def build_engine(cfg: LanguageConfig, metrics: LanguageMetrics):
         dtype=dtype,
         cuda_graph_max_bs=cfg.cuda_graph_max_bs if device.type == "cuda" else 0,
         max_seq_len=max_len,
+        attention_backend=cfg.attention_backend,
     )
     tokenizer = AutoTokenizer.from_pretrained(spec.path)
     engine = Engine(

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.language.attention import AttentionMetadata, PrefillChunkMeta
+from services.language.cpu_kernels import decode_attention_op
 from services.language.forward_batch import (
     ChunkLimits,
     ForwardBatch,
@@ -50,6 +51,7 @@ class ModelRunner:
         dtype: torch.dtype = torch.float32,
         cuda_graph_max_bs: int = 0,
         max_seq_len: int = 4096,
+        attention_backend: str = "auto",
     ) -> None:
         spec = weights.spec
         self.device = torch.device(device)
@@ -73,6 +75,7 @@ class ModelRunner:
         self.vocab_size, self.hidden_size, self.embed_dim = c.vocab_size, c.hidden_size, c.embed_dim
         self.limits = ChunkLimits(c.vocab_size, c.embed_dim, c.hidden_size, num_pages, page_size)
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.decode_op = decode_attention_op(attention_backend, self.device)
         self.graph_runner: GraphRunner | None = None
         if cuda_graph_max_bs > 0:
             self.graph_runner = GraphRunner(
@@ -149,7 +152,10 @@ class ModelRunner:
             single_block_tables=rows.block_tables.to(dev),
             single_seq_lens=rows.seq_lens.to(dev),
             prefill=prefill,
-            workspace=self._gather_workspace(rows.block_tables.numel()),
+            workspace=(
+                None if self.decode_op else self._gather_workspace(rows.block_tables.numel())
+            ),
+            decode_op=self.decode_op,
         )
         return meta, row_start
 

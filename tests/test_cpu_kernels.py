@@ -1,0 +1,83 @@
+"""The in-place paged decode kernel equals the gather + SDPA path, and the backend choice
+is honoured or refused (never silently changed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.language.attention import AttentionMetadata, paged_attention
+from services.language.cpu_kernels import decode_attention_op, paged_decode_op
+
+op = paged_decode_op()
+needs_kernel = pytest.mark.skipif(op is None, reason="no C++ toolchain to build the kernel")
+
+
+def _case(B, H, Hkv, D, ps, lens, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    pages = 64
+    kc = torch.randn(pages + 1, ps, Hkv, D, generator=g).to(dtype)
+    vc = torch.randn(pages + 1, ps, Hkv, D, generator=g).to(dtype)
+    width = max(-(-n // ps) for n in lens)
+    perm = torch.randperm(pages, generator=g)
+    tables = torch.full((B, width), pages, dtype=torch.int64)  # padding: the dummy page
+    for i, n in enumerate(lens):
+        used = -(-n // ps)
+        tables[i, :used] = perm[i * 4 : i * 4 + used] if used <= 4 else perm[:used]
+    q = torch.randn(B, H, D, generator=g).to(dtype)
+    return q, kc, vc, tables, torch.tensor(lens, dtype=torch.int64)
+
+
+def _attend(q, kc, vc, tables, lens, decode_op):
+    """paged_attention over single-token rows; k/v of the step are already in the cache
+    (written to the dummy slot here, so the cache under test is not changed)."""
+    B, _, D = q.shape
+    Hkv = kc.shape[2]
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((B,), (kc.shape[0] - 1) * kc.shape[1], dtype=torch.int64),
+        num_single=B,
+        single_block_tables=tables,
+        single_seq_lens=lens,
+        decode_op=decode_op,
+    )
+    kv = torch.zeros(B, Hkv, D, dtype=q.dtype)
+    return paged_attention(q, kv, kv, kc, vc, meta, D**-0.5)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "B,H,Hkv,D,ps,lens",
+    [
+        (1, 8, 2, 64, 16, [1]),  # one key
+        (3, 4, 4, 32, 16, [16, 17, 33]),  # page edges, no GQA
+        (5, 8, 2, 64, 4, [1, 5, 9, 12, 13]),  # GQA 4, small pages
+        (4, 14, 2, 64, 16, [40, 41, 200, 7]),  # Qwen2.5-VL-7B-like head counts
+    ],
+)
+def test_kernel_equals_gather_sdpa_float32(B, H, Hkv, D, ps, lens):
+    q, kc, vc, tables, seq = _case(B, H, Hkv, D, ps, lens, torch.float32)
+    ref = _attend(q, kc, vc, tables, seq, None)
+    got = _attend(q, kc, vc, tables, seq, op)
+    torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)
+
+
+@needs_kernel
+def test_kernel_bfloat16_close_to_float32_reference():
+    q, kc, vc, tables, seq = _case(3, 8, 2, 64, 16, [5, 50, 130], torch.bfloat16)
+    ref = _attend(q.float(), kc.float(), vc.float(), tables, seq, None)
+    got = _attend(q, kc, vc, tables, seq, op)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_backend_choice_is_honoured_or_refused():
+    cpu = torch.device("cpu")
+    assert decode_attention_op("gather", cpu) is None
+    assert decode_attention_op("auto", torch.device("cuda")) is None
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        decode_attention_op("paged_cpu", torch.device("cuda"))
+    with pytest.raises(ValueError, match="attention_backend must be"):
+        decode_attention_op("flash", cpu)
+    if op is not None:
+        assert decode_attention_op("auto", cpu) is op
+        assert decode_attention_op("paged_cpu", cpu) is op
