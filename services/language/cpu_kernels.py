@@ -48,7 +48,7 @@ def _build_dir() -> Path:
 def paged_decode_op():
     """The compiled `paged_decode_attention`, or None where it cannot be built."""
     key = hashlib.sha256(
-        SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()
+        SOURCE.read_bytes() + Path(__file__).read_bytes() + torch.__version__.encode() + _cpu_flags().encode()
     ).hexdigest()[:16]
     name = f"tandem_paged_decode_{key}"
     build = _build_dir() / name
@@ -65,7 +65,7 @@ def paged_decode_op():
             name=name,
             sources=[str(SOURCE)],
             build_directory=str(build),
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
