@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import PurePath
 
 from services.router.admission import Admission
+from services.router.config import RouterConfig
+from services.router.dispatcher import Dispatcher
 from services.router.errors import RouterError
 from services.router.metrics import RouterMetrics
-from services.router.pipeline import Dispatcher
 from services.router.registry import Registry
 from services.router.selection import Selector
 from tandem.metrics import metric_set, service_registry
 
 
 class RouterCore:
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
         self.metrics = metric_set(RouterMetrics, service_registry())
         self.registry = Registry(cfg)
@@ -43,7 +45,19 @@ class RouterCore:
         self.metrics.healthy.labels("encoder").set(self.registry.encoders.healthy_count())
         self.metrics.healthy.labels("language").set(self.registry.languages.healthy_count())
 
-    def admit(self):
+    def admit(self) -> Callable[[], None]:
+        """Admit one request, the only way either front end does: refused while draining
+        (UNAVAILABLE) or at capacity (OVERLOADED); returns the request's release, which is
+        idempotent so every exit path may call it."""
         if self.draining:
             raise RouterError("UNAVAILABLE", "router is draining")
-        return self.admission.slot()
+        self.admission.acquire()
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.admission.release()
+
+        return release

@@ -1,16 +1,19 @@
 """One error type for the router, mapped to gRPC status codes and OpenAI's HTTP errors.
 
 `RouterError.code` is a gRPC status code name (as in `ErrorInfo.code`); `http_status` and
-`openai_type` derive from it. The encoder's RESOURCE_EXHAUSTED means "input over a limit"
+`openai_type` derive from it; `tier` says which tier failed (the retry rules read it, never
+the message text). The encoder's RESOURCE_EXHAUSTED means "input over a limit"
 (413); the router's own admission control raises OVERLOADED (429, RESOURCE_EXHAUSTED on
 gRPC) so clients can tell "too big" from "try again".
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
 
 import grpc
+
+from tandem.errors import ServiceError
 
 # code -> (HTTP status, OpenAI error type)
 _HTTP = {
@@ -33,14 +36,21 @@ _HTTP = {
 _GRPC_ALIAS = {"TOO_LARGE": "RESOURCE_EXHAUSTED", "OVERLOADED": "RESOURCE_EXHAUSTED"}
 
 
-@dataclass
-class RouterError(Exception):
-    code: str
-    message: str
-    param: str | None = None
+class Tier(enum.Enum):
+    """Where an error arose: the router itself, or the tier whose call failed."""
 
-    def __str__(self) -> str:
-        return f"{self.code}: {self.message}"
+    ROUTER = "router"
+    ENCODER = "encoder"
+    LANGUAGE = "language"
+
+
+class RouterError(ServiceError):
+    def __init__(
+        self, code: str, message: str, param: str | None = None, tier: Tier = Tier.ROUTER
+    ) -> None:
+        super().__init__(message, code)
+        self.param = param
+        self.tier = tier
 
     @property
     def http_status(self) -> int:
@@ -70,22 +80,23 @@ class RouterError(Exception):
         }
 
 
-def from_rpc(err: grpc.RpcError, tier: str) -> RouterError:
-    """Map a tier's gRPC failure. RESOURCE_EXHAUSTED from the encoder is an input limit."""
+def _tier_code(name: str, tier: Tier) -> str:
+    """RESOURCE_EXHAUSTED from the encoder is an input over a limit, not overload."""
+    return "TOO_LARGE" if name == "RESOURCE_EXHAUSTED" and tier is Tier.ENCODER else name
+
+
+def from_rpc(err: grpc.RpcError, tier: Tier) -> RouterError:
+    """Map a tier's gRPC failure."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = (err.details() if hasattr(err, "details") else None) or str(code)
     name = code.name if code is not None else "UNKNOWN"
-    if name == "RESOURCE_EXHAUSTED" and tier == "encoder":
-        name = "TOO_LARGE"
-    return RouterError(name, f"{tier}: {details}")
+    return RouterError(_tier_code(name, tier), f"{tier.value}: {details}", tier=tier)
 
 
-def from_error_info(info, tier: str) -> RouterError:
+def from_error_info(info, tier: Tier) -> RouterError:
     """Map an `ErrorInfo` carried inside a stream."""
-    name = info.code or "INTERNAL"
-    if name == "RESOURCE_EXHAUSTED" and tier == "encoder":
-        name = "TOO_LARGE"
-    return RouterError(name, f"{tier}: {info.message}", info.field or None)
+    name = _tier_code(info.code or "INTERNAL", tier)
+    return RouterError(name, f"{tier.value}: {info.message}", info.field or None, tier)
 
 
 # Codes after which another encoder may succeed: the instance, not the input, failed.

@@ -3,7 +3,7 @@
 Errors before any output end the call with a status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
 UNAUTHENTICATED, UNAVAILABLE, DEADLINE_EXCEEDED, ...); a failure after output is a last
 message with finish_reason ERROR and `error` set. A client that cancels the call cancels
-this handler's task, which closes the pipeline (see pipeline.py's leak note).
+this handler's task, which closes the dispatcher's generator (see dispatcher.py's leak note).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import uuid
 import grpc
 
 from services.router.admission import check_api_key
+from services.router.config import RouterConfig
 from services.router.core import RouterCore
 from services.router.errors import RouterError
 from services.router.request import ChatRequest, Piece
@@ -21,7 +22,7 @@ from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
 _FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH}
 
 
-def _validate(request: router_pb2.RouterGenerateRequest, cfg) -> ChatRequest:
+def _validate(request: router_pb2.RouterGenerateRequest, cfg: RouterConfig) -> ChatRequest:
     if not request.messages:
         raise RouterError("INVALID_ARGUMENT", "messages must not be empty", "messages")
     s = request.sampling
@@ -92,9 +93,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             core.check_model(request.model)
             req = _validate(request, core.cfg)
             request_id = req.request_id
-            if core.draining:
-                raise RouterError("UNAVAILABLE", "router is draining")
-            core.admission.acquire()
+            release = core.admit()
             try:
                 agen = core.dispatcher.generate(req)
                 try:
@@ -104,7 +103,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 finally:
                     await agen.aclose()
             finally:
-                core.admission.release()
+                release()
             core.metrics.requests.labels("grpc", "ok").inc()
         except RouterError as err:
             core.metrics.requests.labels("grpc", err.code.lower()).inc()

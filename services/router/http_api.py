@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.router import openai_format as fmt
 from services.router.admission import check_api_key
+from services.router.config import RouterConfig
 from services.router.core import RouterCore
 from services.router.errors import RouterError
 from services.router.openai_models import ChatCompletionRequest, to_chat_request
@@ -102,17 +103,7 @@ def build_app(core: RouterCore) -> FastAPI:
         core.check_model(body.model)
         req = to_chat_request(body, cfg)
         model = body.model or core.model_name()
-        if core.draining:
-            raise RouterError("UNAVAILABLE", "router is draining")
-        core.admission.acquire()
-        released = False
-
-        def release():
-            nonlocal released
-            if not released:
-                released = True
-                core.admission.release()
-
+        release = core.admit()
         try:
             agen = core.dispatcher.generate(req)
             if body.stream:
@@ -122,7 +113,7 @@ def build_app(core: RouterCore) -> FastAPI:
                 stream = _sse(agen, first, req.request_id, model, include_usage, release)
                 core.metrics.requests.labels("http", "started").inc()
                 # NOTE: if the client is gone before the body starts, `stream` never runs
-                # its finally; the background task closes the pipeline and frees the slot.
+                # its finally; the background task closes the dispatcher's generator and frees the slot.
 
                 async def cleanup():
                     release()
@@ -151,7 +142,7 @@ def build_app(core: RouterCore) -> FastAPI:
 class _Guard:
     """Body-size limit (413) and the API key on /v1/* (401), before any parsing."""
 
-    def __init__(self, app, cfg) -> None:
+    def __init__(self, app, cfg: RouterConfig) -> None:
         self.app = app
         self.cfg = cfg
 

@@ -38,7 +38,7 @@ def extension(piece: Piece, request_id: str) -> dict:
         "timings": piece.timings or {},
         "cached_image_tokens": piece.usage.cached_image_tokens if piece.usage else 0,
         "request_id": request_id,
-        **(piece.route or {}),
+        **(piece.route.fields() if piece.route else {}),
     }
 
 

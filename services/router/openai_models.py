@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.router.config import RouterConfig
 from services.router.errors import RouterError
 from services.router.request import ChatRequest
 from tandem.v1 import common_pb2
@@ -99,7 +100,7 @@ def _image_part(url: str, param: str, max_bytes: int) -> common_pb2.ImagePart:
     raise RouterError("INVALID_ARGUMENT", "image_url must be a data: or http(s) URL", param)
 
 
-def to_chat_request(body: ChatCompletionRequest, cfg) -> ChatRequest:
+def to_chat_request(body: ChatCompletionRequest, cfg: RouterConfig) -> ChatRequest:
     """Validated body -> front-end-independent request (raises RouterError on bad input)."""
     messages = []
     for i, m in enumerate(body.messages):

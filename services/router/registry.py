@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.router.config import RouterConfig
 from services.router.health import HealthTracker, InstanceState
 from services.router.selection import Candidate
 from tandem.v1 import encoder_pb2, encoder_pb2_grpc, language_pb2, language_pb2_grpc
@@ -200,7 +201,7 @@ async def resolve(dns: str) -> list[str]:
 class Registry:
     """Both pools plus the background loops that keep them current."""
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
         self.encoders = Pool("encoder", cfg.eject_after_failures)
         self.languages = Pool("language", cfg.eject_after_failures)

@@ -38,6 +38,26 @@ class Usage:
 
 
 @dataclass
+class Route:
+    """Where one attempt of a request ran and how its transfer went (reported on the
+    last piece; the HTTP response carries these fields as extensions)."""
+
+    attempts: int  # whole-request attempts so far (1 = no retry)
+    language: str = ""  # language instance address
+    encoder: str = ""  # encoder address of the latest Encode
+    encoder_attempts: int = 0  # Encode calls of this attempt (> 1: retried on another)
+    resumes: int | None = None  # resumed transfers, once the encoder reported delivery
+
+    def fields(self) -> dict:
+        """The extension fields of a response (`resumes` only once known)."""
+        out = {"attempts": self.attempts, "language": self.language, "encoder": self.encoder,
+               "encoder_attempts": self.encoder_attempts}  # fmt: skip
+        if self.resumes is not None:
+            out["resumes"] = self.resumes
+        return out
+
+
+@dataclass
 class Piece:
     """New output since the previous piece; the last one has `finish_reason` set."""
 
@@ -48,7 +68,7 @@ class Piece:
     usage: Usage | None = None
     timings: dict[str, float] | None = None
     # Set on the last piece: where it ran and how the transfer went.
-    route: dict | None = None
+    route: Route | None = None
 
 
 def image_hashes(messages: list[common_pb2.ChatMessage]) -> list[str]:

@@ -22,10 +22,12 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from services.router.config import RouterConfig
 from services.router.errors import (
     RETRYABLE_ENCODER,
     RETRYABLE_REQUEST,
     RouterError,
+    Tier,
     from_error_info,
     from_rpc,
 )
@@ -37,6 +39,7 @@ from services.router.request import (
     TIMING_FIELDS,
     ChatRequest,
     Piece,
+    Route,
     Usage,
     image_hashes,
 )
@@ -49,8 +52,12 @@ class Dispatcher:
     """Runs chat requests across the tiers."""
 
     def __init__(
-        self, registry: Registry, selectors: dict[str, Selector], cfg, metrics: RouterMetrics
-    ):
+        self,
+        registry: Registry,
+        selectors: dict[str, Selector],
+        cfg: RouterConfig,
+        metrics: RouterMetrics,
+    ) -> None:
         self.registry = registry
         self.selectors = selectors
         self.cfg = cfg
@@ -78,7 +85,7 @@ class Dispatcher:
 
     async def _encode(
         self, req: ChatRequest, room: int, enc: Instance, lang: Instance, deadline: float,
-        route: dict,
+        route: Route,
     ) -> encoder_pb2.EncodeResponse | None:
         """Deliver the prompt, retrying on other encoders. None: the language side
         declined a Reattach (it already holds the prompt, or the room is gone) and its
@@ -87,8 +94,8 @@ class Dispatcher:
         tried: set[str] = set()
         for attempt in range(self.cfg.encoder_retries + 1):
             tried.add(enc.address)
-            route["encoder"] = enc.address
-            route["encoder_attempts"] = attempt + 1
+            route.encoder = enc.address
+            route.encoder_attempts = attempt + 1
             enc.outstanding += 1
             try:
                 resp = await enc.stub.Encode(
@@ -101,10 +108,10 @@ class Dispatcher:
                     timeout=max(0.001, deadline - time.time()),
                 )
                 self.registry.encoders.record_success(enc.address)
-                route["resumes"] = resp.resumes
+                route.resumes = resp.resumes
                 return resp
             except grpc.RpcError as e:
-                err = from_rpc(e, "encoder")
+                err = from_rpc(e, Tier.ENCODER)
                 if err.code not in RETRYABLE_ENCODER or attempt == self.cfg.encoder_retries:
                     raise err from None
                 self._spawn(self.registry.encoders.verify(enc.address))
@@ -122,7 +129,7 @@ class Dispatcher:
                     timeout=max(0.001, min(5.0, deadline - time.time())),
                 )
             except grpc.RpcError as e2:
-                raise from_rpc(e2, "language") from None
+                raise from_rpc(e2, Tier.LANGUAGE) from None
             if not r.accepted:
                 return None
         raise AssertionError("unreachable")
@@ -137,7 +144,7 @@ class Dispatcher:
         deadline = start + req.timeout_s
         avoid: dict[str, set[str]] = {"encoder": set(), "language": set()}
         for attempt in range(self.cfg.request_retries + 1):
-            route: dict = {"attempts": attempt + 1}
+            route = Route(attempts=attempt + 1)
             attempt_gen = self._attempt(req, start, deadline, avoid, route)
             yielded = False
             try:
@@ -156,9 +163,9 @@ class Dispatcher:
                 log.warning("%s: attempt %d failed (%s); retrying the request",
                             req.request_id, attempt + 1, err)
                 self.metrics.request_retries.inc()
-                avoid["encoder"].add(route.get("encoder", ""))
-                if err.message.startswith("language"):
-                    avoid["language"].add(route.get("language", ""))
+                avoid["encoder"].add(route.encoder)
+                if err.tier is Tier.LANGUAGE:
+                    avoid["language"].add(route.language)
             finally:
                 # NOTE: close the attempt now (cancels its calls, aborts its room) rather
                 # than at garbage collection; it has no awaits in its own finally.
@@ -171,7 +178,7 @@ class Dispatcher:
             return self._pick(kind, hashes)  # nothing else healthy: try the same again
 
     async def _attempt(
-        self, req: ChatRequest, start: float, deadline: float, avoid: dict, route: dict
+        self, req: ChatRequest, start: float, deadline: float, avoid: dict, route: Route
     ) -> AsyncIterator[Piece]:
         hashes = image_hashes(req.messages)
         lang = self._pick_avoiding("language", (), avoid["language"])
@@ -189,7 +196,7 @@ class Dispatcher:
             ),
             timeout=max(0.001, deadline - time.time()),
         )
-        route.update(language=lang.address, encoder=enc.address, encoder_attempts=1)
+        route.language, route.encoder, route.encoder_attempts = lang.address, enc.address, 1
         encode_task = asyncio.ensure_future(self._encode(req, room, enc, lang, deadline, route))
         stream = gen_call.__aiter__()
         finished = False
@@ -209,13 +216,15 @@ class Dispatcher:
                 try:
                     msg = next_msg.result()
                 except StopAsyncIteration:
-                    raise RouterError("UNAVAILABLE", "language: stream ended early") from None
+                    raise RouterError(
+                        "UNAVAILABLE", "language: stream ended early", tier=Tier.LANGUAGE
+                    ) from None
                 except grpc.RpcError as e:
                     if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED or time.time() >= deadline:
                         raise RouterError("DEADLINE_EXCEEDED", "request deadline passed") from None
                     await self._raise_encoder_error(encode_task, deadline)
                     self._spawn(self.registry.languages.verify(lang.address))
-                    raise from_rpc(e, "language") from None
+                    raise from_rpc(e, Tier.LANGUAGE) from None
                 if msg.finish_reason == common_pb2.FINISH_REASON_ERROR and first:
                     await self._raise_encoder_error(encode_task, deadline)
                 piece = await self._convert(msg, encode_task, deadline)
@@ -262,15 +271,15 @@ class Dispatcher:
         if reason == common_pb2.FINISH_REASON_UNSPECIFIED:
             return piece
         if reason == common_pb2.FINISH_REASON_ERROR:
-            raise from_error_info(msg.error, "language")
+            raise from_error_info(msg.error, Tier.LANGUAGE)
         if reason == common_pb2.FINISH_REASON_ABORT:
             # NOTE: the language tier names why it aborted; its clock may pass the deadline
             # a moment before ours, so its DEADLINE_EXCEEDED is believed as is.
             if msg.error.code == "DEADLINE_EXCEEDED" or time.time() >= deadline:
                 raise RouterError("DEADLINE_EXCEEDED", "request deadline passed")
             if msg.error.code and msg.error.code != "CANCELLED":
-                raise from_error_info(msg.error, "language")
-            raise RouterError("ABORTED", "language: request aborted")
+                raise from_error_info(msg.error, Tier.LANGUAGE)
+            raise RouterError("ABORTED", "language: request aborted", tier=Tier.LANGUAGE)
         piece.finish_reason = FINISH[reason]
         # The Encode answer normally precedes the first token (delivery precedes prefill);
         # wait a little for it to merge encoder timings and cache figures.
