@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable
 
+from tandem.units import ceil_div
+
 
 class BlockAllocator:
     """`can_alloc(n_tokens)` / `alloc(n_tokens, owner)` / `free(owner)` over `num_total` blocks.
@@ -37,11 +39,8 @@ class BlockAllocator:
     def owners(self) -> list[Hashable]:
         return list(self._owned)
 
-    def blocks_for(self, n_tokens: int) -> int:
-        return -(-n_tokens // self.block_size)
-
     def can_alloc(self, n_tokens: int) -> bool:
-        return 0 < n_tokens and self.blocks_for(n_tokens) <= len(self._free)
+        return 0 < n_tokens and ceil_div(n_tokens, self.block_size) <= len(self._free)
 
     def alloc(self, n_tokens: int, owner: Hashable) -> list[int] | None:
         """Blocks for `n_tokens` in token order, or None when the pool cannot cover them."""
@@ -49,7 +48,7 @@ class BlockAllocator:
             raise ValueError(f"alloc of {n_tokens} tokens for {owner!r}")
         if owner in self._owned:
             raise KeyError(f"owner {owner!r} already holds {len(self._owned[owner])} blocks")
-        need = self.blocks_for(n_tokens)
+        need = ceil_div(n_tokens, self.block_size)
         if need > len(self._free):
             return None
         blocks = [self._free.popleft() for _ in range(need)]

@@ -21,6 +21,7 @@ import torch
 
 from tandem.devices import DTYPES
 from tandem.transfer.errors import TransferError
+from tandem.units import ceil_div
 from tandem.v1 import encoder_pb2
 
 AUX_WIDTH = 16
@@ -140,7 +141,7 @@ class EmbeddingBuffers:
     ) -> None:
         """Raise DATA_LOSS unless the blocks holding `n_tokens` tokens (from block
         `first_index` of the piece starting at token `start`) carry this piece's aux row."""
-        nb = -(-n_tokens // self.block_size)
+        nb = ceil_div(n_tokens, self.block_size)
         aux = self.aux[torch.tensor(block_ids[:nb], dtype=torch.long)]
         lo, hi = room_words(room)
         for i, row in enumerate(aux.tolist()):
@@ -165,7 +166,7 @@ class EmbeddingBuffers:
     ) -> None:
         """Copy `n_tokens` tokens out of `block_ids` (token order) into out[start:start+n]."""
         bs, d = self.block_size, self.embed_dim
-        nb = -(-n_tokens // bs)
+        nb = ceil_div(n_tokens, bs)
         ids = block_ids[:nb]
         i = 0
         while i < nb:  # runs of consecutive block ids are one copy each

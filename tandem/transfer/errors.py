@@ -1,23 +1,36 @@
-"""TransferError: the one exception the transfer layer raises, with a gRPC status name.
+"""TransferError: the one exception the transfer layer raises, a `ServiceError`.
 
 `code` is a gRPC status code name ("DEADLINE_EXCEEDED", "UNAVAILABLE", "INVALID_ARGUMENT",
 ...) so servicers can map it straight onto a status or an `ErrorInfo`; `reason` is one
-human-readable line naming the room and what happened.
+human-readable line saying what happened; `room` is the room it ended, or None for a
+failure of the engine itself (a write to a peer, the port range) that a caller attributes
+to its room.
 """
 
 from __future__ import annotations
 
+from tandem.errors import ServiceError
 
-class TransferError(Exception):
+
+class TransferError(ServiceError):
     """A room (or the engine) failed; `reason` says why, `code` is a gRPC code name."""
 
-    def __init__(self, reason: str, code: str = "INTERNAL") -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.code = code
+    def __init__(self, reason: str, code: str = "INTERNAL", room: int | None = None) -> None:
+        super().__init__(reason, code)
+        self.room = room
+        # Engine-level failures: the (batch, count) transfers already started, which the
+        # caller must drain before it reuses their source memory.
+        self.pending: list[tuple[int, int]] = []
 
-    def __str__(self) -> str:
-        return f"{self.code}: {self.reason}"
+    @property
+    def reason(self) -> str:
+        return self.message
+
+    def for_room(self, room: int) -> TransferError:
+        """This error as the failure of `room` (itself when it already names a room)."""
+        if self.room is not None:
+            return self
+        return type(self)(f"room {room}: {self.reason}", self.code, room)
 
 
 class TransferStuck(TransferError):

@@ -44,7 +44,17 @@ from tandem.transfer.buffers import AUX_MROPE_DELTA, EmbeddingBuffers
 from tandem.transfer.errors import TransferError
 from tandem.transfer.metrics import transfer_metrics
 from tandem.transfer.payload import PromptPayload
-from tandem.transfer.room import AttachBroken, BlockReservations, ReceiverRoom, ReceiverState
+from tandem.transfer.room import (
+    AbortRoom,
+    AttachBroken,
+    BlockReservations,
+    ReattachTo,
+    ReceiverRoom,
+    ReceiverState,
+    RoomEvent,
+    StreamBroken,
+    StreamMessage,
+)
 from tandem.v1 import encoder_pb2, encoder_pb2_grpc
 
 
@@ -86,14 +96,14 @@ class EmbeddingReceiver:
         r = self.rooms.get(room)
         if r is None or r.state in (ReceiverState.SUCCESS, ReceiverState.FAILED):
             return False
-        r.post("reattach", encoder_address)
+        r.post(ReattachTo(encoder_address))
         return True
 
     def abort(self, room: int) -> bool:
         r = self.rooms.get(room)
         if r is None:
             return False
-        r.post("abort")
+        r.post(AbortRoom())
         return True
 
     async def close(self) -> None:
@@ -102,25 +112,27 @@ class EmbeddingReceiver:
             await ch.close()
         self._channels.clear()
 
-    def _interrupt(self, r: ReceiverRoom, ev) -> None:
+    def _interrupt(self, r: ReceiverRoom, ev: RoomEvent) -> None:
         """Handle an event that arrives while no message is expected."""
-        kind, attempt, value = ev
-        if attempt != r.attempt and kind in ("msg", "broken"):
-            return  # left over from an earlier Attach
-        if kind == "abort":
-            raise TransferError(f"room {r.room}: aborted", "CANCELLED")
-        if kind == "broken":
-            raise AttachBroken(value)
-        if kind == "reattach":
-            if r.call is None:  # still reserving: nothing to hang up, just aim elsewhere
-                r.address = value
-                return
-            raise AttachBroken("reattach requested", new_address=value)
-        if value.WhichOneof("msg") == "failed":
-            e = value.failed.error
-            raise TransferError(f"room {r.room}: encoder failed: {e.message}", e.code or "UNKNOWN")
-        raise TransferError(f"room {r.room}: unexpected {value.WhichOneof('msg')} from the "
-                            f"encoder while waiting for blocks", "INTERNAL")
+        match ev:
+            case StreamMessage(attempt=a) | StreamBroken(attempt=a) if a != r.attempt:
+                return  # left over from an earlier Attach
+            case AbortRoom():
+                raise TransferError(f"room {r.room}: aborted", "CANCELLED", r.room)
+            case StreamBroken(reason=reason):
+                raise AttachBroken(reason)
+            case ReattachTo(address=address):
+                if r.call is None:  # still reserving: nothing to hang up, just aim elsewhere
+                    r.address = address
+                    return
+                raise AttachBroken("reattach requested", new_address=address)
+            case StreamMessage(msg=msg) if msg.WhichOneof("msg") == "failed":
+                e = msg.failed.error
+                raise TransferError(f"room {r.room}: encoder failed: {e.message}",
+                                    e.code or "UNKNOWN", r.room)
+            case StreamMessage(msg=msg):
+                raise TransferError(f"room {r.room}: unexpected {msg.WhichOneof('msg')} from "
+                                    f"the encoder while waiting for blocks", "INTERNAL", r.room)
 
     def _timeout(self, deadline: float | None) -> float:
         t = self.config.timeout_s
@@ -200,13 +212,13 @@ class EmbeddingReceiver:
         end = time.monotonic() + grace
         while (left := end - time.monotonic()) > 0:
             try:
-                kind, attempt, value = await asyncio.wait_for(r.events.get(), left)
+                ev = await asyncio.wait_for(r.events.get(), left)
             except asyncio.TimeoutError:
                 break
-            if kind == "abort":
-                raise TransferError(f"room {r.room}: aborted", "CANCELLED")
-            if kind == "reattach":
-                return value
+            if isinstance(ev, AbortRoom):
+                raise TransferError(f"room {r.room}: aborted", "CANCELLED", r.room)
+            if isinstance(ev, ReattachTo):
+                return ev.address
         raise TransferError(f"room {r.room}: {reason}", "UNAVAILABLE")
 
     def _channel(self, address: str) -> grpc.aio.Channel:
@@ -232,10 +244,10 @@ class EmbeddingReceiver:
                 raise TransferError(
                     f"room {r.room}: no data from encoder {r.address} within {timeout:.1f}s "
                     f"({r.state.value}, {r.copied} tokens received)", "DEADLINE_EXCEEDED") from None
-            kind, attempt, msg = ev
-            if kind != "msg" or attempt != r.attempt:
+            if not isinstance(ev, StreamMessage) or ev.attempt != r.attempt:
                 self._interrupt(r, ev)
                 continue
+            msg = ev.msg
             which = msg.WhichOneof("msg")
             if which == "progress" and msg.progress.partial:
                 await self._on_partial(r, msg.progress, deadline)
@@ -257,15 +269,15 @@ class EmbeddingReceiver:
             while True:
                 msg = await call.read()
                 if msg is grpc.aio.EOF:
-                    r.post("broken", f"encoder {r.address} ended the Attach stream before Done",
-                           attempt)
+                    r.post(StreamBroken(
+                        attempt, f"encoder {r.address} ended the Attach stream before Done"))
                     return
-                r.post("msg", msg, attempt)
+                r.post(StreamMessage(attempt, msg))
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as e:
-            r.post("broken", f"Attach stream to encoder {r.address} broken: "
-                   f"{e.code().name}: {e.details()}", attempt)
+            r.post(StreamBroken(attempt, f"Attach stream to encoder {r.address} broken: "
+                                         f"{e.code().name}: {e.details()}"))
 
     def _announce(self, r: ReceiverRoom, sent: int, total: int, final: bool) -> None:
         """Validate a Progress/Done against the room; allocate the output on first sight.

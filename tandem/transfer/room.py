@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from tandem.transfer.allocator import BlockAllocator
 from tandem.transfer.errors import TransferError
+from tandem.v1 import encoder_pb2
 
 
 class ReceiverState(enum.Enum):
@@ -32,12 +33,48 @@ class AttachBroken(Exception):
         self.reason, self.new_address = reason, new_address
 
 
+# -- what reaches a room's event queue (dispatched by type) ---------------------------------
+# `attempt` numbers the Attach stream an event came from: events of an earlier attempt
+# (after a reattach) are stale and ignored.
+
+
+@dataclass(frozen=True)
+class StreamMessage:
+    """A message the encoder sent on the Attach stream."""
+
+    attempt: int
+    msg: encoder_pb2.AttachResponse
+
+
+@dataclass(frozen=True)
+class StreamBroken:
+    """The Attach stream ended or failed before Done."""
+
+    attempt: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class ReattachTo:
+    """The router points the room at another encoder (its encoder failed before Done)."""
+
+    address: str
+
+
+@dataclass(frozen=True)
+class AbortRoom:
+    """The request was aborted: end the room."""
+
+
+RoomEvent = StreamMessage | StreamBroken | ReattachTo | AbortRoom
+
+
 @dataclass
 class ReceiverRoom:
     room: int
     address: str
     state: ReceiverState = ReceiverState.BOOTSTRAPPING
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # (kind, attempt, value)
+    events: asyncio.Queue[RoomEvent] = field(default_factory=asyncio.Queue)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     keys: set = field(default_factory=set)  # allocator owners held by this room
     key: tuple | None = None  # owner of the current destination blocks
@@ -53,8 +90,8 @@ class ReceiverRoom:
     call: object | None = None
     reader: asyncio.Task | None = None
 
-    def post(self, kind: str, value=None, attempt: int | None = None) -> None:
-        self.events.put_nowait((kind, self.attempt if attempt is None else attempt, value))
+    def post(self, event: RoomEvent) -> None:
+        self.events.put_nowait(event)
         self.wake.set()
 
 

@@ -46,7 +46,7 @@ from tandem.transfer.buffers import BufferLayout
 from tandem.transfer.errors import TransferError, TransferStuck
 from tandem.transfer.metrics import transfer_metrics
 from tandem.transfer.payload import PromptPayload
-from tandem.transfer.staging import StagingArea, write_round
+from tandem.transfer.staging import StagingArea, WriteRound, write_round
 from tandem.v1 import common_pb2, encoder_pb2
 
 log = logging.getLogger(__name__)
@@ -336,11 +336,13 @@ class EmbeddingSender:
 
         for t0 in range(start, end, step):
             slot = await self._acquire_slot(r, deadline)
-            cf = self._pool.submit(
-                write_round, self.engine, self.staging, peer, slot, payload, r.room, layout,
-                ids, start, piece, t0, min(t0 + step, end), chunk, r.dead,
-                lambda c_end: c_end < end and loop.call_soon_threadsafe(progress, c_end),
-                lambda err: loop.call_soon_threadsafe(self._fail, r, err))
+            job = WriteRound(
+                self.engine, self.staging, peer, slot, payload, r.room, layout, ids, start,
+                piece, t0, min(t0 + step, end), chunk, r.dead,
+                on_chunk=lambda c_end: c_end < end and loop.call_soon_threadsafe(progress, c_end),
+                on_fail=lambda err: loop.call_soon_threadsafe(self._fail, r, err),
+            )
+            cf = self._pool.submit(write_round, job)
             # NOTE: the slot goes back only when the thread is done with it, even if the
             # room failed long before (a frozen peer keeps Mooncake busy up to its timeout).
             cf.add_done_callback(lambda f, s=slot: loop.call_soon_threadsafe(

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -175,47 +178,69 @@ class StagingArea:
         return None
 
 
-def write_round(engine, staging: StagingArea, peer: str, slot: int, payload: PromptPayload,
-                room: int, layout: BufferLayout, ids: list[int], start: int, piece: int,
-                t0: int, t1: int, chunk: int, dead: threading.Event, on_chunk, on_fail) -> int:
-    """Thread side of one staging round: tokens [t0, t1) of the piece at `start`, in
-    chunks of `chunk` tokens, each staged then submitted (one transfer per coalesced
-    region), two deep (chunk k+1 is copied while chunk k is on the wire).
-    `on_chunk(end_token)` runs as each chunk completes; `on_fail(err)` runs at the first
-    failure, before the leftovers are drained, so the room ends at once. Stops submitting
-    once `dead` is set. Returns the bytes written; raises TransferStuck when writes from
-    the slot never ended (the caller must retire it)."""
+@dataclass
+class WriteRound:
+    """One staging round of a room's piece, handed to a writer thread: tokens [t0, t1)
+    of the piece that starts at token `start` (piece number `piece`), destined for the
+    blocks `ids` of the peer's buffers described by `layout`."""
+
+    engine: Any  # MooncakeEngine
+    staging: StagingArea
+    peer: str  # the peer's transfer session id
+    slot: int  # staging slot this round stages into (held by the caller)
+    payload: PromptPayload
+    room: int
+    layout: BufferLayout
+    ids: list[int]
+    start: int
+    piece: int
+    t0: int
+    t1: int
+    chunk: int  # tokens per staged chunk
+    dead: threading.Event  # set when the room ended: submit nothing more
+    on_chunk: Callable[[int], object]  # end token of each completed chunk
+    on_fail: Callable[[TransferError], object]  # the first failure, before draining
+
+
+def write_round(w: WriteRound) -> int:
+    """Thread side of one staging round, in chunks of `w.chunk` tokens, each staged then
+    submitted (one transfer per coalesced region), two deep (chunk k+1 is copied while
+    chunk k is on the wire). `on_chunk` runs as each chunk completes; `on_fail` runs at
+    the first failure, before the leftovers are drained, so the room ends at once. Stops
+    submitting once `dead` is set. Returns the bytes written; raises TransferStuck when
+    writes from the slot never ended (the caller must retire it)."""
+    engine, room, t0, t1 = w.engine, w.room, w.t0, w.t1
     pending: list[tuple[list, int, int]] = []  # (started transfers, bytes, end token)
     leftovers: list[tuple[int, int]] = []
     written = 0
     try:
-        for c0 in range(t0, t1, chunk):
-            if dead.is_set():  # the room ended: write nothing more
-                raise TransferError(f"room {room}: ended during the write", "ABORTED")
-            c1 = min(c0 + chunk, t1)
-            srcs, dsts, lens = staging.stage(
-                slot, payload, room, layout, ids, start, piece, c0, c1, at=c0 - t0)
+        for c0 in range(t0, t1, w.chunk):
+            if w.dead.is_set():  # the room ended: write nothing more
+                raise TransferError(f"room {room}: ended during the write", "ABORTED", room)
+            c1 = min(c0 + w.chunk, t1)
+            srcs, dsts, lens = w.staging.stage(
+                w.slot, w.payload, room, w.layout, w.ids, w.start, w.piece, c0, c1, at=c0 - t0)
             try:
-                pending.append((engine.submit(peer, srcs, dsts, lens), sum(lens), c1))
+                pending.append((engine.submit(w.peer, srcs, dsts, lens), sum(lens), c1))
             except TransferError as e:
                 leftovers += e.pending
                 raise
             while len(pending) > 1 or (pending and c1 == t1):
                 started, n, c_end = pending.pop(0)
                 try:
-                    engine.wait(peer, started)
+                    engine.wait(w.peer, started)
                 except TransferError as e:
                     leftovers += e.pending
                     raise
                 written += n
-                on_chunk(c_end)
+                w.on_chunk(c_end)
     except TransferError as e:
-        on_fail(e if e.reason.startswith("room ") else TransferError(f"room {room}: {e.reason}", e.code))
+        w.on_fail(e.for_room(room))
         raise
     finally:
         # NOTE: never reuse the slot while a started write may still read from it.
         rest = leftovers + [t for started, _, _ in pending for t in started]
         if rest and not engine.drain(rest):
-            raise TransferStuck(f"room {room}: writes from staging slot {slot} never "
-                                f"finished", "UNAVAILABLE")
+            raise TransferStuck(f"room {room}: writes from staging slot {w.slot} never "
+                                f"finished", "UNAVAILABLE", room)
     return written
