@@ -35,7 +35,6 @@ from services.router.metrics import RouterMetrics
 from services.router.registry import Instance, Registry
 from services.router.request import (
     ENCODER_TIMINGS,
-    FINISH,
     TIMING_FIELDS,
     ChatRequest,
     Piece,
@@ -44,6 +43,7 @@ from services.router.request import (
     image_hashes,
 )
 from services.router.selection import NoInstanceError, Selector
+from tandem.finish_reasons import TO_OPENAI
 from tandem.v1 import common_pb2, encoder_pb2, language_pb2
 
 log = logging.getLogger("tandem.router")
@@ -280,7 +280,7 @@ class Dispatcher:
             if msg.error.code and msg.error.code != "CANCELLED":
                 raise from_error_info(msg.error, Tier.LANGUAGE)
             raise RouterError("ABORTED", "language: request aborted", tier=Tier.LANGUAGE)
-        piece.finish_reason = FINISH[reason]
+        piece.finish_reason = TO_OPENAI[reason]
         # The Encode answer normally precedes the first token (delivery precedes prefill);
         # wait a little for it to merge encoder timings and cache figures.
         enc_resp = None

@@ -17,9 +17,8 @@ from services.router.config import RouterConfig
 from services.router.core import RouterCore
 from services.router.errors import RouterError
 from services.router.request import ChatRequest, Piece
+from tandem.finish_reasons import FROM_OPENAI
 from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
-
-_FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH}
 
 
 def _validate(request: router_pb2.RouterGenerateRequest, cfg: RouterConfig) -> ChatRequest:
@@ -62,7 +61,7 @@ def _to_proto(piece: Piece, request_id: str) -> router_pb2.RouterGenerateRespons
     for tid, lp in piece.logprobs:
         out.logprobs.add(token_id=tid, logprob=lp)
     if piece.finish_reason is not None:
-        out.finish_reason = _FINISH[piece.finish_reason]
+        out.finish_reason = FROM_OPENAI[piece.finish_reason]
         u = piece.usage
         out.usage.CopyFrom(
             common_pb2.Usage(

@@ -7,10 +7,6 @@ from dataclasses import dataclass, field
 
 from tandem.v1 import common_pb2
 
-FINISH = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-}
 TIMING_FIELDS = ("preprocess_ms", "vit_ms", "transfer_ms", "queue_ms", "prefill_ms", "decode_ms")
 ENCODER_TIMINGS = ("preprocess_ms", "vit_ms", "transfer_ms")
 

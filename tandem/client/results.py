@@ -7,13 +7,8 @@ from dataclasses import dataclass, field
 
 from tandem.client.content import to_messages
 from tandem.client.errors import TandemError, error_from_code
+from tandem.finish_reasons import TO_OPENAI
 from tandem.v1 import common_pb2, router_pb2
-
-_FINISH = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-}
 
 
 @dataclass(frozen=True)
@@ -101,7 +96,7 @@ def add(result: ChatResult, msg: router_pb2.RouterGenerateResponse) -> None:
     result.logprobs.extend(lp.logprob for lp in msg.logprobs)
     result.request_id = msg.request_id or result.request_id
     if msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-        result.finish_reason = _FINISH.get(msg.finish_reason, "")
+        result.finish_reason = TO_OPENAI.get(msg.finish_reason, "")
         u = msg.usage
         result.usage = Usage(u.prompt_tokens, u.completion_tokens, u.total_tokens,
                              u.cached_image_tokens)
