@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 MODEL ?=
 HELM := .tools/helm
 
-.PHONY: setup test run lint proto bench clean helm
+.PHONY: setup test run lint proto bench bench-peer clean helm
 
 setup: $(STAMPS)/sysdeps $(STAMPS)/deps tandem/v1/__init__.py $(STAMPS)/kernels
 
@@ -75,8 +75,14 @@ lint: setup
 	  $(VENV)/bin/buf breaking protos --against ".git#ref=$$ref,subdir=protos"; \
 	else echo "buf breaking: no earlier contract to compare"; fi
 
+# bench/peer.py runs only through `make bench-peer` (it installs the peer: several GB).
 bench: setup
-	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	@for b in $(filter-out bench/peer.py,$(wildcard bench/*.py)); do echo "== $$b"; $(PY) $$b || exit 1; done
+
+# Tandem against vLLM's CPU build, side by side (installs the peer into .venv-peer once,
+# several GB; minutes per run). PEER_ARGS="--quick" for a smoke run; see bench/peer.py.
+bench-peer: setup
+	$(PY) bench/peer.py $(PEER_ARGS)
 
 clean:
 	rm -rf $(VENV) $(STAMPS) .tools tandem/v1 build dist *.egg-info .pytest_cache .ruff_cache
