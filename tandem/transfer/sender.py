@@ -16,7 +16,12 @@ registered once at start-up):
 `send` and `attach` meet on the room id, in either order. Per room:
 
     WAITING_FOR_INIT (send first) ─┐
-    WAITING_FOR_PAYLOAD (Init first)┴▶ TRANSFERRING ⇄ WAITING_FOR_RESUME ─▶ DONE | FAILED
+    WAITING_FOR_PAYLOAD (Init first)┴▶ TRANSFERRING ⇄ WAITING_FOR_RESUME ─▶ FINISHING ─▶ DONE
+    any state ─▶ FAILED (a timeout, a bad message, a broken or closed stream, a failed write)
+
+The state is the room's whole story: DONE and FAILED are its end (writer threads stop
+submitting once it ended), and every wait (for Init, for a Resume, for Done to be written)
+re-checks its condition at each transition (`_Room.to`).
 
 Each piece (what the language side reserved) is written in staging rounds of at most
 `slot_tokens`, each round in chunks of `chunk_tokens` (a chunk is a few async Mooncake
@@ -36,8 +41,8 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -53,11 +58,12 @@ log = logging.getLogger(__name__)
 
 
 class SenderState(enum.Enum):
-    WAITING_FOR_INIT = "waiting_for_init"
-    WAITING_FOR_PAYLOAD = "waiting_for_payload"
+    WAITING_FOR_INIT = "waiting_for_init"  # send() called; the language side's Init not yet
+    WAITING_FOR_PAYLOAD = "waiting_for_payload"  # Init here; send() not called yet
     TRANSFERRING = "transferring"
     WAITING_FOR_RESUME = "waiting_for_resume"
-    DONE = "done"
+    FINISHING = "finishing"  # Done queued: a half-close from now on is normal
+    DONE = "done"  # Done written on the stream
     FAILED = "failed"
 
 
@@ -74,20 +80,33 @@ class _Room:
     room: int
     state: SenderState
     born: float = field(default_factory=time.monotonic)
-    init: encoder_pb2.AttachInit | None = None
-    sending: bool = False
-    finishing: bool = False  # Done queued: a half-close from now on is normal
+    init: encoder_pb2.AttachInit | None = None  # set once, when the Attach stream opens
     error: TransferError | None = None
-    attached: asyncio.Event = field(default_factory=asyncio.Event)
-    ended: asyncio.Event = field(default_factory=asyncio.Event)  # failed or stream gone
-    dead: threading.Event = field(default_factory=threading.Event)  # `ended`, for threads
-    done_written: asyncio.Event = field(default_factory=asyncio.Event)
     inbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # AttachResume
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # AttachResponse | None
+    # NOTE: the one wake-up: set (then replaced) at every transition, so a waiter re-checks
+    # its condition on the new state; nothing else signals. Writer threads read `terminal`
+    # (a plain attribute read) to stop submitting.
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def terminal(self) -> bool:
+        """The room ended: DONE, or FAILED (which every broken or closed stream becomes)."""
         return self.state in (SenderState.DONE, SenderState.FAILED)
+
+    def to(self, state: SenderState) -> None:
+        """The one place the state changes."""
+        self.state = state
+        self.notify()
+
+    def notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def until(self, done: Callable[[], bool]) -> None:
+        """Return once `done()` holds (checked now and after every transition)."""
+        while not done():
+            await self._changed.wait()
 
 
 def _failed_msg(err: TransferError) -> encoder_pb2.AttachResponse:
@@ -122,21 +141,20 @@ class EmbeddingSender:
         return r
 
     def _fail(self, r: _Room, err: TransferError) -> None:
-        if r.terminal or r.done_written.is_set():  # Done delivered: nothing left to fail
+        if r.terminal:  # Done delivered, or failed already: nothing left to fail
             return
-        r.state, r.error = SenderState.FAILED, err
+        r.error = err
+        r.to(SenderState.FAILED)
         self.metrics.failures.labels("encoder", err.code).inc()
         log.info("room %d failed: %s", r.room, err)
         r.outbox.put_nowait(_failed_msg(err))
-        r.ended.set()
-        r.dead.set()
         self.rooms.pop(r.room, None)
 
     async def _race(self, r: _Room, aw, timeout: float | None, what: str):
         """Await `aw`, unless the room ends or `timeout` passes first (TransferError).
         NOTE: `aw` is cancelled on every other exit, including our own cancellation."""
         task = asyncio.ensure_future(aw)
-        ended = asyncio.ensure_future(r.ended.wait())
+        ended = asyncio.ensure_future(r.until(lambda: r.terminal))
         try:
             done, _ = await asyncio.wait({task, ended}, timeout=timeout,
                                          return_when=asyncio.FIRST_COMPLETED)
@@ -150,7 +168,7 @@ class EmbeddingSender:
         task.cancel()
         if r.error is not None:
             raise r.error
-        if r.ended.is_set():
+        if r.terminal:
             raise TransferError(f"room {r.room}: Attach stream closed while {what}", "UNAVAILABLE")
         raise TransferError(f"room {r.room}: no progress within {timeout:.1f}s while {what}",
                             "DEADLINE_EXCEEDED")
@@ -189,17 +207,17 @@ class EmbeddingSender:
             return
         r = self._room(room, SenderState.WAITING_FOR_PAYLOAD)
         r.init, r.born = first.init, time.monotonic()
-        r.attached.set()
+        r.notify()  # a send() waiting for Init goes on
         reader = asyncio.create_task(self._read(r, it))
         try:
             while True:
-                wait = None
-                if not r.sending:  # Init is here; the payload has timeout_s to show up
+                wait = None  # Init is here; without send() the payload has timeout_s to come
+                if r.state is SenderState.WAITING_FOR_PAYLOAD:
                     wait = max(0.0, r.born + self.config.timeout_s - time.monotonic())
                 try:
                     msg = await asyncio.wait_for(r.outbox.get(), wait)
                 except asyncio.TimeoutError:
-                    if not r.sending:
+                    if r.state is SenderState.WAITING_FOR_PAYLOAD:
                         self._fail(r, TransferError(
                             f"room {room}: no payload within {self.config.timeout_s:.1f}s "
                             f"of Init", "DEADLINE_EXCEEDED"))
@@ -207,15 +225,13 @@ class EmbeddingSender:
                 await context.write(msg)
                 kind = msg.WhichOneof("msg")
                 if kind == "done":
-                    r.done_written.set()
+                    r.to(SenderState.DONE)
                 if kind in ("done", "failed"):
                     return
         finally:
             reader.cancel()
             self._fail(r, TransferError(f"room {room}: language closed the Attach stream",
                                         "UNAVAILABLE"))
-            r.ended.set()
-            r.dead.set()
 
     async def _read(self, r: _Room, it) -> None:
         try:
@@ -230,7 +246,7 @@ class EmbeddingSender:
         except Exception as e:  # the stream broke under us
             self._fail(r, TransferError(f"room {r.room}: Attach stream broken: {e}", "UNAVAILABLE"))
             return
-        if not r.finishing:
+        if r.state not in (SenderState.FINISHING, SenderState.DONE):
             self._fail(r, TransferError(f"room {r.room}: language closed the Attach stream "
                                         f"before Done", "UNAVAILABLE"))
 
@@ -238,21 +254,24 @@ class EmbeddingSender:
     async def send(self, room: int, payload: PromptPayload, deadline: float | None = None
                    ) -> SendStats:
         """Deliver `payload` into the room's blocks; returns once Done is on the stream."""
-        r = self._room(room, SenderState.WAITING_FOR_INIT)
-        if r.sending or r.terminal:
+        r = self.rooms.get(room)
+        if r is None:
+            r = self._room(room, SenderState.WAITING_FOR_INIT)
+        elif r.state is SenderState.WAITING_FOR_PAYLOAD:
+            r.to(SenderState.TRANSFERRING)  # Init is here: sending starts now
+        else:
             raise TransferError(f"room {room} is already being sent", "ALREADY_EXISTS")
-        r.sending = True
         t0 = time.monotonic()
         try:
-            if not r.attached.is_set():
-                await self._race(r, r.attached.wait(), self._timeout(deadline),
+            if r.init is None:
+                await self._race(r, r.until(lambda: r.init is not None), self._timeout(deadline),
                                  "waiting for the language side's Init")
             init = r.init
             layout = BufferLayout.from_proto(init.layout)
             why = self.staging.check_layout(layout, payload)
             if why:
                 raise TransferError(f"room {room}: layout mismatch: {why}", "INVALID_ARGUMENT")
-            r.state = SenderState.TRANSFERRING
+            r.to(SenderState.TRANSFERRING)
             t0 = time.monotonic()
             total, sent, resumes, nbytes = payload.num_tokens, 0, 0, 0
             ids, allocated = list(init.block_ids), init.allocated_tokens
@@ -263,7 +282,7 @@ class EmbeddingSender:
                 sent += piece
                 if sent >= total:
                     break
-                r.state = SenderState.WAITING_FOR_RESUME
+                r.to(SenderState.WAITING_FOR_RESUME)
                 r.outbox.put_nowait(encoder_pb2.AttachResponse(progress=encoder_pb2.AttachProgress(
                     sent_tokens=sent, total_tokens=total, partial=True)))
                 res = await self._race(r, r.inbox.get(), self._timeout(deadline),
@@ -273,11 +292,12 @@ class EmbeddingSender:
                                         f"expected {sent}", "INVALID_ARGUMENT")
                 ids, allocated = list(res.block_ids), res.allocated_tokens
                 resumes += 1
-                r.state = SenderState.TRANSFERRING
-            r.finishing = True
+                r.to(SenderState.TRANSFERRING)
+            r.to(SenderState.FINISHING)
             r.outbox.put_nowait(encoder_pb2.AttachResponse(done=encoder_pb2.AttachDone(
                 total_tokens=total, mrope_position_delta=payload.mrope_delta)))
-            await self._race(r, r.done_written.wait(), self._timeout(deadline), "sending Done")
+            await self._race(r, r.until(lambda: r.state is SenderState.DONE),
+                             self._timeout(deadline), "sending Done")
         except TransferError as e:
             self._fail(r, e)
             raise
@@ -291,8 +311,6 @@ class EmbeddingSender:
         finally:
             if self.rooms.get(room) is r:  # NOTE: send is the room's last user on every path
                 del self.rooms[room]
-        r.state = SenderState.DONE
-        r.ended.set()
         secs = time.monotonic() - t0
         m = self.metrics
         m.bytes.labels("encoder").inc(nbytes)
@@ -338,7 +356,7 @@ class EmbeddingSender:
             slot = await self._acquire_slot(r, deadline)
             job = WriteRound(
                 self.engine, self.staging, peer, slot, payload, r.room, layout, ids, start,
-                piece, t0, min(t0 + step, end), chunk, r.dead,
+                piece, t0, min(t0 + step, end), chunk, lambda: r.terminal,
                 on_chunk=lambda c_end: c_end < end and loop.call_soon_threadsafe(progress, c_end),
                 on_fail=lambda err: loop.call_soon_threadsafe(self._fail, r, err),
             )

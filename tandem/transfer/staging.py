@@ -16,7 +16,6 @@ into one write per buffer.
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +26,7 @@ from tandem.transfer import buffers as B
 from tandem.transfer.buffers import BufferLayout, dtype_name
 from tandem.transfer.errors import TransferError, TransferStuck
 from tandem.transfer.payload import PromptPayload
+from tandem.units import ceil_div
 
 
 def coalesce(entries: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
@@ -124,7 +124,7 @@ class StagingArea:
         """
         bs, d = layout.block_size, self.embed_dim
         n, i0 = t1 - t0, (t0 - piece_start) // bs
-        nb = -(-n // bs)
+        nb = ceil_div(n, bs)
         if at % bs or at + nb * bs > self.slot_tokens or at // bs + nb > self.max_round_blocks:
             raise ValueError(f"staging range at {at} for {n} tokens does not fit the slot")
         es = self.embeds.element_size()
@@ -197,7 +197,7 @@ class WriteRound:
     t0: int
     t1: int
     chunk: int  # tokens per staged chunk
-    dead: threading.Event  # set when the room ended: submit nothing more
+    room_ended: Callable[[], bool]  # true once the room ended: submit nothing more
     on_chunk: Callable[[int], object]  # end token of each completed chunk
     on_fail: Callable[[TransferError], object]  # the first failure, before draining
 
@@ -215,7 +215,7 @@ def write_round(w: WriteRound) -> int:
     written = 0
     try:
         for c0 in range(t0, t1, w.chunk):
-            if w.dead.is_set():  # the room ended: write nothing more
+            if w.room_ended():  # the room ended: write nothing more
                 raise TransferError(f"room {room}: ended during the write", "ABORTED", room)
             c1 = min(c0 + w.chunk, t1)
             srcs, dsts, lens = w.staging.stage(
