@@ -51,13 +51,8 @@ log = logging.getLogger("tandem.router")
 class Dispatcher:
     """Runs chat requests across the tiers."""
 
-    def __init__(
-        self,
-        registry: Registry,
-        selectors: dict[str, Selector],
-        cfg: RouterConfig,
-        metrics: RouterMetrics,
-    ) -> None:
+    def __init__(self, registry: Registry, selectors: dict[str, Selector], cfg: RouterConfig,
+                 metrics: RouterMetrics) -> None:
         self.registry = registry
         self.selectors = selectors
         self.cfg = cfg

@@ -15,22 +15,19 @@ import grpc
 
 from tandem.errors import ServiceError
 
-# code -> (HTTP status, OpenAI error type)
-_HTTP = {
-    "INVALID_ARGUMENT": (400, "invalid_request_error"),
-    "OUT_OF_RANGE": (400, "invalid_request_error"),
-    "FAILED_PRECONDITION": (400, "invalid_request_error"),
-    "TOO_LARGE": (413, "invalid_request_error"),
-    "UNAUTHENTICATED": (401, "authentication_error"),
-    "PERMISSION_DENIED": (403, "permission_error"),
-    "NOT_FOUND": (404, "invalid_request_error"),
-    "OVERLOADED": (429, "rate_limit_error"),
-    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
-    "UNAVAILABLE": (503, "server_error"),
-    "ABORTED": (503, "server_error"),
-    "CANCELLED": (499, "server_error"),
-    "DEADLINE_EXCEEDED": (504, "timeout_error"),
-}
+# code (gRPC name, or the router's own TOO_LARGE / OVERLOADED) -> HTTP status; unlisted: 500
+_STATUS = {
+    "INVALID_ARGUMENT": 400, "OUT_OF_RANGE": 400, "FAILED_PRECONDITION": 400, "NOT_FOUND": 404,
+    "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403, "TOO_LARGE": 413, "OVERLOADED": 429,
+    "RESOURCE_EXHAUSTED": 429, "CANCELLED": 499, "UNAVAILABLE": 503, "ABORTED": 503,
+    "DEADLINE_EXCEEDED": 504,
+}  # fmt: skip
+# HTTP status -> OpenAI error type; unlisted: server_error
+_OPENAI_TYPE = {
+    400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
+    401: "authentication_error", 403: "permission_error", 429: "rate_limit_error",
+    504: "timeout_error",
+}  # fmt: skip
 
 # Router-internal codes that are not gRPC names, and what gRPC callers see instead.
 _GRPC_ALIAS = {"TOO_LARGE": "RESOURCE_EXHAUSTED", "OVERLOADED": "RESOURCE_EXHAUSTED"}
@@ -54,11 +51,11 @@ class RouterError(ServiceError):
 
     @property
     def http_status(self) -> int:
-        return _HTTP.get(self.code, (500, "server_error"))[0]
+        return _STATUS.get(self.code, 500)
 
     @property
     def openai_type(self) -> str:
-        return _HTTP.get(self.code, (500, "server_error"))[1]
+        return _OPENAI_TYPE.get(self.http_status, "server_error")
 
     @property
     def grpc_code(self) -> grpc.StatusCode:
