@@ -81,3 +81,20 @@ def test_backend_choice_is_honoured_or_refused():
     if op is not None:
         assert decode_attention_op("auto", cpu) is op
         assert decode_attention_op("paged_cpu", cpu) is op
+
+
+def test_unbuildable_kernel_falls_back_to_gather_or_is_refused(monkeypatch):
+    from pathlib import Path
+
+    from services.language import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "SOURCE", Path("/nonexistent/paged_decode.cpp"))
+    cpu_kernels.paged_decode_op.cache_clear()
+    try:
+        cpu = torch.device("cpu")
+        assert cpu_kernels.paged_decode_op() is None
+        assert decode_attention_op("auto", cpu) is None  # auto: the gather path serves
+        with pytest.raises(ValueError, match="could not be built"):
+            decode_attention_op("paged_cpu", cpu)  # asked for explicitly: refused
+    finally:
+        cpu_kernels.paged_decode_op.cache_clear()

@@ -47,18 +47,19 @@ def _build_dir() -> Path:
 @functools.cache
 def paged_decode_op():
     """The compiled `paged_decode_attention`, or None where it cannot be built."""
-    key = hashlib.sha256(
-        SOURCE.read_bytes() + Path(__file__).read_bytes() + torch.__version__.encode() + _cpu_flags().encode()
-    ).hexdigest()[:16]
-    name = f"tandem_paged_decode_{key}"
-    build = _build_dir() / name
-    build.mkdir(parents=True, exist_ok=True)
     # NOTE: torch's builder runs `ninja` from PATH; the venv's own (the `ninja` package)
     # is not on PATH when the interpreter is called by its full path.
     scripts = sysconfig.get_path("scripts")
     if scripts and scripts not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
-    try:
+    try:  # no source (an install without it), no compiler, no ninja: keep the SDPA path
+        key = hashlib.sha256(
+            SOURCE.read_bytes() + Path(__file__).read_bytes() + torch.__version__.encode()
+            + _cpu_flags().encode()
+        ).hexdigest()[:16]
+        name = f"tandem_paged_decode_{key}"
+        build = _build_dir() / name
+        build.mkdir(parents=True, exist_ok=True)
         from torch.utils.cpp_extension import load
 
         mod = load(
@@ -69,7 +70,7 @@ def paged_decode_op():
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
-    except Exception as e:  # no compiler, no ninja, a build error: keep the SDPA path
+    except Exception as e:
         log.warning("CPU paged-decode kernel unavailable (%s); using gather + SDPA", e)
         return None
     return mod.paged_decode_attention
