@@ -1,5 +1,6 @@
-"""The in-place paged decode kernel equals the gather + SDPA path, and the backend choice
-is honoured or refused (never silently changed)."""
+"""The CPU kernels: the in-place paged decode kernel equals the gather + SDPA path, the
+packed linear equals x @ W (closer to float64 than MKL, batch-invariant), and each backend
+choice is honoured or refused (never silently changed)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ import pytest
 import torch
 
 from services.language.attention import AttentionMetadata, paged_attention
-from services.language.cpu_kernels import decode_attention_op, paged_decode_op
+from services.language.cpu_kernels import (
+    decode_attention_op,
+    kernels,
+    linear_kernels,
+    paged_decode_op,
+)
+from services.language.model.linear import DenseLinear
 
 op = paged_decode_op()
 needs_kernel = pytest.mark.skipif(op is None, reason="no C++ toolchain to build the kernel")
@@ -83,18 +90,72 @@ def test_backend_choice_is_honoured_or_refused():
         assert decode_attention_op("paged_cpu", cpu) is op
 
 
-def test_unbuildable_kernel_falls_back_to_gather_or_is_refused(monkeypatch):
+def test_unbuildable_kernels_fall_back_to_torch_or_are_refused(monkeypatch):
     from pathlib import Path
 
     from services.language import cpu_kernels
 
-    monkeypatch.setattr(cpu_kernels, "SOURCE", Path("/nonexistent/paged_decode.cpp"))
-    cpu_kernels.paged_decode_op.cache_clear()
+    monkeypatch.setattr(cpu_kernels, "SOURCES", (Path("/nonexistent/linear.cpp"),))
+    cpu_kernels.kernels.cache_clear()
     try:
         cpu = torch.device("cpu")
-        assert cpu_kernels.paged_decode_op() is None
+        assert cpu_kernels.kernels() is None and cpu_kernels.paged_decode_op() is None
         assert decode_attention_op("auto", cpu) is None  # auto: the gather path serves
+        assert linear_kernels("auto", cpu, torch.float32) is None  # auto: F.linear serves
         with pytest.raises(ValueError, match="could not be built"):
             decode_attention_op("paged_cpu", cpu)  # asked for explicitly: refused
+        with pytest.raises(ValueError, match="could not be built"):
+            linear_kernels("packed_cpu", cpu, torch.float32)
     finally:
-        cpu_kernels.paged_decode_op.cache_clear()
+        cpu_kernels.kernels.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [32, 100, 768])  # whole strips, a tail, several strips
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_float64_better_than_mkl(n, bias):
+    g = torch.Generator().manual_seed(n)
+    k = 300  # not a multiple of the kernel's k block
+    wt = torch.randn(k, n, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    mod = kernels()
+    wp, bp = mod.pack_linear(wt), (mod.pack_bias(b) if bias else None)
+    for m in (1, 3, 8, 9, 40):  # below, at and past one register tile of 8 rows
+        x = torch.randn(m, k, generator=g)
+        ref = x.double() @ wt.double() + (b.double() if bias else 0)
+        got = mod.packed_linear(x, wp, bp, n)
+        mkl = x @ wt + (b if bias else 0)
+        assert got.shape == (m, n)
+        err, mkl_err = (got - ref).abs().max().item(), (mkl - ref).abs().max().item()
+        assert err <= 2 * mkl_err + 1e-6, (m, err, mkl_err)
+        # Batch-invariant: a row's result is the same bits alone or among others.
+        assert torch.equal(mod.packed_linear(x[m // 2 :][:1], wp, bp, n), got[m // 2 :][:1])
+
+
+@needs_kernel
+def test_dense_linear_packed_equals_unpacked():
+    torch.manual_seed(0)
+    lin = DenseLinear(64, 96, bias=True)
+    with torch.no_grad():
+        lin.weight_t.normal_()
+        lin.bias.normal_()
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        before = lin(x)
+        lin.pack(kernels())
+        after = lin(x)
+    assert "weight_t" not in dict(lin.named_parameters())  # replaced, not copied
+    torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
+
+
+def test_linear_backend_choice_is_honoured_or_refused():
+    cpu = torch.device("cpu")
+    assert linear_kernels("torch", cpu, torch.float32) is None
+    assert linear_kernels("auto", torch.device("cuda"), torch.float32) is None
+    assert linear_kernels("auto", cpu, torch.bfloat16) is None
+    with pytest.raises(ValueError, match="float32 on the CPU"):
+        linear_kernels("packed_cpu", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="linear_backend must be"):
+        linear_kernels("onednn", cpu, torch.float32)
+    if kernels() is not None:
+        assert linear_kernels("auto", cpu, torch.float32) is kernels()

@@ -48,6 +48,13 @@ class LanguageConfig(ModelServiceSettings):
         "once per machine), 'gather' copies them into a workspace for SDPA; 'auto' is "
         "paged_cpu on CPU where it builds, gather otherwise (CUDA).",
     )
+    linear_backend: str = Field(
+        "auto",
+        pattern="^(auto|torch|packed_cpu)$",
+        description="Linear layers: 'packed_cpu' runs them with our own kernel over weights "
+        "packed in column strips (float32 on CPU; 2-6x MKL's sgemm on AMD CPUs), 'torch' "
+        "with F.linear/matmul; 'auto' is packed_cpu where it applies and builds.",
+    )
     init_new_token_ratio: float = Field(
         0.7, gt=0, le=1.0,
         description="Share of a request's max_tokens reserved in KV pages at admission; "

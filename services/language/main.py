@@ -57,6 +57,7 @@ def build_engine(cfg: LanguageConfig, metrics: LanguageMetrics):
         cuda_graph_max_bs=cfg.cuda_graph_max_bs if device.type == "cuda" else 0,
         max_seq_len=max_len,
         attention_backend=cfg.attention_backend,
+        linear_backend=cfg.linear_backend,
     )
     tokenizer = AutoTokenizer.from_pretrained(spec.path)
     engine = Engine(

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.language.attention import AttentionMetadata, PrefillChunkMeta
-from services.language.cpu_kernels import decode_attention_op
+from services.language.cpu_kernels import decode_attention_op, linear_kernels
 from services.language.forward_batch import (
     ChunkLimits,
     ForwardBatch,
@@ -52,6 +52,7 @@ class ModelRunner:
         cuda_graph_max_bs: int = 0,
         max_seq_len: int = 4096,
         attention_backend: str = "auto",
+        linear_backend: str = "auto",
     ) -> None:
         spec = weights.spec
         self.device = torch.device(device)
@@ -60,6 +61,9 @@ class ModelRunner:
         self.cfg = DecoderConfig.from_weights(spec, weights.tensors)
         self.eos_token_ids: tuple[int, ...] = tuple(int(t) for t in spec.eos_token_ids)
         self.model = QwenVLDecoder.build(self.cfg, weights.tensors, self.device, dtype)
+        self.linear_kernels = linear_kernels(linear_backend, self.device, dtype)
+        if self.linear_kernels is not None:
+            self.model.pack_linears(self.linear_kernels)
 
         c = self.cfg
         if num_pages <= 0:

@@ -129,6 +129,14 @@ class QwenVLDecoder(nn.Module):
             )
         return model.eval()
 
+    def pack_linears(self, kernels) -> None:
+        """Every projection (and an untied head) adopts the CPU kernels' packed layout.
+        NOTE: a tied head keeps reading the embedding table through F.linear (packing it
+        would keep a second vocab x hidden copy)."""
+        for m in self.modules():
+            if isinstance(m, DenseLinear):
+                m.pack(kernels)
+
     def forward(
         self,
         hidden: torch.Tensor,

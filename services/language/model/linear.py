@@ -2,6 +2,9 @@
 a checkpoint's separate ones.
 
     DenseLinear: y = x @ weight_t (+ bias), weight_t [in, out] contiguous
+                 or, once `pack`ed (CPU, float32), the same product by our own kernel over
+                 column strips (`cpu_kernels`: 2-6x MKL's sgemm on this AMD CPU; the
+                 packed copy replaces weight_t)
 
 NOTE (why transposed): with MKL on this CPU (float32), `F.linear(x, W)` over a
 checkpoint's W [out, in] costs 1.7-4x more than `x @ Wt` over a contiguous [in, out]
@@ -26,8 +29,25 @@ class DenseLinear(nn.Module):
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
+        self.kernels = None  # set by pack(): the CPU kernels' module
+
+    def pack(self, kernels) -> None:
+        """Adopt the packed layout of `kernels` (cpu_kernels.linear_kernels); weight_t and
+        bias are replaced by their packed forms (no second copy stays)."""
+        wt, bias = self.weight_t.detach(), self.bias
+        self.out_features = wt.shape[1]
+        del self.weight_t, self.bias
+        self.register_buffer("weight_p", kernels.pack_linear(wt), persistent=False)
+        self.register_buffer(
+            "bias_p", None if bias is None else kernels.pack_bias(bias.detach()), persistent=False
+        )
+        self.bias = None
+        self.kernels = kernels
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
+        if self.kernels is not None:
+            return self.kernels.packed_linear(x, self.weight_p, self.bias_p, self.out_features)
         if self.bias is None:
             return x @ self.weight_t
         return torch.addmm(self.bias, x, self.weight_t)

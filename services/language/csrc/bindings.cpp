@@ -1,0 +1,18 @@
+// The one Python module of the language tier's CPU kernels (see cpu_kernels.py).
+#include <torch/extension.h>
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
+                                     torch::Tensor v_cache, torch::Tensor block_tables,
+                                     torch::Tensor seq_lens, double scale);
+torch::Tensor pack_linear(torch::Tensor wt);
+torch::Tensor pack_bias(torch::Tensor bias);
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias,
+                            int64_t N);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "decode attention over a paged KV cache, read in place");
+  m.def("pack_linear", &pack_linear, "[K, N] float32 weight -> column strips [J, K, 32]");
+  m.def("pack_bias", &pack_bias, "[N] float32 bias -> zero-padded to whole strips");
+  m.def("packed_linear", &packed_linear, "x [M, K] @ packed weight (+ packed bias) -> [M, N]");
+}
