@@ -140,3 +140,32 @@ def test_admission_full_is_429_and_slot_is_not_leaked():
     for _ in range(3):  # failing requests give their slot back
         assert_openai_error(c.post("/v1/chat/completions", json=chat()), 503, "unavailable")
     assert core.admission.inflight == 0
+
+
+def test_http_socket_connections_have_nodelay():
+    """Accepted connections have TCP_NODELAY (asyncio sets it only when the listener's
+    proto says TCP): without it each SSE chunk waits for the client's delayed ACK."""
+    import asyncio
+    import socket
+
+    from services.router.main import http_socket
+
+    async def main() -> int:
+        sock = http_socket("127.0.0.1", 0)
+        got: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport):
+                s = transport.get_extra_info("socket")
+                got.set_result(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        server = await asyncio.get_running_loop().create_server(Probe, sock=sock)
+        _, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+        try:
+            return await asyncio.wait_for(got, 5)
+        finally:
+            writer.close()
+            server.close()
+
+    assert asyncio.run(main()) != 0

@@ -35,6 +35,18 @@ log = logging.getLogger("tandem.router")
 ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 
 
+def http_socket(host: str, port: int) -> socket.socket:
+    """The HTTP listening socket (bound here so the printed port is the real one).
+    NOTE: proto IPPROTO_TCP, not the default 0: accepted sockets inherit it, and asyncio
+    sets TCP_NODELAY only on sockets whose proto says TCP. Without it Nagle holds each SSE
+    chunk behind the client's delayed ACK (measured: +40 ms on every streamed TTFT)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
 class _HttpServer(uvicorn.Server):
     """uvicorn without its own signal handling: the router drains first."""
 
@@ -81,9 +93,7 @@ async def run_router(cfg, stop: asyncio.Event) -> None:
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(ROUTER_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
-    sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((cfg.host, cfg.http_port))
+    sock = http_socket(cfg.host, cfg.http_port)
     http = _HttpServer(
         uvicorn.Config(
             build_app(core), log_level="warning", access_log=False, lifespan="off",
