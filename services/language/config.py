@@ -65,3 +65,10 @@ class LanguageConfig(ModelServiceSettings):
         description="How long a room whose encoder broke before Done waits for Reattach.",
     )  # fmt: skip
     cpu_threads: int = Field(0, ge=0, le=1024, description="torch CPU threads; 0 = default.")
+    cpu_parallel_min_tokens: int = Field(
+        16, ge=0, le=1 << 20,
+        description="On CPU, a step of fewer tokens (a small decode batch) runs on one "
+        "thread and larger ones on cpu_threads: with other processes on the same cores a "
+        "small step loses more to waiting for a descheduled thread than it gains; 0 = "
+        "always cpu_threads.",
+    )  # fmt: skip

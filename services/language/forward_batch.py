@@ -71,6 +71,10 @@ class ForwardBatch:
     chunks: list[SeqChunk] = field(default_factory=list)
 
     @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
     def is_pure_decode(self) -> bool:
         """Every chunk is a single decode token: the CUDA-graph runner may serve it."""
         return bool(self.chunks) and all(c.is_decode and c.num_tokens == 1 for c in self.chunks)

@@ -58,6 +58,7 @@ def build_engine(cfg: LanguageConfig, metrics: LanguageMetrics):
         max_seq_len=max_len,
         attention_backend=cfg.attention_backend,
         linear_backend=cfg.linear_backend,
+        cpu_parallel_min_tokens=cfg.cpu_parallel_min_tokens,
     )
     tokenizer = AutoTokenizer.from_pretrained(spec.path)
     engine = Engine(

@@ -53,6 +53,7 @@ class ModelRunner:
         max_seq_len: int = 4096,
         attention_backend: str = "auto",
         linear_backend: str = "auto",
+        cpu_parallel_min_tokens: int = 0,
     ) -> None:
         spec = weights.spec
         self.device = torch.device(device)
@@ -80,6 +81,12 @@ class ModelRunner:
         self.limits = ChunkLimits(c.vocab_size, c.embed_dim, c.hidden_size, num_pages, page_size)
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         self.decode_op = decode_attention_op(attention_backend, self.device)
+        # NOTE (CPU): a step of fewer tokens runs on one thread. On a host whose cores the
+        # other tiers (router, encoder) and clients share, a small step's parallel regions
+        # wait for a descheduled thread more than they gain from the second one (measured
+        # in docs/benchmarks.md); big steps (prefill, wide decode batches) use them all.
+        self.max_threads = torch.get_num_threads()
+        self.parallel_min_tokens = cpu_parallel_min_tokens if self.device.type == "cpu" else 0
         self.graph_runner: GraphRunner | None = None
         if cuda_graph_max_bs > 0:
             self.graph_runner = GraphRunner(
@@ -91,6 +98,11 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         """Graph runner when it can serve the batch (pure decode, small enough), else eager."""
+        if self.parallel_min_tokens and self.max_threads > 1:
+            small = batch.num_tokens < self.parallel_min_tokens
+            threads = 1 if small else self.max_threads
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.run(batch)
         return self.forward_eager(batch)
