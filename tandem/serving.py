@@ -35,6 +35,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+# NOTE: gRPC servers set SO_REUSEPORT by default, so a second process binding a taken port
+# succeeds and the kernel splits connections between the two (seen: an encoder and a
+# language instance on one port, half the calls "Method not found"). Off: a taken port is
+# a bind error (`bind` below).
+SERVER_OPTIONS: tuple[tuple[str, int], ...] = (("grpc.so_reuseport", 0),)
+
 
 def run_service(prog: str, main: Coroutine[None, None, None], cpu_threads: int = 0) -> int:
     """The body of `tandem <service>`: log lines on stderr, torch's CPU threads (0 keeps
@@ -70,7 +76,10 @@ def add_health_and_reflection(server: grpc.aio.Server, service: str) -> health.a
 
 def bind(server: grpc.aio.Server, address: str, prog: str) -> int:
     """Bind an insecure port; a port already taken stops the service with one line."""
-    port = server.add_insecure_port(address)
+    try:  # NOTE: older grpc returns 0 on failure, newer raises RuntimeError
+        port = server.add_insecure_port(address)
+    except RuntimeError as e:
+        raise SystemExit(f"{prog}: cannot bind {address} ({e})") from None
     if port == 0:
         raise SystemExit(f"{prog}: cannot bind {address}")
     return port

@@ -99,3 +99,33 @@ def test_children_die_with_a_killed_launcher():
     parent.wait()
     _, alive = psutil.wait_procs([child], timeout=10)
     assert alive == []
+
+
+def test_free_port_never_hands_out_a_port_twice():
+    from tandem.launch.procs import free_port
+
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+
+
+def test_grpc_servers_refuse_a_taken_port():
+    """With gRPC's default SO_REUSEPORT a second server binds a taken port and silently
+    shares its connections; with SERVER_OPTIONS the second bind is an error."""
+    import asyncio
+
+    import grpc
+
+    from tandem.serving import SERVER_OPTIONS, bind
+
+    async def main() -> None:
+        first = grpc.aio.server(options=list(SERVER_OPTIONS))
+        port = bind(first, "127.0.0.1:0", "first")
+        second = grpc.aio.server(options=list(SERVER_OPTIONS))
+        try:
+            with pytest.raises(SystemExit, match="cannot bind"):
+                bind(second, f"127.0.0.1:{port}", "second")
+        finally:
+            await first.stop(None)
+            await second.stop(None)
+
+    asyncio.run(main())

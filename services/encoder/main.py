@@ -15,7 +15,7 @@ import logging
 import grpc
 
 from tandem.metrics import metric_set, serve_metrics, service_registry
-from tandem.serving import drain, run_service, start_serving, stop_on_signals
+from tandem.serving import SERVER_OPTIONS, drain, run_service, start_serving, stop_on_signals
 from tandem.v1 import encoder_pb2, encoder_pb2_grpc
 
 from .config import EncoderConfig
@@ -60,6 +60,7 @@ async def run(
     limit = _message_limit(cfg)
     server = grpc.aio.server(
         options=[
+            *SERVER_OPTIONS,
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", 16 << 20),
         ]

@@ -19,7 +19,14 @@ import grpc
 
 from tandem.devices import resolve_device, resolve_dtype
 from tandem.metrics import metric_set, serve_metrics, service_registry
-from tandem.serving import drain, run_service, start_serving, stop_on_signals, wait_idle
+from tandem.serving import (
+    SERVER_OPTIONS,
+    drain,
+    run_service,
+    start_serving,
+    stop_on_signals,
+    wait_idle,
+)
 from tandem.v1 import language_pb2, language_pb2_grpc
 
 from .config import LanguageConfig
@@ -103,7 +110,9 @@ async def run(
         registry=registry,
     )  # fmt: skip
 
-    server = grpc.aio.server(options=[("grpc.max_send_message_length", 16 << 20)])
+    server = grpc.aio.server(
+        options=[*SERVER_OPTIONS, ("grpc.max_send_message_length", 16 << 20)]
+    )
     limits = ServiceLimits(cfg.default_max_tokens, cfg.request_timeout_s, cfg.model)
     servicer = LanguageServicer(engine, receiver, allocator, limits, metrics)
     language_pb2_grpc.add_LanguageServicer_to_server(servicer, server)

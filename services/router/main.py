@@ -23,6 +23,7 @@ from services.router.core import RouterCore
 from services.router.grpc_api import RouterServicer
 from services.router.http_api import build_app
 from tandem.serving import (
+    SERVER_OPTIONS,
     add_health_and_reflection,
     bind,
     run_service,
@@ -58,6 +59,7 @@ class _HttpServer(uvicorn.Server):
 def build_grpc_server(core: RouterCore):
     cfg = core.cfg
     opts = [
+        *SERVER_OPTIONS,
         ("grpc.max_receive_message_length", cfg.max_request_bytes),
         ("grpc.max_send_message_length", cfg.max_request_bytes),
     ]

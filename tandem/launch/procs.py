@@ -28,10 +28,20 @@ def say(line: str) -> None:
         print(line, flush=True)
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port free now and never handed out before by this process. NOTE: the children
+    bind later, so the kernel may offer the same free port twice in a row (seen: an encoder
+    and a language instance given one port); a port is never given twice."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 # NOTE: libc is loaded here, in the parent: the hook below runs between fork and exec while
