@@ -159,3 +159,31 @@ def test_linear_backend_choice_is_honoured_or_refused():
         linear_kernels("onednn", cpu, torch.float32)
     if kernels() is not None:
         assert linear_kernels("auto", cpu, torch.float32) is kernels()
+
+
+@needs_kernel
+def test_pointwise_kernels_equal_the_torch_steps_they_replace():
+    from services.language.model.decoder import RMSNorm
+    from services.language.model.rope import apply_rotary
+
+    mod = kernels()
+    g = torch.Generator().manual_seed(3)
+    t, h, hkv, d = 7, 4, 2, 16
+    x = torch.randn(t, 48, generator=g)
+    norm = RMSNorm(48, 1e-6)
+    with torch.no_grad():
+        norm.weight.normal_(generator=g)
+    torch.testing.assert_close(mod.rms_norm(x, norm.weight.detach(), 1e-6), norm(x).detach(),
+                               atol=1e-6, rtol=1e-6)  # fmt: skip
+    gu = torch.randn(t, 2 * 40, generator=g)
+    gate, up = gu.split(40, dim=1)
+    torch.testing.assert_close(mod.silu_mul(gu), torch.nn.functional.silu(gate) * up,
+                               atol=1e-6, rtol=1e-6)  # fmt: skip
+    qkv = torch.randn(t, (h + 2 * hkv) * d, generator=g)
+    angles = torch.randn(t, d // 2, generator=g)
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    q, k = mod.rope_qk(qkv, cos, sin, h, hkv)
+    q_ref = apply_rotary(qkv[:, : h * d].reshape(t, h, d), cos, sin)
+    k_ref = apply_rotary(qkv[:, h * d : (h + hkv) * d].reshape(t, hkv, d), cos, sin)
+    assert q.is_contiguous() and k.is_contiguous()
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)  # same products, same rounding

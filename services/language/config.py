@@ -51,9 +51,10 @@ class LanguageConfig(ModelServiceSettings):
     linear_backend: str = Field(
         "auto",
         pattern="^(auto|torch|packed_cpu)$",
-        description="Linear layers: 'packed_cpu' runs them with our own kernel over weights "
-        "packed in column strips (float32 on CPU; 2-6x MKL's sgemm on AMD CPUs), 'torch' "
-        "with F.linear/matmul; 'auto' is packed_cpu where it applies and builds.",
+        description="Linear layers and the pointwise steps around them: 'packed_cpu' runs "
+        "the linears with our own kernel over weights packed in column strips (2-6x MKL's "
+        "sgemm on AMD CPUs) and RMSNorm, rotary and SiLU-mul as one call each (float32 on "
+        "CPU only); 'torch' uses torch's ops; 'auto' is packed_cpu where it applies and builds.",
     )
     init_new_token_ratio: float = Field(
         0.7, gt=0, le=1.0,

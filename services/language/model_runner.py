@@ -64,7 +64,7 @@ class ModelRunner:
         self.model = QwenVLDecoder.build(self.cfg, weights.tensors, self.device, dtype)
         self.linear_kernels = linear_kernels(linear_backend, self.device, dtype)
         if self.linear_kernels is not None:
-            self.model.pack_linears(self.linear_kernels)
+            self.model.adopt_cpu_kernels(self.linear_kernels)
 
         c = self.cfg
         if num_pages <= 0:

@@ -8,6 +8,10 @@ torch::Tensor pack_linear(torch::Tensor wt);
 torch::Tensor pack_bias(torch::Tensor bias);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias,
                             int64_t N);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+torch::Tensor silu_mul(torch::Tensor gu);
+std::vector<torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                                   int64_t H, int64_t Hkv);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -15,4 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear", &pack_linear, "[K, N] float32 weight -> column strips [J, K, 32]");
   m.def("pack_bias", &pack_bias, "[N] float32 bias -> zero-padded to whole strips");
   m.def("packed_linear", &packed_linear, "x [M, K] @ packed weight (+ packed bias) -> [M, N]");
+  m.def("rms_norm", &rms_norm, "RMSNorm of contiguous [T, D] float32 rows");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate/up output");
+  m.def("rope_qk", &rope_qk, "q, k with rotary applied, split out of a fused qkv output");
 }

@@ -27,8 +27,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels = None  # the CPU kernels' module, once adopted (float32 on CPU)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.dim() == 2 and x.is_contiguous():
+            return self.kernels.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -51,10 +54,17 @@ class SelfAttention(nn.Module):
         self.o_proj = DenseLinear(self.q_size, h, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.kernels = None  # the CPU kernels' module, once adopted (float32 on CPU)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=1)
+        qkv = self.qkv_proj(x)
+        if self.kernels is not None and self.q_norm is None:  # one call: split + rotary
+            q, k = self.kernels.rope_qk(qkv, cos, sin, self.num_heads, self.num_kv_heads)
+            v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+            out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+            return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
@@ -71,8 +81,11 @@ class MLP(nn.Module):
         self.intermediate = cfg.intermediate_size
         self.gate_up_proj = DenseLinear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = DenseLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.kernels = None  # the CPU kernels' module, once adopted (float32 on CPU)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -129,13 +142,16 @@ class QwenVLDecoder(nn.Module):
             )
         return model.eval()
 
-    def pack_linears(self, kernels) -> None:
-        """Every projection (and an untied head) adopts the CPU kernels' packed layout.
+    def adopt_cpu_kernels(self, kernels) -> None:
+        """Run on the CPU kernels (`cpu_kernels`, float32): every projection (and an untied
+        head) in the packed layout, RMSNorm, rotary and SiLU-mul as one call each.
         NOTE: a tied head keeps reading the embedding table through F.linear (packing it
         would keep a second vocab x hidden copy)."""
         for m in self.modules():
             if isinstance(m, DenseLinear):
                 m.pack(kernels)
+            elif isinstance(m, (RMSNorm, SelfAttention, MLP)):
+                m.kernels = kernels
 
     def forward(
         self,
