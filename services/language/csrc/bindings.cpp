@@ -13,13 +13,18 @@ torch::Tensor silu_mul(torch::Tensor gu);
 std::vector<torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                                    int64_t H, int64_t Hkv);
 
+// NOTE: every kernel releases the GIL while it computes, so the process's asyncio thread
+// (gRPC streaming, transfers) runs beside the engine thread's forward instead of waiting
+// for Python's switch interval.
+using NoGil = py::call_guard<py::gil_scoped_release>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
+  m.def("paged_decode_attention", &paged_decode_attention, NoGil(),
         "decode attention over a paged KV cache, read in place");
-  m.def("pack_linear", &pack_linear, "[K, N] float32 weight -> column strips [J, K, 32]");
-  m.def("pack_bias", &pack_bias, "[N] float32 bias -> zero-padded to whole strips");
-  m.def("packed_linear", &packed_linear, "x [M, K] @ packed weight (+ packed bias) -> [M, N]");
-  m.def("rms_norm", &rms_norm, "RMSNorm of contiguous [T, D] float32 rows");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate/up output");
-  m.def("rope_qk", &rope_qk, "q, k with rotary applied, split out of a fused qkv output");
+  m.def("pack_linear", &pack_linear, NoGil(), "[K, N] float32 weight -> column strips [J, K, 32]");
+  m.def("pack_bias", &pack_bias, NoGil(), "[N] float32 bias -> zero-padded to whole strips");
+  m.def("packed_linear", &packed_linear, NoGil(), "x [M, K] @ packed weight (+ packed bias) -> [M, N]");
+  m.def("rms_norm", &rms_norm, NoGil(), "RMSNorm of contiguous [T, D] float32 rows");
+  m.def("silu_mul", &silu_mul, NoGil(), "silu(gate) * up of a fused [T, 2I] gate/up output");
+  m.def("rope_qk", &rope_qk, NoGil(), "q, k with rotary applied, split out of a fused qkv output");
 }
