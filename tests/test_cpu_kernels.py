@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from services.language.attention import AttentionMetadata, paged_attention
-from services.language.cpu_kernels import (
+from services.language.model.linear import DenseLinear
+from tandem.cpu_kernels import (
     decode_attention_op,
     kernels,
     linear_kernels,
     paged_decode_op,
 )
-from services.language.model.linear import DenseLinear
 
 op = paged_decode_op()
 needs_kernel = pytest.mark.skipif(op is None, reason="no C++ toolchain to build the kernel")
@@ -93,7 +93,7 @@ def test_backend_choice_is_honoured_or_refused():
 def test_unbuildable_kernels_fall_back_to_torch_or_are_refused(monkeypatch):
     from pathlib import Path
 
-    from services.language import cpu_kernels
+    from tandem import cpu_kernels
 
     monkeypatch.setattr(cpu_kernels, "SOURCES", (Path("/nonexistent/linear.cpp"),))
     cpu_kernels.kernels.cache_clear()
@@ -187,3 +187,23 @@ def test_pointwise_kernels_equal_the_torch_steps_they_replace():
     k_ref = apply_rotary(qkv[:, h * d : (h + hkv) * d].reshape(t, hkv, d), cos, sin)
     assert q.is_contiguous() and k.is_contiguous()
     assert torch.equal(q, q_ref) and torch.equal(k, k_ref)  # same products, same rounding
+
+
+@needs_kernel
+def test_pack_linears_swaps_every_linear_and_keeps_results():
+    from tandem.cpu_kernels import PackedLinear, pack_linears
+
+    torch.manual_seed(0)
+    tower = torch.nn.Sequential(
+        torch.nn.Linear(40, 70), torch.nn.GELU(),
+        torch.nn.Sequential(torch.nn.Linear(70, 33, bias=False)),
+    )  # fmt: skip
+    x = torch.randn(2, 5, 40)  # leading dims pass through, as with nn.Linear
+    with torch.inference_mode():
+        before = tower(x)
+        assert pack_linears(tower, kernels()) == 2
+        after = tower(x)
+    assert not any(isinstance(m, torch.nn.Linear) for m in tower.modules())
+    assert sum(isinstance(m, PackedLinear) for m in tower.modules()) == 2
+    assert after.shape == before.shape
+    torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)

@@ -63,6 +63,14 @@ class EncoderConfig(ModelServiceSettings):
         description="torch intra-op threads on CPU (0 = torch's default). With 1, batched "
         "and one-at-a-time encodes are bit-identical in float32.",
     )
+    linear_backend: str = Field(
+        "auto",
+        pattern="^(auto|torch|packed_cpu)$",
+        description="The vision tower's linear layers: 'packed_cpu' runs them with our own "
+        "kernel over weights packed in column strips (float32 on CPU only; 2-3x MKL's sgemm "
+        "at ViT sizes on AMD CPUs), 'torch' with nn.Linear; 'auto' is packed_cpu where it "
+        "applies and builds.",
+    )
     cuda_graph_max: int = Field(
         16, ge=0, le=256, description="Max ViT CUDA graphs kept (0 disables graphs)."
     )

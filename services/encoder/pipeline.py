@@ -76,6 +76,7 @@ class EncodePipeline:
         from transformers import AutoProcessor
 
         import tandem  # noqa: F401  (registers the image-only processors)
+        from tandem.cpu_kernels import linear_kernels, pack_linears
         from tandem.models.checkpoint import resolve_model_path
         from tandem.models.split import load_vision_part
 
@@ -83,6 +84,10 @@ class EncodePipeline:
         processor = AutoProcessor.from_pretrained(path)
         devs = [resolve_device(d) for d in (cfg.devices or [cfg.device])]
         parts = [load_vision_part(path, resolve_dtype(cfg.dtype, d), d) for d in devs]
+        for p, d in zip(parts, devs, strict=True):  # float32 on CPU: our packed linears
+            kernels = linear_kernels(cfg.linear_backend, d, resolve_dtype(cfg.dtype, d))
+            if kernels is not None:
+                pack_linears(p.visual, kernels)
         runners = [VisionRunner(p.visual, max_graphs=cfg.cuda_graph_max) for p in parts]
         size = processor.image_processor.size
         lo = cfg.min_pixels or int(size["shortest_edge"])

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.language.attention import AttentionMetadata, PrefillChunkMeta
-from services.language.cpu_kernels import decode_attention_op, linear_kernels
 from services.language.forward_batch import (
     ChunkLimits,
     ForwardBatch,
@@ -24,6 +23,7 @@ from services.language.forward_batch import (
 from services.language.graph_runner import GraphRunner
 from services.language.kv_cache import KVCache
 from services.language.model import DecoderConfig, QwenVLDecoder
+from tandem.cpu_kernels import decode_attention_op, linear_kernels
 from tandem.units import ceil_div
 
 if TYPE_CHECKING:

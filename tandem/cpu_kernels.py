@@ -12,7 +12,7 @@
 
 The build is keyed by the source, the torch version and this CPU's flags (it is compiled
 with -march=native), and cached in $TANDEM_KERNEL_DIR (default ~/.cache/tandem/kernels):
-`make setup` builds it ahead (`python -m services.language.cpu_kernels`, ~60 s on two
+`make setup` builds it ahead (`python -m tandem.cpu_kernels`, ~60 s on two
 cores), so no request ever waits for the compiler. Where it cannot be built (no compiler,
 no ninja), `kernels()` returns None once with a warning and the runner keeps torch's ops
 (gather + SDPA, F.linear): slower, same results within float32 rounding.
@@ -125,11 +125,44 @@ def decode_attention_op(backend: str, device: torch.device):
     return op
 
 
+class PackedLinear(torch.nn.Module):
+    """A float32 `nn.Linear` on the kernels' packed layout, for towers we do not write
+    ourselves (the encoder's vision tower); the language decoder packs its own layers
+    (`DenseLinear.pack`). Any leading dims, as nn.Linear."""
+
+    def __init__(self, linear: torch.nn.Linear, kernels) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kernels = kernels
+        weight_t = linear.weight.detach().t().contiguous()
+        self.register_buffer("weight_p", kernels.pack_linear(weight_t), persistent=False)
+        bias = None if linear.bias is None else kernels.pack_bias(linear.bias.detach())
+        self.register_buffer("bias_p", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        y = self.kernels.packed_linear(flat, self.weight_p, self.bias_p, self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def pack_linears(module: torch.nn.Module, kernels) -> int:
+    """Replace every `nn.Linear` under `module` by a PackedLinear; returns how many."""
+    n = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, torch.nn.Linear):
+            setattr(module, name, PackedLinear(child, kernels))
+            n += 1
+        else:
+            n += pack_linears(child, kernels)
+    return n
+
+
 LINEAR_BACKENDS = ("auto", "torch", "packed_cpu")
 
 
 def linear_kernels(backend: str, device: torch.device, dtype: torch.dtype):
-    """The module whose packed linears the decoder adopts (`DenseLinear.pack`), by config:
+    """The kernels a model tier runs its linears on (`DenseLinear.pack`, `pack_linears`),
+    by config:
 
     auto        packed on CPU in float32 where the kernels build; torch's F.linear otherwise
     torch       torch's ops everywhere (None)
