@@ -35,7 +35,7 @@ def _builder_digest() -> str:
 
 def build_checkpoint(arch: str, size: str = "tiny", seed: int = 0) -> Path:
     """Path of a `tandem tiny-model` checkpoint, built on first use (process-safe)."""
-    from tandem.models.tiny import build_tiny_model
+    from tandem.models.tiny import ensure_tiny_model
 
     out = CACHE / f"{arch}-{size}-s{seed}-{_builder_digest()}"
     if (out / ".complete").exists():
@@ -44,15 +44,7 @@ def build_checkpoint(arch: str, size: str = "tiny", seed: int = 0) -> Path:
     for stale in CACHE.glob(f"{arch}-{size}-s{seed}-*"):
         if stale != out and (stale / ".complete").exists():
             shutil.rmtree(stale, ignore_errors=True)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    build_tiny_model(tmp, arch=arch, size=size, seed=seed)
-    (tmp / ".complete").touch()
-    try:
-        tmp.rename(out)
-    except OSError:  # another process won the race
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return ensure_tiny_model(out, arch=arch, size=size, seed=seed)
 
 
 @pytest.fixture(scope="session")

@@ -43,18 +43,9 @@ def default_model(arch: str) -> Path:
     if (out / ".complete").exists():
         return out
     say(f"[up] building the tiny {arch} checkpoint into {out} (once)")
-    from tandem.models.tiny import build_tiny_model
+    from tandem.models.tiny import ensure_tiny_model
 
-    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-    build_tiny_model(tmp, arch=arch, size="tiny", seed=0)
-    (tmp / ".complete").touch()
-    try:
-        tmp.rename(out)
-    except OSError:  # built concurrently by another process
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return ensure_tiny_model(out, arch=arch, size="tiny", seed=0)
 
 
 def _port_free(port: int) -> bool:

@@ -179,3 +179,24 @@ def build_tiny_model(out_dir, arch: str = "qwen2_5_vl", size: str = "tiny", seed
     model.save_pretrained(out)
     make_processor(arch, size).save_pretrained(out)
     return out
+
+
+def ensure_tiny_model(out_dir, arch: str = "qwen2_5_vl", size: str = "tiny", seed: int = 0) -> Path:
+    """`out_dir` holding a complete tiny checkpoint, built on first use. Process-safe: built
+    in a private temporary directory and renamed into place; `.complete` marks a whole one,
+    and a process that loses the race drops its copy."""
+    import os
+    import shutil
+
+    out = Path(out_dir)
+    if (out / ".complete").exists():
+        return out
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    build_tiny_model(tmp, arch=arch, size=size, seed=seed)
+    (tmp / ".complete").touch()
+    try:
+        tmp.rename(out)
+    except OSError:  # another process won the race
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
