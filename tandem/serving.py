@@ -42,6 +42,13 @@ from grpc_reflection.v1alpha import reflection
 SERVER_OPTIONS: tuple[tuple[str, int], ...] = (("grpc.so_reuseport", 0),)
 
 
+def grpc_server(**limits: int) -> grpc.aio.Server:
+    """Every service's gRPC server: SERVER_OPTIONS plus `grpc.<name>` channel limits, e.g.
+    grpc_server(max_send_message_length=16 << 20)."""
+    options = [*SERVER_OPTIONS, *((f"grpc.{k}", v) for k, v in limits.items())]
+    return grpc.aio.server(options=options)
+
+
 def run_service(prog: str, main: Coroutine[None, None, None], cpu_threads: int = 0) -> int:
     """The body of `tandem <service>`: log lines on stderr, torch's CPU threads (0 keeps
     torch's default), the event loop until `main` returns. A checkpoint that cannot be

@@ -110,17 +110,15 @@ def test_free_port_never_hands_out_a_port_twice():
 
 def test_grpc_servers_refuse_a_taken_port():
     """With gRPC's default SO_REUSEPORT a second server binds a taken port and silently
-    shares its connections; with SERVER_OPTIONS the second bind is an error."""
+    shares its connections; every service's server (grpc_server) makes it a bind error."""
     import asyncio
 
-    import grpc
-
-    from tandem.serving import SERVER_OPTIONS, bind
+    from tandem.serving import bind, grpc_server
 
     async def main() -> None:
-        first = grpc.aio.server(options=list(SERVER_OPTIONS))
+        first = grpc_server()
         port = bind(first, "127.0.0.1:0", "first")
-        second = grpc.aio.server(options=list(SERVER_OPTIONS))
+        second = grpc_server(max_send_message_length=1 << 20)
         try:
             with pytest.raises(SystemExit, match="cannot bind"):
                 bind(second, f"127.0.0.1:{port}", "second")

@@ -12,10 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import grpc
-
 from tandem.metrics import metric_set, serve_metrics, service_registry
-from tandem.serving import SERVER_OPTIONS, drain, run_service, start_serving, stop_on_signals
+from tandem.serving import drain, grpc_server, run_service, start_serving, stop_on_signals
 from tandem.v1 import encoder_pb2, encoder_pb2_grpc
 
 from .config import EncoderConfig
@@ -58,13 +56,7 @@ async def run(
     sender = EmbeddingSender(engine, staging, cfg.transfer, registry=registry)
 
     limit = _message_limit(cfg)
-    server = grpc.aio.server(
-        options=[
-            *SERVER_OPTIONS,
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", 16 << 20),
-        ]
-    )
+    server = grpc_server(max_receive_message_length=limit, max_send_message_length=16 << 20)
     servicer = EncoderServicer(pipeline, sender, cfg.model, cfg.request_timeout_s, metrics)
     encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server)
     if cfg.metrics_port:

@@ -15,13 +15,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import grpc
-
 from tandem.devices import resolve_device, resolve_dtype
 from tandem.metrics import metric_set, serve_metrics, service_registry
 from tandem.serving import (
-    SERVER_OPTIONS,
     drain,
+    grpc_server,
     run_service,
     start_serving,
     stop_on_signals,
@@ -110,9 +108,7 @@ async def run(
         registry=registry,
     )  # fmt: skip
 
-    server = grpc.aio.server(
-        options=[*SERVER_OPTIONS, ("grpc.max_send_message_length", 16 << 20)]
-    )
+    server = grpc_server(max_send_message_length=16 << 20)
     limits = ServiceLimits(cfg.default_max_tokens, cfg.request_timeout_s, cfg.model)
     servicer = LanguageServicer(engine, receiver, allocator, limits, metrics)
     language_pb2_grpc.add_LanguageServicer_to_server(servicer, server)

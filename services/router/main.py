@@ -22,14 +22,7 @@ from grpc_health.v1 import health_pb2
 from services.router.core import RouterCore
 from services.router.grpc_api import RouterServicer
 from services.router.http_api import build_app
-from tandem.serving import (
-    SERVER_OPTIONS,
-    add_health_and_reflection,
-    bind,
-    run_service,
-    stop_on_signals,
-    wait_idle,
-)
+from tandem import serving
 from tandem.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger("tandem.router")
@@ -58,14 +51,12 @@ class _HttpServer(uvicorn.Server):
 
 def build_grpc_server(core: RouterCore):
     cfg = core.cfg
-    opts = [
-        *SERVER_OPTIONS,
-        ("grpc.max_receive_message_length", cfg.max_request_bytes),
-        ("grpc.max_send_message_length", cfg.max_request_bytes),
-    ]
-    server = grpc.aio.server(options=opts)
+    server = serving.grpc_server(
+        max_receive_message_length=cfg.max_request_bytes,
+        max_send_message_length=cfg.max_request_bytes,
+    )
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(core), server)
-    health_servicer = add_health_and_reflection(server, ROUTER_SERVICE)
+    health_servicer = serving.add_health_and_reflection(server, ROUTER_SERVICE)
     address = f"{cfg.host}:{cfg.grpc_port}"
     if cfg.tls_cert or cfg.tls_key:
         if not (cfg.tls_cert and cfg.tls_key):
@@ -75,7 +66,7 @@ def build_grpc_server(core: RouterCore):
         )
         port = server.add_secure_port(address, creds)
     else:
-        port = bind(server, address, "tandem router")
+        port = serving.bind(server, address, "tandem router")
     return server, health_servicer, port
 
 
@@ -116,7 +107,7 @@ async def run_router(cfg, stop: asyncio.Event) -> None:
     core.draining = True
     health_task.cancel()
     await health_servicer.enter_graceful_shutdown()
-    await wait_idle(lambda: core.admission.inflight, cfg.drain_timeout_s)
+    await serving.wait_idle(lambda: core.admission.inflight, cfg.drain_timeout_s)
     http.should_exit = True
     with contextlib.suppress(BaseException):
         await asyncio.wait_for(http_task, timeout=5)
@@ -128,6 +119,6 @@ async def run_router(cfg, stop: asyncio.Event) -> None:
 
 def serve(cfg) -> int:
     async def main() -> None:
-        await run_router(cfg, stop_on_signals())
+        await run_router(cfg, serving.stop_on_signals())
 
-    return run_service("tandem router", main())
+    return serving.run_service("tandem router", main())
