@@ -225,6 +225,30 @@ def test_bad_input_is_rejected_before_queueing(checkpoint):
         engine.stop()
 
 
+def test_max_tokens_beyond_the_context_is_refused_not_shortened(checkpoint):
+    """An explicit max_tokens the context cannot hold is a clear error naming the numbers
+    (it used to be shortened silently); the service's default is fitted to the context."""
+    from services.language.scheduler import AdmissionError
+
+    case = _cases.get("qwen2_5_vl") or Case(checkpoint("qwen2_5_vl"))
+    payload = case.payloads[0]
+    prompt = payload.num_tokens
+    engine = case.engine(num_pages=64, max_model_len=prompt + 10)
+    try:
+        asked = SamplingParams(max_tokens=11, max_tokens_given=True)
+        with pytest.raises(AdmissionError, match=rf"max_tokens 11 .* - {prompt} \(prompt\) = 10"):
+            engine.submit(Request(1, asked, payload), print)
+        default = Request(2, SamplingParams(max_tokens=256), payload)  # the service default
+        q: queue.Queue = queue.Queue()
+        engine.submit(default, q.put)
+        assert default.sampling.max_tokens == 10
+        fits = Request(3, SamplingParams(max_tokens=10, max_tokens_given=True), payload)
+        engine.submit(fits, q.put)
+        assert fits.sampling.max_tokens == 10
+    finally:
+        engine.stop()
+
+
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
 def test_small_checkpoint_concurrent_greedy_equals_generate(arch, checkpoint):
     """The same 16 concurrent prompts on the ~50M-parameter `small` checkpoints."""

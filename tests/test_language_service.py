@@ -249,7 +249,7 @@ def _first_then(call, action):
 
 def test_abort_cancel_and_deadlines_free_everything(cluster):
     lang, peer, *_ = cluster
-    long = dict(max_tokens=100000, ignore_eos=True)
+    long = dict(max_tokens=3000, ignore_eos=True)
     # Abort RPC while decoding
     room = next(_rooms)
     call = lang.generate(room, peer.address, **long)
@@ -348,7 +348,7 @@ def test_metrics_are_exported(cluster):
 def test_sigterm_drains_then_exits(cluster):
     lang, peer, *_ = cluster
     room = next(_rooms)
-    call = lang.generate(room, peer.address, max_tokens=100000, ignore_eos=True)
+    call = lang.generate(room, peer.address, max_tokens=3000, ignore_eos=True)
     peer.send(room, 1)
     msgs, states = [], []
 

@@ -134,7 +134,13 @@ class Engine:
         """Queue a request whose prompt is complete; raises AdmissionError on bad input."""
         self.scheduler.check(req)
         tokens_left = self.cfg.max_model_len - req.prompt_len  # > 0: check() passed
-        req.sampling.max_tokens = min(req.sampling.max_tokens, tokens_left)
+        if req.sampling.max_tokens_given and req.sampling.max_tokens > tokens_left:
+            raise AdmissionError(
+                f"max_tokens {req.sampling.max_tokens} is more than the context leaves: "
+                f"{self.cfg.max_model_len} (max_model_len) - {req.prompt_len} (prompt) = "
+                f"{tokens_left}"
+            )
+        req.sampling.max_tokens = min(req.sampling.max_tokens, tokens_left)  # the default
         with self._known_lock:
             if req.rid in self._known:
                 raise AdmissionError(f"request {req.rid} is already running")

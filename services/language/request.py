@@ -74,6 +74,9 @@ class SamplingParams:
     top_p: float = 1.0  # (0, 1]; 1 = off
     top_k: int = 0  # 0 = off
     max_tokens: int = 256
+    # NOTE: asked for by the caller (not the service's default): more than the context
+    # leaves is then refused at admission instead of silently shortened.
+    max_tokens_given: bool = False
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)

@@ -41,6 +41,7 @@ def sampling_from_proto(p: common_pb2.SamplingParams, default_max_tokens: int) -
         top_p=p.top_p if p.top_p > 0 else 1.0,
         top_k=p.top_k,
         max_tokens=p.max_tokens if p.max_tokens > 0 else default_max_tokens,
+        max_tokens_given=p.max_tokens > 0,
         seed=p.seed if p.HasField("seed") else None,
         stop=list(p.stop),
         stop_token_ids=list(p.stop_token_ids),

@@ -53,7 +53,10 @@ def build_app(core: RouterCore) -> FastAPI:
     async def _validation(_req, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         param = None if first.get("type") == "json_invalid" else (_loc(first.get("loc", ())) or None)
-        msg = f"{param}: {first['msg']}" if param else first["msg"]
+        if first.get("type") == "extra_forbidden":  # a field we do not honour: say so
+            msg = f"{param}: not supported by this server (refused, never silently ignored)"
+        else:
+            msg = f"{param}: {first['msg']}" if param else first["msg"]
         return _error(RouterError("INVALID_ARGUMENT", msg, param))
 
     @app.exception_handler(StarletteHTTPException)

@@ -1,6 +1,8 @@
 """OpenAI chat-completions request schema (pydantic, with bounds) and its conversion to
-the wire protos. Unknown fields are ignored, as OpenAI-compatible servers do; fields we
-cannot honour (n > 1, top_logprobs > 0) are refused with a 400 naming the field."""
+the wire protos. Nothing is silently dropped: every field is honoured, hint-only (`user`,
+`parallel_tool_calls`, an image's `detail`: OpenAI treats them as hints too), or refused
+with a 400 naming it (`param`): unknown fields by `extra="forbid"`, and values we cannot
+serve (n > 1, top_logprobs > 0) by their bounds. docs/sdk.md lists them."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from tandem.v1 import common_pb2
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
 
 class ImageURL(_Model):
@@ -66,6 +68,9 @@ class ChatCompletionRequest(_Model):
     ignore_eos: bool = False  # extension (benchmarks)
     timeout_ms: int | None = Field(None, ge=1, le=86_400_000)  # extension: per-request deadline
     priority: int = Field(0, ge=-(1 << 31), lt=1 << 31)  # extension
+    # Hints only (accepted, no effect), as documented in docs/sdk.md.
+    user: str | None = Field(None, max_length=256)
+    parallel_tool_calls: bool | None = None
 
 
 def _stop_list(stop: str | list[str] | None) -> list[str]:
