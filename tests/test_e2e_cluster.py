@@ -17,6 +17,7 @@ import asyncio
 import base64
 import collections
 import io
+import json
 import os
 import signal
 import time
@@ -341,6 +342,28 @@ def test_kill9_language_mid_stream_ends_with_error_event(cluster):
     # the surviving language instance serves the next requests
     after = asyncio.run(_many(cluster, 6, 30_000))
     assert all(_ok(r) for r in after), after
+
+
+def test_request_id_is_echoed_and_greps_across_the_three_tiers(cluster):
+    url = cluster.http_url + "/v1/chat/completions"
+    body = {"model": "", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    for stream in (False, True):
+        rid = f"abc-123-{int(stream)}"
+        r = httpx.post(url, json={**body, "stream": stream}, headers={"X-Request-Id": rid},
+                       timeout=30)  # fmt: skip
+        assert r.status_code == 200 and r.headers["x-request-id"] == rid
+        first = r.json() if not stream else json.loads(r.text.split("data: ", 2)[1])
+        assert first["id"] == f"chatcmpl-{rid}"
+        tiers: set[str] = set()
+        for _ in range(50):  # the children's log lines arrive through pipes
+            tiers = {ln.split("|")[0].strip().split("-")[0]
+                     for ln in cluster.log_text().splitlines() if rid in ln}  # fmt: skip
+            if tiers >= {"router", "encoder", "language"}:
+                break
+            time.sleep(0.1)
+        assert tiers >= {"router", "encoder", "language"}, tiers
+    bad = httpx.post(url, json=body, headers={"X-Request-Id": "no spaces"}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Request-Id"
 
 
 def test_ctrl_c_stops_every_child(cluster):

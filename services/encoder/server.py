@@ -76,10 +76,12 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {e!r}")
         finally:
             state = self.states.pop(request.room, None)
+            rid = request.request_id or "-"  # NOTE: one line per request, greppable by its id
             if code != "OK":
-                log.info(
-                    "room %d: %s while %s", request.room, code, state.value if state else "starting"
-                )
+                log.info("%s room %d: %s while %s", rid, request.room, code,
+                         state.value if state else "starting")  # fmt: skip
+            else:
+                log.info("%s room %d: delivered", rid, request.room)
             self.num_active -= 1
             self._gauge()
             if self.metrics:

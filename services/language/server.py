@@ -16,6 +16,7 @@ enforced by both: the receiver's wait and the engine's per-request deadline.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 
@@ -32,6 +33,8 @@ from services.language.scheduler import AdmissionError
 from tandem.serving import deadline_from_proto
 from tandem.transfer import BlockAllocator, EmbeddingReceiver, TransferError
 from tandem.v1 import common_pb2, language_pb2, language_pb2_grpc
+
+log = logging.getLogger("tandem.language")
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams, default_max_tokens: int) -> SamplingParams:
@@ -126,6 +129,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             yield error_response("DEADLINE_EXCEEDED", "deadline already passed", abort=True)
             return
         self.streams.add(room)
+        outcome = "cancelled"  # NOTE: one log line per request (its id greps across tiers)
         req = Request(
             rid=room, sampling=sampling, request_id=request.request_id,
             priority=request.priority, status=RequestStatus.WAITING_FOR_INPUT,
@@ -139,6 +143,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                 payload = await self.receiver.receive(room, request.encoder_address, deadline)
             except TransferError as e:
                 abort = e.code in ("CANCELLED", "DEADLINE_EXCEEDED")
+                outcome = f"{e.code} in the transfer"
                 yield error_response(e.code, e.reason, abort=abort)
                 return
             finally:
@@ -152,6 +157,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             try:
                 self.engine.submit(req, lambda d: loop.call_soon_threadsafe(q.put_nowait, d))
             except AdmissionError as e:
+                outcome = f"{e.code} at admission: {e.message}"
                 yield error_response(e.code, e.message)
                 return
             finished = False
@@ -162,12 +168,16 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                     while not d.finished and not q.empty():
                         d = _merge(d, q.get_nowait())
                     finished = d.finished
+                    if finished:
+                        outcome = (f"{d.finish_reason.label}, {d.prompt_tokens} prompt + "
+                                   f"{d.completion_tokens} output tokens")
                     yield delta_to_proto(d, transfer_ms)
             finally:
                 if not finished:  # client gone or handler cancelled: free its pages now
                     self.engine.abort(room, "client cancelled", "CANCELLED")
         finally:
             self.streams.discard(room)
+            log.info("%s room %d: %s", request.request_id or "-", room, outcome)
 
     async def Reattach(self, request, context):  # noqa: N802
         ok = self.receiver.reattach(request.room, request.encoder_address)

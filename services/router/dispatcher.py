@@ -136,6 +136,21 @@ class Dispatcher:
         more as a whole (new room, other instances where there are any): the caller has
         seen nothing yet, so it still gets exactly one answer."""
         start = time.time()
+        outcome, inner = "cancelled", self._generate(req, start)
+        try:
+            async for piece in inner:
+                if piece.finish_reason is not None:
+                    outcome = f"ok ({piece.finish_reason})"
+                yield piece
+        except RouterError as err:
+            outcome = f"{err.code}: {err.message}"
+            raise
+        finally:
+            await inner.aclose()  # NOTE: now, not at garbage collection (cancels its calls)
+            # one log line per request: its id greps across the three tiers
+            log.info("%s: %s in %.0f ms", req.request_id, outcome, (time.time() - start) * 1e3)
+
+    async def _generate(self, req: ChatRequest, start: float) -> AsyncIterator[Piece]:
         deadline = start + req.timeout_s
         avoid: dict[str, set[str]] = {"encoder": set(), "language": set()}
         for attempt in range(self.cfg.request_retries + 1):

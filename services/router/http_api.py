@@ -25,7 +25,11 @@ from services.router.admission import check_api_key
 from services.router.config import RouterConfig
 from services.router.core import RouterCore
 from services.router.errors import RouterError
-from services.router.openai_models import ChatCompletionRequest, to_chat_request
+from services.router.openai_models import (
+    ChatCompletionRequest,
+    request_id_from_header,
+    to_chat_request,
+)
 from services.router.request import Piece
 
 
@@ -104,7 +108,9 @@ def build_app(core: RouterCore) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         core.check_model(body.model)
-        req = to_chat_request(body, cfg)
+        rid = request_id_from_header(request.headers.get("x-request-id"))
+        req = to_chat_request(body, cfg, rid)
+        headers = {"X-Request-Id": rid}
         model = body.model or core.model_name()
         release = core.admit()
         try:
@@ -123,11 +129,12 @@ def build_app(core: RouterCore) -> FastAPI:
                     await _close_quietly(agen)
 
                 return StreamingResponse(
-                    stream, media_type="text/event-stream", background=BackgroundTask(cleanup)
+                    stream, media_type="text/event-stream", background=BackgroundTask(cleanup),
+                    headers=headers,
                 )
             result = await _collect_or_disconnect(agen, request)
             core.metrics.requests.labels("http", "ok").inc()
-            return fmt.completion(result, req.request_id, model)
+            return JSONResponse(fmt.completion(result, req.request_id, model), headers=headers)
         except RouterError as err:
             core.metrics.requests.labels("http", err.code.lower()).inc()
             release()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 import uuid
 from typing import Annotated, Literal
 
@@ -105,8 +106,23 @@ def _image_part(url: str, param: str, max_bytes: int) -> common_pb2.ImagePart:
     raise RouterError("INVALID_ARGUMENT", "image_url must be a data: or http(s) URL", param)
 
 
-def to_chat_request(body: ChatCompletionRequest, cfg: RouterConfig) -> ChatRequest:
-    """Validated body -> front-end-independent request (raises RouterError on bad input)."""
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def request_id_from_header(value: str | None) -> str:
+    """The caller's X-Request-Id (letters, digits, `._:-`, at most 128), or a new one;
+    anything else is a 400 rather than an id we would log or echo unchecked."""
+    if value is None:
+        return uuid.uuid4().hex[:24]
+    if not _REQUEST_ID.fullmatch(value):
+        raise RouterError("INVALID_ARGUMENT", "X-Request-Id must be 1-128 characters of "
+                          "letters, digits and ._:-", "X-Request-Id")  # fmt: skip
+    return value
+
+
+def to_chat_request(body: ChatCompletionRequest, cfg: RouterConfig, request_id: str) -> ChatRequest:
+    """Validated body -> front-end-independent request (raises RouterError on bad input);
+    `request_id` (request_id_from_header) becomes the response id's suffix."""
     messages = []
     for i, m in enumerate(body.messages):
         role = "system" if m.role == "developer" else m.role
@@ -139,6 +155,6 @@ def to_chat_request(body: ChatCompletionRequest, cfg: RouterConfig) -> ChatReque
         messages=messages,
         sampling=sampling,
         timeout_s=timeout_s,
-        request_id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
+        request_id=f"chatcmpl-{request_id}",
         priority=body.priority,
     )
