@@ -25,7 +25,6 @@ import base64
 import io
 import json
 import random
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -33,6 +32,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from latency import summary  # noqa: E402  (bench/, the script's own folder)
 
 from tandem.launch.cluster import LocalCluster  # noqa: E402
 
@@ -76,11 +77,6 @@ def make_png(run: int, key: int, size) -> bytes:
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     return buf.getvalue()
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
 
 
 async def run_http(url: str, reqs: list[Req], run: int, concurrency: int, max_tokens: int):
@@ -186,16 +182,7 @@ def run_baseline(model_dir: Path, reqs: list[Req], run: int, max_tokens: int):
 
 
 def summarize(runs: list[dict]) -> dict:
-    med = statistics.median
-    return {
-        "rps": med(r["rps"] for r in runs),
-        "ttft50": med(pct(r["ttft"], 0.5) for r in runs) * 1e3,
-        "ttft99": med(pct(r["ttft"], 0.99) for r in runs) * 1e3,
-        "tpot50": med(pct(r["tpot"], 0.5) for r in runs) * 1e3,
-        "tpot99": med(pct(r["tpot"], 0.99) for r in runs) * 1e3,
-        "hit": med(r["hit"] for r in runs),
-        "failures": sum(r["failures"] for r in runs),
-    }
+    return summary(runs, medians=("rps", "hit"))
 
 
 def main() -> int:

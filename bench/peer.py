@@ -34,6 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
+import latency  # noqa: E402
 from peer_bench import load, systems  # noqa: E402
 
 NAMES = {"tandem": "Tandem", "vllm": "vLLM"}
@@ -162,8 +163,8 @@ def table(args, results: dict[str, list[dict]]) -> str:
                 pairs = list(zip(results["tandem"], results["vllm"], strict=False))
                 rps = [t["loads"][(kind, level)]["rps"] / max(v["loads"][(kind, level)]["rps"],
                                                              1e-9) for t, v in pairs]
-                tp = [load.pct(t["loads"][(kind, level)]["tpot"], 0.5)
-                      / load.pct(v["loads"][(kind, level)]["tpot"], 0.5) for t, v in pairs]
+                tp = [latency.pct(t["loads"][(kind, level)]["tpot"], 0.5)
+                      / latency.pct(v["loads"][(kind, level)]["tpot"], 0.5) for t, v in pairs]
                 lines.append(f"| {kind} | {level} | **{med(rps):.2f}** | {med(tp):.2f} | "
                              + ", ".join(f"{x:.2f}" for x in rps) + " |")
     lines += ["", "| system | start-up s | peak RSS of the server tree MiB "

@@ -10,11 +10,12 @@ import asyncio
 import base64
 import io
 import random
-import statistics
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import latency  # bench/, on the path of every bench script
 
 PROMPTS = [
     "What is in this picture?",
@@ -118,23 +119,9 @@ def run_load(base_url: str, model: str, reqs: list[Req], concurrency: int) -> di
     return asyncio.run(_run(base_url, model, reqs, concurrency))
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
-
-
 def summary(runs: list[dict]) -> dict:
     """Medians over runs of each run's figures (latencies in ms)."""
-    med = statistics.median
-    return {
-        "rps": med(r["rps"] for r in runs),
-        "tok_s": med(r["tok_s"] for r in runs),
-        "ttft50": med(pct(r["ttft"], 0.5) for r in runs) * 1e3,
-        "ttft99": med(pct(r["ttft"], 0.99) for r in runs) * 1e3,
-        "tpot50": med(pct(r["tpot"], 0.5) for r in runs) * 1e3,
-        "tpot99": med(pct(r["tpot"], 0.99) for r in runs) * 1e3,
-        "failures": sum(r["failures"] for r in runs),
-    }
+    return latency.summary(runs, medians=("rps", "tok_s"))
 
 
 # --- greedy agreement with transformers' generate() ----------------------------------------
