@@ -206,3 +206,25 @@ def test_unknown_message_fields_are_refused_by_name():
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "messages[0].name"
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        ('{"model": "", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+         "messages[0].content"),
+        ('{"model": "", "messages": [{"role": "user", "content": [{"type": "text", '
+         '"text": "x\\udfff"}]}]}', "messages[0].content[0].text"),
+        ('{"model": "", "messages": [{"role": "user", "content": "hi"}], "stop": ["\\ud800"]}',
+         "stop"),
+        ('{"model": "", "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}',
+         "stream"),
+        ('{"model": "", "messages": [{"role": "user", "content": "hi"}], "max_tokens": true}',
+         "max_tokens"),
+    ],
+)
+def test_hostile_text_and_wrong_types_are_400_never_500(raw, param):
+    """Lone surrogates (legal JSON escapes) and wrongly typed values (no coercion)."""
+    _, c = make()
+    r = c.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert_openai_error(r, 400, "invalid_argument", param)

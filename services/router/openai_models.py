@@ -21,7 +21,9 @@ from tandem.v1 import common_pb2
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NOTE: strict: a JSON value of the wrong type is a 400 (`"stream": "yes"` and
+    # `"max_tokens": true` used to be coerced); an integer still passes for a float.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class ImageURL(_Model):
@@ -74,10 +76,21 @@ class ChatCompletionRequest(_Model):
     parallel_tool_calls: bool | None = None
 
 
+def _utf8(text: str, param: str) -> str:
+    """`text` if it is valid Unicode for the wire; a lone surrogate (JSON allows "\ud800")
+    is a 400 naming the field, not a 500 from the protobuf encoder."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RouterError("INVALID_ARGUMENT", "text is not valid Unicode (lone surrogate)",
+                          param) from None  # fmt: skip
+    return text
+
+
 def _stop_list(stop: str | list[str] | None) -> list[str]:
     if stop is None:
         return []
-    stops = [stop] if isinstance(stop, str) else list(stop)
+    stops = [_utf8(s, "stop") for s in ([stop] if isinstance(stop, str) else stop)]
     if len(stops) > 16:
         raise RouterError("INVALID_ARGUMENT", "at most 16 stop sequences", "stop")
     if any(not s for s in stops):
@@ -128,11 +141,11 @@ def to_chat_request(body: ChatCompletionRequest, cfg: RouterConfig, request_id: 
         role = "system" if m.role == "developer" else m.role
         msg = common_pb2.ChatMessage(role=role)
         if isinstance(m.content, str):
-            msg.content.add(text=m.content)
+            msg.content.add(text=_utf8(m.content, f"messages[{i}].content"))
         elif m.content is not None:
             for j, part in enumerate(m.content):
                 if isinstance(part, TextPart):
-                    msg.content.add(text=part.text)
+                    msg.content.add(text=_utf8(part.text, f"messages[{i}].content[{j}].text"))
                 else:
                     param = f"messages[{i}].content[{j}].image_url"
                     msg.content.add(image=_image_part(part.image_url.url, param, cfg.max_image_bytes))
