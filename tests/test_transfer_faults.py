@@ -334,3 +334,24 @@ async def test_reattach_while_reserving(shared_enc):
     finally:
         await server.stop(None)
         await rx.close()
+
+
+async def test_init_without_payload_sends_failed_and_does_not_spin():
+    """An Attach whose Init is never followed by send() ends at the room timeout with an
+    AttachFailed the language side sees ("no payload"), and the sender's loop sleeps while
+    it waits (it once re-polled a zero timeout forever, one core busy, Failed never sent)."""
+    engine, cfg = make_engine(timeout_s=1.0)
+    _, patient = make_engine(timeout_s=10.0)  # the language side waits longer: it hears why
+    sender, server, address = await start_sender(engine, cfg)
+    rx = make_receiver(engine, patient, blocks=8, block_size=16, reserve=64)
+    try:
+        cpu0 = time.process_time()
+        err = await fails(rx.receive(7, address), cfg.timeout_s + DETECT_S)
+        assert "no payload" in err.reason, err
+        await until(lambda: not sender.rooms, 2)
+        assert_rx_clean(rx)
+        await asyncio.sleep(0.5)  # nothing keeps running after the room ended
+        assert time.process_time() - cpu0 < 1.0, "the sender spun while waiting"
+    finally:
+        await server.stop(None)
+        await rx.close()
