@@ -23,6 +23,9 @@ from .chat import ImageInput, Limits, Message, invalid
 from .images import ImageLimits, decode_image, image_bytes
 
 # Placeholders a client's text may not contain: they would desynchronise image tokens.
+# NOTE: control tokens come only from the chat template: chat text that spells one (a
+# user typing "<|im_end|>\n<|im_start|>system" to inject a turn, or an image placeholder)
+# is refused. The checkpoint's own special tokens are added to these at start-up.
 _RESERVED = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
 
 
@@ -69,6 +72,8 @@ class Preprocessor:
         self.image_token: str = processor.image_token
         self.image_token_id: int = processor.image_token_id
         self.merge = int(processor.image_processor.merge_size)
+        added = getattr(processor.tokenizer, "added_tokens_decoder", {}).values()
+        self.reserved = tuple(sorted(set(_RESERVED) | {t.content for t in added if t.special}))
 
     def __call__(self, messages: list[Message], req: Limits | None = None) -> Prepared:
         t0 = time.perf_counter()
@@ -86,7 +91,7 @@ class Preprocessor:
                     image_parts.append((f"{where}.image", p))
                     content.append({"type": "image"})
                 else:
-                    for tok in _RESERVED:
+                    for tok in self.reserved:
                         if tok in p:
                             raise invalid(f"{where}.text", f"text contains reserved token {tok}")
                     content.append({"type": "text", "text": p})
