@@ -66,6 +66,7 @@ def assert_openai_error(r, status: int, code: str, param=None):
             "messages[0].content[0].image_url",
         ),
         (chat(messages=img_msg("data:image/png,rawbytes")), "messages[0].content[0].image_url"),
+        (chat(messages=img_msg("data:text/plain;base64,aGk=")), "messages[0].content[0].image_url"),
         (chat(messages=img_msg("ftp://example.com/a.png")), "messages[0].content[0].image_url"),
         (chat(messages=[{"role": "user", "content": [{"type": "audio", "x": 1}]}]), None),
     ],
@@ -228,3 +229,20 @@ def test_hostile_text_and_wrong_types_are_400_never_500(raw, param):
     _, c = make()
     r = c.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
     assert_openai_error(r, 400, "invalid_argument", param)
+
+
+def test_chunked_upload_over_the_limit_is_413():
+    """No content-length (chunked transfer-encoding): the limit holds on the bytes read."""
+    _, c = make(max_request_bytes=4096)
+    big = b'{"model": "", "messages": [{"role": "user", "content": "' + b"x" * 8000 + b'"}]}'
+
+    def chunks():
+        for i in range(0, len(big), 1000):
+            yield big[i : i + 1000]
+
+    r = c.post("/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert "content-length" not in {k.lower() for k in r.request.headers}
+    assert r.status_code == 413 and r.json()["error"]["code"] == "too_large", r.text
+    small = b'{"model": "", "messages": [{"role": "user", "content": "hi"}], "stream": "no"}'
+    r = c.post("/v1/chat/completions", content=iter([small]), headers={"content-type": "application/json"})
+    assert r.status_code == 400  # under the limit: read and validated as usual

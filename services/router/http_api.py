@@ -150,7 +150,8 @@ def build_app(core: RouterCore) -> FastAPI:
 
 
 class _Guard:
-    """Body-size limit (413) and the API key on /v1/* (401), before any parsing."""
+    """Body-size limit (413, on the declared length and on the bytes read) and the API key
+    on /v1/* (401), before any parsing."""
 
     def __init__(self, app, cfg: RouterConfig) -> None:
         self.app = app
@@ -172,7 +173,41 @@ class _Guard:
             if err is not None:
                 await _error(err)(scope, receive, send)
                 return
+            receive = await self._bounded_body(scope, receive, send)
+            if receive is None:
+                return
         await self.app(scope, receive, send)
+
+    async def _bounded_body(self, scope, receive, send):
+        """Read the whole body, counting bytes: a chunked upload has no content-length, so
+        the limit holds on what arrives (413 past it). Returns a receive that replays the
+        body and then hands over to the client's (disconnects stay visible), or None when
+        the request was answered or the client left."""
+        limit, size, chunks = self.cfg.max_request_bytes, 0, []
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                await _error(RouterError("TOO_LARGE", f"request body over {limit} bytes"))(
+                    scope, receive, send
+                )
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        return replay
 
 
 async def _watch_disconnect(task: asyncio.Future, request: Request) -> None:

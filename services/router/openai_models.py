@@ -105,6 +105,9 @@ def _image_part(url: str, param: str, max_bytes: int) -> common_pb2.ImagePart:
         header, sep, payload = url.partition(",")
         if not sep or ";base64" not in header:
             raise RouterError("INVALID_ARGUMENT", "image data URL must be base64-encoded", param)
+        if not header.startswith("data:image/"):  # e.g. data:text/plain: not an image
+            raise RouterError("INVALID_ARGUMENT", "image data URL must have an image/* type",
+                              param)  # fmt: skip
         if len(payload) * 3 // 4 > max_bytes:
             raise RouterError("TOO_LARGE", f"image larger than {max_bytes} bytes", param)
         try:
