@@ -244,3 +244,25 @@ def test_hub_style_processor_files_load(checkpoint, tmp_path):
     out = proc(text=[prompt], images=[make_image(600, 400)], return_tensors="pt")
     t, h, w = out["image_grid_thw"][0].tolist()
     assert t == 1 and h * w * 14 * 14 <= legacy["max_pixels"]  # max_pixels honoured
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_stock_transformers_with_torchvision_loads_the_processor(checkpoint, arch):
+    """The checkpoint carries a video processor config whose patching equals the image
+    processor's, so stock transformers (which builds a video processor wherever torchvision
+    is installed) loads it. Where the peer benchmark's venv exists (stock transformers +
+    torchvision), load it there for real."""
+    ckpt = checkpoint(arch)
+    video = json.loads((ckpt / "video_preprocessor_config.json").read_text())
+    image = json.loads((ckpt / "processor_config.json").read_text())["image_processor"]
+    for key in ("patch_size", "temporal_patch_size", "merge_size", "size", "image_mean"):
+        assert video[key] == image[key], key
+    peer = Path(__file__).resolve().parent.parent / ".venv-peer" / "bin" / "python"
+    if not peer.exists():
+        pytest.skip("no .venv-peer (make bench-peer installs it): config checked only")
+    code = ("import sys; from transformers import AutoProcessor; "
+            "p = AutoProcessor.from_pretrained(sys.argv[1]); print(type(p.video_processor).__name__)")
+    r = subprocess.run([str(peer), "-c", code, str(ckpt)], capture_output=True, text=True,
+                       timeout=240)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "VideoProcessor" in r.stdout

@@ -36,8 +36,8 @@ def free_port() -> int:
 
 
 def checkpoint(arch: str, size: str, seed: int) -> Path:
-    """A `tandem tiny-model` checkpoint under .cache/peer/, built once (the bench's own copy:
-    it may carry files the peer needs that Tandem's builder does not write)."""
+    """A `tandem tiny-model` checkpoint under .cache/peer/, built once (the bench's own copy,
+    outside the tests' cache)."""
     out = ROOT / ".cache" / "peer" / f"{arch}-{size}-s{seed}"
     if not (out / ".complete").exists():
         tmp = out.with_name(out.name + ".tmp")
@@ -45,28 +45,10 @@ def checkpoint(arch: str, size: str, seed: int) -> Path:
         say(f"building the checkpoint into {out}")
         subprocess.run([str(BIN / "tandem"), "tiny-model", str(tmp), "--arch", arch,
                         "--size", size, "--seed", str(seed)], check=True)
-        add_video_processor_config(tmp)
         (tmp / ".complete").touch()
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     return out
-
-
-def add_video_processor_config(ckpt: Path) -> None:
-    """NOTE: stock transformers (the peer's, with torchvision) builds a Qwen processor with a
-    video processor and wants its config; `tandem tiny-model` writes none. The video
-    processor's patching must match the image processor's, and videos are off in the peer
-    (`--limit-mm-per-prompt video=0`), so the image settings are copied over."""
-    cfg = json.loads((ckpt / "processor_config.json").read_text())
-    if "video_processor" in cfg or (ckpt / "video_preprocessor_config.json").exists():
-        return
-    img = cfg["image_processor"]
-    keep = ("do_convert_rgb", "do_normalize", "do_rescale", "do_resize", "image_mean",
-            "image_std", "merge_size", "patch_size", "resample", "rescale_factor", "size",
-            "temporal_patch_size")
-    video = {k: img[k] for k in keep if k in img}
-    video["video_processor_type"] = "Qwen2VLVideoProcessor"
-    (ckpt / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
 
 
 # --- the peer's virtual environment -----------------------------------------------------------

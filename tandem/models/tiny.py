@@ -178,7 +178,27 @@ def build_tiny_model(out_dir, arch: str = "qwen2_5_vl", size: str = "tiny", seed
     )
     model.save_pretrained(out)
     make_processor(arch, size).save_pretrained(out)
+    write_video_processor_config(out)
     return out
+
+
+def write_video_processor_config(ckpt: Path) -> None:
+    """`video_preprocessor_config.json` beside the processor files, so stock transformers
+    (which builds a video processor wherever torchvision is installed) loads the checkpoint
+    too. Our image-only processor never reads it. The video processor's patching must match
+    the image processor's, so the image settings are copied over."""
+    import json
+
+    cfg = json.loads((ckpt / "processor_config.json").read_text())
+    if (ckpt / "video_preprocessor_config.json").exists() or "video_processor" in cfg:
+        return
+    img = cfg["image_processor"]
+    keep = ("do_convert_rgb", "do_normalize", "do_rescale", "do_resize", "image_mean",
+            "image_std", "merge_size", "patch_size", "resample", "rescale_factor", "size",
+            "temporal_patch_size")  # fmt: skip
+    video = {k: img[k] for k in keep if k in img}
+    video["video_processor_type"] = "Qwen2VLVideoProcessor"
+    (ckpt / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
 
 
 def ensure_tiny_model(out_dir, arch: str = "qwen2_5_vl", size: str = "tiny", seed: int = 0) -> Path:
