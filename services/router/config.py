@@ -13,6 +13,12 @@ class RouterConfig(ServiceSettings):
     model: str = Field("", description="Model name reported by /v1/models (default: from tiers).")
     http_port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP port.")
     grpc_port: int = Field(50051, ge=1, le=65535, description="gRPC Router port (SDK).")
+    http_keep_alive_s: int = Field(
+        65, ge=1, le=3600,
+        description="Idle HTTP keep-alive before the router closes a connection. Longer than "
+        "common clients' own pool expiry (5 s in httpx/aiohttp), so a client never reuses a "
+        "connection the router is closing at that moment (a reset under load).",
+    )  # fmt: skip
     encoders: list[str] = Field(
         default_factory=list, description="Static encoder addresses (host:port)."
     )

@@ -90,7 +90,7 @@ async def run_router(cfg, stop: asyncio.Event) -> None:
     http = _HttpServer(
         uvicorn.Config(
             build_app(core), log_level="warning", access_log=False, lifespan="off",
-            timeout_graceful_shutdown=1,
+            timeout_graceful_shutdown=1, timeout_keep_alive=cfg.http_keep_alive_s,
         )
     )
     http_task = asyncio.create_task(http.serve(sockets=[sock]))
