@@ -10,10 +10,10 @@
         the decoder's pointwise steps around the linears, one call each instead of ~30
         small torch ops per layer (csrc/pointwise.cpp).
 
-The build is keyed by the source, the torch version and this CPU's flags (it is compiled
-with -march=native), and cached in $TANDEM_KERNEL_DIR (default ~/.cache/tandem/kernels):
-`make setup` builds it ahead (`python -m tandem.cpu_kernels`, ~60 s on two
-cores), so no request ever waits for the compiler. Where it cannot be built (no compiler,
+The build is keyed by the sources, the torch version, this CPU's flags (it is compiled
+with -march=native) and the Python environment, and cached in $TANDEM_KERNEL_DIR (default
+~/.cache/tandem/kernels): `make setup` builds it ahead (`python -m tandem.cpu_kernels`, ~60 s
+on two cores), so no request ever waits for the compiler. Where it cannot be built (no compiler,
 no ninja), `kernels()` returns None once with a warning and the runner keeps torch's ops
 (gather + SDPA, F.linear): slower, same results within float32 rounding.
 """
@@ -65,6 +65,9 @@ def kernels():
         key = hashlib.sha256(
             b"".join(p.read_bytes() for p in SOURCES) + Path(__file__).read_bytes()
             + torch.__version__.encode() + _cpu_flags().encode()
+            # NOTE: and the environment: the build embeds its torch/Python include paths, so
+            # two venvs sharing one directory would rebuild it for each other in turn.
+            + sys.prefix.encode()
         ).hexdigest()[:16]
         name = f"tandem_cpu_kernels_{key}"
         build = _build_dir() / name
