@@ -129,18 +129,21 @@ def decode_attention_op(backend: str, device: torch.device):
 
 
 class PackedLinear(torch.nn.Module):
-    """A float32 `nn.Linear` on the kernels' packed layout, for towers we do not write
-    ourselves (the encoder's vision tower); the language decoder packs its own layers
-    (`DenseLinear.pack`). Any leading dims, as nn.Linear."""
+    """y = x @ weight_t (+ bias) on the kernels' packed layout (float32), any leading dims.
+    The one packed linear: the language decoder's `DenseLinear.pack` and the encoder's
+    `pack_linears` both build it. Holds only the packed copies."""
 
-    def __init__(self, linear: torch.nn.Linear, kernels) -> None:
+    def __init__(self, weight_t: torch.Tensor, bias: torch.Tensor | None, kernels) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features, self.out_features = weight_t.shape
         self.kernels = kernels
-        weight_t = linear.weight.detach().t().contiguous()
-        self.register_buffer("weight_p", kernels.pack_linear(weight_t), persistent=False)
-        bias = None if linear.bias is None else kernels.pack_bias(linear.bias.detach())
-        self.register_buffer("bias_p", bias, persistent=False)
+        self.register_buffer("weight_p", kernels.pack_linear(weight_t.detach()), persistent=False)
+        packed_bias = None if bias is None else kernels.pack_bias(bias.detach())
+        self.register_buffer("bias_p", packed_bias, persistent=False)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, kernels) -> PackedLinear:
+        return cls(linear.weight.detach().t().contiguous(), linear.bias, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -153,7 +156,7 @@ def pack_linears(module: torch.nn.Module, kernels) -> int:
     n = 0
     for name, child in list(module.named_children()):
         if isinstance(child, torch.nn.Linear):
-            setattr(module, name, PackedLinear(child, kernels))
+            setattr(module, name, PackedLinear.from_linear(child, kernels))
             n += 1
         else:
             n += pack_linears(child, kernels)

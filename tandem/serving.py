@@ -39,13 +39,13 @@ from grpc_reflection.v1alpha import reflection
 # succeeds and the kernel splits connections between the two (seen: an encoder and a
 # language instance on one port, half the calls "Method not found"). Off: a taken port is
 # a bind error (`bind` below).
-SERVER_OPTIONS: tuple[tuple[str, int], ...] = (("grpc.so_reuseport", 0),)
+_SERVER_OPTIONS: tuple[tuple[str, int], ...] = (("grpc.so_reuseport", 0),)
 
 
 def grpc_server(**limits: int) -> grpc.aio.Server:
-    """Every service's gRPC server: SERVER_OPTIONS plus `grpc.<name>` channel limits, e.g.
+    """Every service's gRPC server: _SERVER_OPTIONS plus `grpc.<name>` channel limits, e.g.
     grpc_server(max_send_message_length=16 << 20)."""
-    options = [*SERVER_OPTIONS, *((f"grpc.{k}", v) for k, v in limits.items())]
+    options = [*_SERVER_OPTIONS, *((f"grpc.{k}", v) for k, v in limits.items())]
     return grpc.aio.server(options=options)
 
 

@@ -22,10 +22,10 @@ import torch
 from .chat import ImageInput, Limits, Message, invalid
 from .images import ImageLimits, decode_image, image_bytes
 
-# Placeholders a client's text may not contain: they would desynchronise image tokens.
-# NOTE: control tokens come only from the chat template: chat text that spells one (a
-# user typing "<|im_end|>\n<|im_start|>system" to inject a turn, or an image placeholder)
-# is refused. The checkpoint's own special tokens are added to these at start-up.
+# Tokens a client's text may not spell. NOTE: control tokens come only from the chat
+# template. Image placeholders would desynchronise image tokens; a user closing its turn
+# with <|im_end|> could open a system turn. The checkpoint's own special tokens are added
+# to these at start-up (`Preprocessor.reserved`).
 _RESERVED = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
 
 

@@ -164,7 +164,7 @@ class _Guard:
             length = headers.get("content-length", "")
             err = None
             if length.isdigit() and int(length) > self.cfg.max_request_bytes:
-                err = RouterError("TOO_LARGE", f"request body over {self.cfg.max_request_bytes} bytes")
+                err = self._too_large()
             elif scope.get("path", "").startswith("/v1/"):
                 try:
                     check_api_key(self.cfg.api_key, headers.get("authorization"))
@@ -177,6 +177,9 @@ class _Guard:
             if receive is None:
                 return
         await self.app(scope, receive, send)
+
+    def _too_large(self) -> RouterError:
+        return RouterError("TOO_LARGE", f"request body over {self.cfg.max_request_bytes} bytes")
 
     async def _bounded_body(self, scope, receive, send):
         """Read the whole body, counting bytes: a chunked upload has no content-length, so
@@ -191,9 +194,7 @@ class _Guard:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                await _error(RouterError("TOO_LARGE", f"request body over {limit} bytes"))(
-                    scope, receive, send
-                )
+                await _error(self._too_large())(scope, receive, send)
                 return None
             chunks.append(chunk)
             if not message.get("more_body", False):

@@ -22,32 +22,27 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tandem.cpu_kernels import PackedLinear
+
 
 class DenseLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-
-        self.kernels = None  # set by pack(): the CPU kernels' module
+        self.packed = None  # set by pack(): the same product on the CPU kernels
 
     def pack(self, kernels) -> None:
-        """Adopt the packed layout of `kernels` (cpu_kernels.linear_kernels); weight_t and
+        """Run on the CPU kernels' packed layout (`cpu_kernels.PackedLinear`); weight_t and
         bias are replaced by their packed forms (no second copy stays)."""
-        wt, bias = self.weight_t.detach(), self.bias
-        self.out_features = wt.shape[1]
+        self.packed = PackedLinear(self.weight_t, self.bias, kernels)
         del self.weight_t, self.bias
-        self.register_buffer("weight_p", kernels.pack_linear(wt), persistent=False)
-        self.register_buffer(
-            "bias_p", None if bias is None else kernels.pack_bias(bias.detach()), persistent=False
-        )
         self.bias = None
-        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
-        if self.kernels is not None:
-            return self.kernels.packed_linear(x, self.weight_p, self.bias_p, self.out_features)
+        if self.packed is not None:
+            return self.packed(x)
         if self.bias is None:
             return x @ self.weight_t
         return torch.addmm(self.bias, x, self.weight_t)
