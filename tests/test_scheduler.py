@@ -17,6 +17,7 @@ import torch
 
 from services.language.forward_batch import ForwardBatch
 from services.language.kv_cache import KVPagePool
+from services.language.prefix_cache import PrefixCache
 from services.language.request import Request, RequestStatus, SamplingParams
 from services.language.schedule_policy import NewTokenRatio
 from services.language.scheduler import AdmissionError, Scheduler
@@ -88,7 +89,7 @@ def run(sched: Scheduler, reqs: list[Request], max_steps: int = 2000, on_step=No
 
 
 def make_sched(pages=256, budget=32, max_running=64, policy="fcfs", ratio=None):
-    pool = KVPagePool(pages, PAGE)
+    pool = PrefixCache(KVPagePool(pages, PAGE), enabled=False)
     return Scheduler(pool, PAGE, budget, max_running, policy=policy, ratio=ratio), pool
 
 

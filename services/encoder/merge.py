@@ -58,30 +58,40 @@ def build_payload(
     embed_tokens: torch.nn.Embedding,
     input_ids: torch.Tensor,
     mm_token_type_ids: torch.Tensor,
-    features: list[CachedFeatures],
+    features: list[CachedFeatures | None],
     grids: list[tuple[int, int, int]],
     *,
     image_token_id: int,
     merge: int,
     num_deepstack: int,
 ) -> PromptPayload:
-    """Splice each image's features into the prompt's text embeddings, in image order."""
+    """Splice each image's features into the prompt's text embeddings, in image order.
+
+    A None entry is an image whose features are not needed (it lies wholly inside the
+    prefix the language side already holds, which is cut off after): zeros stand in."""
     dev = embed_tokens.weight.device
     with torch.inference_mode():
         text = embed_tokens(input_ids.to(dev)).cpu()
     mask = input_ids == image_token_id
     n_img = int(mask.sum())
-    have = sum(int(f.embeds.shape[0]) for f in features)
+    hidden = text.shape[1]
+    feats = [
+        f if f is not None else CachedFeatures(
+            torch.zeros(n, hidden), tuple(torch.zeros(n, hidden) for _ in range(num_deepstack)))
+        for f, n in zip(features, [g[0] * g[1] * g[2] // (merge * merge) for g in grids],
+                        strict=True)
+    ]
+    have = sum(int(f.embeds.shape[0]) for f in feats)
     if n_img != have:
         raise ValueError(f"{n_img} image tokens but {have} image feature rows")
     cols = [text]
-    if features:
-        img = torch.cat([f.embeds for f in features]).to(text.dtype)
+    if feats:
+        img = torch.cat([f.embeds for f in feats]).to(text.dtype)
         cols[0] = text.masked_scatter(mask[:, None], img)
     for k in range(num_deepstack):
         z = torch.zeros_like(text)
-        if features:
-            z[mask] = torch.cat([f.deepstack[k] for f in features]).to(text.dtype)
+        if feats:
+            z[mask] = torch.cat([f.deepstack[k] for f in feats]).to(text.dtype)
         cols.append(z)
     positions, delta = rope_index(mm_token_type_ids, grids, merge)
     return PromptPayload(

@@ -1,9 +1,12 @@
 """The encode path without the wire: chat -> preprocess -> cache / ViT -> merged payload.
 
-    EncodePipeline.encode(messages, limits)
+    EncodePipeline.encode(messages, limits, announce)
         preprocess (worker pool, off the event loop)
-        -> scheduler.features (cache hits, batched ViT for the rest)
-        -> merge.build_payload (worker pool)
+        -> announce(PromptInfo): the language side answers how many leading tokens it
+           already holds (cache-aware transfer; 0 without `announce`)
+        -> scheduler.features (cache hits, batched ViT for the rest; images wholly inside
+           the held prefix are skipped)
+        -> merge.build_payload (worker pool), rows from the held prefix's end on
         -> EncodeResult(payload, hashes, cached tokens, timings)
 
 The gRPC servicer adds delivery (transfer) and status mapping on top.
@@ -13,11 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import torch
+
 from tandem.devices import resolve_device, resolve_dtype
-from tandem.transfer.payload import PromptPayload
+from tandem.transfer.payload import ImageSpan, PromptInfo, PromptPayload
 
 from .cache import EmbeddingCache
 from .chat import Limits, Message
@@ -32,6 +38,7 @@ class EncodeState(enum.Enum):
     """Where one Encode is; the servicer reports it in logs and deadline errors."""
 
     PREPROCESSING = "preprocessing"
+    ANNOUNCING = "asking the language instance what it holds"
     ENCODING = "waiting for the ViT"
     MERGING = "merging"
     SENDING = "delivering to the language instance"
@@ -41,11 +48,12 @@ class EncodeState(enum.Enum):
 
 @dataclass
 class EncodeResult:
-    payload: PromptPayload
+    payload: PromptPayload  # rows from payload.start (the language side's cached prefix)
     image_hashes: list[str]
     cached_image_tokens: int
     preprocess_ms: float
     vit_ms: float
+    skipped_images: int = 0  # wholly inside the cached prefix: no ViT
 
 
 class EncodePipeline:
@@ -125,17 +133,32 @@ class EncodePipeline:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     async def encode(
-        self, messages: list[Message], limits: Limits | None = None, on_state=None
+        self,
+        messages: list[Message],
+        limits: Limits | None = None,
+        on_state=None,
+        announce: Callable[[PromptInfo], Awaitable[int]] | None = None,
     ) -> EncodeResult:
-        """`on_state(EncodeState)` is called as the request moves from stage to stage."""
+        """`on_state(EncodeState)` is called as the request moves from stage to stage;
+        `announce(info)` returns the leading tokens the language side already holds."""
         step = on_state or (lambda _s: None)
         loop = asyncio.get_running_loop()
         step(EncodeState.PREPROCESSING)
         prep = await loop.run_in_executor(self.pool, self.preprocessor, messages, limits)
         if self.metrics:
             self.metrics.preprocess_seconds.observe(prep.preprocess_s)
+        spans = image_spans(prep.input_ids, [im.num_tokens for im in prep.images],
+                            [im.hash for im in prep.images], self.spec.image_token_id)
+        cached = 0
+        if announce is not None:
+            step(EncodeState.ANNOUNCING)
+            cached = await announce(PromptInfo(prep.input_ids.tolist(), spans))
+        need = [i for i, sp in enumerate(spans) if sp.start + sp.length > cached]
         step(EncodeState.ENCODING)
-        feats = await self.scheduler.features(prep.images)
+        got = await self.scheduler.features([prep.images[i] for i in need])
+        feats: list = [None] * len(spans)
+        for i, f in zip(need, got.features, strict=True):
+            feats[i] = f
         step(EncodeState.MERGING)
         payload = await loop.run_in_executor(
             self.pool,
@@ -143,22 +166,24 @@ class EncodePipeline:
                 self.embed_tokens,
                 prep.input_ids,
                 prep.mm_token_type_ids,
-                feats.features,
+                feats,
                 [im.grid for im in prep.images],
                 image_token_id=self.spec.image_token_id,
                 merge=self.spec.spatial_merge_size,
                 num_deepstack=self.num_deepstack,
-            ),
+            ).rows_from(cached),
         )
         if self.metrics:
             self.metrics.cache_bytes.set(self.cache.bytes_used)
             self.metrics.cache_evictions.set(self.cache.evictions)
+        payload.info = PromptInfo(prep.input_ids.tolist(), spans)
         return EncodeResult(
             payload=payload,
             image_hashes=[im.hash for im in prep.images],
-            cached_image_tokens=feats.cached_tokens,
+            cached_image_tokens=got.cached_tokens,
             preprocess_ms=prep.preprocess_s * 1e3,
-            vit_ms=feats.vit_s * 1e3,
+            vit_ms=got.vit_s * 1e3,
+            skipped_images=len(spans) - len(need),
         )
 
     def load_figures(self) -> dict:
@@ -167,3 +192,21 @@ class EncodePipeline:
             "cache_bytes": self.cache.bytes_used,
             "cache_capacity_bytes": self.cache.capacity,
         }
+
+
+def image_spans(
+    input_ids: torch.Tensor, lengths: list[int], hashes: list[str], image_token_id: int
+) -> list[ImageSpan]:
+    """Each image's run of pad tokens, in order (the preprocessor expands each image's
+    placeholder into `length` consecutive pads)."""
+    pads = (input_ids == image_token_id).nonzero().flatten().tolist()
+    out, k = [], 0
+    for n, h in zip(lengths, hashes, strict=True):
+        start = pads[k]
+        if pads[k + n - 1] != start + n - 1:
+            raise ValueError(f"image {len(out)}'s pad tokens are not contiguous")
+        out.append(ImageSpan(start, n, h))
+        k += n
+    if k != len(pads):
+        raise ValueError(f"{len(pads)} image pad tokens for {k} image tokens")
+    return out

@@ -1,7 +1,8 @@
 """gRPC `Encoder` servicer: converts protos, delegates, maps errors onto status codes.
 
     Encode(room, messages, limits, deadline)
-        job_from_proto ─▶ pipeline.encode (preprocess ─▶ cache / ViT ─▶ merge)
+        job_from_proto ─▶ pipeline.encode (preprocess ─▶ sender.announce (what the
+                          language side holds) ─▶ cache / ViT ─▶ merge)
                        ─▶ sender.send(room, payload, deadline)   (waits for Attach Init)
                        ─▶ EncodeResponse once Done is on the Attach stream
     Attach  ─▶ sender.attach (the transfer layer owns the room protocol)
@@ -98,21 +99,27 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             self.states[job.room] = state
 
         async with asyncio.timeout(deadline - now):
-            res = await self.pipeline.encode(job.messages, job.limits, on_state=mark)
+            res = await self.pipeline.encode(
+                job.messages, job.limits, on_state=mark,
+                announce=lambda info: self.sender.announce(job.room, info, deadline=deadline),
+            )  # fmt: skip
             mark(EncodeState.SENDING)
             t0 = time.perf_counter()
             stats = await self.sender.send(job.room, res.payload, deadline=deadline)
             transfer_ms = (time.perf_counter() - t0) * 1e3
         return encoder_pb2.EncodeResponse(
             room=job.room,
-            prompt_tokens=res.payload.num_tokens,
+            prompt_tokens=res.payload.end,
             num_images=len(res.image_hashes),
             cached_image_tokens=res.cached_image_tokens,
             image_hashes=res.image_hashes,
             resumes=stats.resumes,
             timings=common_pb2.StageTimings(
-                preprocess_ms=res.preprocess_ms, vit_ms=res.vit_ms, transfer_ms=transfer_ms
+                preprocess_ms=res.preprocess_ms, vit_ms=res.vit_ms, transfer_ms=transfer_ms,
+                skipped_images=res.skipped_images,
             ),
+            cached_prompt_tokens=res.payload.start,
+            skipped_images=res.skipped_images,
         )
 
     async def Attach(self, request_iterator, context):  # noqa: N802

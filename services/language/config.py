@@ -56,6 +56,12 @@ class LanguageConfig(ModelServiceSettings):
         "sgemm on AMD CPUs) and RMSNorm, rotary and SiLU-mul as one call each (float32 on "
         "CPU only); 'torch' uses torch's ops; 'auto' is packed_cpu where it applies and builds.",
     )
+    prefix_cache: bool = Field(
+        True,
+        description="Share whole KV pages between requests whose prompts start alike "
+        "(keys chain token ids and image hashes); the encoder then skips what is cached. "
+        "--no-prefix-cache turns it off.",
+    )
     init_new_token_ratio: float = Field(
         0.7, gt=0, le=1.0,
         description="Share of a request's max_tokens reserved in KV pages at admission; "

@@ -11,8 +11,10 @@ only by the engine thread. `submit()` validates synchronously (the scheduler's o
 admission check) so bad input fails fast with a clear error; `abort()` only posts an
 `Abort`. The inbox carries `Submit` and `Abort` events, dispatched by type.
 
-KV pages: the engine builds the page pool over its runner's KV cache and hands it to the
-scheduler, the pages' only user; one engine per runner at a time.
+KV pages: the engine builds the page pool and the prefix cache over it (`PrefixCache`)
+and hands them to the scheduler; one engine per runner at a time. The only page work off
+the engine thread is a room's pin (`pin_prefix`, under the cache's lock): the cached
+prefix of a prompt still in transfer, which `submit()` hands to the request.
 
 NOTE: every way out of the engine for a request (finish, stop string, deadline, abort,
 runner failure, shutdown) goes through `_finish()`, which frees its KV pages and sends
@@ -34,10 +36,12 @@ from prometheus_client import CollectorRegistry
 from services.language.detokenizer import IncrementalDetokenizer
 from services.language.kv_cache import KVPagePool
 from services.language.metrics import LanguageMetrics
+from services.language.prefix_cache import PrefixCache, page_keys
 from services.language.request import Request, RequestStatus, StreamDelta
 from services.language.sampler import sample
 from services.language.schedule_policy import NewTokenRatio
 from services.language.scheduler import AdmissionError, Scheduler
+from tandem.transfer.payload import PromptInfo
 
 log = logging.getLogger("tandem.language.engine")
 
@@ -51,6 +55,7 @@ class EngineConfig:
     schedule_policy: str = "fcfs"
     max_model_len: int = 32768
     init_new_token_ratio: float = 0.7  # share of max_tokens reserved at admission (decays)
+    prefix_cache: bool = True  # share whole KV pages between requests with equal prefixes
 
 
 @dataclass
@@ -91,7 +96,8 @@ class Engine:
         self.cfg = cfg
         self.eos = frozenset(eos_token_ids or getattr(runner, "eos_token_ids", ()))
         self.metrics = metrics or LanguageMetrics(CollectorRegistry())  # a registry of its own
-        self.pool = KVPagePool(runner.num_pages, runner.page_size)
+        self.pool = PrefixCache(KVPagePool(runner.num_pages, runner.page_size), cfg.prefix_cache)
+        self._pins: dict[int, list[int]] = {}  # rid -> pinned cached pages (under pool.lock)
         self.scheduler = Scheduler(
             self.pool,
             runner.page_size,
@@ -130,8 +136,31 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def pin_prefix(self, rid: int, info: PromptInfo) -> int:
+        """Pin the cached pages that start `info`'s prompt for room `rid` (replacing an
+        earlier pin of it) and return how many leading tokens they hold: the encoder then
+        sends only the rest, and `submit()` hands the pages to the request. Any thread.
+        NOTE: the caller must `unpin(rid)` on every path where the request is not submitted."""
+        P = self.pool.page_size
+        limit = (len(info.token_ids) - 1) // P  # its last token is computed (logits)
+        keys = page_keys(info.token_ids[: limit * P], info.images, P) if limit > 0 else []
+        with self.pool.lock:
+            self.unpin(rid)
+            pages = self.pool.match(keys)
+            self.pool.acquire(pages)
+            self._pins[rid] = pages
+        return len(pages) * P
+
+    def unpin(self, rid: int) -> None:
+        """Release room `rid`'s pin, if it still has one (no-op after `submit`). Any thread."""
+        with self.pool.lock:
+            pages = self._pins.pop(rid, None)
+            if pages:
+                self.pool.free(pages)
+
     def submit(self, req: Request, sink: Sink) -> None:
-        """Queue a request whose prompt is complete; raises AdmissionError on bad input."""
+        """Queue a request whose prompt is complete; raises AdmissionError on bad input.
+        A prompt that starts after a pinned prefix (`prompt.start` > 0) takes the pin."""
         self.scheduler.check(req)
         tokens_left = self.cfg.max_model_len - req.prompt_len  # > 0: check() passed
         if req.sampling.max_tokens_given and req.sampling.max_tokens > tokens_left:
@@ -145,6 +174,18 @@ class Engine:
             if req.rid in self._known:
                 raise AdmissionError(f"request {req.rid} is already running")
             self._known.add(req.rid)
+        start = req.prompt.start if req.prompt is not None else 0
+        with self.pool.lock:
+            pages = self._pins.pop(req.rid, [])
+            if len(pages) * self.pool.page_size != start:
+                self.pool.free(pages)
+                with self._known_lock:
+                    self._known.discard(req.rid)
+                raise AdmissionError(f"request {req.rid}: its prompt starts at token {start} "
+                                     f"but {len(pages)} cached pages are pinned", "INTERNAL")
+            req.block_table = pages
+            req.num_pinned_pages = req.num_keyed_pages = len(pages)
+            req.num_computed_tokens = start
         self._inbox.put(Submit(req, sink))
         self._wake.set()
 
@@ -164,6 +205,7 @@ class Engine:
             "running": self.scheduler.num_running,
             "free_kv_pages": self.pool.num_free,
             "total_kv_pages": self.pool.num_total,
+            "cached_kv_pages": self.pool.num_cached,
         }
 
     @property
@@ -297,6 +339,7 @@ class Engine:
             delta.text += live.detok.flush()  # held-back text that never became a stop string
         delta.finish_reason = status
         delta.prompt_tokens = req.prompt_len
+        delta.cached_tokens = req.cached_tokens or 0
         delta.completion_tokens = len(req.output_ids)
         delta.timings_ms = req.timings_ms()
         delta.error, delta.error_code = error or req.error, code or req.error_code
@@ -320,3 +363,4 @@ class Engine:
         m.waiting.set(self.scheduler.num_waiting)
         m.running.set(self.scheduler.num_running)
         m.kv_used.set(self.pool.num_total - self.pool.num_free)
+        m.prefix_cache(self.pool)

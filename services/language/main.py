@@ -75,6 +75,7 @@ def build_engine(cfg: LanguageConfig, metrics: LanguageMetrics):
             schedule_policy=cfg.schedule_policy,
             max_model_len=max_len,
             init_new_token_ratio=cfg.init_new_token_ratio,
+            prefix_cache=cfg.prefix_cache,
         ),
         eos_token_ids=tuple(spec.eos_token_ids),
         metrics=metrics,
@@ -106,6 +107,7 @@ async def run(
         reattach_grace_s=cfg.reattach_grace_s,
         max_prompt_tokens=cfg.max_model_len or spec.max_position_embeddings,
         registry=registry,
+        on_prompt=engine.pin_prefix,  # the prefix cache answers what it holds (pinned)
     )  # fmt: skip
 
     server = grpc_server(max_send_message_length=16 << 20)

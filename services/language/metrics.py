@@ -45,8 +45,31 @@ class LanguageMetrics:
                                   registry=r)  # fmt: skip
         self.finished = Counter(p + "requests_finished", "Finished requests by reason.",
                                 ["reason"], registry=r)  # fmt: skip
+        self.cache_query_tokens = Counter(
+            p + "prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache "
+            "(whole pages, at first admission).", registry=r)  # fmt: skip
+        self.cache_hit_tokens = Counter(p + "prefix_cache_hit_tokens",
+                                        "Prompt tokens found in the prefix cache.",
+                                        registry=r)  # fmt: skip
+        self.cache_pages = Gauge(p + "prefix_cache_pages", "KV pages with a prefix-cache key "
+                                 "(idle or in use).", registry=r)  # fmt: skip
+        self.cache_evictions = Counter(p + "prefix_cache_evictions",
+                                       "Idle cached KV pages evicted for new allocations.",
+                                       registry=r)  # fmt: skip
+        self._cache_seen = (0, 0, 0)
         self._window_start = time.monotonic()
         self._window_tokens = 0
+
+    def prefix_cache(self, cache) -> None:
+        """Bring the prefix-cache metrics up to `cache.stats` (counters move by the delta)."""
+        st = cache.stats
+        now = (st.query_tokens, st.hit_tokens, st.evictions)
+        q, h, e = (a - b for a, b in zip(now, self._cache_seen, strict=True))
+        self.cache_query_tokens.inc(q)
+        self.cache_hit_tokens.inc(h)
+        self.cache_evictions.inc(e)
+        self._cache_seen = now
+        self.cache_pages.set(cache.num_cached)
 
     def count_generated(self, n: int) -> None:
         self.generation_tokens.inc(n)

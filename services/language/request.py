@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.transfer.payload import PromptPayload
+from tandem.transfer.payload import ImageSpan, PromptPayload
 from tandem.v1 import common_pb2
 
 
@@ -109,6 +109,7 @@ class StreamDelta:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: RequestStatus | None = None  # set on the last delta
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
     completion_tokens: int = 0
     timings_ms: dict[str, float] = field(default_factory=dict)  # queue, prefill, decode
     error: str = ""
@@ -128,6 +129,9 @@ class Request:
 
     rid: int  # the room id (unique per instance)
     sampling: SamplingParams
+    # The prompt: embedding rows from the encoder (from `prompt.start` on: the tokens
+    # before it are pinned cached pages), or, for a text-only chat the language tier
+    # tokenized itself, just `prompt_ids` (`prompt` None: chunks are embedded from ids).
     prompt: PromptPayload | None = None
     request_id: str = ""
     priority: int = 0
@@ -149,10 +153,29 @@ class Request:
     t_first_token: float = 0.0
     t_last_token: float = 0.0
     generator: torch.Generator | None = None  # created by the sampler on first use
+    prompt_ids: list[int] | None = None  # text-only prompts (prompt None)
+    # --- prefix cache (see prefix_cache.py) ---
+    page_keys: list[bytes] = field(default_factory=list)  # keys of its first whole pages
+    num_keyed_pages: int = 0  # leading pages already offered to the cache
+    # Leading pages held for the request's whole life (kept across retraction): a cached
+    # prefix pinned before its prompt arrived, which the encoder did not send.
+    num_pinned_pages: int = 0
+    cached_tokens: int | None = None  # prompt tokens found cached when first admitted
 
     @property
     def prompt_len(self) -> int:
-        return self.prompt.num_tokens if self.prompt is not None else 0
+        if self.prompt is not None:
+            return self.prompt.end
+        return len(self.prompt_ids) if self.prompt_ids is not None else 0
+
+    def cache_content(self) -> tuple[list[int], list[ImageSpan]] | None:
+        """The prompt's token ids and images for page keys; None when its images are not
+        known (a payload sent without the announce), so its pages are never shared."""
+        if self.prompt is None:
+            return (self.prompt_ids, []) if self.prompt_ids is not None else None
+        if self.prompt.info is not None:
+            return self.prompt.info.token_ids, self.prompt.info.images
+        return None
 
     @property
     def seq_len(self) -> int:

@@ -25,11 +25,13 @@ from tandem.units import ceil_div
 
 
 class PagePool(Protocol):
-    """What the scheduler needs from the KV page allocator."""
+    """What the scheduler needs from the KV page allocator (`PrefixCache`)."""
 
     def can_alloc(self, n_pages: int) -> bool: ...
     def alloc(self, n_pages: int) -> list[int]: ...
     def free(self, pages: list[int]) -> None: ...
+    def acquire(self, pages: list[int]) -> None: ...
+    def num_idle_in(self, pages: list[int]) -> int: ...
 
     @property
     def num_free(self) -> int: ...
@@ -140,20 +142,33 @@ class PrefillAdder:
             return 0
         return self._grow(req, self.chunk_len(req))
 
-    def try_admit(self, req: Request, reserve_tokens: int) -> int:
-        """Admit a waiting request with its first chunk, or return 0 (caller stops: FCFS)."""
+    def try_admit(self, req: Request, reserve_tokens: int, cached: list[int]) -> int:
+        """Admit a waiting request with its first chunk, or return 0 (caller stops: FCFS).
+
+        `cached` are cached pages extending the pages `req` already holds (its pinned
+        prefix, if any); on admission it takes them and computes only what follows. An
+        idle cached page it takes stops counting as free, so it costs headroom too."""
         if self.budget <= 0 or self.free_slots <= 0:
             return 0
+        held = len(req.block_table) + len(cached)
+        revived = self.pool.num_idle_in(cached)
         if self.nothing_scheduled:
-            need = ceil_div(req.seq_len + 1, self.page_size)
+            need = ceil_div(req.seq_len + 1, self.page_size) - held + revived
             fits = need <= self.pool.num_free
         else:
-            need = ceil_div(req.seq_len + reserve_tokens, self.page_size)
+            need = ceil_div(req.seq_len + reserve_tokens, self.page_size) - held + revived
             fits = need <= self.headroom
         if not fits:
             return 0
+        assert req.num_computed_tokens == len(req.block_table) * self.page_size
+        self.pool.acquire(cached)
+        req.block_table.extend(cached)
+        req.num_computed_tokens = held * self.page_size
         n = self._grow(req, self.chunk_len(req))
-        if n == 0:
+        if n == 0:  # no page for the first chunk after all: give the cached pages back
+            self.pool.free(cached)
+            del req.block_table[len(req.block_table) - len(cached):]
+            req.num_computed_tokens = len(req.block_table) * self.page_size
             return 0
         self.headroom -= need
         self.free_slots -= 1

@@ -9,10 +9,18 @@ engine thread. `schedule()` builds a mixed batch:
     3. admit   waiting requests in queue order while budget, slots and headroom allow
                (FCFS: the head blocks the queue; no skipping ahead)
 
-A retracted request frees all its pages and goes back to the waiting queue with its
-generated tokens kept; when readmitted it recomputes its prompt (embeddings) and then its
-generated tokens (ids) before decoding on. Sampling state (the request's generator) is
-not touched, so its output is the same as without the retraction.
+A retracted request frees its pages (all but its pinned prefix, see below) and goes back
+to the waiting queue with its generated tokens kept; when readmitted it recomputes its
+prompt (embeddings) and then its generated tokens (ids) before decoding on. Sampling state
+(the request's generator) is not touched, so its output is the same as without the
+retraction.
+
+Prefix cache (`prefix_cache.py`): at admission a request takes the longest run of cached
+pages matching its sequence (capped so at least its last token is computed: it needs
+logits) and its chunked prefill starts after them; after each step the pages a request
+has filled get their keys (`_offer_pages`). A request whose prompt came without the
+cached prefix's rows (`prompt.start` > 0) holds that prefix's pages for its whole life
+(`num_pinned_pages`), retraction included: nothing else could recompute it.
 
 Admission: `check()` is the one rule for "can this request ever run here" (empty prompt,
 max_model_len, embedding width, KV pages for prompt + 1 token). The engine calls it in
@@ -20,6 +28,8 @@ max_model_len, embedding width, KV pages for prompt + 1 token). The engine calls
 limits fixed at construction, so it is safe from any thread.
 
 NOTE: every path that ends a request goes through `finish()`, which frees its pages.
+Everything here runs under the page cache's lock (`PrefixCache.lock`): the language
+server pins cached prefixes from its own thread.
 """
 
 from __future__ import annotations
@@ -30,8 +40,9 @@ from dataclasses import dataclass, field
 import torch
 
 from services.language.forward_batch import ForwardBatch, SeqChunk, decode_positions
+from services.language.prefix_cache import PrefixCache, page_keys
 from services.language.request import Request, RequestStatus
-from services.language.schedule_policy import NewTokenRatio, PagePool, PrefillAdder, WaitingQueue
+from services.language.schedule_policy import NewTokenRatio, PrefillAdder, WaitingQueue
 from tandem.errors import ServiceError
 from tandem.units import ceil_div
 
@@ -68,7 +79,7 @@ class Step:
 class Scheduler:
     def __init__(
         self,
-        pool: PagePool,
+        pool: PrefixCache,
         page_size: int,
         max_prefill_tokens: int,
         max_running_requests: int,
@@ -98,12 +109,12 @@ class Scheduler:
 
     def check(self, req: Request) -> None:
         """Raise AdmissionError when `req` can never run here (see the module docstring)."""
-        if req.prompt is None or req.prompt_len == 0:
+        if req.prompt_len == 0:
             raise AdmissionError("empty prompt")
         n = req.prompt_len
         if self.max_model_len is not None and n >= self.max_model_len:
             raise AdmissionError(f"prompt of {n} tokens reaches max_model_len {self.max_model_len}")
-        if self.embed_dims and req.prompt.embed_dim not in self.embed_dims:
+        if req.prompt is not None and self.embed_dims and req.prompt.embed_dim not in self.embed_dims:
             raise AdmissionError(
                 f"prompt embed_dim {req.prompt.embed_dim} does not match the model's "
                 f"{self.embed_dims[0]}"
@@ -127,11 +138,12 @@ class Scheduler:
         assert status.finished
         if req.status.finished:
             return
-        if req in self.running:
-            self.running.remove(req)
-        else:
-            self.waiting.remove(req)
-        self._free_pages(req)
+        with self.pool.lock:
+            if req in self.running:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._free_pages(req)
         req.status = status
 
     @property
@@ -148,6 +160,10 @@ class Scheduler:
     # ---- one step ---------------------------------------------------------------------
 
     def schedule(self) -> Step | None:
+        with self.pool.lock:
+            return self._schedule()
+
+    def _schedule(self) -> Step | None:
         chunks: dict[Request, int] = {}
         failed: list[Request] = []
         for _ in range(len(self.running) + len(self.waiting) + 1):
@@ -181,16 +197,54 @@ class Scheduler:
 
     def commit(self, step: Step, new_tokens: list[int | None]) -> None:
         """Advance counters after the forward; `new_tokens[i]` for chunks that sample."""
-        for chunk, token in zip(step.chunks, new_tokens, strict=True):
-            req = chunk.req
-            if req.status.finished:
-                continue
-            req.num_computed_tokens = chunk.start + chunk.num_tokens
-            if chunk.samples:
-                assert token is not None
-                req.output_ids.append(int(token))
-                req.status = RequestStatus.RUNNING
-            assert req.num_computed_tokens <= len(req.block_table) * self.page_size
+        with self.pool.lock:
+            for chunk, token in zip(step.chunks, new_tokens, strict=True):
+                req = chunk.req
+                if req.status.finished:
+                    continue
+                req.num_computed_tokens = chunk.start + chunk.num_tokens
+                if chunk.samples:
+                    assert token is not None
+                    req.output_ids.append(int(token))
+                    req.status = RequestStatus.RUNNING
+                assert req.num_computed_tokens <= len(req.block_table) * self.page_size
+                self._offer_pages(req)
+
+    # ---- prefix cache -----------------------------------------------------------------
+
+    def _keys(self, req: Request, n_pages: int) -> list[bytes]:
+        """The first `n_pages` page keys of `req`'s sequence (fewer when its content is not
+        known or not that long), computed once and kept on the request."""
+        content = req.cache_content()
+        if content is None or not self.pool.enabled:
+            return []
+        n_pages = min(n_pages, req.seq_len // self.page_size)
+        have = len(req.page_keys)
+        if n_pages > have:
+            ids, images = content
+            seq = list(ids) + req.output_ids
+            req.page_keys += page_keys(seq[: n_pages * self.page_size], images, self.page_size,
+                                       first=have, parent=req.page_keys[-1] if have else b"")
+        return req.page_keys[:n_pages]
+
+    def cached_pages(self, req: Request) -> list[int]:
+        """Cached pages extending what `req` holds (no reference taken): at most up to the
+        page before its last token, which must be computed for its logits."""
+        held = len(req.block_table)
+        limit = (req.seq_len - 1) // self.page_size
+        if limit <= held:
+            return []
+        return self.pool.match(self._keys(req, limit)[held:])
+
+    def _offer_pages(self, req: Request) -> None:
+        """Key the pages `req` has filled since the last call (it never writes them again)."""
+        full = req.num_computed_tokens // self.page_size
+        if full <= req.num_keyed_pages:
+            return
+        keys = self._keys(req, full)
+        for i in range(req.num_keyed_pages, len(keys)):
+            self.pool.insert(req.block_table[i], keys[i])
+        req.num_keyed_pages = full
 
     # ---- policy pieces ----------------------------------------------------------------
 
@@ -234,9 +288,14 @@ class Scheduler:
                 if n:
                     chunks[req] = n
         for req in list(self.waiting):
-            n = adder.try_admit(req, self.ratio.reserve_tokens(req, self.clip))
+            cached = self.cached_pages(req)
+            n = adder.try_admit(req, self.ratio.reserve_tokens(req, self.clip), cached)
             if n == 0:
                 break  # FCFS: the head of the queue blocks the rest
+            if req.cached_tokens is None:  # first admission: what the cache saved it
+                req.cached_tokens = req.num_computed_tokens
+                limit = max((req.seq_len - 1) // self.page_size, 0)
+                self.pool.count_query(limit, min(len(req.block_table), limit))
             self.waiting.remove(req)
             self.running.append(req)
             chunks[req] = n
@@ -251,9 +310,13 @@ class Scheduler:
         return max(self.running, key=lambda r: r.sort_key(self.by_priority))
 
     def _retract(self, req: Request) -> None:
+        """Back to the waiting queue, keeping only its pinned prefix's pages."""
         self.running.remove(req)
-        self._free_pages(req)
-        req.num_computed_tokens = 0
+        keep = req.num_pinned_pages
+        self.pool.free(req.block_table[keep:])
+        del req.block_table[keep:]
+        req.num_computed_tokens = keep * self.page_size
+        req.num_keyed_pages = min(req.num_keyed_pages, keep)
         req.num_retractions += 1
         self.num_retractions += 1
         req.status = RequestStatus.WAITING
@@ -263,27 +326,33 @@ class Scheduler:
         if req.block_table:
             self.pool.free(req.block_table)
             req.block_table = []
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_pinned_pages = req.num_keyed_pages = 0
 
     def _seq_chunk(self, c: ScheduledChunk) -> SeqChunk:
         req, s, e = c.req, c.start, c.start + c.num_tokens
         prompt = req.prompt
-        assert prompt is not None
         pages = req.block_table[: ceil_div(e, self.page_size)]
-        if s < req.prompt_len:  # prompt range: embeddings and the encoder's MRoPE positions
+        L = req.prompt_len
+        if s < L and prompt is not None:  # prompt rows: embeddings and MRoPE positions
+            a, b = s - prompt.start, e - prompt.start
+            assert a >= 0, "a chunk before the prompt's first row (its pinned prefix)"
             return SeqChunk(
                 seq_id=req.rid,
                 start=s,
-                positions=prompt.mrope_positions[:, s:e].to(torch.int64),
+                positions=prompt.mrope_positions[:, a:b].to(torch.int64),
                 block_table=pages,
-                input_embeds=prompt.input_embeds[s:e],
+                input_embeds=prompt.input_embeds[a:b],
             )
-        # generated tokens: ids, text positions shifted by the prompt's MRoPE delta
-        L = req.prompt_len
+        # generated tokens (or a text-only prompt): ids, text positions shifted by the
+        # prompt's MRoPE delta (0 without images)
+        if s < L:
+            ids = req.prompt_ids[s:e]
+        else:
+            ids = req.output_ids[s - L : e - L]
         return SeqChunk(
             seq_id=req.rid,
             start=s,
-            positions=decode_positions(s, prompt.mrope_delta, e - s),
+            positions=decode_positions(s, prompt.mrope_delta if prompt is not None else 0, e - s),
             block_table=pages,
-            token_ids=torch.tensor(req.output_ids[s - L : e - L], dtype=torch.int64),
+            token_ids=torch.tensor(ids, dtype=torch.int64),
         )

@@ -66,7 +66,8 @@ def delta_to_proto(
         out.finish_reason = FINISH_REASONS[d.finish_reason]
         out.usage.CopyFrom(common_pb2.Usage(
             prompt_tokens=d.prompt_tokens, completion_tokens=d.completion_tokens,
-            total_tokens=d.prompt_tokens + d.completion_tokens))  # fmt: skip
+            total_tokens=d.prompt_tokens + d.completion_tokens,
+            cached_tokens=d.cached_tokens))  # fmt: skip
         t = d.timings_ms
         out.timings.CopyFrom(common_pb2.StageTimings(
             transfer_ms=transfer_ms, queue_ms=t.get("queue", 0.0),
@@ -142,6 +143,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             try:
                 payload = await self.receiver.receive(room, request.encoder_address, deadline)
             except TransferError as e:
+                self.engine.unpin(room)
                 abort = e.code in ("CANCELLED", "DEADLINE_EXCEEDED")
                 outcome = f"{e.code} in the transfer"
                 yield error_response(e.code, e.reason, abort=abort)
@@ -157,6 +159,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             try:
                 self.engine.submit(req, lambda d: loop.call_soon_threadsafe(q.put_nowait, d))
             except AdmissionError as e:
+                self.engine.unpin(room)
                 outcome = f"{e.code} at admission: {e.message}"
                 yield error_response(e.code, e.message)
                 return
@@ -176,6 +179,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                 if not finished:  # client gone or handler cancelled: free its pages now
                     self.engine.abort(room, "client cancelled", "CANCELLED")
         finally:
+            self.engine.unpin(room)  # NOTE: a no-op once submitted (the request took the pin)
             self.streams.discard(room)
             log.info("%s room %d: %s", request.request_id or "-", room, outcome)
 

@@ -6,14 +6,46 @@ this same shape.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 
+@dataclass(frozen=True)
+class ImageSpan:
+    """An image's pad tokens in a prompt: tokens [start, start + length), and its identity
+    (sha256 hex of its grid and processed patches)."""
+
+    start: int
+    length: int
+    hash: str
+
+
+@dataclass
+class PromptInfo:
+    """What the encoder knows of a prompt before the ViT runs: its token ids (image pads
+    included) and its images. The language side keys its prefix cache with it."""
+
+    token_ids: list[int]
+    images: list[ImageSpan] = field(default_factory=list)
+
+    def check(self) -> str:
+        """Why the spans do not fit the tokens ("" when they do)."""
+        n, end = len(self.token_ids), 0
+        for i, im in enumerate(self.images):
+            if im.start < end or im.length <= 0 or im.start + im.length > n or not im.hash:
+                return f"image {i} spans [{im.start}, {im.start + im.length}) of {n} tokens"
+            end = im.start + im.length
+        return ""
+
+
 @dataclass
 class PromptPayload:
-    """A prompt as the language model's input.
+    """A prompt as the language model's input: its rows from token `start` on.
+
+    `start` > 0 when the language side already held tokens [0, start) in its prefix cache
+    and the encoder sent only the rest; `info` (the whole prompt's ids and images) is set
+    when the encoder announced the prompt (cache-aware transfer), else None.
 
     input_embeds    [L, embed_dim]  model dtype; embed_dim = hidden * (1 + num_deepstack):
                     columns [0, hidden) are the input embeddings (text embeddings with
@@ -23,12 +55,15 @@ class PromptPayload:
     fill_ids        [L]     int32   token ids of the prompt (image pads included).
     mrope_positions [3, L]  int32   MRoPE (temporal, height, width) positions.
     mrope_delta     int             decode position of token i is i + mrope_delta.
+    (L rows: tokens [start, start + L) of the prompt.)
     """
 
     input_embeds: torch.Tensor
     fill_ids: torch.Tensor
     mrope_positions: torch.Tensor
     mrope_delta: int
+    start: int = 0
+    info: PromptInfo | None = None
 
     def __post_init__(self) -> None:
         n = self.input_embeds.shape[0]
@@ -43,7 +78,21 @@ class PromptPayload:
 
     @property
     def num_tokens(self) -> int:
+        """Rows held (tokens [start, start + num_tokens) of the prompt)."""
         return int(self.input_embeds.shape[0])
+
+    @property
+    def end(self) -> int:
+        """Length of the whole prompt."""
+        return self.start + self.num_tokens
+
+    def rows_from(self, start: int) -> PromptPayload:
+        """The same prompt holding only tokens [start, end) (views, no copy)."""
+        k = start - self.start
+        if not 0 <= k <= self.num_tokens:
+            raise ValueError(f"rows_from({start}) outside [{self.start}, {self.end}]")
+        return PromptPayload(self.input_embeds[k:], self.fill_ids[k:],
+                             self.mrope_positions[:, k:], self.mrope_delta, start, self.info)
 
     @property
     def embed_dim(self) -> int:

@@ -7,14 +7,19 @@ allocator registered once at start-up):
     buffers = EmbeddingBuffers(num_blocks, block_size, embed_dim, dtype); buffers.register(engine)
     receiver = EmbeddingReceiver(engine, buffers, BlockAllocator(num_blocks, block_size),
                                  cfg.transfer, reserve_tokens=8192, reattach_grace_s=1.0,
-                                 max_prompt_tokens=1 << 20, resume_tokens=None, registry=None)
+                                 max_prompt_tokens=1 << 20, resume_tokens=None, registry=None,
+                                 on_prompt=None)
     payload = await receiver.receive(room, encoder_address, deadline=None)  # PromptPayload
     receiver.reattach(room, other_encoder_address) -> bool   # router retry before Done
     receiver.abort(room) -> bool                             # any stage; frees everything
     receiver.state(room) -> ReceiverState | None;  await receiver.close()  # at shutdown
 
 Per room: BOOTSTRAPPING (reserving `reserve_tokens`) -> WAITING_FOR_INPUT (Init sent) ->
-TRANSFERRING (data arrived) -> SUCCESS | FAILED. A non-partial Progress names a finished
+TRANSFERRING (data arrived) -> SUCCESS | FAILED. An AttachPrompt before any data (the
+prompt's ids and images) is answered with AttachCached: `on_prompt(room, PromptInfo)`
+says how many leading tokens the language side holds (its prefix cache pins them; the
+caller releases the pin if the room then fails), and the payload returned starts there
+(`payload.start`, `payload.info`). Without `on_prompt` the answer is 0. A non-partial Progress names a finished
 chunk, which is copied out while the encoder writes the next. On a partial Progress the
 piece is copied out, blocks for the rest (or `resume_tokens` of it) are reserved, waiting
 for free blocks up to `timeout_s`, and a Resume names them. No message within `timeout_s`
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import grpc
 import torch
@@ -43,7 +49,7 @@ from tandem.transfer.allocator import BlockAllocator
 from tandem.transfer.buffers import AUX_MROPE_DELTA, EmbeddingBuffers
 from tandem.transfer.errors import TransferError
 from tandem.transfer.metrics import transfer_metrics
-from tandem.transfer.payload import PromptPayload
+from tandem.transfer.payload import ImageSpan, PromptInfo, PromptPayload
 from tandem.transfer.room import (
     AbortRoom,
     AttachBroken,
@@ -70,6 +76,7 @@ class EmbeddingReceiver:
         max_prompt_tokens: int = 1 << 20,
         resume_tokens: int | None = None,
         registry=None,
+        on_prompt: Callable[[int, PromptInfo], int] | None = None,
     ) -> None:
         if allocator.block_size != buffers.block_size or allocator.num_total != buffers.num_blocks:
             raise ValueError("allocator and buffers disagree on block size or block count")
@@ -79,6 +86,7 @@ class EmbeddingReceiver:
         # Tokens reserved per Resume: None reserves the whole rest (fewest round trips),
         # capped by the pool; a number bounds how much one room holds at a time.
         self.resume_tokens = resume_tokens
+        self.on_prompt = on_prompt
         self.metrics = transfer_metrics(registry)
         self.rooms: dict[int, ReceiverRoom] = {}
         self._layout = buffers.layout().to_proto()
@@ -158,7 +166,8 @@ class EmbeddingReceiver:
                     self._hang_up(r)
                     r.address = b.new_address or await self._await_reattach(r, b.reason, deadline)
                     r.attempt += 1
-                    r.sent = r.copied = 0
+                    r.sent = r.copied = r.cached = 0
+                    r.info = None
                     r.total, r.out, r.state = None, None, ReceiverState.BOOTSTRAPPING
         except TransferError as e:
             r.state = ReceiverState.FAILED
@@ -249,7 +258,9 @@ class EmbeddingReceiver:
                 continue
             msg = ev.msg
             which = msg.WhichOneof("msg")
-            if which == "progress" and msg.progress.partial:
+            if which == "prompt":
+                await self._on_prompt(r, msg.prompt)
+            elif which == "progress" and msg.progress.partial:
                 await self._on_partial(r, msg.progress, deadline)
             elif which == "progress":
                 await self._on_progress(r, msg.progress)
@@ -279,12 +290,28 @@ class EmbeddingReceiver:
             r.post(StreamBroken(attempt, f"Attach stream to encoder {r.address} broken: "
                                          f"{e.code().name}: {e.details()}"))
 
+    async def _on_prompt(self, r: ReceiverRoom, p: encoder_pb2.AttachPrompt) -> None:
+        """The prompt's content, before any data: answer how much of it we hold."""
+        info = PromptInfo(list(p.token_ids),
+                          [ImageSpan(im.start, im.length, im.hash) for im in p.images])
+        n = len(info.token_ids)
+        why = ("sent twice" if r.info is not None else "after data" if r.out is not None
+               else f"{n} tokens (limit {self.max_prompt_tokens})"
+               if not 0 < n <= self.max_prompt_tokens else info.check())
+        if why:
+            raise TransferError(f"room {r.room}: bad AttachPrompt: {why}", "INVALID_ARGUMENT")
+        r.info = info
+        r.cached = self.on_prompt(r.room, info) if self.on_prompt else 0
+        await self._write(r, encoder_pb2.AttachRequest(cached=encoder_pb2.AttachCached(
+            room=r.room, cached_tokens=r.cached)))
+
     def _announce(self, r: ReceiverRoom, sent: int, total: int, final: bool) -> None:
         """Validate a Progress/Done against the room; allocate the output on first sight.
         `r.sent` is where the current piece starts; it holds `r.allocated` tokens."""
-        if not 0 < total <= self.max_prompt_tokens or (r.total is not None and total != r.total):
+        expect = r.total or (len(r.info.token_ids) - r.cached if r.info is not None else None)
+        if not 0 < total <= self.max_prompt_tokens or (expect is not None and total != expect):
             raise TransferError(f"room {r.room}: bad total_tokens {total} (expected "
-                                f"{r.total or f'<= {self.max_prompt_tokens}'})", "INVALID_ARGUMENT")
+                                f"{expect or f'<= {self.max_prompt_tokens}'})", "INVALID_ARGUMENT")
         if not r.copied < sent <= min(total, r.sent + r.allocated) or (final and sent != total):
             raise TransferError(f"room {r.room}: encoder reports {sent}/{total} tokens; piece "
                                 f"at {r.sent} holds {r.allocated}, {r.copied} copied out",
@@ -346,5 +373,8 @@ class EmbeddingReceiver:
         self.blocks.free(r, r.key)
         r.sent = d.total_tokens
         e, f, m = r.out
+        if r.info is not None and f.tolist() != r.info.token_ids[r.cached:]:
+            raise TransferError(f"room {r.room}: the token ids written differ from the "
+                                f"announced prompt's", "DATA_LOSS")
         return PromptPayload(input_embeds=e, fill_ids=f, mrope_positions=m,
-                             mrope_delta=d.mrope_position_delta)
+                             mrope_delta=d.mrope_position_delta, start=r.cached, info=r.info)

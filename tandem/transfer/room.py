@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from tandem.transfer.allocator import BlockAllocator
 from tandem.transfer.errors import TransferError
+from tandem.transfer.payload import PromptInfo
 from tandem.v1 import encoder_pb2
 
 
@@ -85,6 +86,8 @@ class ReceiverRoom:
     sent: int = 0  # first token of the current piece (all before it are copied out)
     copied: int = 0  # tokens gathered into `out` so far
     total: int | None = None
+    info: PromptInfo | None = None  # the prompt's content, when the encoder announced it
+    cached: int = 0  # leading tokens we hold: the payload starts there
     out: tuple | None = None  # (embeds, fill_ids, mrope) of the whole prompt
     resumes: int = 0
     call: object | None = None

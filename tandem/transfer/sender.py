@@ -9,15 +9,22 @@ registered once at start-up):
     # In EncoderServicer (a coroutine handler, not an async generator):
     #     async def Attach(self, request_iterator, context):
     #         await sender.attach(request_iterator, context)
+    cached = await sender.announce(room, PromptInfo(ids, images), deadline=None)  # optional
     stats = await sender.send(room, payload, deadline=None)  # SendStats | TransferError
     sender.state(room) -> SenderState | None;  len(sender.rooms) = open rooms
     sender.close()                                           # at shutdown
 
-`send` and `attach` meet on the room id, in either order. Per room:
+`send` (or `announce`) and `attach` meet on the room id, in either order. Per room:
 
-    WAITING_FOR_INIT (send first) ─┐
-    WAITING_FOR_PAYLOAD (Init first)┴▶ TRANSFERRING ⇄ WAITING_FOR_RESUME ─▶ FINISHING ─▶ DONE
+    WAITING_FOR_INIT (send/announce first) ─┐
+    WAITING_FOR_PAYLOAD (Init first) ───────┴▶ [ANNOUNCING ─▶ WAITING_FOR_PAYLOAD ─▶]
+        TRANSFERRING ⇄ WAITING_FOR_RESUME ─▶ FINISHING ─▶ DONE
     any state ─▶ FAILED (a timeout, a bad message, a broken or closed stream, a failed write)
+
+`announce` (cache-aware transfer) sends the prompt's token ids and image hashes as soon as
+Init is here and returns the language side's answer: how many leading tokens its prefix
+cache holds for the room. The encoder then encodes and `send`s only the rest (a payload
+whose `start` is that count); every Progress/Done count is of that rest.
 
 The state is the room's whole story: DONE and FAILED are its end (writer threads stop
 submitting once it ended), and every wait (for Init, for a Resume, for Done to be written)
@@ -50,7 +57,7 @@ from tandem.config import TransferConfig
 from tandem.transfer.buffers import BufferLayout
 from tandem.transfer.errors import TransferError, TransferStuck
 from tandem.transfer.metrics import transfer_metrics
-from tandem.transfer.payload import PromptPayload
+from tandem.transfer.payload import PromptInfo, PromptPayload
 from tandem.transfer.staging import StagingArea, WriteRound, write_round
 from tandem.v1 import common_pb2, encoder_pb2
 
@@ -60,6 +67,7 @@ log = logging.getLogger(__name__)
 class SenderState(enum.Enum):
     WAITING_FOR_INIT = "waiting_for_init"  # send() called; the language side's Init not yet
     WAITING_FOR_PAYLOAD = "waiting_for_payload"  # Init here; send() not called yet
+    ANNOUNCING = "announcing"  # AttachPrompt sent; waiting for the language's AttachCached
     TRANSFERRING = "transferring"
     WAITING_FOR_RESUME = "waiting_for_resume"
     FINISHING = "finishing"  # Done queued: a half-close from now on is normal
@@ -81,6 +89,7 @@ class _Room:
     state: SenderState
     born: float = field(default_factory=time.monotonic)
     init: encoder_pb2.AttachInit | None = None  # set once, when the Attach stream opens
+    cached: int = 0  # leading tokens the language holds (its AttachCached answer)
     error: TransferError | None = None
     inbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # AttachResume
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # AttachResponse | None
@@ -211,13 +220,16 @@ class EmbeddingSender:
         reader = asyncio.create_task(self._read(r, it))
         try:
             while True:
-                wait = None  # Init is here; without send() the payload has timeout_s to come
+                # Init is here; without send() the payload has timeout_s to come (from Init,
+                # or from the announce's answer). While announcing, re-check every second.
+                wait = 1.0 if r.state is SenderState.ANNOUNCING else None
                 if r.state is SenderState.WAITING_FOR_PAYLOAD:
                     wait = max(0.0, r.born + self.config.timeout_s - time.monotonic())
                 try:
                     msg = await asyncio.wait_for(r.outbox.get(), wait)
                 except asyncio.TimeoutError:
-                    if r.state is SenderState.WAITING_FOR_PAYLOAD:
+                    late = time.monotonic() >= r.born + self.config.timeout_s
+                    if r.state is SenderState.WAITING_FOR_PAYLOAD and late:
                         self._fail(r, TransferError(
                             f"room {room}: no payload within {self.config.timeout_s:.1f}s "
                             f"of Init", "DEADLINE_EXCEEDED"))
@@ -236,11 +248,13 @@ class EmbeddingSender:
     async def _read(self, r: _Room, it) -> None:
         try:
             async for req in it:
-                if req.WhichOneof("msg") != "resume" or req.resume.room != r.room:
+                kind = req.WhichOneof("msg")
+                body = getattr(req, kind) if kind in ("resume", "cached") else None
+                if body is None or body.room != r.room:
                     self._fail(r, TransferError(
                         f"room {r.room}: unexpected Attach message after Init", "INVALID_ARGUMENT"))
                     return
-                r.inbox.put_nowait(req.resume)
+                r.inbox.put_nowait(body)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the stream broke under us
@@ -251,6 +265,49 @@ class EmbeddingSender:
                                         f"before Done", "UNAVAILABLE"))
 
     # ---- sending ----------------------------------------------------------------------
+    async def _await_init(self, r: _Room, deadline: float | None) -> None:
+        if r.init is None:
+            await self._race(r, r.until(lambda: r.init is not None), self._timeout(deadline),
+                             "waiting for the language side's Init")
+
+    async def _next(self, r: _Room, kind: type, deadline: float | None, what: str):
+        """The language side's next message on the room, which must be a `kind`."""
+        msg = await self._race(r, r.inbox.get(), self._timeout(deadline), what)
+        if not isinstance(msg, kind):
+            raise TransferError(f"room {r.room}: got {type(msg).__name__} while {what}",
+                                "INVALID_ARGUMENT")
+        return msg
+
+    async def announce(self, room: int, info: PromptInfo, deadline: float | None = None) -> int:
+        """Tell the language side the prompt's content; return the leading tokens its
+        prefix cache holds for the room (what `send` must then leave out)."""
+        r = self.rooms.get(room)
+        if r is None:
+            r = self._room(room, SenderState.WAITING_FOR_INIT)
+        elif r.state is not SenderState.WAITING_FOR_PAYLOAD:
+            raise TransferError(f"room {room} is already being sent", "ALREADY_EXISTS")
+        try:
+            await self._await_init(r, deadline)
+            r.to(SenderState.ANNOUNCING)
+            r.outbox.put_nowait(encoder_pb2.AttachResponse(prompt=encoder_pb2.AttachPrompt(
+                token_ids=info.token_ids, images=[encoder_pb2.ImageSpan(
+                    start=im.start, length=im.length, hash=im.hash) for im in info.images])))
+            ans = await self._next(r, encoder_pb2.AttachCached, deadline,
+                                   "waiting for the language side's Cached")
+            if not 0 <= ans.cached_tokens < len(info.token_ids):
+                raise TransferError(f"room {room}: language holds {ans.cached_tokens} of "
+                                    f"{len(info.token_ids)} tokens", "INVALID_ARGUMENT")
+            r.cached = ans.cached_tokens
+            r.born = time.monotonic()  # the payload's wait starts now
+            r.to(SenderState.WAITING_FOR_PAYLOAD)
+            return r.cached
+        except TransferError as e:
+            self._fail(r, e)
+            raise
+        except asyncio.CancelledError:
+            self._fail(r, TransferError(f"room {room}: announce cancelled", "CANCELLED"))
+            raise
+
     async def send(self, room: int, payload: PromptPayload, deadline: float | None = None
                    ) -> SendStats:
         """Deliver `payload` into the room's blocks; returns once Done is on the stream."""
@@ -263,10 +320,11 @@ class EmbeddingSender:
             raise TransferError(f"room {room} is already being sent", "ALREADY_EXISTS")
         t0 = time.monotonic()
         try:
-            if r.init is None:
-                await self._race(r, r.until(lambda: r.init is not None), self._timeout(deadline),
-                                 "waiting for the language side's Init")
+            await self._await_init(r, deadline)
             init = r.init
+            if payload.start != r.cached:
+                raise TransferError(f"room {room}: payload starts at token {payload.start}, the "
+                                    f"language side holds {r.cached}", "INTERNAL")
             layout = BufferLayout.from_proto(init.layout)
             why = self.staging.check_layout(layout, payload)
             if why:
@@ -285,7 +343,7 @@ class EmbeddingSender:
                 r.to(SenderState.WAITING_FOR_RESUME)
                 r.outbox.put_nowait(encoder_pb2.AttachResponse(progress=encoder_pb2.AttachProgress(
                     sent_tokens=sent, total_tokens=total, partial=True)))
-                res = await self._race(r, r.inbox.get(), self._timeout(deadline),
+                res = await self._next(r, encoder_pb2.AttachResume, deadline,
                                        f"waiting for Resume at token {sent}/{total}")
                 if res.sent_tokens != sent:
                     raise TransferError(f"room {room}: Resume at token {res.sent_tokens}, "

@@ -1,0 +1,209 @@
+"""KV pages shared between requests: a prefix cache over whole pages, with reference counts.
+
+Every page of the pool is in exactly one of three states:
+
+    free        in the KVPagePool's free list
+    referenced  held by >= 1 request (or a room's pin); `_refs[page]` counts its holders
+    idle        held by nobody but cached (it has a key); LRU-ordered in `_idle`, evicted
+                (key dropped, page back to the free list) only when an allocation needs it
+
+A page gets a key once all its `page_size` tokens have their K/V written (`insert`); from
+then on nobody writes it again, so any request whose sequence starts with the same content
+may read it. A key chains the parent page's key with the page's content (`page_keys`), so
+one key names the whole prefix up to the end of its page: the same text after a different
+image, or the same image at another place, gives other keys from that page on.
+
+Lookups (`match`) stop at the first missing key. Two requests computing the same page at
+once both keep their own copy; the second `insert` finds the key taken and its page stays
+private (freed, not cached, when released).
+
+Thread-safety: one re-entrant lock guards everything. The scheduler holds it for a whole
+schedule/commit (its read-then-allocate sequences must see no concurrent change); the
+language server's receiver takes it briefly to pin a room's cached prefix
+(`Engine.pin_prefix`). With `enabled=False` it is a plain page allocator: nothing is
+ever cached, matched or evicted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from services.language.kv_cache import KVPagePool
+from tandem.transfer.payload import ImageSpan
+
+PageKey = bytes
+
+
+def page_keys(
+    token_ids: Sequence[int],
+    images: Sequence[ImageSpan],
+    page_size: int,
+    first: int = 0,
+    parent: PageKey = b"",
+) -> list[PageKey]:
+    """Keys of the whole pages `first`, `first + 1`, ... of a sequence.
+
+    Page i's key hashes the parent key (page i-1's, or `parent` for page `first`), the
+    page's token ids, and for each image overlapping the page its content hash and where
+    it starts relative to the page (so the image's pad tokens are told apart by image and
+    by position inside the image). Only pages wholly inside `token_ids` get a key.
+    """
+    ids = np.asarray(token_ids, dtype=np.int64)
+    keys: list[PageKey] = []
+    for i in range(first, len(ids) // page_size):
+        a = i * page_size
+        b = a + page_size
+        h = hashlib.blake2b(parent, digest_size=16)
+        h.update(ids[a:b].tobytes())
+        for im in images:
+            if im.start < b and im.start + im.length > a:
+                h.update(f"|{im.hash}@{im.start - a}".encode())
+        parent = h.digest()
+        keys.append(parent)
+    return keys
+
+
+@dataclass
+class CacheStats:
+    """Counters since start (read by the engine for its metrics)."""
+
+    query_tokens: int = 0  # tokens looked up (whole pages offered to match)
+    hit_tokens: int = 0  # tokens found cached
+    evictions: int = 0  # idle cached pages given back to the free list
+    inserted: int = 0  # pages that got a key
+
+
+class PrefixCache:
+    """The scheduler's page source (the `PagePool` protocol) plus the prefix cache."""
+
+    def __init__(self, pool: KVPagePool, enabled: bool = True) -> None:
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.enabled = enabled
+        self.lock = threading.RLock()
+        self._refs = [0] * pool.num_total
+        self._page: dict[PageKey, int] = {}  # key -> page
+        self._key: dict[int, PageKey] = {}  # page -> key (cached pages only)
+        self._idle: OrderedDict[int, None] = OrderedDict()  # idle cached pages, LRU first
+        self.stats = CacheStats()
+
+    # ---- the PagePool protocol: idle cached pages count as free ---------------------------
+
+    @property
+    def num_total(self) -> int:
+        return self.pool.num_total
+
+    @property
+    def num_free(self) -> int:
+        return self.pool.num_free + len(self._idle)
+
+    @property
+    def num_cached(self) -> int:
+        """Pages with a key (idle or referenced)."""
+        return len(self._key)
+
+    @property
+    def num_idle(self) -> int:
+        return len(self._idle)
+
+    def can_alloc(self, n_pages: int) -> bool:
+        return 0 <= n_pages <= self.num_free
+
+    def alloc(self, n_pages: int) -> list[int]:
+        """Fresh pages (referenced once), evicting least recently used idle pages as needed;
+        raises MemoryError (and takes nothing) when free + idle pages are too few."""
+        with self.lock:
+            if n_pages > self.num_free:
+                raise MemoryError(f"KV pool: asked for {n_pages} pages, {self.num_free} free")
+            while self.pool.num_free < n_pages:
+                self._evict_one()
+            pages = self.pool.alloc(n_pages)
+            for p in pages:
+                self._refs[p] = 1
+            return pages
+
+    def free(self, pages: list[int]) -> None:
+        """Drop one reference to each page. A page nobody holds goes idle if cached (the
+        last pages first, so a sequence's tail is evicted before its head), else free."""
+        with self.lock:
+            for p in pages:
+                if self._refs[p] <= 0:
+                    raise ValueError(f"KV pool: page {p} released but not held")
+            uncached = []
+            for p in reversed(pages):
+                self._refs[p] -= 1
+                if self._refs[p] == 0:
+                    if p in self._key:
+                        self._idle[p] = None
+                    else:
+                        uncached.append(p)
+            self.pool.free(uncached)
+
+    # ---- the cache ---------------------------------------------------------------------
+
+    def match(self, keys: Sequence[PageKey]) -> list[int]:
+        """Pages holding `keys[0], keys[1], ...` until the first miss; takes no reference."""
+        if not self.enabled:
+            return []
+        with self.lock:
+            out = []
+            for k in keys:
+                p = self._page.get(k)
+                if p is None:
+                    break
+                out.append(p)
+            return out
+
+    def count_query(self, query_pages: int, hit_pages: int) -> None:
+        self.stats.query_tokens += query_pages * self.page_size
+        self.stats.hit_tokens += hit_pages * self.page_size
+
+    def num_idle_in(self, pages: Sequence[int]) -> int:
+        """How many of `pages` are idle (acquiring them takes them out of `num_free`)."""
+        return sum(1 for p in pages if p in self._idle)
+
+    def acquire(self, pages: Sequence[int]) -> None:
+        """Take one more reference to each (cached) page."""
+        with self.lock:
+            for p in pages:
+                if p not in self._key:
+                    raise ValueError(f"KV pool: page {p} is not cached")
+                self._idle.pop(p, None)
+                self._refs[p] += 1
+
+    def insert(self, page: int, key: PageKey) -> bool:
+        """Give a full, referenced page its key; False when the key (or page) has one."""
+        if not self.enabled:
+            return False
+        with self.lock:
+            if self._refs[page] <= 0:
+                raise ValueError(f"KV pool: page {page} inserted but not held")
+            if key in self._page or page in self._key:
+                return False
+            self._page[key] = page
+            self._key[page] = key
+            self.stats.inserted += 1
+            return True
+
+    def _evict_one(self) -> None:
+        page, _ = self._idle.popitem(last=False)
+        del self._page[self._key.pop(page)]
+        self.pool.free([page])
+        self.stats.evictions += 1
+
+    def check(self) -> None:
+        """Assert the invariant (tests): every page is free, idle, or referenced, once."""
+        with self.lock:
+            free = set(self.pool._free)  # noqa: SLF001  (a test-only look inside)
+            for p in range(self.num_total):
+                states = [p in free, p in self._idle, self._refs[p] > 0]
+                assert sum(states) == 1, f"page {p}: free/idle/referenced = {states}"
+                assert (p in self._idle) <= (p in self._key), f"idle page {p} has no key"
+                assert self._refs[p] >= 0
+            assert all(self._page[k] == p for p, k in self._key.items())
