@@ -102,3 +102,28 @@ def generate(model, inputs: dict, max_new_tokens: int) -> tuple[list[int], torch
     )  # fmt: skip
     tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
     return tokens, torch.cat([step[0:1] for step in out.logits]).float()
+
+
+def make_chat_inputs(processor, messages: list[dict], images: list) -> dict:
+    """Processor outputs for a whole chat (HF message dicts, `{"type": "image"}` parts in
+    the order of `images`), with the generation prompt."""
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return dict(processor(text=[prompt], images=images or None, return_tensors="pt"))
+
+
+def prompt_info(model, inputs: dict, image_keys: list[str]):
+    """The announce the encoder would send: token ids and each image's pad run, named by
+    `image_keys` (the test's stand-in for the content hash)."""
+    from tandem.transfer.payload import ImageSpan, PromptInfo
+
+    ids = inputs["input_ids"][0]
+    pads = (ids == model.config.image_token_id).nonzero().flatten().tolist()
+    runs: list[list[int]] = []
+    for p in pads:
+        if runs and p == runs[-1][-1] + 1:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    assert len(runs) == len(image_keys), "adjacent images: pass their spans by hand"
+    spans = [ImageSpan(r[0], len(r), k) for r, k in zip(runs, image_keys, strict=True)]
+    return PromptInfo(ids.tolist(), spans)

@@ -304,6 +304,7 @@ class Dispatcher:
             cached_image_tokens=(
                 enc_resp.cached_image_tokens if enc_resp else msg.usage.cached_image_tokens
             ),
+            cached_tokens=msg.usage.cached_tokens,
         )
         timings = {f: getattr(msg.timings, f) for f in TIMING_FIELDS}
         if enc_resp is not None:

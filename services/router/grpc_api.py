@@ -69,6 +69,7 @@ def _to_proto(piece: Piece, request_id: str) -> router_pb2.RouterGenerateRespons
                 completion_tokens=u.completion_tokens,
                 total_tokens=u.total_tokens,
                 cached_image_tokens=u.cached_image_tokens,
+                cached_tokens=u.cached_tokens,
             )
         )
         out.timings.CopyFrom(common_pb2.StageTimings(**(piece.timings or {})))

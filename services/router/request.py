@@ -7,8 +7,11 @@ from dataclasses import dataclass, field
 
 from tandem.v1 import common_pb2
 
-TIMING_FIELDS = ("preprocess_ms", "vit_ms", "transfer_ms", "queue_ms", "prefill_ms", "decode_ms")
-ENCODER_TIMINGS = ("preprocess_ms", "vit_ms", "transfer_ms")
+# Stage timings (ms) and what the stages skipped: images the encoder did not run through
+# the ViT (inside the language side's cached prefix).
+TIMING_FIELDS = ("preprocess_ms", "vit_ms", "transfer_ms", "queue_ms", "prefill_ms", "decode_ms",
+                 "skipped_images")
+ENCODER_TIMINGS = ("preprocess_ms", "vit_ms", "transfer_ms", "skipped_images")
 
 
 @dataclass
@@ -27,6 +30,7 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_image_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens from the language instance's prefix cache
 
     @property
     def total_tokens(self) -> int:

@@ -17,6 +17,7 @@ class Usage:
     completion_tokens: int = 0
     total_tokens: int = 0
     cached_image_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class StageTimings:
     queue_ms: float = 0.0
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
+    skipped_images: int = 0  # images whose ViT run the prefix cache made unnecessary
 
 
 @dataclass
@@ -99,10 +101,10 @@ def add(result: ChatResult, msg: router_pb2.RouterGenerateResponse) -> None:
         result.finish_reason = TO_OPENAI.get(msg.finish_reason, "")
         u = msg.usage
         result.usage = Usage(u.prompt_tokens, u.completion_tokens, u.total_tokens,
-                             u.cached_image_tokens)
+                             u.cached_image_tokens, u.cached_tokens)
         t = msg.timings
         result.timings = StageTimings(t.preprocess_ms, t.vit_ms, t.transfer_ms, t.queue_ms,
-                                      t.prefill_ms, t.decode_ms)
+                                      t.prefill_ms, t.decode_ms, t.skipped_images)
 
 
 def backoff_s(attempt: int, base: float, cap: float = 5.0) -> float:

@@ -1,0 +1,109 @@
+"""Reuse end to end: `tandem up` with 1 encoder + 1 language instance on the tiny
+Qwen2.5-VL, metrics scraped from both tiers.
+
+Proves: a repeated ~3K-token prompt with an image computes at most one KV page of prompt
+tokens the second time (the language tier's own counter), reports it as
+`usage.prompt_tokens_details.cached_tokens`, skips the image's ViT run and carries only the
+uncached tokens' embeddings over the transfer (the encoder's byte counter); greedy answers
+equal transformers `generate()` both times.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import pytest
+from language_oracle import generate, load, make_image, make_inputs
+from test_e2e_cluster import data_url, openai_client, png, strip_eos
+
+from tandem.launch.cluster import LocalCluster
+from tandem.launch.procs import free_port
+
+ARCH = "qwen2_5_vl"
+PAGE = 16
+BLOCK = 1024  # the language tier's embedding block size (its default)
+LONG = "Tell me everything about this picture and the words around it. " * 230
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def ckpt(checkpoint):
+    return checkpoint(ARCH)
+
+
+@pytest.fixture(scope="module")
+def cluster(ckpt):
+    enc_m, lang_m = free_port(), free_port()
+    cl = LocalCluster(
+        str(ckpt), encoders=1, languages=1,
+        encoder_args=f"--metrics-port {enc_m}",
+        language_args=f"--metrics-port {lang_m} --kv-page-size {PAGE}",
+        router_args="--load-refresh-s 0.2",
+    )
+    cl.metrics = {"encoder": enc_m, "language": lang_m}
+    cl.start()
+    yield cl
+    cl.stop()
+
+
+def scrape(cluster, tier: str) -> dict[str, float]:
+    text = httpx.get(f"http://127.0.0.1:{cluster.metrics[tier]}/metrics", timeout=5).text
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def delta(before: dict, after: dict, name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def test_repeated_long_prompt_computes_one_page_and_sends_only_the_rest(cluster, ckpt):
+    model, processor = load(ckpt)
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list | tuple) else [eos])
+    inputs = make_inputs(processor, LONG, [make_image(21, (112, 112))])
+    n_prompt = inputs["input_ids"].shape[1]
+    assert n_prompt > 3000
+    want, _ = generate(model, inputs, 8)
+    client = openai_client(cluster)
+    msgs = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(png(21, (112, 112)))}},
+        {"type": "text", "text": LONG}]}]
+    figures = []
+    for _ in range(2):
+        enc0, lang0 = scrape(cluster, "encoder"), scrape(cluster, "language")
+        r = client.chat.completions.create(model="", messages=msgs, max_tokens=8, temperature=0)
+        time.sleep(0.3)  # counters are updated right after the response
+        enc1, lang1 = scrape(cluster, "encoder"), scrape(cluster, "language")
+        figures.append(dict(
+            text=r.choices[0].message.content, usage=r.usage, ext=r.model_extra["tandem"],
+            computed=delta(lang0, lang1, "tandem_language_prompt_tokens_total"),
+            sent=delta(enc0, enc1, 'tandem_transfer_bytes_total{side="encoder"}'),
+            vit_images=delta(enc0, enc1, "tandem_encoder_images_encoded_total")))
+    first, second = figures
+    assert first["usage"].prompt_tokens == second["usage"].prompt_tokens == n_prompt
+    assert first["text"] == second["text"]
+    tok = processor.tokenizer
+    assert first["usage"].prompt_tokens_details.cached_tokens == 0
+    assert first["computed"] == n_prompt and first["vit_images"] == 1
+    cached = second["usage"].prompt_tokens_details.cached_tokens
+    assert n_prompt - PAGE <= cached < n_prompt
+    assert second["computed"] == n_prompt - cached <= PAGE
+    assert second["vit_images"] == 0 and second["ext"]["timings"]["skipped_images"] == 1
+    # bytes written: per token its embedding row and fill id; per destination block of
+    # BLOCK tokens its MRoPE row (written whole) and its aux row
+    hidden = model.config.text_config.hidden_size
+
+    def wire_bytes(n: int) -> int:
+        return n * (hidden * 4 + 4) + -(-n // BLOCK) * (3 * BLOCK * 4 + 16 * 4)
+
+    assert first["sent"] == wire_bytes(n_prompt)
+    assert second["sent"] == wire_bytes(n_prompt - cached)
+    # and the answer is still transformers' (decoded text of the greedy tokens)
+    assert first["text"] == tok.decode(strip_eos(want, eos), skip_special_tokens=True)
