@@ -74,6 +74,7 @@ def test_multi_turn_chat_with_image_equals_generate(chat, chunk):
         image = oracle.make_image(7, (56, 84))
         messages = [{"role": "system", "content": [{"type": "text", "text": SYSTEM}]},
                     user("What is in this picture?", 1)]
+        prev_len = 0
         for turn in range(3):
             req, ref = chat.request(10 + turn, messages, [image], ["img7"])
             out = collect(engine, [req])[req.rid]
