@@ -26,9 +26,9 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from services.encoder.chat import ImageInput, Message  # noqa: E402
 from services.encoder.config import EncoderConfig  # noqa: E402
 from services.encoder.pipeline import EncodePipeline  # noqa: E402
+from tandem.chat import ImageInput, Message  # noqa: E402
 
 SIZES = [(224, 224), (448, 336), (640, 480), (320, 320), (512, 256), (160, 400), (384, 384)]
 

@@ -1,6 +1,6 @@
 """The one base error of Tandem's services: a message and a gRPC status code name.
 
-Every tier raises a subclass (`RouterError`, `EncodeError`, `AdmissionError`,
+Every tier raises a subclass (`RouterError`, `ChatError`, `AdmissionError`,
 `TransferError`); servicers map `code` straight onto a gRPC status or an `ErrorInfo`, and
 callers decide on `code` and on typed fields (a tier, a room), never on message text.
 """

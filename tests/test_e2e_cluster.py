@@ -346,7 +346,8 @@ def test_kill9_language_mid_stream_ends_with_error_event(cluster):
 
 def test_request_id_is_echoed_and_greps_across_the_three_tiers(cluster):
     url = cluster.http_url + "/v1/chat/completions"
-    body = {"model": "", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    # with an image, so it crosses all three tiers (a text-only chat skips the encoder)
+    body = {"model": "", "messages": openai_messages("hi", [(5, (28, 28))]), "max_tokens": 3}
     for stream in (False, True):
         rid = f"abc-123-{int(stream)}"
         r = httpx.post(url, json={**body, "stream": stream}, headers={"X-Request-Id": rid},

@@ -5,7 +5,9 @@ Proves: a repeated ~3K-token prompt with an image computes at most one KV page o
 tokens the second time (the language tier's own counter), reports it as
 `usage.prompt_tokens_details.cached_tokens`, skips the image's ViT run and carries only the
 uncached tokens' embeddings over the transfer (the encoder's byte counter); greedy answers
-equal transformers `generate()` both times.
+equal transformers `generate()` both times. A text-only chat never reaches the encoder
+(its request and byte counters stay still), its next turn comes from the prefix cache, and
+its answers equal `generate()`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 
 import httpx
 import pytest
-from language_oracle import generate, load, make_image, make_inputs
+from language_oracle import generate, load, make_chat_inputs, make_image, make_inputs
 from test_e2e_cluster import data_url, openai_client, png, strip_eos
 
 from tandem.launch.cluster import LocalCluster
@@ -107,3 +109,35 @@ def test_repeated_long_prompt_computes_one_page_and_sends_only_the_rest(cluster,
     assert second["sent"] == wire_bytes(n_prompt - cached)
     # and the answer is still transformers' (decoded text of the greedy tokens)
     assert first["text"] == tok.decode(strip_eos(want, eos), skip_special_tokens=True)
+
+
+def test_text_only_chat_skips_the_encoder_and_equals_generate(cluster, ckpt):
+    model, processor = load(ckpt)
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list | tuple) else [eos])
+    client = openai_client(cluster)
+    history = [{"role": "system", "content": "You answer briefly. " * 20},
+               {"role": "user", "content": "Name three colours."}]
+    enc0 = scrape(cluster, "encoder")
+    first_len = 0
+    for turn in range(2):
+        hf = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]}
+              for m in history]
+        inputs = make_chat_inputs(processor, hf, [])
+        want, _ = generate(model, inputs, 8)
+        r = client.chat.completions.create(model="", messages=history, max_tokens=8,
+                                           temperature=0)
+        ext = r.model_extra["tandem"]
+        assert ext["timings"]["encoder_bypassed"] is True and ext["encoder"] == ""
+        assert r.usage.prompt_tokens == inputs["input_ids"].shape[1]
+        text = r.choices[0].message.content
+        assert text == processor.tokenizer.decode(strip_eos(want, eos), skip_special_tokens=True)
+        if turn:  # the system prompt and the first turn come from the prefix cache
+            assert r.usage.prompt_tokens_details.cached_tokens >= first_len - PAGE
+        first_len = r.usage.prompt_tokens
+        history += [{"role": "assistant", "content": text},
+                    {"role": "user", "content": "And three more?"}]
+    enc1 = scrape(cluster, "encoder")
+    encodes = [k for k in enc1 if k.startswith("tandem_encoder_requests_total")]
+    assert all(delta(enc0, enc1, k) == 0 for k in encodes)
+    assert delta(enc0, enc1, 'tandem_transfer_bytes_total{side="encoder"}') == 0

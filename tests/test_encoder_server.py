@@ -27,7 +27,7 @@ from encoder_peers.server import EncoderProcess, free_port, port_range  # noqa: 
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa: E402
 
-from services.encoder.chat import ImageInput, Message  # noqa: E402
+from tandem.chat import ImageInput, Message  # noqa: E402
 from tandem.v1 import encoder_pb2, encoder_pb2_grpc  # noqa: E402
 
 ARCH = "qwen3_vl"  # deepstack: the widest payload

@@ -19,12 +19,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from encoder_peers.chats import chat, png  # noqa: E402
 
 from services.encoder.cache import CachedFeatures, EmbeddingCache  # noqa: E402
-from services.encoder.chat import EncodeError, ImageInput, Message  # noqa: E402
 from services.encoder.config import EncoderConfig  # noqa: E402
 from services.encoder.images import ImageLimits, image_bytes  # noqa: E402
 from services.encoder.pipeline import EncodePipeline  # noqa: E402
 from services.encoder.scheduler import lb_assign  # noqa: E402
 from services.encoder.vit_runner import VisionRunner  # noqa: E402
+from tandem.chat import ChatError, ImageInput, Message  # noqa: E402
 
 
 def feats(rows: int, width: int = 8, deep: int = 0) -> CachedFeatures:
@@ -167,7 +167,7 @@ def test_url_fetch_rules(http_server):
         (ImageLimits(10**6, 10**7, (), True), "/a.png", "not in the encoder's allowed"),
     ]
     for lim, path, text in cases:
-        with pytest.raises(EncodeError) as ei:
+        with pytest.raises(ChatError) as ei:
             image_bytes(ImageInput(url=http_server + path), "messages[0].content[0].image", lim)
         assert text in ei.value.message and ei.value.field == "messages[0].content[0].image"
 

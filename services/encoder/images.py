@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from PIL import Image
 
-from .chat import ImageInput, invalid
+from tandem.chat import ImageInput, invalid
 
 # Formats the encoder decodes; others (TIFF, ICO, PSD, EPS, ...) are refused by name.
 SUPPORTED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")

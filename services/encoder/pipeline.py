@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.chat import Limits, Message
 from tandem.devices import resolve_device, resolve_dtype
 from tandem.transfer.payload import ImageSpan, PromptInfo, PromptPayload
 
 from .cache import EmbeddingCache
-from .chat import Limits, Message
 from .images import ImageLimits
 from .merge import build_payload
 from .preprocess import PreprocessLimits, Preprocessor

@@ -19,14 +19,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .chat import ImageInput, Limits, Message, invalid
-from .images import ImageLimits, decode_image, image_bytes
+from tandem.chat import ChatTemplate, ImageInput, Limits, Message, invalid
 
-# Tokens a client's text may not spell. NOTE: control tokens come only from the chat
-# template. Image placeholders would desynchronise image tokens; a user closing its turn
-# with <|im_end|> could open a system turn. The checkpoint's own special tokens are added
-# to these at start-up (`Preprocessor.reserved`).
-_RESERVED = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+from .images import ImageLimits, decode_image, image_bytes
 
 
 @dataclass
@@ -69,11 +64,8 @@ class Preprocessor:
     def __init__(self, processor, limits: PreprocessLimits) -> None:
         self.processor = processor
         self.limits = limits
-        self.image_token: str = processor.image_token
-        self.image_token_id: int = processor.image_token_id
+        self.template = ChatTemplate(processor)
         self.merge = int(processor.image_processor.merge_size)
-        added = getattr(processor.tokenizer, "added_tokens_decoder", {}).values()
-        self.reserved = tuple(sorted(set(_RESERVED) | {t.content for t in added if t.special}))
 
     def __call__(self, messages: list[Message], req: Limits | None = None) -> Prepared:
         t0 = time.perf_counter()
@@ -81,43 +73,16 @@ class Preprocessor:
         lim = self.limits
         max_images = min(lim.max_images, req.max_images or lim.max_images)
         max_tokens = min(lim.max_prompt_tokens, req.max_prompt_tokens or lim.max_prompt_tokens)
-
-        hf_messages, image_parts = [], []
-        for i, m in enumerate(messages):
-            content = []
-            for j, p in enumerate(m.parts):
-                where = f"messages[{i}].content[{j}]"
-                if isinstance(p, ImageInput):
-                    image_parts.append((f"{where}.image", p))
-                    content.append({"type": "image"})
-                else:
-                    for tok in self.reserved:
-                        if tok in p:
-                            raise invalid(f"{where}.text", f"text contains reserved token {tok}")
-                    content.append({"type": "text", "text": p})
-            hf_messages.append({"role": m.role, "content": content})
+        hf_messages, image_parts = self.template.split(messages)
         if len(image_parts) > max_images:
             raise invalid(
                 "messages",
                 f"the chat has {len(image_parts)} images, over the limit of {max_images}",
             )
-
         images = [self._image(where, p) for where, p in image_parts]
-
-        text = self.processor.apply_chat_template(
-            hf_messages, tokenize=False, add_generation_prompt=messages[-1].role != "assistant"
+        ids = self.template.token_ids(
+            messages, hf_messages, [im.num_tokens for im in images], max_tokens
         )
-        pieces = text.split(self.image_token)
-        if len(pieces) != len(images) + 1:  # the template dropped or duplicated an image
-            raise invalid("messages", "the chat template does not place every image")
-        expanded = pieces[0]
-        for img, piece in zip(images, pieces[1:], strict=True):
-            expanded += self.image_token * img.num_tokens + piece
-        ids = self.processor.tokenizer(expanded)["input_ids"]
-        if len(ids) > max_tokens:
-            raise invalid(
-                "messages", f"the prompt is {len(ids)} tokens, over the limit of {max_tokens}"
-            )
         types = self.processor.create_mm_token_type_ids([ids])[0]
         return Prepared(
             input_ids=torch.tensor(ids, dtype=torch.long),

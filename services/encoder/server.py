@@ -22,11 +22,12 @@ import time
 
 import grpc
 
+from tandem.chat import ChatError
 from tandem.serving import deadline_from_proto
 from tandem.transfer.errors import TransferError
 from tandem.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 
-from .chat import EncodeError, job_from_proto
+from .chat import job_from_proto
 from .pipeline import EncodePipeline, EncodeState
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         code = "OK"
         try:
             return await self._encode(request)
-        except EncodeError as e:
+        except ChatError as e:
             code = e.code
             await context.abort(e.grpc_code, e.detail)
         except TimeoutError:

@@ -83,6 +83,16 @@ def build_engine(cfg: LanguageConfig, metrics: LanguageMetrics):
     return engine, spec, tokenizer
 
 
+def chat_template(path):
+    """The checkpoint's chat template, for text-only chats taken without an encoder."""
+    from transformers import AutoProcessor
+
+    import tandem  # noqa: F401  (registers the image-only processors)
+    from tandem.chat import ChatTemplate
+
+    return ChatTemplate(AutoProcessor.from_pretrained(path))
+
+
 async def run(
     cfg: LanguageConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None
 ) -> None:
@@ -111,8 +121,10 @@ async def run(
     )  # fmt: skip
 
     server = grpc_server(max_send_message_length=16 << 20)
-    limits = ServiceLimits(cfg.default_max_tokens, cfg.request_timeout_s, cfg.model)
-    servicer = LanguageServicer(engine, receiver, allocator, limits, metrics)
+    limits = ServiceLimits(cfg.default_max_tokens, cfg.request_timeout_s, cfg.model,
+                           max_prompt_tokens=engine.cfg.max_model_len - 1)
+    servicer = LanguageServicer(engine, receiver, allocator, limits, metrics,
+                                template=chat_template(spec.path))
     language_pb2_grpc.add_LanguageServicer_to_server(servicer, server)
     if cfg.metrics_port:
         serve_metrics(cfg.metrics_port, cfg.host, registry)

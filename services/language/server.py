@@ -5,6 +5,9 @@ Generate, per room:
     open the room (EmbeddingReceiver.receive: reserve blocks, Attach to the encoder,
     merge resumed pieces) ─▶ Engine.submit ─▶ stream StreamDeltas as responses
 
+or, for a text-only chat in the request (the router's encoder bypass): render and
+tokenize it here (`ChatTemplate`, in a worker thread) ─▶ Engine.submit ─▶ stream.
+
 Failures inside a started stream are reported in-stream (finish_reason ERROR or ABORT and
 an ErrorInfo with a gRPC code name), as the wire contract says for streams.
 
@@ -30,6 +33,7 @@ from services.language.request import (
     StreamDelta,
 )
 from services.language.scheduler import AdmissionError
+from tandem.chat import ChatError, ChatTemplate, messages_from_proto
 from tandem.serving import deadline_from_proto
 from tandem.transfer import BlockAllocator, EmbeddingReceiver, TransferError
 from tandem.v1 import common_pb2, language_pb2, language_pb2_grpc
@@ -54,7 +58,7 @@ def sampling_from_proto(p: common_pb2.SamplingParams, default_max_tokens: int) -
 
 
 def delta_to_proto(
-    d: StreamDelta, transfer_ms: float = 0.0
+    d: StreamDelta, transfer_ms: float = 0.0, bypassed: bool = False
 ) -> language_pb2.LanguageGenerateResponse:
     out = language_pb2.LanguageGenerateResponse(token_ids=d.token_ids, text=d.text)
     if d.logprobs:
@@ -70,8 +74,9 @@ def delta_to_proto(
             cached_tokens=d.cached_tokens))  # fmt: skip
         t = d.timings_ms
         out.timings.CopyFrom(common_pb2.StageTimings(
-            transfer_ms=transfer_ms, queue_ms=t.get("queue", 0.0),
-            prefill_ms=t.get("prefill", 0.0), decode_ms=t.get("decode", 0.0)))  # fmt: skip
+            transfer_ms=0.0 if bypassed else transfer_ms, queue_ms=t.get("queue", 0.0),
+            prefill_ms=t.get("prefill", 0.0), decode_ms=t.get("decode", 0.0),
+            encoder_bypassed=bypassed))  # fmt: skip
         if d.error:
             out.error.CopyFrom(common_pb2.ErrorInfo(code=d.error_code or "INTERNAL",
                                                     message=d.error))  # fmt: skip
@@ -90,6 +95,7 @@ class ServiceLimits:
     default_max_tokens: int
     request_timeout_s: float
     model: str
+    max_prompt_tokens: int = 1 << 20  # text-only chats tokenized here
 
 
 class LanguageServicer(language_pb2_grpc.LanguageServicer):
@@ -100,8 +106,10 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         allocator: BlockAllocator,
         limits: ServiceLimits,
         metrics: LanguageMetrics,
+        template: ChatTemplate | None = None,
     ) -> None:
         self.engine, self.receiver, self.allocator = engine, receiver, allocator
+        self.template = template  # None: text-only chats are refused
         self.limits, self.metrics = limits, metrics
         self.transferring: set[int] = set()
         self.streams: set[int] = set()  # rooms with a Generate call in progress
@@ -137,23 +145,31 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             deadline=time.monotonic() + (deadline - now),
         )  # fmt: skip
         try:
-            # -- 1. the prompt arrives through the room --
-            self.transferring.add(room)
-            self.metrics.transferring.set(len(self.transferring))
-            try:
-                payload = await self.receiver.receive(room, request.encoder_address, deadline)
-            except TransferError as e:
-                self.engine.unpin(room)
-                abort = e.code in ("CANCELLED", "DEADLINE_EXCEEDED")
-                outcome = f"{e.code} in the transfer"
-                yield error_response(e.code, e.reason, abort=abort)
-                return
-            finally:
-                self.transferring.discard(room)
+            # -- 1. the prompt: tokenized here (text-only chat) or through the room --
+            if request.messages:
+                try:
+                    req.prompt_ids = await self._tokenize(request)
+                except ChatError as e:
+                    outcome = f"{e.code} in the chat: {e.detail}"
+                    yield error_response(e.code, e.detail, field=e.field)
+                    return
+            else:
+                self.transferring.add(room)
                 self.metrics.transferring.set(len(self.transferring))
+                try:
+                    req.prompt = await self.receiver.receive(
+                        room, request.encoder_address, deadline)
+                except TransferError as e:
+                    self.engine.unpin(room)
+                    abort = e.code in ("CANCELLED", "DEADLINE_EXCEEDED")
+                    outcome = f"{e.code} in the transfer"
+                    yield error_response(e.code, e.reason, abort=abort)
+                    return
+                finally:
+                    self.transferring.discard(room)
+                    self.metrics.transferring.set(len(self.transferring))
             transfer_ms = (time.monotonic() - req.t_created) * 1e3
             # -- 2. the engine generates --
-            req.prompt = payload
             q: asyncio.Queue[StreamDelta] = asyncio.Queue()
             loop = asyncio.get_running_loop()
             try:
@@ -174,7 +190,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                     if finished:
                         outcome = (f"{d.finish_reason.label}, {d.prompt_tokens} prompt + "
                                    f"{d.completion_tokens} output tokens")
-                    yield delta_to_proto(d, transfer_ms)
+                    yield delta_to_proto(d, transfer_ms, bypassed=bool(request.messages))
             finally:
                 if not finished:  # client gone or handler cancelled: free its pages now
                     self.engine.abort(room, "client cancelled", "CANCELLED")
@@ -182,6 +198,16 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             self.engine.unpin(room)  # NOTE: a no-op once submitted (the request took the pin)
             self.streams.discard(room)
             log.info("%s room %d: %s", request.request_id or "-", room, outcome)
+
+    async def _tokenize(self, request) -> list[int]:
+        """A text-only chat's prompt ids (ChatError names what is wrong)."""
+        if self.template is None:
+            raise ChatError("this language instance has no chat template", "messages")
+        if request.encoder_address:
+            raise ChatError("set either messages or encoder_address, not both", "messages")
+        messages = messages_from_proto(request.messages)
+        return await asyncio.get_running_loop().run_in_executor(
+            None, self.template.text_only_ids, messages, self.limits.max_prompt_tokens)
 
     async def Reattach(self, request, context):  # noqa: N802
         ok = self.receiver.reattach(request.room, request.encoder_address)

@@ -60,6 +60,11 @@ class RouterConfig(ServiceSettings):
     affinity_slack: float = Field(
         0.25, ge=0, le=10, description="Image affinity yields once load exceeds mean*(1+slack)+1."
     )
+    encoder_bypass: bool = Field(
+        True, description="Send chats without an image straight to a language instance, "
+        "which tokenizes them itself (no encoder, room or transfer); --no-encoder-bypass "
+        "sends every chat through an encoder.",
+    )
     drain_timeout_s: float = Field(
         10.0, ge=0, le=3600, description="On SIGTERM, wait this long for in-flight requests."
     )

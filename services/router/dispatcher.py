@@ -6,6 +6,9 @@
        └─ E failed (UNAVAILABLE, broken) before delivery: E2 = another encoder,
           L.Reattach(room, E2.address), E2.Encode(room, ...)   (up to `encoder_retries`)
 
+A chat without an image (and `encoder_bypass` on) skips E: L.Generate(room, messages)
+and L tokenizes it itself.
+
 NOTE (leak hazard): every exit path — normal end, error, deadline, caller gone (the
 generator is closed or its task cancelled) — runs the `finally` below, which cancels
 whatever is still in flight and sends L.Abort(room) unless the stream ended normally, so
@@ -191,23 +194,32 @@ class Dispatcher:
         self, req: ChatRequest, start: float, deadline: float, avoid: dict, route: Route
     ) -> AsyncIterator[Piece]:
         hashes = image_hashes(req.messages)
+        bypass = self.cfg.encoder_bypass and not hashes
         lang = self._pick_avoiding("language", (), avoid["language"])
-        enc = self._pick_avoiding("encoder", hashes, avoid["encoder"])
+        enc = None if bypass else self._pick_avoiding("encoder", hashes, avoid["encoder"])
         room = secrets.randbits(63)
         lang.outstanding += 1
         gen_call = lang.stub.Generate(
             language_pb2.LanguageGenerateRequest(
                 room=room,
                 request_id=req.request_id,
-                encoder_address=enc.address,
+                encoder_address=enc.address if enc else "",
+                messages=req.messages if bypass else (),
                 sampling=req.sampling,
                 deadline_unix_ms=int(deadline * 1000),
                 priority=req.priority,
             ),
             timeout=max(0.001, deadline - time.time()),
         )
-        route.language, route.encoder, route.encoder_attempts = lang.address, enc.address, 1
-        encode_task = asyncio.ensure_future(self._encode(req, room, enc, lang, deadline, route))
+        route.language = lang.address
+        if enc is not None:
+            route.encoder, route.encoder_attempts = enc.address, 1
+            encode_task = asyncio.ensure_future(
+                self._encode(req, room, enc, lang, deadline, route))
+        else:  # nothing to deliver: an Encode that is already done, with no answer
+            self.metrics.encoder_bypassed.inc()
+            encode_task = asyncio.get_running_loop().create_future()
+            encode_task.set_result(None)
         stream = gen_call.__aiter__()
         finished = False
         first = True
@@ -249,6 +261,7 @@ class Dispatcher:
                     self.metrics.latency.observe(time.time() - start)
                     if piece.usage:
                         self.metrics.cached_image_tokens.inc(piece.usage.cached_image_tokens)
+                        self.metrics.cached_prompt_tokens.inc(piece.usage.cached_tokens)
                     yield piece
                     return
                 if piece.token_ids or piece.text:

@@ -39,6 +39,14 @@ class RouterMetrics:
             "tandem_router_cached_image_tokens", "Image tokens served from encoder caches.",
             registry=r,
         )
+        self.encoder_bypassed = Counter(
+            "tandem_router_encoder_bypassed", "Text-only chats sent straight to a language "
+            "instance (no encoder).", registry=r,
+        )
+        self.cached_prompt_tokens = Counter(
+            "tandem_router_cached_prompt_tokens",
+            "Prompt tokens served from language instances' prefix caches.", registry=r,
+        )
         self.healthy = Gauge(
             "tandem_router_healthy_instances", "Healthy instances per tier.", ["tier"], registry=r
         )

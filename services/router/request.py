@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from tandem.v1 import common_pb2
 
 # Stage timings (ms) and what the stages skipped: images the encoder did not run through
-# the ViT (inside the language side's cached prefix).
+# the ViT (inside the language side's cached prefix), the whole encoder (a text-only chat).
 TIMING_FIELDS = ("preprocess_ms", "vit_ms", "transfer_ms", "queue_ms", "prefill_ms", "decode_ms",
-                 "skipped_images")
+                 "skipped_images", "encoder_bypassed")
 ENCODER_TIMINGS = ("preprocess_ms", "vit_ms", "transfer_ms", "skipped_images")
 
 

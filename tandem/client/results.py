@@ -32,6 +32,7 @@ class StageTimings:
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
     skipped_images: int = 0  # images whose ViT run the prefix cache made unnecessary
+    encoder_bypassed: bool = False  # a text-only chat: no encoder at all
 
 
 @dataclass
@@ -104,7 +105,8 @@ def add(result: ChatResult, msg: router_pb2.RouterGenerateResponse) -> None:
                              u.cached_image_tokens, u.cached_tokens)
         t = msg.timings
         result.timings = StageTimings(t.preprocess_ms, t.vit_ms, t.transfer_ms, t.queue_ms,
-                                      t.prefill_ms, t.decode_ms, t.skipped_images)
+                                      t.prefill_ms, t.decode_ms, t.skipped_images,
+                                      t.encoder_bypassed)
 
 
 def backoff_s(attempt: int, base: float, cap: float = 5.0) -> float:

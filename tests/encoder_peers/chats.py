@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from services.encoder.chat import ImageInput, Message
+from tandem.chat import ImageInput, Message
 
 
 def png(w: int, h: int, seed: int, fmt: str = "PNG") -> bytes:

@@ -1,0 +1,173 @@
+"""A chat in plain data, and the checkpoint's chat template: what every tier that reads a
+chat shares (the encoder for every chat, the language tier for text-only chats it takes
+directly).
+
+Protos are converted into these dataclasses at the boundary (`messages_from_proto`);
+nothing past it sees a proto. Every refusal is a `ChatError` naming the offending field the
+way the client wrote it (`messages[0].content[1].image`), so one error line tells the
+caller what to fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.errors import ServiceError
+
+ROLES = ("system", "user", "assistant")
+
+
+class ChatError(ServiceError):
+    """A refusal: `code` is a gRPC status code name, `field` the part of the request it
+    concerns (empty when the whole request is meant).
+
+    Every per-request limit (image bytes, pixels, image count, prompt tokens) is an
+    INVALID_ARGUMENT: the request itself is too big and retrying it elsewhere cannot help.
+    RESOURCE_EXHAUSTED is kept for server capacity, UNAVAILABLE for a draining server.
+    """
+
+    code = "INVALID_ARGUMENT"
+
+    def __init__(self, message: str, field: str = "", code: str | None = None) -> None:
+        super().__init__(message, code)
+        self.field = field
+
+    @property
+    def detail(self) -> str:
+        """The status message the client sees: the field first, then what is wrong."""
+        return f"{self.field}: {self.message}" if self.field else self.message
+
+
+def invalid(field: str, message: str) -> ChatError:
+    return ChatError(message, field)
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """One image as the client gave it: exactly one of `data` and `url` is set.
+
+    min_pixels / max_pixels: per-image overrides, 0 = the server's bounds (overrides are
+    clamped into the server's [min_pixels, max_pixels], never loosened).
+    """
+
+    data: bytes | None = None
+    url: str | None = None
+    min_pixels: int = 0
+    max_pixels: int = 0
+
+
+@dataclass(frozen=True)
+class Message:
+    """One chat message; `parts` holds text (`str`) and images (`ImageInput`) in order."""
+
+    role: str
+    parts: tuple[str | ImageInput, ...]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-request limits (0 = the server's)."""
+
+    max_prompt_tokens: int = 0
+    max_images: int = 0
+
+
+def messages_from_proto(msgs) -> list[Message]:
+    """`repeated ChatMessage` -> `[Message]`; refuses unknown roles and empty parts."""
+    if not msgs:
+        raise invalid("messages", "the chat has no messages")
+    out: list[Message] = []
+    for i, m in enumerate(msgs):
+        if m.role not in ROLES:
+            raise invalid(f"messages[{i}].role", f"role {m.role!r} is not one of {ROLES}")
+        parts: list[str | ImageInput] = []
+        for j, p in enumerate(m.content):
+            kind = p.WhichOneof("part")
+            where = f"messages[{i}].content[{j}]"
+            if kind == "text":
+                parts.append(p.text)
+            elif kind == "image":
+                img = p.image
+                src = img.WhichOneof("source")
+                if src is None:
+                    raise invalid(f"{where}.image", "image has neither data nor url")
+                if img.min_pixels < 0 or img.max_pixels < 0:
+                    raise invalid(f"{where}.image", "min_pixels/max_pixels must be >= 0")
+                parts.append(
+                    ImageInput(
+                        data=img.data if src == "data" else None,
+                        url=img.url if src == "url" else None,
+                        min_pixels=img.min_pixels,
+                        max_pixels=img.max_pixels,
+                    )
+                )
+            else:
+                raise invalid(where, "content part is empty (neither text nor image)")
+        out.append(Message(role=m.role, parts=tuple(parts)))
+    return out
+
+
+# Tokens a client's text may not spell. NOTE: control tokens come only from the chat
+# template. Image placeholders would desynchronise image tokens; a user closing its turn
+# with <|im_end|> could open a system turn. The checkpoint's own special tokens are added
+# to these at start-up (`ChatTemplate.reserved`).
+_RESERVED = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+
+
+class ChatTemplate:
+    """The checkpoint's chat template and tokenizer (from its processor): chat -> prompt
+    token ids, each image placeholder expanded to its image's token count. Thread-safe."""
+
+    def __init__(self, processor) -> None:
+        self.processor = processor
+        self.image_token: str = processor.image_token
+        self.image_token_id: int = processor.image_token_id
+        added = getattr(processor.tokenizer, "added_tokens_decoder", {}).values()
+        self.reserved = tuple(sorted(set(_RESERVED) | {t.content for t in added if t.special}))
+
+    def split(self, messages: list[Message]) -> tuple[list[dict], list[tuple[str, ImageInput]]]:
+        """(the chat as the template's message dicts, its images with their field names);
+        refuses text that spells a reserved token."""
+        hf_messages, images = [], []
+        for i, m in enumerate(messages):
+            content = []
+            for j, p in enumerate(m.parts):
+                where = f"messages[{i}].content[{j}]"
+                if isinstance(p, ImageInput):
+                    images.append((f"{where}.image", p))
+                    content.append({"type": "image"})
+                else:
+                    for tok in self.reserved:
+                        if tok in p:
+                            raise invalid(f"{where}.text", f"text contains reserved token {tok}")
+                    content.append({"type": "text", "text": p})
+            hf_messages.append({"role": m.role, "content": content})
+        return hf_messages, images
+
+    def token_ids(self, messages: list[Message], hf_messages: list[dict],
+                  image_tokens: list[int], max_tokens: int) -> list[int]:
+        """The prompt's ids: the template rendered (with the generation prompt unless the
+        chat ends with an assistant turn), image i's placeholder repeated image_tokens[i]
+        times; refuses a prompt over `max_tokens`."""
+        text = self.processor.apply_chat_template(
+            hf_messages, tokenize=False, add_generation_prompt=messages[-1].role != "assistant"
+        )
+        pieces = text.split(self.image_token)
+        if len(pieces) != len(image_tokens) + 1:  # the template dropped or duplicated an image
+            raise invalid("messages", "the chat template does not place every image")
+        expanded = pieces[0]
+        for n, piece in zip(image_tokens, pieces[1:], strict=True):
+            expanded += self.image_token * n + piece
+        ids = self.processor.tokenizer(expanded)["input_ids"]
+        if len(ids) > max_tokens:
+            raise invalid(
+                "messages", f"the prompt is {len(ids)} tokens, over the limit of {max_tokens}"
+            )
+        return ids
+
+    def text_only_ids(self, messages: list[Message], max_tokens: int) -> list[int]:
+        """A chat without images -> its prompt ids (an image is refused)."""
+        hf_messages, images = self.split(messages)
+        if images:
+            raise invalid(images[0][0], "this path takes text-only chats")
+        return self.token_ids(messages, hf_messages, [], max_tokens)
