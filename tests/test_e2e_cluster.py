@@ -8,7 +8,9 @@ a client that disconnects mid-stream frees the language pages within 1 s; 200 co
 requests succeed and leave every block and page free; kill -9 of an encoder under load
 gives each request an answer or a clear error before its deadline and the cluster keeps
 serving; kill -9 of a language instance mid-stream ends that stream with an error event
-and the other instance serves what follows; Ctrl-C of `tandem up` leaves no process behind.
+and the other instance serves what follows; every turn of a conversation reaches the
+language instance whose prefix cache holds its earlier turns; Ctrl-C of `tandem up`
+leaves no process behind.
 """
 
 from __future__ import annotations
@@ -344,6 +346,24 @@ def test_kill9_language_mid_stream_ends_with_error_event(cluster):
     assert all(_ok(r) for r in after), after
 
 
+def test_conversation_turns_reach_the_language_instance_holding_their_prefix(cluster):
+    client = openai_client(cluster)
+    for conv in range(3):
+        image_turn = openai_messages("What is it?", [(30 + conv, (56, 56))])[0]
+        history = [{"role": "system", "content": f"Conversation {conv}. " * 30}, image_turn]
+        langs, cached = [], []
+        for turn in range(3):
+            r = client.chat.completions.create(model="", messages=history, max_tokens=4,
+                                               temperature=0)
+            langs.append(r.model_extra["tandem"]["language"])
+            cached.append(r.usage.prompt_tokens_details.cached_tokens)
+            history += [{"role": "assistant", "content": r.choices[0].message.content},
+                        {"role": "user", "content": f"And {turn}?"}]
+        assert len(set(langs)) == 1, langs  # an idle cluster: affinity is never overruled
+        assert cached[0] == 0  # its system prompt differs from the others' in page 0
+        assert all(c > 0 for c in cached[1:]), cached
+
+
 def test_request_id_is_echoed_and_greps_across_the_three_tiers(cluster):
     url = cluster.http_url + "/v1/chat/completions"
     # with an image, so it crosses all three tiers (a text-only chat skips the encoder)
@@ -375,3 +395,4 @@ def test_ctrl_c_stops_every_child(cluster):
     _, alive = psutil.wait_procs(children, timeout=5)
     assert alive == [], alive
     assert "[up] stopped" in cluster.log_text()
+

@@ -160,3 +160,33 @@ def test_round_robin_per_tier_alternates_each_tier():
         lang.pick(cands(0, 0))
         picks.append(enc.pick(cands(0, 0)))
     assert Counter(picks) == {"10.0.0.0:50061": 2, "10.0.0.1:50061": 2}
+
+
+def _chat(*turns: tuple[str, str]):
+    from tandem.v1 import common_pb2
+
+    return [common_pb2.ChatMessage(role=r, content=[common_pb2.ContentPart(text=t)])
+            for r, t in turns]
+
+
+def test_conversation_key_follows_the_conversation_and_picks_its_language_instance():
+    from services.router.request import conversation_key
+
+    sys, first = ("system", "Be brief."), ("user", "Hello")
+    turn1 = _chat(sys, first)
+    turn3 = _chat(sys, first, ("assistant", "Hi"), ("user", "More"), ("assistant", "Ok"),
+                  ("user", "Again"))
+    assert conversation_key(turn1) == conversation_key(turn3)
+    assert conversation_key(_chat(sys, ("user", "Other"))) != conversation_key(turn1)
+    assert conversation_key(_chat(("system", "Be long."), first)) != conversation_key(turn1)
+    # every turn goes to the same instance while it is not overloaded ...
+    s = Selector()
+    key = conversation_key(turn1)
+    home = s.pick(cands(0, 0, 0, 0), [key])
+    assert all(s.pick(cands(1, 1, 1, 1), [conversation_key(turn3)]) == home for _ in range(5))
+    # ... and elsewhere once it is (bounded load), and conversations spread
+    busy = [Candidate(c.address, 20 if c.address == home else 0) for c in cands(0, 0, 0, 0)]
+    assert s.pick(busy, [key]) != home
+    homes = {s.pick(cands(0, 0, 0, 0), [conversation_key(_chat(sys, ("user", str(i))))])
+             for i in range(40)}
+    assert len(homes) == 4

@@ -1,6 +1,7 @@
 """The request life cycle: pick E and L, open the room, relay tokens, retry, clean up.
 
-    pick L (least load), E (image affinity); room = random 63-bit id
+    pick L (conversation affinity), E (image affinity), both bounded by load;
+    room = random 63-bit id
     L.Generate(room, E.address, sampling, deadline) ──▶ token stream ──▶ Piece, Piece, ...
     E.Encode(room, messages, deadline)  (concurrently; returns once the prompt is delivered)
        └─ E failed (UNAVAILABLE, broken) before delivery: E2 = another encoder,
@@ -43,6 +44,7 @@ from services.router.request import (
     Piece,
     Route,
     Usage,
+    conversation_key,
     image_hashes,
 )
 from services.router.selection import NoInstanceError, Selector
@@ -195,7 +197,8 @@ class Dispatcher:
     ) -> AsyncIterator[Piece]:
         hashes = image_hashes(req.messages)
         bypass = self.cfg.encoder_bypass and not hashes
-        lang = self._pick_avoiding("language", (), avoid["language"])
+        lang = self._pick_avoiding("language", [conversation_key(req.messages)],
+                                   avoid["language"])
         enc = None if bypass else self._pick_avoiding("encoder", hashes, avoid["encoder"])
         room = secrets.randbits(63)
         lang.outstanding += 1

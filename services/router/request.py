@@ -71,6 +71,18 @@ class Piece:
     route: Route | None = None
 
 
+def conversation_key(messages: list[common_pb2.ChatMessage]) -> str:
+    """The language-affinity key of a chat: a hash of its system messages and its first
+    user message (text and images). Every later turn of the conversation starts with
+    them, so it maps to the instance whose prefix cache holds the earlier turns."""
+    h = hashlib.sha256()
+    for m in messages:
+        h.update(m.SerializeToString(deterministic=True))
+        if m.role == "user":
+            break
+    return h.hexdigest()
+
+
 def image_hashes(messages: list[common_pb2.ChatMessage]) -> list[str]:
     """sha256 of each image's raw bytes (or of its URL) in order: the affinity keys."""
     out = []

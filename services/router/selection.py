@@ -1,14 +1,16 @@
-"""Instance selection on plain data: least outstanding work, image-hash affinity, round-robin.
+"""Instance selection on plain data: least outstanding work, affinity, round-robin.
 
 The policy never talks to the network. It sees `Candidate`s (address + a load figure that
 already merges the instance's last GetLoad report with the router's own outstanding
 requests) and answers one question: which instance gets this request.
 
-Affinity is consistent hashing with bounded loads: every image hash ranks the encoders by
-rendezvous (highest-random-weight) score, so adding or removing an encoder only moves the
-images that hashed to it. The request goes to the encoder most of its images prefer, unless
-that encoder's load exceeds `bound = ceil(mean_load * (1 + slack)) + 1`; then the next
-encoder in the first image's ranking within the bound, else plain least-load.
+Affinity is consistent hashing with bounded loads over a request's affinity keys — its
+image hashes for encoders (whose embedding caches hold images), its conversation key for
+language instances (whose prefix caches hold conversations): every key ranks the instances
+by rendezvous (highest-random-weight) score, so adding or removing an instance only moves
+the keys that hashed to it. The request goes to the instance most of its keys prefer,
+unless that instance's load exceeds `bound = ceil(mean_load * (1 + slack)) + 1`; then the
+next instance in the first key's ranking within the bound, else plain least-load.
 """
 
 from __future__ import annotations
@@ -62,18 +64,19 @@ class Selector:
     def pick(
         self,
         candidates: Sequence[Candidate],
-        image_hashes: Sequence[str] = (),
+        keys: Sequence[str] = (),
         exclude: frozenset[str] | set[str] = frozenset(),
     ) -> str:
-        """Address of the chosen instance; `exclude` lists addresses already tried."""
+        """Address of the chosen instance for affinity `keys`; `exclude` lists addresses
+        already tried."""
         pool = [c for c in candidates if c.address not in exclude]
         if not pool:
             raise NoInstanceError("no healthy instance available")
         pool.sort(key=lambda c: c.address)  # deterministic tie-breaks
         if self.policy == "round_robin":
             return pool[next(self._rr) % len(pool)].address
-        if image_hashes:
-            target = self._affinity(pool, image_hashes)
+        if keys:
+            target = self._affinity(pool, keys)
             if target is not None:
                 return target
         return self._least_load(pool)
@@ -85,17 +88,17 @@ class Selector:
         # next load report does not all land on the first address.
         return tied[next(self._rr) % len(tied)].address
 
-    def _affinity(self, pool: Sequence[Candidate], image_hashes: Sequence[str]) -> str | None:
+    def _affinity(self, pool: Sequence[Candidate], keys: Sequence[str]) -> str | None:
         loads = {c.address: c.load for c in pool}
         bound = load_bound(pool, self.affinity_slack)
         addresses = list(loads)
-        votes = Counter(rendezvous_order(h, addresses)[0] for h in image_hashes)
-        # Most-preferred first; ties broken by the first image's ranking.
-        first_rank = {a: i for i, a in enumerate(rendezvous_order(image_hashes[0], addresses))}
+        votes = Counter(rendezvous_order(h, addresses)[0] for h in keys)
+        # Most-preferred first; ties broken by the first key's ranking.
+        first_rank = {a: i for i, a in enumerate(rendezvous_order(keys[0], addresses))}
         for addr in sorted(votes, key=lambda a: (-votes[a], first_rank[a])):
             if loads[addr] <= bound:
                 return addr
-        for addr in rendezvous_order(image_hashes[0], addresses):
+        for addr in rendezvous_order(keys[0], addresses):
             if loads[addr] <= bound:
                 return addr
         return None
