@@ -22,6 +22,14 @@ def test_parse_args_rejects_zero_instances(capsys):
     assert "--encoders" in capsys.readouterr().err
 
 
+def test_tier_args_may_start_with_a_dash():
+    # `tandem up --language-args "--no-prefix-cache"`: a value that is itself a flag
+    a = parse_args(["--language-args", "--no-prefix-cache --kv-pages 64",
+                    "--router-args=--no-encoder-bypass", "--encoder-args", "--max-images 2"])
+    assert a.language_args == "--no-prefix-cache --kv-pages 64"
+    assert a.router_args == "--no-encoder-bypass" and a.encoder_args == "--max-images 2"
+
+
 def test_plan_gives_distinct_ports_and_transfer_ranges():
     args = parse_args(["--model", "/m", "--encoders", "2", "--languages", "3",
                        "--language-args", "--default-reservation-tokens 64", "--api-key", "k"])

@@ -67,6 +67,23 @@ def transfer_ranges(n: int) -> list[tuple[int, int]]:
     raise RuntimeError("no free port window for the transfer engines")
 
 
+_TIER_ARGS = ("--encoder-args", "--language-args", "--router-args")
+
+
+def _glue_tier_args(argv: list[str]) -> list[str]:
+    """`--language-args "--tp 2"` -> `--language-args=--tp 2`: argparse would take a value
+    that starts with a dash for an option of its own."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in _TIER_ARGS and i + 1 < len(argv):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The cluster flags; `tandem up --ray` takes its own flags out first, then calls this."""
     p = argparse.ArgumentParser(
@@ -91,7 +108,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ready-timeout", type=float, default=300.0, help="Seconds to get ready.")
     p.add_argument("--stop-timeout", type=float, default=15.0,
                    help="Seconds each child gets to drain before it is killed.")
-    args = p.parse_args(argv)
+    args = p.parse_args(_glue_tier_args(argv))
     if args.encoders < 1 or args.languages < 1:
         p.error("--encoders and --languages must be >= 1")
     return args

@@ -1,0 +1,260 @@
+"""Reuse across turns: the prefix cache on vs off, and text-only chats with vs without the
+encoder, each pair side by side in one run on fresh `tandem up` clusters.
+
+    .venv/bin/python bench/reuse.py [--size small] [--conversations 8] [--turns 6]
+                                    [--max-tokens 16] [--text-requests 12] [--runs 3]
+                                    [--out bench/results/reuse.md]
+
+Multi-turn workload: `--conversations` chats run concurrently, each `--turns` turns in
+sequence; every chat starts with the same system prompt (~300 tokens) and a user turn with
+one 224x224 image (its own), later user turns are one short sentence, and each assistant
+reply (temperature 0, `--max-tokens` tokens) goes back into the history. Reported per
+cluster: TTFT p50/p99 of turns 2.. (where reuse can help) and of all turns, requests/s,
+prompt tokens served from the prefix cache, and payload bytes the encoder wrote per
+request (its transfer byte counter).
+
+Text-only workload: `--text-requests` chats of ~600 distinct tokens each (no image), one
+at a time: TTFT p50 through the language tier directly (the router's encoder bypass) and
+through an encoder (`--no-encoder-bypass`).
+
+Clusters (1 encoder + 1 language, float32 CPU): default; `--no-prefix-cache` on the
+language tier; `--no-encoder-bypass` on the router. Each run starts all three fresh (cold
+caches), in alternating order; medians over `--runs` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import random
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from latency import pct  # noqa: E402  (bench/, the script's own folder)
+
+from tandem.launch.cluster import LocalCluster  # noqa: E402
+from tandem.launch.procs import free_port  # noqa: E402
+
+SYSTEM = ("You are a meticulous visual assistant. Describe what you see precisely, name "
+          "colours and shapes, and keep each answer short and factual. ") * 9
+FOLLOW_UPS = ["What colour stands out most?", "Is there any text in it?", "Describe the "
+              "top-left corner.", "How many distinct shapes are there?", "Summarise it."]
+CONFIGS = {
+    "cache on": {},
+    "cache off": {"language_args": "--no-prefix-cache"},
+    "encoder path": {"router_args": "--no-encoder-bypass"},
+}
+
+
+def png(seed: int) -> str:
+    from PIL import Image
+
+    rng = random.Random(seed)
+    img = Image.frombytes("RGB", (224, 224), bytes(rng.getrandbits(8) for _ in range(224 * 224 * 3)))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def scrape(port: int) -> dict[str, float]:
+    import httpx
+
+    out = {}
+    for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text.splitlines():
+        m = re.match(r"^([a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+async def stream_chat(http, url: str, messages: list, max_tokens: int) -> dict:
+    body = {"model": "", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first, text, usage = None, "", {}
+    async with http.stream("POST", url, json=body) as resp:
+        if resp.status_code != 200:
+            return {"failed": True}
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                return {"failed": True}
+            if ev.get("choices") and ev["choices"][0]["delta"].get("content"):
+                first = first or time.perf_counter()
+                text += ev["choices"][0]["delta"]["content"]
+            usage = ev.get("usage") or usage
+    if first is None:
+        return {"failed": True}
+    return {"failed": False, "ttft": first - t0, "text": text,
+            "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
+
+
+async def multi_turn(url: str, run: int, conversations: int, turns: int, max_tokens: int):
+    import httpx
+
+    by_turn: list[list[float]] = [[] for _ in range(turns)]
+    cached, failures = [], 0
+
+    async def conversation(http, c: int) -> None:
+        nonlocal failures
+        history = [{"role": "system", "content": SYSTEM},
+                   {"role": "user", "content": [
+                       {"type": "image_url", "image_url": {"url": png(run * 1000 + c)}},
+                       {"type": "text", "text": "What is in this picture?"}]}]
+        for t in range(turns):
+            r = await stream_chat(http, url, history, max_tokens)
+            if r["failed"]:
+                failures += 1
+                return
+            by_turn[t].append(r["ttft"])
+            cached.append(r["cached"])
+            history += [{"role": "assistant", "content": r["text"]},
+                        {"role": "user", "content": FOLLOW_UPS[t % len(FOLLOW_UPS)]}]
+
+    async with httpx.AsyncClient(timeout=600) as http:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(conversation(http, c) for c in range(conversations)))
+        wall = time.perf_counter() - t0
+    n = sum(len(x) for x in by_turn)
+    return {"later": [x for xs in by_turn[1:] for x in xs], "all": [x for xs in by_turn for x in xs],
+            "rps": n / wall, "cached": sum(cached) / max(n, 1), "requests": n,
+            "failures": failures}
+
+
+async def text_only(url: str, run: int, n: int) -> dict:
+    import httpx
+
+    words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta"]
+    ttft, failures = [], 0
+    async with httpx.AsyncClient(timeout=600) as http:
+        for i in range(n):
+            rng = random.Random(run * 7919 + i)
+            text = f"Note {run}-{i}: " + " ".join(rng.choice(words) for _ in range(300))
+            r = await stream_chat(http, url, [{"role": "user", "content": text}], 2)
+            if r["failed"]:
+                failures += 1
+            else:
+                ttft.append(r["ttft"])
+    return {"ttft": ttft, "failures": failures}
+
+
+def one_cluster(model_dir: Path, name: str, run: int, args) -> dict:
+    enc_port = free_port()
+    kw = CONFIGS[name]
+    cluster = LocalCluster(str(model_dir), encoders=1, languages=1,
+                           encoder_args=f"--metrics-port {enc_port}",
+                           language_args=kw.get("language_args", ""),
+                           router_args=kw.get("router_args", ""))
+    out: dict = {}
+    with cluster:
+        url = cluster.http_url + "/v1/chat/completions"
+        asyncio.run(text_only(url, -1 - run, 2))  # warm-up (distinct prompts: nothing cached)
+        if name in ("cache on", "cache off"):
+            before = scrape(enc_port)
+            out["mt"] = asyncio.run(multi_turn(url, run, args.conversations, args.turns,
+                                               args.max_tokens))
+            after = scrape(enc_port)
+            key = 'tandem_transfer_bytes_total{side="encoder"}'
+            out["mt"]["bytes"] = (after.get(key, 0) - before.get(key, 0)) / out["mt"]["requests"]
+        if name in ("cache on", "encoder path"):
+            out["text"] = asyncio.run(text_only(url, run, args.text_requests))
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl"])
+    p.add_argument("--size", default="small", choices=["tiny", "small"])
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--text-requests", type=int, default=12)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "reuse.md"))
+    args = p.parse_args()
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import build_checkpoint
+
+    model_dir = build_checkpoint(args.arch, args.size)
+    results: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+    for run in range(args.runs):
+        order = list(CONFIGS) if run % 2 == 0 else list(reversed(CONFIGS))
+        for name in order:
+            results[name].append(one_cluster(model_dir, name, run, args))
+            print(f"run {run}: {name} done", flush=True)
+
+    med = statistics.median
+
+    def mt(name: str, f) -> float:
+        return med(f(r["mt"]) for r in results[name])
+
+    def row(name: str) -> str:
+        return (f"| {name} | {mt(name, lambda m: pct(m['later'], .5)) * 1e3:.0f} | "
+                f"{mt(name, lambda m: pct(m['later'], .99)) * 1e3:.0f} | "
+                f"{mt(name, lambda m: pct(m['all'], .5)) * 1e3:.0f} | "
+                f"{mt(name, lambda m: m['rps']):.2f} | {mt(name, lambda m: m['cached']):.0f} | "
+                f"{mt(name, lambda m: m['bytes']) / 1e3:.0f} | "
+                f"{sum(r['mt']['failures'] for r in results[name])} |")
+
+    on_later = mt("cache on", lambda m: pct(m["later"], .5))
+    off_later = mt("cache off", lambda m: pct(m["later"], .5))
+    by = {n: med(pct(r["text"]["ttft"], .5) for r in results[n])
+          for n in ("cache on", "encoder path")}
+    lines = [
+        f"# Reuse benchmark ({args.arch}, `{args.size}` preset, CPU)",
+        "",
+        f"Multi-turn: {args.conversations} conversations x {args.turns} turns, concurrent "
+        f"conversations, sequential turns; shared system prompt, one 224x224 image in the "
+        f"first turn, short follow-ups, {args.max_tokens}-token replies fed back. 1 encoder "
+        f"+ 1 language, fresh clusters, alternating order, median of {args.runs} runs. "
+        f"Machine: {_machine()}.",
+        "",
+        "| language prefix cache | TTFT p50 turns 2+ ms | TTFT p99 turns 2+ ms | TTFT p50 all "
+        "ms | req/s | cached prompt tokens / req | encoder payload KB / req | failures |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        row("cache on"),
+        row("cache off"),
+        "",
+        f"TTFT p50 of turns 2+, cache on / off: **{on_later / off_later:.2f}**.",
+        "",
+        f"Text-only: {args.text_requests} distinct ~600-token chats, one at a time, 2 tokens.",
+        "",
+        "| path | TTFT p50 ms | failures |",
+        "| --- | ---: | ---: |",
+        f"| straight to the language tier (encoder bypass) | {by['cache on'] * 1e3:.0f} | "
+        f"{sum(r['text']['failures'] for r in results['cache on'])} |",
+        f"| through the encoder (`--no-encoder-bypass`) | {by['encoder path'] * 1e3:.0f} | "
+        f"{sum(r['text']['failures'] for r in results['encoder path'])} |",
+        "",
+        f"TTFT p50 bypass / encoder path: **{by['cache on'] / by['encoder path']:.2f}**.",
+        "",
+        "Regenerate: `.venv/bin/python bench/reuse.py` (options: `--help`).",
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text)
+    return 0
+
+
+def _machine() -> str:
+    import os
+    import platform
+
+    return f"{platform.machine()}, {os.cpu_count()} CPUs (shared), {platform.python_version()}"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
