@@ -13,9 +13,9 @@ cluster: TTFT p50/p99 of turns 2.. (where reuse can help) and of all turns, requ
 prompt tokens served from the prefix cache, and payload bytes the encoder wrote per
 request (its transfer byte counter).
 
-Text-only workload: `--text-requests` chats of ~600 distinct tokens each (no image), one
-at a time: TTFT p50 through the language tier directly (the router's encoder bypass) and
-through an encoder (`--no-encoder-bypass`).
+Text-only workload: `--text-requests` distinct chats (no image) of each size, short (a
+sentence) and long (~300 words), one at a time: TTFT p50 through the language tier
+directly (the router's encoder bypass) and through an encoder (`--no-encoder-bypass`).
 
 Clusters (1 encoder + 1 language, float32 CPU): default; `--no-prefix-cache` on the
 language tier; `--no-encoder-bypass` on the router. Each run starts all three fresh (cold
@@ -48,6 +48,7 @@ SYSTEM = ("You are a meticulous visual assistant. Describe what you see precisel
           "colours and shapes, and keep each answer short and factual. ") * 9
 FOLLOW_UPS = ["What colour stands out most?", "Is there any text in it?", "Describe the "
               "top-left corner.", "How many distinct shapes are there?", "Summarise it."]
+TEXT_SIZES = {"short": 12, "long": 300}  # words of a text-only chat
 CONFIGS = {
     "cache on": {},
     "cache off": {"language_args": "--no-prefix-cache"},
@@ -76,6 +77,11 @@ def scrape(port: int) -> dict[str, float]:
     return out
 
 
+def _failed(why: str) -> dict:
+    print(f"request failed: {why}", file=sys.stderr, flush=True)
+    return {"failed": True}
+
+
 async def stream_chat(http, url: str, messages: list, max_tokens: int) -> dict:
     body = {"model": "", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
@@ -83,19 +89,21 @@ async def stream_chat(http, url: str, messages: list, max_tokens: int) -> dict:
     first, text, usage = None, "", {}
     async with http.stream("POST", url, json=body) as resp:
         if resp.status_code != 200:
-            return {"failed": True}
+            return _failed(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             ev = json.loads(line[6:])
             if "error" in ev:
-                return {"failed": True}
-            if ev.get("choices") and ev["choices"][0]["delta"].get("content"):
+                return _failed(f"stream error: {ev['error']}")
+            choice = (ev.get("choices") or [{}])[0]
+            # the first token: text, or an answer that ends at once (EOS: no text at all)
+            if (choice.get("delta") or {}).get("content") or choice.get("finish_reason"):
                 first = first or time.perf_counter()
-                text += ev["choices"][0]["delta"]["content"]
+                text += choice["delta"].get("content") or ""
             usage = ev.get("usage") or usage
     if first is None:
-        return {"failed": True}
+        return _failed(f"no answer (usage {usage})")
     return {"failed": False, "ttft": first - t0, "text": text,
             "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
 
@@ -132,7 +140,7 @@ async def multi_turn(url: str, run: int, conversations: int, turns: int, max_tok
             "failures": failures}
 
 
-async def text_only(url: str, run: int, n: int) -> dict:
+async def text_only(url: str, run: int, n: int, n_words: int) -> dict:
     import httpx
 
     words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta"]
@@ -140,7 +148,7 @@ async def text_only(url: str, run: int, n: int) -> dict:
     async with httpx.AsyncClient(timeout=600) as http:
         for i in range(n):
             rng = random.Random(run * 7919 + i)
-            text = f"Note {run}-{i}: " + " ".join(rng.choice(words) for _ in range(300))
+            text = f"Note {run}-{i}: " + " ".join(rng.choice(words) for _ in range(n_words))
             r = await stream_chat(http, url, [{"role": "user", "content": text}], 2)
             if r["failed"]:
                 failures += 1
@@ -159,7 +167,7 @@ def one_cluster(model_dir: Path, name: str, run: int, args) -> dict:
     out: dict = {}
     with cluster:
         url = cluster.http_url + "/v1/chat/completions"
-        asyncio.run(text_only(url, -1 - run, 2))  # warm-up (distinct prompts: nothing cached)
+        asyncio.run(text_only(url, -1 - run, 2, 8))  # warm-up (distinct prompts: nothing cached)
         if name in ("cache on", "cache off"):
             before = scrape(enc_port)
             out["mt"] = asyncio.run(multi_turn(url, run, args.conversations, args.turns,
@@ -168,7 +176,8 @@ def one_cluster(model_dir: Path, name: str, run: int, args) -> dict:
             key = 'tandem_transfer_bytes_total{side="encoder"}'
             out["mt"]["bytes"] = (after.get(key, 0) - before.get(key, 0)) / out["mt"]["requests"]
         if name in ("cache on", "encoder path"):
-            out["text"] = asyncio.run(text_only(url, run, args.text_requests))
+            out["text"] = {size: asyncio.run(text_only(url, run, args.text_requests, words))
+                           for size, words in TEXT_SIZES.items()}
     return out
 
 
@@ -210,8 +219,10 @@ def main() -> int:
 
     on_later = mt("cache on", lambda m: pct(m["later"], .5))
     off_later = mt("cache off", lambda m: pct(m["later"], .5))
-    by = {n: med(pct(r["text"]["ttft"], .5) for r in results[n])
-          for n in ("cache on", "encoder path")}
+    by = {(n, size): med(pct(r["text"][size]["ttft"], .5) for r in results[n])
+          for n in ("cache on", "encoder path") for size in TEXT_SIZES}
+    fails = {n: sum(r["text"][size]["failures"] for r in results[n] for size in TEXT_SIZES)
+             for n in ("cache on", "encoder path")}
     lines = [
         f"# Reuse benchmark ({args.arch}, `{args.size}` preset, CPU)",
         "",
@@ -229,16 +240,22 @@ def main() -> int:
         "",
         f"TTFT p50 of turns 2+, cache on / off: **{on_later / off_later:.2f}**.",
         "",
-        f"Text-only: {args.text_requests} distinct ~600-token chats, one at a time, 2 tokens.",
+        f"Text-only: {args.text_requests} distinct chats per size (short: "
+        f"{TEXT_SIZES['short']} words, long: {TEXT_SIZES['long']} words), one at a time, "
+        f"2 tokens each.",
         "",
-        "| path | TTFT p50 ms | failures |",
-        "| --- | ---: | ---: |",
-        f"| straight to the language tier (encoder bypass) | {by['cache on'] * 1e3:.0f} | "
-        f"{sum(r['text']['failures'] for r in results['cache on'])} |",
-        f"| through the encoder (`--no-encoder-bypass`) | {by['encoder path'] * 1e3:.0f} | "
-        f"{sum(r['text']['failures'] for r in results['encoder path'])} |",
+        "| path | TTFT p50 short ms | TTFT p50 long ms | failures |",
+        "| --- | ---: | ---: | ---: |",
+        f"| straight to the language tier (encoder bypass) | "
+        f"{by['cache on', 'short'] * 1e3:.0f} | {by['cache on', 'long'] * 1e3:.0f} | "
+        f"{fails['cache on']} |",
+        f"| through the encoder (`--no-encoder-bypass`) | "
+        f"{by['encoder path', 'short'] * 1e3:.0f} | {by['encoder path', 'long'] * 1e3:.0f} | "
+        f"{fails['encoder path']} |",
         "",
-        f"TTFT p50 bypass / encoder path: **{by['cache on'] / by['encoder path']:.2f}**.",
+        "TTFT p50 bypass / encoder path: short "
+        f"**{by['cache on', 'short'] / by['encoder path', 'short']:.2f}**, long "
+        f"**{by['cache on', 'long'] / by['encoder path', 'long']:.2f}**.",
         "",
         "Regenerate: `.venv/bin/python bench/reuse.py` (options: `--help`).",
     ]

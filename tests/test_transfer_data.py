@@ -20,6 +20,8 @@ sys.path.insert(0, str(Path(__file__).parent / "transfer_peers"))
 from harness import Peer, make_engine, make_receiver, release_all, start_sender  # noqa: E402
 from peerlib import digest, make_payload  # noqa: E402
 
+from tandem.transfer import TransferError  # noqa: E402
+
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
@@ -73,6 +75,48 @@ async def test_resumes_bit_exact(encoder, n, resumes):
     rx = make_receiver(engine, cfg, blocks=8, block_size=16, reserve=64)
     sent = await _roundtrip(rx, encoder, 200 + n, n, seed=7 * n)
     assert sent["resumes"] == resumes
+    await _clean(rx, encoder)
+
+
+@pytest.mark.parametrize("n,cached,resumes", [(40, 32, 0), (300, 48, 2), (100, 0, 1)])
+async def test_announce_then_only_the_uncached_rest_with_resumes(encoder, n, cached, resumes):
+    # The language side holds `cached` leading tokens: the encoder sends the other
+    # n - cached (resumed past the 64 reserved), every count is of that rest.
+    engine, cfg = make_engine(timeout_s=5)
+    seen = []
+
+    def on_prompt(room, info):
+        seen.append(info)
+        return cached
+
+    rx = make_receiver(engine, cfg, blocks=8, block_size=16, reserve=64)
+    rx.on_prompt = on_prompt
+    room = 500 + n
+    task = asyncio.create_task(rx.receive(room, encoder.ready["address"]))
+    encoder.send(op="announce_send", room=room, tokens=n, seed=n, images=[[4, 8, "ab" * 32]])
+    got = await asyncio.wait_for(task, 30)
+    sent = await encoder.wait(lambda e: e["event"] == "sent" and e["room"] == room)
+    want = make_payload(n, 32, "float32", n)
+    assert sent["ok"] and sent["cached"] == cached and sent["resumes"] == resumes, sent
+    assert got.start == cached and got.num_tokens == n - cached and got.end == n
+    assert got.info == seen[0] and got.info.token_ids == want.fill_ids.tolist()
+    assert got.info.images[0].hash == "ab" * 32
+    assert torch.equal(got.input_embeds, want.input_embeds[cached:])
+    assert torch.equal(got.mrope_positions, want.mrope_positions[:, cached:])
+    assert got.mrope_delta == want.mrope_delta
+    await _clean(rx, encoder)
+
+
+async def test_announce_answer_beyond_the_prompt_fails_the_room(encoder):
+    engine, cfg = make_engine(timeout_s=5)
+    rx = make_receiver(engine, cfg, blocks=8, block_size=16, reserve=64)
+    rx.on_prompt = lambda room, info: len(info.token_ids)  # would leave nothing to send
+    task = asyncio.create_task(rx.receive(601, encoder.ready["address"]))
+    encoder.send(op="announce_send", room=601, tokens=20, seed=1, images=[])
+    with pytest.raises(TransferError) as e:
+        await asyncio.wait_for(task, 30)
+    sent = await encoder.wait(lambda e: e["event"] == "sent" and e["room"] == 601)
+    assert not sent["ok"] and e.value.code == "INVALID_ARGUMENT"
     await _clean(rx, encoder)
 
 

@@ -36,6 +36,7 @@ from tandem.transfer import (  # noqa: E402
     TransferError,
 )
 from tandem.transfer.buffers import DTYPES  # noqa: E402
+from tandem.transfer.payload import ImageSpan, PromptInfo  # noqa: E402
 from tandem.v1 import encoder_pb2_grpc  # noqa: E402
 
 
@@ -105,6 +106,19 @@ async def main() -> None:
             tasks[room] = asyncio.create_task(_report(
                 "sent", room, sender.send(room, p, _deadline(cmd)),
                 extra=lambda s: {"resumes": s.resumes, "bytes": s.bytes}))
+        elif op == "announce_send":  # cache-aware: announce, then send only the rest
+            p = make_payload(cmd["tokens"], a.embed_dim, a.dtype, cmd["seed"])
+            info = PromptInfo(p.fill_ids.tolist(), [ImageSpan(*im) for im in cmd["images"]])
+
+            async def announce_send(room=room, p=p, info=info, cmd=cmd):
+                cached = await sender.announce(room, info, _deadline(cmd))
+                stats = await sender.send(room, p.rows_from(cached), _deadline(cmd))
+                stats.cached = cached
+                return stats
+
+            tasks[room] = asyncio.create_task(_report(
+                "sent", room, announce_send(),
+                extra=lambda s: {"resumes": s.resumes, "bytes": s.bytes, "cached": s.cached}))
         elif op == "receive":
             tasks[room] = asyncio.create_task(_report(
                 "received", room, receiver.receive(room, cmd["address"], _deadline(cmd)),
