@@ -141,3 +141,34 @@ def test_text_only_chat_skips_the_encoder_and_equals_generate(cluster, ckpt):
     encodes = [k for k in enc1 if k.startswith("tandem_encoder_requests_total")]
     assert all(delta(enc0, enc1, k) == 0 for k in encodes)
     assert delta(enc0, enc1, 'tandem_transfer_bytes_total{side="encoder"}') == 0
+
+
+def test_sampling_parameters_through_http_and_the_sdk(cluster, ckpt):
+    from tandem.client import Client
+
+    model, processor = load(ckpt)
+    eos = model.generation_config.eos_token_id
+    eos = eos[0] if isinstance(eos, list | tuple) else eos
+    client = openai_client(cluster)
+    msgs = [{"role": "user", "content": "Count to ten."}]
+    r = client.chat.completions.create(model="", messages=msgs, max_tokens=5, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for c in content:  # greedy: the chosen token is the most likely one
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob == pytest.approx(c.logprob)
+        assert c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob >= c.top_logprobs[2].logprob
+    with Client(cluster.grpc_address) as sdk:
+        free = sdk.chat(msgs, max_tokens=6)
+        forced = sdk.chat(msgs, max_tokens=6, logit_bias={100: 100.0})
+        assert forced.token_ids == [100] * 6
+        first = free.token_ids[0]
+        stopped = sdk.chat(msgs, max_tokens=6, stop_token_ids=[first])
+        assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
+        held = sdk.chat(msgs, max_tokens=6, min_tokens=6, logit_bias={eos: 100.0})
+        assert len(held.token_ids) == 6 and eos not in held.token_ids
+        assert held.finish_reason == "length"
+        pen = sdk.chat(msgs, max_tokens=6, repetition_penalty=2.0, presence_penalty=2.0,
+                       frequency_penalty=2.0, min_p=0.1, logprobs=True, top_logprobs=2)
+        assert len(pen.top_logprobs) == len(pen.token_ids)
+        assert all(len(t) == 2 and isinstance(t[0][2], str) for t in pen.top_logprobs)

@@ -262,3 +262,31 @@ def test_small_checkpoint_concurrent_greedy_equals_generate(arch, checkpoint):
         assert engine.pool.num_free == engine.pool.num_total
     finally:
         engine.stop()
+
+
+def test_shaped_rows_leave_free_rows_equal_to_generate(checkpoint):
+    # every free request shares its steps with a penalized / biased / min_tokens twin:
+    # the free ones still equal generate() token for token, the twins differ
+    case = _cases.get("qwen2_5_vl") or Case(checkpoint("qwen2_5_vl"))
+    engine = case.engine(num_pages=512, max_prefill_tokens=64)
+    try:
+        free = greedy_requests(case, 3000)[:8]
+        twins = [
+            Request(4000 + i, SamplingParams(
+                max_tokens=n, repetition_penalty=1.8, presence_penalty=1.5,
+                frequency_penalty=1.0, min_tokens=n, logit_bias={7: 4.0},
+                logprobs=True, top_logprobs=4), p)
+            for i, (p, n) in enumerate(zip(case.payloads[:8], case.max_new[:8], strict=True))
+        ]
+        streams = collect(engine, free + twins)
+        for r, ref in zip(free, case.refs[:8], strict=True):
+            assert [t for d in streams[r.rid] for t in d.token_ids] == ref, f"request {r.rid}"
+        twin_tokens = [[t for d in streams[r.rid] for t in d.token_ids] for r in twins]
+        assert twin_tokens != case.refs[:8]
+        for r, toks in zip(twins, twin_tokens, strict=True):
+            assert len(toks) == r.sampling.max_tokens  # min_tokens: no early EOS
+            tops = [t for d in streams[r.rid] for t in d.top_logprobs]
+            assert len(tops) == len(toks) and all(len(t) == 4 for t in tops)
+        assert engine.pool.num_free == engine.pool.num_total
+    finally:
+        engine.stop()

@@ -55,6 +55,10 @@ def _filled(cls, depth: int = 0):
             if oneof.name in seen_oneofs:
                 continue  # one member per oneof; others are covered by separate cases
             seen_oneofs.add(oneof.name)
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:
+            key, val = f.message_type.fields_by_name["key"], f.message_type.fields_by_name["value"]
+            getattr(msg, f.name)[_sample(key, depth)] = _sample(val, depth)
+            continue
         value = _sample(f, depth)
         if f.is_repeated:
             if f.type == FieldDescriptor.TYPE_MESSAGE:

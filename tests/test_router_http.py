@@ -58,7 +58,16 @@ def assert_openai_error(r, status: int, code: str, param=None):
         (chat(temperature=-0.5), "temperature"),
         (chat(top_p=0), "top_p"),
         (chat(n=2), "n"),
-        (chat(top_logprobs=3), "top_logprobs"),
+        (chat(top_logprobs=3), "top_logprobs"),  # without logprobs
+        (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+        (chat(presence_penalty=5), "presence_penalty"),
+        (chat(frequency_penalty=-2.5), "frequency_penalty"),
+        (chat(repetition_penalty=0), "repetition_penalty"),
+        (chat(min_p=1.5), "min_p"),
+        (chat(logit_bias={"abc": 1}), "logit_bias"),
+        (chat(logit_bias={"5": 101}), "logit_bias"),
+        (chat(min_tokens=9, max_tokens=4), "min_tokens"),
+        (chat(stop_token_ids=[-1]), "stop_token_ids"),
         (chat(stop=["a"] * 17), "stop"),
         (chat(messages=[{"role": "wizard", "content": "x"}]), None),
         (
@@ -198,7 +207,8 @@ def test_every_openai_chat_parameter_is_honoured_or_refused_by_name():
         assert err["param"] == name and "not supported" in err["message"], (name, err)
         refused.add(name)
     # what we cannot serve yet is refused (issue 14 turns these into honoured fields)
-    assert {"tools", "tool_choice", "response_format", "presence_penalty"} <= refused
+    assert {"tools", "tool_choice", "response_format"} <= refused
+    assert {"presence_penalty", "frequency_penalty", "logit_bias", "top_logprobs"} <= served
 
 
 def test_unknown_message_fields_are_refused_by_name():

@@ -11,8 +11,8 @@ ids[prefix_offset:read_offset]. A window ending in U+FFFD is an incomplete UTF-8
 
 Stop strings: text is streamed only up to a point no stop string can still begin before.
 A suffix that is a prefix of some stop string is held back until it either completes
-the stop string (generation ends, the match and everything after it are dropped) or
-stops matching (it is released). The held text is released on a non-stop finish.
+the stop string (generation ends, everything after the match is dropped, and the match
+too unless `include_stop`) or stops matching (it is released). The held text is released on a non-stop finish.
 """
 
 from __future__ import annotations
@@ -27,9 +27,11 @@ class Tokenizer(Protocol):
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None,
+                 include_stop: bool = False) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in (stop or []) if s]
+        self.include_stop = include_stop  # keep the matched stop string in the text
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
@@ -65,9 +67,10 @@ class IncrementalDetokenizer:
 
     def _release(self, final: bool) -> str:
         if self.stop:
-            hits = [i for i in (self.text.find(s, self.sent) for s in self.stop) if i >= 0]
+            hits = [(i, -len(s)) for s in self.stop if (i := self.text.find(s, self.sent)) >= 0]
             if hits:
-                self.text = self.text[: min(hits)]
+                at, neg = min(hits)  # the earliest match (the longest stop string there)
+                self.text = self.text[: at - neg if self.include_stop else at]
                 self.stopped = True
                 final = True
         end = len(self.text) if final else len(self.text) - self._held_suffix()

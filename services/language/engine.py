@@ -242,7 +242,8 @@ class Engine:
                 return
             match event:
                 case Submit(req, sink):
-                    detok = IncrementalDetokenizer(self.tokenizer, req.sampling.stop)
+                    detok = IncrementalDetokenizer(self.tokenizer, req.sampling.stop,
+                                                   req.sampling.include_stop_str_in_output)
                     live = self._live[req.rid] = _Live(req, sink, detok)
                     try:
                         self.scheduler.add(req)
@@ -282,24 +283,29 @@ class Engine:
         rows = [i for i, c in enumerate(step.chunks) if c.samples]
         tokens: list[int | None] = [None] * len(step.chunks)
         logprobs: list[float | None] = [None] * len(step.chunks)
+        tops: list[list] = [[] for _ in step.chunks]
         if rows:
             idx = torch.tensor(rows, device=out.last_logits.device)
-            res = sample(out.last_logits.index_select(0, idx), [step.chunks[i].req for i in rows])
-            for i, t, lp in zip(rows, res.token_ids, res.logprobs, strict=True):
-                tokens[i], logprobs[i] = t, lp
+            res = sample(out.last_logits.index_select(0, idx),
+                         [step.chunks[i].req for i in rows], self.eos)
+            for i, t, lp, top in zip(rows, res.token_ids, res.logprobs, res.top_logprobs,
+                                     strict=True):
+                tokens[i], logprobs[i], tops[i] = t, lp, top
         self.scheduler.commit(step, tokens)
         now = time.monotonic()
         t2 = time.perf_counter()
         m.count_generated(len(rows))
         for i in rows:
-            self._on_token(self._live[step.chunks[i].req.rid], tokens[i], logprobs[i], now)
+            self._on_token(self._live[step.chunks[i].req.rid], tokens[i], logprobs[i], tops[i],
+                           now)
         kind = "decode" if step.batch.is_pure_decode else "mixed"
         self.profile[kind + "_s"] += t2 - t0
         self.profile[kind + "_steps"] += 1
         self.profile["host_s"] += time.perf_counter() - t2 + (t0 - t_sched)
         return True
 
-    def _on_token(self, live: _Live, token: int, logprob: float | None, now: float) -> None:
+    def _on_token(self, live: _Live, token: int, logprob: float | None, top: list,
+                  now: float) -> None:
         req, p = live.req, live.req.sampling
         if not req.t_first_token:
             req.t_first_token = now
@@ -309,6 +315,7 @@ class Engine:
         if logprob is not None:
             req.output_logprobs.append(logprob)
             delta.logprobs = [logprob]
+            delta.top_logprobs = [top]
         if (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids:
             self._finish(live, RequestStatus.FINISHED_STOP, delta=delta)
             return

@@ -82,6 +82,14 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
+    presence_penalty: float = 0.0  # OpenAI, over generated tokens
+    frequency_penalty: float = 0.0  # OpenAI, over generated tokens
+    repetition_penalty: float = 1.0  # transformers', over prompt + generated tokens
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0):
@@ -94,10 +102,33 @@ class SamplingParams:
             raise ValueError(f"sampling.max_tokens must be >= 1, got {self.max_tokens}")
         if any(not s for s in self.stop):
             raise ValueError("sampling.stop must not contain empty strings")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"sampling.{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 2.0:
+            raise ValueError(
+                f"sampling.repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"sampling.min_p must be in [0, 1], got {self.min_p}")
+        bad = [t for t, b in self.logit_bias.items() if t < 0 or not -100 <= b <= 100]
+        if bad or len(self.logit_bias) > 1024:
+            raise ValueError("sampling.logit_bias: token ids >= 0, biases in [-100, 100], at "
+                             f"most 1024 entries (bad: {bad[:5]})")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"sampling.min_tokens must be in [0, max_tokens "
+                             f"{self.max_tokens}], got {self.min_tokens}")
+        if not 0 <= self.top_logprobs <= 20 or (self.top_logprobs and not self.logprobs):
+            raise ValueError("sampling.top_logprobs must be in [0, 20] and needs logprobs")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Anything to apply to the logits before picking (penalties, bias, min_tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0 or self.min_tokens)
 
 
 @dataclass
@@ -107,6 +138,7 @@ class StreamDelta:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token
     finish_reason: RequestStatus | None = None  # set on the last delta
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
@@ -153,6 +185,7 @@ class Request:
     t_first_token: float = 0.0
     t_last_token: float = 0.0
     generator: torch.Generator | None = None  # created by the sampler on first use
+    prompt_ids_tensor: torch.Tensor | None = None  # made by the sampler when it needs it
     prompt_ids: list[int] | None = None  # text-only prompts (prompt None)
     # --- prefix cache (see prefix_cache.py) ---
     page_keys: list[bytes] = field(default_factory=list)  # keys of its first whole pages
@@ -167,6 +200,14 @@ class Request:
         if self.prompt is not None:
             return self.prompt.end
         return len(self.prompt_ids) if self.prompt_ids is not None else 0
+
+    def prompt_token_ids(self) -> list[int]:
+        """The whole prompt's ids (for the repetition penalty)."""
+        if self.prompt is None:
+            return list(self.prompt_ids or [])
+        if self.prompt.info is not None:
+            return self.prompt.info.token_ids
+        return self.prompt.fill_ids.tolist()  # start is 0 without an announce
 
     def cache_content(self) -> tuple[list[int], list[ImageSpan]] | None:
         """The prompt's token ids and images for page keys; None when its images are not

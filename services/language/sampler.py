@@ -5,8 +5,19 @@ its `seed`, or randomly when it has none), one draw per generated token, and eac
 processed on its own. So the same seed gives the same tokens whatever else shares the
 batch, and a retraction (which never re-samples a token) does not change them either.
 
-Logprobs are those of the chosen token under softmax(logits / temperature), before top-k
-and top-p truncation (plain softmax for greedy), as the wire contract says.
+Per row, in this order (each request's parameters touch only its own row):
+
+    shape   logit_bias (added), repetition_penalty (transformers': over prompt + output
+            ids, a positive logit divided, a negative one multiplied), presence and
+            frequency penalties (OpenAI: logit -= count * frequency + (count > 0) *
+            presence, over generated ids), min_tokens (EOS and stop ids at -inf until
+            that many tokens are out)                         -- greedy rows too
+    filter  temperature, top-k, top-p, min_p (a token below min_p * the top token's
+            probability is dropped)                           -- sampled rows only
+
+Logprobs (and top_logprobs) are those of the model's own distribution, softmax(logits /
+temperature) before shaping and truncation (plain softmax for greedy), as the wire
+contract says.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ from services.language.request import Request, SamplingParams
 class SampleResult:
     token_ids: list[int]
     logprobs: list[float | None]  # None where the request did not ask for logprobs
+    top_logprobs: list[list[tuple[int, float]]]  # [] where it did not ask for them
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -33,6 +45,12 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if 0 < params.top_k < vocab:
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0 or params.min_p > 0.0:
+        x = _top_p_min_p(x, params)
+    return x
+
+
+def _top_p_min_p(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         sorted_x, order = torch.sort(x, descending=True)
         probs = torch.softmax(sorted_x, dim=-1)
@@ -42,7 +60,40 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop_sorted = mass_before >= params.top_p
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
+    if params.min_p > 0.0:
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     return x
+
+
+def shape_logits(x: torch.Tensor, req: Request, eos: frozenset[int]) -> torch.Tensor:
+    """One row [V] of float32 logits with the request's bias, penalties and min_tokens
+    applied (a new tensor; the module docstring gives the order)."""
+    p, vocab = req.sampling, x.shape[-1]
+    x = x.clone()
+    if p.logit_bias:
+        ids = torch.tensor([t for t in p.logit_bias if t < vocab], dtype=torch.long)
+        x[ids] += torch.tensor([p.logit_bias[int(t)] for t in ids], dtype=x.dtype)
+    out = torch.tensor(req.output_ids, dtype=torch.long)
+    if p.repetition_penalty != 1.0:
+        seen = torch.unique(torch.cat([_prompt_ids(req), out]))
+        seen = seen[seen < vocab]
+        v = x[seen]
+        x[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and len(out):
+        counts = torch.bincount(out[out < vocab], minlength=vocab).to(x.dtype)
+        x -= counts * p.frequency_penalty + (counts > 0).to(x.dtype) * p.presence_penalty
+    if len(req.output_ids) < p.min_tokens:
+        ends = [t for t in (set(eos) | set(p.stop_token_ids)) if t < vocab]
+        x[torch.tensor(ends, dtype=torch.long)] = float("-inf")
+    return x
+
+
+def _prompt_ids(req: Request) -> torch.Tensor:
+    """The prompt's ids as a tensor, made once per request."""
+    if req.prompt_ids_tensor is None:
+        req.prompt_ids_tensor = torch.tensor(req.prompt_token_ids(), dtype=torch.long)
+    return req.prompt_ids_tensor
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -59,20 +110,27 @@ def _generator(req: Request, device: torch.device) -> torch.Generator:
     return req.generator
 
 
-def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
-    """Pick one token per row of `logits` [B, V] for `reqs[i]`."""
+def sample(logits: torch.Tensor, reqs: list[Request], eos: frozenset[int] = frozenset()
+           ) -> SampleResult:
+    """Pick one token per row of `logits` [B, V] for `reqs[i]`; `eos` are the model's end
+    ids (held back by min_tokens)."""
     if logits.dim() != 2 or logits.shape[0] != len(reqs):
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(reqs)} requests")
     logits = logits.float()
-    tokens = torch.argmax(logits, dim=-1)  # greedy for all rows; sampled rows overwrite
+    tokens = torch.argmax(logits, dim=-1)  # greedy for all rows; the others overwrite
     for i, req in enumerate(reqs):
         p = req.sampling
-        if p.greedy:
+        if p.greedy and not p.shapes_logits:
             continue
-        probs = torch.softmax(filter_logits(logits[i], p), dim=-1)
+        x = shape_logits(logits[i], req, eos) if p.shapes_logits else logits[i]
+        if p.greedy:
+            tokens[i] = torch.argmax(x)
+            continue
+        probs = torch.softmax(filter_logits(x, p), dim=-1)
         tokens[i] = torch.multinomial(probs, 1, generator=_generator(req, probs.device))[0]
     want = [i for i, r in enumerate(reqs) if r.sampling.logprobs]
     out_lp: list[float | None] = [None] * len(reqs)
+    out_top: list[list[tuple[int, float]]] = [[] for _ in reqs]
     if want:
         idx = torch.tensor(want, device=logits.device)
         temps = torch.tensor(
@@ -81,6 +139,10 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
         )
         lp = torch.log_softmax(logits[idx] / temps[:, None], dim=-1)
         chosen = lp.gather(1, tokens[idx][:, None])[:, 0].tolist()
-        for i, v in zip(want, chosen, strict=True):
+        for k, (i, v) in enumerate(zip(want, chosen, strict=True)):
             out_lp[i] = float(v)
-    return SampleResult(tokens.tolist(), out_lp)
+            n = reqs[i].sampling.top_logprobs
+            if n:
+                top = torch.topk(lp[k], n)
+                out_top[i] = list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+    return SampleResult(tokens.tolist(), out_lp, out_top)

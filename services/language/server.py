@@ -54,17 +54,29 @@ def sampling_from_proto(p: common_pb2.SamplingParams, default_max_tokens: int) -
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty or 1.0,
+        min_p=p.min_p,
+        logit_bias=dict(p.logit_bias),
+        min_tokens=p.min_tokens,
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        top_logprobs=p.top_logprobs,
     )
 
 
 def delta_to_proto(
-    d: StreamDelta, transfer_ms: float = 0.0, bypassed: bool = False
+    d: StreamDelta, transfer_ms: float = 0.0, bypassed: bool = False, token_text=None,
 ) -> language_pb2.LanguageGenerateResponse:
+    """`token_text(id) -> str` names the top_logprobs alternatives (the tokenizer's)."""
     out = language_pb2.LanguageGenerateResponse(token_ids=d.token_ids, text=d.text)
     if d.logprobs:
+        tops = d.top_logprobs or [[] for _ in d.logprobs]
         out.logprobs.extend(
-            common_pb2.TokenLogprob(token_id=t, logprob=lp)
-            for t, lp in zip(d.token_ids, d.logprobs, strict=True)
+            common_pb2.TokenLogprob(token_id=t, logprob=lp, top=[
+                common_pb2.TopLogprob(token_id=a, logprob=b, text=token_text(a))
+                for a, b in top])
+            for t, lp, top in zip(d.token_ids, d.logprobs, tops, strict=True)
         )
     if d.finish_reason is not None:
         out.finish_reason = FINISH_REASONS[d.finish_reason]
@@ -190,7 +202,8 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                     if finished:
                         outcome = (f"{d.finish_reason.label}, {d.prompt_tokens} prompt + "
                                    f"{d.completion_tokens} output tokens")
-                    yield delta_to_proto(d, transfer_ms, bypassed=bool(request.messages))
+                    yield delta_to_proto(d, transfer_ms, bypassed=bool(request.messages),
+                                         token_text=self._token_text)
             finally:
                 if not finished:  # client gone or handler cancelled: free its pages now
                     self.engine.abort(room, "client cancelled", "CANCELLED")
@@ -198,6 +211,9 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             self.engine.unpin(room)  # NOTE: a no-op once submitted (the request took the pin)
             self.streams.discard(room)
             log.info("%s room %d: %s", request.request_id or "-", room, outcome)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id])
 
     async def _tokenize(self, request) -> list[int]:
         """A text-only chat's prompt ids (ChatError names what is wrong)."""
@@ -238,4 +254,5 @@ def _merge(a: StreamDelta, b: StreamDelta) -> StreamDelta:
     b.token_ids = a.token_ids + b.token_ids
     b.text = a.text + b.text
     b.logprobs = a.logprobs + b.logprobs
+    b.top_logprobs = a.top_logprobs + b.top_logprobs
     return b

@@ -43,6 +43,8 @@ from services.router.request import (
     ChatRequest,
     Piece,
     Route,
+    TokenLogprob,
+    TopLogprob,
     Usage,
     conversation_key,
     image_hashes,
@@ -291,7 +293,9 @@ class Dispatcher:
         piece = Piece(
             text=msg.text,
             token_ids=list(msg.token_ids),
-            logprobs=[(lp.token_id, lp.logprob) for lp in msg.logprobs],
+            logprobs=[TokenLogprob(lp.token_id, lp.logprob, tuple(
+                TopLogprob(t.token_id, t.logprob, t.text) for t in lp.top))
+                for lp in msg.logprobs],
         )
         reason = msg.finish_reason
         if reason == common_pb2.FINISH_REASON_UNSPECIFIED:

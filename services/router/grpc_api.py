@@ -58,8 +58,10 @@ def _to_proto(piece: Piece, request_id: str) -> router_pb2.RouterGenerateRespons
     out = router_pb2.RouterGenerateResponse(
         text=piece.text, token_ids=piece.token_ids, request_id=request_id
     )
-    for tid, lp in piece.logprobs:
-        out.logprobs.add(token_id=tid, logprob=lp)
+    for lp in piece.logprobs:
+        out.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top=[
+            common_pb2.TopLogprob(token_id=t.token_id, logprob=t.logprob, text=t.text)
+            for t in lp.top])
     if piece.finish_reason is not None:
         out.finish_reason = FROM_OPENAI[piece.finish_reason]
         u = piece.usage

@@ -15,10 +15,12 @@ def logprobs(piece: Piece) -> dict | None:
     # NOTE: the language tier detokenizes incrementally; a piece usually holds one token, and
     # its text is that token's text. When it holds several, the text goes to the first.
     content = []
-    for k, (_tid, lp) in enumerate(piece.logprobs):
+    for k, lp in enumerate(piece.logprobs):
         tok = piece.text if k == 0 else ""
+        top = [{"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode())}
+               for t in lp.top]
         content.append(
-            {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
+            {"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode()), "top_logprobs": top}
         )
     return {"content": content}
 

@@ -2,7 +2,7 @@
 the wire protos. Nothing is silently dropped: every field is honoured, hint-only (`user`,
 `parallel_tool_calls`, an image's `detail`: OpenAI treats them as hints too), or refused
 with a 400 naming it (`param`): unknown fields by `extra="forbid"`, and values we cannot
-serve (n > 1, top_logprobs > 0) by their bounds. docs/sdk.md lists them."""
+serve (n > 1) by their bounds. docs/sdk.md lists them."""
 
 from __future__ import annotations
 
@@ -67,7 +67,16 @@ class ChatCompletionRequest(_Model):
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=1, description="Only n=1 is served.")
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=0, description="Alternatives unsupported.")
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(None, max_length=1024)
+    # vLLM-compatible extensions
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    min_tokens: int | None = Field(None, ge=0, le=1 << 20)
+    stop_token_ids: list[int] | None = Field(None, max_length=64)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False  # extension (benchmarks)
     timeout_ms: int | None = Field(None, ge=1, le=86_400_000)  # extension: per-request deadline
     priority: int = Field(0, ge=-(1 << 31), lt=1 << 31)  # extension
@@ -122,6 +131,36 @@ def _image_part(url: str, param: str, max_bytes: int) -> common_pb2.ImagePart:
     raise RouterError("INVALID_ARGUMENT", "image_url must be a data: or http(s) URL", param)
 
 
+def _top_logprobs(body: ChatCompletionRequest) -> int:
+    if body.top_logprobs and not body.logprobs:
+        raise RouterError("INVALID_ARGUMENT", "top_logprobs needs logprobs: true", "top_logprobs")
+    return body.top_logprobs or 0
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's {"token id": bias} with biases in [-100, 100]."""
+    out = {}
+    for key, value in (bias or {}).items():
+        if not key.isdigit() or not -100 <= value <= 100:
+            raise RouterError("INVALID_ARGUMENT", f"logit_bias {{{key!r}: {value}}}: keys are "
+                              "token ids, biases in [-100, 100]", "logit_bias")  # fmt: skip
+        out[int(key)] = float(value)
+    return out
+
+
+def _token_ids(ids: list[int] | None, param: str) -> list[int]:
+    if any(not 0 <= t < 1 << 31 for t in ids or []):
+        raise RouterError("INVALID_ARGUMENT", "token ids must be in [0, 2^31)", param)
+    return list(ids or [])
+
+
+def _min_tokens(min_tokens: int | None, max_tokens: int) -> int:
+    if min_tokens and max_tokens and min_tokens > max_tokens:
+        raise RouterError("INVALID_ARGUMENT", f"min_tokens {min_tokens} is more than "
+                          f"max_tokens {max_tokens}", "min_tokens")  # fmt: skip
+    return min_tokens or 0
+
+
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
@@ -163,6 +202,15 @@ def to_chat_request(body: ChatCompletionRequest, cfg: RouterConfig, request_id: 
         stop=_stop_list(body.stop),
         ignore_eos=body.ignore_eos,
         logprobs=body.logprobs,
+        top_logprobs=_top_logprobs(body),
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=body.repetition_penalty or 0.0,
+        min_p=body.min_p or 0.0,
+        logit_bias=_logit_bias(body.logit_bias),
+        min_tokens=_min_tokens(body.min_tokens, max_tokens),
+        stop_token_ids=_token_ids(body.stop_token_ids, "stop_token_ids"),
+        include_stop_str_in_output=body.include_stop_str_in_output,
     )
     if body.seed is not None:
         sampling.seed = body.seed

@@ -57,13 +57,29 @@ class Route:
         return out
 
 
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+    text: str
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The chosen token's log-probability and the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
 @dataclass
 class Piece:
     """New output since the previous piece; the last one has `finish_reason` set."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[tuple[int, float]] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage | None = None
     timings: dict[str, float] | None = None

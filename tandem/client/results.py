@@ -43,6 +43,8 @@ class ChatResult:
     usage: Usage = field(default_factory=Usage)
     timings: StageTimings = field(default_factory=StageTimings)
     logprobs: list[float] = field(default_factory=list)
+    # per generated token: its most likely alternatives, (token id, logprob, text)
+    top_logprobs: list[list[tuple[int, float, str]]] = field(default_factory=list)
     request_id: str = ""
 
 
@@ -57,12 +59,22 @@ def build_request(
     seed: int | None = None,
     stop: list[str] | str | None = None,
     logprobs: bool = False,
+    top_logprobs: int = 0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
+    min_p: float = 0.0,
+    logit_bias: dict[int, float] | None = None,
+    min_tokens: int = 0,
+    stop_token_ids: list[int] | None = None,
+    include_stop_str_in_output: bool = False,
     ignore_eos: bool = False,
     timeout: float | None = None,
     request_id: str = "",
     priority: int = 0,
 ) -> router_pb2.RouterGenerateRequest:
-    """Temperature 0 (the default here) is greedy decoding."""
+    """Temperature 0 (the default here) is greedy decoding; the sampling parameters mean
+    what they mean in the HTTP API (docs/sdk.md)."""
     sampling = common_pb2.SamplingParams(
         temperature=temperature,
         top_p=top_p,
@@ -70,6 +82,15 @@ def build_request(
         max_tokens=max_tokens or 0,
         stop=[stop] if isinstance(stop, str) else list(stop or []),
         logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty,
+        min_p=min_p,
+        logit_bias=logit_bias or {},
+        min_tokens=min_tokens,
+        stop_token_ids=list(stop_token_ids or []),
+        include_stop_str_in_output=include_stop_str_in_output,
         ignore_eos=ignore_eos,
     )
     if seed is not None:
@@ -97,6 +118,8 @@ def add(result: ChatResult, msg: router_pb2.RouterGenerateResponse) -> None:
     result.text += msg.text
     result.token_ids.extend(msg.token_ids)
     result.logprobs.extend(lp.logprob for lp in msg.logprobs)
+    result.top_logprobs.extend([(t.token_id, t.logprob, t.text) for t in lp.top]
+                               for lp in msg.logprobs)
     result.request_id = msg.request_id or result.request_id
     if msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
         result.finish_reason = TO_OPENAI.get(msg.finish_reason, "")

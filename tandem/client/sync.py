@@ -58,7 +58,10 @@ class Client(RouterChannel):
 
     def chat(self, messages, *, timeout: float | None = None, **kw) -> ChatResult:
         """Run one chat to completion. Keyword arguments: model, max_tokens, temperature
-        (0 = greedy, the default), top_p, top_k, seed, stop, logprobs, request_id, priority."""
+        (0 = greedy, the default), top_p, top_k, min_p, seed, stop, stop_token_ids,
+        include_stop_str_in_output, min_tokens, presence_penalty, frequency_penalty,
+        repetition_penalty, logit_bias, logprobs, top_logprobs, request_id, priority
+        (`build_request`)."""
         result = ChatResult()
         for msg in self._stream(messages, timeout, kw):
             add(result, msg)
