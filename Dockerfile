@@ -52,6 +52,7 @@ ARG VARIANT
 ARG TORCH_SPEC=torch==2.13.0
 ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 ARG MOONCAKE_CUDA_SPEC="mooncake-transfer-engine>=0.3.7"
+ARG XGRAMMAR_SPEC="xgrammar>=0.2.8,<0.3"
 COPY --from=build /wheels /wheels
 COPY constraints.txt /opt/constraints.txt
 RUN python3 -m venv /opt/venv && /opt/venv/bin/pip install -q --upgrade pip
@@ -63,6 +64,13 @@ RUN if [ "$VARIANT" = cpu ]; then \
       /opt/venv/bin/pip install -q "$TORCH_SPEC"; \
     fi
 RUN PIP_CONSTRAINT=/opt/constraints.txt /opt/venv/bin/pip install -q /wheels/tandem-*.whl
+# The grammar engine: whole on CUDA (its triton kernels), without triton on CPU (1 GB the
+# CPU path never imports; see pyproject.toml).
+RUN if [ "$VARIANT" = cuda ]; then \
+      PIP_CONSTRAINT=/opt/constraints.txt /opt/venv/bin/pip install -q "$XGRAMMAR_SPEC"; \
+    else \
+      /opt/venv/bin/pip install -q --no-deps "$XGRAMMAR_SPEC"; \
+    fi
 # NOTE: both Mooncake packages install the same `mooncake` module: remove the CPU build
 # before installing the CUDA one, never after (that would delete the new files). The CUDA
 # engine is not imported here: it may need the driver, which a build host need not have.

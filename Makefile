@@ -33,11 +33,15 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
+# The grammar engine without its triton dependency (GPU kernels only; see pyproject.toml).
+XGRAMMAR_SPEC := xgrammar>=0.2.8,<0.3
+
 # torch first, from the pinned build, so nothing later can pull a CUDA wheel.
 $(STAMPS)/deps: pyproject.toml constraints.txt | $(PY)
 	@mkdir -p $(STAMPS)
 	$(PIP) install -q "$(TORCH_SPEC)"
 	PIP_CONSTRAINT=constraints.txt $(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --no-deps "$(XGRAMMAR_SPEC)"
 	@touch $@
 
 # Stubs are generated into tandem/v1 (package tandem.v1 mirrors protos/tandem/v1).

@@ -192,12 +192,23 @@ def test_system_packages_cover_the_makefiles_sysdeps():
 
 def test_cuda_variant_swaps_in_the_cuda_mooncake_from_pyproject():
     cpu_pkg = next(d for d in PYPROJECT["project"]["dependencies"] if d.startswith("mooncake"))
-    (cuda_spec,) = PYPROJECT["project"]["optional-dependencies"]["cuda"]
+    (cuda_spec,) = [d for d in PYPROJECT["project"]["optional-dependencies"]["cuda"]
+                    if d.startswith("mooncake")]
     assert arg_default("MOONCAKE_CUDA_SPEC", "runtime") == cuda_spec
     (swap,) = [r for r in runs("runtime") if "MOONCAKE_CUDA_SPEC" in r]
     uninstall = swap.index(f"uninstall -y -q {re.split(r'[<>=; ]', cpu_pkg)[0]}")
     assert uninstall < swap.index('"$MOONCAKE_CUDA_SPEC"'), "remove the CPU build first"
     assert '[ "$VARIANT" = cuda ]' in swap
+
+
+def test_grammar_engine_spec_is_one_version_everywhere():
+    # the Makefile and the CPU image install it without triton, the cuda extra whole
+    (extra,) = [d for d in PYPROJECT["project"]["optional-dependencies"]["cuda"]
+                if d.startswith("xgrammar")]
+    make = re.search(r"^XGRAMMAR_SPEC := (.+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    assert arg_default("XGRAMMAR_SPEC", "runtime") == extra == make
+    (step,) = [r for r in runs("runtime") if "XGRAMMAR_SPEC" in r]
+    assert '--no-deps "$XGRAMMAR_SPEC"' in step and '[ "$VARIANT" = cuda ]' in step
 
 
 @pytest.mark.parametrize("stage", ["base", "build", "runtime"])

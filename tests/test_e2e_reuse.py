@@ -12,8 +12,10 @@ its answers equal `generate()`.
 
 from __future__ import annotations
 
+import json
 import re
 import time
+from typing import Literal
 
 import httpx
 import pytest
@@ -172,3 +174,58 @@ def test_sampling_parameters_through_http_and_the_sdk(cluster, ckpt):
                        frequency_penalty=2.0, min_p=0.1, logprobs=True, top_logprobs=2)
         assert len(pen.top_logprobs) == len(pen.token_ids)
         assert all(len(t) == 2 and isinstance(t[0][2], str) for t in pen.top_logprobs)
+
+
+def test_structured_output_parses_for_every_seed_through_the_openai_client(cluster):
+    from pydantic import BaseModel, Field
+
+    class Point(BaseModel):
+        x: int = Field(ge=-100, le=100)
+        y: int = Field(ge=-100, le=100)
+
+    class Answer(BaseModel):
+        kind: str = Field(pattern=r"^[a-z]{1,6}$")
+        mood: Literal["calm", "busy", "odd"]
+        points: list[Point] = Field(max_length=3)
+        sure: bool
+
+    client = openai_client(cluster)
+    msgs = [{"role": "user", "content": "Answer as JSON."}]
+    for seed in range(20):
+        r = client.chat.completions.parse(model="", messages=msgs, response_format=Answer,
+                                          temperature=1.0, seed=seed, max_tokens=300)
+        assert isinstance(r.choices[0].message.parsed, Answer), r.choices[0].message.content
+    for stream in (False, True):
+        body = dict(model="", messages=msgs, temperature=1.0, seed=3, max_tokens=40,
+                    extra_body={"guided_regex": "[a-z]{2}-[0-9]{3}"})
+        if stream:
+            text = "".join(c.choices[0].delta.content or "" for c in
+                           client.chat.completions.create(stream=True, **body) if c.choices)
+        else:
+            text = client.chat.completions.create(**body).choices[0].message.content
+        assert re.fullmatch("[a-z]{2}-[0-9]{3}", text), text
+    r = client.chat.completions.create(model="", messages=msgs, temperature=1.0, seed=1,
+                                       extra_body={"guided_choice": ["left", "right"]})
+    assert r.choices[0].message.content in ("left", "right")
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="", messages=msgs,
+                                       extra_body={"guided_regex": "([a-z"})
+    assert e.value.body["param"] == "response_format" and "compile" in e.value.body["message"]
+
+
+def test_structured_output_through_the_sdk(cluster):
+    from tandem.client import Client
+
+    with Client(cluster.grpc_address) as sdk:
+        msgs = [{"role": "user", "content": "Pick."}]
+        r = sdk.chat(msgs, temperature=1.0, seed=2, choice=["north", "south"])
+        assert r.text in ("north", "south")
+        r = sdk.chat(msgs, temperature=1.0, seed=2, regex="[0-9]{4}", max_tokens=20)
+        assert re.fullmatch("[0-9]{4}", r.text)
+        r = sdk.chat(msgs, temperature=1.0, seed=2, max_tokens=200, json_schema={
+            "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]})
+        assert isinstance(json.loads(r.text)["ok"], bool)
+        with pytest.raises(ValueError):
+            sdk.chat(msgs, regex="a", choice=["a"])

@@ -207,8 +207,50 @@ def test_every_openai_chat_parameter_is_honoured_or_refused_by_name():
         assert err["param"] == name and "not supported" in err["message"], (name, err)
         refused.add(name)
     # what we cannot serve yet is refused (issue 14 turns these into honoured fields)
-    assert {"tools", "tool_choice", "response_format"} <= refused
-    assert {"presence_penalty", "frequency_penalty", "logit_bias", "top_logprobs"} <= served
+    assert {"tools", "tool_choice"} <= refused
+    assert {"presence_penalty", "frequency_penalty", "logit_bias", "top_logprobs",
+            "response_format"} <= served
+
+
+@pytest.mark.parametrize("body,kind,text", [
+    (chat(response_format={"type": "json_object"}), "json_object", True),
+    (chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "p", "schema": {"type": "object"}, "strict": True}}), "json_schema",
+     '{"type": "object"}'),
+    (chat(guided_json='{"type": "integer"}'), "json_schema", '{"type": "integer"}'),
+    (chat(guided_regex="[0-9]+"), "regex", "[0-9]+"),
+    (chat(guided_choice=["a", "b"]), "choice", None),
+    (chat(guided_grammar='root ::= "x"'), "ebnf", 'root ::= "x"'),
+    (chat(structured_outputs={"regex": "a+"}), "regex", "a+"),
+    (chat(response_format={"type": "text"}), None, None),
+])
+def test_structured_output_fields_reach_the_sampling_proto(body, kind, text):
+    from services.router.openai_models import ChatCompletionRequest, to_chat_request
+
+    core, _ = make()
+    req = to_chat_request(ChatCompletionRequest.model_validate(body), core.cfg, "x")
+    so = req.sampling.structured_output
+    assert so.WhichOneof("kind") == kind
+    if kind == "choice":
+        assert list(so.choice.choices) == ["a", "b"]
+    elif kind is not None:
+        assert getattr(so, kind) == text
+
+
+@pytest.mark.parametrize("body,param", [
+    (chat(response_format={"type": "json_object"}, guided_regex="a"), "guided_regex"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "p"}}),
+     "response_format"),
+    (chat(guided_json="{not json"), "guided_json"),
+    (chat(guided_choice=[]), "guided_choice"),
+    (chat(response_format={"type": "json_object"}, ignore_eos=True), "ignore_eos"),
+    (chat(response_format={"type": "xml"}), "response_format.type"),
+])
+def test_bad_structured_output_is_400_naming_the_field(body, param):
+    _, c = make()
+    r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
 
 
 def test_unknown_message_fields_are_refused_by_name():

@@ -34,6 +34,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from services.language.detokenizer import IncrementalDetokenizer
+from services.language.grammar import GrammarError, Grammars, matcher
 from services.language.kv_cache import KVPagePool
 from services.language.metrics import LanguageMetrics
 from services.language.prefix_cache import PrefixCache, page_keys
@@ -98,6 +99,8 @@ class Engine:
         self.metrics = metrics or LanguageMetrics(CollectorRegistry())  # a registry of its own
         self.pool = PrefixCache(KVPagePool(runner.num_pages, runner.page_size), cfg.prefix_cache)
         self._pins: dict[int, list[int]] = {}  # rid -> pinned cached pages (under pool.lock)
+        self.grammars = Grammars(tokenizer, runner.vocab_size, tuple(self.eos))
+        self._compiling: list[_Live] = []  # WAITING_FOR_GRAMMAR (engine thread only)
         self.scheduler = Scheduler(
             self.pool,
             runner.page_size,
@@ -135,6 +138,7 @@ class Engine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        self.grammars.close()
 
     def pin_prefix(self, rid: int, info: PromptInfo) -> int:
         """Pin the cached pages that start `info`'s prompt for room `rid` (replacing an
@@ -160,8 +164,12 @@ class Engine:
 
     def submit(self, req: Request, sink: Sink) -> None:
         """Queue a request whose prompt is complete; raises AdmissionError on bad input.
-        A prompt that starts after a pinned prefix (`prompt.start` > 0) takes the pin."""
+        A prompt that starts after a pinned prefix (`prompt.start` > 0) takes the pin. A
+        structured-output request's grammar starts compiling here unless the caller
+        started it earlier (`req.grammar_future = engine.grammars.compile(spec)`)."""
         self.scheduler.check(req)
+        if req.sampling.grammar is not None and req.grammar_future is None:
+            req.grammar_future = self.grammars.compile(req.sampling.grammar)
         tokens_left = self.cfg.max_model_len - req.prompt_len  # > 0: check() passed
         if req.sampling.max_tokens_given and req.sampling.max_tokens > tokens_left:
             raise AdmissionError(
@@ -219,6 +227,7 @@ class Engine:
         while not self._stop.is_set():
             self._wake.clear()  # NOTE: before draining, so a submit racing with us still wakes
             self._drain_inbox()
+            self._admit_compiled()
             self._check_deadlines()
             try:
                 progressed = self._step()
@@ -245,12 +254,38 @@ class Engine:
                     detok = IncrementalDetokenizer(self.tokenizer, req.sampling.stop,
                                                    req.sampling.include_stop_str_in_output)
                     live = self._live[req.rid] = _Live(req, sink, detok)
-                    try:
-                        self.scheduler.add(req)
-                    except AdmissionError as e:
-                        self._finish(live, RequestStatus.FINISHED_ERROR, e.message, e.code)
+                    if req.grammar_future is not None:  # joins the queue once compiled
+                        req.status = RequestStatus.WAITING_FOR_GRAMMAR
+                        self._compiling.append(live)
+                        req.grammar_future.add_done_callback(lambda _f: self._wake.set())
+                        continue
+                    self._add(live)
                 case Abort(rid, reason, code) if rid in self._live:
                     self._finish(self._live[rid], RequestStatus.FINISHED_ABORT, reason, code)
+
+    def _add(self, live: _Live) -> None:
+        try:
+            self.scheduler.add(live.req)
+        except AdmissionError as e:
+            self._finish(live, RequestStatus.FINISHED_ERROR, e.message, e.code)
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar finished compiling join the queue (or fail)."""
+        for live in [c for c in self._compiling if c.req.grammar_future.done()]:
+            self._compiling.remove(live)
+            if live.req.status.finished:  # aborted or past its deadline meanwhile
+                continue
+            try:
+                live.req.matcher = matcher(live.req.grammar_future.result())
+            except GrammarError as e:
+                self._finish(live, RequestStatus.FINISHED_ERROR, e.message, e.code,
+                             StreamDelta(error_field=e.field))
+                continue
+            except Exception as e:  # the grammar engine itself failed: not the caller's fault
+                log.exception("grammar of request %s failed to compile", live.req.rid)
+                self._finish(live, RequestStatus.FINISHED_ERROR, f"grammar: {e!r}", "INTERNAL")
+                continue
+            self._add(live)
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
@@ -312,6 +347,10 @@ class Engine:
             self.metrics.ttft.observe(now - req.t_created)
         req.t_last_token = now
         delta = StreamDelta(token_ids=[token])
+        if req.matcher is not None and not req.matcher.accept_token(token):
+            self._finish(live, RequestStatus.FINISHED_ERROR,
+                         f"token {token} breaks the request's grammar", "INTERNAL", delta)
+            return
         if logprob is not None:
             req.output_logprobs.append(logprob)
             delta.logprobs = [logprob]
@@ -337,6 +376,8 @@ class Engine:
     ) -> None:
         req = live.req
         self.scheduler.finish(req, status)  # frees its pages (idempotent)
+        if live in self._compiling:
+            self._compiling.remove(live)
         req.status = status
         self._live.pop(req.rid, None)
         with self._known_lock:

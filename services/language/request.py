@@ -17,10 +17,12 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
+from services.language.grammar import GrammarSpec
 from tandem.transfer.payload import ImageSpan, PromptPayload
 from tandem.v1 import common_pb2
 
@@ -33,13 +35,14 @@ class RequestStatus(enum.IntEnum):
     """
 
     WAITING_FOR_INPUT = 1  # transfer room open, prompt not complete
-    WAITING = 2  # in the waiting queue (new, or retracted and to be recomputed)
-    PREFILLING = 3  # admitted; pending range still longer than one token
-    RUNNING = 4  # decoding one token per step
-    FINISHED_STOP = 5  # EOS, stop token id or stop string
-    FINISHED_LENGTH = 6  # max_tokens reached
-    FINISHED_ABORT = 7  # client abort, deadline, drain
-    FINISHED_ERROR = 8  # server-side failure
+    WAITING_FOR_GRAMMAR = 2  # prompt complete; its structured-output grammar compiling
+    WAITING = 3  # in the waiting queue (new, or retracted and to be recomputed)
+    PREFILLING = 4  # admitted; pending range still longer than one token
+    RUNNING = 5  # decoding one token per step
+    FINISHED_STOP = 6  # EOS, stop token id or stop string
+    FINISHED_LENGTH = 7  # max_tokens reached
+    FINISHED_ABORT = 8  # client abort, deadline, drain
+    FINISHED_ERROR = 9  # server-side failure
 
     @property
     def finished(self) -> bool:
@@ -90,6 +93,7 @@ class SamplingParams:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     top_logprobs: int = 0
+    grammar: GrammarSpec | None = None  # structured output
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0):
@@ -119,6 +123,9 @@ class SamplingParams:
                              f"{self.max_tokens}], got {self.min_tokens}")
         if not 0 <= self.top_logprobs <= 20 or (self.top_logprobs and not self.logprobs):
             raise ValueError("sampling.top_logprobs must be in [0, 20] and needs logprobs")
+        if self.grammar is not None and self.ignore_eos:
+            raise ValueError("sampling.ignore_eos cannot go with structured output (the "
+                             "grammar ends the output)")
 
     @property
     def greedy(self) -> bool:
@@ -146,6 +153,7 @@ class StreamDelta:
     timings_ms: dict[str, float] = field(default_factory=dict)  # queue, prefill, decode
     error: str = ""
     error_code: str = ""
+    error_field: str = ""  # the request field an INVALID_ARGUMENT error is about
 
     @property
     def finished(self) -> bool:
@@ -186,6 +194,8 @@ class Request:
     t_last_token: float = 0.0
     generator: torch.Generator | None = None  # created by the sampler on first use
     prompt_ids_tensor: torch.Tensor | None = None  # made by the sampler when it needs it
+    grammar_future: Future | None = None  # the compiling grammar (sampling.grammar)
+    matcher: object | None = None  # its grammar matcher, once compiled (engine thread)
     prompt_ids: list[int] | None = None  # text-only prompts (prompt None)
     # --- prefix cache (see prefix_cache.py) ---
     page_keys: list[bytes] = field(default_factory=list)  # keys of its first whole pages

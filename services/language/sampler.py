@@ -15,6 +15,9 @@ Per row, in this order (each request's parameters touch only its own row):
     filter  temperature, top-k, top-p, min_p (a token below min_p * the top token's
             probability is dropped)                           -- sampled rows only
 
+Before both, a structured-output row keeps only the tokens its grammar allows next
+(`grammar.apply_masks`); if shaping then leaves no token, the grammar's mask alone holds.
+
 Logprobs (and top_logprobs) are those of the model's own distribution, softmax(logits /
 temperature) before shaping and truncation (plain softmax for greedy), as the wire
 contract says.
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.language.grammar import apply_masks
 from services.language.request import Request, SamplingParams
 
 
@@ -116,13 +120,16 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos: frozenset[int] = froz
     ids (held back by min_tokens)."""
     if logits.dim() != 2 or logits.shape[0] != len(reqs):
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(reqs)} requests")
-    logits = logits.float()
+    raw = logits.float()
+    logits = apply_masks(raw, [r.matcher for r in reqs])  # structured output, per row
     tokens = torch.argmax(logits, dim=-1)  # greedy for all rows; the others overwrite
     for i, req in enumerate(reqs):
         p = req.sampling
         if p.greedy and not p.shapes_logits:
             continue
         x = shape_logits(logits[i], req, eos) if p.shapes_logits else logits[i]
+        if torch.isinf(x).all():  # shaping took away every token the grammar allows
+            x = logits[i]
         if p.greedy:
             tokens[i] = torch.argmax(x)
             continue
@@ -137,7 +144,7 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos: frozenset[int] = froz
             [reqs[i].sampling.temperature or 1.0 for i in want],
             device=logits.device,
         )
-        lp = torch.log_softmax(logits[idx] / temps[:, None], dim=-1)
+        lp = torch.log_softmax(raw[idx] / temps[:, None], dim=-1)
         chosen = lp.gather(1, tokens[idx][:, None])[:, 0].tolist()
         for k, (i, v) in enumerate(zip(want, chosen, strict=True)):
             out_lp[i] = float(v)

@@ -19,11 +19,13 @@ enforced by both: the receiver's wait and the engine's per-request deadline.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass
 
 from services.language.engine import Engine
+from services.language.grammar import GrammarKind, GrammarSpec
 from services.language.metrics import LanguageMetrics
 from services.language.request import (
     FINISH_REASONS,
@@ -62,7 +64,27 @@ def sampling_from_proto(p: common_pb2.SamplingParams, default_max_tokens: int) -
         min_tokens=p.min_tokens,
         include_stop_str_in_output=p.include_stop_str_in_output,
         top_logprobs=p.top_logprobs,
+        grammar=grammar_from_proto(p.structured_output) if p.HasField("structured_output")
+        else None,
     )
+
+
+def grammar_from_proto(so: common_pb2.StructuredOutput) -> GrammarSpec | None:
+    """The wire's StructuredOutput -> GrammarSpec (ValueError when it names nothing)."""
+    match so.WhichOneof("kind"):
+        case "json_schema":
+            return GrammarSpec(GrammarKind.JSON_SCHEMA, so.json_schema)
+        case "json_object":
+            return GrammarSpec(GrammarKind.JSON_OBJECT) if so.json_object else None
+        case "regex":
+            return GrammarSpec(GrammarKind.REGEX, so.regex)
+        case "choice":
+            if not so.choice.choices:
+                raise ValueError("structured_output.choice needs at least one choice")
+            return GrammarSpec(GrammarKind.CHOICE, json.dumps(list(so.choice.choices)))
+        case "ebnf":
+            return GrammarSpec(GrammarKind.EBNF, so.ebnf)
+    return None
 
 
 def delta_to_proto(
@@ -91,7 +113,7 @@ def delta_to_proto(
             encoder_bypassed=bypassed))  # fmt: skip
         if d.error:
             out.error.CopyFrom(common_pb2.ErrorInfo(code=d.error_code or "INTERNAL",
-                                                    message=d.error))  # fmt: skip
+                                                    message=d.error, field=d.error_field))
     return out
 
 
@@ -156,6 +178,8 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             priority=request.priority, status=RequestStatus.WAITING_FOR_INPUT,
             deadline=time.monotonic() + (deadline - now),
         )  # fmt: skip
+        if sampling.grammar is not None:  # NOTE: compiles while the prompt is on its way
+            req.grammar_future = self.engine.grammars.compile(sampling.grammar)
         try:
             # -- 1. the prompt: tokenized here (text-only chat) or through the room --
             if request.messages:

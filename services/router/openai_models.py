@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import re
 import uuid
 from typing import Annotated, Literal
@@ -53,6 +54,28 @@ class StreamOptions(_Model):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Model):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced (strict or not)
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(_Model):
+    """vLLM's `structured_outputs` (one of its fields)."""
+
+    json_: dict | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = Field(None, min_length=1, max_length=16384)
+    choice: list[str] | None = Field(None, min_length=1, max_length=1024)
+    grammar: str | None = Field(None, min_length=1, max_length=1 << 20)
+
+
 class ChatCompletionRequest(_Model):
     model: str = ""
     messages: list[Message] = Field(min_length=1, max_length=4096)
@@ -77,6 +100,13 @@ class ChatCompletionRequest(_Model):
     min_tokens: int | None = Field(None, ge=0, le=1 << 20)
     stop_token_ids: list[int] | None = Field(None, max_length=64)
     include_stop_str_in_output: bool = False
+    response_format: ResponseFormat | None = None
+    # vLLM-compatible structured-output extensions (at most one constraint in all)
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = Field(None, min_length=1, max_length=16384)
+    guided_choice: list[str] | None = Field(None, min_length=1, max_length=1024)
+    guided_grammar: str | None = Field(None, min_length=1, max_length=1 << 20)
     ignore_eos: bool = False  # extension (benchmarks)
     timeout_ms: int | None = Field(None, ge=1, le=86_400_000)  # extension: per-request deadline
     priority: int = Field(0, ge=-(1 << 31), lt=1 << 31)  # extension
@@ -129,6 +159,57 @@ def _image_part(url: str, param: str, max_bytes: int) -> common_pb2.ImagePart:
     if url.startswith(("http://", "https://")):
         return common_pb2.ImagePart(url=url)
     raise RouterError("INVALID_ARGUMENT", "image_url must be a data: or http(s) URL", param)
+
+
+def _schema_text(schema, param: str) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            raise RouterError("INVALID_ARGUMENT", "the JSON schema is not valid JSON",
+                              param) from None  # fmt: skip
+    if not isinstance(schema, dict):
+        raise RouterError("INVALID_ARGUMENT", "a JSON schema must be an object", param)
+    return json.dumps(schema)
+
+
+def structured_output(body: ChatCompletionRequest) -> common_pb2.StructuredOutput | None:
+    """The one output constraint the body asks for (None: free text); two is a 400."""
+    so = body.structured_outputs
+    asked: list[tuple[str, common_pb2.StructuredOutput]] = []
+    rf = body.response_format
+    if rf is not None and rf.type == "json_object":
+        asked.append(("response_format", common_pb2.StructuredOutput(json_object=True)))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise RouterError("INVALID_ARGUMENT", "response_format json_schema needs "
+                              "json_schema.schema", "response_format")  # fmt: skip
+        asked.append(("response_format", common_pb2.StructuredOutput(
+            json_schema=_schema_text(rf.json_schema.schema_, "response_format"))))
+    for param, value in (("guided_json", body.guided_json),
+                         ("structured_outputs", so.json_ if so else None)):
+        if value is not None:
+            asked.append((param, common_pb2.StructuredOutput(
+                json_schema=_schema_text(value, param))))
+    if so is not None and so.json_object:
+        asked.append(("structured_outputs", common_pb2.StructuredOutput(json_object=True)))
+    for param, regex in (("guided_regex", body.guided_regex),
+                         ("structured_outputs", so.regex if so else None)):
+        if regex is not None:
+            asked.append((param, common_pb2.StructuredOutput(regex=regex)))
+    for param, choice in (("guided_choice", body.guided_choice),
+                          ("structured_outputs", so.choice if so else None)):
+        if choice is not None:
+            asked.append((param, common_pb2.StructuredOutput(
+                choice=common_pb2.Choices(choices=choice))))
+    for param, ebnf in (("guided_grammar", body.guided_grammar),
+                        ("structured_outputs", so.grammar if so else None)):
+        if ebnf is not None:
+            asked.append((param, common_pb2.StructuredOutput(ebnf=ebnf)))
+    if len(asked) > 1:
+        raise RouterError("INVALID_ARGUMENT", "at most one output constraint (response_format, "
+                          "guided_*, structured_outputs)", asked[1][0])  # fmt: skip
+    return asked[0][1] if asked else None
 
 
 def _top_logprobs(body: ChatCompletionRequest) -> int:
@@ -212,6 +293,12 @@ def to_chat_request(body: ChatCompletionRequest, cfg: RouterConfig, request_id: 
         stop_token_ids=_token_ids(body.stop_token_ids, "stop_token_ids"),
         include_stop_str_in_output=body.include_stop_str_in_output,
     )
+    structured = structured_output(body)
+    if structured is not None:
+        if body.ignore_eos:
+            raise RouterError("INVALID_ARGUMENT", "ignore_eos cannot go with structured "
+                              "output (the grammar ends the output)", "ignore_eos")  # fmt: skip
+        sampling.structured_output.CopyFrom(structured)
     if body.seed is not None:
         sampling.seed = body.seed
     timeout_s = body.timeout_ms / 1000 if body.timeout_ms else cfg.request_timeout_s

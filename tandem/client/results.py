@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, field
 
@@ -68,6 +69,11 @@ def build_request(
     min_tokens: int = 0,
     stop_token_ids: list[int] | None = None,
     include_stop_str_in_output: bool = False,
+    json_schema: dict | None = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    choice: list[str] | None = None,
+    grammar: str | None = None,
     ignore_eos: bool = False,
     timeout: float | None = None,
     request_id: str = "",
@@ -95,6 +101,21 @@ def build_request(
     )
     if seed is not None:
         sampling.seed = seed
+    asked = [k for k, v in (("json_schema", json_schema), ("json_object", json_object),
+                            ("regex", regex), ("choice", choice), ("grammar", grammar)) if v]
+    if len(asked) > 1:
+        raise ValueError(f"at most one output constraint, got {asked}")
+    so = sampling.structured_output
+    if json_schema:
+        so.json_schema = json.dumps(json_schema)
+    elif json_object:
+        so.json_object = True
+    elif regex:
+        so.regex = regex
+    elif choice:
+        so.choice.choices.extend(choice)
+    elif grammar:
+        so.ebnf = grammar
     return router_pb2.RouterGenerateRequest(
         model=model,
         messages=to_messages(messages),

@@ -60,7 +60,8 @@ class Client(RouterChannel):
         """Run one chat to completion. Keyword arguments: model, max_tokens, temperature
         (0 = greedy, the default), top_p, top_k, min_p, seed, stop, stop_token_ids,
         include_stop_str_in_output, min_tokens, presence_penalty, frequency_penalty,
-        repetition_penalty, logit_bias, logprobs, top_logprobs, request_id, priority
+        repetition_penalty, logit_bias, logprobs, top_logprobs, structured output (one of
+        json_schema, json_object, regex, choice, grammar), request_id, priority
         (`build_request`)."""
         result = ChatResult()
         for msg in self._stream(messages, timeout, kw):
