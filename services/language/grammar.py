@@ -27,7 +27,6 @@ import torch
 
 from tandem.errors import ServiceError
 
-
 _CPP_PREFIX = re.compile(r"\[[\d:]+\] \S+:\d+: ")
 
 
