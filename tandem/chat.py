@@ -10,11 +10,13 @@ caller what to fix.
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
 
 from tandem.errors import ServiceError
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class ChatError(ServiceError):
@@ -57,11 +59,36 @@ class ImageInput:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A function call an assistant message made; `arguments` is a JSON object as text."""
+
+    name: str
+    arguments: str
+    id: str = ""
+
+
+@dataclass(frozen=True)
 class Message:
-    """One chat message; `parts` holds text (`str`) and images (`ImageInput`) in order."""
+    """One chat message; `parts` holds text (`str`) and images (`ImageInput`) in order; an
+    assistant message may carry the calls it made, a tool message the call it answers."""
 
     role: str
     parts: tuple[str | ImageInput, ...]
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""
+
+
+def tools_from_json(text: str) -> list[dict] | None:
+    """OpenAI's `tools` list from the wire's JSON text ("" = none)."""
+    if not text:
+        return None
+    try:
+        tools = json.loads(text)
+    except ValueError:
+        raise invalid("tools", "tools is not valid JSON") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise invalid("tools", "tools must be a list of objects")
+    return tools
 
 
 @dataclass(frozen=True)
@@ -103,7 +130,18 @@ def messages_from_proto(msgs) -> list[Message]:
                 )
             else:
                 raise invalid(where, "content part is empty (neither text nor image)")
-        out.append(Message(role=m.role, parts=tuple(parts)))
+        calls = []
+        for j, c in enumerate(m.tool_calls):
+            try:
+                ok = isinstance(json.loads(c.arguments), dict) and bool(c.name)
+            except ValueError:
+                ok = False
+            if not ok or m.role != "assistant":
+                raise invalid(f"messages[{i}].tool_calls[{j}]", "a tool call needs a name and "
+                              "JSON-object arguments, on an assistant message")
+            calls.append(ToolCall(c.name, c.arguments, c.id))
+        out.append(Message(role=m.role, parts=tuple(parts), tool_calls=tuple(calls),
+                           tool_call_id=m.tool_call_id))
     return out
 
 
@@ -141,16 +179,36 @@ class ChatTemplate:
                         if tok in p:
                             raise invalid(f"{where}.text", f"text contains reserved token {tok}")
                     content.append({"type": "text", "text": p})
-            hf_messages.append({"role": m.role, "content": content})
+            msg = {"role": m.role, "content": content}
+            if m.tool_calls:
+                msg["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments}
+                                     for c in m.tool_calls]
+            if m.tool_call_id:
+                msg["tool_call_id"] = m.tool_call_id
+            hf_messages.append(msg)
         return hf_messages, images
 
-    def token_ids(self, messages: list[Message], hf_messages: list[dict],
-                  image_tokens: list[int], max_tokens: int) -> list[int]:
-        """The prompt's ids: the template rendered (with the generation prompt unless the
-        chat ends with an assistant turn), image i's placeholder repeated image_tokens[i]
-        times; refuses a prompt over `max_tokens`."""
+    @functools.cached_property
+    def renders_tools(self) -> bool:
+        """Whether the checkpoint's template puts a `tools` list into the prompt (a probe
+        render); if not, a chat with tools is refused rather than silently toolless."""
+        probe = [{"type": "function", "function": {"name": "tandem_probe_fn", "parameters": {}}}]
         text = self.processor.apply_chat_template(
-            hf_messages, tokenize=False, add_generation_prompt=messages[-1].role != "assistant"
+            [{"role": "user", "content": [{"type": "text", "text": "x"}]}], tools=probe,
+            tokenize=False, add_generation_prompt=True)
+        return "tandem_probe_fn" in text
+
+    def token_ids(self, messages: list[Message], hf_messages: list[dict],
+                  image_tokens: list[int], max_tokens: int,
+                  tools: list[dict] | None = None) -> list[int]:
+        """The prompt's ids: the template rendered (with the generation prompt unless the
+        chat ends with an assistant turn, and `tools` when given), image i's placeholder
+        repeated image_tokens[i] times; refuses a prompt over `max_tokens`."""
+        if tools and not self.renders_tools:
+            raise invalid("tools", "this model's chat template does not render tools")
+        text = self.processor.apply_chat_template(
+            hf_messages, tools=tools or None, tokenize=False,
+            add_generation_prompt=messages[-1].role != "assistant",
         )
         pieces = text.split(self.image_token)
         if len(pieces) != len(image_tokens) + 1:  # the template dropped or duplicated an image
@@ -165,9 +223,10 @@ class ChatTemplate:
             )
         return ids
 
-    def text_only_ids(self, messages: list[Message], max_tokens: int) -> list[int]:
+    def text_only_ids(self, messages: list[Message], max_tokens: int,
+                      tools: list[dict] | None = None) -> list[int]:
         """A chat without images -> its prompt ids (an image is refused)."""
         hf_messages, images = self.split(messages)
         if images:
             raise invalid(images[0][0], "this path takes text-only chats")
-        return self.token_ids(messages, hf_messages, [], max_tokens)
+        return self.token_ids(messages, hf_messages, [], max_tokens, tools)

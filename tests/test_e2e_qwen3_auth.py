@@ -167,9 +167,19 @@ def test_admission_answers_429_beyond_max_inflight(cluster):
     assert wait_idle(cluster, 5)["idle"]
 
 
+def test_tool_calls_forced_auto_and_in_the_history(cluster):
+    from openai import OpenAI
+    from tool_checks import check_forced_calls, check_history_and_auto
+
+    client = OpenAI(base_url=cluster.http_url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    check_forced_calls(client)
+    check_history_and_auto(client)
+
+
 def test_sigterm_stops_every_child(cluster):
     children = psutil.Process(cluster.proc.pid).children(recursive=True)
     assert len(children) >= 3
     assert cluster.stop(signal.SIGTERM) == 0
     _, alive = psutil.wait_procs(children, timeout=5)
     assert alive == []
+

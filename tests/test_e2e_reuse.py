@@ -229,3 +229,11 @@ def test_structured_output_through_the_sdk(cluster):
         assert isinstance(json.loads(r.text)["ok"], bool)
         with pytest.raises(ValueError):
             sdk.chat(msgs, regex="a", choice=["a"])
+
+
+def test_tool_calls_forced_auto_and_in_the_history(cluster):
+    from tool_checks import check_forced_calls, check_history_and_auto
+
+    client = openai_client(cluster)
+    check_forced_calls(client)
+    check_history_and_auto(client)

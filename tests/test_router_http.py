@@ -4,6 +4,7 @@ every failure in OpenAI's error shape with the right status, never a 500."""
 from __future__ import annotations
 
 import base64
+import json
 
 import pytest
 from fastapi.testclient import TestClient
@@ -207,9 +208,9 @@ def test_every_openai_chat_parameter_is_honoured_or_refused_by_name():
         assert err["param"] == name and "not supported" in err["message"], (name, err)
         refused.add(name)
     # what we cannot serve yet is refused (issue 14 turns these into honoured fields)
-    assert {"tools", "tool_choice"} <= refused
     assert {"presence_penalty", "frequency_penalty", "logit_bias", "top_logprobs",
-            "response_format"} <= served
+            "response_format", "tools", "tool_choice"} <= served
+    assert {"n", "functions", "function_call", "audio", "modalities"} & refused
 
 
 @pytest.mark.parametrize("body,kind,text", [
@@ -298,3 +299,72 @@ def test_chunked_upload_over_the_limit_is_413():
     small = b'{"model": "", "messages": [{"role": "user", "content": "hi"}], "stream": "no"}'
     r = c.post("/v1/chat/completions", content=iter([small]), headers={"content-type": "application/json"})
     assert r.status_code == 400  # under the limit: read and validated as usual
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "days": {"type": "integer"}},
+                   "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"]}}}
+
+
+def test_tool_choice_shapes_the_request():
+    from services.router.openai_models import ChatCompletionRequest, to_chat_request
+    from services.router.tools import ToolMode
+
+    core, _ = make()
+
+    def build(**kw):
+        body = ChatCompletionRequest.model_validate(chat(tools=[WEATHER, CLOCK], **kw))
+        return to_chat_request(body, core.cfg, "x")
+
+    auto = build()
+    assert auto.tools.mode is ToolMode.AUTO and "get_weather" in auto.tools.tools_json
+    assert not auto.sampling.HasField("structured_output")
+    assert build(tool_choice="none").tools.mode is ToolMode.NONE
+    req = build(tool_choice="required")
+    schema = json.loads(req.sampling.structured_output.json_schema)
+    assert [c["properties"]["name"]["const"] for c in schema["anyOf"]] == ["get_weather",
+                                                                           "get_time"]
+    named = build(tool_choice={"type": "function", "function": {"name": "get_time"}})
+    schema = json.loads(named.sampling.structured_output.json_schema)
+    assert schema["properties"]["arguments"] == CLOCK["function"]["parameters"]
+
+
+def test_tool_output_parsing():
+    from services.router.tools import ToolMode, ToolSetup, parse_output
+
+    auto = ToolSetup(ToolMode.AUTO, "[]")
+    out = parse_output('Let me look.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n'
+                       '</tool_call>\n<tool_call>{"name": "g", "arguments": {}}</tool_call>', auto)
+    assert out.content == "Let me look." and [c["function"]["name"] for c in out.tool_calls] == [
+        "f", "g"]
+    assert json.loads(out.tool_calls[0]["function"]["arguments"]) == {"a": 1}
+    assert out.tool_calls[0]["id"].startswith("call_") and out.tool_calls[0]["type"] == "function"
+    assert parse_output("<tool_call>{broken</tool_call>", auto).tool_calls == []
+    forced = ToolSetup(ToolMode.FORCED, "[]")
+    assert parse_output('{"name": "f", "arguments": {"x": true}}', forced).content is None
+    assert parse_output('{"name": "f", "argu', forced).content == '{"name": "f", "argu'
+
+
+@pytest.mark.parametrize("body,param", [
+    (chat(tool_choice="auto"), "tool_choice"),
+    (chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
+     "tool_choice"),
+    (chat(tools=[WEATHER, WEATHER]), "tools"),
+    (chat(tools=[WEATHER], tool_choice="required", guided_regex="a"), "tool_choice"),
+    (chat(messages=[{"role": "tool", "content": "12C"}]), "messages[0].tool_call_id"),
+    (chat(messages=[{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]),
+     "messages[0].tool_calls[0].function.arguments"),
+    (chat(messages=[{"role": "user", "content": "x", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]),
+     "messages[0].tool_calls"),
+])
+def test_bad_tool_requests_are_400_naming_the_field(body, param):
+    _, c = make()
+    r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param

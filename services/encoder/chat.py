@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.chat import Limits, Message, messages_from_proto
+from tandem.chat import Limits, Message, messages_from_proto, tools_from_json
 
 
 @dataclass
@@ -16,6 +16,7 @@ class EncodeJob:
     messages: list[Message]
     limits: Limits = field(default_factory=Limits)
     deadline_unix_ms: int = 0
+    tools: list[dict] | None = None  # OpenAI's `tools`, rendered by the chat template
 
 
 
@@ -30,4 +31,5 @@ def job_from_proto(req) -> EncodeJob:
             max_images=max(0, req.limits.max_images),
         ),
         deadline_unix_ms=req.deadline_unix_ms,
+        tools=tools_from_json(req.tools_json),
     )

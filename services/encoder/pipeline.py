@@ -138,13 +138,14 @@ class EncodePipeline:
         limits: Limits | None = None,
         on_state=None,
         announce: Callable[[PromptInfo], Awaitable[int]] | None = None,
+        tools: list[dict] | None = None,
     ) -> EncodeResult:
         """`on_state(EncodeState)` is called as the request moves from stage to stage;
         `announce(info)` returns the leading tokens the language side already holds."""
         step = on_state or (lambda _s: None)
         loop = asyncio.get_running_loop()
         step(EncodeState.PREPROCESSING)
-        prep = await loop.run_in_executor(self.pool, self.preprocessor, messages, limits)
+        prep = await loop.run_in_executor(self.pool, self.preprocessor, messages, limits, tools)
         if self.metrics:
             self.metrics.preprocess_seconds.observe(prep.preprocess_s)
         spans = image_spans(prep.input_ids, [im.num_tokens for im in prep.images],

@@ -67,7 +67,8 @@ class Preprocessor:
         self.template = ChatTemplate(processor)
         self.merge = int(processor.image_processor.merge_size)
 
-    def __call__(self, messages: list[Message], req: Limits | None = None) -> Prepared:
+    def __call__(self, messages: list[Message], req: Limits | None = None,
+                 tools: list[dict] | None = None) -> Prepared:
         t0 = time.perf_counter()
         req = req or Limits()
         lim = self.limits
@@ -81,7 +82,7 @@ class Preprocessor:
             )
         images = [self._image(where, p) for where, p in image_parts]
         ids = self.template.token_ids(
-            messages, hf_messages, [im.num_tokens for im in images], max_tokens
+            messages, hf_messages, [im.num_tokens for im in images], max_tokens, tools
         )
         types = self.processor.create_mm_token_type_ids([ids])[0]
         return Prepared(

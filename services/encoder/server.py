@@ -103,6 +103,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             res = await self.pipeline.encode(
                 job.messages, job.limits, on_state=mark,
                 announce=lambda info: self.sender.announce(job.room, info, deadline=deadline),
+                tools=job.tools,
             )  # fmt: skip
             mark(EncodeState.SENDING)
             t0 = time.perf_counter()

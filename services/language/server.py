@@ -35,7 +35,7 @@ from services.language.request import (
     StreamDelta,
 )
 from services.language.scheduler import AdmissionError
-from tandem.chat import ChatError, ChatTemplate, messages_from_proto
+from tandem.chat import ChatError, ChatTemplate, messages_from_proto, tools_from_json
 from tandem.serving import deadline_from_proto
 from tandem.transfer import BlockAllocator, EmbeddingReceiver, TransferError
 from tandem.v1 import common_pb2, language_pb2, language_pb2_grpc
@@ -246,8 +246,9 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         if request.encoder_address:
             raise ChatError("set either messages or encoder_address, not both", "messages")
         messages = messages_from_proto(request.messages)
+        tools = tools_from_json(request.tools_json)
         return await asyncio.get_running_loop().run_in_executor(
-            None, self.template.text_only_ids, messages, self.limits.max_prompt_tokens)
+            None, self.template.text_only_ids, messages, self.limits.max_prompt_tokens, tools)
 
     async def Reattach(self, request, context):  # noqa: N802
         ok = self.receiver.reattach(request.room, request.encoder_address)

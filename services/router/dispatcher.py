@@ -106,6 +106,7 @@ class Dispatcher:
                         request_id=req.request_id,
                         messages=req.messages,
                         deadline_unix_ms=int(deadline * 1000),
+                        tools_json=req.tools.tools_json,
                     ),
                     timeout=max(0.001, deadline - time.time()),
                 )
@@ -210,6 +211,7 @@ class Dispatcher:
                 request_id=req.request_id,
                 encoder_address=enc.address if enc else "",
                 messages=req.messages if bypass else (),
+                tools_json=req.tools.tools_json if bypass else "",
                 sampling=req.sampling,
                 deadline_unix_ms=int(deadline * 1000),
                 priority=req.priority,

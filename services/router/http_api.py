@@ -31,6 +31,7 @@ from services.router.openai_models import (
     to_chat_request,
 )
 from services.router.request import Piece
+from services.router.tools import ToolMode
 
 
 def _error(err: RouterError) -> JSONResponse:
@@ -115,6 +116,15 @@ def build_app(core: RouterCore) -> FastAPI:
         release = core.admit()
         try:
             agen = core.dispatcher.generate(req)
+            if body.stream and req.tools.mode is not ToolMode.NONE:
+                # a tool call is known only once its closing tag is out: answer whole
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                pieces = await _collect_or_disconnect(agen, request)
+                release()
+                core.metrics.requests.labels("http", "ok").inc()
+                return StreamingResponse(
+                    fmt.tool_stream(pieces, req.tools, req.request_id, model, include_usage),
+                    media_type="text/event-stream", headers=headers)
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 # Wait for the first piece so errors before output get a real status code.
@@ -134,7 +144,8 @@ def build_app(core: RouterCore) -> FastAPI:
                 )
             result = await _collect_or_disconnect(agen, request)
             core.metrics.requests.labels("http", "ok").inc()
-            return JSONResponse(fmt.completion(result, req.request_id, model), headers=headers)
+            return JSONResponse(fmt.completion(result, req.request_id, model, req.tools),
+                                headers=headers)
         except RouterError as err:
             core.metrics.requests.labels("http", err.code.lower()).inc()
             release()

@@ -7,6 +7,7 @@ import json
 import time
 
 from services.router.request import Piece
+from services.router.tools import ToolSetup, parse_output
 
 
 def logprobs(piece: Piece) -> dict | None:
@@ -44,9 +45,42 @@ def extension(piece: Piece, request_id: str) -> dict:
     }
 
 
-def completion(pieces: list[Piece], request_id: str, model: str) -> dict:
+def answer(pieces: list[Piece], tools: ToolSetup) -> tuple[dict, str]:
+    """(the assistant message, finish_reason) of a whole output: content, and tool calls
+    when the request had tools and the model made any (finish_reason "tool_calls")."""
+    last = pieces[-1]
+    out = parse_output("".join(p.text for p in pieces), tools)
+    message: dict = {"role": "assistant", "content": out.content}
+    if out.tool_calls:
+        message["tool_calls"] = out.tool_calls
+        return message, "tool_calls"
+    return message, last.finish_reason
+
+
+def tool_stream(pieces: list[Piece], tools: ToolSetup, request_id: str, model: str,
+                include_usage: bool):
+    """The SSE events of a whole output with tools: role, content, each call as one
+    tool-call delta (id, name, all its arguments), the finish chunk, usage, [DONE]."""
+    created, last = int(time.time()), pieces[-1]
+    message, finish = answer(pieces, tools)
+    yield chunk(request_id, model, created, {"role": "assistant", "content": ""})
+    if message["content"]:
+        yield chunk(request_id, model, created, {"content": message["content"]})
+    for k, call in enumerate(message.get("tool_calls", [])):
+        yield chunk(request_id, model, created, {"tool_calls": [{"index": k, **call}]})
+    ext = extension(last, request_id)
+    yield chunk(request_id, model, created, {}, finish_reason=finish, tandem=ext)
+    if include_usage:
+        body = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                "model": model, "choices": [], "usage": usage(last), "tandem": ext}
+        yield f"data: {json.dumps(body)}\n\n".encode()
+    yield b"data: [DONE]\n\n"
+
+
+def completion(pieces: list[Piece], request_id: str, model: str, tools: ToolSetup) -> dict:
     last = pieces[-1]
     lps = [c for p in pieces for c in (logprobs(p) or {"content": []})["content"]]
+    message, finish = answer(pieces, tools)
     return {
         "id": request_id,
         "object": "chat.completion",
@@ -55,9 +89,9 @@ def completion(pieces: list[Piece], request_id: str, model: str) -> dict:
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": "".join(p.text for p in pieces)},
+                "message": message,
                 "logprobs": {"content": lps} if lps else None,
-                "finish_reason": last.finish_reason,
+                "finish_reason": finish,
             }
         ],
         "usage": usage(last),

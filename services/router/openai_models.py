@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from services.router.config import RouterConfig
 from services.router.errors import RouterError
 from services.router.request import ChatRequest
+from services.router.tools import ToolSetup, tool_setup
 from tandem.v1 import common_pb2
 
 
@@ -45,9 +46,43 @@ class ImageURLPart(_Model):
 Part = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
 
 
+class FunctionCall(_Model):
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str = Field(max_length=1 << 20)  # a JSON object as text
+
+
+class ToolCall(_Model):
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class Message(_Model):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[Part] | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=128)  # assistant
+    tool_call_id: str | None = Field(None, min_length=1, max_length=256)  # tool
+
+
+class FunctionDef(_Model):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = Field(None, max_length=16384)
+    parameters: dict | None = None  # a JSON schema; none = no arguments
+    strict: bool | None = None  # arguments always validate when the call is forced
+
+
+class Tool(_Model):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_Model):
@@ -101,6 +136,8 @@ class ChatCompletionRequest(_Model):
     stop_token_ids: list[int] | None = Field(None, max_length=64)
     include_stop_str_in_output: bool = False
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     # vLLM-compatible structured-output extensions (at most one constraint in all)
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict | str | None = None
@@ -112,7 +149,7 @@ class ChatCompletionRequest(_Model):
     priority: int = Field(0, ge=-(1 << 31), lt=1 << 31)  # extension
     # Hints only (accepted, no effect), as documented in docs/sdk.md.
     user: str | None = Field(None, max_length=256)
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = None  # a forced call is one call
 
 
 def _utf8(text: str, param: str) -> str:
@@ -212,6 +249,22 @@ def structured_output(body: ChatCompletionRequest) -> common_pb2.StructuredOutpu
     return asked[0][1] if asked else None
 
 
+def _tool_setup(body: ChatCompletionRequest) -> ToolSetup:
+    choice = body.tool_choice
+    if choice is not None and not body.tools:
+        raise RouterError("INVALID_ARGUMENT", "tool_choice needs tools", "tool_choice")
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise RouterError("INVALID_ARGUMENT", "tool names must be unique", "tools")
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise RouterError("INVALID_ARGUMENT", f"tool_choice names {choice.function.name!r}, "
+                              "which is not in tools", "tool_choice")  # fmt: skip
+        choice = choice.function.name
+    return tool_setup(tools, choice)
+
+
 def _top_logprobs(body: ChatCompletionRequest) -> int:
     if body.top_logprobs and not body.logprobs:
         raise RouterError("INVALID_ARGUMENT", "top_logprobs needs logprobs: true", "top_logprobs")
@@ -262,7 +315,23 @@ def to_chat_request(body: ChatCompletionRequest, cfg: RouterConfig, request_id: 
     messages = []
     for i, m in enumerate(body.messages):
         role = "system" if m.role == "developer" else m.role
-        msg = common_pb2.ChatMessage(role=role)
+        msg = common_pb2.ChatMessage(role=role, tool_call_id=m.tool_call_id or "")
+        if m.role == "tool" and not m.tool_call_id:
+            raise RouterError("INVALID_ARGUMENT", "a tool message needs tool_call_id",
+                              f"messages[{i}].tool_call_id")  # fmt: skip
+        if m.tool_calls and m.role != "assistant":
+            raise RouterError("INVALID_ARGUMENT", "only an assistant message has tool_calls",
+                              f"messages[{i}].tool_calls")  # fmt: skip
+        for j, call in enumerate(m.tool_calls or []):
+            param = f"messages[{i}].tool_calls[{j}].function.arguments"
+            try:
+                ok = isinstance(json.loads(call.function.arguments), dict)
+            except ValueError:
+                ok = False
+            if not ok:
+                raise RouterError("INVALID_ARGUMENT", "arguments must be a JSON object", param)
+            msg.tool_calls.add(id=call.id, name=call.function.name,
+                               arguments=_utf8(call.function.arguments, param))
         if isinstance(m.content, str):
             msg.content.add(text=_utf8(m.content, f"messages[{i}].content"))
         elif m.content is not None:
@@ -293,7 +362,13 @@ def to_chat_request(body: ChatCompletionRequest, cfg: RouterConfig, request_id: 
         stop_token_ids=_token_ids(body.stop_token_ids, "stop_token_ids"),
         include_stop_str_in_output=body.include_stop_str_in_output,
     )
+    tools = _tool_setup(body)
     structured = structured_output(body)
+    if tools.grammar is not None:
+        if structured is not None:
+            raise RouterError("INVALID_ARGUMENT", "a forced tool call and another output "
+                              "constraint cannot go together", "tool_choice")  # fmt: skip
+        structured = tools.grammar
     if structured is not None:
         if body.ignore_eos:
             raise RouterError("INVALID_ARGUMENT", "ignore_eos cannot go with structured "
@@ -308,4 +383,5 @@ def to_chat_request(body: ChatCompletionRequest, cfg: RouterConfig, request_id: 
         timeout_s=timeout_s,
         request_id=f"chatcmpl-{request_id}",
         priority=body.priority,
+        tools=tools,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
+from services.router.tools import ToolSetup
 from tandem.v1 import common_pb2
 
 # Stage timings (ms) and what the stages skipped: images the encoder did not run through
@@ -23,6 +24,7 @@ class ChatRequest:
     timeout_s: float
     request_id: str
     priority: int = 0
+    tools: ToolSetup = field(default_factory=ToolSetup)  # tools rendered / calls parsed
 
 
 @dataclass

@@ -147,22 +147,56 @@ _CONTENT_PARTS = (
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}"
 )
 
-# Qwen2.5-VL's chat template (default system prompt; images as vision_start/image_pad/vision_end).
-CHAT_TEMPLATE_QWEN2_5 = (
-    _COUNTERS
-    + "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
-    "{% else %}" + _CONTENT_PARTS + "<|im_end|>\n"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+# A message's content, a string or parts (the current `message`).
+_CONTENT = "{% if message['content'] is string %}{{ message['content'] }}{% else %}" + _CONTENT_PARTS + "{% endif %}"
+
+# Tools as Qwen's templates render them: a system block listing the functions, assistant
+# calls as <tool_call>{"name", "arguments"}</tool_call>, tool results as a user turn of
+# <tool_response> blocks (consecutive results share one turn).
+_TOOLS_HEADER = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+)
+_TOOL_TURNS = (
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "\n<tool_response>\n" + _CONTENT + "\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}<|im_start|>{{ message['role'] }}\n" + _CONTENT
+    + "{% for call in message['tool_calls'] or [] %}\n<tool_call>\n"
+    '{"name": "{{ call[\'name\'] }}", "arguments": {{ call[\'arguments\'] }}}\n</tool_call>'
+    "{% endfor %}<|im_end|>\n{% endif %}"
 )
 
-# Qwen3-VL's chat template without the tool-calling branches (no default system prompt).
-CHAT_TEMPLATE_QWEN3 = (
-    _COUNTERS
-    + "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}" + _CONTENT_PARTS + "{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+
+def _with_tools(default_system: str) -> str:
+    """Both Qwen templates: `default_system` opens a chat that has no system message."""
+    first_system = (
+        "{% if messages[0]['role'] == 'system' %}{% set message = messages[0] %}" + _CONTENT
+        + "\n\n{% else %}" + (default_system + "\n\n" if default_system else "")
+        + "{% endif %}"
+    )
+    return (
+        _COUNTERS
+        + "{% if tools %}<|im_start|>system\n" + first_system + _TOOLS_HEADER + "{% endif %}"
+        "{% for message in messages %}"
+        "{% if tools and loop.first and message['role'] == 'system' %}"
+        + ("{% elif loop.first and message['role'] != 'system' and not tools %}"
+           "<|im_start|>system\n" + default_system + "<|im_end|>\n"
+           "<|im_start|>{{ message['role'] }}\n" + _CONTENT + "<|im_end|>\n"
+           if default_system else "")
+        + _TOOL_TURNS
+        + "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    ).replace("%}\n", "%}{{ '\\n' }}")  # NOTE: transformers renders with trim_blocks on
+
+
+# Qwen2.5-VL's chat template (default system prompt; images as vision_start/image_pad/
+# vision_end), with Qwen2.5's tool-calling branches.
+CHAT_TEMPLATE_QWEN2_5 = _with_tools("You are a helpful assistant.")
+
+# Qwen3-VL's chat template (no default system prompt), with its tool-calling branches.
+CHAT_TEMPLATE_QWEN3 = _with_tools("")
