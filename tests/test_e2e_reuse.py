@@ -237,3 +237,27 @@ def test_tool_calls_forced_auto_and_in_the_history(cluster):
     client = openai_client(cluster)
     check_forced_calls(client)
     check_history_and_auto(client)
+
+
+def test_n_choices_are_the_seeded_samples_streaming_and_not(cluster):
+    client = openai_client(cluster)
+    msgs = [{"role": "user", "content": "Say something."}]
+    kw = dict(model="", messages=msgs, temperature=1.0, max_tokens=6)
+    r = client.chat.completions.create(n=3, seed=5, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    singles = [client.chat.completions.create(seed=5 + i, **kw) for i in range(3)]
+    assert [c.message.content for c in r.choices] == [s.choices[0].message.content
+                                                      for s in singles]
+    assert r.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    assert r.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    texts, finished, usage = {0: "", 1: ""}, set(), None
+    for chunk in client.chat.completions.create(n=2, seed=5, stream=True,
+                                                stream_options={"include_usage": True}, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finished.add(c.index)
+        usage = chunk.usage or usage
+    assert finished == {0, 1} and [texts[0], texts[1]] == [c.message.content
+                                                           for c in r.choices[:2]]
+    assert usage.completion_tokens == sum(s.usage.completion_tokens for s in singles[:2])

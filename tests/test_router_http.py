@@ -58,7 +58,7 @@ def assert_openai_error(r, status: int, code: str, param=None):
         (chat(max_completion_tokens=0), "max_completion_tokens"),
         (chat(temperature=-0.5), "temperature"),
         (chat(top_p=0), "top_p"),
-        (chat(n=2), "n"),
+        (chat(n=17), "n"),
         (chat(top_logprobs=3), "top_logprobs"),  # without logprobs
         (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
         (chat(presence_penalty=5), "presence_penalty"),

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.router import openai_format as fmt
 from services.router.admission import check_api_key
+from services.router.choices import choice_requests, merged, total_usage
 from services.router.config import RouterConfig
 from services.router.core import RouterCore
 from services.router.errors import RouterError
@@ -113,13 +114,15 @@ def build_app(core: RouterCore) -> FastAPI:
         req = to_chat_request(body, cfg, rid)
         headers = {"X-Request-Id": rid}
         model = body.model or core.model_name()
+        if body.n > 1 and req.tools.mode is not ToolMode.NONE:
+            raise RouterError("INVALID_ARGUMENT", "n > 1 with tools is not served", "n")
         release = core.admit()
         try:
-            agen = core.dispatcher.generate(req)
+            agen = merged([core.dispatcher.generate(r) for r in choice_requests(req, body.n)])
             if body.stream and req.tools.mode is not ToolMode.NONE:
                 # a tool call is known only once its closing tag is out: answer whole
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                pieces = await _collect_or_disconnect(agen, request)
+                pieces = [p for _, p in await _collect_or_disconnect(agen, request)]
                 release()
                 core.metrics.requests.labels("http", "ok").inc()
                 return StreamingResponse(
@@ -144,7 +147,8 @@ def build_app(core: RouterCore) -> FastAPI:
                 )
             result = await _collect_or_disconnect(agen, request)
             core.metrics.requests.labels("http", "ok").inc()
-            return JSONResponse(fmt.completion(result, req.request_id, model, req.tools),
+            choices = [[p for i, p in result if i == k] for k in range(body.n)]
+            return JSONResponse(fmt.completion(choices, req.request_id, model, req.tools),
                                 headers=headers)
         except RouterError as err:
             core.metrics.requests.labels("http", err.code.lower()).inc()
@@ -230,7 +234,7 @@ async def _watch_disconnect(task: asyncio.Future, request: Request) -> None:
             task.cancel()
 
 
-async def _first_or_disconnect(agen, request: Request) -> Piece:
+async def _first_or_disconnect(agen, request: Request) -> tuple[int, Piece]:
     task = asyncio.ensure_future(agen.__anext__())
     try:
         await _watch_disconnect(task, request)
@@ -243,7 +247,7 @@ async def _first_or_disconnect(agen, request: Request) -> Piece:
         raise
 
 
-async def _collect_or_disconnect(agen, request: Request) -> list[Piece]:
+async def _collect_or_disconnect(agen, request: Request) -> list[tuple[int, Piece]]:
     async def collect():
         return [p async for p in agen]
 
@@ -257,31 +261,37 @@ async def _collect_or_disconnect(agen, request: Request) -> list[Piece]:
         await agen.aclose()
 
 
-async def _sse(agen, first: Piece, request_id, model, include_usage, release):
-    """Server-sent events: role chunk, content chunks, a finish chunk, an optional usage
-    chunk, `[DONE]`. A failure after output is an `{"error": ...}` event."""
+async def _sse(agen, first: tuple[int, Piece], request_id, model, include_usage, release):
+    """Server-sent events: per choice a role chunk, content chunks and a finish chunk; then
+    an optional usage chunk (all choices), `[DONE]`. A failure after output is an
+    `{"error": ...}` event. `agen` yields (choice index, piece)."""
     created = int(time.time())
+    started: set[int] = set()
+    last: list[Piece] = []
     try:
-        yield fmt.chunk(request_id, model, created, {"role": "assistant", "content": ""})
-        piece = first
+        index, piece = first
         while True:
+            if index not in started:
+                started.add(index)
+                yield fmt.chunk(request_id, model, created, {"role": "assistant", "content": ""},
+                                index=index)
             if piece.text or piece.token_ids:
                 yield fmt.chunk(request_id, model, created, {"content": piece.text},
-                             logprobs=fmt.logprobs(piece))
+                                index=index, logprobs=fmt.logprobs(piece))
             if piece.finish_reason is not None:
-                ext = fmt.extension(piece, request_id)
-                yield fmt.chunk(request_id, model, created, {}, finish_reason=piece.finish_reason,
-                             tandem=ext)
-                if include_usage:
-                    body = {"id": request_id, "object": "chat.completion.chunk",
-                            "created": created, "model": model, "choices": [],
-                            "usage": fmt.usage(piece), "tandem": ext}
-                    yield f"data: {json.dumps(body)}\n\n".encode()
-                break
+                last.append(piece)
+                yield fmt.chunk(request_id, model, created, {}, index=index,
+                                finish_reason=piece.finish_reason,
+                                tandem=fmt.extension(piece, request_id))
             try:
-                piece = await agen.__anext__()
+                index, piece = await agen.__anext__()
             except StopAsyncIteration:
                 break
+        if include_usage and last:
+            body = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                    "model": model, "choices": [], "usage": total_usage(last),
+                    "tandem": fmt.extension(last[0], request_id)}
+            yield f"data: {json.dumps(body)}\n\n".encode()
     except RouterError as err:
         yield f"data: {json.dumps(err.openai_body())}\n\n".encode()
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 
+from services.router.choices import total_usage
 from services.router.request import Piece
 from services.router.tools import ToolSetup, parse_output
 
@@ -77,30 +78,30 @@ def tool_stream(pieces: list[Piece], tools: ToolSetup, request_id: str, model: s
     yield b"data: [DONE]\n\n"
 
 
-def completion(pieces: list[Piece], request_id: str, model: str, tools: ToolSetup) -> dict:
-    last = pieces[-1]
-    lps = [c for p in pieces for c in (logprobs(p) or {"content": []})["content"]]
-    message, finish = answer(pieces, tools)
+def completion(choices: list[list[Piece]], request_id: str, model: str,
+               tools: ToolSetup) -> dict:
+    """A whole response: one entry per choice (each the pieces of one sample)."""
+    out = []
+    for i, pieces in enumerate(choices):
+        lps = [c for p in pieces for c in (logprobs(p) or {"content": []})["content"]]
+        message, finish = answer(pieces, tools)
+        out.append({"index": i, "message": message,
+                    "logprobs": {"content": lps} if lps else None, "finish_reason": finish})
+    last = choices[0][-1]
     return {
         "id": request_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "logprobs": {"content": lps} if lps else None,
-                "finish_reason": finish,
-            }
-        ],
-        "usage": usage(last),
+        "choices": out,
+        "usage": total_usage([c[-1] for c in choices]),
         "tandem": extension(last, request_id),
     }
 
 
-def chunk(request_id: str, model: str, created: int, delta: dict, **extra) -> bytes:
-    choice = {"index": 0, "delta": delta, "logprobs": extra.pop("logprobs", None),
+def chunk(request_id: str, model: str, created: int, delta: dict, index: int = 0,
+          **extra) -> bytes:
+    choice = {"index": index, "delta": delta, "logprobs": extra.pop("logprobs", None),
               "finish_reason": extra.pop("finish_reason", None)}
     body = {"id": request_id, "object": "chat.completion.chunk", "created": created,
             "model": model, "choices": [choice], **extra}

@@ -2,7 +2,7 @@
 the wire protos. Nothing is silently dropped: every field is honoured, hint-only (`user`,
 `parallel_tool_calls`, an image's `detail`: OpenAI treats them as hints too), or refused
 with a 400 naming it (`param`): unknown fields by `extra="forbid"`, and values we cannot
-serve (n > 1) by their bounds. docs/sdk.md lists them."""
+serve (n > 16) by their bounds. docs/sdk.md lists them."""
 
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ class ChatCompletionRequest(_Model):
     top_k: int | None = Field(None, ge=0, le=1 << 20)  # extension
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=1, description="Only n=1 is served.")
+    n: int = Field(1, ge=1, le=16)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
