@@ -223,6 +223,14 @@ class ChatTemplate:
             )
         return ids
 
+    def raw_ids(self, prompt: str, max_tokens: int) -> list[int]:
+        """A raw prompt's ids (the completions API: no chat template)."""
+        ids = self.processor.tokenizer(prompt)["input_ids"]
+        if len(ids) > max_tokens:
+            raise invalid("prompt", f"the prompt is {len(ids)} tokens, over the limit of "
+                          f"{max_tokens}")
+        return ids
+
     def text_only_ids(self, messages: list[Message], max_tokens: int,
                       tools: list[dict] | None = None) -> list[int]:
         """A chat without images -> its prompt ids (an image is refused)."""

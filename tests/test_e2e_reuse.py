@@ -19,6 +19,7 @@ from typing import Literal
 
 import httpx
 import pytest
+import torch
 from language_oracle import generate, load, make_chat_inputs, make_image, make_inputs
 from test_e2e_cluster import data_url, openai_client, png, strip_eos
 
@@ -261,3 +262,48 @@ def test_n_choices_are_the_seeded_samples_streaming_and_not(cluster):
     assert finished == {0, 1} and [texts[0], texts[1]] == [c.message.content
                                                            for c in r.choices[:2]]
     assert usage.completion_tokens == sum(s.usage.completion_tokens for s in singles[:2])
+
+
+def test_completions_tokenize_and_detokenize(cluster, ckpt):
+    import openai
+
+    model, processor = load(ckpt)
+    tok = processor.tokenizer
+    client = openai_client(cluster)
+    prompt = "Once upon a time there was a"
+    ids = tok(prompt)["input_ids"]
+    want, _ = generate(model, {"input_ids": torch.tensor([ids]),
+                               "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}, 8)
+    r = client.completions.create(model="", prompt=prompt, max_tokens=8, temperature=0)
+    assert r.object == "text_completion" and r.usage.prompt_tokens == len(ids)
+    text = tok.decode(want, skip_special_tokens=True)
+    assert r.choices[0].text == text
+    echo = client.completions.create(model="", prompt=[prompt], max_tokens=8, temperature=0,
+                                     echo=True)
+    assert echo.choices[0].text == prompt + text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="", prompt=prompt, max_tokens=8, temperature=0, stream=True) if c.choices)
+    assert streamed == text
+    lp = client.completions.create(model="", prompt=prompt, max_tokens=4, temperature=0,
+                                   logprobs=3)
+    got = lp.choices[0].logprobs
+    assert len(got.token_logprobs) == lp.usage.completion_tokens
+    assert all(len(t) <= 3 for t in got.top_logprobs) and got.text_offset[0] == 0
+    n = client.completions.create(model="", prompt=prompt, max_tokens=4, temperature=1.0,
+                                  seed=3, n=2)
+    assert [c.index for c in n.choices] == [0, 1]
+    for bad, param in (({"suffix": "x"}, "suffix"), ({"best_of": 2}, "best_of"),
+                       ({"echo": True, "logprobs": 1}, "echo")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="", prompt=prompt, max_tokens=4, **bad)
+        assert e.value.body["param"] == param
+    http = httpx.Client(base_url=cluster.http_url, timeout=30)
+    t = http.post("/tokenize", json={"prompt": prompt}).json()
+    assert t["tokens"] == ids and t["count"] == len(ids) and t["max_model_len"] > 0
+    chat_ids = http.post("/tokenize", json={"messages": [
+        {"role": "user", "content": "hi"}]}).json()["tokens"]
+    assert chat_ids == make_chat_inputs(processor, [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}]}], [])["input_ids"][0].tolist()
+    assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == prompt
+    assert http.post("/tokenize", json={}).status_code == 400
+    assert http.post("/detokenize", json={"tokens": [10 ** 9]}).status_code == 400

@@ -368,3 +368,27 @@ def test_bad_tool_requests_are_400_naming_the_field(body, param):
     r = c.post("/v1/chat/completions", json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_every_openai_completions_parameter_is_honoured_or_refused_by_name():
+    """The same walk over the `openai` package's completions request type."""
+    from openai.types import completion_create_params as ccp
+
+    from services.router.openai_completions import CompletionRequest
+
+    served = set(CompletionRequest.model_fields)
+    _, client = make()
+    refused = set()
+    for name in sorted(_openai_fields(ccp.CompletionCreateParamsBase) | {"stream"}):
+        if name in served:
+            continue
+        r = client.post("/v1/completions", json={"model": "", "prompt": "x", name: {"x": 1}})
+        assert r.status_code == 400, (name, r.status_code)
+        assert r.json()["error"]["param"] == name, (name, r.json())
+        refused.add(name)
+    assert {"prompt", "echo", "logprobs", "suffix", "best_of", "n", "logit_bias"} <= served
+    # served fields that cannot be honoured are refused by value, by name
+    for body, param in (({"suffix": "z"}, "suffix"), ({"best_of": 3}, "best_of"),
+                        ({"prompt": ["a", "b"]}, "prompt"), ({"logprobs": 21}, "logprobs")):
+        r = client.post("/v1/completions", json={"model": "", "prompt": "x", **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)

@@ -24,6 +24,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+import grpc
+
 from services.language.engine import Engine
 from services.language.grammar import GrammarKind, GrammarSpec
 from services.language.metrics import LanguageMetrics
@@ -182,7 +184,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             req.grammar_future = self.engine.grammars.compile(sampling.grammar)
         try:
             # -- 1. the prompt: tokenized here (text-only chat) or through the room --
-            if request.messages:
+            if request.messages or request.prompt:
                 try:
                     req.prompt_ids = await self._tokenize(request)
                 except ChatError as e:
@@ -240,15 +242,35 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         return self.engine.tokenizer.decode([token_id])
 
     async def _tokenize(self, request) -> list[int]:
-        """A text-only chat's prompt ids (ChatError names what is wrong)."""
+        """The prompt ids of a text-only chat or a raw prompt, whichever `request` (a
+        Generate or Tokenize request) carries (ChatError names what is wrong)."""
         if self.template is None:
             raise ChatError("this language instance has no chat template", "messages")
-        if request.encoder_address:
-            raise ChatError("set either messages or encoder_address, not both", "messages")
+        if getattr(request, "encoder_address", "") or (request.messages and request.prompt):
+            raise ChatError("set exactly one of messages, prompt and encoder_address",
+                            "messages")
+        run, limit = asyncio.get_running_loop().run_in_executor, self.limits.max_prompt_tokens
+        if request.prompt:
+            return await run(None, self.template.raw_ids, request.prompt, limit)
         messages = messages_from_proto(request.messages)
-        tools = tools_from_json(request.tools_json)
-        return await asyncio.get_running_loop().run_in_executor(
-            None, self.template.text_only_ids, messages, self.limits.max_prompt_tokens, tools)
+        tools = tools_from_json(getattr(request, "tools_json", ""))
+        return await run(None, self.template.text_only_ids, messages, limit, tools)
+
+    async def Tokenize(self, request, context):  # noqa: N802
+        try:
+            ids = await self._tokenize(request)
+        except ChatError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.detail)
+        return language_pb2.TokenizeResponse(token_ids=ids,
+                                             max_model_len=self.engine.cfg.max_model_len)
+
+    async def Detokenize(self, request, context):  # noqa: N802
+        vocab = self.engine.runner.vocab_size
+        if any(not 0 <= t < vocab for t in request.token_ids):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"token_ids: every id must be in [0, {vocab})")
+        text = self.engine.tokenizer.decode(list(request.token_ids))
+        return language_pb2.DetokenizeResponse(text=text)
 
     async def Reattach(self, request, context):  # noqa: N802
         ok = self.receiver.reattach(request.room, request.encoder_address)

@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import PurePath
 
+import grpc
+
 from services.router.admission import Admission
 from services.router.config import RouterConfig
 from services.router.dispatcher import Dispatcher
-from services.router.errors import RouterError
+from services.router.errors import RouterError, Tier, from_rpc
 from services.router.metrics import RouterMetrics
 from services.router.registry import Registry
 from services.router.selection import Selector
@@ -44,6 +46,15 @@ class RouterCore:
     def refresh_gauges(self) -> None:
         self.metrics.healthy.labels("encoder").set(self.registry.encoders.healthy_count())
         self.metrics.healthy.labels("language").set(self.registry.languages.healthy_count())
+
+    async def language_call(self, method: str, msg, timeout_s: float = 10.0):
+        """A unary call (Tokenize, Detokenize) on the least-loaded healthy language
+        instance; its failure as a RouterError (INVALID_ARGUMENT stays a 400)."""
+        lang = self.dispatcher.pick_language()
+        try:
+            return await getattr(lang.stub, method)(msg, timeout=timeout_s)
+        except grpc.RpcError as e:
+            raise from_rpc(e, Tier.LANGUAGE) from None
 
     def admit(self) -> Callable[[], None]:
         """Admit one request, the only way either front end does: refused while draining

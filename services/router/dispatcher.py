@@ -48,6 +48,7 @@ from services.router.request import (
     Usage,
     conversation_key,
     image_hashes,
+    prompt_key,
 )
 from services.router.selection import NoInstanceError, Selector
 from tandem.finish_reasons import TO_OPENAI
@@ -73,6 +74,10 @@ class Dispatcher:
         except NoInstanceError:
             raise RouterError("UNAVAILABLE", f"no healthy {kind} instance") from None
         return pool.instances[addr]
+
+    def pick_language(self) -> Instance:
+        """A language instance for a call outside any request (least load)."""
+        return self._pick("language")
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)
@@ -199,9 +204,10 @@ class Dispatcher:
         self, req: ChatRequest, start: float, deadline: float, avoid: dict, route: Route
     ) -> AsyncIterator[Piece]:
         hashes = image_hashes(req.messages)
-        bypass = self.cfg.encoder_bypass and not hashes
-        lang = self._pick_avoiding("language", [conversation_key(req.messages)],
-                                   avoid["language"])
+        # NOTE: a raw prompt always goes straight to a language instance (no chat to encode)
+        bypass = bool(req.prompt) or (self.cfg.encoder_bypass and not hashes)
+        key = prompt_key(req.prompt) if req.prompt else conversation_key(req.messages)
+        lang = self._pick_avoiding("language", [key], avoid["language"])
         enc = None if bypass else self._pick_avoiding("encoder", hashes, avoid["encoder"])
         room = secrets.randbits(63)
         lang.outstanding += 1
@@ -211,6 +217,7 @@ class Dispatcher:
                 request_id=req.request_id,
                 encoder_address=enc.address if enc else "",
                 messages=req.messages if bypass else (),
+                prompt=req.prompt,
                 tools_json=req.tools.tools_json if bypass else "",
                 sampling=req.sampling,
                 deadline_unix_ms=int(deadline * 1000),

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,17 +21,26 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.router import openai_format as fmt
 from services.router.admission import check_api_key
-from services.router.choices import choice_requests, merged, total_usage
+from services.router.choices import choice_requests, merged
 from services.router.config import RouterConfig
 from services.router.core import RouterCore
 from services.router.errors import RouterError
+from services.router.openai_completions import (
+    CompletionRequest,
+    CompletionShape,
+    to_completion_request,
+)
 from services.router.openai_models import (
     ChatCompletionRequest,
+    DetokenizeBody,
+    TokenizeBody,
     request_id_from_header,
     to_chat_request,
+    to_tokenize_request,
 )
 from services.router.request import Piece
 from services.router.tools import ToolMode
+from tandem.v1 import language_pb2
 
 
 def _error(err: RouterError) -> JSONResponse:
@@ -112,56 +120,84 @@ def build_app(core: RouterCore) -> FastAPI:
         core.check_model(body.model)
         rid = request_id_from_header(request.headers.get("x-request-id"))
         req = to_chat_request(body, cfg, rid)
-        headers = {"X-Request-Id": rid}
-        model = body.model or core.model_name()
         if body.n > 1 and req.tools.mode is not ToolMode.NONE:
             raise RouterError("INVALID_ARGUMENT", "n > 1 with tools is not served", "n")
-        release = core.admit()
-        try:
-            agen = merged([core.dispatcher.generate(r) for r in choice_requests(req, body.n)])
-            if body.stream and req.tools.mode is not ToolMode.NONE:
-                # a tool call is known only once its closing tag is out: answer whole
-                include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                pieces = [p for _, p in await _collect_or_disconnect(agen, request)]
-                release()
-                core.metrics.requests.labels("http", "ok").inc()
-                return StreamingResponse(
-                    fmt.tool_stream(pieces, req.tools, req.request_id, model, include_usage),
-                    media_type="text/event-stream", headers=headers)
-            if body.stream:
-                include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                # Wait for the first piece so errors before output get a real status code.
-                first = await _first_or_disconnect(agen, request)
-                stream = _sse(agen, first, req.request_id, model, include_usage, release)
-                core.metrics.requests.labels("http", "started").inc()
-                # NOTE: if the client is gone before the body starts, `stream` never runs
-                # its finally; the background task closes the dispatcher's generator and frees the slot.
+        shape = fmt.ChatShape(req.request_id, body.model or core.model_name(), req.tools)
+        return await _serve(core, req, body, shape, rid, request)
 
-                async def cleanup():
-                    release()
-                    await _close_quietly(agen)
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        core.check_model(body.model)
+        rid = request_id_from_header(request.headers.get("x-request-id"))
+        req = to_completion_request(body, cfg, rid)
+        shape = CompletionShape(req.request_id, body.model or core.model_name(),
+                                req.prompt if body.echo else "")
+        return await _serve(core, req, body, shape, rid, request)
 
-                return StreamingResponse(
-                    stream, media_type="text/event-stream", background=BackgroundTask(cleanup),
-                    headers=headers,
-                )
-            result = await _collect_or_disconnect(agen, request)
-            core.metrics.requests.labels("http", "ok").inc()
-            choices = [[p for i, p in result if i == k] for k in range(body.n)]
-            return JSONResponse(fmt.completion(choices, req.request_id, model, req.tools),
-                                headers=headers)
-        except RouterError as err:
-            core.metrics.requests.labels("http", err.code.lower()).inc()
-            release()
-            raise
-        except BaseException:
-            release()
-            raise
-        finally:
-            if not body.stream:
-                release()
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody):
+        core.check_model(body.model)
+        msg = to_tokenize_request(body, cfg)
+        resp = await core.language_call("Tokenize", msg)
+        return {"count": len(resp.token_ids), "max_model_len": resp.max_model_len,
+                "tokens": list(resp.token_ids)}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeBody):
+        core.check_model(body.model)
+        resp = await core.language_call(
+            "Detokenize", language_pb2.DetokenizeRequest(token_ids=body.tokens))
+        return {"prompt": resp.text}
 
     return app
+
+
+async def _serve(core: RouterCore, req, body, shape, rid: str, request: Request):
+    """Admit, run the request's `n` choices, answer whole or as server-sent events in the
+    API's `shape` (`ChatShape`, `CompletionShape`)."""
+    headers = {"X-Request-Id": rid}
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    release = core.admit()
+    try:
+        agen = merged([core.dispatcher.generate(r) for r in choice_requests(req, body.n)])
+        if body.stream and req.tools.mode is not ToolMode.NONE:
+            # a tool call is known only once its closing tag is out: answer whole
+            pieces = [p for _, p in await _collect_or_disconnect(agen, request)]
+            release()
+            core.metrics.requests.labels("http", "ok").inc()
+            return StreamingResponse(
+                fmt.tool_stream(pieces, req.tools, req.request_id, shape.model, include_usage),
+                media_type="text/event-stream", headers=headers)
+        if body.stream:
+            # Wait for the first piece so errors before output get a real status code.
+            first = await _first_or_disconnect(agen, request)
+            stream = _sse(agen, first, shape, include_usage, release)
+            core.metrics.requests.labels("http", "started").inc()
+            # NOTE: if the client is gone before the body starts, `stream` never runs its
+            # finally; the background task closes the dispatcher's generator and frees the slot.
+
+            async def cleanup():
+                release()
+                await _close_quietly(agen)
+
+            return StreamingResponse(
+                stream, media_type="text/event-stream", background=BackgroundTask(cleanup),
+                headers=headers,
+            )
+        result = await _collect_or_disconnect(agen, request)
+        core.metrics.requests.labels("http", "ok").inc()
+        choices = [[p for i, p in result if i == k] for k in range(body.n)]
+        return JSONResponse(shape.complete(choices), headers=headers)
+    except RouterError as err:
+        core.metrics.requests.labels("http", err.code.lower()).inc()
+        release()
+        raise
+    except BaseException:
+        release()
+        raise
+    finally:
+        if not body.stream:
+            release()
 
 
 class _Guard:
@@ -261,11 +297,10 @@ async def _collect_or_disconnect(agen, request: Request) -> list[tuple[int, Piec
         await agen.aclose()
 
 
-async def _sse(agen, first: tuple[int, Piece], request_id, model, include_usage, release):
-    """Server-sent events: per choice a role chunk, content chunks and a finish chunk; then
+async def _sse(agen, first: tuple[int, Piece], shape, include_usage, release):
+    """Server-sent events: per choice a start chunk, piece chunks and a finish chunk; then
     an optional usage chunk (all choices), `[DONE]`. A failure after output is an
     `{"error": ...}` event. `agen` yields (choice index, piece)."""
-    created = int(time.time())
     started: set[int] = set()
     last: list[Piece] = []
     try:
@@ -273,25 +308,18 @@ async def _sse(agen, first: tuple[int, Piece], request_id, model, include_usage,
         while True:
             if index not in started:
                 started.add(index)
-                yield fmt.chunk(request_id, model, created, {"role": "assistant", "content": ""},
-                                index=index)
+                yield shape.start(index)
             if piece.text or piece.token_ids:
-                yield fmt.chunk(request_id, model, created, {"content": piece.text},
-                                index=index, logprobs=fmt.logprobs(piece))
+                yield shape.piece(index, piece)
             if piece.finish_reason is not None:
                 last.append(piece)
-                yield fmt.chunk(request_id, model, created, {}, index=index,
-                                finish_reason=piece.finish_reason,
-                                tandem=fmt.extension(piece, request_id))
+                yield shape.finish(index, piece)
             try:
                 index, piece = await agen.__anext__()
             except StopAsyncIteration:
                 break
         if include_usage and last:
-            body = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                    "model": model, "choices": [], "usage": total_usage(last),
-                    "tandem": fmt.extension(last[0], request_id)}
-            yield f"data: {json.dumps(body)}\n\n".encode()
+            yield shape.usage(last)
     except RouterError as err:
         yield f"data: {json.dumps(err.openai_body())}\n\n".encode()
     finally:

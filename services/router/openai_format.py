@@ -106,3 +106,38 @@ def chunk(request_id: str, model: str, created: int, delta: dict, index: int = 0
     body = {"id": request_id, "object": "chat.completion.chunk", "created": created,
             "model": model, "choices": [choice], **extra}
     return f"data: {json.dumps(body)}\n\n".encode()
+
+
+def sse(body: dict) -> bytes:
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
+class ChatShape:
+    """The chat-completions API's response shapes for one request (streamed or whole)."""
+
+    object_chunk = "chat.completion.chunk"
+
+    def __init__(self, request_id: str, model: str, tools: ToolSetup) -> None:
+        self.request_id, self.model, self.tools = request_id, model, tools
+        self.created = int(time.time())
+
+    def start(self, index: int) -> bytes:
+        return chunk(self.request_id, self.model, self.created,
+                     {"role": "assistant", "content": ""}, index=index)
+
+    def piece(self, index: int, piece: Piece) -> bytes:
+        return chunk(self.request_id, self.model, self.created, {"content": piece.text},
+                     index=index, logprobs=logprobs(piece))
+
+    def finish(self, index: int, piece: Piece) -> bytes:
+        return chunk(self.request_id, self.model, self.created, {}, index=index,
+                     finish_reason=piece.finish_reason,
+                     tandem=extension(piece, self.request_id))
+
+    def usage(self, last: list[Piece]) -> bytes:
+        return sse({"id": self.request_id, "object": self.object_chunk,
+                    "created": self.created, "model": self.model, "choices": [],
+                    "usage": total_usage(last), "tandem": extension(last[0], self.request_id)})
+
+    def complete(self, choices: list[list[Piece]]) -> dict:
+        return completion(choices, self.request_id, self.model, self.tools)

@@ -25,6 +25,7 @@ class ChatRequest:
     request_id: str
     priority: int = 0
     tools: ToolSetup = field(default_factory=ToolSetup)  # tools rendered / calls parsed
+    prompt: str = ""  # a raw text prompt (completions API) instead of messages
 
 
 @dataclass
@@ -99,6 +100,11 @@ def conversation_key(messages: list[common_pb2.ChatMessage]) -> str:
         if m.role == "user":
             break
     return h.hexdigest()
+
+
+def prompt_key(prompt: str) -> str:
+    """The language-affinity key of a raw prompt: its first 1 KiB (a shared preamble)."""
+    return hashlib.sha256(prompt[:1024].encode()).hexdigest()
 
 
 def image_hashes(messages: list[common_pb2.ChatMessage]) -> list[str]:

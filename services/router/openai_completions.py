@@ -1,0 +1,116 @@
+"""The completions API (`/v1/completions`): a raw text prompt, no chat template, sent
+straight to a language instance (no encoder); and its legacy response shapes (`text`,
+`logprobs` as tokens / token_logprobs / top_logprobs / text_offset).
+
+Honoured: everything `SamplingFields` holds, `prompt` (a string, or a list of one),
+`logprobs` (0-20 alternatives per token), `echo` (the prompt's text before the output;
+not with logprobs: that needs the prompt's own logprobs, which are not computed), `n`.
+Refused by name: `suffix` (no fill-in-the-middle), `best_of` > 1, a list of prompts."""
+
+from __future__ import annotations
+
+import time
+
+from pydantic import Field
+
+from services.router.choices import total_usage
+from services.router.config import RouterConfig
+from services.router.errors import RouterError
+from services.router.openai_format import extension, sse
+from services.router.openai_sampling import SamplingFields, _utf8, sampling_params
+from services.router.request import ChatRequest, Piece
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=16)
+
+
+def to_completion_request(body: CompletionRequest, cfg: RouterConfig,
+                          request_id: str) -> ChatRequest:
+    prompt = body.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise RouterError("INVALID_ARGUMENT", "one prompt per request", "prompt")
+        prompt = prompt[0]
+    if not prompt:
+        raise RouterError("INVALID_ARGUMENT", "the prompt is empty", "prompt")
+    if body.suffix is not None:
+        raise RouterError("INVALID_ARGUMENT", "suffix (fill-in-the-middle) is not served",
+                          "suffix")  # fmt: skip
+    if body.best_of is not None and body.best_of != 1:
+        raise RouterError("INVALID_ARGUMENT", "best_of > 1 is not served; use n", "best_of")
+    if body.echo and body.logprobs is not None:
+        raise RouterError("INVALID_ARGUMENT", "echo with logprobs needs the prompt's "
+                          "logprobs, which are not computed", "echo")  # fmt: skip
+    wants_lp = body.logprobs is not None
+    sampling = sampling_params(body, body.max_tokens or DEFAULT_MAX_TOKENS, wants_lp,
+                               body.logprobs or 0)
+    return ChatRequest(
+        messages=[], sampling=sampling,
+        timeout_s=body.timeout_ms / 1000 if body.timeout_ms else cfg.request_timeout_s,
+        request_id=f"cmpl-{request_id}", priority=body.priority,
+        prompt=_utf8(prompt, "prompt"),
+    )
+
+
+def legacy_logprobs(pieces: list[Piece], offset: int) -> dict | None:
+    """OpenAI's completions logprobs: tokens, token_logprobs, top_logprobs, text_offset
+    (a piece's text goes to its first token, as in the chat shape)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for p in pieces:
+        for k, lp in enumerate(p.logprobs):
+            tok = p.text if k == 0 else ""
+            out["tokens"].append(tok)
+            out["token_logprobs"].append(lp.logprob)
+            out["top_logprobs"].append({t.text: t.logprob for t in lp.top})
+            out["text_offset"].append(offset)
+            offset += len(tok)
+    return out if out["tokens"] else None
+
+
+class CompletionShape:
+    """The completions API's response shapes for one request (streamed or whole)."""
+
+    def __init__(self, request_id: str, model: str, echo: str) -> None:
+        self.request_id, self.model, self.echo = request_id, model, echo
+        self.created = int(time.time())
+        self.offsets: dict[int, int] = {}
+
+    def _chunk(self, index: int, text: str, logprobs=None, finish=None, **extra) -> bytes:
+        return sse({"id": self.request_id, "object": "text_completion",
+                    "created": self.created, "model": self.model,
+                    "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                 "finish_reason": finish}], **extra})
+
+    def start(self, index: int) -> bytes:
+        self.offsets[index] = len(self.echo)
+        return self._chunk(index, self.echo)
+
+    def piece(self, index: int, piece: Piece) -> bytes:
+        lps = legacy_logprobs([piece], self.offsets[index])
+        self.offsets[index] += len(piece.text)
+        return self._chunk(index, piece.text, lps)
+
+    def finish(self, index: int, piece: Piece) -> bytes:
+        return self._chunk(index, "", finish=piece.finish_reason,
+                           tandem=extension(piece, self.request_id))
+
+    def usage(self, last: list[Piece]) -> bytes:
+        return sse({"id": self.request_id, "object": "text_completion",
+                    "created": self.created, "model": self.model, "choices": [],
+                    "usage": total_usage(last), "tandem": extension(last[0], self.request_id)})
+
+    def complete(self, choices: list[list[Piece]]) -> dict:
+        out = [{"index": i, "text": self.echo + "".join(p.text for p in pieces),
+                "logprobs": legacy_logprobs(pieces, len(self.echo)),
+                "finish_reason": pieces[-1].finish_reason} for i, pieces in enumerate(choices)]
+        return {"id": self.request_id, "object": "text_completion", "created": self.created,
+                "model": self.model, "choices": out,
+                "usage": total_usage([c[-1] for c in choices]),
+                "tandem": extension(choices[0][-1], self.request_id)}
