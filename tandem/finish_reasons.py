@@ -13,5 +13,6 @@ TO_OPENAI = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
     common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
 FROM_OPENAI = {name: reason for reason, name in TO_OPENAI.items()}

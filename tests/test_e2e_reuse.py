@@ -307,3 +307,50 @@ def test_completions_tokenize_and_detokenize(cluster, ckpt):
     assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == prompt
     assert http.post("/tokenize", json={}).status_code == 400
     assert http.post("/detokenize", json={"tokens": [10 ** 9]}).status_code == 400
+
+
+def test_langchain_bind_tools_and_with_structured_output(cluster):
+    langchain_openai = pytest.importorskip("langchain_openai")  # the dev extra installs it
+    from pydantic import BaseModel, Field
+
+    class Reading(BaseModel):
+        """A thermometer reading."""
+
+        celsius: int = Field(ge=-50, le=50)
+        place: Literal["garden", "kitchen"]
+
+    llm = langchain_openai.ChatOpenAI(base_url=cluster.http_url + "/v1", api_key="none",
+                                      model=openai_client(cluster).models.list().data[0].id,
+                                      temperature=1.0, max_tokens=200,
+                                      seed=4, max_retries=0, timeout=60)
+    from tool_checks import TOOLS
+
+    msg = llm.bind_tools(TOOLS, tool_choice="required").invoke("Book a table for two.")
+    assert len(msg.tool_calls) == 1 and msg.tool_calls[0]["name"] in ("book_table",
+                                                                       "get_weather")
+    out = llm.with_structured_output(Reading, method="json_schema").invoke("Read it.")
+    assert isinstance(out, Reading)
+
+
+def test_tools_through_the_sdk(cluster):
+    from tool_checks import MODELS, TOOLS
+
+    from tandem.client import Client, InvalidRequestError
+
+    with Client(cluster.grpc_address) as sdk:
+        msgs = [{"role": "user", "content": "Book a table."}]
+        for seed in range(5):
+            r = sdk.chat(msgs, tools=TOOLS, tool_choice="get_weather", temperature=1.0,
+                         seed=seed, max_tokens=200)
+            assert r.finish_reason == "tool_calls" and len(r.tool_calls) == 1
+            call = r.tool_calls[0]
+            assert call.name == "get_weather" and call.id.startswith("call_")
+            MODELS[call.name].model_validate_json(call.arguments)
+        history = msgs + [
+            {"role": "assistant", "content": "", "tool_calls": [call]},  # as the SDK gave it
+            {"role": "tool", "tool_call_id": call.id, "content": "done"}]
+        r = sdk.chat(history, tools=TOOLS, max_tokens=4)
+        assert r.usage.prompt_tokens > 100
+        assert r.finish_reason in ("stop", "length", "tool_calls")
+        with pytest.raises(InvalidRequestError):
+            sdk.chat(msgs, tools=TOOLS, tool_choice="nope")

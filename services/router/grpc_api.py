@@ -8,17 +8,23 @@ this handler's task, which closes the dispatcher's generator (see dispatcher.py'
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 import grpc
+from pydantic import TypeAdapter, ValidationError
 
 from services.router.admission import check_api_key
 from services.router.config import RouterConfig
 from services.router.core import RouterCore
 from services.router.errors import RouterError
+from services.router.openai_models import Tool, tool_setup_of
 from services.router.request import ChatRequest, Piece
+from services.router.tools import ToolMode, ToolSetup, parse_output
 from tandem.finish_reasons import FROM_OPENAI
 from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+_TOOLS = TypeAdapter(list[Tool])
 
 
 def _validate(request: router_pb2.RouterGenerateRequest, cfg: RouterConfig) -> ChatRequest:
@@ -36,7 +42,7 @@ def _validate(request: router_pb2.RouterGenerateRequest, cfg: RouterConfig) -> C
     if request.timeout_ms < 0:
         raise RouterError("INVALID_ARGUMENT", "timeout_ms must be >= 0", "timeout_ms")
     for i, m in enumerate(request.messages):
-        if m.role not in ("system", "user", "assistant"):
+        if m.role not in ("system", "user", "assistant", "tool"):
             raise RouterError("INVALID_ARGUMENT", f"unknown role {m.role!r}", f"messages[{i}].role")
         for j, part in enumerate(m.content):
             if part.WhichOneof("part") == "image" and len(part.image.data) > cfg.max_image_bytes:
@@ -45,13 +51,46 @@ def _validate(request: router_pb2.RouterGenerateRequest, cfg: RouterConfig) -> C
                     f"image larger than {cfg.max_image_bytes} bytes",
                     f"messages[{i}].content[{j}].image",
                 )
+    tools = _tools(request)
+    if tools.grammar is not None:
+        if s.HasField("structured_output"):
+            raise RouterError("INVALID_ARGUMENT", "a forced tool call and another output "
+                              "constraint cannot go together", "tool_choice")  # fmt: skip
+        s = common_pb2.SamplingParams()
+        s.CopyFrom(request.sampling)
+        s.structured_output.CopyFrom(tools.grammar)
     return ChatRequest(
         messages=list(request.messages),
         sampling=s,
+        tools=tools,
         timeout_s=request.timeout_ms / 1000 if request.timeout_ms else cfg.request_timeout_s,
         request_id=request.request_id or f"req-{uuid.uuid4().hex[:24]}",
         priority=request.priority,
     )
+
+
+def _tools(request: router_pb2.RouterGenerateRequest) -> ToolSetup:
+    """The request's tools_json / tool_choice, validated as the HTTP API validates them."""
+    tools = None
+    if request.tools_json:
+        try:
+            tools = _TOOLS.validate_json(request.tools_json)
+        except ValidationError as e:
+            raise RouterError("INVALID_ARGUMENT", f"tools: {e.errors()[0]['msg']}",
+                              "tools") from None  # fmt: skip
+    return tool_setup_of(tools, request.tool_choice or None)
+
+
+def _whole(pieces: list[Piece], tools: ToolSetup) -> Piece:
+    """A request with tools, answered in one last piece: its content and its calls."""
+    out = parse_output("".join(p.text for p in pieces), tools)
+    last = dataclasses.replace(pieces[-1], text=out.content or "",
+                               token_ids=[t for p in pieces for t in p.token_ids],
+                               logprobs=[lp for p in pieces for lp in p.logprobs])
+    if out.tool_calls:
+        last.finish_reason = "tool_calls"
+        last.tool_calls = out.tool_calls
+    return last
 
 
 def _to_proto(piece: Piece, request_id: str) -> router_pb2.RouterGenerateResponse:
@@ -62,6 +101,9 @@ def _to_proto(piece: Piece, request_id: str) -> router_pb2.RouterGenerateRespons
         out.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top=[
             common_pb2.TopLogprob(token_id=t.token_id, logprob=t.logprob, text=t.text)
             for t in lp.top])
+    for call in piece.tool_calls:
+        fn = call["function"]
+        out.tool_calls.add(id=call["id"], name=fn["name"], arguments=fn["arguments"])
     if piece.finish_reason is not None:
         out.finish_reason = FROM_OPENAI[piece.finish_reason]
         u = piece.usage
@@ -99,6 +141,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             try:
                 agen = core.dispatcher.generate(req)
                 try:
+                    if req.tools.mode is not ToolMode.NONE:  # calls known at the end only
+                        whole = _whole([p async for p in agen], req.tools)
+                        sent = True
+                        yield _to_proto(whole, request_id)
                     async for piece in agen:
                         sent = True
                         yield _to_proto(piece, request_id)

@@ -116,11 +116,14 @@ def _image_part(url: str, param: str, max_bytes: int) -> common_pb2.ImagePart:
     raise RouterError("INVALID_ARGUMENT", "image_url must be a data: or http(s) URL", param)
 
 
-def _tool_setup(body: ChatCompletionRequest) -> ToolSetup:
-    choice = body.tool_choice
-    if choice is not None and not body.tools:
+def tool_setup_of(tools_in: list[Tool] | None,
+                  choice: str | NamedToolChoice | None) -> ToolSetup:
+    """Validated tools and tool_choice (HTTP or gRPC) -> ToolSetup (RouterError if bad)."""
+    if choice is not None and not tools_in:
         raise RouterError("INVALID_ARGUMENT", "tool_choice needs tools", "tool_choice")
-    tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    if choice not in (None, "none", "auto", "required") and isinstance(choice, str):
+        choice = NamedToolChoice(type="function", function=NamedFunction(name=choice))
+    tools = [t.model_dump(exclude_none=True) for t in tools_in or []]
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise RouterError("INVALID_ARGUMENT", "tool names must be unique", "tools")
@@ -217,7 +220,7 @@ def to_chat_request(body: ChatCompletionRequest, cfg: RouterConfig, request_id: 
     `request_id` (request_id_from_header) becomes the response id's suffix."""
     messages = chat_messages(body.messages, cfg)
     max_tokens = body.max_completion_tokens or body.max_tokens or 0
-    tools = _tool_setup(body)
+    tools = tool_setup_of(body.tools, body.tool_choice)
     sampling = sampling_params(body, max_tokens, body.logprobs, _top_logprobs(body),
                                forced=tools.grammar, forced_by="tool_choice")
     timeout_s = body.timeout_ms / 1000 if body.timeout_ms else cfg.request_timeout_s

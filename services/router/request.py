@@ -88,6 +88,8 @@ class Piece:
     timings: dict[str, float] | None = None
     # Set on the last piece: where it ran and how the transfer went.
     route: Route | None = None
+    # The last piece of a request with tools: the calls the model made (OpenAI's shape).
+    tool_calls: list[dict] = field(default_factory=list)
 
 
 def conversation_key(messages: list[common_pb2.ChatMessage]) -> str:

@@ -27,13 +27,14 @@ from tandem.client.errors import (
     TandemError,
     UnavailableError,
 )
-from tandem.client.results import ChatResult, StageTimings, Usage
+from tandem.client.results import ChatResult, StageTimings, ToolCall, Usage
 from tandem.client.sync import Client
 
 __all__ = [
     "AsyncClient", "AuthenticationError", "ChatResult", "Client", "DeadlineExceededError",
     "InternalError", "InvalidRequestError", "NotFoundError", "RequestCancelledError",
-    "ResourceExhaustedError", "StageTimings", "TandemError", "UnavailableError", "Usage",
+    "ResourceExhaustedError", "StageTimings", "TandemError", "ToolCall", "UnavailableError",
+    "Usage",
     "image", "image_from_bytes", "image_from_path", "image_from_pil", "image_from_url", "text",
     "to_messages",
 ]

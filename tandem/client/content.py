@@ -97,7 +97,16 @@ def to_messages(messages) -> list[common_pb2.ChatMessage]:
             continue
         content = m.get("content")
         parts: Iterable = [] if content is None else [content] if isinstance(content, str) else content
-        out.append(common_pb2.ChatMessage(role=m["role"], content=[_part(p) for p in parts]))
+        # tool calls as OpenAI writes them ({"id", "function": {"name", "arguments"}}) or
+        # as ChatResult.tool_calls holds them (.id, .name, .arguments)
+        calls = [common_pb2.ToolCall(id=c["id"], name=c["function"]["name"],
+                                     arguments=c["function"]["arguments"])
+                 if isinstance(c, dict) else
+                 common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+                 for c in m.get("tool_calls") or []]
+        out.append(common_pb2.ChatMessage(role=m["role"], content=[_part(p) for p in parts],
+                                          tool_calls=calls,
+                                          tool_call_id=m.get("tool_call_id") or ""))
     if not out:
         raise ValueError("messages must not be empty")
     return out

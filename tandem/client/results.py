@@ -36,6 +36,15 @@ class StageTimings:
     encoder_bypassed: bool = False  # a text-only chat: no encoder at all
 
 
+@dataclass(frozen=True)
+class ToolCall:
+    """A function call the model made; `arguments` is a JSON object as text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
 @dataclass
 class ChatResult:
     text: str = ""
@@ -46,6 +55,7 @@ class ChatResult:
     logprobs: list[float] = field(default_factory=list)
     # per generated token: its most likely alternatives, (token id, logprob, text)
     top_logprobs: list[list[tuple[int, float, str]]] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)  # with tools: the calls made
     request_id: str = ""
 
 
@@ -74,6 +84,8 @@ def build_request(
     regex: str | None = None,
     choice: list[str] | None = None,
     grammar: str | None = None,
+    tools: list[dict] | None = None,
+    tool_choice: str | None = None,
     ignore_eos: bool = False,
     timeout: float | None = None,
     request_id: str = "",
@@ -117,6 +129,8 @@ def build_request(
     elif grammar:
         so.ebnf = grammar
     return router_pb2.RouterGenerateRequest(
+        tools_json=json.dumps(tools) if tools else "",
+        tool_choice=tool_choice or "",
         model=model,
         messages=to_messages(messages),
         sampling=sampling,
@@ -142,6 +156,7 @@ def add(result: ChatResult, msg: router_pb2.RouterGenerateResponse) -> None:
     result.top_logprobs.extend([(t.token_id, t.logprob, t.text) for t in lp.top]
                                for lp in msg.logprobs)
     result.request_id = msg.request_id or result.request_id
+    result.tool_calls.extend(ToolCall(c.id, c.name, c.arguments) for c in msg.tool_calls)
     if msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
         result.finish_reason = TO_OPENAI.get(msg.finish_reason, "")
         u = msg.usage

@@ -61,7 +61,8 @@ class Client(RouterChannel):
         (0 = greedy, the default), top_p, top_k, min_p, seed, stop, stop_token_ids,
         include_stop_str_in_output, min_tokens, presence_penalty, frequency_penalty,
         repetition_penalty, logit_bias, logprobs, top_logprobs, structured output (one of
-        json_schema, json_object, regex, choice, grammar), request_id, priority
+        json_schema, json_object, regex, choice, grammar), tools and tool_choice (the
+        calls come back in ChatResult.tool_calls), request_id, priority
         (`build_request`)."""
         result = ChatResult()
         for msg in self._stream(messages, timeout, kw):
