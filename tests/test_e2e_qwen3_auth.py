@@ -176,6 +176,14 @@ def test_tool_calls_forced_auto_and_in_the_history(cluster):
     check_history_and_auto(client)
 
 
+def test_structured_output_parses_for_every_seed(cluster):
+    from openai import OpenAI
+    from tool_checks import check_parse
+
+    check_parse(OpenAI(base_url=cluster.http_url + "/v1", api_key=KEY, max_retries=0,
+                       timeout=60))
+
+
 def test_sigterm_stops_every_child(cluster):
     children = psutil.Process(cluster.proc.pid).children(recursive=True)
     assert len(children) >= 3

@@ -89,3 +89,28 @@ def check_history_and_auto(client) -> None:
                                        max_tokens=16, temperature=0)
     for c in r.choices[0].message.tool_calls or []:
         json.loads(c.function.arguments)
+
+
+class Point(BaseModel):
+    x: int = Field(ge=-100, le=100)
+    y: int = Field(ge=-100, le=100)
+
+
+class Answer(BaseModel):
+    """Nested objects, an enum, an array, required fields; every free part bounded (random
+    weights pick digits and letters as often as anything else)."""
+
+    kind: str = Field(pattern=r"^[a-z]{1,6}$")
+    mood: Literal["calm", "busy", "odd"]
+    points: list[Point] = Field(max_length=3)
+    sure: bool
+
+
+def check_parse(client, seeds: int = 20) -> None:
+    """`chat.completions.parse(response_format=Answer)` at temperature 1.0: a parsed object
+    for every seed."""
+    msgs = [{"role": "user", "content": "Answer as JSON."}]
+    for seed in range(seeds):
+        r = client.chat.completions.parse(model="", messages=msgs, response_format=Answer,
+                                          temperature=1.0, seed=seed, max_tokens=300)
+        assert isinstance(r.choices[0].message.parsed, Answer), r.choices[0].message.content
