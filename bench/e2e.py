@@ -187,7 +187,7 @@ def summarize(runs: list[dict]) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--arch", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl"])
+    p.add_argument("--arch", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
     p.add_argument("--size", default="small", choices=["tiny", "small"])
     p.add_argument("--configs", default="1x1,1x2,2x1,2x2,2x2rr")
     p.add_argument("--requests", type=int, default=32)

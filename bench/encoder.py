@@ -107,7 +107,7 @@ async def hit_vs_miss(pipe: EncodePipeline, runs: int) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--arch", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl"])
+    ap.add_argument("--arch", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
     ap.add_argument("--size", default="small")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--images", type=int, default=32, help="images per round")

@@ -124,7 +124,7 @@ def timed(fn, device):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", help="checkpoint directory (default: build a tiny-model one)")
-    ap.add_argument("--arch", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl"])
+    ap.add_argument("--arch", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
     ap.add_argument("--size", default="small", choices=["tiny", "small"])
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])

@@ -52,7 +52,7 @@ def _time(fn, device, steps: int) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", help="checkpoint directory (default: build a tiny-model one)")
-    ap.add_argument("--arch", default="qwen3_vl", choices=["qwen2_5_vl", "qwen3_vl"])
+    ap.add_argument("--arch", default="qwen3_vl", choices=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
     ap.add_argument("--size", default="small", choices=["tiny", "small"])
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])

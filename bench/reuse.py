@@ -183,7 +183,7 @@ def one_cluster(model_dir: Path, name: str, run: int, args) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--arch", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl"])
+    p.add_argument("--arch", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
     p.add_argument("--size", default="small", choices=["tiny", "small"])
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=6)

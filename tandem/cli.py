@@ -29,13 +29,15 @@ def _run_service(name: str, argv: list[str]) -> int:
 
 
 def _tiny_model(argv: list[str]) -> int:
+    from tandem.models.checkpoint import ARCHS
+
     p = argparse.ArgumentParser(
         prog="tandem tiny-model",
         description="Write a random-weight Hugging Face checkpoint (config, safetensors, "
         "tokenizer, processor, chat template) for tests and benchmarks.",
     )
     p.add_argument("dir", help="Output directory (created).")
-    p.add_argument("--arch", choices=["qwen2_5_vl", "qwen3_vl"], default="qwen2_5_vl")
+    p.add_argument("--arch", choices=list(ARCHS), default="qwen2_5_vl")
     p.add_argument("--size", choices=["tiny", "small"], default="tiny")
     p.add_argument("--seed", type=int, default=0, help="Same seed, identical weight files.")
     args = p.parse_args(argv)

@@ -48,7 +48,7 @@ class Case:
 _cases: dict[str, Case] = {}
 
 
-@pytest.fixture(params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def case(request, checkpoint):
     arch = request.param
     if arch not in _cases:

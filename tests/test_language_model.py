@@ -17,7 +17,7 @@ from services.language.kv_cache import KVPagePool
 from services.language.model_runner import ModelRunner
 from tandem.units import ceil_div
 
-ARCHS = ["qwen2_5_vl", "qwen3_vl"]
+ARCHS = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 TOL = 1e-4
 PAGE = 4  # small pages: chunk boundaries fall mid-page
 

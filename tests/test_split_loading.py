@@ -19,7 +19,7 @@ import tandem  # noqa: F401  (processor hook)
 from tandem.models.checkpoint import CheckpointError, read_spec, resolve_model_path
 from tandem.models.split import load_text_weights, load_vision_part
 
-ARCHS = ["qwen2_5_vl", "qwen3_vl"]
+ARCHS = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 
 
 def make_image(w: int, h: int, seed: int) -> Image.Image:
@@ -80,7 +80,7 @@ def test_vision_part_equals_get_image_features(checkpoint, arch, sizes):
     assert type(part.visual) is type(full.model.visual)
     assert embeds.shape == (int(grid.prod(-1).sum()) // 4, part.spec.hidden_size)
     assert torch.equal(embeds, torch.cat(ref.pooler_output))
-    assert len(deepstack) == part.spec.num_deepstack == (2 if arch == "qwen3_vl" else 0)
+    assert len(deepstack) == part.spec.num_deepstack == (2 if arch.startswith("qwen3") else 0)
     for mine, theirs in zip(deepstack, getattr(ref, "deepstack_features", None) or [], strict=True):
         assert torch.equal(mine, torch.cat(theirs))
     assert torch.equal(part.embed_tokens.weight, full.get_input_embeddings().weight)
@@ -106,7 +106,11 @@ def _expected_text_names(spec) -> set[str]:
         p = f"layers.{i}."
         names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
         names |= {f"{p}self_attn.{x}_proj.weight" for x in "qkvo"}
-        names |= {f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
+        if i in spec.moe_layers:  # transformers' fused experts and the router
+            names |= {f"{p}mlp.experts.gate_up_proj", f"{p}mlp.experts.down_proj",
+                      f"{p}mlp.gate.weight"}
+        else:
+            names |= {f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
         if spec.attention_bias:
             names |= {f"{p}self_attn.{x}_proj.bias" for x in "qkv"}
         if spec.qk_norm:
@@ -123,7 +127,8 @@ def test_text_weights_and_parameter_counts(checkpoint, arch):
     spec = text.spec
 
     assert set(text.tensors) == _expected_text_names(spec)
-    assert spec.attention_bias == (arch == "qwen2_5_vl") and spec.qk_norm == (arch == "qwen3_vl")
+    assert spec.attention_bias == (arch == "qwen2_5_vl")
+    assert spec.qk_norm == arch.startswith("qwen3")
     for name, t in text.tensors.items():
         ref = (
             full.lm_head.weight
@@ -133,6 +138,7 @@ def test_text_weights_and_parameter_counts(checkpoint, arch):
         assert torch.equal(t, ref), name
     tied = text.tensors["lm_head.weight"] is text.tensors["embed_tokens.weight"]
     assert tied == spec.tie_word_embeddings == (arch == "qwen3_vl")
+    assert spec.moe_layers == ((0,) if arch == "qwen3_vl_moe" else ())  # tiny: layer 1 dense
 
     # The language side holds no visual parameter, the encoder side no decoder layer.
     assert not any("visual" in n or "merger" in n or "blocks." in n for n in text.tensors)
@@ -295,3 +301,37 @@ def test_flat_hub_config_reads_the_same(checkpoint, tmp_path):
     ea, _ = load_vision_part(src).encode_images(pv, grid)
     eb, _ = load_vision_part(dst).encode_images(pv, grid)
     assert torch.equal(ea, eb)
+
+
+def test_moe_experts_load_from_every_layout(checkpoint, tmp_path):
+    """The same experts whether the file holds transformers' in-memory layout, the released
+    checkpoints' transposed one, or one tensor per expert (older MoE checkpoints)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = checkpoint("qwen3_vl_moe")
+    ref = load_text_weights(src).tensors
+    raw = load_file(str(src / "model.safetensors"))
+    p = "model.language_model.layers.0.mlp.experts."
+    variants = {
+        "transposed": {**raw, p + "gate_up_proj": raw[p + "gate_up_proj"].transpose(1, 2),
+                       p + "down_proj": raw[p + "down_proj"].transpose(1, 2)},
+        "per_expert": {k: v for k, v in raw.items() if not k.startswith(p)},
+    }
+    e, inter = 8, 24
+    for k in range(e):
+        gu, d = raw[p + "gate_up_proj"][k], raw[p + "down_proj"][k]
+        variants["per_expert"][f"{p}{k}.gate_proj.weight"] = gu[:inter].clone()
+        variants["per_expert"][f"{p}{k}.up_proj.weight"] = gu[inter:].clone()
+        variants["per_expert"][f"{p}{k}.down_proj.weight"] = d.clone()
+    for name, tensors in variants.items():
+        out = tmp_path / name
+        shutil.copytree(src, out)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+                  metadata={"format": "pt"})
+        got = load_text_weights(out).tensors
+        for key in ("layers.0.mlp.experts.gate_up_proj", "layers.0.mlp.experts.down_proj"):
+            assert torch.equal(got[key], ref[key]), (name, key)
+        assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3_vl_moe"

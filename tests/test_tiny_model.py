@@ -21,7 +21,7 @@ import tandem  # noqa: F401  (installs the processor hook before transformers is
 from tandem.models import tokenizer as tk
 from tandem.models.tiny import build_tiny_model
 
-ARCHS = ["qwen2_5_vl", "qwen3_vl"]
+ARCHS = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 ROOT = Path(__file__).resolve().parent.parent
 
 

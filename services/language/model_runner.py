@@ -88,7 +88,9 @@ class ModelRunner:
         self.max_threads = torch.get_num_threads()
         self.parallel_min_tokens = cpu_parallel_min_tokens if self.device.type == "cpu" else 0
         self.graph_runner: GraphRunner | None = None
-        if cuda_graph_max_bs > 0:
+        # NOTE: a sparse MoE layer routes with a data-dependent loop over experts, which a
+        # CUDA graph cannot capture: MoE models decode eagerly.
+        if cuda_graph_max_bs > 0 and not self.model.cfg.moe_layers:
             self.graph_runner = GraphRunner(
                 self.model, self.kv, self.compute_logits, self.limits, self.device,
                 max_bs=cuda_graph_max_bs, max_seq_len=max_seq_len,

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from tandem.launch.procs import Child, free_port, say
+from tandem.models.checkpoint import ARCHS
 
 ROUTER_HEALTH = "tandem.v1.Router"
 PORT_RANGE = 40  # Mooncake RPC ports per instance
@@ -92,7 +93,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--model", default="", help="Local checkpoint dir or Hugging Face id "
                    "(default: a tiny random-weight model built into the cache once).")
-    p.add_argument("--arch", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl"],
+    p.add_argument("--arch", default="qwen2_5_vl", choices=list(ARCHS),
                    help="Architecture of the default tiny model.")
     p.add_argument("--encoders", type=int, default=1, help="Encoder instances.")
     p.add_argument("--languages", type=int, default=1, help="Language instances.")

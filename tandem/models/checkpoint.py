@@ -23,7 +23,8 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ARCHS = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL"}
+ARCHS = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE"}
+QWEN3 = ("qwen3_vl", "qwen3_vl_moe")  # deepstack, interleaved MRoPE
 # Files a checkpoint needs; anything else in a hub repo (other formats, docs) is not fetched.
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]
 
@@ -90,7 +91,7 @@ class ModelSpec:
     """What the tiers need to know about a checkpoint, read from its files."""
 
     path: Path
-    arch: str  # "qwen2_5_vl" | "qwen3_vl"
+    arch: str  # "qwen2_5_vl" | "qwen3_vl" | "qwen3_vl_moe"
     config: dict = field(repr=False)  # config.json as written
     text_config: dict = field(repr=False)
     vision_config: dict = field(repr=False)
@@ -110,6 +111,11 @@ class ModelSpec:
     vocab_size: int
     tie_word_embeddings: bool
     max_position_embeddings: int
+    # sparse MoE (Qwen3-VL-MoE; 0 / () for dense models)
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    moe_layers: tuple[int, ...]  # layers whose MLP is the sparse block
     # vision tower and the prompt layout
     num_deepstack: int  # 0 for Qwen2.5-VL
     embed_dim: int  # hidden_size * (1 + num_deepstack): one row of input_embeds on the wire
@@ -199,7 +205,12 @@ def read_spec(path: str | os.PathLike) -> ModelSpec:
         raise CheckpointError(
             f"{path}: mrope_section {list(mrope)} does not cover head_dim/2 = {head_dim // 2}"
         )
-    deepstack = len(vision.get("deepstack_visual_indexes") or ()) if arch == "qwen3_vl" else 0
+    deepstack = len(vision.get("deepstack_visual_indexes") or ()) if arch in QWEN3 else 0
+    experts = int(text.get("num_experts", text.get("num_local_experts", 0)) or 0)
+    step = int(text.get("decoder_sparse_step", 1) or 1)
+    dense_only = set(text.get("mlp_only_layers") or ())
+    moe_layers = tuple(i for i in range(text["num_hidden_layers"]) if experts > 0
+                       and i not in dense_only and (i + 1) % step == 0)  # transformers' rule
 
     eos = text.get("eos_token_id", config.get("eos_token_id"))
     gen_file = path / "generation_config.json"
@@ -227,12 +238,16 @@ def read_spec(path: str | os.PathLike) -> ModelSpec:
         rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
         mrope_section=mrope,
-        mrope_interleaved=bool(rope.get("mrope_interleaved", arch == "qwen3_vl")),
+        mrope_interleaved=bool(rope.get("mrope_interleaved", arch in QWEN3)),
         attention_bias=f"{text_prefix}layers.0.self_attn.q_proj.bias" in weight_map,
         qk_norm=f"{text_prefix}layers.0.self_attn.q_norm.weight" in weight_map,
         vocab_size=text["vocab_size"],
         tie_word_embeddings=tie,
         max_position_embeddings=text.get("max_position_embeddings", 32768),
+        num_experts=experts,
+        num_experts_per_tok=int(text.get("num_experts_per_tok", 0) or 0),
+        moe_intermediate_size=int(text.get("moe_intermediate_size", 0) or 0),
+        moe_layers=moe_layers,
         num_deepstack=deepstack,
         embed_dim=hidden * (1 + deepstack),
         image_token_id=config["image_token_id"],

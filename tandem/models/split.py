@@ -18,8 +18,14 @@ Normalized text names (`TextWeights.tensors`), whatever the checkpoint's layout:
     layers.{i}.self_attn.o_proj.weight            [hidden, heads * head_dim]
     layers.{i}.self_attn.{q,k}_norm.weight        [head_dim] (Qwen3-VL only)
     layers.{i}.post_attention_layernorm.weight    [hidden]
-    layers.{i}.mlp.{gate,up}_proj.weight          [intermediate, hidden]
-    layers.{i}.mlp.down_proj.weight               [hidden, intermediate]
+    layers.{i}.mlp.{gate,up}_proj.weight          [intermediate, hidden]      (dense layers)
+    layers.{i}.mlp.down_proj.weight               [hidden, intermediate]      (dense layers)
+    layers.{i}.mlp.gate.weight                    [experts, hidden]           (MoE router)
+    layers.{i}.mlp.experts.gate_up_proj           [experts, 2 * moe_inter, hidden]
+    layers.{i}.mlp.experts.down_proj              [experts, hidden, moe_inter]
+                                                  (transformers' in-memory layout, whether the
+                                                  file holds it transposed, as the released
+                                                  checkpoints do, or per expert)
     norm.weight                                   [hidden]
     lm_head.weight                                [vocab, hidden] (the embedding tensor itself when tied)
 """
@@ -82,6 +88,10 @@ def _vision_class(arch: str):
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
             Qwen2_5_VisionTransformerPretrainedModel as cls,
         )
+    elif arch == "qwen3_vl_moe":
+        from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
+            Qwen3VLMoeVisionModel as cls,
+        )
     else:
         from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as cls
     return cls
@@ -142,15 +152,45 @@ def load_text_weights(
     tensors = {norm: raw[name] for norm, name in names.items()}
     if "lm_head.weight" not in tensors:
         tensors["lm_head.weight"] = tensors["embed_tokens.weight"]  # tied: one tensor, two names
+    for i in spec.moe_layers:
+        _normalize_experts(tensors, spec, f"layers.{i}.mlp.")
     want = {"embed_tokens.weight", "norm.weight"} | {
         f"layers.{i}.{part}"
         for i in range(spec.num_hidden_layers)
         for part in (
             "input_layernorm.weight",
             "post_attention_layernorm.weight",
-            "mlp.down_proj.weight",
+            "mlp.experts.down_proj" if i in spec.moe_layers else "mlp.down_proj.weight",
         )
     }
     if missing := sorted(want - tensors.keys()):
         raise CheckpointError(f"{spec.path}: text decoder tensors missing: {missing[:5]}")
     return TextWeights(spec=spec, tensors=tensors)
+
+
+def _normalize_experts(tensors: dict[str, torch.Tensor], spec: ModelSpec, m: str) -> None:
+    """One MoE layer's experts as `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj`
+    [E, H, I] (in place): stacked from per-expert tensors, or transposed from the released
+    checkpoints' [E, H, 2I] / [E, I, H]. A file whose layout the shapes cannot tell apart
+    (H == 2I) is read as transformers writes it, untransposed."""
+    e, i, h = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size
+    per = f"{m}experts.0.gate_proj.weight"
+    if per in tensors:
+        gate_up, down = [], []
+        for k in range(e):
+            p = f"{m}experts.{k}."
+            gate_up.append(torch.cat([tensors.pop(p + "gate_proj.weight"),
+                                      tensors.pop(p + "up_proj.weight")]))
+            down.append(tensors.pop(p + "down_proj.weight"))
+        tensors[f"{m}experts.gate_up_proj"] = torch.stack(gate_up)
+        tensors[f"{m}experts.down_proj"] = torch.stack(down)
+    for name, want, flipped in (("gate_up_proj", (e, 2 * i, h), (e, h, 2 * i)),
+                                ("down_proj", (e, h, i), (e, i, h))):
+        t = tensors.get(f"{m}experts.{name}")
+        if t is None:
+            raise CheckpointError(f"{spec.path}: {m}experts.{name} is missing")
+        if tuple(t.shape) != want and tuple(t.shape) == flipped:
+            t = tensors[f"{m}experts.{name}"] = t.transpose(1, 2).contiguous()
+        if tuple(t.shape) != want:
+            raise CheckpointError(f"{spec.path}: {m}experts.{name} has shape "
+                                  f"{tuple(t.shape)}, expected {want}")

@@ -1,4 +1,5 @@
-"""`build_tiny_model`: random-weight Qwen2.5-VL / Qwen3-VL checkpoints for tests and benchmarks.
+"""`build_tiny_model`: random-weight Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE checkpoints for
+tests and benchmarks.
 
 The checkpoint is a complete Hugging Face directory, written by transformers itself:
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from tandem.models import tokenizer as tk
 
-ARCHS = ("qwen2_5_vl", "qwen3_vl")
+ARCHS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 SIZES = ("tiny", "small")
 
 _TEXT = {
@@ -38,13 +39,23 @@ _TEXT = {
 _MROPE = {  # per arch and head_dim: sections of the rotary half-dim (t, h, w)
     ("qwen2_5_vl", 16): [2, 3, 3], ("qwen2_5_vl", 64): [8, 12, 12],
     ("qwen3_vl", 16): [4, 2, 2], ("qwen3_vl", 64): [12, 10, 10],
+    ("qwen3_vl_moe", 16): [4, 2, 2], ("qwen3_vl_moe", 64): [12, 10, 10],
+}  # fmt: skip
+# Qwen3-VL-MoE's text decoder: experts, experts per token, expert width; every second
+# layer sparse (decoder_sparse_step 2) and the last one dense (mlp_only_layers), so both
+# kinds of MLP and both config rules are exercised.
+_MOE = {
+    "tiny": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                 decoder_sparse_step=1, mlp_only_layers=[1]),
+    "small": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=320,
+                  decoder_sparse_step=2, mlp_only_layers=[11]),
 }  # fmt: skip
 _VISION = {
     "tiny": dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2),
     "small": dict(depth=6, hidden_size=384, intermediate_size=1024, num_heads=6),
 }
 # Which sizes tie lm_head to the embedding: both layouts occur in released models.
-_TIED = {"qwen2_5_vl": False, "qwen3_vl": True}
+_TIED = {"qwen2_5_vl": False, "qwen3_vl": True, "qwen3_vl_moe": False}
 _PIXELS = {"tiny": (4, 256), "small": (4, 1024)}  # min / max merged tokens per image
 
 
@@ -86,7 +97,7 @@ def make_config(arch: str, size: str):
         vision.update(patch_size=14, window_size=112, tokens_per_second=2,
                       fullatt_block_indexes=[depth // 2 - 1, depth - 1] if depth > 2 else [depth - 1])  # fmt: skip
         return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
-    from transformers import Qwen3VLConfig
+    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
 
     text["rope_parameters"] = {
         "rope_type": "default", "rope_theta": 5e6, "mrope_section": mrope, "mrope_interleaved": True,
@@ -99,6 +110,9 @@ def make_config(arch: str, size: str):
         num_position_embeddings=2304,  # a 48 x 48 learned grid, interpolated per image
         deepstack_visual_indexes=[0, 1] if depth == 2 else [depth // 3, 2 * depth // 3],
     )
+    if arch == "qwen3_vl_moe":
+        text.update(_MOE[size])
+        return Qwen3VLMoeConfig(text_config=text, vision_config=vision, **ids)
     return Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
 
 

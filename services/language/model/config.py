@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-ARCHS = ("qwen2_5_vl", "qwen3_vl")
+ARCHS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,11 @@ class DecoderConfig:
     o_bias: bool  # Qwen3-VL with attention_bias: o_proj too
     qk_norm: bool  # Qwen3-VL: per-head RMSNorm on q and k
     num_deepstack: int  # deepstack feature blocks added after layers [0, num_deepstack)
+    # sparse MoE (Qwen3-VL-MoE): layers whose MLP routes each token to top-k experts
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
 
     @property
     def embed_dim(self) -> int:
@@ -66,4 +71,8 @@ class DecoderConfig:
             o_bias="layers.0.self_attn.o_proj.bias" in tensors,
             qk_norm="layers.0.self_attn.q_norm.weight" in tensors,
             num_deepstack=int(spec.num_deepstack),
+            moe_layers=tuple(spec.moe_layers),
+            num_experts=int(spec.num_experts),
+            num_experts_per_tok=int(spec.num_experts_per_tok),
+            moe_intermediate_size=int(spec.moe_intermediate_size),
         )

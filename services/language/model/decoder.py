@@ -1,4 +1,4 @@
-"""The Qwen2.5-VL / Qwen3-VL text decoder over a paged KV cache.
+"""The Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE text decoder over a paged KV cache.
 
 Parameter names equal the split loader's normalized names (`embed_tokens.weight`,
 `layers.{i}.self_attn.q_proj.weight`, ..., `norm.weight`, `lm_head.weight`), so a
@@ -7,7 +7,13 @@ Parameter names equal the split loader's normalized names (`embed_tokens.weight`
 Differences between the two architectures are flags on `DecoderConfig`:
 q/k/v bias (Qwen2.5), q/k RMSNorm over head_dim (Qwen3), interleaved MRoPE (Qwen3), and
 deepstack: for Qwen3-VL a prompt row carries num_deepstack extra hidden-size blocks, and
-block k is added to the hidden states right AFTER decoder layer k (zeros at text rows).
+block k is added to the hidden states right AFTER decoder layer k (zeros at text rows);
+and for Qwen3-VL-MoE, the layers in `moe_layers` use the sparse block (`SparseMoE`).
+
+Expert parallelism (later): `SparseMoE` is the one place experts live. Under EP each rank
+would hold E/N whole experts and the block would become route -> all-to-all dispatch of
+token rows to their experts' ranks -> local expert GEMMs -> all-to-all combine; the router,
+the top-k normalisation and the weighted sum stay as they are here.
 """
 
 from __future__ import annotations
@@ -90,13 +96,40 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-class DecoderLayer(nn.Module):
+class SparseMoE(nn.Module):
+    """Qwen3-VL-MoE's sparse block, as transformers computes it: router softmax (float32),
+    top-k experts per token, weights renormalised over the k, each expert a SiLU-gated MLP;
+    the token's output is the weighted sum. Experts run one after another over the rows
+    routed to them (a data-dependent loop: no CUDA graph captures it)."""
+
     def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.top_k, self.intermediate = cfg.num_experts_per_tok, i
+        self.router = DenseLinear(h, e, bias=False)
+        self.w_gate_up = nn.Parameter(torch.empty(e, h, 2 * i))  # x @ w_gate_up[e]
+        self.w_down = nn.Parameter(torch.empty(e, i, h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.router(x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in torch.unique(experts).tolist():  # ascending, as transformers adds them
+            rows, slot = torch.where(experts == e)
+            gate, up = (x[rows] @ self.w_gate_up[e]).split(self.intermediate, dim=1)
+            y = (F.silu(gate) * up) @ self.w_down[e]
+            out.index_add_(0, rows, y * weights[rows, slot, None])
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = SelfAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if index in cfg.moe_layers else MLP(cfg)
 
     def forward(self, x, cos, sin, meta, k_cache, v_cache) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
@@ -112,7 +145,7 @@ class QwenVLDecoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # A tied head reads the embedding table (no transposed copy of vocab x hidden).
         self.lm_head = (
@@ -133,7 +166,7 @@ class QwenVLDecoder(nn.Module):
         with torch.device("meta"):
             model = cls(cfg, device=device, tied_head=tied)
         tensors = {k: t.to(device=device, dtype=dtype) for k, t in tensors.items()}
-        tensors = fuse_checkpoint_tensors(tensors, cfg.num_layers)
+        tensors = fuse_checkpoint_tensors(tensors, cfg.num_layers, cfg.moe_layers)
         missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
         if missing or unexpected:
             raise ValueError(

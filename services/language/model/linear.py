@@ -48,11 +48,14 @@ class DenseLinear(nn.Module):
         return torch.addmm(self.bias, x, self.weight_t)
 
 
-def fuse_checkpoint_tensors(tensors: dict[str, torch.Tensor], num_layers: int) -> dict:
+def fuse_checkpoint_tensors(tensors: dict[str, torch.Tensor], num_layers: int,
+                            moe_layers: tuple[int, ...] = ()) -> dict:
     """The decoder's parameter dict from the loader's normalized checkpoint names.
 
     Every `*.weight` of a projection becomes `*.weight_t` (transposed, contiguous); q/k/v
     become `qkv_proj`, gate/up become `gate_up_proj`; norms and embeddings pass through.
+    A sparse MoE layer's router becomes `router.weight_t` and its experts `w_gate_up`
+    [E, H, 2I] and `w_down` [E, I, H] (each expert's matrices transposed likewise).
     Consumes `tensors` (entries are popped) so no two full copies are alive at once."""
     out: dict[str, torch.Tensor] = {}
     for i in range(num_layers):
@@ -61,9 +64,15 @@ def fuse_checkpoint_tensors(tensors: dict[str, torch.Tensor], num_layers: int) -
         out[f"{a}qkv_proj.weight_t"] = torch.cat([w.t() for w in qkv], dim=1).contiguous()
         if f"{a}q_proj.bias" in tensors:
             out[f"{a}qkv_proj.bias"] = torch.cat([tensors.pop(f"{a}{p}_proj.bias") for p in "qkv"])
-        gate_up = [tensors.pop(f"{m}{p}_proj.weight") for p in ("gate", "up")]
-        out[f"{m}gate_up_proj.weight_t"] = torch.cat([w.t() for w in gate_up], dim=1).contiguous()
-        for name in (f"{a}o_proj", f"{m}down_proj"):
+        if i in moe_layers:
+            out[f"{m}router.weight_t"] = tensors.pop(f"{m}gate.weight").t().contiguous()
+            out[f"{m}w_gate_up"] = tensors.pop(f"{m}experts.gate_up_proj").transpose(1, 2).contiguous()
+            out[f"{m}w_down"] = tensors.pop(f"{m}experts.down_proj").transpose(1, 2).contiguous()
+        else:
+            gate_up = [tensors.pop(f"{m}{p}_proj.weight") for p in ("gate", "up")]
+            out[f"{m}gate_up_proj.weight_t"] = torch.cat([w.t() for w in gate_up], dim=1).contiguous()
+            out[f"{m}down_proj.weight_t"] = tensors.pop(f"{m}down_proj.weight").t().contiguous()
+        for name in (f"{a}o_proj",):
             out[f"{name}.weight_t"] = tensors.pop(f"{name}.weight").t().contiguous()
             if f"{name}.bias" in tensors:
                 out[f"{name}.bias"] = tensors.pop(f"{name}.bias")
