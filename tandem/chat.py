@@ -152,6 +152,12 @@ def messages_from_proto(msgs) -> list[Message]:
 _RESERVED = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
 
 
+# No token of a real tokenizer spells more characters than this (long runs of spaces or
+# '=' are the longest, far below): a text longer than max_tokens times it cannot fit, and
+# is refused before the tokenizer spends seconds and gigabytes on it.
+MAX_CHARS_PER_TOKEN = 64
+
+
 class ChatTemplate:
     """The checkpoint's chat template and tokenizer (from its processor): chat -> prompt
     token ids, each image placeholder expanded to its image's token count. Thread-safe."""
@@ -206,6 +212,10 @@ class ChatTemplate:
         repeated image_tokens[i] times; refuses a prompt over `max_tokens`."""
         if tools and not self.renders_tools:
             raise invalid("tools", "this model's chat template does not render tools")
+        chars = sum(len(p) for m in messages for p in m.parts if isinstance(p, str))
+        if chars > max_tokens * MAX_CHARS_PER_TOKEN:  # NOTE: before the costly render
+            raise invalid("messages", f"the chat's text is {chars} characters, more than a "
+                          f"prompt of at most {max_tokens} tokens can hold")
         text = self.processor.apply_chat_template(
             hf_messages, tools=tools or None, tokenize=False,
             add_generation_prompt=messages[-1].role != "assistant",
@@ -225,6 +235,9 @@ class ChatTemplate:
 
     def raw_ids(self, prompt: str, max_tokens: int) -> list[int]:
         """A raw prompt's ids (the completions API: no chat template)."""
+        if len(prompt) > max_tokens * MAX_CHARS_PER_TOKEN:
+            raise invalid("prompt", f"the prompt is {len(prompt)} characters, more than "
+                          f"{max_tokens} tokens can hold")
         ids = self.processor.tokenizer(prompt)["input_ids"]
         if len(ids) > max_tokens:
             raise invalid("prompt", f"the prompt is {len(ids)} tokens, over the limit of "

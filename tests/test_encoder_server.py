@@ -196,6 +196,9 @@ def _bad_cases():
          "reserved token"),
         (u("<|endoftext|>"), "messages[0].content[0].text", "reserved token"),
         ([], "messages", "no messages"),
+        # 3 MB of text (under gRPC's message limit): refused by its length before the
+        # tokenizer ever sees it (tokenizing it took seconds)
+        (u("word " * 600_000), "messages", "characters, more than a prompt"),
     ]
 
 

@@ -124,6 +124,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802
         if self.path == "/slow.png":
             time.sleep(1.5)
+        if self.path == "/trickle.png":  # a byte every 0.2 s: no single read ever times out
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(self.body)))
+            self.end_headers()
+            for b in self.body:
+                self.wfile.write(bytes([b]))
+                self.wfile.flush()
+                time.sleep(0.2)
+            return
         if self.path == "/redirect.png":
             self.send_response(302)
             self.send_header("Location", "http://example.com/x.png")
@@ -160,6 +169,7 @@ def test_url_fetch_rules(http_server):
     assert image_bytes(ImageInput(url=http_server + "/a.png"), "f", ok) == _Handler.body
     cases = [
         (ok, "/slow.png", "timed out"),
+        (ok, "/trickle.png", "timed out"),  # bounded in total, not per read
         (ok, "/redirect.png", "HTTP 302"),
         (ok, "/missing.png", "HTTP 404"),
         (ImageLimits(100, 10**7, ("127.0.0.1",), True), "/a.png", "over the limit of 100"),

@@ -55,6 +55,9 @@ async def _roundtrip(rx, enc: Peer, room: int, n: int, seed: int):
 async def _clean(rx, enc: Peer) -> None:
     assert rx.allocator.num_free == rx.allocator.num_total and not rx.rooms
     assert not rx.allocator.owners
+    # nothing of any prompt stays in registered memory, where another Mooncake peer could
+    # read it (issue 16, finding 1): every block was wiped as its room let it go
+    assert not any(t.any() for t in rx.buffers.tensors())
     st = await enc.stats()
     assert st["rooms"] == [] and st["free"] == st["total"], st
 

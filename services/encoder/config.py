@@ -43,7 +43,8 @@ class EncoderConfig(ModelServiceSettings):
     allow_private_urls: bool = Field(
         False, description="Allow URLs resolving to private/loopback addresses."
     )
-    url_timeout_s: float = Field(5.0, gt=0, le=120, description="Timeout of one image fetch.")
+    url_timeout_s: float = Field(5.0, gt=0, le=120, description="Total time of one image fetch (each read and the whole "
+        "download: a slow trickle is cut off too).")
     patch_budget: int = Field(
         16384, ge=64, description="Max vision patches in one batched ViT call."
     )

@@ -13,6 +13,7 @@ import binascii
 import io
 import ipaddress
 import socket
+import time
 import urllib.parse
 import warnings
 from dataclasses import dataclass
@@ -90,6 +91,9 @@ def _fetch(url: str, field: str, lim: ImageLimits) -> bytes:
     port = parts.port or (443 if parts.scheme == "https" else 80)
     _check_host(host, port, field, lim)
     buf = bytearray()
+    # NOTE: the whole fetch is bounded, not just each read: a server trickling a byte per
+    # read timeout would otherwise hold a preprocessing worker for as long as it likes.
+    end = time.monotonic() + lim.url_timeout_s
     try:
         # NOTE: redirects are not followed: a redirect could leave the allow-list.
         with httpx.stream("GET", url, timeout=lim.url_timeout_s, follow_redirects=False) as r:
@@ -99,6 +103,8 @@ def _fetch(url: str, field: str, lim: ImageLimits) -> bytes:
                 buf += chunk
                 if len(buf) > lim.max_image_bytes:
                     raise invalid(field, f"image is over the limit of {lim.max_image_bytes} bytes")
+                if time.monotonic() > end:
+                    raise httpx.ReadTimeout("total fetch time exceeded")
     except httpx.TimeoutException:
         raise invalid(
             field, f"fetching the image url timed out after {lim.url_timeout_s}s"

@@ -107,6 +107,15 @@ class EmbeddingBuffers:
     def tensors(self) -> list[torch.Tensor]:
         return [self.embeddings, self.fill_ids, self.mrope_positions, self.aux]
 
+    def clear(self, block_ids: list[int]) -> None:
+        """Zero the blocks' rows in all four buffers. NOTE: called as a room lets its
+        blocks go, so a prompt's tokens and embeddings do not stay readable in registered
+        memory (another Mooncake peer can read registered memory) after its room ended."""
+        if block_ids:
+            idx = torch.tensor(block_ids, dtype=torch.long, device=self.embeddings.device)
+            for t in self.tensors():
+                t.index_fill_(0, idx, 0)
+
     def register(self, engine) -> None:
         """Register the four buffers with `engine` (a MooncakeEngine); once per instance."""
         if self._engine is not None:

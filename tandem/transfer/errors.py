@@ -9,6 +9,8 @@ to its room.
 
 from __future__ import annotations
 
+import time
+
 from tandem.errors import ServiceError
 
 
@@ -36,3 +38,14 @@ class TransferError(ServiceError):
 class TransferStuck(TransferError):
     """Writes that never ended (not even failed): their source memory is still in use and
     must never be reused."""
+
+
+def timed_out(what: str, timeout: float, deadline: float | None, room: int | None) -> TransferError:
+    """A wait that ran out. DEADLINE_EXCEEDED only when the request's own `deadline` (Unix
+    seconds) has passed; otherwise the transfer's timeout fired first: the peer is stuck,
+    not the request late, so UNAVAILABLE (another encoder may serve it: the router retries).
+    """
+    if deadline is not None and time.time() >= deadline - 0.05:
+        return TransferError(f"{what}: the request deadline passed", "DEADLINE_EXCEEDED", room)
+    return TransferError(f"{what} within the transfer timeout ({timeout:.1f}s)", "UNAVAILABLE",
+                         room)

@@ -47,7 +47,7 @@ import torch
 from tandem.config import TransferConfig
 from tandem.transfer.allocator import BlockAllocator
 from tandem.transfer.buffers import AUX_MROPE_DELTA, EmbeddingBuffers
-from tandem.transfer.errors import TransferError
+from tandem.transfer.errors import TransferError, timed_out
 from tandem.transfer.metrics import transfer_metrics
 from tandem.transfer.payload import ImageSpan, PromptInfo, PromptPayload
 from tandem.transfer.room import (
@@ -92,7 +92,7 @@ class EmbeddingReceiver:
         self._layout = buffers.layout().to_proto()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._closing: set[asyncio.Task] = set()  # calls ending gracefully after Done
-        self.blocks = BlockReservations(allocator, self.metrics)
+        self.blocks = BlockReservations(allocator, self.metrics, clear=buffers.clear)
 
     # ---- public control ---------------------------------------------------------------
     def state(self, room: int) -> ReceiverState | None:
@@ -250,9 +250,9 @@ class EmbeddingReceiver:
             try:
                 ev = await asyncio.wait_for(r.events.get(), timeout)
             except asyncio.TimeoutError:
-                raise TransferError(
-                    f"room {r.room}: no data from encoder {r.address} within {timeout:.1f}s "
-                    f"({r.state.value}, {r.copied} tokens received)", "DEADLINE_EXCEEDED") from None
+                raise timed_out(
+                    f"room {r.room}: no data from encoder {r.address} ({r.state.value}, "
+                    f"{r.copied} tokens received)", timeout, deadline, r.room) from None
             if not isinstance(ev, StreamMessage) or ev.attempt != r.attempt:
                 self._interrupt(r, ev)
                 continue

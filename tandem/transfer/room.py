@@ -99,8 +99,9 @@ class ReceiverRoom:
 
 
 class BlockReservations:
-    def __init__(self, allocator: BlockAllocator, metrics) -> None:
-        self.allocator, self.metrics = allocator, metrics
+    def __init__(self, allocator: BlockAllocator, metrics, clear=None) -> None:
+        """`clear(block_ids)` wipes blocks as they are freed (`EmbeddingBuffers.clear`)."""
+        self.allocator, self.metrics, self.clear = allocator, metrics, clear
         self._changed = asyncio.Event()  # replaced (and set) on every free
         self._gauges()
 
@@ -109,6 +110,8 @@ class BlockReservations:
         self.metrics.blocks_total.set(self.allocator.num_total)
 
     def free(self, r: ReceiverRoom, key) -> None:
+        if self.clear is not None:
+            self.clear(self.allocator.held(key))
         self.allocator.free(key)
         r.keys.discard(key)
         self._gauges()

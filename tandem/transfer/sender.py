@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 
 from tandem.config import TransferConfig
 from tandem.transfer.buffers import BufferLayout
-from tandem.transfer.errors import TransferError, TransferStuck
+from tandem.transfer.errors import TransferError, TransferStuck, timed_out
 from tandem.transfer.metrics import transfer_metrics
 from tandem.transfer.payload import PromptInfo, PromptPayload
 from tandem.transfer.staging import StagingArea, WriteRound, write_round
@@ -159,9 +159,11 @@ class EmbeddingSender:
         r.outbox.put_nowait(_failed_msg(err))
         self.rooms.pop(r.room, None)
 
-    async def _race(self, r: _Room, aw, timeout: float | None, what: str):
-        """Await `aw`, unless the room ends or `timeout` passes first (TransferError).
+    async def _race(self, r: _Room, aw, deadline: float | None, what: str):
+        """Await `aw`, unless the room ends or the transfer timeout (bounded by the request's
+        `deadline`) passes first (TransferError: `timed_out`).
         NOTE: `aw` is cancelled on every other exit, including our own cancellation."""
+        timeout = self._timeout(deadline)
         task = asyncio.ensure_future(aw)
         ended = asyncio.ensure_future(r.until(lambda: r.terminal))
         try:
@@ -179,13 +181,12 @@ class EmbeddingSender:
             raise r.error
         if r.terminal:
             raise TransferError(f"room {r.room}: Attach stream closed while {what}", "UNAVAILABLE")
-        raise TransferError(f"room {r.room}: no progress within {timeout:.1f}s while {what}",
-                            "DEADLINE_EXCEEDED")
+        raise timed_out(f"room {r.room}: no progress while {what}", timeout, deadline, r.room)
 
     async def _acquire_slot(self, r: _Room, deadline: float | None) -> int:
         task = asyncio.ensure_future(self.staging.acquire())
         try:
-            return await self._race(r, task, self._timeout(deadline), "waiting for a staging slot")
+            return await self._race(r, task, deadline, "waiting for a staging slot")
         except BaseException:
             # NOTE: the acquire may have won the race at the last moment: give it back.
             if task.done() and not task.cancelled() and task.exception() is None:
@@ -230,9 +231,8 @@ class EmbeddingSender:
                 except asyncio.TimeoutError:
                     late = time.monotonic() >= r.born + self.config.timeout_s
                     if r.state is SenderState.WAITING_FOR_PAYLOAD and late:
-                        self._fail(r, TransferError(
-                            f"room {room}: no payload within {self.config.timeout_s:.1f}s "
-                            f"of Init", "DEADLINE_EXCEEDED"))
+                        self._fail(r, timed_out(f"room {room}: no payload after Init",
+                                                self.config.timeout_s, None, room))
                     continue
                 await context.write(msg)
                 kind = msg.WhichOneof("msg")
@@ -267,12 +267,12 @@ class EmbeddingSender:
     # ---- sending ----------------------------------------------------------------------
     async def _await_init(self, r: _Room, deadline: float | None) -> None:
         if r.init is None:
-            await self._race(r, r.until(lambda: r.init is not None), self._timeout(deadline),
+            await self._race(r, r.until(lambda: r.init is not None), deadline,
                              "waiting for the language side's Init")
 
     async def _next(self, r: _Room, kind: type, deadline: float | None, what: str):
         """The language side's next message on the room, which must be a `kind`."""
-        msg = await self._race(r, r.inbox.get(), self._timeout(deadline), what)
+        msg = await self._race(r, r.inbox.get(), deadline, what)
         if not isinstance(msg, kind):
             raise TransferError(f"room {r.room}: got {type(msg).__name__} while {what}",
                                 "INVALID_ARGUMENT")
@@ -354,8 +354,8 @@ class EmbeddingSender:
             r.to(SenderState.FINISHING)
             r.outbox.put_nowait(encoder_pb2.AttachResponse(done=encoder_pb2.AttachDone(
                 total_tokens=total, mrope_position_delta=payload.mrope_delta)))
-            await self._race(r, r.until(lambda: r.state is SenderState.DONE),
-                             self._timeout(deadline), "sending Done")
+            await self._race(r, r.until(lambda: r.state is SenderState.DONE), deadline,
+                             "sending Done")
         except TransferError as e:
             self._fail(r, e)
             raise
@@ -425,6 +425,6 @@ class EmbeddingSender:
                 self._slot_done, s, f))
             inner = asyncio.wrap_future(cf)
             inner.add_done_callback(lambda f: f.cancelled() or f.exception())
-            nbytes += await self._race(r, asyncio.shield(inner), self._timeout(deadline),
+            nbytes += await self._race(r, asyncio.shield(inner), deadline,
                                        f"writing tokens {t0}..{min(t0 + step, end)}")
         return nbytes
