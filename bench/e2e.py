@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from latency import summary  # noqa: E402  (bench/, the script's own folder)
+from latency import machine, publish, summary  # noqa: E402  (bench/, the script's own folder)
 
 from tandem.launch.cluster import LocalCluster  # noqa: E402
 
@@ -231,7 +231,7 @@ def main() -> int:
         f"{args.requests} chat requests per run (mixed 0/1 image of 112-448 px, short/long "
         f"text, image repeat share {ideal:.0%} of image requests), {args.max_tokens} generated "
         f"tokens each (`ignore_eos`), concurrency {args.concurrency}, streaming over HTTP. "
-        f"Median of {args.runs} runs. Machine: {_machine()}.",
+        f"Median of {args.runs} runs. Machine: {machine()}.",
         "",
         "| setup | req/s | vs baseline | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms "
         "| image cache hits (ideal) | failures |",
@@ -243,18 +243,8 @@ def main() -> int:
                      f"{s['ttft99']:.0f} | {s['tpot50']:.1f} | {s['tpot99']:.1f} | {hit} | "
                      f"{s['failures']} |")
     lines += ["", "Regenerate: `.venv/bin/python bench/e2e.py` (options: `--help`)."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
+    publish("\n".join(lines) + "\n", args.out)
     return 0
-
-
-def _machine() -> str:
-    import os
-    import platform
-
-    return f"{platform.machine()}, {os.cpu_count()} CPUs (shared), {platform.python_version()}"
 
 
 if __name__ == "__main__":

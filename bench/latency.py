@@ -1,8 +1,12 @@
-"""Percentiles and per-run medians shared by the serving benchmarks (e2e.py, peer.py)."""
+"""What the serving benchmarks share (e2e.py, peer.py, reuse.py): percentiles, per-run
+medians, the machine's one-line description, and writing a result table."""
 
 from __future__ import annotations
 
+import os
+import platform
 import statistics
+from pathlib import Path
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -21,3 +25,14 @@ def summary(runs: list[dict], medians: tuple[str, ...] = ("rps",)) -> dict:
             out[f"{name}{q}"] = med(pct(r[name], q / 100) for r in runs) * 1e3
     out["failures"] = sum(r["failures"] for r in runs)
     return out
+
+
+def machine() -> str:
+    return f"{platform.machine()}, {os.cpu_count()} CPUs (shared), {platform.python_version()}"
+
+
+def publish(text: str, out: str) -> None:
+    """Print a result table and write it to `out` (its folder made)."""
+    print(text)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(text)

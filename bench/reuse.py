@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from latency import pct  # noqa: E402  (bench/, the script's own folder)
+from latency import machine, pct, publish  # noqa: E402  (bench/, the script's own folder)
 
 from tandem.launch.cluster import LocalCluster  # noqa: E402
 from tandem.launch.procs import free_port  # noqa: E402
@@ -230,7 +230,7 @@ def main() -> int:
         f"conversations, sequential turns; shared system prompt, one 224x224 image in the "
         f"first turn, short follow-ups, {args.max_tokens}-token replies fed back. 1 encoder "
         f"+ 1 language, fresh clusters, alternating order, median of {args.runs} runs. "
-        f"Machine: {_machine()}.",
+        f"Machine: {machine()}.",
         "",
         "| language prefix cache | TTFT p50 turns 2+ ms | TTFT p99 turns 2+ ms | TTFT p50 all "
         "ms | req/s | cached prompt tokens / req | encoder payload KB / req | failures |",
@@ -259,18 +259,8 @@ def main() -> int:
         "",
         "Regenerate: `.venv/bin/python bench/reuse.py` (options: `--help`).",
     ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
+    publish("\n".join(lines) + "\n", args.out)
     return 0
-
-
-def _machine() -> str:
-    import os
-    import platform
-
-    return f"{platform.machine()}, {os.cpu_count()} CPUs (shared), {platform.python_version()}"
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ from tandem.transfer.metrics import transfer_metrics
 from tandem.transfer.payload import PromptPayload
 from tandem.transfer.receiver import EmbeddingReceiver
 from tandem.transfer.room import ReceiverState
-from tandem.transfer.sender import EmbeddingSender, SenderState, SendStats
+from tandem.transfer.sender import EmbeddingSender
+from tandem.transfer.sender_room import SenderState, SendStats
 from tandem.transfer.staging import StagingArea
 
 __all__ = [

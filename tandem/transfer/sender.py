@@ -28,7 +28,7 @@ whose `start` is that count); every Progress/Done count is of that rest.
 
 The state is the room's whole story: DONE and FAILED are its end (writer threads stop
 submitting once it ended), and every wait (for Init, for a Resume, for Done to be written)
-re-checks its condition at each transition (`_Room.to`).
+re-checks its condition at each transition (`SenderRoom.to`).
 
 Each piece (what the language side reserved) is written in staging rounds of at most
 `slot_tokens`, each round in chunks of `chunk_tokens` (a chunk is a few async Mooncake
@@ -46,81 +46,26 @@ TransferError(reason, code).
 from __future__ import annotations
 
 import asyncio
-import enum
+import contextlib
 import logging
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 from tandem.config import TransferConfig
 from tandem.transfer.buffers import BufferLayout
 from tandem.transfer.errors import TransferError, TransferStuck, timed_out
 from tandem.transfer.metrics import transfer_metrics
 from tandem.transfer.payload import PromptInfo, PromptPayload
+from tandem.transfer.sender_room import (
+    SenderRoom,
+    SenderState,
+    SendStats,
+    failed_msg,
+)
 from tandem.transfer.staging import StagingArea, WriteRound, write_round
-from tandem.v1 import common_pb2, encoder_pb2
+from tandem.v1 import encoder_pb2
 
 log = logging.getLogger(__name__)
-
-
-class SenderState(enum.Enum):
-    WAITING_FOR_INIT = "waiting_for_init"  # send() called; the language side's Init not yet
-    WAITING_FOR_PAYLOAD = "waiting_for_payload"  # Init here; send() not called yet
-    ANNOUNCING = "announcing"  # AttachPrompt sent; waiting for the language's AttachCached
-    TRANSFERRING = "transferring"
-    WAITING_FOR_RESUME = "waiting_for_resume"
-    FINISHING = "finishing"  # Done queued: a half-close from now on is normal
-    DONE = "done"  # Done written on the stream
-    FAILED = "failed"
-
-
-@dataclass
-class SendStats:
-    tokens: int
-    bytes: int
-    resumes: int
-    seconds: float
-
-
-@dataclass
-class _Room:
-    room: int
-    state: SenderState
-    born: float = field(default_factory=time.monotonic)
-    init: encoder_pb2.AttachInit | None = None  # set once, when the Attach stream opens
-    cached: int = 0  # leading tokens the language holds (its AttachCached answer)
-    error: TransferError | None = None
-    inbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # AttachResume
-    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # AttachResponse | None
-    # NOTE: the one wake-up: set (then replaced) at every transition, so a waiter re-checks
-    # its condition on the new state; nothing else signals. Writer threads read `terminal`
-    # (a plain attribute read) to stop submitting.
-    _changed: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def terminal(self) -> bool:
-        """The room ended: DONE, or FAILED (which every broken or closed stream becomes)."""
-        return self.state in (SenderState.DONE, SenderState.FAILED)
-
-    def to(self, state: SenderState) -> None:
-        """The one place the state changes."""
-        self.state = state
-        self.notify()
-
-    def notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    async def until(self, done: Callable[[], bool]) -> None:
-        """Return once `done()` holds (checked now and after every transition)."""
-        while not done():
-            await self._changed.wait()
-
-
-def _failed_msg(err: TransferError) -> encoder_pb2.AttachResponse:
-    info = common_pb2.ErrorInfo(code=err.code, message=err.reason)
-    return encoder_pb2.AttachResponse(failed=encoder_pb2.AttachFailed(error=info))
 
 
 class EmbeddingSender:
@@ -129,7 +74,7 @@ class EmbeddingSender:
         self.engine, self.staging, self.config = engine, staging, config
         self.chunk_tokens = chunk_tokens  # tokens per submitted chunk (pipelining unit)
         self.metrics = transfer_metrics(registry)
-        self.rooms: dict[int, _Room] = {}
+        self.rooms: dict[int, SenderRoom] = {}
         # NOTE: writes busy-poll inside Mooncake; a private pool keeps a frozen peer's
         # spinning thread from starving the loop's default executor.
         self._pool = ThreadPoolExecutor(staging.slots + 2, thread_name_prefix="tandem-send")
@@ -143,23 +88,23 @@ class EmbeddingSender:
         return r.state if r else None
 
     # ---- room bookkeeping -------------------------------------------------------------
-    def _room(self, room: int, state: SenderState) -> _Room:
+    def _room(self, room: int, state: SenderState) -> SenderRoom:
         r = self.rooms.get(room)
         if r is None:
-            r = self.rooms[room] = _Room(room, state)
+            r = self.rooms[room] = SenderRoom(room, state)
         return r
 
-    def _fail(self, r: _Room, err: TransferError) -> None:
+    def _fail(self, r: SenderRoom, err: TransferError) -> None:
         if r.terminal:  # Done delivered, or failed already: nothing left to fail
             return
         r.error = err
         r.to(SenderState.FAILED)
         self.metrics.failures.labels("encoder", err.code).inc()
         log.info("room %d failed: %s", r.room, err)
-        r.outbox.put_nowait(_failed_msg(err))
+        r.outbox.put_nowait(failed_msg(err))
         self.rooms.pop(r.room, None)
 
-    async def _race(self, r: _Room, aw, deadline: float | None, what: str):
+    async def _race(self, r: SenderRoom, aw, deadline: float | None, what: str):
         """Await `aw`, unless the room ends or the transfer timeout (bounded by the request's
         `deadline`) passes first (TransferError: `timed_out`).
         NOTE: `aw` is cancelled on every other exit, including our own cancellation."""
@@ -183,7 +128,7 @@ class EmbeddingSender:
             raise TransferError(f"room {r.room}: Attach stream closed while {what}", "UNAVAILABLE")
         raise timed_out(f"room {r.room}: no progress while {what}", timeout, deadline, r.room)
 
-    async def _acquire_slot(self, r: _Room, deadline: float | None) -> int:
+    async def _acquire_slot(self, r: SenderRoom, deadline: float | None) -> int:
         task = asyncio.ensure_future(self.staging.acquire())
         try:
             return await self._race(r, task, deadline, "waiting for a staging slot")
@@ -206,13 +151,13 @@ class EmbeddingSender:
         except (StopAsyncIteration, asyncio.TimeoutError):
             return
         if first.WhichOneof("msg") != "init":
-            await context.write(_failed_msg(TransferError(
+            await context.write(failed_msg(TransferError(
                 "the first Attach message must be init", "INVALID_ARGUMENT")))
             return
         room = first.init.room
         r = self.rooms.get(room)
         if r is not None and r.init is not None:
-            await context.write(_failed_msg(TransferError(
+            await context.write(failed_msg(TransferError(
                 f"room {room} already has an Attach stream", "ALREADY_EXISTS")))
             return
         r = self._room(room, SenderState.WAITING_FOR_PAYLOAD)
@@ -245,7 +190,7 @@ class EmbeddingSender:
             self._fail(r, TransferError(f"room {room}: language closed the Attach stream",
                                         "UNAVAILABLE"))
 
-    async def _read(self, r: _Room, it) -> None:
+    async def _read(self, r: SenderRoom, it) -> None:
         try:
             async for req in it:
                 kind = req.WhichOneof("msg")
@@ -265,12 +210,12 @@ class EmbeddingSender:
                                         f"before Done", "UNAVAILABLE"))
 
     # ---- sending ----------------------------------------------------------------------
-    async def _await_init(self, r: _Room, deadline: float | None) -> None:
+    async def _await_init(self, r: SenderRoom, deadline: float | None) -> None:
         if r.init is None:
             await self._race(r, r.until(lambda: r.init is not None), deadline,
                              "waiting for the language side's Init")
 
-    async def _next(self, r: _Room, kind: type, deadline: float | None, what: str):
+    async def _next(self, r: SenderRoom, kind: type, deadline: float | None, what: str):
         """The language side's next message on the room, which must be a `kind`."""
         msg = await self._race(r, r.inbox.get(), deadline, what)
         if not isinstance(msg, kind):
@@ -286,7 +231,7 @@ class EmbeddingSender:
             r = self._room(room, SenderState.WAITING_FOR_INIT)
         elif r.state is not SenderState.WAITING_FOR_PAYLOAD:
             raise TransferError(f"room {room} is already being sent", "ALREADY_EXISTS")
-        try:
+        with self._failing(r, "announce"):
             await self._await_init(r, deadline)
             r.to(SenderState.ANNOUNCING)
             r.outbox.put_nowait(encoder_pb2.AttachResponse(prompt=encoder_pb2.AttachPrompt(
@@ -301,12 +246,6 @@ class EmbeddingSender:
             r.born = time.monotonic()  # the payload's wait starts now
             r.to(SenderState.WAITING_FOR_PAYLOAD)
             return r.cached
-        except TransferError as e:
-            self._fail(r, e)
-            raise
-        except asyncio.CancelledError:
-            self._fail(r, TransferError(f"room {room}: announce cancelled", "CANCELLED"))
-            raise
 
     async def send(self, room: int, payload: PromptPayload, deadline: float | None = None
                    ) -> SendStats:
@@ -318,64 +257,77 @@ class EmbeddingSender:
             r.to(SenderState.TRANSFERRING)  # Init is here: sending starts now
         else:
             raise TransferError(f"room {room} is already being sent", "ALREADY_EXISTS")
-        t0 = time.monotonic()
         try:
-            await self._await_init(r, deadline)
-            init = r.init
-            if payload.start != r.cached:
-                raise TransferError(f"room {room}: payload starts at token {payload.start}, the "
-                                    f"language side holds {r.cached}", "INTERNAL")
-            layout = BufferLayout.from_proto(init.layout)
-            why = self.staging.check_layout(layout, payload)
-            if why:
-                raise TransferError(f"room {room}: layout mismatch: {why}", "INVALID_ARGUMENT")
-            r.to(SenderState.TRANSFERRING)
-            t0 = time.monotonic()
-            total, sent, resumes, nbytes = payload.num_tokens, 0, 0, 0
-            ids, allocated = list(init.block_ids), init.allocated_tokens
-            while True:
-                self._check_blocks(room, layout, ids, allocated)
-                piece = min(total - sent, allocated)
-                nbytes += await self._write_piece(r, payload, layout, ids, sent, piece, deadline)
-                sent += piece
-                if sent >= total:
-                    break
-                r.to(SenderState.WAITING_FOR_RESUME)
-                r.outbox.put_nowait(encoder_pb2.AttachResponse(progress=encoder_pb2.AttachProgress(
-                    sent_tokens=sent, total_tokens=total, partial=True)))
-                res = await self._next(r, encoder_pb2.AttachResume, deadline,
-                                       f"waiting for Resume at token {sent}/{total}")
-                if res.sent_tokens != sent:
-                    raise TransferError(f"room {room}: Resume at token {res.sent_tokens}, "
-                                        f"expected {sent}", "INVALID_ARGUMENT")
-                ids, allocated = list(res.block_ids), res.allocated_tokens
-                resumes += 1
-                r.to(SenderState.TRANSFERRING)
-            r.to(SenderState.FINISHING)
-            r.outbox.put_nowait(encoder_pb2.AttachResponse(done=encoder_pb2.AttachDone(
-                total_tokens=total, mrope_position_delta=payload.mrope_delta)))
-            await self._race(r, r.until(lambda: r.state is SenderState.DONE), deadline,
-                             "sending Done")
+            with self._failing(r, "send"):
+                stats = await self._deliver(r, payload, deadline)
+        finally:
+            if self.rooms.get(room) is r:  # NOTE: send is the room's last user on every path
+                del self.rooms[room]
+        m = self.metrics
+        m.bytes.labels("encoder").inc(stats.bytes)
+        m.tokens.labels("encoder").inc(stats.tokens)
+        m.resumes.labels("encoder").inc(stats.resumes)
+        m.seconds.labels("encoder").observe(stats.seconds)
+        return stats
+
+    @contextlib.contextmanager
+    def _failing(self, r: SenderRoom, what: str):
+        """Every failure inside fails the room (AttachFailed to the language side) and
+        propagates as a TransferError (a bug: INTERNAL)."""
+        try:
+            yield
         except TransferError as e:
             self._fail(r, e)
             raise
         except asyncio.CancelledError:
-            self._fail(r, TransferError(f"room {room}: send cancelled", "CANCELLED"))
+            self._fail(r, TransferError(f"room {r.room}: {what} cancelled", "CANCELLED"))
             raise
         except Exception as e:
-            err = TransferError(f"room {room}: internal error: {e!r}", "INTERNAL")
+            err = TransferError(f"room {r.room}: internal error: {e!r}", "INTERNAL")
             self._fail(r, err)
             raise err from e
-        finally:
-            if self.rooms.get(room) is r:  # NOTE: send is the room's last user on every path
-                del self.rooms[room]
-        secs = time.monotonic() - t0
-        m = self.metrics
-        m.bytes.labels("encoder").inc(nbytes)
-        m.tokens.labels("encoder").inc(total)
-        m.resumes.labels("encoder").inc(resumes)
-        m.seconds.labels("encoder").observe(secs)
-        return SendStats(tokens=total, bytes=nbytes, resumes=resumes, seconds=secs)
+
+    async def _deliver(self, r: SenderRoom, payload: PromptPayload, deadline) -> SendStats:
+        """The rounds of `send`: wait for Init, write each piece, Resume, Done."""
+        room = r.room
+        await self._await_init(r, deadline)
+        init = r.init
+        if payload.start != r.cached:
+            raise TransferError(f"room {room}: payload starts at token {payload.start}, the "
+                                f"language side holds {r.cached}", "INTERNAL")
+        layout = BufferLayout.from_proto(init.layout)
+        why = self.staging.check_layout(layout, payload)
+        if why:
+            raise TransferError(f"room {room}: layout mismatch: {why}", "INVALID_ARGUMENT")
+        r.to(SenderState.TRANSFERRING)
+        t0 = time.monotonic()
+        total, sent, resumes, nbytes = payload.num_tokens, 0, 0, 0
+        ids, allocated = list(init.block_ids), init.allocated_tokens
+        while True:
+            self._check_blocks(room, layout, ids, allocated)
+            piece = min(total - sent, allocated)
+            nbytes += await self._write_piece(r, payload, layout, ids, sent, piece, deadline)
+            sent += piece
+            if sent >= total:
+                break
+            r.to(SenderState.WAITING_FOR_RESUME)
+            r.outbox.put_nowait(encoder_pb2.AttachResponse(progress=encoder_pb2.AttachProgress(
+                sent_tokens=sent, total_tokens=total, partial=True)))
+            res = await self._next(r, encoder_pb2.AttachResume, deadline,
+                                   f"waiting for Resume at token {sent}/{total}")
+            if res.sent_tokens != sent:
+                raise TransferError(f"room {room}: Resume at token {res.sent_tokens}, "
+                                    f"expected {sent}", "INVALID_ARGUMENT")
+            ids, allocated = list(res.block_ids), res.allocated_tokens
+            resumes += 1
+            r.to(SenderState.TRANSFERRING)
+        r.to(SenderState.FINISHING)
+        r.outbox.put_nowait(encoder_pb2.AttachResponse(done=encoder_pb2.AttachDone(
+            total_tokens=total, mrope_position_delta=payload.mrope_delta)))
+        await self._race(r, r.until(lambda: r.state is SenderState.DONE), deadline,
+                         "sending Done")
+        return SendStats(tokens=total, bytes=nbytes, resumes=resumes,
+                         seconds=time.monotonic() - t0)
 
     def _check_blocks(self, room: int, layout: BufferLayout, ids: list[int], allocated: int):
         bs = layout.block_size
@@ -394,7 +346,7 @@ class EmbeddingSender:
         else:
             self.staging.release(slot)
 
-    async def _write_piece(self, r: _Room, payload: PromptPayload, layout: BufferLayout,
+    async def _write_piece(self, r: SenderRoom, payload: PromptPayload, layout: BufferLayout,
                            ids: list[int], start: int, piece: int, deadline) -> int:
         """Write tokens [start, start+piece) into `ids`: per staging round, chunks of
         `chunk_tokens` are staged and submitted, two deep (chunk k+1 is copied while chunk
