@@ -182,3 +182,18 @@ async def test_sender_in_process_to_language_process(tmp_path):
     finally:
         await lang.stop()
         await server.stop(None)
+
+
+async def test_encoder_channels_are_bounded():
+    # one channel per encoder address, the least recently used closed beyond the bound:
+    # addresses named once (departed pods, a bad caller) are not kept open forever
+    engine, cfg = make_engine(timeout_s=1)
+    rx = make_receiver(engine, cfg, blocks=4, block_size=16, reserve=16)
+    rx.MAX_CHANNELS = 2
+    a = rx._channel("127.0.0.1:1")
+    rx._channel("127.0.0.1:2")
+    assert rx._channel("127.0.0.1:1") is a  # reused, and now the most recent
+    rx._channel("127.0.0.1:3")
+    assert list(rx._channels) == ["127.0.0.1:1", "127.0.0.1:3"]
+    await rx.close()
+    assert not rx._channels

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 import grpc
@@ -90,7 +91,10 @@ class EmbeddingReceiver:
         self.metrics = transfer_metrics(registry)
         self.rooms: dict[int, ReceiverRoom] = {}
         self._layout = buffers.layout().to_proto()
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        # One channel per encoder address, the least recently used closed beyond
+        # MAX_CHANNELS: an address named once (a departed pod, a bad caller) is not kept open
+        # forever.
+        self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()
         self._closing: set[asyncio.Task] = set()  # calls ending gracefully after Done
         self.blocks = BlockReservations(allocator, self.metrics, clear=buffers.clear)
 
@@ -230,8 +234,17 @@ class EmbeddingReceiver:
                 return ev.address
         raise TransferError(f"room {r.room}: {reason}", "UNAVAILABLE")
 
+    MAX_CHANNELS = 64
+
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
+        if ch is not None:
+            self._channels.move_to_end(address)
+        elif len(self._channels) >= self.MAX_CHANNELS:
+            _, old = self._channels.popitem(last=False)
+            task = asyncio.ensure_future(old.close(grace=self.config.timeout_s))
+            self._closing.add(task)  # NOTE: calls still on it finish within the grace
+            task.add_done_callback(self._closing.discard)
         if ch is None:
             ch = self._channels[address] = grpc.aio.insecure_channel(address)
         return ch
