@@ -354,3 +354,24 @@ def test_tools_through_the_sdk(cluster):
         assert r.finish_reason in ("stop", "length", "tool_calls")
         with pytest.raises(InvalidRequestError):
             sdk.chat(msgs, tools=TOOLS, tool_choice="nope")
+
+
+def test_n_choices_through_the_sdk(cluster):
+    from tandem.client import AsyncClient, Client
+
+    msgs = [{"role": "user", "content": "Say something."}]
+    with Client(cluster.grpc_address) as sdk:
+        many = sdk.chat_choices(msgs, 3, temperature=1.0, seed=9, max_tokens=6)
+        singles = [sdk.chat(msgs, temperature=1.0, seed=9 + i, max_tokens=6) for i in range(3)]
+        assert [r.token_ids for r in many] == [r.token_ids for r in singles]
+        assert all(r.finish_reason for r in many)
+        with pytest.raises(ValueError):
+            sdk.chat(msgs, n=2)
+
+    async def run():
+        async with AsyncClient(cluster.grpc_address) as c:
+            return await c.chat_choices(msgs, 2, temperature=1.0, seed=9, max_tokens=6)
+
+    import asyncio
+
+    assert [r.token_ids for r in asyncio.run(run())] == [r.token_ids for r in singles[:2]]

@@ -15,6 +15,7 @@ import grpc
 from pydantic import TypeAdapter, ValidationError
 
 from services.router.admission import check_api_key
+from services.router.choices import choice_requests, merged
 from services.router.config import RouterConfig
 from services.router.core import RouterCore
 from services.router.errors import RouterError
@@ -41,6 +42,8 @@ def _validate(request: router_pb2.RouterGenerateRequest, cfg: RouterConfig) -> C
         raise RouterError("INVALID_ARGUMENT", "top_k must be >= 0", "sampling.top_k")
     if request.timeout_ms < 0:
         raise RouterError("INVALID_ARGUMENT", "timeout_ms must be >= 0", "timeout_ms")
+    if not 0 <= request.n <= 16:
+        raise RouterError("INVALID_ARGUMENT", "n must be in [1, 16]", "n")
     for i, m in enumerate(request.messages):
         if m.role not in ("system", "user", "assistant", "tool"):
             raise RouterError("INVALID_ARGUMENT", f"unknown role {m.role!r}", f"messages[{i}].role")
@@ -93,9 +96,9 @@ def _whole(pieces: list[Piece], tools: ToolSetup) -> Piece:
     return last
 
 
-def _to_proto(piece: Piece, request_id: str) -> router_pb2.RouterGenerateResponse:
+def _to_proto(piece: Piece, request_id: str, index: int = 0) -> router_pb2.RouterGenerateResponse:
     out = router_pb2.RouterGenerateResponse(
-        text=piece.text, token_ids=piece.token_ids, request_id=request_id
+        text=piece.text, token_ids=piece.token_ids, request_id=request_id, index=index
     )
     for lp in piece.logprobs:
         out.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top=[
@@ -137,17 +140,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             core.check_model(request.model)
             req = _validate(request, core.cfg)
             request_id = req.request_id
+            n = request.n or 1
+            if n > 1 and req.tools.mode is not ToolMode.NONE:
+                raise RouterError("INVALID_ARGUMENT", "n > 1 with tools is not served", "n")
             release = core.admit()
             try:
-                agen = core.dispatcher.generate(req)
+                agen = merged([core.dispatcher.generate(r) for r in choice_requests(req, n)])
                 try:
                     if req.tools.mode is not ToolMode.NONE:  # calls known at the end only
-                        whole = _whole([p async for p in agen], req.tools)
+                        whole = _whole([p async for _, p in agen], req.tools)
                         sent = True
                         yield _to_proto(whole, request_id)
-                    async for piece in agen:
+                    async for index, piece in agen:
                         sent = True
-                        yield _to_proto(piece, request_id)
+                        yield _to_proto(piece, request_id, index)
                 finally:
                     await agen.aclose()
             finally:

@@ -9,7 +9,15 @@ import grpc
 
 from tandem.client.channel import RouterChannel
 from tandem.client.errors import error_from_rpc
-from tandem.client.results import ChatResult, add, backoff_s, build_request, check, retryable
+from tandem.client.results import (
+    ChatResult,
+    add,
+    backoff_s,
+    build_request,
+    check,
+    collect,
+    retryable,
+)
 from tandem.v1 import router_pb2
 
 
@@ -50,10 +58,17 @@ class AsyncClient(RouterChannel):
             attempt += 1
 
     async def chat(self, messages, *, timeout: float | None = None, **kw) -> ChatResult:
+        if kw.get("n", 1) != 1:
+            raise ValueError("n > 1 returns several results: use chat_choices(messages, n)")
         result = ChatResult()
         async for msg in self._stream(messages, timeout, kw):
             add(result, msg)
         return result
+
+    async def chat_choices(self, messages, n: int, *, timeout: float | None = None,
+                           **kw) -> list[ChatResult]:
+        """n independent samples of one chat (see `Client.chat_choices`)."""
+        return collect([m async for m in self._stream(messages, timeout, dict(kw, n=n))], n)
 
     async def stream_chat(self, messages, *, timeout: float | None = None,
                           **kw) -> AsyncIterator[str]:

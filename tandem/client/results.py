@@ -86,6 +86,7 @@ def build_request(
     grammar: str | None = None,
     tools: list[dict] | None = None,
     tool_choice: str | None = None,
+    n: int = 1,
     ignore_eos: bool = False,
     timeout: float | None = None,
     request_id: str = "",
@@ -130,6 +131,7 @@ def build_request(
         so.ebnf = grammar
     return router_pb2.RouterGenerateRequest(
         tools_json=json.dumps(tools) if tools else "",
+        n=n,
         tool_choice=tool_choice or "",
         model=model,
         messages=to_messages(messages),
@@ -145,6 +147,14 @@ def check(msg: router_pb2.RouterGenerateResponse) -> None:
     if msg.finish_reason == common_pb2.FINISH_REASON_ERROR:
         e = msg.error
         raise error_from_code(e.code or "INTERNAL", e.message or "request failed", e.field)
+
+
+def collect(messages, n: int) -> list[ChatResult]:
+    """The n ChatResults of a stream whose messages name their choice (`index`)."""
+    results = [ChatResult() for _ in range(n)]
+    for msg in messages:
+        add(results[msg.index], msg)
+    return results
 
 
 def add(result: ChatResult, msg: router_pb2.RouterGenerateResponse) -> None:

@@ -9,7 +9,15 @@ import grpc
 
 from tandem.client.channel import RouterChannel
 from tandem.client.errors import TandemError, error_from_rpc
-from tandem.client.results import ChatResult, add, backoff_s, build_request, check, retryable
+from tandem.client.results import (
+    ChatResult,
+    add,
+    backoff_s,
+    build_request,
+    check,
+    collect,
+    retryable,
+)
 from tandem.v1 import router_pb2
 
 
@@ -64,10 +72,18 @@ class Client(RouterChannel):
         json_schema, json_object, regex, choice, grammar), tools and tool_choice (the
         calls come back in ChatResult.tool_calls), request_id, priority
         (`build_request`)."""
+        if kw.get("n", 1) != 1:
+            raise ValueError("n > 1 returns several results: use chat_choices(messages, n)")
         result = ChatResult()
         for msg in self._stream(messages, timeout, kw):
             add(result, msg)
         return result
+
+    def chat_choices(self, messages, n: int, *, timeout: float | None = None,
+                     **kw) -> list[ChatResult]:
+        """n independent samples of one chat (choice i uses seed + i when a seed is given),
+        with `chat`'s keyword arguments."""
+        return collect(self._stream(messages, timeout, dict(kw, n=n)), n)
 
     def stream_chat(self, messages, *, timeout: float | None = None, **kw) -> Iterator[str]:
         """Yield text pieces as they are generated."""
