@@ -27,17 +27,16 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from prometheus_client import CollectorRegistry
 
 from services.language.detokenizer import IncrementalDetokenizer
+from services.language.engine_types import Abort, EngineConfig, Live, Sink, Submit
 from services.language.grammar import GrammarError, Grammars, matcher
 from services.language.kv_cache import KVPagePool
 from services.language.metrics import LanguageMetrics
-from services.language.prefix_cache import PrefixCache, page_keys
+from services.language.prefix_cache import PrefixCache
 from services.language.request import Request, RequestStatus, StreamDelta
 from services.language.sampler import sample
 from services.language.schedule_policy import NewTokenRatio
@@ -45,43 +44,6 @@ from services.language.scheduler import AdmissionError, Scheduler
 from tandem.transfer.payload import PromptInfo
 
 log = logging.getLogger("tandem.language.engine")
-
-Sink = Callable[[StreamDelta], None]
-
-
-@dataclass
-class EngineConfig:
-    max_prefill_tokens: int = 4096
-    max_running_requests: int = 64
-    schedule_policy: str = "fcfs"
-    max_model_len: int = 32768
-    init_new_token_ratio: float = 0.7  # share of max_tokens reserved at admission (decays)
-    prefix_cache: bool = True  # share whole KV pages between requests with equal prefixes
-
-
-@dataclass
-class Submit:
-    """Inbox event: a request whose prompt is complete, and where its deltas go."""
-
-    req: Request
-    sink: Sink
-
-
-@dataclass
-class Abort:
-    """Inbox event: end request `rid` with an error message and a gRPC code name."""
-
-    rid: int
-    reason: str
-    code: str
-
-
-@dataclass
-class _Live:
-    req: Request
-    sink: Sink
-    detok: IncrementalDetokenizer
-
 
 class Engine:
     def __init__(
@@ -98,9 +60,8 @@ class Engine:
         self.eos = frozenset(eos_token_ids or getattr(runner, "eos_token_ids", ()))
         self.metrics = metrics or LanguageMetrics(CollectorRegistry())  # a registry of its own
         self.pool = PrefixCache(KVPagePool(runner.num_pages, runner.page_size), cfg.prefix_cache)
-        self._pins: dict[int, list[int]] = {}  # rid -> pinned cached pages (under pool.lock)
         self.grammars = Grammars(tokenizer, runner.vocab_size, tuple(self.eos))
-        self._compiling: list[_Live] = []  # WAITING_FOR_GRAMMAR (engine thread only)
+        self._compiling: list[Live] = []  # WAITING_FOR_GRAMMAR (engine thread only)
         self.scheduler = Scheduler(
             self.pool,
             runner.page_size,
@@ -114,7 +75,7 @@ class Engine:
         self.metrics.kv_total.set(self.pool.num_total)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._live: dict[int, _Live] = {}  # engine thread only
+        self._live: dict[int, Live] = {}  # engine thread only
         self._known: set[int] = set()  # rids submitted and not yet finished (any thread)
         self._known_lock = threading.Lock()
         self._stop = threading.Event()
@@ -141,26 +102,15 @@ class Engine:
         self.grammars.close()
 
     def pin_prefix(self, rid: int, info: PromptInfo) -> int:
-        """Pin the cached pages that start `info`'s prompt for room `rid` (replacing an
-        earlier pin of it) and return how many leading tokens they hold: the encoder then
-        sends only the rest, and `submit()` hands the pages to the request. Any thread.
+        """Pin the cached pages that start `info`'s prompt for room `rid` and return how
+        many leading tokens they hold: the encoder then sends only the rest, and `submit()`
+        hands the pages to the request. Any thread (the receiver's `on_prompt`).
         NOTE: the caller must `unpin(rid)` on every path where the request is not submitted."""
-        P = self.pool.page_size
-        limit = (len(info.token_ids) - 1) // P  # its last token is computed (logits)
-        keys = page_keys(info.token_ids[: limit * P], info.images, P) if limit > 0 else []
-        with self.pool.lock:
-            self.unpin(rid)
-            pages = self.pool.match(keys)
-            self.pool.acquire(pages)
-            self._pins[rid] = pages
-        return len(pages) * P
+        return self.pool.pin(rid, info.token_ids, info.images)
 
     def unpin(self, rid: int) -> None:
         """Release room `rid`'s pin, if it still has one (no-op after `submit`). Any thread."""
-        with self.pool.lock:
-            pages = self._pins.pop(rid, None)
-            if pages:
-                self.pool.free(pages)
+        self.pool.unpin(rid)
 
     def submit(self, req: Request, sink: Sink) -> None:
         """Queue a request whose prompt is complete; raises AdmissionError on bad input.
@@ -183,17 +133,15 @@ class Engine:
                 raise AdmissionError(f"request {req.rid} is already running")
             self._known.add(req.rid)
         start = req.prompt.start if req.prompt is not None else 0
-        with self.pool.lock:
-            pages = self._pins.pop(req.rid, [])
-            if len(pages) * self.pool.page_size != start:
-                self.pool.free(pages)
-                with self._known_lock:
-                    self._known.discard(req.rid)
-                raise AdmissionError(f"request {req.rid}: its prompt starts at token {start} "
-                                     f"but {len(pages)} cached pages are pinned", "INTERNAL")
-            req.block_table = pages
-            req.num_pinned_pages = req.num_keyed_pages = len(pages)
-            req.num_computed_tokens = start
+        try:
+            pages = self.pool.take_pin(req.rid, start)
+        except ValueError as e:
+            with self._known_lock:
+                self._known.discard(req.rid)
+            raise AdmissionError(f"request {req.rid}: {e}", "INTERNAL") from None
+        req.block_table = pages
+        req.num_pinned_pages = req.num_keyed_pages = len(pages)
+        req.num_computed_tokens = start
         self._inbox.put(Submit(req, sink))
         self._wake.set()
 
@@ -253,7 +201,7 @@ class Engine:
                 case Submit(req, sink):
                     detok = IncrementalDetokenizer(self.tokenizer, req.sampling.stop,
                                                    req.sampling.include_stop_str_in_output)
-                    live = self._live[req.rid] = _Live(req, sink, detok)
+                    live = self._live[req.rid] = Live(req, sink, detok)
                     if req.grammar_future is not None:  # joins the queue once compiled
                         req.status = RequestStatus.WAITING_FOR_GRAMMAR
                         self._compiling.append(live)
@@ -263,7 +211,7 @@ class Engine:
                 case Abort(rid, reason, code) if rid in self._live:
                     self._finish(self._live[rid], RequestStatus.FINISHED_ABORT, reason, code)
 
-    def _add(self, live: _Live) -> None:
+    def _add(self, live: Live) -> None:
         try:
             self.scheduler.add(live.req)
         except AdmissionError as e:
@@ -339,7 +287,7 @@ class Engine:
         self.profile["host_s"] += time.perf_counter() - t2 + (t0 - t_sched)
         return True
 
-    def _on_token(self, live: _Live, token: int, logprob: float | None, top: list,
+    def _on_token(self, live: Live, token: int, logprob: float | None, top: list,
                   now: float) -> None:
         req, p = live.req, live.req.sampling
         if not req.t_first_token:
@@ -368,7 +316,7 @@ class Engine:
 
     def _finish(
         self,
-        live: _Live,
+        live: Live,
         status: RequestStatus,
         error: str = "",
         code: str = "",
@@ -398,7 +346,7 @@ class Engine:
             m.tpot.observe((req.t_last_token - req.t_first_token) / (len(req.output_ids) - 1))
         self._emit(live, delta)
 
-    def _emit(self, live: _Live, delta: StreamDelta) -> None:
+    def _emit(self, live: Live, delta: StreamDelta) -> None:
         try:
             live.sink(delta)
         except Exception:  # a broken sink must not take the engine down

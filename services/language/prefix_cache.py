@@ -91,6 +91,7 @@ class PrefixCache:
         self._page: dict[PageKey, int] = {}  # key -> page
         self._key: dict[int, PageKey] = {}  # page -> key (cached pages only)
         self._idle: OrderedDict[int, None] = OrderedDict()  # idle cached pages, LRU first
+        self._pins: dict[int, list[int]] = {}  # room -> pages pinned for its prompt
         self.stats = CacheStats()
 
     # ---- the PagePool protocol: idle cached pages count as free ---------------------------
@@ -190,6 +191,40 @@ class PrefixCache:
             self._key[page] = key
             self.stats.inserted += 1
             return True
+
+    # ---- pins: a room's cached prefix, held while the rest of its prompt is on its way ---
+
+    def pin(self, room: int, token_ids: Sequence[int], images: Sequence[ImageSpan]) -> int:
+        """Reference the cached pages that start this prompt for `room` (replacing an
+        earlier pin of it) and return how many leading tokens they hold (at most up to
+        the page before the last token, which must be computed for its logits)."""
+        P = self.page_size
+        limit = (len(token_ids) - 1) // P
+        keys = page_keys(token_ids[: limit * P], images, P) if limit > 0 else []
+        with self.lock:
+            self.unpin(room)
+            pages = self.match(keys)
+            self.acquire(pages)
+            self._pins[room] = pages
+        return len(pages) * P
+
+    def unpin(self, room: int) -> None:
+        """Release `room`'s pin, if it still has one (no-op once taken)."""
+        with self.lock:
+            pages = self._pins.pop(room, None)
+            if pages:
+                self.free(pages)
+
+    def take_pin(self, room: int, tokens: int) -> list[int]:
+        """The pages pinned for `room`, now the caller's; they must hold exactly `tokens`
+        (the prompt's first row) or the pin is released and ValueError raised."""
+        with self.lock:
+            pages = self._pins.pop(room, [])
+            if len(pages) * self.page_size != tokens:
+                self.free(pages)
+                raise ValueError(f"its prompt starts at token {tokens} but {len(pages)} "
+                                 f"cached pages are pinned")
+            return pages
 
     def _evict_one(self) -> None:
         page, _ = self._idle.popitem(last=False)

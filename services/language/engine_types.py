@@ -1,0 +1,46 @@
+"""The engine's plain data: its config, the events its inbox carries (dispatched by type),
+and a live request's record on the engine thread."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.language.detokenizer import IncrementalDetokenizer
+from services.language.request import Request, StreamDelta
+
+Sink = Callable[[StreamDelta], None]
+
+
+@dataclass
+class EngineConfig:
+    max_prefill_tokens: int = 4096
+    max_running_requests: int = 64
+    schedule_policy: str = "fcfs"
+    max_model_len: int = 32768
+    init_new_token_ratio: float = 0.7  # share of max_tokens reserved at admission (decays)
+    prefix_cache: bool = True  # share whole KV pages between requests with equal prefixes
+
+
+@dataclass
+class Submit:
+    """Inbox event: a request whose prompt is complete, and where its deltas go."""
+
+    req: Request
+    sink: Sink
+
+
+@dataclass
+class Abort:
+    """Inbox event: end request `rid` with an error message and a gRPC code name."""
+
+    rid: int
+    reason: str
+    code: str
+
+
+@dataclass
+class Live:
+    req: Request
+    sink: Sink
+    detok: IncrementalDetokenizer
