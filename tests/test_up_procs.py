@@ -30,6 +30,18 @@ def test_tier_args_may_start_with_a_dash():
     assert a.router_args == "--no-encoder-bypass" and a.encoder_args == "--max-images 2"
 
 
+def test_port_flags_in_tier_args_work_or_are_refused_in_one_line(capsys):
+    one = parse_args(["--encoder-args", "--metrics-port 9999"])  # one encoder: honoured
+    (enc,), _, _ = plan(one, "/m")
+    assert enc.argv.count("--metrics-port") == 1 and enc.metrics_url.endswith(":9999/metrics")
+    for argv, text in ((["--encoders", "2", "--encoder-args", "--metrics-port 9999"],
+                        "--metrics-port with 2 encoders"),
+                       (["--language-args", "--port=7000"], "--port is assigned")):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert text in capsys.readouterr().err
+
+
 def test_plan_gives_distinct_ports_and_transfer_ranges():
     args = parse_args(["--model", "/m", "--encoders", "2", "--languages", "3",
                        "--language-args", "--default-reservation-tokens 64", "--api-key", "k"])
@@ -45,7 +57,12 @@ def test_plan_gives_distinct_ports_and_transfer_ranges():
     ranges = sorted((flag(c, "--transfer.min-port"), flag(c, "--transfer.max-port"))
                     for c in encoders + languages)
     assert all(a[1] < b[0] for a, b in zip(ranges, ranges[1:], strict=False))
-    assert languages[0].argv[-2:] == ["--default-reservation-tokens", "64"]
+    assert languages[0].argv[-4:-2] == ["--default-reservation-tokens", "64"]
+    # tier metrics on, a port of its own per instance, printed with its ready line
+    metrics = [flag(c, "--metrics-port") for c in encoders + languages]
+    assert len(set(metrics) | {int(a.split(":")[1]) for a in ports}) == 10
+    assert all(c.metrics_url == f"http://127.0.0.1:{m}/metrics"
+               for c, m in zip(encoders + languages, metrics, strict=True))
     r = router.argv
     assert r[r.index("--encoders") + 1] == ",".join(c.grpc_address for c in encoders)
     assert r[r.index("--languages") + 1] == ",".join(c.grpc_address for c in languages)

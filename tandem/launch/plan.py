@@ -112,7 +112,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(_glue_tier_args(argv))
     if args.encoders < 1 or args.languages < 1:
         p.error("--encoders and --languages must be >= 1")
+    for kind, count, extra in (("encoder", args.encoders, args.encoder_args),
+                               ("language", args.languages, args.language_args)):
+        flags = [a.split("=")[0] for a in shlex.split(extra)]
+        if "--port" in flags:
+            p.error(f"--{kind}-args: --port is assigned per instance by tandem up")
+        if "--metrics-port" in flags and count > 1:
+            p.error(f"--{kind}-args: --metrics-port with {count} {kind}s would give them one "
+                    "port; tandem up assigns one per instance")
     return args
+
+
+def _flag_value(extra: list[str], flag: str) -> str | None:
+    for i, a in enumerate(extra):
+        if a == flag and i + 1 < len(extra):
+            return extra[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
 
 
 def cpu_language_args(extra: list[str]) -> list[str]:
@@ -168,8 +185,13 @@ def plan(args: argparse.Namespace, model: str) -> tuple[list[Child], list[Child]
     ):
         for i in range(count):
             port = free_port(args.host)
-            argv = instance_argv(kind, model, args.host, port, ranges.pop(), extra)
-            out.append(Child(f"{kind}-{i}", argv, f"{args.host}:{port}"))
+            # tier metrics on, one port per instance (unless the caller named one)
+            metrics = _flag_value(extra, "--metrics-port")
+            own = [] if metrics else ["--metrics-port", metrics := str(free_port(args.host))]
+            argv = instance_argv(kind, model, args.host, port, ranges.pop(), [*extra, *own])
+            child = Child(f"{kind}-{i}", argv, f"{args.host}:{port}")
+            child.metrics_url = f"http://{args.host}:{metrics}/metrics"
+            out.append(child)
     router = router_child(args, model, [c.grpc_address for c in encoders],
                           [c.grpc_address for c in languages])  # fmt: skip
     return encoders, languages, router

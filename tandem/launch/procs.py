@@ -69,6 +69,7 @@ class Child:
     grpc_address: str
     health_service: str = ""
     env_extra: dict[str, str] = field(default_factory=dict)  # e.g. secrets kept out of argv
+    metrics_url: str = ""  # its Prometheus endpoint, printed with its ready line
     proc: subprocess.Popen | None = None
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=40))
     started_at: float = 0.0
@@ -154,7 +155,9 @@ def wait_ready(children: list[Child], timeout_s: float, stop: threading.Event) -
                 )
             if probe(c, timeout=0.5):
                 c.ready_after_s = time.monotonic() - c.started_at
-                say(f"[up] {c.name:<11} ready   {c.grpc_address:<21} ({c.ready_after_s:.1f} s)")
+                metrics = f"   metrics {c.metrics_url}" if c.metrics_url else ""
+                say(f"[up] {c.name:<11} ready   {c.grpc_address:<21} ({c.ready_after_s:.1f} s)"
+                    f"{metrics}")
                 pending.remove(c)
         if time.monotonic() > end:
             names = ", ".join(c.name for c in pending)
