@@ -171,6 +171,9 @@ def test_repeated_prompt_reuses_pages_and_outputs_equal_cache_off():
         outs[enabled] = (first.output_ids, second.output_ids, model.computed - before,
                          second.cached_tokens)
         all_idle_or_free(cache)
+        # looked up: 7 pages each time; found: none the first time, all 7 the second
+        assert cache.stats.query_tokens == (56 if enabled else 56)
+        assert cache.stats.hit_tokens == (28 if enabled else 0)
     assert outs[True][:2] == outs[False][:2] and outs[True][0] == outs[True][1]
     assert outs[False][2] == 30 + 5 and outs[False][3] == 0
     assert outs[True][3] == 28  # 7 pages of 4: at most one page is recomputed
@@ -236,3 +239,21 @@ def test_concurrent_sharers_retraction_and_a_pool_full_of_cached_pages():
     run(sched, [other])
     assert cache.stats.evictions > 0
     all_idle_or_free(cache)
+
+
+def test_a_head_blocked_by_rooms_pins_waits_instead_of_failing():
+    # 24 pages: a room in transfer pins 7 cached pages; a new 70-token request needs 18
+    # while 17 are free: it waits for the pin (soon a request's, or released), not failed
+    sched, cache = make_sched(pages=24)
+    first = make_request(PROMPT)
+    sched.add(first)
+    run(sched, [first])  # its 7 prompt pages are now cached (idle)
+    assert cache.pin(room=99, token_ids=PROMPT, images=[]) == 28
+    assert cache.num_pinned_for_rooms == 7 and cache.num_free == 17
+    big = make_request(list(range(600, 670)))
+    sched.add(big)
+    assert sched.schedule() is None and big.status is RequestStatus.WAITING
+    cache.unpin(99)
+    run(sched, [big])
+    all_idle_or_free(cache)
+    assert cache.num_pinned_for_rooms == 0

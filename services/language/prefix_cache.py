@@ -208,6 +208,12 @@ class PrefixCache:
             self._pins[room] = pages
         return len(pages) * P
 
+    @property
+    def num_pinned_for_rooms(self) -> int:
+        """Pages rooms hold for prompts still in transfer (they return or move to a request
+        within the transfer's timeout)."""
+        return sum(len(p) for p in self._pins.values())
+
     def unpin(self, room: int) -> None:
         """Release `room`'s pin, if it still has one (no-op once taken)."""
         with self.lock:

@@ -76,11 +76,13 @@ def shape_logits(x: torch.Tensor, req: Request, eos: frozenset[int]) -> torch.Te
     p, vocab = req.sampling, x.shape[-1]
     x = x.clone()
     if p.logit_bias:
-        ids = torch.tensor([t for t in p.logit_bias if t < vocab], dtype=torch.long)
-        x[ids] += torch.tensor([p.logit_bias[int(t)] for t in ids], dtype=x.dtype)
-    out = torch.tensor(req.output_ids, dtype=torch.long)
+        ids = torch.tensor([t for t in p.logit_bias if t < vocab], dtype=torch.long,
+                           device=x.device)
+        x[ids] += torch.tensor([p.logit_bias[int(t)] for t in ids.tolist()], dtype=x.dtype,
+                               device=x.device)
+    out = torch.tensor(req.output_ids, dtype=torch.long, device=x.device)
     if p.repetition_penalty != 1.0:
-        seen = torch.unique(torch.cat([_prompt_ids(req), out]))
+        seen = torch.unique(torch.cat([_prompt_ids(req).to(x.device), out]))
         seen = seen[seen < vocab]
         v = x[seen]
         x[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
@@ -89,7 +91,7 @@ def shape_logits(x: torch.Tensor, req: Request, eos: frozenset[int]) -> torch.Te
         x -= counts * p.frequency_penalty + (counts > 0).to(x.dtype) * p.presence_penalty
     if len(req.output_ids) < p.min_tokens:
         ends = [t for t in (set(eos) | set(p.stop_token_ids)) if t < vocab]
-        x[torch.tensor(ends, dtype=torch.long)] = float("-inf")
+        x[torch.tensor(ends, dtype=torch.long, device=x.device)] = float("-inf")
     return x
 
 

@@ -177,6 +177,9 @@ class Scheduler:
                 self._retract(self._newest())
             else:
                 head = next(iter(self.waiting))
+                need = ceil_div(head.seq_len + 1, self.page_size) - len(head.block_table)
+                if need <= self.pool.num_free + self.pool.num_pinned_for_rooms:
+                    break  # rooms in transfer hold the pages it needs: they come back soon
                 head.error, head.error_code = (
                     "KV pool too small for this prompt",
                     "RESOURCE_EXHAUSTED",
@@ -295,7 +298,7 @@ class Scheduler:
             if req.cached_tokens is None:  # first admission: what the cache saved it
                 req.cached_tokens = req.num_computed_tokens
                 limit = max((req.seq_len - 1) // self.page_size, 0)
-                self.pool.count_query(limit, min(len(req.block_table), limit))
+                self.pool.count_query(limit, req.num_computed_tokens // self.page_size)
             self.waiting.remove(req)
             self.running.append(req)
             chunks[req] = n

@@ -180,9 +180,9 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             priority=request.priority, status=RequestStatus.WAITING_FOR_INPUT,
             deadline=time.monotonic() + (deadline - now),
         )  # fmt: skip
-        if sampling.grammar is not None:  # NOTE: compiles while the prompt is on its way
-            req.grammar_future = self.engine.grammars.compile(sampling.grammar)
         try:
+            if sampling.grammar is not None:  # NOTE: compiles while the prompt is on its way
+                req.grammar_future = self.engine.grammars.compile(sampling.grammar)
             # -- 1. the prompt: tokenized here (text-only chat) or through the room --
             if request.messages or request.prompt:
                 try:
@@ -228,7 +228,8 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                     if finished:
                         outcome = (f"{d.finish_reason.label}, {d.prompt_tokens} prompt + "
                                    f"{d.completion_tokens} output tokens")
-                    yield delta_to_proto(d, transfer_ms, bypassed=bool(request.messages),
+                    yield delta_to_proto(d, transfer_ms,
+                                         bypassed=bool(request.messages or request.prompt),
                                          token_text=self._token_text)
             finally:
                 if not finished:  # client gone or handler cancelled: free its pages now
