@@ -257,3 +257,63 @@ def test_a_head_blocked_by_rooms_pins_waits_instead_of_failing():
     run(sched, [big])
     all_idle_or_free(cache)
     assert cache.num_pinned_for_rooms == 0
+
+
+def pinned_request(cache: PrefixCache, ids: list[int], max_tokens: int) -> Request:
+    """A request as the engine submits one whose cached prefix was pinned during its
+    transfer: it holds the pinned pages, its payload's rows start after them."""
+    req = make_request(ids, max_tokens=max_tokens)
+    start = cache.pin(req.rid, ids, [])
+    assert start > 0
+    req.prompt = req.prompt.rows_from(start)
+    req.block_table = cache.take_pin(req.rid, start)
+    req.num_pinned_pages = req.num_keyed_pages = len(req.block_table)
+    req.num_computed_tokens = start
+    return req
+
+
+def test_an_older_head_blocked_by_a_pinned_waiter_lets_it_go_first():
+    # 24 pages: W holds 7 pinned pages, so the older 70-token head (18 pages) cannot fit
+    # in the 17 left; only W's run frees them: W goes first, then the head, none failed
+    sched, cache = make_sched(pages=24)
+    warm = make_request(PROMPT)
+    sched.add(warm)
+    run(sched, [warm])
+    head = make_request(list(range(600, 670)), max_tokens=2)
+    sched.add(head)
+    waiter = pinned_request(cache, PROMPT + [1, 2], max_tokens=2)
+    sched.add(waiter)
+    order = []
+    model = sched.model
+    for _ in range(200):
+        step = sched.schedule()
+        if step is None:
+            break
+        assert not step.failed, [r.error for r in step.failed]
+        order += [c.req.rid for c in step.chunks if c.req.rid not in order]
+        tokens = model.forward(step.batch, {r.rid: r for r in (head, waiter)})
+        sched.commit(step, [t if c.samples else None for c, t in zip(step.chunks, tokens, strict=True)])
+        for c in step.chunks:
+            if c.samples and len(c.req.output_ids) >= c.req.sampling.max_tokens:
+                sched.finish(c.req, RequestStatus.FINISHED_LENGTH)
+    assert order == [waiter.rid, head.rid]
+    assert head.status is waiter.status is RequestStatus.FINISHED_LENGTH
+    all_idle_or_free(cache)
+
+
+def test_a_lone_runner_short_of_a_pinned_waiters_pages_steps_aside():
+    # 12 pages: B (waiting) holds 7 pinned pages; A (16 tokens) takes the 5 left and
+    # outgrows them:
+    # A steps aside (instead of failing "exhausted by a single request"), B runs and ends,
+    # then A finishes
+    sched, cache = make_sched(pages=12, budget=64)
+    warm = make_request(PROMPT)
+    sched.add(warm)
+    run(sched, [warm])
+    a = make_request(list(range(700, 716)), max_tokens=12)
+    sched.add(a)
+    b = pinned_request(cache, PROMPT + [3], max_tokens=2)
+    sched.add(b)
+    run(sched, [a, b])
+    assert a.num_retractions >= 1 and a.num_retractions <= sched.MAX_YIELDS
+    all_idle_or_free(cache)

@@ -20,7 +20,10 @@ pages matching its sequence (capped so at least its last token is computed: it n
 logits) and its chunked prefill starts after them; after each step the pages a request
 has filled get their keys (`_offer_pages`). A request whose prompt came without the
 cached prefix's rows (`prompt.start` > 0) holds that prefix's pages for its whole life
-(`num_pinned_pages`), retraction included: nothing else could recompute it.
+(`num_pinned_pages`), retraction included: nothing else could recompute it. So the one
+exception to FCFS: with nothing running, a waiter holding such a prefix may be admitted
+ahead of a head that does not fit, and a lone running request short of pages that such a
+waiter holds steps aside (at most MAX_YIELDS times) instead of failing.
 
 Admission: `check()` is the one rule for "can this request ever run here" (empty prompt,
 max_model_len, embedding width, KV pages for prompt + 1 token). The engine calls it in
@@ -77,6 +80,10 @@ class Step:
 
 
 class Scheduler:
+    # A lone running request that lacks pages a pinned waiter holds steps aside at most
+    # this many times before it is failed instead (no endless ping-pong).
+    MAX_YIELDS = 3
+
     def __init__(
         self,
         pool: PrefixCache,
@@ -259,6 +266,14 @@ class Scheduler:
             need = ceil_div(req.num_computed_tokens + 1, self.page_size) - len(req.block_table)
             while need > 0 and not self.pool.can_alloc(need) and req in self.running:
                 victim = self._newest()
+                if victim is req and len(self.running) == 1 and self._pinned_waiters() and \
+                        req.num_retractions < self.MAX_YIELDS:
+                    # NOTE: the pages it lacks are a waiting request's pinned prefix, which
+                    # only that request's run frees: step aside (bounded, no ping-pong)
+                    self._retract(req)
+                    chunks.pop(req, None)
+                    retracted = True
+                    break
                 if victim is req and len(self.running) == 1:
                     req.error = "KV pool exhausted by a single request"
                     req.error_code = "RESOURCE_EXHAUSTED"
@@ -290,18 +305,34 @@ class Scheduler:
                 n = adder.add_continuing(req)
                 if n:
                     chunks[req] = n
+        blocked = False
         for req in list(self.waiting):
+            if blocked and not (req.num_pinned_pages and not chunks and not self.running):
+                continue
             cached = self.cached_pages(req)
             n = adder.try_admit(req, self.ratio.reserve_tokens(req, self.clip), cached)
             if n == 0:
-                break  # FCFS: the head of the queue blocks the rest
-            if req.cached_tokens is None:  # first admission: what the cache saved it
-                req.cached_tokens = req.num_computed_tokens
-                limit = max((req.seq_len - 1) // self.page_size, 0)
-                self.pool.count_query(limit, req.num_computed_tokens // self.page_size)
-            self.waiting.remove(req)
-            self.running.append(req)
+                if chunks or self.running:
+                    break  # FCFS: the head of the queue blocks the rest
+                # NOTE: with nothing running, the one exception to FCFS: a waiter holding a
+                # pinned prefix may go first, since only its run frees those pages
+                blocked = True
+                continue
+            self._admitted(req)
             chunks[req] = n
+            if blocked:
+                break
+
+    def _admitted(self, req: Request) -> None:
+        if req.cached_tokens is None:  # first admission: what the cache saved it
+            req.cached_tokens = req.num_computed_tokens
+            limit = max((req.seq_len - 1) // self.page_size, 0)
+            self.pool.count_query(limit, req.num_computed_tokens // self.page_size)
+        self.waiting.remove(req)
+        self.running.append(req)
+
+    def _pinned_waiters(self) -> bool:
+        return any(r.num_pinned_pages for r in self.waiting)
 
     def _committed(self, req: Request) -> int:
         """Pages a scheduled request is still expected to need."""
