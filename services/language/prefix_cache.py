@@ -69,6 +69,12 @@ def page_keys(
     return keys
 
 
+def shareable_pages(num_tokens: int, page_size: int) -> int:
+    """Whole pages a sequence of `num_tokens` may take from the cache: all of them but the
+    one holding its last token, which must be computed (its logits give the next token)."""
+    return max((num_tokens - 1) // page_size, 0)
+
+
 @dataclass
 class CacheStats:
     """Counters since start (read by the engine for its metrics)."""
@@ -199,8 +205,8 @@ class PrefixCache:
         earlier pin of it) and return how many leading tokens they hold (at most up to
         the page before the last token, which must be computed for its logits)."""
         P = self.page_size
-        limit = (len(token_ids) - 1) // P
-        keys = page_keys(token_ids[: limit * P], images, P) if limit > 0 else []
+        limit = shareable_pages(len(token_ids), P)
+        keys = page_keys(token_ids[: limit * P], images, P)
         with self.lock:
             self.unpin(room)
             pages = self.match(keys)

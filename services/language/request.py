@@ -212,9 +212,9 @@ class Request:
         return len(self.prompt_ids) if self.prompt_ids is not None else 0
 
     def prompt_token_ids(self) -> list[int]:
-        """The whole prompt's ids (for the repetition penalty)."""
+        """The whole prompt's ids (the repetition penalty, the cache keys); not a copy."""
         if self.prompt is None:
-            return list(self.prompt_ids or [])
+            return self.prompt_ids or []
         if self.prompt.info is not None:
             return self.prompt.info.token_ids
         return self.prompt.fill_ids.tolist()  # start is 0 without an announce
@@ -222,11 +222,10 @@ class Request:
     def cache_content(self) -> tuple[list[int], list[ImageSpan]] | None:
         """The prompt's token ids and images for page keys; None when its images are not
         known (a payload sent without the announce), so its pages are never shared."""
-        if self.prompt is None:
-            return (self.prompt_ids, []) if self.prompt_ids is not None else None
-        if self.prompt.info is not None:
-            return self.prompt.info.token_ids, self.prompt.info.images
-        return None
+        if self.prompt is not None and self.prompt.info is None:
+            return None
+        images = self.prompt.info.images if self.prompt is not None else []
+        return self.prompt_token_ids(), images
 
     @property
     def seq_len(self) -> int:

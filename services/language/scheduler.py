@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.language.forward_batch import ForwardBatch, SeqChunk, decode_positions
-from services.language.prefix_cache import PrefixCache, page_keys
+from services.language.prefix_cache import PrefixCache, page_keys, shareable_pages
 from services.language.request import Request, RequestStatus
 from services.language.schedule_policy import NewTokenRatio, PrefillAdder, WaitingQueue
 from tandem.errors import ServiceError
@@ -241,7 +241,7 @@ class Scheduler:
         """Cached pages extending what `req` holds (no reference taken): at most up to the
         page before its last token, which must be computed for its logits."""
         held = len(req.block_table)
-        limit = (req.seq_len - 1) // self.page_size
+        limit = shareable_pages(req.seq_len, self.page_size)
         if limit <= held:
             return []
         return self.pool.match(self._keys(req, limit)[held:])
@@ -326,8 +326,8 @@ class Scheduler:
     def _admitted(self, req: Request) -> None:
         if req.cached_tokens is None:  # first admission: what the cache saved it
             req.cached_tokens = req.num_computed_tokens
-            limit = max((req.seq_len - 1) // self.page_size, 0)
-            self.pool.count_query(limit, req.num_computed_tokens // self.page_size)
+            self.pool.count_query(shareable_pages(req.seq_len, self.page_size),
+                                  req.num_computed_tokens // self.page_size)
         self.waiting.remove(req)
         self.running.append(req)
 

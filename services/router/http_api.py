@@ -166,7 +166,7 @@ async def _serve(core: RouterCore, req, body, shape, rid: str, request: Request)
             release()
             core.metrics.requests.labels("http", "ok").inc()
             return StreamingResponse(
-                fmt.tool_stream(pieces, req.tools, req.request_id, shape.model, include_usage),
+                shape.tool_stream(pieces, include_usage),
                 media_type="text/event-stream", headers=headers)
         if body.stream:
             # Wait for the first piece so errors before output get a real status code.

@@ -27,16 +27,6 @@ def logprobs(piece: Piece) -> dict | None:
     return {"content": content}
 
 
-def usage(piece: Piece) -> dict:
-    u = piece.usage
-    return {
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-    }
-
-
 def extension(piece: Piece, request_id: str) -> dict:
     return {
         "timings": piece.timings or {},
@@ -56,26 +46,6 @@ def answer(pieces: list[Piece], tools: ToolSetup) -> tuple[dict, str]:
         message["tool_calls"] = out.tool_calls
         return message, "tool_calls"
     return message, last.finish_reason
-
-
-def tool_stream(pieces: list[Piece], tools: ToolSetup, request_id: str, model: str,
-                include_usage: bool):
-    """The SSE events of a whole output with tools: role, content, each call as one
-    tool-call delta (id, name, all its arguments), the finish chunk, usage, [DONE]."""
-    created, last = int(time.time()), pieces[-1]
-    message, finish = answer(pieces, tools)
-    yield chunk(request_id, model, created, {"role": "assistant", "content": ""})
-    if message["content"]:
-        yield chunk(request_id, model, created, {"content": message["content"]})
-    for k, call in enumerate(message.get("tool_calls", [])):
-        yield chunk(request_id, model, created, {"tool_calls": [{"index": k, **call}]})
-    ext = extension(last, request_id)
-    yield chunk(request_id, model, created, {}, finish_reason=finish, tandem=ext)
-    if include_usage:
-        body = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                "model": model, "choices": [], "usage": usage(last), "tandem": ext}
-        yield f"data: {json.dumps(body)}\n\n".encode()
-    yield b"data: [DONE]\n\n"
 
 
 def completion(choices: list[list[Piece]], request_id: str, model: str,
@@ -141,3 +111,19 @@ class ChatShape:
 
     def complete(self, choices: list[list[Piece]]) -> dict:
         return completion(choices, self.request_id, self.model, self.tools)
+
+    def tool_stream(self, pieces: list[Piece], include_usage: bool):
+        """The SSE events of a whole output with tools: role, content, each call as one
+        tool-call delta (id, name, all its arguments), the finish chunk, usage, [DONE]."""
+        message, finish = answer(pieces, self.tools)
+        yield self.start(0)
+        if message["content"]:
+            yield chunk(self.request_id, self.model, self.created, {"content": message["content"]})
+        for k, call in enumerate(message.get("tool_calls", [])):
+            yield chunk(self.request_id, self.model, self.created,
+                        {"tool_calls": [{"index": k, **call}]})
+        yield chunk(self.request_id, self.model, self.created, {}, finish_reason=finish,
+                    tandem=extension(pieces[-1], self.request_id))
+        if include_usage:
+            yield self.usage(pieces[-1:])
+        yield b"data: [DONE]\n\n"
