@@ -151,3 +151,34 @@ def test_port_range_confines_a_fresh_process():
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("PORT"))
     port, lo, hi = map(int, line.split()[1:])
     assert (lo, hi) == (17100, 17149) and 17100 <= port <= 17149
+
+
+def test_reservations_resume_goes_before_first_reservations():
+    """A room mid-transfer waiting for its Resume blocks gets the next freed blocks ahead
+    of a new room that has waited longer (the resuming room's encoder holds a staging slot
+    meanwhile, and the room already holds the request's place); the new room waits on."""
+    import asyncio
+
+    from tandem.transfer.room import BlockReservations, ReceiverRoom
+
+    async def main():
+        res = BlockReservations(BlockAllocator(4, 16), transfer_metrics(CollectorRegistry()))
+        holder, newcomer, resuming = ReceiverRoom(1, "a"), ReceiverRoom(2, "a"), ReceiverRoom(3, "a")
+        key, _ = res.try_alloc(holder, 64)  # the whole pool
+        first = asyncio.ensure_future(res.alloc(newcomer, 32, 5.0, lambda ev: None))
+        await asyncio.sleep(0.05)  # the newcomer waits first...
+        resume = asyncio.ensure_future(res.alloc(resuming, 48, 5.0, lambda ev: None, resume=True))
+        await asyncio.sleep(0.05)
+        assert not first.done() and not resume.done() and res.resumes_waiting == 1
+        res.free(holder, key)  # ...but 4 free blocks cannot serve both (2 + 3)
+        _, got = await asyncio.wait_for(resume, 1)
+        assert len(got) == 3 and res.resumes_waiting == 0
+        await asyncio.sleep(0.05)
+        assert not first.done()  # 1 block left: the newcomer still waits
+        res.free_all(resuming)
+        _, got2 = await asyncio.wait_for(first, 1)
+        assert len(got2) == 2
+        res.free_all(newcomer)
+        assert res.allocator.num_free == 4
+
+    asyncio.run(main())

@@ -6,6 +6,9 @@
     E.Encode(room, messages, deadline)  (concurrently; returns once the prompt is delivered)
        └─ E failed (UNAVAILABLE, broken) before delivery: E2 = another encoder,
           L.Reattach(room, E2.address), E2.Encode(room, ...)   (up to `encoder_retries`)
+       └─ E ejected by the registry while Encode is in flight (a frozen E only ever answers
+          with silence): the call is cancelled at once and moves to E2 the same way, so
+          the room's language blocks serve the request instead of waiting out a timeout
 
 A chat without an image (and `encoder_bypass` on) skips E: L.Generate(room, messages)
 and L tokenizes it itself.
@@ -56,6 +59,32 @@ from tandem.v1 import common_pb2, encoder_pb2, language_pb2
 
 log = logging.getLogger("tandem.router")
 
+class _Ejected(Exception):
+    """The instance a call waited on was ejected while the call was in flight."""
+
+
+async def _unless_ejected(inst: Instance, call):
+    """The call's answer, or `_Ejected` (the call cancelled) as soon as the router ejects
+    `inst`: a frozen instance never answers, and the room it holds on the language side
+    keeps embedding blocks other requests are waiting for."""
+    answer = asyncio.ensure_future(call)
+    ejected = asyncio.ensure_future(inst.ejected.wait())
+    try:
+        await asyncio.wait({answer, ejected}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        ejected.cancel()
+        if not answer.done():  # ejected, or our own task cancelled: hang up
+            call.cancel()
+            answer.cancel()
+            answer.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved
+            pending = True
+        else:
+            pending = False
+    if pending:
+        raise _Ejected(inst.address)
+    return answer.result()
+
+
 class Dispatcher:
     """Runs chat requests across the tiers."""
 
@@ -105,7 +134,7 @@ class Dispatcher:
             route.encoder_attempts = attempt + 1
             enc.outstanding += 1
             try:
-                resp = await enc.stub.Encode(
+                resp = await _unless_ejected(enc, enc.stub.Encode(
                     encoder_pb2.EncodeRequest(
                         room=room,
                         request_id=req.request_id,
@@ -114,15 +143,18 @@ class Dispatcher:
                         tools_json=req.tools.tools_json,
                     ),
                     timeout=max(0.001, deadline - time.time()),
-                )
+                ))
                 self.registry.encoders.record_success(enc.address)
                 route.resumes = resp.resumes
                 return resp
-            except grpc.RpcError as e:
-                err = from_rpc(e, Tier.ENCODER)
+            except (grpc.RpcError, _Ejected) as e:
+                err = (RouterError("UNAVAILABLE", f"encoder {enc.address} ejected",
+                                   tier=Tier.ENCODER)
+                       if isinstance(e, _Ejected) else from_rpc(e, Tier.ENCODER))
                 if err.code not in RETRYABLE_ENCODER or attempt == self.cfg.encoder_retries:
                     raise err from None
-                self._spawn(self.registry.encoders.verify(enc.address))
+                if not isinstance(e, _Ejected):
+                    self._spawn(self.registry.encoders.verify(enc.address))
                 log.warning("%s: encoder %s failed (%s); retrying", req.request_id, enc.address, err)
             finally:
                 enc.outstanding -= 1

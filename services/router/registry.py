@@ -46,6 +46,10 @@ class Instance:
     tracker: HealthTracker
     outstanding: int = 0
     external: int = 0
+    # Set when the instance is ejected (a fresh one when it is back in service): requests
+    # waiting on it stop waiting and move elsewhere at once (a frozen process only ever
+    # answers with silence, so nothing else would end their wait before the timeouts).
+    ejected: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     kv_used: float = 0.0
     draining: bool = False
     model: str = ""
@@ -116,6 +120,7 @@ class Pool:
         inst = self.instances.get(address)
         if inst is not None and inst.tracker.record_failure():
             log.warning("%s %s ejected after %d failures", self.kind, address, self.eject_after)
+            inst.ejected.set()
 
     def record_success(self, address: str) -> None:
         inst = self.instances.get(address)
@@ -150,6 +155,7 @@ class Pool:
                 serving = False
             inst.tracker.record_probe(serving)
             if serving:
+                inst.ejected = asyncio.Event()
                 log.info("%s %s back in service", self.kind, inst.address)
             return
         request = (

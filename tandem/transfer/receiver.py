@@ -14,7 +14,8 @@ allocator registered once at start-up):
     receiver.abort(room) -> bool                             # any stage; frees everything
     receiver.state(room) -> ReceiverState | None;  await receiver.close()  # at shutdown
 
-Per room: BOOTSTRAPPING (reserving `reserve_tokens`) -> WAITING_FOR_INPUT (Init sent) ->
+Per room: BOOTSTRAPPING (reserving `reserve_tokens`, waiting for free blocks up to the
+request's deadline: that wait is queueing) -> WAITING_FOR_INPUT (Init sent) ->
 TRANSFERRING (data arrived) -> SUCCESS | FAILED. An AttachPrompt before any data (the
 prompt's ids and images) is answered with AttachCached: `on_prompt(room, PromptInfo)`
 says how many leading tokens the language side holds (its prefix cache pins them; the
@@ -22,7 +23,7 @@ caller releases the pin if the room then fails), and the payload returned starts
 (`payload.start`, `payload.info`). Without `on_prompt` the answer is 0. A non-partial Progress names a finished
 chunk, which is copied out while the encoder writes the next. On a partial Progress the
 piece is copied out, blocks for the rest (or `resume_tokens` of it) are reserved, waiting
-for free blocks up to `timeout_s`, and a Resume names them. No message within `timeout_s`
+for free blocks up to `timeout_s` (ahead of every first reservation), and a Resume names them. No message within `timeout_s`
 fails the room. When the Attach stream breaks before Done the room keeps its reservation
 for `reattach_grace_s` waiting for `reattach()`, then fails (0 fails at once). Every block
 is freed on every path: after the payload is gathered out, on failure, on abort and when
@@ -150,6 +151,10 @@ class EmbeddingReceiver:
         t = self.config.timeout_s
         return t if deadline is None else max(0.0, min(t, deadline - time.time()))
 
+    def _queue_timeout(self, deadline: float | None) -> float:
+        t = self.config.timeout_s
+        return t if deadline is None else max(0.0, deadline - time.time())
+
     # ---- the room ---------------------------------------------------------------------
     async def receive(self, room: int, encoder_address: str, deadline: float | None = None
                       ) -> PromptPayload:
@@ -159,8 +164,12 @@ class EmbeddingReceiver:
         r = self.rooms[room] = ReceiverRoom(room, encoder_address)
         t0 = time.monotonic()
         try:
+            # NOTE: waiting for a first reservation is queueing behind rooms under way (each
+            # bounded by the transfer timeout), not a stalled transfer: it may last until the
+            # request's own deadline.
             r.key, r.ids = await self.blocks.alloc(
-                r, self.reserve_tokens, self._timeout(deadline), lambda ev: self._interrupt(r, ev))
+                r, self.reserve_tokens, self._queue_timeout(deadline),
+                lambda ev: self._interrupt(r, ev))
             r.allocated = len(r.ids) * self.buffers.block_size
             while True:
                 try:
@@ -365,7 +374,7 @@ class EmbeddingReceiver:
             await self._copy_out(r, old_ids, start, sent)
             self.blocks.free(r, old_key)
             got = await self.blocks.alloc(r, want, self._timeout(deadline),
-                                          lambda ev: self._interrupt(r, ev))
+                                          lambda ev: self._interrupt(r, ev), resume=True)
         r.key, r.ids = got
         r.allocated = len(r.ids) * self.buffers.block_size
         r.resumes += 1

@@ -103,6 +103,7 @@ class BlockReservations:
         """`clear(block_ids)` wipes blocks as they are freed (`EmbeddingBuffers.clear`)."""
         self.allocator, self.metrics, self.clear = allocator, metrics, clear
         self._changed = asyncio.Event()  # replaced (and set) on every free
+        self.resumes_waiting = 0  # rooms mid-transfer waiting for blocks (they go first)
         self._gauges()
 
     def _gauges(self) -> None:
@@ -115,6 +116,10 @@ class BlockReservations:
         self.allocator.free(key)
         r.keys.discard(key)
         self._gauges()
+        self._notify()
+
+    def _notify(self) -> None:
+        """Wake every waiter to try again (blocks were freed, or the resume rule lifted)."""
         ev, self._changed = self._changed, asyncio.Event()
         ev.set()
 
@@ -133,27 +138,41 @@ class BlockReservations:
         self._gauges()
         return key, ids
 
-    async def alloc(self, r: ReceiverRoom, tokens: int, timeout: float, on_event) -> tuple:
+    async def alloc(self, r: ReceiverRoom, tokens: int, timeout: float, on_event,
+                    resume: bool = False) -> tuple:
         """Blocks for `tokens`, waiting for frees up to `timeout`; each room event that
         arrives meanwhile (abort, a broken stream, an encoder failure) goes to `on_event`,
-        which raises to end the wait."""
+        which raises to end the wait. A `resume` (a room mid-transfer, whose encoder holds
+        a staging slot for it) goes before every first reservation: new rooms take no
+        block while one waits, so rooms already under way finish first."""
         end = time.monotonic() + timeout
-        while True:
-            got = self.try_alloc(r, tokens)
-            if got is not None:
-                return got
-            if not r.events.empty():
-                on_event(r.events.get_nowait())
-                continue
-            left = end - time.monotonic()
-            if left <= 0:
-                raise TransferError(
-                    f"room {r.room}: no free embedding blocks for {tokens} tokens within "
-                    f"{timeout:.1f}s ({self.allocator.num_free}/{self.allocator.num_total} "
-                    f"free)", "RESOURCE_EXHAUSTED")
-            r.wake.clear()
-            waits = [asyncio.ensure_future(self._changed.wait()),
-                     asyncio.ensure_future(r.wake.wait())]
-            await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-            for w in waits:
-                w.cancel()
+        self.resumes_waiting += resume
+        try:
+            while True:
+                got = self._try(r, tokens, resume)
+                if got is not None:
+                    return got
+                if not r.events.empty():
+                    on_event(r.events.get_nowait())
+                    continue
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise TransferError(
+                        f"room {r.room}: no free embedding blocks for {tokens} tokens within "
+                        f"{timeout:.1f}s ({self.allocator.num_free}/{self.allocator.num_total} "
+                        f"free)", "RESOURCE_EXHAUSTED")
+                r.wake.clear()
+                waits = [asyncio.ensure_future(self._changed.wait()),
+                         asyncio.ensure_future(r.wake.wait())]
+                await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                for w in waits:
+                    w.cancel()
+        finally:
+            self.resumes_waiting -= resume
+            if resume and not self.resumes_waiting:
+                self._notify()
+
+    def _try(self, r: ReceiverRoom, tokens: int, resume: bool) -> tuple | None:
+        if not resume and self.resumes_waiting:
+            return None
+        return self.try_alloc(r, tokens)

@@ -1,0 +1,68 @@
+"""A frozen encoder (SIGSTOP) under load must not stall the cluster (issue 16, finding 2).
+
+`tandem up` with 2 encoders + 2 language instances at their default sizes (64 embedding
+blocks, 8 per room: 8 rooms per language instance), 120 concurrent image chats; encoder-0
+is frozen once it holds work and stays frozen until every request has its answer. A
+frozen process is only visible as silence: its rooms hold language blocks until the
+router ejects it, and then each of its requests must move to the healthy encoder at once
+(Reattach) instead of waiting out the transfer timeout while requests routed to the
+healthy encoder starve for blocks.
+
+Target (the issue's): no request fails, not even those the frozen encoder held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import signal
+import time
+
+import pytest
+from test_e2e_cluster import _many, _ok, wait_idle
+
+from tandem.launch.cluster import LocalCluster
+
+pytestmark = pytest.mark.timeout(300)
+CONCURRENCY = 120
+
+
+@pytest.fixture(scope="module")
+def cluster(checkpoint):
+    cl = LocalCluster(str(checkpoint("qwen2_5_vl")), encoders=2, languages=2)
+    cl.start()
+    yield cl
+    cl.stop()
+
+
+def test_sigstop_of_one_encoder_under_load_fails_no_request(cluster):
+    victim = cluster.instances["encoder-0"]
+    frozen_at: list[float] = []
+
+    async def freeze_while_it_works(tasks):
+        for _ in range(500):
+            load = (await asyncio.to_thread(cluster.loads, "encoder")).get(victim.address)
+            if load is not None and load.queued_requests + load.open_rooms > 0:
+                break
+            await asyncio.sleep(0.01)
+        os.kill(victim.pid, signal.SIGSTOP)
+        frozen_at.append(time.monotonic())
+
+    try:
+        results = asyncio.run(_many(cluster, CONCURRENCY, timeout_ms=60_000,
+                                    on_progress=freeze_while_it_works, stagger_s=0.02,
+                                    distinct_images=True))
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+    took = time.monotonic() - frozen_at[0]
+    outcomes = collections.Counter(
+        "ok" if not isinstance(r, BaseException) and _ok(r)
+        else repr(r)[:160] if isinstance(r, BaseException) else f"{r[0]}: {r[1][:160]}"
+        for r in results)
+    moved = [ln for ln in cluster.lines if "ejected" in ln or "retrying" in ln]
+    print(f"SIGSTOP outcomes after {took:.1f} s:", dict(outcomes))
+    print("\n".join(moved[:8]))
+    assert outcomes["ok"] == CONCURRENCY, dict(outcomes)
+    # Thawed, the frozen encoder finds its rooms gone; everything is returned everywhere.
+    assert wait_idle(cluster, 30)["idle"]
