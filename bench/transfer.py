@@ -240,7 +240,7 @@ async def encoder() -> str:
         st, ga = [], []
         for _ in range(RUNS):
             t0 = time.monotonic()
-            staging.stage(0, p, 1, layout, ids, 0, n, 0, n)
+            staging.stage(0, p, 1, 1, layout, ids, 0, n, 0, n)
             st.append(time.monotonic() - t0)
             t0 = time.monotonic()
             local.gather_into(ids, n, *out, 0)

@@ -358,3 +358,42 @@ async def test_init_without_payload_sends_failed_and_does_not_spin():
     finally:
         await server.stop(None)
         await rx.close()
+
+
+async def test_stale_and_foreign_writes_are_detected_before_use(tmp_path):
+    """Fenced transfers: writes labelled with an earlier attempt of the room (an encoder
+    frozen mid-write that wakes after its room moved to another encoder) or with another
+    room land in the room's blocks, and the room fails with DATA_LOSS before any block is
+    used; a legitimate room beside them (with a resume) arrives bit-exact."""
+    engine, cfg = make_engine(timeout_s=10)
+    rx = make_receiver(engine, cfg, blocks=16, block_size=16, reserve=64)
+    legit = await Peer.start("encoder", tmp_path, timeout_s=10)
+    stale = await Peer.start("encoder", tmp_path, timeout_s=10, rogue_generation_delta=-1)
+    foreign = await Peer.start("encoder", tmp_path, timeout_s=10, rogue_room_xor=1)
+    try:
+        # Room 1's first attempt went to `legit`, which never sends; the router moved it
+        # to `stale` (attempt 2), whose writes carry attempt 1's generation.
+        moved = asyncio.create_task(rx.receive(1, legit.ready["address"]))
+        await until(lambda: rx.state(1) == ReceiverState.WAITING_FOR_INPUT)
+        assert rx.reattach(1, stale.ready["address"])
+        await until(lambda: rx.rooms[1].attempt == 1 and rx.state(1) == ReceiverState.WAITING_FOR_INPUT)
+        misdirected = asyncio.create_task(rx.receive(2, foreign.ready["address"]))
+        good = asyncio.create_task(rx.receive(3, legit.ready["address"]))
+        await until(lambda: all(rx.state(r) == ReceiverState.WAITING_FOR_INPUT for r in (2, 3)))
+        stale.send(op="send", room=1, tokens=40, seed=1)
+        foreign.send(op="send", room=2, tokens=40, seed=2)
+        p = make_payload(150, 32, "float32", 3)
+        legit.send(op="send", room=3, tokens=150, seed=3)
+        # the aux fields that differ: the generation (index 9), the room's low word (6)
+        for task, mismatch in ((moved, "aux mismatch {9: 1}"), (misdirected, "aux mismatch {6: 3}")):
+            err = await fails(task, DETECT_S + 5)
+            assert err.code == "DATA_LOSS" and mismatch in err.reason, err
+        got = await asyncio.wait_for(good, 10)
+        assert digest(got) == digest(p)
+        assert_rx_clean(rx)
+        for peer in (legit, stale, foreign):
+            await assert_peer_clean(peer, 5)
+    finally:
+        for peer in (legit, stale, foreign):
+            await peer.stop()
+        await rx.close()

@@ -77,21 +77,24 @@ def test_staged_writes_land_bit_exact_in_scattered_blocks(dtype):
     for start, n, ids in pieces:
         for t0 in range(start, start + n, 16):  # chunks of 2 blocks, at offsets in the slot
             t1 = min(t0 + 16, start + n)
-            _apply(st.stage(0, p, room, layout, ids, start, n, t0, t1, at=(t0 - start) % 32))
-        buf.check_piece(ids, room, total, start, n, n)
+            _apply(st.stage(0, p, room, 3, layout, ids, start, n, t0, t1, at=(t0 - start) % 32))
+        buf.check_piece(ids, room, 3, total, start, n, n)
         rows = buf.aux[torch.tensor(ids)]
         lo, hi = B.room_words(room)
         for i, row in enumerate(rows.tolist()):
-            assert row[:9] == [total, p.mrope_delta, start, n, i, min(bs, n - i * bs), lo, hi, d]
-            assert row[9:] == [0] * 7
+            assert row[:10] == [total, p.mrope_delta, start, n, i, min(bs, n - i * bs), lo, hi, d, 3]
+            assert row[10:] == [0] * 6
         buf.gather_into(ids, n, *out, start)
     assert torch.equal(out[0].view(torch.uint8), p.input_embeds.view(torch.uint8))
     assert torch.equal(out[1], p.fill_ids) and torch.equal(out[2], p.mrope_positions)
     with pytest.raises(TransferError, match="aux mismatch") as ei:
-        buf.check_piece([5, 4, 10], room + 1, total, 40, 21, 21)  # another room's blocks
+        buf.check_piece([5, 4, 10], room + 1, 3, total, 40, 21, 21)  # another room's blocks
+    assert ei.value.code == "DATA_LOSS"
+    with pytest.raises(TransferError, match="aux mismatch") as ei:
+        buf.check_piece([5, 4, 10], room, 4, total, 40, 21, 21)  # an earlier attempt's
     assert ei.value.code == "DATA_LOSS"
     with pytest.raises(TransferError, match="index"):
-        buf.check_piece([4, 5, 10], room, total, 40, 21, 21)  # blocks out of their order
+        buf.check_piece([4, 5, 10], room, 3, total, 40, 21, 21)  # blocks out of their order
 
 
 def test_layout_roundtrip_and_checks():

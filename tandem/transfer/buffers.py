@@ -8,9 +8,11 @@ One row per block; block b of each buffer starts at `base + b * row_bytes`:
     aux             [num_blocks, 16]                      int32  see AUX_* below
 
 A request's blocks need not be contiguous; token i of a piece lives in block ids[i // bs]
-at slot i % bs. Every block written carries an aux row naming its room and piece, so a
-gather can prove each block holds this room's data (a stale or misdirected write fails the
-room instead of feeding another request's embeddings to the model).
+at slot i % bs. Every block written carries an aux row naming its room, the generation of
+the room's reservation (one per Attach attempt) and its piece, so a gather can prove each
+block holds this attempt's data: a stale write (an encoder frozen mid-write that wakes after
+its room moved to another encoder, or ended) or a misdirected one fails the room with
+DATA_LOSS instead of feeding another request's, or another attempt's, data to the model.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ AUX_BLOCK_TOKENS = 5  # valid tokens in this block
 AUX_ROOM_LO = 6  # room id, low 32 bits (int32 bit pattern)
 AUX_ROOM_HI = 7  # room id, high 32 bits
 AUX_EMBED_DIM = 8  # embedding width the writer used
-# aux[9:16] reserved, written as 0.
+AUX_GENERATION = 9  # the reservation's generation (AttachInit.generation: attempt + 1)
+# aux[10:16] reserved, written as 0.
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -145,8 +148,8 @@ class EmbeddingBuffers:
         )
 
     def check_piece(
-        self, block_ids: list[int], room: int, total: int, start: int, piece_tokens: int,
-        n_tokens: int, first_index: int = 0,
+        self, block_ids: list[int], room: int, generation: int, total: int, start: int,
+        piece_tokens: int, n_tokens: int, first_index: int = 0,
     ) -> None:
         """Raise DATA_LOSS unless the blocks holding `n_tokens` tokens (from block
         `first_index` of the piece starting at token `start`) carry this piece's aux row."""
@@ -156,7 +159,7 @@ class EmbeddingBuffers:
         for i, row in enumerate(aux.tolist()):
             want = {AUX_TOTAL: total, AUX_PIECE_START: start, AUX_PIECE_TOKENS: piece_tokens,
                     AUX_BLOCK_INDEX: first_index + i, AUX_ROOM_LO: lo, AUX_ROOM_HI: hi,
-                    AUX_EMBED_DIM: self.embed_dim}
+                    AUX_EMBED_DIM: self.embed_dim, AUX_GENERATION: generation}
             bad = {k: row[k] for k, v in want.items() if row[k] != v}
             if bad:
                 raise TransferError(

@@ -264,7 +264,7 @@ class EmbeddingReceiver:
         r.reader = asyncio.create_task(self._read(r, call, r.attempt))
         init = encoder_pb2.AttachInit(
             room=r.room, session_id=self.engine.session_id, layout=self._layout,
-            block_ids=r.ids, allocated_tokens=r.allocated)
+            block_ids=r.ids, allocated_tokens=r.allocated, generation=r.attempt + 1)
         await self._write(r, encoder_pb2.AttachRequest(init=init))
         r.state = ReceiverState.WAITING_FOR_INPUT
         while True:
@@ -351,9 +351,13 @@ class EmbeddingReceiver:
         a, bs = r.copied, self.buffers.block_size
         i0 = (a - start) // bs
         piece_tokens = min(r.total - start, len(ids) * bs)
-        self.buffers.check_piece(ids[i0:], r.room, r.total, start, piece_tokens, upto - a, i0)
+        check = (ids[i0:], r.room, r.attempt + 1, r.total, start, piece_tokens, upto - a, i0)
+        self.buffers.check_piece(*check)
         await asyncio.get_running_loop().run_in_executor(
             None, self.buffers.gather_into, ids[i0:], upto - a, *r.out, a)
+        # NOTE: and again after the copy: a stale write whose aux row lands while we copy is
+        # caught too (one landing wholly inside the copy, aux first, is what this narrows).
+        self.buffers.check_piece(*check)
         r.copied = upto
 
     async def _on_progress(self, r: ReceiverRoom, p: encoder_pb2.AttachProgress) -> None:

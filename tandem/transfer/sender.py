@@ -365,8 +365,8 @@ class EmbeddingSender:
         for t0 in range(start, end, step):
             slot = await self._acquire_slot(r, deadline)
             job = WriteRound(
-                self.engine, self.staging, peer, slot, payload, r.room, layout, ids, start,
-                piece, t0, min(t0 + step, end), chunk, lambda: r.terminal,
+                self.engine, self.staging, peer, slot, payload, r.room, r.init.generation,
+                layout, ids, start, piece, t0, min(t0 + step, end), chunk, lambda: r.terminal,
                 on_chunk=lambda c_end: c_end < end and loop.call_soon_threadsafe(progress, c_end),
                 on_fail=lambda err: loop.call_soon_threadsafe(self._fail, r, err),
             )

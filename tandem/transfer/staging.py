@@ -108,6 +108,7 @@ class StagingArea:
         slot: int,
         payload: PromptPayload,
         room: int,
+        generation: int,
         layout: BufferLayout,
         block_ids: list[int],
         piece_start: int,
@@ -146,6 +147,7 @@ class StagingArea:
         a[:, B.AUX_BLOCK_INDEX] = torch.arange(i0, i0 + nb, dtype=torch.int32)
         a[:, B.AUX_BLOCK_TOKENS] = torch.clamp(n - torch.arange(nb, dtype=torch.int32) * bs, max=bs)
         a[:, B.AUX_ROOM_LO], a[:, B.AUX_ROOM_HI], a[:, B.AUX_EMBED_DIM] = lo, hi, d
+        a[:, B.AUX_GENERATION] = generation
         plans: list[list[tuple[int, int, int]]] = [[], [], [], []]
         row_e, row_f, row_m, row_a = bs * d * es, bs * 4, 3 * bs * 4, B.AUX_WIDTH * 4
         for k in range(nb):
@@ -190,6 +192,7 @@ class WriteRound:
     slot: int  # staging slot this round stages into (held by the caller)
     payload: PromptPayload
     room: int
+    generation: int  # the destination reservation's (AttachInit.generation)
     layout: BufferLayout
     ids: list[int]
     start: int
@@ -219,7 +222,7 @@ def write_round(w: WriteRound) -> int:
                 raise TransferError(f"room {room}: ended during the write", "ABORTED", room)
             c1 = min(c0 + w.chunk, t1)
             srcs, dsts, lens = w.staging.stage(
-                w.slot, w.payload, room, w.layout, w.ids, w.start, w.piece, c0, c1, at=c0 - t0)
+                w.slot, w.payload, room, w.generation, w.layout, w.ids, w.start, w.piece, c0, c1, at=c0 - t0)
             try:
                 pending.append((engine.submit(w.peer, srcs, dsts, lens), sum(lens), c1))
             except TransferError as e:

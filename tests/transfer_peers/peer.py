@@ -8,6 +8,8 @@ language: an EmbeddingReceiver over its own buffers.
     receive {room, address, deadline_s?}     -> received {room, ok, digest, tokens|code, reason}
     abort {room}, reattach {room, address}
 both: stats -> stats {free, total, rooms}; exit
+A rogue encoder (`--rogue-generation-delta`, `--rogue-room-xor`) speaks the protocol but
+labels its writes with another generation or room, as a stale or misdirected writer does.
 """
 
 from __future__ import annotations
@@ -71,7 +73,17 @@ async def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--reserve", type=int, default=64)
     ap.add_argument("--grace", type=float, default=0.0)
+    ap.add_argument("--rogue-generation-delta", type=int, default=0)
+    ap.add_argument("--rogue-room-xor", type=int, default=0)
     a = ap.parse_args()
+    if a.rogue_generation_delta or a.rogue_room_xor:
+        import dataclasses
+
+        import tandem.transfer.sender as sender_module
+
+        honest = sender_module.write_round
+        sender_module.write_round = lambda w: honest(dataclasses.replace(
+            w, generation=w.generation + a.rogue_generation_delta, room=w.room ^ a.rogue_room_xor))
     cfg = TransferConfig(timeout_s=a.timeout_s)
     engine = MooncakeEngine(cfg)
     dtype = DTYPES[a.dtype]
