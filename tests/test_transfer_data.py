@@ -197,3 +197,34 @@ async def test_encoder_channels_are_bounded():
     assert list(rx._channels) == ["127.0.0.1:1", "127.0.0.1:3"]
     await rx.close()
     assert not rx._channels
+
+
+async def test_an_outsider_reads_nothing_of_a_prompt_after_its_room(encoder, tmp_path):
+    """Issue 16, finding 1: a separate process with its own Mooncake engine can read any
+    registered memory it can reach; after a room ends, the language side's blocks and the
+    encoder's staging slots hold nothing of the prompt (zeros), so it reads nothing."""
+    engine, cfg = make_engine(timeout_s=5)
+    rx = make_receiver(engine, cfg, blocks=8, block_size=16, reserve=64)
+    reader = await Peer.start("reader", tmp_path)
+    regions = [(engine.session_id, t.data_ptr(), t.numel() * t.element_size())
+               for t in rx.buffers.tensors()]
+    regions += [(encoder.ready["session"], addr, n) for addr, n in encoder.ready["staging"]]
+
+    async def read(session: str, addr: int, n: int) -> dict:
+        reader.send(op="read", session=session, addr=addr, length=n)
+        ev = await reader.wait(lambda e: e["event"] == "read")  # (taken off the list)
+        assert ev["rc"] == 0, ev  # the read itself works: the memory is reachable
+        return ev
+
+    try:
+        # control: the outsider does see what a block holds while it holds something
+        rx.buffers.fill_ids[3].fill_(7)
+        assert (await read(*regions[1]))["nonzero"] == 16  # one byte of each int32 7
+        rx.buffers.fill_ids[3].zero_()
+        await _roundtrip(rx, encoder, 900, 300, seed=9)  # resumes: every block used
+        await _clean(rx, encoder)
+        for session, addr, n in regions:
+            assert (await read(session, addr, min(n, 1 << 20)))["nonzero"] == 0, (session, n)
+    finally:
+        await reader.stop()
+        await rx.close()

@@ -59,6 +59,7 @@ class StagingArea:
         self.mrope = mk((slots, 3 * slot_tokens), torch.int32)
         self.aux = mk((slots, max_round_blocks, B.AUX_WIDTH), torch.int32)
         self._free = list(range(slots))
+        self.used = [0] * slots  # tokens of each slot written since it was last wiped
         self.retired: set[int] = set()  # slots whose writes never ended
         self._changed = asyncio.Event()
         self._engine = None  # set by register()
@@ -90,15 +91,28 @@ class StagingArea:
         return self._free.pop()
 
     def retire(self, slot: int) -> None:
-        """Never hand `slot` out again: a write from it never finished (frozen peer)."""
+        """Never hand `slot` out again: a write from it never finished (frozen peer). Its
+        room has failed, so its data is wiped anyway (a stale write it still feeds is
+        fenced by the destination's aux check)."""
         self.retired.add(slot)
+        self._wipe(slot)
 
     def release(self, slot: int) -> None:
         if slot in self._free or not 0 <= slot < self.slots:
             raise KeyError(f"release of staging slot {slot} that is not held")
+        self._wipe(slot)
         self._free.append(slot)
         ev, self._changed = self._changed, asyncio.Event()
         ev.set()
+
+    def _wipe(self, slot: int) -> None:
+        """Zero what the slot holds of a prompt: staging is registered memory that any
+        process reaching this instance's transfer port could read (issue 16, finding 1)."""
+        n, self.used[slot] = self.used[slot], 0
+        self.embeds[slot][:n].zero_()
+        self.fill[slot][:n].zero_()
+        self.mrope[slot][: 3 * n].zero_()
+        self.aux[slot].zero_()
 
     def round_tokens(self, block_size: int) -> int:
         return min(self.slot_tokens // block_size, self.max_round_blocks) * block_size
@@ -129,6 +143,7 @@ class StagingArea:
         if at % bs or at + nb * bs > self.slot_tokens or at // bs + nb > self.max_round_blocks:
             raise ValueError(f"staging range at {at} for {n} tokens does not fit the slot")
         es = self.embeds.element_size()
+        self.used[slot] = max(self.used[slot], at + nb * bs)
         e, f = self.embeds[slot][at:], self.fill[slot][at:]
         e[:n].copy_(payload.input_embeds[t0:t1])
         f[:n].copy_(payload.fill_ids[t0:t1])

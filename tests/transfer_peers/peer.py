@@ -8,6 +8,8 @@ language: an EmbeddingReceiver over its own buffers.
     receive {room, address, deadline_s?}     -> received {room, ok, digest, tokens|code, reason}
     abort {room}, reattach {room, address}
 both: stats -> stats {free, total, rooms}; exit
+reader: an outsider with its own Mooncake engine, reading others' registered memory.
+    read {session, addr, length}             -> read {rc, nonzero}
 A rogue encoder (`--rogue-generation-delta`, `--rogue-room-xor`) speaks the protocol but
 labels its writes with another generation or room, as a stale or misdirected writer does.
 """
@@ -62,7 +64,7 @@ async def _report(kind: str, room: int, coro, extra) -> None:
 
 async def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("role", choices=["encoder", "language"])
+    ap.add_argument("role", choices=["encoder", "language", "reader"])
     ap.add_argument("--embed-dim", type=int, default=32)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--timeout-s", type=float, default=3.0)
@@ -97,7 +99,16 @@ async def main() -> None:
         encoder_pb2_grpc.add_EncoderServicer_to_server(Attach(sender), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        emit(event="ready", address=f"127.0.0.1:{port}", session=engine.session_id)
+        regions = [(t.data_ptr(), t.numel() * t.element_size())
+                   for t in (staging.embeds, staging.fill, staging.mrope, staging.aux)]
+        emit(event="ready", address=f"127.0.0.1:{port}", session=engine.session_id,
+             staging=regions)
+    elif a.role == "reader":
+        import torch
+
+        sink = torch.zeros(1 << 20, dtype=torch.uint8)
+        engine.register(sink)
+        emit(event="ready", session=engine.session_id)
     else:
         buffers = EmbeddingBuffers(a.blocks, a.block_size, a.embed_dim, dtype)
         buffers.register(engine)
@@ -141,6 +152,12 @@ async def main() -> None:
                 emit(event="sent", room=room, ok=False, code="CANCELLED", reason="never started")
         elif op == "abort":
             emit(event="aborted", room=room, found=receiver.abort(room))
+        elif op == "read":  # NOTE: the raw engine: what any process with Mooncake can do
+            n = cmd["length"]
+            sink[:n].fill_(0xAB)
+            rc = await asyncio.to_thread(engine._te.transfer_sync_read, cmd["session"],
+                                         sink.data_ptr(), cmd["addr"], n)
+            emit(event="read", rc=rc, nonzero=int(sink[:n].count_nonzero()))
         elif op == "reattach":
             emit(event="reattached", room=room, ok=receiver.reattach(room, cmd["address"]))
         elif op == "stats":
