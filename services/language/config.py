@@ -72,6 +72,18 @@ class LanguageConfig(ModelServiceSettings):
         description="How long a room whose encoder broke before Done waits for Reattach.",
     )  # fmt: skip
     cpu_threads: int = Field(0, ge=0, le=1024, description="torch CPU threads; 0 = default.")
+    tp: int = Field(
+        1, ge=1, le=64,
+        description="Tensor-parallel ranks: this instance starts tp - 1 more processes (one "
+        "per GPU on CUDA, NCCL; on CPU gloo, the threads split among them), each holding "
+        "its shard of the weights and KV cache. Heads, KV heads (or ranks, when fewer), "
+        "intermediate sizes must divide evenly.",
+    )  # fmt: skip
+    tp_timeout_s: float = Field(
+        60.0, gt=0, le=3600,
+        description="Longest wait of a tensor-parallel collective (or rank start-up): a "
+        "rank that hangs past it ends the instance.",
+    )  # fmt: skip
     cpu_parallel_min_tokens: int = Field(
         16, ge=0, le=1 << 20,
         description="On CPU, a step of fewer tokens (a small decode batch) runs on one "

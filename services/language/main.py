@@ -45,13 +45,15 @@ def build_engine(cfg: LanguageConfig, metrics: LanguageMetrics):
     from transformers import AutoTokenizer
 
     from services.language.model_runner import ModelRunner
+    from tandem.models.checkpoint import read_spec, resolve_model_path
     from tandem.models.split import load_text_weights
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    weights = load_text_weights(cfg.model, dtype=dtype, device=device)
-    spec = weights.spec
+    spec = read_spec(resolve_model_path(cfg.model))
     max_len = cfg.max_model_len or spec.max_position_embeddings
+    tp = start_tensor_parallel(cfg, spec, device, dtype, max_len) if cfg.tp > 1 else None
+    weights = load_text_weights(spec, dtype=dtype, device=device, shard=tp.shard if tp else None)
     runner = ModelRunner(
         weights,
         page_size=cfg.kv_page_size,
@@ -64,7 +66,10 @@ def build_engine(cfg: LanguageConfig, metrics: LanguageMetrics):
         attention_backend=cfg.attention_backend,
         linear_backend=cfg.linear_backend,
         cpu_parallel_min_tokens=cfg.cpu_parallel_min_tokens,
+        tp=tp,
     )
+    if tp is not None:
+        tp.workers.start(runner.num_pages)
     tokenizer = AutoTokenizer.from_pretrained(spec.path)
     engine = Engine(
         runner,
@@ -81,6 +86,32 @@ def build_engine(cfg: LanguageConfig, metrics: LanguageMetrics):
         metrics=metrics,
     )
     return engine, spec, tokenizer
+
+
+def start_tensor_parallel(cfg: LanguageConfig, spec, device, dtype, max_len: int):
+    """Rank 0's `TensorParallel`, the other ranks started and in the process group."""
+    import torch
+
+    from services.language.model.shard import Shard
+    from services.language.tp import RankArgs, start_ranks
+    from tandem.launch.procs import free_port
+
+    shard = Shard.of(spec, 0, cfg.tp)  # refuses a model --tp does not divide, before spawning
+    # NOTE (CPU): the ranks share this host's cores; each gets its part of them.
+    threads = max(1, (cfg.cpu_threads or torch.get_num_threads()) // cfg.tp)
+    if device.type == "cpu":
+        torch.set_num_threads(threads)
+    args = RankArgs(
+        model=str(spec.path), dtype=str(dtype).removeprefix("torch."), device=str(device),
+        page_size=cfg.kv_page_size, attention_backend=cfg.attention_backend,
+        linear_backend=cfg.linear_backend, cpu_parallel_min_tokens=cfg.cpu_parallel_min_tokens,
+        max_seq_len=max_len,
+        cuda_graph_max_bs=cfg.cuda_graph_max_bs if device.type == "cuda" else 0,
+        size=cfg.tp, dist_address=f"127.0.0.1:{free_port()}", control_address="",
+        timeout_s=cfg.tp_timeout_s, threads=threads,
+    )  # fmt: skip
+    log.info("starting %d tensor-parallel ranks", cfg.tp)
+    return start_ranks(args, device, shard)
 
 
 def chat_template(path):
@@ -144,6 +175,8 @@ async def run(
         for room in list(servicer.transferring):  # the engine's are aborted by its stop
             receiver.abort(room)
     engine.stop()  # aborts what is left: each stream gets its final ABORT message
+    if engine.runner.tp is not None:
+        engine.runner.tp.workers.stop()
     await wait_idle(lambda: servicer.num_active, 2.0, poll_s=0.02)
     await server.stop(grace=1.0)
     await receiver.close()

@@ -27,6 +27,7 @@ from tandem.cpu_kernels import decode_attention_op, linear_kernels
 from tandem.units import ceil_div
 
 if TYPE_CHECKING:
+    from services.language.tp import TensorParallel
     from tandem.models.split import TextWeights
 
 
@@ -54,14 +55,19 @@ class ModelRunner:
         attention_backend: str = "auto",
         linear_backend: str = "auto",
         cpu_parallel_min_tokens: int = 0,
+        tp: TensorParallel | None = None,
     ) -> None:
         spec = weights.spec
         self.device = torch.device(device)
         self.dtype = dtype
         self.spec = spec
-        self.cfg = DecoderConfig.from_weights(spec, weights.tensors)
+        # Tensor parallelism (tp.py): `weights` hold this rank's shard; every rank runs every
+        # step (rank 0 sends it to the others first), logits are gathered to rank 0.
+        self.tp = tp
+        self.cfg = DecoderConfig.from_weights(spec, weights.tensors, tp.shard if tp else None)
         self.eos_token_ids: tuple[int, ...] = tuple(int(t) for t in spec.eos_token_ids)
-        self.model = QwenVLDecoder.build(self.cfg, weights.tensors, self.device, dtype)
+        extra = {"reduce": tp.all_reduce} if tp else {}
+        self.model = QwenVLDecoder.build(self.cfg, weights.tensors, self.device, dtype, **extra)
         self.linear_kernels = linear_kernels(linear_backend, self.device, dtype)
         if self.linear_kernels is not None:
             self.model.adopt_cpu_kernels(self.linear_kernels)
@@ -69,11 +75,11 @@ class ModelRunner:
         c = self.cfg
         if num_pages <= 0:
             num_pages = KVCache.pages_for_memory(
-                kv_memory_fraction, self.device, c.num_layers, page_size, c.num_kv_heads,
+                kv_memory_fraction, self.device, c.num_layers, page_size, c.local_kv_heads,
                 c.head_dim, dtype,
             )  # fmt: skip
         self.kv = KVCache(
-            c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, dtype, self.device
+            c.num_layers, num_pages, page_size, c.local_kv_heads, c.head_dim, dtype, self.device
         )
         # What the engine, the scheduler and the limits read; fixed for the runner's life.
         self.num_pages, self.page_size = num_pages, page_size
@@ -100,6 +106,24 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         """Graph runner when it can serve the batch (pure decode, small enough), else eager."""
+        if self.tp is None:
+            return self._forward(batch)
+        workers = self.tp.workers
+        if workers is not None:  # rank 0: a batch the checks refuse never reaches the others
+            if not batch.chunks:
+                raise ValueError("empty ForwardBatch")
+            for c in batch.chunks:
+                self.limits.check(c)
+            workers.send_step(batch)
+        try:
+            return self._forward(batch)
+        except Exception as e:  # NOTE: past the send every rank is in this step: fatal
+            if workers is None:
+                raise
+            workers.fail(f"step failed on rank 0: {type(e).__name__}: {e}")
+            raise
+
+    def _forward(self, batch: ForwardBatch) -> ForwardOutput:
         if self.parallel_min_tokens and self.max_threads > 1:
             small = batch.num_tokens < self.parallel_min_tokens
             threads = 1 if small else self.max_threads
@@ -144,7 +168,8 @@ class ModelRunner:
         return ForwardOutput(last_logits=last_logits, prompt_logits=prompt_logits)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.logits(hidden)
+        logits = self.model.logits(hidden)
+        return logits if self.tp is None else self.tp.gather_vocab(logits)
 
     # -- helpers -----------------------------------------------------------------------
     def _metadata(self, ordered: list[SeqChunk]) -> tuple[AttentionMetadata, list[int]]:

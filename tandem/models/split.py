@@ -48,8 +48,13 @@ def _spec(model: str | os.PathLike | ModelSpec) -> ModelSpec:
     return model if isinstance(model, ModelSpec) else read_spec(resolve_model_path(model))
 
 
-def read_tensors(spec: ModelSpec, names, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
-    """The named tensors, converted to `dtype` on `device`; nothing else is read."""
+def read_tensors(spec: ModelSpec, names, dtype: torch.dtype, device, plan=None
+                 ) -> dict[str, torch.Tensor]:
+    """The named tensors, converted to `dtype` on `device`; nothing else is read.
+
+    `plan(name, shape)` (tensor parallelism: `services.language.model.shard.Shard.plan`,
+    called with the stored name) may return a read plan: then only its parts are read
+    from the file (safetensors slices) and concatenated on its `dim`."""
     from safetensors import safe_open
 
     missing = [n for n in names if n not in spec.weight_map]
@@ -59,7 +64,15 @@ def read_tensors(spec: ModelSpec, names, dtype: torch.dtype, device) -> dict[str
     for file, group in spec.files(names).items():
         with safe_open(str(spec.path / file), framework="pt", device=str(device)) as f:
             for name in group:
-                out[name] = f.get_tensor(name).to(dtype)
+                how = None
+                if plan is not None:
+                    stored = f.get_slice(name)
+                    how = plan(name, tuple(stored.get_shape()))
+                if how is None:
+                    out[name] = f.get_tensor(name).to(dtype)
+                else:
+                    parts = [stored[idx].to(dtype) for idx in how.parts]
+                    out[name] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=how.dim)
     return out
 
 
@@ -143,17 +156,24 @@ def text_tensor_names(spec: ModelSpec) -> dict[str, str]:
 
 
 def load_text_weights(
-    model: str | os.PathLike | ModelSpec, dtype: torch.dtype = torch.float32, device="cpu"
+    model: str | os.PathLike | ModelSpec, dtype: torch.dtype = torch.float32, device="cpu",
+    shard=None,
 ) -> TextWeights:
-    """The text decoder's tensors, normalized names (see module doc); no `visual` tensor is read."""
+    """The text decoder's tensors, normalized names (see module doc); no `visual` tensor is
+    read. With `shard` (`services.language.model.shard.Shard`, tensor parallelism) only
+    that rank's slices of the split tensors are read (its `plan`), the rest whole."""
     spec = _spec(model)
     names = text_tensor_names(spec)
-    raw = read_tensors(spec, list(names.values()), dtype, device)
+    norm_of = {stored: norm for norm, stored in names.items()}
+    plan = None if shard is None else (lambda stored, shape: shard.plan(norm_of[stored], shape))
+    raw = read_tensors(spec, list(names.values()), dtype, device, plan)
     tensors = {norm: raw[name] for norm, name in names.items()}
-    if "lm_head.weight" not in tensors:
-        tensors["lm_head.weight"] = tensors["embed_tokens.weight"]  # tied: one tensor, two names
+    if "lm_head.weight" not in tensors:  # tied: one tensor, two names (a rank: its rows)
+        embed = tensors["embed_tokens.weight"]
+        tensors["lm_head.weight"] = embed if shard is None else embed[shard.vocab.start : shard.vocab.stop]
+    moe_inter = spec.moe_intermediate_size if shard is None else shard.moe_intermediate
     for i in spec.moe_layers:
-        _normalize_experts(tensors, spec, f"layers.{i}.mlp.")
+        _normalize_experts(tensors, spec, f"layers.{i}.mlp.", moe_inter)
     want = {"embed_tokens.weight", "norm.weight"} | {
         f"layers.{i}.{part}"
         for i in range(spec.num_hidden_layers)
@@ -168,12 +188,13 @@ def load_text_weights(
     return TextWeights(spec=spec, tensors=tensors)
 
 
-def _normalize_experts(tensors: dict[str, torch.Tensor], spec: ModelSpec, m: str) -> None:
+def _normalize_experts(tensors: dict[str, torch.Tensor], spec: ModelSpec, m: str,
+                       moe_inter: int) -> None:
     """One MoE layer's experts as `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj`
     [E, H, I] (in place): stacked from per-expert tensors, or transposed from the released
     checkpoints' [E, H, 2I] / [E, I, H]. A file whose layout the shapes cannot tell apart
     (H == 2I) is read as transformers writes it, untransposed."""
-    e, i, h = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size
+    e, i, h = spec.num_experts, moe_inter, spec.hidden_size
     per = f"{m}experts.0.gate_proj.weight"
     if per in tensors:
         gate_up, down = [], []

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from services.language.model.shard import Shard
+
 ARCHS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
@@ -31,6 +33,29 @@ class DecoderConfig:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
+    # tensor parallelism: this rank's part (None: the whole model on one device)
+    shard: Shard | None = None
+
+    # ---- this rank's sizes (the whole model's without a shard) -------------------------
+    @property
+    def local_heads(self) -> int:
+        return self.shard.heads if self.shard else self.num_heads
+
+    @property
+    def local_kv_heads(self) -> int:
+        return self.shard.kv_heads if self.shard else self.num_kv_heads
+
+    @property
+    def local_intermediate(self) -> int:
+        return self.shard.intermediate if self.shard else self.intermediate_size
+
+    @property
+    def local_moe_intermediate(self) -> int:
+        return self.shard.moe_intermediate if self.shard else self.moe_intermediate_size
+
+    @property
+    def local_vocab(self) -> int:
+        return len(self.shard.vocab) if self.shard else self.vocab_size
 
     @property
     def embed_dim(self) -> int:
@@ -38,7 +63,7 @@ class DecoderConfig:
         return self.hidden_size * (1 + self.num_deepstack)
 
     @classmethod
-    def from_weights(cls, spec: Any, tensors: dict) -> DecoderConfig:
+    def from_weights(cls, spec: Any, tensors: dict, shard: Shard | None = None) -> DecoderConfig:
         """`spec` is a `tandem.models.checkpoint.ModelSpec`; biases and q/k norms are read
         off the tensors that were loaded, so config and weights cannot disagree."""
         if spec.arch not in ARCHS:
@@ -75,4 +100,5 @@ class DecoderConfig:
             num_experts=int(spec.num_experts),
             num_experts_per_tok=int(spec.num_experts_per_tok),
             moe_intermediate_size=int(spec.moe_intermediate_size),
+            shard=shard,
         )

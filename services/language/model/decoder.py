@@ -10,6 +10,12 @@ deepstack: for Qwen3-VL a prompt row carries num_deepstack extra hidden-size blo
 block k is added to the hidden states right AFTER decoder layer k (zeros at text rows);
 and for Qwen3-VL-MoE, the layers in `moe_layers` use the sparse block (`SparseMoE`).
 
+Tensor parallelism (`cfg.shard`, see shard.py): every module is built at this rank's sizes
+(its heads, KV heads, intermediate and vocabulary slices); `reduce` (an all-reduce over the
+ranks, identity without TP) follows each row-parallel product: o_proj, down_proj and the
+MoE block's weighted sum, each before its bias. `logits` returns this rank's vocabulary
+slice; the runner gathers the slices.
+
 Expert parallelism (later): `SparseMoE` is the one place experts live. Under EP each rank
 would hold E/N whole experts and the block would become route -> all-to-all dispatch of
 token rows to their experts' ranks -> local expert GEMMs -> all-to-all combine; the router,
@@ -44,20 +50,24 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
+def _no_reduce(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
+    def __init__(self, cfg: DecoderConfig, reduce=_no_reduce) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
+            cfg.local_heads,
+            cfg.local_kv_heads,
             cfg.head_dim,
         )
         self.scale = cfg.head_dim**-0.5
         h = cfg.hidden_size
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = DenseLinear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = DenseLinear(self.q_size, h, bias=cfg.o_bias)
+        self.o_proj = RowParallel(self.q_size, h, cfg.o_bias, reduce)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.kernels = None  # the CPU kernels' module, once adopted (float32 on CPU)
@@ -81,12 +91,34 @@ class SelfAttention(nn.Module):
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
+class RowParallel(DenseLinear):
+    """A projection whose input is split across ranks: partial product, all-reduce, then the
+    bias (added once, after the sum)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, reduce) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.reduce = reduce
+
+    def pack(self, kernels) -> None:
+        if self.reduce is _no_reduce:
+            return super().pack(kernels)
+        bias, self.bias = self.bias, None  # packed without it: added once, after the sum
+        super().pack(kernels)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.reduce is _no_reduce:
+            return super().forward(x)
+        y = self.reduce(self.packed(x) if self.packed is not None else x @ self.weight_t)
+        return y if self.bias is None else y + self.bias
+
+
 class MLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
+    def __init__(self, cfg: DecoderConfig, reduce=_no_reduce) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = DenseLinear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = DenseLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.intermediate = cfg.local_intermediate
+        self.gate_up_proj = DenseLinear(cfg.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = RowParallel(self.intermediate, cfg.hidden_size, False, reduce)
         self.kernels = None  # the CPU kernels' module, once adopted (float32 on CPU)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,10 +134,11 @@ class SparseMoE(nn.Module):
     the token's output is the weighted sum. Experts run one after another over the rows
     routed to them (a data-dependent loop: no CUDA graph captures it)."""
 
-    def __init__(self, cfg: DecoderConfig) -> None:
+    def __init__(self, cfg: DecoderConfig, reduce=_no_reduce) -> None:
         super().__init__()
-        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.local_moe_intermediate
         self.top_k, self.intermediate = cfg.num_experts_per_tok, i
+        self.reduce = reduce
         self.router = DenseLinear(h, e, bias=False)
         self.w_gate_up = nn.Parameter(torch.empty(e, h, 2 * i))  # x @ w_gate_up[e]
         self.w_down = nn.Parameter(torch.empty(e, i, h))
@@ -120,16 +153,16 @@ class SparseMoE(nn.Module):
             gate, up = (x[rows] @ self.w_gate_up[e]).split(self.intermediate, dim=1)
             y = (F.silu(gate) * up) @ self.w_down[e]
             out.index_add_(0, rows, y * weights[rows, slot, None])
-        return out
+        return self.reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, index: int) -> None:
+    def __init__(self, cfg: DecoderConfig, index: int, reduce=_no_reduce) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = SelfAttention(cfg)
+        self.self_attn = SelfAttention(cfg, reduce)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SparseMoE(cfg) if index in cfg.moe_layers else MLP(cfg)
+        self.mlp = SparseMoE(cfg, reduce) if index in cfg.moe_layers else MLP(cfg, reduce)
 
     def forward(self, x, cos, sin, meta, k_cache, v_cache) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
@@ -140,16 +173,18 @@ class QwenVLDecoder(nn.Module):
     """hidden [T, hidden] + positions [3, T] -> final-normed hidden [T, hidden]."""
 
     def __init__(
-        self, cfg: DecoderConfig, device: torch.device | str = "cpu", tied_head: bool = False
+        self, cfg: DecoderConfig, device: torch.device | str = "cpu", tied_head: bool = False,
+        reduce=_no_reduce,
     ) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_layers)])
+        self.layers = nn.ModuleList(
+            [DecoderLayer(cfg, i, reduce) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # A tied head reads the embedding table (no transposed copy of vocab x hidden).
         self.lm_head = (
-            None if tied_head else DenseLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            None if tied_head else DenseLinear(cfg.hidden_size, cfg.local_vocab, bias=False)
         )
         self.rope = MRope(
             cfg.head_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved, device
@@ -157,14 +192,15 @@ class QwenVLDecoder(nn.Module):
 
     @classmethod
     def build(
-        cls, cfg: DecoderConfig, tensors: dict[str, torch.Tensor], device: torch.device, dtype
+        cls, cfg: DecoderConfig, tensors: dict[str, torch.Tensor], device: torch.device, dtype,
+        reduce=_no_reduce,
     ) -> QwenVLDecoder:
         """A decoder that adopts `tensors` (moved to device/dtype, fused and transposed as
         `linear.py` says): built on the meta device, so no throwaway random initialisation
         and no second copy of the weights."""
         tied = "lm_head.weight" not in tensors
         with torch.device("meta"):
-            model = cls(cfg, device=device, tied_head=tied)
+            model = cls(cfg, device=device, tied_head=tied, reduce=reduce)
         tensors = {k: t.to(device=device, dtype=dtype) for k, t in tensors.items()}
         tensors = fuse_checkpoint_tensors(tensors, cfg.num_layers, cfg.moe_layers)
         missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)

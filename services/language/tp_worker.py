@@ -1,0 +1,70 @@
+"""A tensor-parallel rank other than 0: `python -m services.language.tp_worker RANK ARGS`.
+
+Started by rank 0 (`services.language.tp.start_ranks`), never by hand. It joins the process
+group, loads its shard, builds the same runner as rank 0 at its sizes, then runs every step
+rank 0 sends until told to stop or rank 0 is gone. See tp.py for the whole protocol.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import sys
+from multiprocessing.connection import Client
+
+import torch
+
+from services.language.model.shard import Shard
+from services.language.tp import RankArgs, TensorParallel, init_group, rank_device
+from tandem.devices import DTYPES
+from tandem.models.checkpoint import read_spec, resolve_model_path
+from tandem.models.split import load_text_weights
+
+log = logging.getLogger("tandem.language.tp")
+
+
+def main(rank: int, args: RankArgs) -> int:
+    # NOTE: SIGINT/SIGTERM reach the whole process group (Ctrl-C, `tandem up`); rank 0
+    # drains first and then stops this rank, so they are not ours to act on.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    torch.set_num_threads(args.threads)
+    device = rank_device(torch.device(args.device), rank)
+    init_group(rank, args.size, args.dist_address, device, args.timeout_s)
+    host, port = args.control_address.rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["TANDEM_TP_AUTHKEY"]))
+    conn.send(rank)
+    spec = read_spec(resolve_model_path(args.model))
+    shard = Shard.of(spec, rank, args.size)
+    weights = load_text_weights(spec, DTYPES[args.dtype], device, shard)
+    what, num_pages = conn.recv()
+    assert what == "init", what
+
+    from services.language.model_runner import ModelRunner
+
+    runner = ModelRunner(
+        weights, page_size=args.page_size, num_pages=num_pages, device=device,
+        dtype=DTYPES[args.dtype], cuda_graph_max_bs=args.cuda_graph_max_bs,
+        max_seq_len=args.max_seq_len, attention_backend=args.attention_backend,
+        linear_backend=args.linear_backend, cpu_parallel_min_tokens=args.cpu_parallel_min_tokens,
+        tp=TensorParallel(rank, shard, device),
+    )  # fmt: skip
+    conn.send("ready")
+    while True:
+        try:
+            batch = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            log.error("rank %d: rank 0 is gone; exiting", rank)
+            return 1
+        if batch is None:
+            return 0
+        # NOTE: rank 0 checked the batch before sending it; any failure here (a collective
+        # that timed out, a peer gone) ends this rank, and rank 0 ends the instance.
+        runner.forward(batch)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    sys.exit(main(int(sys.argv[1]), pickle.loads(bytes.fromhex(sys.argv[2]))))
