@@ -1,6 +1,7 @@
 """Encoder parts on their own: cache budget and LRU, device assignment, scheduler batching,
 independence and cancellation, image fetching rules, per-image pixel bounds, the
-graph-safe ViT path (and, on CUDA, graph replay against eager)."""
+graph-safe ViT path (and, on CUDA, graph replay against eager), the preprocessing threads'
+fair share per client and a request's budget letting its thread go."""
 
 from __future__ import annotations
 
@@ -262,3 +263,104 @@ def test_two_devices_give_the_same_features(checkpoint, tiny_pipe):
     assert s2.batches == s1.batches == 1
     for a, b in zip(two.features, one.features, strict=True):
         assert torch.equal(a.embeds, b.embeds)
+
+
+# ---------------------------------------------------------------- fair preprocessing pool
+def _recorder():
+    """A job that notes its start and blocks until its gate opens."""
+    started: list[str] = []
+
+    def job(name: str, gate: threading.Event | None = None) -> str:
+        started.append(name)
+        if gate is not None:
+            assert gate.wait(10), f"{name}: gate never opened"
+        return name
+
+    return started, job
+
+
+def test_fair_pool_one_clients_flood_leaves_a_thread_for_another():
+    """Two threads, default share (1 per client): client A's six blocked jobs hold one
+    thread; B's job runs at once on the other and is done while all of A's still wait.
+    (A plain FIFO pool ran A's first two jobs on both threads: B waited for them.)"""
+    from services.encoder.fair_pool import FairPool
+
+    async def go():
+        pool = FairPool(2)
+        started, job = _recorder()
+        gate = threading.Event()
+        try:
+            flood = [asyncio.ensure_future(pool.run("A", job, f"a{i}", gate)) for i in range(6)]
+            await asyncio.sleep(0.05)
+            assert await asyncio.wait_for(pool.run("B", job, "b0"), 2.0) == "b0"
+            assert started == ["a0", "b0"] and not any(f.done() for f in flood)
+            assert pool.busy == 1 and pool.queued == 5  # A: one running, five waiting
+        finally:
+            gate.set()
+        assert await asyncio.gather(*flood) == [f"a{i}" for i in range(6)]
+        assert pool.busy == 0 and pool.queued == 0 and not pool._running
+        pool.shutdown()
+
+    asyncio.run(go())
+
+
+def test_fair_pool_serves_clients_in_turn_and_drops_cancelled_jobs():
+    """share = workers: A's jobs fill both threads, but the next free thread goes to B
+    (round-robin over clients, not the oldest job). A job cancelled while waiting never
+    runs; an exception reaches its caller; None is a client of its own."""
+    from services.encoder.fair_pool import FairPool, share_of
+
+    assert [share_of(w, 0) for w in (1, 2, 3, 8)] == [1, 1, 1, 4]
+    assert share_of(2, 5) == 2 and share_of(4, 3) == 3
+
+    async def go():
+        pool = FairPool(2, share=2)
+        started, job = _recorder()
+        gates = {f"a{i}": threading.Event() for i in range(4)}
+        a = [asyncio.ensure_future(pool.run("A", job, n, g)) for n, g in gates.items()]
+        await asyncio.sleep(0.05)
+        b = asyncio.ensure_future(pool.run("B", job, "b0", threading.Event()))
+        c = asyncio.ensure_future(pool.run("C", job, "c0"))
+        await asyncio.sleep(0.05)
+        c.cancel()  # waiting: dropped
+        await asyncio.sleep(0)
+        assert started == ["a0", "a1"]
+        gates["a0"].set()  # one thread frees: B's turn, not a2
+        await a[0]
+        await asyncio.sleep(0.05)
+        assert started == ["a0", "a1", "b0"]
+        b.cancel()  # running: it holds its thread until it returns
+        await asyncio.sleep(0.05)
+        assert pool.busy == 2 and started == ["a0", "a1", "b0"]
+        for g in gates.values():
+            g.set()
+        await asyncio.gather(*a[1:])
+        assert "c0" not in started
+
+        def boom():
+            raise ValueError("bad image")
+
+        with pytest.raises(ValueError, match="bad image"):
+            await pool.run(None, boom)
+        pool.shutdown()
+
+    asyncio.run(go())
+
+
+def test_budget_stops_a_fetch_once_the_request_has_ended(http_server):
+    """A worker fetching a trickling URL for a request that has gone (its Encode
+    cancelled) or run out of time is let go at the next byte, not at the fetch timeout."""
+    from services.encoder.images import Budget
+
+    lim = ImageLimits(10**6, 10**7, ("127.0.0.1",), allow_private_urls=True, url_timeout_s=30)
+    budget = Budget()
+    threading.Timer(0.5, budget.stop.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        image_bytes(ImageInput(url=http_server + "/trickle.png"), "f", lim, budget)
+    assert time.monotonic() - t0 < 3
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):  # the request's deadline, not the url's 30 s
+        image_bytes(ImageInput(url=http_server + "/trickle.png"), "f", lim,
+                    Budget(deadline=time.monotonic() + 0.5))
+    assert time.monotonic() - t0 < 3

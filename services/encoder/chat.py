@@ -17,7 +17,7 @@ class EncodeJob:
     limits: Limits = field(default_factory=Limits)
     deadline_unix_ms: int = 0
     tools: list[dict] | None = None  # OpenAI's `tools`, rendered by the chat template
-
+    client_id: str = ""  # the caller's key for the fair share of preprocessing ("" = own)
 
 
 def job_from_proto(req) -> EncodeJob:
@@ -32,4 +32,5 @@ def job_from_proto(req) -> EncodeJob:
         ),
         deadline_unix_ms=req.deadline_unix_ms,
         tools=tools_from_json(req.tools_json),
+        client_id=req.client_id,
     )

@@ -49,6 +49,12 @@ class EncoderConfig(ModelServiceSettings):
         16384, ge=64, description="Max vision patches in one batched ViT call."
     )
     preprocess_workers: int = Field(2, ge=1, le=64, description="Preprocessing worker threads.")
+    preprocess_client_share: int = Field(
+        0, ge=0, le=64,
+        description="Most preprocessing threads one client (the router's client_id) may hold "
+        "at once; free threads serve waiting clients in turn. 0 = half the threads (at least "
+        "1), so one client's slow image URLs or huge inputs never hold them all.",
+    )  # fmt: skip
     cache_bytes: int = Field(
         512 * 1024 * 1024, ge=0, description="Embedding cache byte budget; 0 disables it."
     )

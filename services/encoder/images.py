@@ -4,15 +4,21 @@ Sources: raw bytes, `data:image/...;base64,` URLs, and http(s) URLs whose host i
 allow-list (`allowed_url_hosts`), fetched with a timeout and a byte cap, refused when the
 host resolves to a private, loopback, link-local or reserved address unless
 `allow_private_urls`. Every refusal is an INVALID_ARGUMENT naming the content part.
+
+A fetch also stops when its request's `Budget` ends (deadline passed, or the request
+gone): TimeoutError, which the servicer reports as DEADLINE_EXCEEDED.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import io
 import ipaddress
+import math
 import socket
+import threading
 import time
 import urllib.parse
 import warnings
@@ -35,7 +41,23 @@ class ImageLimits:
     url_timeout_s: float = 5.0
 
 
-def image_bytes(img: ImageInput, field: str, lim: ImageLimits) -> bytes:
+@dataclass
+class Budget:
+    """What one request's preprocessing may still spend: its deadline (`time.monotonic()`
+    seconds) and `stop`, set once the request is gone (cancelled, failed, out of time).
+    Checked before each image and during a URL fetch, so a worker thread is let go as soon
+    as its request ends rather than when the work would have."""
+
+    deadline: float = math.inf
+    stop: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def check(self) -> None:
+        if self.stop.is_set() or time.monotonic() >= self.deadline:
+            raise TimeoutError("the request ended while preprocessing")
+
+
+def image_bytes(img: ImageInput, field: str, lim: ImageLimits,
+                budget: Budget | None = None) -> bytes:
     """The encoded image file of one part (decoding base64 or fetching a URL)."""
     if img.data is not None:
         raw = img.data
@@ -44,7 +66,7 @@ def image_bytes(img: ImageInput, field: str, lim: ImageLimits) -> bytes:
         if url.startswith("data:"):
             raw = _data_url(url, field, lim)
         elif url.startswith(("http://", "https://")):
-            raw = _fetch(url, field, lim)
+            raw = _fetch(url, field, lim, budget or Budget())
         else:
             scheme = url.split(":", 1)[0] if ":" in url else url[:16]
             raise invalid(field, f"unsupported image url scheme {scheme!r} (data:, http(s):)")
@@ -83,7 +105,7 @@ def _check_host(host: str, port: int, field: str, lim: ImageLimits) -> None:
             raise invalid(field, f"url host {host!r} resolves to non-public address {ip}")
 
 
-def _fetch(url: str, field: str, lim: ImageLimits) -> bytes:
+def _fetch(url: str, field: str, lim: ImageLimits, budget: Budget) -> bytes:
     import httpx
 
     parts = urllib.parse.urlsplit(url)
@@ -93,19 +115,23 @@ def _fetch(url: str, field: str, lim: ImageLimits) -> bytes:
     buf = bytearray()
     # NOTE: the whole fetch is bounded, not just each read: a server trickling a byte per
     # read timeout would otherwise hold a preprocessing worker for as long as it likes.
-    end = time.monotonic() + lim.url_timeout_s
+    start = time.monotonic()
+    end = start + lim.url_timeout_s
+    timeout = max(0.001, min(end, budget.deadline) - start)
     try:
         # NOTE: redirects are not followed: a redirect could leave the allow-list.
-        with httpx.stream("GET", url, timeout=lim.url_timeout_s, follow_redirects=False) as r:
+        with httpx.stream("GET", url, timeout=timeout, follow_redirects=False) as r:
             if r.status_code != 200:
                 raise invalid(field, f"fetching the image url gave HTTP {r.status_code}")
             for chunk in r.iter_bytes():
                 buf += chunk
                 if len(buf) > lim.max_image_bytes:
                     raise invalid(field, f"image is over the limit of {lim.max_image_bytes} bytes")
+                budget.check()
                 if time.monotonic() > end:
                     raise httpx.ReadTimeout("total fetch time exceeded")
     except httpx.TimeoutException:
+        budget.check()  # the request's own end, not the url's slowness: TimeoutError
         raise invalid(
             field, f"fetching the image url timed out after {lim.url_timeout_s}s"
         ) from None

@@ -1,12 +1,12 @@
 """The encode path without the wire: chat -> preprocess -> cache / ViT -> merged payload.
 
-    EncodePipeline.encode(messages, limits, announce)
-        preprocess (worker pool, off the event loop)
+    EncodePipeline.encode(messages, limits, announce, client, deadline)
+        preprocess (worker threads shared fairly among clients: fair_pool.py)
         -> announce(PromptInfo): the language side answers how many leading tokens it
            already holds (cache-aware transfer; 0 without `announce`)
         -> scheduler.features (cache hits, batched ViT for the rest; images wholly inside
            the held prefix are skipped)
-        -> merge.build_payload (worker pool), rows from the held prefix's end on
+        -> merge.build_payload (same threads, same client), rows from the held prefix's end on
         -> EncodeResult(payload, hashes, cached tokens, timings)
 
 The gRPC servicer adds delivery (transfer) and status mapping on top.
@@ -14,10 +14,10 @@ The gRPC servicer adds delivery (transfer) and status mapping on top.
 
 from __future__ import annotations
 
-import asyncio
 import enum
+import math
+import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +27,8 @@ from tandem.devices import resolve_device, resolve_dtype
 from tandem.transfer.payload import ImageSpan, PromptInfo, PromptPayload
 
 from .cache import EmbeddingCache
-from .images import ImageLimits
+from .fair_pool import FairPool
+from .images import Budget, ImageLimits
 from .merge import build_payload
 from .preprocess import PreprocessLimits, Preprocessor
 from .scheduler import EncoderScheduler
@@ -68,6 +69,7 @@ class EncodePipeline:
         patch_budget: int,
         workers: int = 2,
         metrics=None,
+        client_share: int = 0,
     ) -> None:
         self.spec = spec
         self.embed_tokens = embed_tokens
@@ -75,7 +77,7 @@ class EncodePipeline:
         self.cache = EmbeddingCache(cache_bytes)
         self.metrics = metrics
         self.scheduler = EncoderScheduler(runners, self.cache, patch_budget, metrics)
-        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="preprocess")
+        self.pool = FairPool(workers, client_share)
         self.num_deepstack = int(spec.num_deepstack)
 
     @classmethod
@@ -123,6 +125,7 @@ class EncodePipeline:
             cfg.patch_budget,
             cfg.preprocess_workers,
             metrics,
+            cfg.preprocess_client_share,
         )
 
     def start(self) -> None:
@@ -130,7 +133,7 @@ class EncodePipeline:
 
     async def stop(self) -> None:
         await self.scheduler.stop()
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
 
     async def encode(
         self,
@@ -139,13 +142,26 @@ class EncodePipeline:
         on_state=None,
         announce: Callable[[PromptInfo], Awaitable[int]] | None = None,
         tools: list[dict] | None = None,
+        client: str = "",
+        deadline: float | None = None,
     ) -> EncodeResult:
         """`on_state(EncodeState)` is called as the request moves from stage to stage;
-        `announce(info)` returns the leading tokens the language side already holds."""
+        `announce(info)` returns the leading tokens the language side already holds.
+        `client` is the caller's key for the fair share of the worker threads ("" = a
+        client of its own); `deadline` (Unix seconds) bounds the preprocessing."""
+        left = math.inf if deadline is None else deadline - time.time()
+        budget = Budget(time.monotonic() + left)
+        try:
+            return await self._encode(messages, limits, on_state, announce, tools, client,
+                                      budget)  # fmt: skip
+        finally:
+            budget.stop.set()  # NOTE: a worker still on this request stops at its next check
+
+    async def _encode(self, messages, limits, on_state, announce, tools, client,
+                      budget: Budget) -> EncodeResult:  # fmt: skip
         step = on_state or (lambda _s: None)
-        loop = asyncio.get_running_loop()
         step(EncodeState.PREPROCESSING)
-        prep = await loop.run_in_executor(self.pool, self.preprocessor, messages, limits, tools)
+        prep = await self.pool.run(client, self.preprocessor, messages, limits, tools, budget)
         if self.metrics:
             self.metrics.preprocess_seconds.observe(prep.preprocess_s)
         spans = image_spans(prep.input_ids, [im.num_tokens for im in prep.images],
@@ -161,8 +177,8 @@ class EncodePipeline:
         for i, f in zip(need, got.features, strict=True):
             feats[i] = f
         step(EncodeState.MERGING)
-        payload = await loop.run_in_executor(
-            self.pool,
+        payload = await self.pool.run(
+            client,
             lambda: build_payload(
                 self.embed_tokens,
                 prep.input_ids,

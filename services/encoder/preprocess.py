@@ -21,7 +21,7 @@ import torch
 
 from tandem.chat import ChatTemplate, ImageInput, Limits, Message, invalid
 
-from .images import ImageLimits, decode_image, image_bytes
+from .images import Budget, ImageLimits, decode_image, image_bytes
 
 
 @dataclass
@@ -68,9 +68,12 @@ class Preprocessor:
         self.merge = int(processor.image_processor.merge_size)
 
     def __call__(self, messages: list[Message], req: Limits | None = None,
-                 tools: list[dict] | None = None) -> Prepared:
+                 tools: list[dict] | None = None, budget: Budget | None = None) -> Prepared:
+        """`budget`: the request's deadline and stop flag, checked before each image and
+        before tokenizing (TimeoutError once it has ended)."""
         t0 = time.perf_counter()
         req = req or Limits()
+        budget = budget or Budget()
         lim = self.limits
         max_images = min(lim.max_images, req.max_images or lim.max_images)
         max_tokens = min(lim.max_prompt_tokens, req.max_prompt_tokens or lim.max_prompt_tokens)
@@ -80,7 +83,8 @@ class Preprocessor:
                 "messages",
                 f"the chat has {len(image_parts)} images, over the limit of {max_images}",
             )
-        images = [self._image(where, p) for where, p in image_parts]
+        images = [self._image(where, p, budget) for where, p in image_parts]
+        budget.check()
         ids = self.template.token_ids(
             messages, hf_messages, [im.num_tokens for im in images], max_tokens, tools
         )
@@ -92,9 +96,10 @@ class Preprocessor:
             preprocess_s=time.perf_counter() - t0,
         )
 
-    def _image(self, where: str, part: ImageInput) -> PreparedImage:
+    def _image(self, where: str, part: ImageInput, budget: Budget) -> PreparedImage:
         lim = self.limits
-        raw = image_bytes(part, where, lim.image)
+        budget.check()
+        raw = image_bytes(part, where, lim.image, budget)
         pil = decode_image(raw, where, lim.image)
         # Overrides are clamped into the server's bounds: a client may tighten, never loosen.
         lo = min(max(part.min_pixels or lim.min_pixels, lim.min_pixels), lim.max_pixels)

@@ -1,8 +1,9 @@
 """gRPC `Encoder` servicer: converts protos, delegates, maps errors onto status codes.
 
-    Encode(room, messages, limits, deadline)
-        job_from_proto ─▶ pipeline.encode (preprocess ─▶ sender.announce (what the
-                          language side holds) ─▶ cache / ViT ─▶ merge)
+    Encode(room, messages, limits, deadline, client_id)
+        job_from_proto ─▶ pipeline.encode (preprocess, in the client's fair share of the
+                          worker threads ─▶ sender.announce (what the language side
+                          holds) ─▶ cache / ViT ─▶ merge)
                        ─▶ sender.send(room, payload, deadline)   (waits for Attach Init)
                        ─▶ EncodeResponse once Done is on the Attach stream
     Attach  ─▶ sender.attach (the transfer layer owns the room protocol)
@@ -47,6 +48,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         self.draining = False  # set once by the drain: new Encodes get UNAVAILABLE
         self.num_active = 0  # Encodes in progress (the drain waits for 0)
         self.states: dict[int, EncodeState] = {}  # room -> stage, for Encodes in progress
+        if metrics:
+            metrics.serving(model_name)
 
     async def Encode(self, request, context):  # noqa: N802  (gRPC method name)
         if self.draining:
@@ -103,7 +106,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             res = await self.pipeline.encode(
                 job.messages, job.limits, on_state=mark,
                 announce=lambda info: self.sender.announce(job.room, info, deadline=deadline),
-                tools=job.tools,
+                tools=job.tools, client=job.client_id, deadline=deadline,
             )  # fmt: skip
             mark(EncodeState.SENDING)
             t0 = time.perf_counter()
