@@ -217,3 +217,28 @@ def test_kill9_of_rank_1_ends_the_instance(checkpoint, tmp_path):
         assert "rank 1 exited" in err and "ending this instance" in err, err[-2000:]
     finally:
         p.kill()
+
+
+def test_step_messages_are_plain_data_not_pickle():
+    """A step crosses to the other ranks as safetensors bytes with a JSON header (no pickle
+    across the process boundary): every field of every chunk survives, non-contiguous
+    embedding rows included, and the bytes hold no pickle opcode stream."""
+    from services.language import tp_wire
+    from services.language.forward_batch import SeqChunk, decode_positions
+
+    rows = torch.randn(12, 10)[:, :8]  # a strided view, as a payload slice can be
+    batch = ForwardBatch([
+        SeqChunk(3, 0, torch.arange(5).expand(3, 5), [4, 1], input_embeds=rows[2:7]),
+        SeqChunk(9, 17, decode_positions(17, -3), [0, 6], token_ids=torch.tensor([42]),
+                 want_prompt_logits=True),
+    ])  # fmt: skip
+    data = tp_wire.encode_step(batch)
+    assert not data.startswith(b"\x80")  # pickle protocol 2+ header
+    got = tp_wire.decode_step(data)
+    for want, have in zip(batch.chunks, got.chunks, strict=True):
+        assert (have.seq_id, have.start, have.block_table, have.want_prompt_logits) == (
+            want.seq_id, want.start, want.block_table, want.want_prompt_logits)
+        for name in ("positions", "input_embeds", "token_ids"):
+            a, b = getattr(want, name), getattr(have, name)
+            assert (a is None and b is None) or torch.equal(a, b), name
+    assert tp_wire.decode_json(tp_wire.encode_json({"num_pages": 7})) == {"num_pages": 7}

@@ -12,7 +12,8 @@ weights (shard.py) and of the KV cache (its KV heads, the same page ids as rank 
     ranks.start(num_pages) ────("init")───────▶ build its runner ──("ready")──▶
     every step: runner.forward(batch):
       send the ForwardBatch (plain data,        recv ─▶ runner.forward(batch)
-      pickled, embeddings included) ─────────▶
+      tp_wire: JSON + safetensors, embeddings
+      included) ─────────────────────────────▶
       the same forward; all-reduces after o_proj / down_proj / MoE; logits gathered to 0
 
 Embeddings reach the workers inside the step (rank 0 receives the transfer, then sends the
@@ -29,9 +30,9 @@ SIGTERM: rank 0 drains and then stops them.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
-import pickle
 import secrets
 import subprocess
 import sys
@@ -42,6 +43,7 @@ from multiprocessing.connection import Connection, Listener
 import torch
 import torch.distributed as dist
 
+from services.language import tp_wire
 from services.language.model.shard import Shard
 
 log = logging.getLogger("tandem.language.tp")
@@ -113,13 +115,13 @@ class Ranks:
     def start(self, num_pages: int) -> None:
         """Every worker builds its runner with `num_pages` KV pages; returns once all have."""
         for c in self.conns:
-            c.send(("init", num_pages))
+            c.send_bytes(tp_wire.encode_json({"num_pages": num_pages}))
         for r, c in enumerate(self.conns, start=1):
-            if c.recv() != "ready":
+            if not tp_wire.decode_json(c.recv_bytes()).get("ready"):
                 self.fail(f"rank {r} did not start")
 
     def send_step(self, batch) -> None:
-        data = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+        data = tp_wire.encode_step(batch)
         try:
             for c in self.conns:
                 c.send_bytes(data)
@@ -131,7 +133,7 @@ class Ranks:
         self._stopping = True
         for c in self.conns:
             try:
-                c.send_bytes(pickle.dumps(None))
+                c.send_bytes(tp_wire.STOP)
             except OSError:
                 pass
         for p in self.procs:
@@ -171,7 +173,7 @@ def start_ranks(args: RankArgs, device: torch.device, shard: Shard) -> TensorPar
     env = {**os.environ, "TANDEM_TP_AUTHKEY": authkey.hex()}  # NOTE: not on the command line
     procs = [
         subprocess.Popen([sys.executable, "-m", "services.language.tp_worker", str(r),
-                          pickle.dumps(args).hex()], env=env)
+                          json.dumps(asdict(args))], env=env)
         for r in range(1, args.size)
     ]
     try:
@@ -180,7 +182,7 @@ def start_ranks(args: RankArgs, device: torch.device, shard: Shard) -> TensorPar
         conns: list[Connection | None] = [None] * (args.size - 1)
         for _ in range(args.size - 1):
             c = listener.accept()
-            conns[c.recv() - 1] = c
+            conns[tp_wire.decode_json(c.recv_bytes())["rank"] - 1] = c
     except Exception:
         for p in procs:
             p.kill()

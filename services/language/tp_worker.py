@@ -1,4 +1,4 @@
-"""A tensor-parallel rank other than 0: `python -m services.language.tp_worker RANK ARGS`.
+"""A tensor-parallel rank other than 0: `python -m services.language.tp_worker RANK ARGS_JSON`.
 
 Started by rank 0 (`services.language.tp.start_ranks`), never by hand. It joins the process
 group, loads its shard, builds the same runner as rank 0 at its sizes, then runs every step
@@ -7,15 +7,16 @@ rank 0 sends until told to stop or rank 0 is gone. See tp.py for the whole proto
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import pickle
 import signal
 import sys
 from multiprocessing.connection import Client
 
 import torch
 
+from services.language import tp_wire
 from services.language.model.shard import Shard
 from services.language.tp import RankArgs, TensorParallel, init_group, rank_device
 from tandem.devices import DTYPES
@@ -35,12 +36,11 @@ def main(rank: int, args: RankArgs) -> int:
     init_group(rank, args.size, args.dist_address, device, args.timeout_s)
     host, port = args.control_address.rsplit(":", 1)
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["TANDEM_TP_AUTHKEY"]))
-    conn.send(rank)
+    conn.send_bytes(tp_wire.encode_json({"rank": rank}))
     spec = read_spec(resolve_model_path(args.model))
     shard = Shard.of(spec, rank, args.size)
     weights = load_text_weights(spec, DTYPES[args.dtype], device, shard)
-    what, num_pages = conn.recv()
-    assert what == "init", what
+    num_pages = tp_wire.decode_json(conn.recv_bytes())["num_pages"]
 
     from services.language.model_runner import ModelRunner
 
@@ -51,15 +51,16 @@ def main(rank: int, args: RankArgs) -> int:
         linear_backend=args.linear_backend, cpu_parallel_min_tokens=args.cpu_parallel_min_tokens,
         tp=TensorParallel(rank, shard, device),
     )  # fmt: skip
-    conn.send("ready")
+    conn.send_bytes(tp_wire.encode_json({"ready": True}))
     while True:
         try:
-            batch = pickle.loads(conn.recv_bytes())
+            data = conn.recv_bytes()
         except (EOFError, OSError):
             log.error("rank %d: rank 0 is gone; exiting", rank)
             return 1
-        if batch is None:
+        if data == tp_wire.STOP:
             return 0
+        batch = tp_wire.decode_step(data)
         # NOTE: rank 0 checked the batch before sending it; any failure here (a collective
         # that timed out, a peer gone) ends this rank, and rank 0 ends the instance.
         runner.forward(batch)
@@ -67,4 +68,4 @@ def main(rank: int, args: RankArgs) -> int:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    sys.exit(main(int(sys.argv[1]), pickle.loads(bytes.fromhex(sys.argv[2]))))
+    sys.exit(main(int(sys.argv[1]), RankArgs(**json.loads(sys.argv[2]))))

@@ -1,0 +1,62 @@
+"""The tensor-parallel control channel's messages, as plain bytes (no pickle).
+
+Rank 0 and its workers talk over one authenticated local socket per worker
+(`multiprocessing.connection`, used for framing only: every message is `send_bytes`):
+
+    worker ─▶ rank 0   hello     {"rank": r}                        (JSON)
+    rank 0 ─▶ worker   init      {"num_pages": n}                   (JSON)
+    worker ─▶ rank 0   ready     {"ready": true}                    (JSON)
+    rank 0 ─▶ worker   step      a ForwardBatch: safetensors bytes whose metadata holds
+                                 the chunks' scalars and block tables, tensors named
+                                 "<chunk>.positions" / ".input_embeds" / ".token_ids"
+    rank 0 ─▶ worker   stop      b"" (an empty message)
+
+`RankArgs` travels on the worker's command line as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from services.language.forward_batch import ForwardBatch, SeqChunk
+
+STOP = b""
+_TENSORS = ("positions", "input_embeds", "token_ids")
+
+
+def encode_json(obj: dict) -> bytes:
+    return json.dumps(obj).encode()
+
+
+def decode_json(data: bytes) -> dict:
+    return json.loads(data.decode())
+
+
+def encode_step(batch: ForwardBatch) -> bytes:
+    chunks, tensors = [], {}
+    for i, c in enumerate(batch.chunks):
+        chunks.append({"seq_id": c.seq_id, "start": c.start, "block_table": list(c.block_table),
+                       "want_prompt_logits": c.want_prompt_logits})  # fmt: skip
+        for name in _TENSORS:
+            t = getattr(c, name)
+            if t is not None:  # NOTE: safetensors wants contiguous CPU tensors of their own
+                tensors[f"{i}.{name}"] = t.detach().to("cpu").contiguous()
+    return st_save(tensors, metadata={"chunks": json.dumps(chunks)})
+
+
+def decode_step(data: bytes) -> ForwardBatch:
+    tensors = st_load(data)
+    meta = json.loads(_metadata(data)["chunks"])
+    return ForwardBatch([
+        SeqChunk(**m, **{name: tensors.get(f"{i}.{name}") for name in _TENSORS})
+        for i, m in enumerate(meta)
+    ])
+
+
+def _metadata(data: bytes) -> dict[str, str]:
+    """The safetensors header's `__metadata__` (8-byte little-endian length, then JSON)."""
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(data[8 : 8 + n].decode())["__metadata__"]
