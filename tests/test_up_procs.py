@@ -152,3 +152,24 @@ def test_grpc_servers_refuse_a_taken_port():
             await second.stop(None)
 
     asyncio.run(main())
+
+
+def test_encoders_run_at_a_lower_priority_than_the_other_tiers():
+    """`tandem up` starts encoders at `--encoder-nice` (default 10) and every other tier at
+    the launcher's own priority; the child really runs at that niceness (read back from
+    the process), and 0 turns it off."""
+    encs, langs, router = plan(parse_args(["--encoders", "2"]), "/m")
+    assert [c.nice for c in encs] == [10, 10]
+    assert [c.nice for c in langs] == [0] and router.nice == 0
+    (enc,), _, _ = plan(parse_args(["--encoder-nice", "0"]), "/m")
+    assert enc.nice == 0
+    with pytest.raises(SystemExit):
+        parse_args(["--encoder-nice", "25"])
+
+    base = psutil.Process().nice()
+    child = Child("c", [sys.executable, "-c", "import time; time.sleep(30)"], "", nice=7)
+    child.start(None)
+    try:
+        assert psutil.Process(child.proc.pid).nice() == min(base + 7, 19)
+    finally:
+        child.kill_group()

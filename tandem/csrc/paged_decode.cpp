@@ -12,12 +12,15 @@
 // Work is split over (row, kv head): the G = H / Hkv query heads that share a kv head read
 // each key and value once. Scores, softmax and the weighted sum run in float32 (as the
 // SDPA path does), two passes over the keys: scores, then exp-weights times values (one
-// pass per query head, accumulating in registers; the head's values stay in L2).
+// pass per query head, accumulating in registers; the head's values stay in L2). For
+// float32 with head_dim 64 or 128 on AVX-512, `item_fast` serves all G heads of a kv head
+// in one pass over the keys and one over the values.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -118,6 +121,57 @@ inline void weighted_sum<float>(const float* p, const float* vc, const int64_t* 
 }
 #endif
 
+#if defined(__AVX512F__)
+// float32, D = 16 * ND (ND = 4 or 8: head_dim 64 or 128): the G query heads of one kv head
+// together. Each key row is loaded once for all G dot products, and each value row once
+// for all G weighted sums, which keep G * ND independent accumulators (no FMA chain of
+// length L, as one head and one 16-lane slice at a time would have).
+template <int ND>
+void item_fast(const float* q, const float* kc, const float* vc, const int64_t* rows,
+               int64_t L, int64_t G, float scale, float* scores, float* out) {
+  constexpr int kAcc = 16 / ND;  // query heads per pass: kAcc * ND accumulators
+  for (int64_t g0 = 0; g0 < G; g0 += kAcc) {
+    const int64_t ng = std::min<int64_t>(kAcc, G - g0);
+    __m512 qv[kAcc][ND];
+    for (int64_t g = 0; g < ng; ++g)
+      for (int d = 0; d < ND; ++d) qv[g][d] = _mm512_loadu_ps(q + (g0 + g) * 16 * ND + 16 * d);
+    for (int64_t t = 0; t < L; ++t) {
+      __m512 kv[ND];
+      for (int d = 0; d < ND; ++d) kv[d] = _mm512_loadu_ps(kc + rows[t] + 16 * d);
+      for (int64_t g = 0; g < ng; ++g) {
+        __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int d = 1; d < ND; ++d) acc = _mm512_fmadd_ps(qv[g][d], kv[d], acc);
+        scores[(g0 + g) * L + t] = _mm512_reduce_add_ps(acc) * scale;
+      }
+    }
+  }
+  std::vector<float> z(G);
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * L;
+    z[g] = exp_shifted(sg, L, *std::max_element(sg, sg + L));
+  }
+  for (int64_t g0 = 0; g0 < G; g0 += kAcc) {
+    const int64_t ng = std::min<int64_t>(kAcc, G - g0);
+    __m512 acc[kAcc][ND];
+    for (int64_t g = 0; g < kAcc; ++g)
+      for (int d = 0; d < ND; ++d) acc[g][d] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < L; ++t) {
+      __m512 vv[ND];
+      for (int d = 0; d < ND; ++d) vv[d] = _mm512_loadu_ps(vc + rows[t] + 16 * d);
+      for (int64_t g = 0; g < ng; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[(g0 + g) * L + t]);
+        for (int d = 0; d < ND; ++d) acc[g][d] = _mm512_fmadd_ps(p, vv[d], acc[g][d]);
+      }
+    }
+    for (int64_t g = 0; g < ng; ++g) {
+      const __m512 s = _mm512_set1_ps(z[g0 + g]);  // divided, as the generic path does
+      for (int d = 0; d < ND; ++d)
+        _mm512_storeu_ps(out + (g0 + g) * 16 * ND + 16 * d, _mm512_div_ps(acc[g][d], s));
+    }
+  }
+}
+#endif
+
 template <typename T>
 void decode(const T* q, const T* kc, const T* vc, const int64_t* bt, const int64_t* lens,
             T* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t ps, int64_t W,
@@ -132,9 +186,22 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* bt, const int64
       for (int64_t t = 0, page = 0; t < L; ++page)  // no division in the loops below
         for (int64_t slot = 0; slot < ps && t < L; ++slot, ++t)
           rows[t] = ((bt[b * W + page] * ps + slot) * Hkv + kvh) * D;
+      scores.assign(G * L, 0.f);
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<T, float>) {
+        T* o = out + (b * H + kvh * G) * D;  // the G heads of this kv head are adjacent
+        if (D == 64) {
+          item_fast<4>(q + (b * H + kvh * G) * D, kc, vc, rows.data(), L, G, scale, scores.data(), o);
+          continue;
+        }
+        if (D == 128) {
+          item_fast<8>(q + (b * H + kvh * G) * D, kc, vc, rows.data(), L, G, scale, scores.data(), o);
+          continue;
+        }
+      }
+#endif
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = load(q, (b * H + kvh * G + g) * D + d);
-      scores.assign(G * L, 0.f);
       for (int64_t t = 0; t < L; ++t)
         for (int64_t g = 0; g < G; ++g)
           scores[g * L + t] = dot(qf.data() + g * D, kc + rows[t], D) * scale;

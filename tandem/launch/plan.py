@@ -106,6 +106,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--encoder-args", default="", help="Extra flags for every encoder.")
     p.add_argument("--language-args", default="", help="Extra flags for every language instance.")
     p.add_argument("--router-args", default="", help="Extra flags for the router.")
+    p.add_argument("--encoder-nice", type=int, default=10, choices=range(0, 20),
+                   metavar="0-19",
+                   help="Scheduling priority of the encoder processes, below the other "
+                   "tiers' (nice). On one host the tiers share its cores: a decode step "
+                   "waits for every thread it forks, so the language tier runs first and "
+                   "the vision tower fills the idle time (measured in docs/benchmarks.md). "
+                   "0 = equal priority.")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="Seconds to get ready.")
     p.add_argument("--stop-timeout", type=float, default=15.0,
                    help="Seconds each child gets to drain before it is killed.")
@@ -189,7 +196,8 @@ def plan(args: argparse.Namespace, model: str) -> tuple[list[Child], list[Child]
             metrics = _flag_value(extra, "--metrics-port")
             own = [] if metrics else ["--metrics-port", metrics := str(free_port(args.host))]
             argv = instance_argv(kind, model, args.host, port, ranges.pop(), [*extra, *own])
-            child = Child(f"{kind}-{i}", argv, f"{args.host}:{port}")
+            child = Child(f"{kind}-{i}", argv, f"{args.host}:{port}",
+                          nice=args.encoder_nice if kind == "encoder" else 0)
             child.metrics_url = f"http://{args.host}:{metrics}/metrics"
             out.append(child)
     router = router_child(args, model, [c.grpc_address for c in encoders],

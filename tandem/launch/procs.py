@@ -59,6 +59,18 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         _PRCTL(_PR_SET_PDEATHSIG, _SIGTERM)
 
 
+def _child_setup(nice: int):
+    """The hook run in the child between fork and exec: die with the parent, then lower
+    the child's scheduling priority by `nice` (inherited by every thread it starts)."""
+
+    def setup() -> None:
+        _die_with_parent()
+        if nice:
+            os.nice(nice)
+
+    return setup
+
+
 @dataclass
 class Child:
     """One service process. `health_service` is the grpc.health.v1 service name whose
@@ -70,6 +82,7 @@ class Child:
     health_service: str = ""
     env_extra: dict[str, str] = field(default_factory=dict)  # e.g. secrets kept out of argv
     metrics_url: str = ""  # its Prometheus endpoint, printed with its ready line
+    nice: int = 0  # scheduling priority below the launcher's (`tandem up --encoder-nice`)
     proc: subprocess.Popen | None = None
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=40))
     started_at: float = 0.0
@@ -85,7 +98,7 @@ class Child:
             stdin=subprocess.DEVNULL,
             env={**(os.environ if env is None else env), **self.env_extra},
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=_child_setup(self.nice),
         )
         self._pump = threading.Thread(target=self._forward, name=f"log-{self.name}", daemon=True)
         self._pump.start()

@@ -43,7 +43,7 @@ class ServiceHost:
         self.name, self.kind = name, kind
         self.child: Child | None = None
 
-    def start(self, model: str, extra: list[str], ready_timeout_s: float) -> dict:
+    def start(self, model: str, extra: list[str], ready_timeout_s: float, nice: int = 0) -> dict:
         import ray
 
         ip = ray.util.get_node_ip_address()
@@ -57,7 +57,7 @@ class ServiceHost:
         port = free_port(ip)
         (ports,) = launch_plan.transfer_ranges(1)
         argv = launch_plan.instance_argv(self.kind, model, ip, port, ports, extra)
-        self.child = Child(self.name, argv, f"{ip}:{port}")
+        self.child = Child(self.name, argv, f"{ip}:{port}", nice=nice)
         self.child.start(env)
         try:
             wait_ready([self.child], ready_timeout_s, threading.Event())
@@ -156,8 +156,9 @@ def main(argv: list[str] | None = None) -> int:
             ).remote(f"{kind}-{i}", kind))  # fmt: skip
         import shlex
 
-        pending = [a.start.remote(model, shlex.split(extra), args.ready_timeout)
-                   for a, (_, _, _, _, extra) in zip(actors, plan, strict=True)]  # fmt: skip
+        pending = [a.start.remote(model, shlex.split(extra), args.ready_timeout,
+                                  args.encoder_nice if kind == "encoder" else 0)
+                   for a, (kind, _, _, _, extra) in zip(actors, plan, strict=True)]  # fmt: skip
         infos = []
         for ref in pending:  # NOTE: in order, but every start runs in parallel on its actor
             while not stop.is_set():
