@@ -14,6 +14,7 @@ PROTOS := $(wildcard protos/tandem/v1/*.proto)
 PYTEST_ARGS ?=
 MODEL ?=
 HELM := .tools/helm
+PROMTOOL := .tools/promtool
 
 .PHONY: setup test run lint proto bench bench-peer clean helm
 
@@ -65,7 +66,16 @@ $(HELM): deploy/scripts/install-helm.sh
 
 helm: $(HELM)
 
-test: setup $(if $(wildcard deploy/scripts/install-helm.sh),$(HELM))
+# promtool (for the metrics lint test): Debian's `prometheus` package, downloaded and
+# unpacked here (not installed: that would start a Prometheus service); one static binary.
+$(PROMTOOL):
+	@mkdir -p .tools/promtool.d
+	cd .tools/promtool.d && apt-get download prometheus -q 2>/dev/null \
+	  || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); $$SUDO apt-get update -qq && apt-get download prometheus -q; }
+	dpkg -x .tools/promtool.d/prometheus_*.deb .tools/promtool.d/x
+	cp .tools/promtool.d/x/usr/bin/promtool $@ && rm -rf .tools/promtool.d
+
+test: setup $(if $(wildcard deploy/scripts/install-helm.sh),$(HELM)) $(PROMTOOL)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 run: setup

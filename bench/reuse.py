@@ -3,6 +3,7 @@ encoder, each pair side by side in one run on fresh `tandem up` clusters.
 
     .venv/bin/python bench/reuse.py [--size small] [--conversations 8] [--turns 6]
                                     [--max-tokens 16] [--text-requests 12] [--runs 3]
+                                    [--text-concurrency 8] [--text-only]
                                     [--out bench/results/reuse.md]
 
 Multi-turn workload: `--conversations` chats run concurrently, each `--turns` turns in
@@ -14,8 +15,10 @@ prompt tokens served from the prefix cache, and payload bytes the encoder wrote 
 request (its transfer byte counter).
 
 Text-only workload: `--text-requests` distinct chats (no image) of each size, short (a
-sentence) and long (~300 words), one at a time: TTFT p50 through the language tier
-directly (the router's encoder bypass) and through an encoder (`--no-encoder-bypass`).
+sentence) and long (~300 words), one at a time, then short ones `--text-concurrency` at a
+time (a server's usual state: the encoder path's extra work competes with prefill and decode
+for the same cores): TTFT p50 through the language tier directly (the router's encoder
+bypass) and through an encoder (`--no-encoder-bypass`). `--text-only` skips multi-turn.
 
 Clusters (1 encoder + 1 language, float32 CPU): default; `--no-prefix-cache` on the
 language tier; `--no-encoder-bypass` on the router. Each run starts all three fresh (cold
@@ -140,20 +143,27 @@ async def multi_turn(url: str, run: int, conversations: int, turns: int, max_tok
             "failures": failures}
 
 
-async def text_only(url: str, run: int, n: int, n_words: int) -> dict:
+async def text_only(url: str, run: int, n: int, n_words: int, concurrency: int = 1,
+                    max_tokens: int = 2) -> dict:
     import httpx
 
     words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta"]
     ttft, failures = [], 0
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(http, i: int) -> None:
+        nonlocal failures
+        rng = random.Random(run * 7919 + i)
+        text = f"Note {run}-{i}: " + " ".join(rng.choice(words) for _ in range(n_words))
+        async with gate:
+            r = await stream_chat(http, url, [{"role": "user", "content": text}], max_tokens)
+        if r["failed"]:
+            failures += 1
+        else:
+            ttft.append(r["ttft"])
+
     async with httpx.AsyncClient(timeout=600) as http:
-        for i in range(n):
-            rng = random.Random(run * 7919 + i)
-            text = f"Note {run}-{i}: " + " ".join(rng.choice(words) for _ in range(n_words))
-            r = await stream_chat(http, url, [{"role": "user", "content": text}], 2)
-            if r["failed"]:
-                failures += 1
-            else:
-                ttft.append(r["ttft"])
+        await asyncio.gather(*(one(http, i) for i in range(n)))
     return {"ttft": ttft, "failures": failures}
 
 
@@ -168,7 +178,7 @@ def one_cluster(model_dir: Path, name: str, run: int, args) -> dict:
     with cluster:
         url = cluster.http_url + "/v1/chat/completions"
         asyncio.run(text_only(url, -1 - run, 2, 8))  # warm-up (distinct prompts: nothing cached)
-        if name in ("cache on", "cache off"):
+        if name in ("cache on", "cache off") and not args.text_only:
             before = scrape(enc_port)
             out["mt"] = asyncio.run(multi_turn(url, run, args.conversations, args.turns,
                                                args.max_tokens))
@@ -178,6 +188,9 @@ def one_cluster(model_dir: Path, name: str, run: int, args) -> dict:
         if name in ("cache on", "encoder path"):
             out["text"] = {size: asyncio.run(text_only(url, run, args.text_requests, words))
                            for size, words in TEXT_SIZES.items()}
+            c = args.text_concurrency  # distinct prompts (run + 100): nothing cached
+            out["text"]["concurrent"] = asyncio.run(text_only(
+                url, run + 100, 4 * c, TEXT_SIZES["short"], concurrency=c, max_tokens=16))
     return out
 
 
@@ -190,6 +203,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--text-requests", type=int, default=12)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--text-concurrency", type=int, default=8)
+    p.add_argument("--text-only", action="store_true", help="skip the multi-turn workload")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "reuse.md"))
     args = p.parse_args()
 
@@ -197,9 +212,10 @@ def main() -> int:
     from conftest import build_checkpoint
 
     model_dir = build_checkpoint(args.arch, args.size)
-    results: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+    names = ["cache on", "encoder path"] if args.text_only else list(CONFIGS)
+    results: dict[str, list[dict]] = {name: [] for name in names}
     for run in range(args.runs):
-        order = list(CONFIGS) if run % 2 == 0 else list(reversed(CONFIGS))
+        order = names if run % 2 == 0 else list(reversed(names))
         for name in order:
             results[name].append(one_cluster(model_dir, name, run, args))
             print(f"run {run}: {name} done", flush=True)
@@ -217,45 +233,50 @@ def main() -> int:
                 f"{mt(name, lambda m: m['bytes']) / 1e3:.0f} | "
                 f"{sum(r['mt']['failures'] for r in results[name])} |")
 
-    on_later = mt("cache on", lambda m: pct(m["later"], .5))
-    off_later = mt("cache off", lambda m: pct(m["later"], .5))
+    sizes = [*TEXT_SIZES, "concurrent"]
     by = {(n, size): med(pct(r["text"][size]["ttft"], .5) for r in results[n])
-          for n in ("cache on", "encoder path") for size in TEXT_SIZES}
-    fails = {n: sum(r["text"][size]["failures"] for r in results[n] for size in TEXT_SIZES)
+          for n in ("cache on", "encoder path") for size in sizes}
+    fails = {n: sum(r["text"][size]["failures"] for r in results[n] for size in sizes)
              for n in ("cache on", "encoder path")}
-    lines = [
-        f"# Reuse benchmark ({args.arch}, `{args.size}` preset, CPU)",
-        "",
-        f"Multi-turn: {args.conversations} conversations x {args.turns} turns, concurrent "
-        f"conversations, sequential turns; shared system prompt, one 224x224 image in the "
-        f"first turn, short follow-ups, {args.max_tokens}-token replies fed back. 1 encoder "
-        f"+ 1 language, fresh clusters, alternating order, median of {args.runs} runs. "
-        f"Machine: {machine()}.",
-        "",
-        "| language prefix cache | TTFT p50 turns 2+ ms | TTFT p99 turns 2+ ms | TTFT p50 all "
-        "ms | req/s | cached prompt tokens / req | encoder payload KB / req | failures |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        row("cache on"),
-        row("cache off"),
-        "",
-        f"TTFT p50 of turns 2+, cache on / off: **{on_later / off_later:.2f}**.",
-        "",
+    c = args.text_concurrency
+    lines = [f"# Reuse benchmark ({args.arch}, `{args.size}` preset, CPU)", ""]
+    if not args.text_only:
+        on_later = mt("cache on", lambda m: pct(m["later"], .5))
+        off_later = mt("cache off", lambda m: pct(m["later"], .5))
+        lines += [
+            f"Multi-turn: {args.conversations} conversations x {args.turns} turns, concurrent "
+            f"conversations, sequential turns; shared system prompt, one 224x224 image in the "
+            f"first turn, short follow-ups, {args.max_tokens}-token replies fed back. 1 encoder "
+            f"+ 1 language, fresh clusters, alternating order, median of {args.runs} runs. "
+            f"Machine: {machine()}.",
+            "",
+            "| language prefix cache | TTFT p50 turns 2+ ms | TTFT p99 turns 2+ ms | TTFT p50 all "
+            "ms | req/s | cached prompt tokens / req | encoder payload KB / req | failures |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            row("cache on"),
+            row("cache off"),
+            "",
+            f"TTFT p50 of turns 2+, cache on / off: **{on_later / off_later:.2f}**.",
+            "",
+        ]
+    lines += [
         f"Text-only: {args.text_requests} distinct chats per size (short: "
         f"{TEXT_SIZES['short']} words, long: {TEXT_SIZES['long']} words), one at a time, "
-        f"2 tokens each.",
+        f"2 tokens each; then {4 * c} distinct short chats {c} at a time, 16 tokens each. "
+        f"1 encoder + 1 language, fresh clusters, alternating order, median of {args.runs} "
+        f"runs. Machine: {machine()}.",
         "",
-        "| path | TTFT p50 short ms | TTFT p50 long ms | failures |",
-        "| --- | ---: | ---: | ---: |",
-        f"| straight to the language tier (encoder bypass) | "
-        f"{by['cache on', 'short'] * 1e3:.0f} | {by['cache on', 'long'] * 1e3:.0f} | "
-        f"{fails['cache on']} |",
-        f"| through the encoder (`--no-encoder-bypass`) | "
-        f"{by['encoder path', 'short'] * 1e3:.0f} | {by['encoder path', 'long'] * 1e3:.0f} | "
-        f"{fails['encoder path']} |",
+        f"| path | TTFT p50 short ms | TTFT p50 long ms | TTFT p50 short, {c} concurrent ms "
+        "| failures |",
+        "| --- | ---: | ---: | ---: | ---: |",
+        *(f"| {label} | " + " | ".join(f"{by[n, size] * 1e3:.0f}" for size in sizes)
+          + f" | {fails[n]} |"
+          for n, label in (("cache on", "straight to the language tier (encoder bypass)"),
+                           ("encoder path", "through the encoder (`--no-encoder-bypass`)"))),
         "",
-        "TTFT p50 bypass / encoder path: short "
-        f"**{by['cache on', 'short'] / by['encoder path', 'short']:.2f}**, long "
-        f"**{by['cache on', 'long'] / by['encoder path', 'long']:.2f}**.",
+        "TTFT p50 bypass / encoder path: " + ", ".join(
+            f"{size} **{by['cache on', size] / by['encoder path', size]:.2f}**"
+            for size in sizes) + ".",
         "",
         "Regenerate: `.venv/bin/python bench/reuse.py` (options: `--help`).",
     ]

@@ -31,11 +31,10 @@ from tandem.client import (
 from tandem.launch.procs import free_port
 
 
-@pytest.fixture(scope="module")
-def router():
+def _serve_router(**overrides):
     cfg = RouterConfig(http_port=free_port(), grpc_port=free_port(), api_key="k3y",
                        encoders=[f"127.0.0.1:{free_port()}"], languages=[f"127.0.0.1:{free_port()}"],
-                       load_refresh_s=0.1, model="tiny")
+                       load_refresh_s=0.1, model="tiny", **overrides)
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
     t = threading.Thread(target=loop.run_until_complete, args=(run_router(cfg, stop),))
@@ -51,6 +50,16 @@ def router():
     loop.call_soon_threadsafe(stop.set)
     t.join(30)
     assert not t.is_alive()
+
+
+@pytest.fixture(scope="module")
+def router():
+    yield from _serve_router()
+
+
+@pytest.fixture(scope="module")
+def impatient_router():
+    yield from _serve_router(http_request_timeout_s=1.0)
 
 
 def test_sdk_typed_errors(router):
@@ -242,3 +251,42 @@ def test_idle_keep_alive_outlives_client_pools(router):
             assert r.status in (200, 503) and not r.will_close
     finally:
         conn.close()
+
+
+def _read_until_closed(sock, limit_s: float) -> tuple[bytes, float]:
+    """Everything the server sends until it closes the connection, and when it closed."""
+    t0, got = time.monotonic(), b""
+    sock.settimeout(limit_s)
+    while True:
+        chunk = sock.recv(4096)
+        if not chunk:
+            return got, time.monotonic() - t0
+        got += chunk
+
+
+@pytest.mark.parametrize("sent", [
+    b"",  # opened, never spoke
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Le",  # half the headers
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k3y\r\n"
+    b"Content-Type: application/json\r\nContent-Length: 400\r\n\r\n{\"model\": ",  # half a body
+], ids=["silent", "half-headers", "half-body"])
+def test_stalled_connections_are_closed_at_the_request_deadline(impatient_router, sent):
+    """A client that stalls before its request is whole (slowloris) loses the connection
+    at `http_request_timeout_s` (1 s here): a 408 with an OpenAI body when it had started
+    a request, a plain close when it never spoke. Before, uvicorn held such connections for
+    ever. A normal request on a fresh connection is served meanwhile."""
+    import json
+    import socket
+
+    with socket.create_connection(("127.0.0.1", impatient_router.http_port)) as sock:
+        sock.sendall(sent)
+        got, took = _read_until_closed(sock, 10)
+    assert 0.8 < took < 5
+    if sent:
+        head, _, body = got.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), got
+        assert json.loads(body)["error"]["type"] == "timeout_error"
+    else:
+        assert got == b""
+    r = httpx.get(f"http://127.0.0.1:{impatient_router.http_port}/health", timeout=5)
+    assert r.status_code in (200, 503)

@@ -190,3 +190,58 @@ def test_conversation_key_follows_the_conversation_and_picks_its_language_instan
     homes = {s.pick(cands(0, 0, 0, 0), [conversation_key(_chat(sys, ("user", str(i))))])
              for i in range(40)}
     assert len(homes) == 4
+
+
+def test_a_tiers_resource_exhausted_is_413_never_retried_only_overload_is_429():
+    """A message over a tier's gRPC size limit (RESOURCE_EXHAUSTED from grpc itself: a
+    text-only chat over the language tier's 4 MiB) is permanent: 413 too_large, in neither
+    retry set; it was a 429 "rate limit". Decided by code and tier, never by the text."""
+    import asyncio
+
+    import grpc
+
+    from services.router.errors import (
+        RETRYABLE_ENCODER,
+        RETRYABLE_REQUEST,
+        Tier,
+        from_error_info,
+        from_rpc,
+    )
+    from tandem.v1 import common_pb2, language_pb2, language_pb2_grpc
+
+    async def over_the_limit() -> grpc.RpcError:
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 1024)])
+        language_pb2_grpc.add_LanguageServicer_to_server(language_pb2_grpc.LanguageServicer(),
+                                                         server)  # fmt: skip
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                req = language_pb2.LanguageGenerateRequest(
+                    messages=[common_pb2.ChatMessage(role="user", content=[
+                        common_pb2.ContentPart(text="x" * 4096)])])
+                try:
+                    async for _ in language_pb2_grpc.LanguageStub(ch).Generate(req, timeout=5):
+                        pass
+                except grpc.RpcError as e:
+                    return e
+        finally:
+            await server.stop(None)
+        raise AssertionError("the message passed the size limit")
+
+    rpc_err = asyncio.run(over_the_limit())
+    assert rpc_err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    for tier in (Tier.LANGUAGE, Tier.ENCODER):
+        err = from_rpc(rpc_err, tier)
+        assert (err.code, err.http_status, err.openai_type) == (
+            "TOO_LARGE", 413, "invalid_request_error")
+        assert err.grpc_name == "RESOURCE_EXHAUSTED"
+        assert err.code not in RETRYABLE_ENCODER | RETRYABLE_REQUEST
+    in_stream = from_error_info(common_pb2.ErrorInfo(code="RESOURCE_EXHAUSTED",
+                                                     message="prompt needs 900 KV pages"),
+                                Tier.LANGUAGE)  # fmt: skip
+    assert in_stream.http_status == 413 and in_stream.code == "TOO_LARGE"
+    overloaded = RouterError("OVERLOADED", "router at capacity")  # the router's own
+    assert (overloaded.http_status, overloaded.openai_type) == (429, "rate_limit_error")
+    assert RouterError("REQUEST_TIMEOUT", "x").http_status == 408
+    assert RouterError("REQUEST_TIMEOUT", "x").grpc_name == "DEADLINE_EXCEEDED"

@@ -158,7 +158,7 @@ async def test_concurrent_rooms_and_metrics(encoder):
     assert got["tokens"] == sum(sizes)
     assert got["resumes"] == sum(r["resumes"] for r in results) == 3  # 130, 200, 257 > 64
     assert got["bytes"] == sum(n * (32 * 4 + 4 + 12) for n in sizes)
-    assert _sample("tandem_transfer_blocks_free") == _sample("tandem_transfer_blocks_total") == 32
+    assert _sample("tandem_transfer_blocks_free") == _sample("tandem_transfer_blocks_capacity") == 32
 
 
 async def test_sender_in_process_to_language_process(tmp_path):

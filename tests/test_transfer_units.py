@@ -134,8 +134,19 @@ def test_engine_ports_registration_and_metrics():
     m1, m2 = transfer_metrics(reg), transfer_metrics(reg)  # no duplicate registration
     assert m1 is m2 and transfer_metrics() is transfer_metrics()
     m1.failures.labels("language", "UNAVAILABLE").inc()
-    assert reg.get_sample_value("tandem_transfer_failures_total",
-                                {"side": "language", "code": "UNAVAILABLE"}) == 1
+    m1.failures.labels("language", "CANCELLED").inc()
+    m1.failures.labels("encoder", "DEADLINE_EXCEEDED").inc()
+    # the reason comes from the code: the request ended the room, or the transfer failed
+    for side, code, reason in (("language", "UNAVAILABLE", "transfer"),
+                               ("language", "CANCELLED", "request"),
+                               ("encoder", "DEADLINE_EXCEEDED", "request")):
+        assert reg.get_sample_value("tandem_transfer_failures_total",
+                                    {"side": side, "code": code, "reason": reason}) == 1
+    # block gauges only where blocks exist (the language side: BlockReservations)
+    assert reg.get_sample_value("tandem_transfer_blocks_capacity") is None
+    m1.blocks(3, 8)
+    assert reg.get_sample_value("tandem_transfer_blocks_free") == 3
+    assert reg.get_sample_value("tandem_transfer_blocks_capacity") == 8
 
 
 def test_port_range_confines_a_fresh_process():

@@ -10,17 +10,21 @@ tandem_encoder_queue_patches            patches waiting for the ViT
 tandem_encoder_queued_requests          requests accepted and not yet answered
 tandem_encoder_batch_images             images per ViT batch (histogram)
 tandem_encoder_requests_total{code}     finished Encode calls by gRPC code name
+tandem_model_info{model_name,tier}      the served model (`tandem.metrics.ModelInfo`)
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from tandem.metrics import MirroredCounter, model_info
+
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 class EncoderMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
         kw = {"registry": registry}
         p = "tandem_encoder_"
         self.images = Counter(p + "images_encoded", "Images run through the ViT.", **kw)
@@ -31,7 +35,9 @@ class EncoderMetrics:
         )
         self.cache_hits = Counter(p + "cache_hits", "Embedding cache hits.", **kw)
         self.cache_misses = Counter(p + "cache_misses", "Embedding cache misses.", **kw)
-        self.cache_evictions = Gauge(p + "cache_evictions", "Embedding cache evictions.", **kw)
+        # the cache keeps the running total: `cache_evictions.set(cache.evictions)`
+        self.cache_evictions = MirroredCounter(
+            Counter(p + "cache_evictions", "Embedding cache evictions.", **kw))
         self.cache_bytes = Gauge(p + "cache_bytes", "Bytes held by the embedding cache.", **kw)
         self.queue_patches = Gauge(p + "queue_patches", "Patches waiting for the ViT.", **kw)
         self.queued_requests = Gauge(p + "queued_requests", "Requests in progress.", **kw)
@@ -42,6 +48,9 @@ class EncoderMetrics:
             **kw,
         )
         self.requests = Counter(p + "requests", "Finished Encode calls.", ["code"], **kw)
+
+    def serving(self, model_name: str) -> None:
+        model_info(self.registry, "encoder", model_name)
 
     def cache(self, hit: bool) -> None:
         (self.cache_hits if hit else self.cache_misses).inc()

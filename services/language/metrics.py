@@ -1,5 +1,14 @@
 """Prometheus metrics of the language tier: one set per registry (`tandem.metrics`), the
-service's own, so several engines in one process (tests) never collide."""
+service's own, so several engines in one process (tests) never collide.
+
+Per step (the engine): batch size and tokens, prompt / generation token counters,
+retractions, queue and KV gauges. Per finished request (`request_finished`, from the
+request's timestamps): time to first token, time per output token, latency, and, as vLLM
+names them, queue time (queued -> first scheduled), prefill time (first scheduled ->
+first token), decode time (first token -> last token), prompt and generation tokens.
+`kv_cache_usage_ratio` is pages held by requests over the pool (idle cached pages count
+as free: they are evicted on demand).
+"""
 
 from __future__ import annotations
 
@@ -7,14 +16,24 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from tandem.metrics import model_info
+
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_PHASE = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
+          120)  # fmt: skip
 _TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_REQUEST_TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000,
+                   50000, 100000)  # fmt: skip
+
+
+def _value(gauge: Gauge) -> float:
+    return gauge.collect()[0].samples[0].value
 
 
 class LanguageMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        r = registry
+        self.registry = r = registry
         p = "tandem_language_"
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first token.",
                               buckets=_LATENCY, registry=r)  # fmt: skip
@@ -23,13 +42,35 @@ class LanguageMetrics:
                               buckets=_TPOT, registry=r)  # fmt: skip
         self.e2e = Histogram(p + "request_latency_seconds", "Arrival to finish.",
                              buckets=_LATENCY, registry=r)  # fmt: skip
+        self.queue_time = Histogram(p + "request_queue_time_seconds",
+                                    "Per request: waiting queue to first scheduled.",
+                                    buckets=_PHASE, registry=r)  # fmt: skip
+        self.prefill_time = Histogram(p + "request_prefill_time_seconds",
+                                      "Per request: first scheduled to first token.",
+                                      buckets=_PHASE, registry=r)  # fmt: skip
+        self.decode_time = Histogram(p + "request_decode_time_seconds",
+                                     "Per request: first token to last token.",
+                                     buckets=_PHASE, registry=r)  # fmt: skip
+        self.request_prompt_tokens = Histogram(p + "request_prompt_tokens",
+                                               "Prompt tokens per finished request.",
+                                               buckets=_REQUEST_TOKENS, registry=r)  # fmt: skip
+        self.request_generation_tokens = Histogram(p + "request_generation_tokens",
+                                                   "Generated tokens per finished request.",
+                                                   buckets=_REQUEST_TOKENS,
+                                                   registry=r)  # fmt: skip
         self.waiting = Gauge(p + "waiting_requests", "Requests in the waiting queue.", registry=r)
         self.running = Gauge(p + "running_requests", "Requests prefilling or decoding.",
                              registry=r)  # fmt: skip
         self.transferring = Gauge(p + "transferring_requests", "Rooms waiting for their prompt.",
                                   registry=r)  # fmt: skip
         self.kv_used = Gauge(p + "kv_pages_used", "KV pages held by requests.", registry=r)
-        self.kv_total = Gauge(p + "kv_pages_total", "KV pages in the pool.", registry=r)
+        self.kv_total = Gauge(p + "kv_pages_capacity", "KV pages in the pool.", registry=r)
+        self.kv_usage = Gauge(p + "kv_cache_usage_ratio",
+                              "KV pages held by requests over the pool (0 to 1).",
+                              registry=r)  # fmt: skip
+        # NOTE: derived at scrape time from the two gauges the engine sets, so the ratio
+        # can never disagree with them.
+        self.kv_usage.set_function(self._kv_ratio)
         self.retractions = Counter(p + "retractions", "Requests retracted for KV pages.",
                                    registry=r)  # fmt: skip
         self.batch_size = Histogram(p + "batch_size", "Sequences per forward step.",
@@ -59,6 +100,25 @@ class LanguageMetrics:
         self._cache_seen = (0, 0, 0)
         self._window_start = time.monotonic()
         self._window_tokens = 0
+
+    def serving(self, model_name: str) -> None:
+        model_info(self.registry, "language", model_name)
+
+    def _kv_ratio(self) -> float:
+        total = _value(self.kv_total)
+        return _value(self.kv_used) / total if total > 0 else 0.0
+
+    def request_finished(self, req) -> None:
+        """Observe a finished `Request`'s phases and sizes (a phase it never reached, e.g.
+        prefill of a request aborted while queued, is not observed)."""
+        if req.t_queued and req.t_first_scheduled:
+            self.queue_time.observe(max(req.t_first_scheduled - req.t_queued, 0.0))
+        if req.t_first_scheduled and req.t_first_token:
+            self.prefill_time.observe(max(req.t_first_token - req.t_first_scheduled, 0.0))
+        if req.t_first_token and req.t_last_token:
+            self.decode_time.observe(max(req.t_last_token - req.t_first_token, 0.0))
+        self.request_prompt_tokens.observe(req.prompt_len)
+        self.request_generation_tokens.observe(len(req.output_ids))
 
     def prefix_cache(self, cache) -> None:
         """Bring the prefix-cache metrics up to `cache.stats` (counters move by the delta)."""

@@ -147,6 +147,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         self.engine, self.receiver, self.allocator = engine, receiver, allocator
         self.template = template  # None: text-only chats are refused
         self.limits, self.metrics = limits, metrics
+        metrics.serving(limits.model)
         self.transferring: set[int] = set()
         self.streams: set[int] = set()  # rooms with a Generate call in progress
         self.draining = False
@@ -210,8 +211,14 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             # -- 2. the engine generates --
             q: asyncio.Queue[StreamDelta] = asyncio.Queue()
             loop = asyncio.get_running_loop()
+
+            def sink(d: StreamDelta) -> None:  # NOTE: on the engine thread
+                if d.finished:  # every end, a cancelled stream's too (nobody reads q then)
+                    self.metrics.request_finished(req)
+                loop.call_soon_threadsafe(q.put_nowait, d)
+
             try:
-                self.engine.submit(req, lambda d: loop.call_soon_threadsafe(q.put_nowait, d))
+                self.engine.submit(req, sink)
             except AdmissionError as e:
                 self.engine.unpin(room)
                 outcome = f"{e.code} at admission: {e.message}"

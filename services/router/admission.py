@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from contextlib import contextmanager
 
@@ -51,3 +52,16 @@ def check_api_key(expected: str, authorization: str | None) -> None:
     scheme, _, token = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), expected):
         raise RouterError("UNAUTHENTICATED", "missing or invalid API key")
+
+
+def client_id(remote_host: str | None, forwarded: str | None = None) -> str:
+    """The caller's key for the encoders' fair share of preprocessing (ChatRequest /
+    EncodeRequest `client_id`), opaque (hashed): its address, which is `forwarded` (the
+    first address in the `client_id_header` a trusted proxy in front sets) when given,
+    else the connection's remote host.
+
+    NOTE: not the API key: the router has one key, shared by every caller (it would make
+    them all one client), and without a key any token passes, so a flood could pose as
+    many clients by changing its token. An address costs a flood more to multiply."""
+    who = (forwarded or "").split(",")[0].strip() or remote_host or "unknown"
+    return "c-" + hashlib.sha256(who.encode()).hexdigest()[:16]

@@ -19,6 +19,13 @@ class RouterConfig(ServiceSettings):
         "common clients' own pool expiry (5 s in httpx/aiohttp), so a client never reuses a "
         "connection the router is closing at that moment (a reset under load).",
     )  # fmt: skip
+    http_request_timeout_s: float = Field(
+        60.0, gt=0, le=3600,
+        description="Time a client has to send a whole HTTP request once it starts one: its "
+        "headers (and, on a new connection, its first byte), then its body. Past it the "
+        "router answers 408 and closes the connection, so a stalled or trickling client "
+        "(slowloris) cannot hold connections.",
+    )  # fmt: skip
     encoders: list[str] = Field(
         default_factory=list, description="Static encoder addresses (host:port)."
     )
@@ -49,6 +56,13 @@ class RouterConfig(ServiceSettings):
         1, ge=0, le=5, description="Whole-request retries when instances fail before any output."
     )
     api_key: str = Field("", description="If set, required as Bearer token / gRPC metadata.")
+    client_id_header: str = Field(
+        "", pattern="^[A-Za-z0-9-]*$",
+        description="Header (HTTP) / metadata key (gRPC) whose first address names the "
+        "client, e.g. 'x-forwarded-for', for the encoders' fair share of preprocessing per "
+        "client. Set it only behind a proxy that sets it (a client could forge it); empty = "
+        "the connection's remote address.",
+    )  # fmt: skip
     tls_cert: str = Field("", description="PEM certificate for the gRPC port (enables TLS).")
     tls_key: str = Field("", description="PEM private key for the gRPC port.")
     max_image_bytes: int = Field(

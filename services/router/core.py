@@ -46,6 +46,7 @@ class RouterCore:
     def refresh_gauges(self) -> None:
         self.metrics.healthy.labels("encoder").set(self.registry.encoders.healthy_count())
         self.metrics.healthy.labels("language").set(self.registry.languages.healthy_count())
+        self.metrics.serving(self.model_name())
 
     async def language_call(self, method: str, msg, timeout_s: float = 10.0):
         """A unary call (Tokenize, Detokenize) on the least-loaded healthy language

@@ -141,6 +141,7 @@ class Dispatcher:
                         messages=req.messages,
                         deadline_unix_ms=int(deadline * 1000),
                         tools_json=req.tools.tools_json,
+                        client_id=req.client_id,
                     ),
                     timeout=max(0.001, deadline - time.time()),
                 ))

@@ -2,9 +2,10 @@
 
 `RouterError.code` is a gRPC status code name (as in `ErrorInfo.code`); `http_status` and
 `openai_type` derive from it; `tier` says which tier failed (the retry rules read it, never
-the message text). The encoder's RESOURCE_EXHAUSTED means "input over a limit"
-(413); the router's own admission control raises OVERLOADED (429, RESOURCE_EXHAUSTED on
-gRPC) so clients can tell "too big" from "try again".
+the message text). A tier's RESOURCE_EXHAUSTED is a request over a limit, permanent: TOO_LARGE
+(413, never retried) — gRPC's own message-size limit (the call's status), the encoder's input
+limits, a prompt larger than a language instance's KV pool. Only the router's own admission
+control says "try again later": OVERLOADED (429; RESOURCE_EXHAUSTED on gRPC).
 """
 
 from __future__ import annotations
@@ -15,22 +16,25 @@ import grpc
 
 from tandem.errors import ServiceError
 
-# code (gRPC name, or the router's own TOO_LARGE / OVERLOADED) -> HTTP status; unlisted: 500
+# code (gRPC name, or the router's own REQUEST_TIMEOUT / TOO_LARGE / OVERLOADED) -> HTTP
+# status; unlisted: 500
 _STATUS = {
     "INVALID_ARGUMENT": 400, "OUT_OF_RANGE": 400, "FAILED_PRECONDITION": 400, "NOT_FOUND": 404,
-    "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403, "TOO_LARGE": 413, "OVERLOADED": 429,
-    "RESOURCE_EXHAUSTED": 429, "CANCELLED": 499, "UNAVAILABLE": 503, "ABORTED": 503,
+    "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403, "REQUEST_TIMEOUT": 408, "TOO_LARGE": 413,
+    "OVERLOADED": 429,
+    "RESOURCE_EXHAUSTED": 413, "CANCELLED": 499, "UNAVAILABLE": 503, "ABORTED": 503,
     "DEADLINE_EXCEEDED": 504,
 }  # fmt: skip
 # HTTP status -> OpenAI error type; unlisted: server_error
 _OPENAI_TYPE = {
     400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
-    401: "authentication_error", 403: "permission_error", 429: "rate_limit_error",
-    504: "timeout_error",
+    401: "authentication_error", 403: "permission_error", 408: "timeout_error",
+    429: "rate_limit_error", 504: "timeout_error",
 }  # fmt: skip
 
 # Router-internal codes that are not gRPC names, and what gRPC callers see instead.
-_GRPC_ALIAS = {"TOO_LARGE": "RESOURCE_EXHAUSTED", "OVERLOADED": "RESOURCE_EXHAUSTED"}
+_GRPC_ALIAS = {"TOO_LARGE": "RESOURCE_EXHAUSTED", "OVERLOADED": "RESOURCE_EXHAUSTED",
+               "REQUEST_TIMEOUT": "DEADLINE_EXCEEDED"}  # fmt: skip
 
 
 class Tier(enum.Enum):
@@ -78,8 +82,9 @@ class RouterError(ServiceError):
 
 
 def _tier_code(name: str, tier: Tier) -> str:
-    """RESOURCE_EXHAUSTED from the encoder is an input over a limit, not overload."""
-    return "TOO_LARGE" if name == "RESOURCE_EXHAUSTED" and tier is Tier.ENCODER else name
+    """RESOURCE_EXHAUSTED from any tier is a request over a limit, never overload (which
+    only the router's admission reports, as OVERLOADED)."""
+    return "TOO_LARGE" if name == "RESOURCE_EXHAUSTED" and tier is not Tier.ROUTER else name
 
 
 def from_rpc(err: grpc.RpcError, tier: Tier) -> RouterError:

@@ -14,13 +14,13 @@ import uuid
 import grpc
 from pydantic import TypeAdapter, ValidationError
 
-from services.router.admission import check_api_key
+from services.router.admission import check_api_key, client_id
 from services.router.choices import choice_requests, merged
 from services.router.config import RouterConfig
 from services.router.core import RouterCore
 from services.router.errors import RouterError
 from services.router.openai_models import Tool, tool_setup_of
-from services.router.request import ChatRequest, Piece
+from services.router.request import MAX_TIMEOUT_MS, ChatRequest, Piece
 from services.router.tools import ToolMode, ToolSetup, parse_output
 from tandem.finish_reasons import FROM_OPENAI
 from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -40,8 +40,9 @@ def _validate(request: router_pb2.RouterGenerateRequest, cfg: RouterConfig) -> C
         raise RouterError("INVALID_ARGUMENT", "top_p must be in [0, 1]", "sampling.top_p")
     if s.top_k < 0:
         raise RouterError("INVALID_ARGUMENT", "top_k must be >= 0", "sampling.top_k")
-    if request.timeout_ms < 0:
-        raise RouterError("INVALID_ARGUMENT", "timeout_ms must be >= 0", "timeout_ms")
+    if not 0 <= request.timeout_ms <= MAX_TIMEOUT_MS:
+        raise RouterError("INVALID_ARGUMENT", f"timeout_ms must be in [0, {MAX_TIMEOUT_MS}] "
+                          "(0 = the router's default)", "timeout_ms")  # fmt: skip
     if not 0 <= request.n <= 16:
         raise RouterError("INVALID_ARGUMENT", "n must be in [1, 16]", "n")
     for i, m in enumerate(request.messages):
@@ -82,6 +83,17 @@ def _tools(request: router_pb2.RouterGenerateRequest) -> ToolSetup:
             raise RouterError("INVALID_ARGUMENT", f"tools: {e.errors()[0]['msg']}",
                               "tools") from None  # fmt: skip
     return tool_setup_of(tools, request.tool_choice or None)
+
+
+def _client_id(context: grpc.aio.ServicerContext, cfg: RouterConfig) -> str:
+    """The caller's key (admission.client_id) from its peer, "ipv4:1.2.3.4:port" or
+    "ipv6:[::1]:port", or the configured metadata key."""
+    forwarded = None
+    if cfg.client_id_header:
+        forwarded = dict(context.invocation_metadata() or ()).get(cfg.client_id_header.lower())
+    peer = context.peer() or ""
+    host = peer.partition(":")[2].rpartition(":")[0].strip("[]") if ":" in peer else peer
+    return client_id(host or peer, forwarded)
 
 
 def _whole(pieces: list[Piece], tools: ToolSetup) -> Piece:
@@ -139,6 +151,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             self._auth(context)
             core.check_model(request.model)
             req = _validate(request, core.cfg)
+            req.client_id = _client_id(context, core.cfg)
             request_id = req.request_id
             n = request.n or 1
             if n > 1 and req.tools.mode is not ToolMode.NONE:

@@ -20,11 +20,12 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.router import openai_format as fmt
-from services.router.admission import check_api_key
+from services.router.admission import check_api_key, client_id
 from services.router.choices import choice_requests, merged
 from services.router.config import RouterConfig
 from services.router.core import RouterCore
 from services.router.errors import RouterError
+from services.router.metrics import HttpStatusCounter
 from services.router.openai_completions import (
     CompletionRequest,
     CompletionShape,
@@ -43,8 +44,11 @@ from services.router.tools import ToolMode
 from tandem.v1 import language_pb2
 
 
-def _error(err: RouterError) -> JSONResponse:
-    return JSONResponse(err.openai_body(), status_code=err.http_status)
+def _error(err: RouterError, close: bool = False) -> JSONResponse:
+    """`close`: the request was not read to its end, so the connection cannot carry
+    another one: the response says so and the server closes it after sending."""
+    headers = {"connection": "close"} if close else None
+    return JSONResponse(err.openai_body(), status_code=err.http_status, headers=headers)
 
 
 def _loc(loc) -> str:
@@ -53,6 +57,11 @@ def _loc(loc) -> str:
     for p in parts:
         out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
     return out
+
+
+def _client_id(request: Request, cfg: RouterConfig) -> str:
+    forwarded = request.headers.get(cfg.client_id_header) if cfg.client_id_header else None
+    return client_id(request.client.host if request.client else None, forwarded)
 
 
 def build_app(core: RouterCore) -> FastAPI:
@@ -85,6 +94,8 @@ def build_app(core: RouterCore) -> FastAPI:
     # BaseHTTPMiddleware hides the client's disconnect from `request.is_disconnected()`,
     # and a non-streaming request would then run to the end for a caller that is gone.
     app.add_middleware(_Guard, cfg=cfg)
+    # NOTE: added last, so outermost: it also counts the answers _Guard gives (401, 413).
+    app.add_middleware(HttpStatusCounter, metrics=core.metrics)
 
     @app.get("/health")
     async def health():
@@ -120,6 +131,7 @@ def build_app(core: RouterCore) -> FastAPI:
         core.check_model(body.model)
         rid = request_id_from_header(request.headers.get("x-request-id"))
         req = to_chat_request(body, cfg, rid)
+        req.client_id = _client_id(request, cfg)
         if body.n > 1 and req.tools.mode is not ToolMode.NONE:
             raise RouterError("INVALID_ARGUMENT", "n > 1 with tools is not served", "n")
         shape = fmt.ChatShape(req.request_id, body.model or core.model_name(), req.tools)
@@ -130,6 +142,7 @@ def build_app(core: RouterCore) -> FastAPI:
         core.check_model(body.model)
         rid = request_id_from_header(request.headers.get("x-request-id"))
         req = to_completion_request(body, cfg, rid)
+        req.client_id = _client_id(request, cfg)
         shape = CompletionShape(req.request_id, body.model or core.model_name(),
                                 req.prompt if body.echo else "")
         return await _serve(core, req, body, shape, rid, request)
@@ -171,8 +184,10 @@ async def _serve(core: RouterCore, req, body, shape, rid: str, request: Request)
         if body.stream:
             # Wait for the first piece so errors before output get a real status code.
             first = await _first_or_disconnect(agen, request)
-            stream = _sse(agen, first, shape, include_usage, release)
-            core.metrics.requests.labels("http", "started").inc()
+            def ended(outcome: str) -> None:  # counted when the stream ends, by outcome
+                core.metrics.requests.labels("http", outcome).inc()
+
+            stream = _sse(agen, first, shape, include_usage, release, ended)
             # NOTE: if the client is gone before the body starts, `stream` never runs its
             # finally; the background task closes the dispatcher's generator and frees the slot.
 
@@ -201,8 +216,8 @@ async def _serve(core: RouterCore, req, body, shape, rid: str, request: Request)
 
 
 class _Guard:
-    """Body-size limit (413, on the declared length and on the bytes read) and the API key
-    on /v1/* (401), before any parsing."""
+    """Body-size limit (413, on the declared length and on the bytes read), the time to
+    receive the body (408) and the API key on /v1/* (401), before any parsing."""
 
     def __init__(self, app, cfg: RouterConfig) -> None:
         self.app = app
@@ -221,8 +236,8 @@ class _Guard:
                     check_api_key(self.cfg.api_key, headers.get("authorization"))
                 except RouterError as e:
                     err = e
-            if err is not None:
-                await _error(err)(scope, receive, send)
+            if err is not None:  # NOTE: the body is left unread: close the connection
+                await _error(err, close=True)(scope, receive, send)
                 return
             receive = await self._bounded_body(scope, receive, send)
             if receive is None:
@@ -234,22 +249,33 @@ class _Guard:
 
     async def _bounded_body(self, scope, receive, send):
         """Read the whole body, counting bytes: a chunked upload has no content-length, so
-        the limit holds on what arrives (413 past it). Returns a receive that replays the
-        body and then hands over to the client's (disconnects stay visible), or None when
-        the request was answered or the client left."""
+        the limit holds on what arrives (413 past it), within `http_request_timeout_s` (408
+        past it: a client that stalls or trickles its body cannot hold the connection).
+        Either answer closes the connection. Returns a receive that replays the body and
+        then hands over to the client's (disconnects stay visible), or None when the request
+        was answered or the client left."""
         limit, size, chunks = self.cfg.max_request_bytes, 0, []
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                await _error(self._too_large())(scope, receive, send)
-                return None
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
+        err = None
+        try:
+            async with asyncio.timeout(self.cfg.http_request_timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return None
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > limit:
+                        err = self._too_large()
+                        break
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            err = RouterError("REQUEST_TIMEOUT", f"request body not received within "
+                              f"{self.cfg.http_request_timeout_s:g}s")  # fmt: skip
+        if err is not None:
+            await _error(err, close=True)(scope, receive, send)
+            return None
         replayed = False
 
         async def replay():
@@ -297,12 +323,15 @@ async def _collect_or_disconnect(agen, request: Request) -> list[tuple[int, Piec
         await agen.aclose()
 
 
-async def _sse(agen, first: tuple[int, Piece], shape, include_usage, release):
+async def _sse(agen, first: tuple[int, Piece], shape, include_usage, release, ended):
     """Server-sent events: per choice a start chunk, piece chunks and a finish chunk; then
     an optional usage chunk (all choices), `[DONE]`. A failure after output is an
-    `{"error": ...}` event. `agen` yields (choice index, piece)."""
+    `{"error": ...}` event. `agen` yields (choice index, piece). `ended(outcome)` is called
+    once when the stream ends: "ok", the error code in lower case, or "cancelled" (the
+    client went away first)."""
     started: set[int] = set()
     last: list[Piece] = []
+    outcome = "cancelled"
     try:
         index, piece = first
         while True:
@@ -320,11 +349,14 @@ async def _sse(agen, first: tuple[int, Piece], shape, include_usage, release):
                 break
         if include_usage and last:
             yield shape.usage(last)
+        outcome = "ok"
     except RouterError as err:
+        outcome = err.code.lower()
         yield f"data: {json.dumps(err.openai_body())}\n\n".encode()
     finally:
         # NOTE: release first: under a cancelled scope any await below raises at once.
         release()
+        ended(outcome)
         await _close_quietly(agen)
     yield b"data: [DONE]\n\n"
 

@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2
 from services.router.core import RouterCore
 from services.router.grpc_api import RouterServicer
 from services.router.http_api import build_app
+from services.router.http_server import http_config
 from tandem import serving
 from tandem.v1 import router_pb2, router_pb2_grpc
 
@@ -87,12 +88,7 @@ async def run_router(cfg, stop: asyncio.Event) -> None:
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(ROUTER_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
     sock = http_socket(cfg.host, cfg.http_port)
-    http = _HttpServer(
-        uvicorn.Config(
-            build_app(core), log_level="warning", access_log=False, lifespan="off",
-            timeout_graceful_shutdown=1, timeout_keep_alive=cfg.http_keep_alive_s,
-        )
-    )
+    http = _HttpServer(http_config(build_app(core), cfg))
     http_task = asyncio.create_task(http.serve(sockets=[sock]))
     health_task = asyncio.create_task(_health_loop(core, health_servicer))
     print(

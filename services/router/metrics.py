@@ -1,11 +1,30 @@
 """Prometheus metrics of one router: one set per registry (`tandem.metrics`), the router's
-own, which its HTTP app renders on /metrics (so tests can build many routers)."""
+own, which its HTTP app renders on /metrics (so tests can build many routers).
+
+Every request is counted once, when its answer has ended:
+
+    tandem_router_requests_total{api, outcome}     chat / completion requests that reached
+        a front end's handler: outcome "ok" or the error code in lower case; a stream is
+        counted at its end (http_api._sse): "ok", the code it failed with after output,
+        or "cancelled" when the client left first
+    tandem_router_http_requests_total{handler, code}   every HTTP answer by route and status
+        code (`HttpStatusCounter`), those refused before any handler included (401, 413,
+        400 for a body that does not validate); 499 when the client left before any answer
+"""
 
 from __future__ import annotations
 
+import asyncio
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from tandem.metrics import model_info
+
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+# The `handler` label's values (bounded: any other path is "other").
+_HANDLERS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize",
+                       "/detokenize", "/health", "/metrics"})  # fmt: skip
 
 
 class RouterMetrics:
@@ -13,8 +32,13 @@ class RouterMetrics:
         self.registry = registry
         r = self.registry
         self.requests = Counter(
-            "tandem_router_requests", "Chat requests by front-end and outcome.",
+            "tandem_router_requests", "Requests by front end and outcome (ok or the error "
+            "code), counted when the answer ends (a stream at its end).",
             ["api", "outcome"], registry=r,
+        )
+        self.http_requests = Counter(
+            "tandem_router_http_requests", "HTTP answers by handler and status code.",
+            ["handler", "code"], registry=r,
         )
         self.inflight = Gauge("tandem_router_inflight", "Requests in flight.", registry=r)
         self.rejected = Counter(
@@ -51,5 +75,49 @@ class RouterMetrics:
             "tandem_router_healthy_instances", "Healthy instances per tier.", ["tier"], registry=r
         )
 
+    def serving(self, model_name: str) -> None:
+        model_info(self.registry, "router", model_name)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def handler_of(path: str) -> str:
+    """The `handler` label of a request path (bounded: unknown paths are "other")."""
+    if path in _HANDLERS:
+        return path
+    return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+
+
+class HttpStatusCounter:
+    """ASGI middleware counting every HTTP answer by handler and status code
+    (`tandem_router_http_requests_total`). Add it last (outermost), so that answers of the
+    middlewares inside it (the API key's 401, the body limit's 413) are counted too:
+    `app.add_middleware(HttpStatusCounter, metrics=core.metrics)`."""
+
+    def __init__(self, app, metrics: RouterMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 0
+
+        async def counting_send(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        except asyncio.CancelledError:
+            status = status or 499  # the client left before any answer
+            raise
+        except BaseException:
+            status = status or 500  # Starlette's outermost handler answers 500
+            raise
+        finally:
+            code = str(status or 499)
+            self.metrics.http_requests.labels(handler_of(scope.get("path", "")), code).inc()

@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.router.errors import RouterError
+from services.router.request import MAX_TIMEOUT_MS
 from tandem.v1 import common_pb2
 
 
@@ -75,7 +76,7 @@ class SamplingFields(_Model):
     guided_choice: list[str] | None = Field(None, min_length=1, max_length=1024)
     guided_grammar: str | None = Field(None, min_length=1, max_length=1 << 20)
     ignore_eos: bool = False  # extension (benchmarks)
-    timeout_ms: int | None = Field(None, ge=1, le=86_400_000)  # extension: per-request deadline
+    timeout_ms: int | None = Field(None, ge=1, le=MAX_TIMEOUT_MS)  # extension: per-request deadline
     priority: int = Field(0, ge=-(1 << 31), lt=1 << 31)  # extension
     # Hint only (accepted, no effect), as documented in docs/sdk.md.
     user: str | None = Field(None, max_length=256)

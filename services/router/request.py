@@ -14,6 +14,11 @@ TIMING_FIELDS = ("preprocess_ms", "vit_ms", "transfer_ms", "queue_ms", "prefill_
                  "skipped_images", "encoder_bypassed")
 ENCODER_TIMINGS = ("preprocess_ms", "vit_ms", "transfer_ms", "skipped_images")
 
+# The longest per-request deadline either API accepts (`timeout_ms`, a day); above it the
+# request is refused (INVALID_ARGUMENT / 400), as an absurd deadline would overflow the
+# tiers' timers and end the request at once.
+MAX_TIMEOUT_MS = 86_400_000
+
 
 @dataclass
 class ChatRequest:
@@ -26,6 +31,9 @@ class ChatRequest:
     priority: int = 0
     tools: ToolSetup = field(default_factory=ToolSetup)  # tools rendered / calls parsed
     prompt: str = ""  # a raw text prompt (completions API) instead of messages
+    # Who sent it (admission.client_id): the encoders share their preprocessing threads
+    # fairly among these keys (EncodeRequest.client_id). "" = a client of its own.
+    client_id: str = ""
 
 
 @dataclass

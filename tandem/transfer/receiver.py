@@ -169,7 +169,8 @@ class EmbeddingReceiver:
             # request's own deadline.
             r.key, r.ids = await self.blocks.alloc(
                 r, self.reserve_tokens, self._queue_timeout(deadline),
-                lambda ev: self._interrupt(r, ev))
+                lambda ev: self._interrupt(r, ev),
+                timeout_code="UNAVAILABLE" if deadline is None else "DEADLINE_EXCEEDED")
             r.allocated = len(r.ids) * self.buffers.block_size
             while True:
                 try:
@@ -377,8 +378,12 @@ class EmbeddingReceiver:
         if got is None:  # pool busy: free this piece first, then wait for blocks
             await self._copy_out(r, old_ids, start, sent)
             self.blocks.free(r, old_key)
-            got = await self.blocks.alloc(r, want, self._timeout(deadline),
-                                          lambda ev: self._interrupt(r, ev), resume=True)
+            bounded_by_deadline = (deadline is not None
+                                   and deadline - time.time() <= self.config.timeout_s)
+            got = await self.blocks.alloc(
+                r, want, self._timeout(deadline), lambda ev: self._interrupt(r, ev),
+                resume=True,
+                timeout_code="DEADLINE_EXCEEDED" if bounded_by_deadline else "UNAVAILABLE")
         r.key, r.ids = got
         r.allocated = len(r.ids) * self.buffers.block_size
         r.resumes += 1

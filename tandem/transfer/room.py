@@ -107,8 +107,7 @@ class BlockReservations:
         self._gauges()
 
     def _gauges(self) -> None:
-        self.metrics.blocks_free.set(self.allocator.num_free)
-        self.metrics.blocks_total.set(self.allocator.num_total)
+        self.metrics.blocks(self.allocator.num_free, self.allocator.num_total)
 
     def free(self, r: ReceiverRoom, key) -> None:
         if self.clear is not None:
@@ -139,12 +138,15 @@ class BlockReservations:
         return key, ids
 
     async def alloc(self, r: ReceiverRoom, tokens: int, timeout: float, on_event,
-                    resume: bool = False) -> tuple:
+                    resume: bool = False, timeout_code: str = "UNAVAILABLE") -> tuple:
         """Blocks for `tokens`, waiting for frees up to `timeout`; each room event that
         arrives meanwhile (abort, a broken stream, an encoder failure) goes to `on_event`,
         which raises to end the wait. A `resume` (a room mid-transfer, whose encoder holds
         a staging slot for it) goes before every first reservation: new rooms take no
-        block while one waits, so rooms already under way finish first."""
+        block while one waits, so rooms already under way finish first. A wait that runs
+        out fails with `timeout_code`: the pool is busy, not the request too large
+        (DEADLINE_EXCEEDED where the request's own deadline bounded the wait, else
+        UNAVAILABLE, which the router retries elsewhere)."""
         end = time.monotonic() + timeout
         self.resumes_waiting += resume
         try:
@@ -160,7 +162,7 @@ class BlockReservations:
                     raise TransferError(
                         f"room {r.room}: no free embedding blocks for {tokens} tokens within "
                         f"{timeout:.1f}s ({self.allocator.num_free}/{self.allocator.num_total} "
-                        f"free)", "RESOURCE_EXHAUSTED")
+                        f"free)", timeout_code)
                 r.wake.clear()
                 waits = [asyncio.ensure_future(self._changed.wait()),
                          asyncio.ensure_future(r.wake.wait())]
