@@ -175,10 +175,6 @@ def test_bad_image_is_no_transfer_fault_on_the_language_side(cluster):
             >= total(before[1], "tandem_transfer_failures_total", reason="request"))
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "the encoder's sender counts the language's hang-up of a room it never started sending "
-    "(its Encode already failed with the client's INVALID_ARGUMENT) as UNAVAILABLE; the fix "
-    "is in tandem/transfer/sender.py (issue 15 point 5, see the report)"))
 def test_bad_image_is_no_transfer_fault_on_the_encoder_side(cluster):
     before = _faults(cluster, "encoder")
     _bad_images(cluster, 5)

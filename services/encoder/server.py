@@ -81,6 +81,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {e!r}")
         finally:
             state = self.states.pop(request.room, None)
+            if code != "OK" and state is not EncodeState.SENDING:
+                # failed before its payload was handed to the transfer (bad input, its
+                # deadline or cancellation, a bug): the request's failure, its room ends
+                # with it. A failure while SENDING is the transfer's, counted by it.
+                self.sender.abandon(request.room, f"request failed: {code}")
             rid = request.request_id or "-"  # NOTE: one line per request, greppable by its id
             if code != "OK":
                 log.info("%s room %d: %s while %s", rid, request.room, code,

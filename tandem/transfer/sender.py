@@ -87,6 +87,15 @@ class EmbeddingSender:
         r = self.rooms.get(room)
         return r.state if r else None
 
+    def abandon(self, room: int, reason: str) -> None:
+        """The request ended before its payload was sent (its Encode failed: a client's bad
+        input, its deadline, its cancellation): end the room now, as the request's failure
+        (CANCELLED, counted under reason "request"), so the language side's hang-up that
+        follows is not taken for a transfer fault. No-op for an unknown or ended room."""
+        r = self.rooms.get(room)
+        if r is not None:
+            self._fail(r, TransferError(f"room {room}: {reason}", "CANCELLED"))
+
     # ---- room bookkeeping -------------------------------------------------------------
     def _room(self, room: int, state: SenderState) -> SenderRoom:
         r = self.rooms.get(room)
