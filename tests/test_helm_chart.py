@@ -368,6 +368,9 @@ def test_production_gpu_rdma_and_model_volume(rendered):
         mount = next(m for m in c["volumeMounts"] if m["name"] == "model")
         assert mount == {"name": "model", "mountPath": "/models", "readOnly": True}
     assert container(objs, "language")["resources"]["limits"]["nvidia.com/gpu"] == 4
+    # one language pod = one instance of 4 tensor-parallel ranks, one per GPU (issue 12)
+    assert config_map(objs, "language")["TANDEM_TP"] == "4"
+    assert config_map(rendered["default"], "language")["TANDEM_TP"] == "1"
     # HPA owns the replica count: the Deployments leave it out.
     for tier in ("encoder", "language", "router"):
         assert "replicas" not in find(objs, "Deployment", f"{RELEASE}-{tier}")["spec"]
