@@ -2,7 +2,11 @@
 
     .venv/bin/python bench/language.py [--model DIR | --arch qwen2_5_vl --size small]
         [--requests 32] [--concurrency 1 8 32] [--runs 3] [--device auto] [--dtype auto]
-        [--out bench/results/language.md]
+        [--tp N] [--out bench/results/language.md]
+
+`--tp N` runs the engine over N tensor-parallel ranks (N processes: gloo on CPU, where the
+host's threads are split among them, so on a small CPU host it is a correctness path and
+expected slower than `--tp 1`; one GPU per rank on CUDA).
 
 Workload: `--requests` text prompts with lengths drawn from 64-512 tokens and output
 lengths from 16-128 (fixed seed; EOS ignored so every request produces exactly its
@@ -132,6 +136,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--max-prefill-tokens", type=int, default=2048)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the engine")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "language.md"))
     a = ap.parse_args(argv)
 
@@ -149,7 +154,7 @@ def main(argv=None) -> int:
     cfg = LanguageConfig(
         model=str(ckpt), device=a.device, dtype=a.dtype, kv_pages=4096, kv_page_size=16,
         max_prefill_tokens=a.max_prefill_tokens, max_running_requests=max(a.concurrency),
-        cuda_graph_max_bs=max(a.concurrency),
+        cuda_graph_max_bs=max(a.concurrency), tp=a.tp,
     )  # fmt: skip
     engine, spec, _ = build_engine(cfg, LanguageMetrics(CollectorRegistry()))
     device, dtype = engine.runner.device, engine.runner.dtype
@@ -200,6 +205,8 @@ def main(argv=None) -> int:
         for part in (engine_runs, hf_runs) if run % 2 == 0 else (hf_runs, engine_runs):
             part(run)
     engine.stop()
+    if engine.runner.tp is not None:
+        engine.runner.tp.workers.stop()
     # the compute floor both sides share: one prefill forward per prompt
     with torch.inference_mode():
         prefill_s, _ = timed(
@@ -215,7 +222,8 @@ def main(argv=None) -> int:
         )
     )
     lines = [
-        f"Model `{ckpt.name}` ({a.arch} {a.size}), {dtype}, on {hw}; {a.requests} requests, "
+        f"Model `{ckpt.name}` ({a.arch} {a.size}), {dtype}, on {hw}, engine at --tp {a.tp}; "
+        f"{a.requests} requests, "
         f"prompts 64-512 tokens, outputs 16-128 tokens ({out_tokens} in all); median of "
         f"{a.runs} runs (ratios: median of per-run ratios); greedy check {same}/4 identical "
         "to generate().",
