@@ -46,6 +46,7 @@ TransferError(reason, code).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -66,6 +67,7 @@ from tandem.transfer.staging import StagingArea, WriteRound, write_round
 from tandem.v1 import encoder_pb2
 
 log = logging.getLogger(__name__)
+_ABANDONED_KEPT = 4096  # rooms remembered as abandoned before their Init came
 
 
 class EmbeddingSender:
@@ -75,6 +77,10 @@ class EmbeddingSender:
         self.chunk_tokens = chunk_tokens  # tokens per submitted chunk (pipelining unit)
         self.metrics = transfer_metrics(registry)
         self.rooms: dict[int, SenderRoom] = {}
+        # Rooms whose request failed before their Attach stream came (`abandon`): an Init
+        # that arrives later is answered Failed at once. Bounded: the oldest are forgotten
+        # (such an Init then waits out the payload timeout, as before).
+        self._abandoned: collections.OrderedDict[int, str] = collections.OrderedDict()
         # NOTE: writes busy-poll inside Mooncake; a private pool keeps a frozen peer's
         # spinning thread from starving the loop's default executor.
         self._pool = ThreadPoolExecutor(staging.slots + 2, thread_name_prefix="tandem-send")
@@ -91,10 +97,15 @@ class EmbeddingSender:
         """The request ended before its payload was sent (its Encode failed: a client's bad
         input, its deadline, its cancellation): end the room now, as the request's failure
         (CANCELLED, counted under reason "request"), so the language side's hang-up that
-        follows is not taken for a transfer fault. No-op for an unknown or ended room."""
+        follows is not taken for a transfer fault. A room whose Attach stream has not come
+        yet is remembered, and its Init answered Failed at once."""
         r = self.rooms.get(room)
         if r is not None:
             self._fail(r, TransferError(f"room {room}: {reason}", "CANCELLED"))
+            return
+        self._abandoned[room] = reason  # NOTE: its Init may still be on its way
+        while len(self._abandoned) > _ABANDONED_KEPT:
+            self._abandoned.popitem(last=False)
 
     # ---- room bookkeeping -------------------------------------------------------------
     def _room(self, room: int, state: SenderState) -> SenderRoom:
@@ -164,6 +175,11 @@ class EmbeddingSender:
                 "the first Attach message must be init", "INVALID_ARGUMENT")))
             return
         room = first.init.room
+        if room in self._abandoned:  # its request failed before this stream came
+            err = TransferError(f"room {room}: {self._abandoned.pop(room)}", "CANCELLED")
+            self.metrics.failures.labels("encoder", err.code).inc()
+            await context.write(failed_msg(err))
+            return
         r = self.rooms.get(room)
         if r is not None and r.init is not None:
             await context.write(failed_msg(TransferError(
