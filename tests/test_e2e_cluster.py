@@ -320,11 +320,14 @@ def test_kill9_encoder_during_load(cluster):
     assert wait_idle(cluster, 10)["idle"]
 
 
-def test_kill9_language_mid_stream_ends_with_error_event(cluster):
+def stream_and_kill(cluster, victim_of) -> tuple[list[str], float]:
+    """Stream a long chat; once 3 content chunks have arrived, SIGKILL `victim_of(pid of
+    the language instance serving it)`; read the stream to its end. Returns its `data:`
+    events and the seconds from the kill to the stream's end."""
     body = {"model": "", "messages": openai_messages("Keep talking.", [(7, (56, 56))]),
             "max_tokens": 4000, "ignore_eos": True, "stream": True, "timeout_ms": 60_000}
-    addr_to_pid = {i.address: i.pid for n, i in cluster.instances.items()
-                   if n.startswith("language-")}
+    pid_of = {i.address: i.pid for n, i in cluster.instances.items()
+              if n.startswith("language-")}
     events = []
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", cluster.http_url + "/v1/chat/completions", json=body) as r:
@@ -336,9 +339,15 @@ def test_kill9_language_mid_stream_ends_with_error_event(cluster):
                     break
             busy = [a for a, x in cluster.loads("language").items() if x.running]
             assert len(busy) == 1
-            os.kill(addr_to_pid[busy[0]], signal.SIGKILL)
+            os.kill(victim_of(pid_of[busy[0]]), signal.SIGKILL)
+            t0 = time.monotonic()
             events.extend(lines)  # the rest of the stream: it must end, with an error
-    data = [e for e in events if e.startswith("data: ")]
+            ended_after = time.monotonic() - t0
+    return [e for e in events if e.startswith("data: ")], ended_after
+
+
+def test_kill9_language_mid_stream_ends_with_error_event(cluster):
+    data, _ = stream_and_kill(cluster, lambda pid: pid)
     assert data[-1] == "data: [DONE]" and '"error"' in data[-2], data[-3:]
     assert '"finish_reason": "stop"' not in "".join(data)
     # the surviving language instance serves the next requests

@@ -84,38 +84,21 @@ def test_kill9_of_rank_1_mid_stream_fails_over_to_the_other_instance(checkpoint)
     stream ends that stream with an error event within 5 s (rank 0 ends the instance), the
     next requests succeed on the other instance, and the encoder holds no room after."""
     import asyncio
-    import os
-    import signal
     import time
 
     import psutil
-    from test_e2e_cluster import _many, _ok
+    from test_e2e_cluster import _many, _ok, stream_and_kill
 
     cl = LocalCluster(str(checkpoint("qwen2_5_vl")), encoders=1, languages=2,
                       language_args="--tp 2 --kv-pages 256 --kv-page-size 4")
+
+    def rank1(pid: int) -> int:  # the instance's tensor-parallel worker
+        (worker,) = [p for p in psutil.Process(pid).children()
+                     if "services.language.tp_worker" in " ".join(p.cmdline())]
+        return worker.pid
+
     with cl:
-        body = {"model": "", "messages": openai_messages("Keep talking.", [(7, (56, 56))]),
-                "max_tokens": 4000, "ignore_eos": True, "stream": True, "timeout_ms": 60_000}
-        pid_of = {i.address: i.pid for n, i in cl.instances.items() if n.startswith("language-")}
-        events = []
-        with httpx.Client(timeout=30) as http:
-            with http.stream("POST", cl.http_url + "/v1/chat/completions", json=body) as r:
-                assert r.status_code == 200
-                lines = r.iter_lines()
-                for line in lines:
-                    events.append(line)
-                    if sum('"content"' in e for e in events) >= 3:
-                        break
-                busy = [a for a, x in cl.loads("language").items() if x.running]
-                assert len(busy) == 1
-                rank1 = [p for p in psutil.Process(pid_of[busy[0]]).children()
-                         if "services.language.tp_worker" in " ".join(p.cmdline())]
-                assert len(rank1) == 1, rank1
-                os.kill(rank1[0].pid, signal.SIGKILL)
-                t0 = time.monotonic()
-                events.extend(lines)  # the rest of the stream: it must end, with an error
-                ended_after = time.monotonic() - t0
-        data = [e for e in events if e.startswith("data: ")]
+        data, ended_after = stream_and_kill(cl, rank1)
         assert data[-1] == "data: [DONE]" and '"error"' in data[-2], data[-3:]
         assert ended_after < 5, ended_after
         after = asyncio.run(_many(cl, 6, 30_000))  # served by the surviving instance
