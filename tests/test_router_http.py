@@ -392,3 +392,27 @@ def test_every_openai_completions_parameter_is_honoured_or_refused_by_name():
                         ({"prompt": ["a", "b"]}, "prompt"), ({"logprobs": 21}, "logprobs")):
         r = client.post("/v1/completions", json={"model": "", "prompt": "x", **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
+def test_openapi_declares_the_statuses_the_router_answers():
+    """/openapi.json lists, for each API route, the error statuses the router really
+    answers (with OpenAI's error body), and not FastAPI's 422, which it never sends (a
+    body that does not validate is a 400)."""
+    from fastapi.testclient import TestClient
+
+    from services.router.config import RouterConfig
+    from services.router.core import RouterCore
+    from services.router.http_api import build_app
+    from services.router.openapi import ERROR_STATUSES
+
+    doc = TestClient(build_app(RouterCore(RouterConfig(model="m")))).get("/openapi.json").json()
+    for path in ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"):
+        got = doc["paths"][path]["post"]["responses"]
+        assert "422" not in got, path
+        assert {str(c) for c in ERROR_STATUSES} <= set(got), (path, sorted(got))
+        ref = got["400"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref.endswith("/ErrorBody")
+    assert "HTTPValidationError" not in doc["components"]["schemas"]
+    # and a body that does not validate is indeed a 400, not a 422
+    c = TestClient(build_app(RouterCore(RouterConfig(model="m"))))
+    assert c.post("/v1/chat/completions", json={"model": "m"}).status_code == 400

@@ -39,6 +39,7 @@ from services.router.openai_models import (
     to_chat_request,
     to_tokenize_request,
 )
+from services.router.openapi import ERROR_RESPONSES, document
 from services.router.request import Piece
 from services.router.tools import ToolMode
 from tandem.v1 import language_pb2
@@ -126,7 +127,7 @@ def build_app(core: RouterCore) -> FastAPI:
         core.check_model(model_id)
         return {"id": core.model_name(), "object": "model", "created": 0, "owned_by": "tandem"}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request):
         core.check_model(body.model)
         rid = request_id_from_header(request.headers.get("x-request-id"))
@@ -137,7 +138,7 @@ def build_app(core: RouterCore) -> FastAPI:
         shape = fmt.ChatShape(req.request_id, body.model or core.model_name(), req.tools)
         return await _serve(core, req, body, shape, rid, request)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
         core.check_model(body.model)
         rid = request_id_from_header(request.headers.get("x-request-id"))
@@ -147,7 +148,7 @@ def build_app(core: RouterCore) -> FastAPI:
                                 req.prompt if body.echo else "")
         return await _serve(core, req, body, shape, rid, request)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=ERROR_RESPONSES)
     async def tokenize(body: TokenizeBody):
         core.check_model(body.model)
         msg = to_tokenize_request(body, cfg)
@@ -155,13 +156,14 @@ def build_app(core: RouterCore) -> FastAPI:
         return {"count": len(resp.token_ids), "max_model_len": resp.max_model_len,
                 "tokens": list(resp.token_ids)}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=ERROR_RESPONSES)
     async def detokenize(body: DetokenizeBody):
         core.check_model(body.model)
         resp = await core.language_call(
             "Detokenize", language_pb2.DetokenizeRequest(token_ids=body.tokens))
         return {"prompt": resp.text}
 
+    document(app)  # the statuses each route answers, in /openapi.json
     return app
 
 
