@@ -1,5 +1,6 @@
 """One client's flood of slow image URLs and huge texts does not shut others out of the
-encoder's preprocessing threads (issue 16, finding 4).
+encoder's preprocessing threads, nor of a language instance's embedding blocks (issue 16,
+finding 4).
 
 - A real encoder process, driven over gRPC: client A sends Encodes whose image URL
   trickles (each holds a thread for the whole fetch timeout) and Encodes with ~2 MB of
@@ -7,7 +8,9 @@ encoder's preprocessing threads (issue 16, finding 4).
   Before the fair pool the threads served jobs first come first served: B waited behind
   A's whole backlog and ran out of time.
 - A `tandem up` cluster over HTTP: the same flood from one address, another address's
-  requests all succeed (success counts only; the latency figure is bench/flood.py's).
+  requests all succeed (success counts only). Besides the encoder's fair pool this needs the
+  language side's per-client share of embedding blocks: each flood room reserves its blocks
+  when it opens, long before its stalled fetch ends.
 """
 
 from __future__ import annotations
@@ -144,14 +147,6 @@ def test_encoder_flood_from_one_client_leaves_another_served(checkpoint, tmp_pat
 
 
 # ------------------------------------------------------------------------ whole cluster
-@pytest.mark.xfail(
-    strict=True,
-    reason="the encoders share their preprocessing threads fairly now, but a language "
-    "instance reserves a room's embedding blocks when the room opens, before its encoder "
-    "has the prompt: the flood's rooms, stalled in their URL fetches, hold every block and "
-    "the other client's room waits for one until its deadline (504). Reserving at the "
-    "encoder's AttachPrompt (or a per-client block quota, issue 15 point 2) is the fix.",
-)
 def test_cluster_flood_from_one_address_leaves_another_served(checkpoint, trickle_url):
     from tandem.launch.cluster import LocalCluster
 

@@ -196,3 +196,42 @@ def test_reservations_resume_goes_before_first_reservations():
         assert res.allocator.num_free == 4
 
     asyncio.run(main())
+
+
+def test_one_client_holds_at_most_its_share_of_the_blocks():
+    """`client_share` 0.5 of 8 blocks: client A's first room takes 4, its next room waits
+    (a flood of stalled rooms from one client cannot pin the pool) while client B and an
+    unnamed client are served at once; A's waiting room goes on when A's blocks come back.
+    A client holding nothing may always take what it needs; resumes are not limited."""
+    import asyncio
+
+    from tandem.transfer.room import BlockReservations, ReceiverRoom
+
+    async def main():
+        res = BlockReservations(BlockAllocator(8, 16), transfer_metrics(CollectorRegistry()),
+                                client_share=0.5)  # fmt: skip
+        assert res.client_quota == 4
+        a1, a2, a3 = (ReceiverRoom(i, "e", client="A") for i in (1, 2, 3))
+        b, anon = ReceiverRoom(4, "e", client="B"), ReceiverRoom(5, "e")
+        first = await res.alloc(a1, 64, 1.0, lambda ev: None)  # 4 blocks: A's share
+        waiting = asyncio.ensure_future(res.alloc(a2, 16, 5.0, lambda ev: None))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and res.held_by == {"A": 4}
+        await asyncio.wait_for(res.alloc(b, 32, 1.0, lambda ev: None), 1)  # B: served
+        await asyncio.wait_for(res.alloc(anon, 16, 1.0, lambda ev: None), 1)  # unnamed too
+        assert res.held_by == {"A": 4, "B": 2}
+        # a resume of A's room goes beyond the share (the room is under way)
+        extra = await asyncio.wait_for(res.alloc(a1, 16, 1.0, lambda ev: None, resume=True), 1)
+        assert res.held_by["A"] == 5
+        with pytest.raises(TransferError) as e:  # A is over its share: a third room waits
+            await res.alloc(a3, 16, 0.1, lambda ev: None, timeout_code="DEADLINE_EXCEEDED")
+        assert e.value.code == "DEADLINE_EXCEEDED"
+        res.free(a1, first[0])
+        res.free(a1, extra[0])
+        _, got = await asyncio.wait_for(waiting, 1)  # A's blocks came back: it goes on
+        assert len(got) == 1 and res.held_by == {"A": 1, "B": 2}
+        for r in (a2, b, anon):
+            res.free_all(r)
+        assert res.held_by == {} and res.allocator.num_free == 8
+
+    asyncio.run(main())

@@ -17,6 +17,13 @@ class LanguageConfig(ModelServiceSettings):
     embedding_blocks: int = Field(
         64, ge=1, le=1 << 20, description="Embedding-buffer blocks (registered once)."
     )
+    embedding_client_share: float = Field(
+        0.5, gt=0, le=1,
+        description="Most of the embedding blocks the rooms of one client (the router's "
+        "client_id) may hold at once; a client's further first reservations wait while "
+        "others are served (a client holding none may always take what it needs; resumes "
+        "are not limited). Bounds how much a flood of stalled requests can pin.",
+    )  # fmt: skip
     default_reservation_tokens: int = Field(
         8192, ge=16, description="Tokens reserved per room before the first transfer."
     )

@@ -145,6 +145,7 @@ async def run(
     receiver = EmbeddingReceiver(
         transfer, buffers, allocator, cfg.transfer,
         reserve_tokens=cfg.default_reservation_tokens,
+        client_share=cfg.embedding_client_share,
         reattach_grace_s=cfg.reattach_grace_s,
         max_prompt_tokens=cfg.max_model_len or spec.max_position_embeddings,
         registry=registry,

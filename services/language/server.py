@@ -197,7 +197,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                 self.metrics.transferring.set(len(self.transferring))
                 try:
                     req.prompt = await self.receiver.receive(
-                        room, request.encoder_address, deadline)
+                        room, request.encoder_address, deadline, client=request.client_id)
                 except TransferError as e:
                     self.engine.unpin(room)
                     abort = e.code in ("CANCELLED", "DEADLINE_EXCEEDED")

@@ -255,6 +255,7 @@ class Dispatcher:
                 sampling=req.sampling,
                 deadline_unix_ms=int(deadline * 1000),
                 priority=req.priority,
+                client_id=req.client_id,
             ),
             timeout=max(0.001, deadline - time.time()),
         )

@@ -74,6 +74,7 @@ class EmbeddingReceiver:
         allocator: BlockAllocator,
         config: TransferConfig,
         reserve_tokens: int = 8192,
+        client_share: float = 1.0,
         reattach_grace_s: float = 1.0,
         max_prompt_tokens: int = 1 << 20,
         resume_tokens: int | None = None,
@@ -97,7 +98,8 @@ class EmbeddingReceiver:
         # forever.
         self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()
         self._closing: set[asyncio.Task] = set()  # calls ending gracefully after Done
-        self.blocks = BlockReservations(allocator, self.metrics, clear=buffers.clear)
+        self.blocks = BlockReservations(allocator, self.metrics, clear=buffers.clear,
+                                        client_share=client_share)
 
     # ---- public control ---------------------------------------------------------------
     def state(self, room: int) -> ReceiverState | None:
@@ -156,12 +158,13 @@ class EmbeddingReceiver:
         return t if deadline is None else max(0.0, deadline - time.time())
 
     # ---- the room ---------------------------------------------------------------------
-    async def receive(self, room: int, encoder_address: str, deadline: float | None = None
-                      ) -> PromptPayload:
-        """Reserve, attach to `encoder_address`, and return the room's prompt payload."""
+    async def receive(self, room: int, encoder_address: str, deadline: float | None = None,
+                      client: str = "") -> PromptPayload:
+        """Reserve, attach to `encoder_address`, and return the room's prompt payload.
+        `client` (the router's client key) bounds its rooms' share of the blocks."""
         if room in self.rooms:
             raise TransferError(f"room {room} is already receiving", "ALREADY_EXISTS")
-        r = self.rooms[room] = ReceiverRoom(room, encoder_address)
+        r = self.rooms[room] = ReceiverRoom(room, encoder_address, client=client)
         t0 = time.monotonic()
         try:
             # NOTE: waiting for a first reservation is queueing behind rooms under way (each

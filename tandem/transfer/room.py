@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from tandem.transfer.allocator import BlockAllocator
 from tandem.transfer.errors import TransferError
 from tandem.transfer.payload import PromptInfo
+from tandem.units import ceil_div
 from tandem.v1 import encoder_pb2
 
 
@@ -74,6 +75,7 @@ RoomEvent = StreamMessage | StreamBroken | ReattachTo | AbortRoom
 class ReceiverRoom:
     room: int
     address: str
+    client: str = ""  # the router's client key ("" = a client of its own: no share limit)
     state: ReceiverState = ReceiverState.BOOTSTRAPPING
     events: asyncio.Queue[RoomEvent] = field(default_factory=asyncio.Queue)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -99,21 +101,36 @@ class ReceiverRoom:
 
 
 class BlockReservations:
-    def __init__(self, allocator: BlockAllocator, metrics, clear=None) -> None:
-        """`clear(block_ids)` wipes blocks as they are freed (`EmbeddingBuffers.clear`)."""
+    def __init__(self, allocator: BlockAllocator, metrics, clear=None,
+                 client_share: float = 1.0) -> None:
+        """`clear(block_ids)` wipes blocks as they are freed (`EmbeddingBuffers.clear`).
+        `client_share`: the most of the blocks one client's rooms may hold at once (first
+        reservations beyond it wait; a client holding none may always take what it needs,
+        so every client progresses; resumes are not limited: their rooms are under way)."""
         self.allocator, self.metrics, self.clear = allocator, metrics, clear
         self._changed = asyncio.Event()  # replaced (and set) on every free
         self.resumes_waiting = 0  # rooms mid-transfer waiting for blocks (they go first)
+        self.client_quota = max(1, int(client_share * allocator.num_total))
+        self.held_by: dict[str, int] = {}  # client -> blocks its rooms hold (named only)
+        self._client_of: dict = {}  # owner key -> client, for the keys of named clients
         self._gauges()
 
     def _gauges(self) -> None:
         self.metrics.blocks(self.allocator.num_free, self.allocator.num_total)
 
     def free(self, r: ReceiverRoom, key) -> None:
+        held = self.allocator.held(key)
         if self.clear is not None:
-            self.clear(self.allocator.held(key))
+            self.clear(held)
         self.allocator.free(key)
         r.keys.discard(key)
+        client = self._client_of.pop(key, None)
+        if client is not None:
+            left = self.held_by[client] - len(held)
+            if left:
+                self.held_by[client] = left
+            else:
+                del self.held_by[client]
         self._gauges()
         self._notify()
 
@@ -134,8 +151,17 @@ class BlockReservations:
             return None
         r.n_keys += 1
         r.keys.add(key)
+        if r.client:
+            self._client_of[key] = r.client
+            self.held_by[r.client] = self.held_by.get(r.client, 0) + len(ids)
         self._gauges()
         return key, ids
+
+    def over_share(self, r: ReceiverRoom, tokens: int) -> bool:
+        """Would `tokens` more put the room's client past its share (while it holds some)?"""
+        held = self.held_by.get(r.client, 0) if r.client else 0
+        need = ceil_div(tokens, self.allocator.block_size)
+        return held > 0 and held + need > self.client_quota
 
     async def alloc(self, r: ReceiverRoom, tokens: int, timeout: float, on_event,
                     resume: bool = False, timeout_code: str = "UNAVAILABLE") -> tuple:
@@ -175,6 +201,6 @@ class BlockReservations:
                 self._notify()
 
     def _try(self, r: ReceiverRoom, tokens: int, resume: bool) -> tuple | None:
-        if not resume and self.resumes_waiting:
+        if not resume and (self.resumes_waiting or self.over_share(r, tokens)):
             return None
         return self.try_alloc(r, tokens)
