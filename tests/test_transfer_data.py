@@ -189,14 +189,14 @@ async def test_encoder_channels_are_bounded():
     # addresses named once (departed pods, a bad caller) are not kept open forever
     engine, cfg = make_engine(timeout_s=1)
     rx = make_receiver(engine, cfg, blocks=4, block_size=16, reserve=16)
-    rx.MAX_CHANNELS = 2
-    a = rx._channel("127.0.0.1:1")
-    rx._channel("127.0.0.1:2")
-    assert rx._channel("127.0.0.1:1") is a  # reused, and now the most recent
-    rx._channel("127.0.0.1:3")
-    assert list(rx._channels) == ["127.0.0.1:1", "127.0.0.1:3"]
+    rx.channels.max_channels = 2
+    a = rx.channels.get("127.0.0.1:1")
+    rx.channels.get("127.0.0.1:2")
+    assert rx.channels.get("127.0.0.1:1") is a  # reused, and now the most recent
+    rx.channels.get("127.0.0.1:3")
+    assert list(rx.channels.open) == ["127.0.0.1:1", "127.0.0.1:3"]
     await rx.close()
-    assert not rx._channels
+    assert not rx.channels.open
 
 
 async def test_an_outsider_reads_nothing_of_a_prompt_after_its_room(encoder, tmp_path):

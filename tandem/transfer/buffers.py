@@ -81,6 +81,18 @@ class BufferLayout:
     def embed_row_bytes(self) -> int:
         return self.block_size * self.embed_dim * self.elem_size
 
+    def check_destination(self, room: int, ids: list[int], allocated: int) -> None:
+        """Raise INVALID_ARGUMENT unless `ids` are distinct blocks of this pool that hold
+        the `allocated` tokens a peer says it reserved for `room`."""
+        bs = self.block_size
+        if allocated <= 0 or not ids or allocated > len(ids) * bs:
+            raise TransferError(f"room {room}: {allocated} tokens reserved in {len(ids)} blocks "
+                                f"of {bs}", "INVALID_ARGUMENT")
+        bad = [b for b in ids if not 0 <= b < self.num_blocks]
+        if bad or len(set(ids)) != len(ids):
+            raise TransferError(f"room {room}: bad destination block ids {bad or 'duplicates'} "
+                                f"(pool of {self.num_blocks})", "INVALID_ARGUMENT")
+
 
 class EmbeddingBuffers:
     """The four per-block tensors, allocated (and pre-faulted) once; register them once."""

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 
 import grpc
@@ -49,6 +48,7 @@ import torch
 from tandem.config import TransferConfig
 from tandem.transfer.allocator import BlockAllocator
 from tandem.transfer.buffers import AUX_MROPE_DELTA, EmbeddingBuffers
+from tandem.transfer.channels import EncoderChannels
 from tandem.transfer.errors import TransferError, timed_out
 from tandem.transfer.metrics import transfer_metrics
 from tandem.transfer.payload import ImageSpan, PromptInfo, PromptPayload
@@ -93,11 +93,7 @@ class EmbeddingReceiver:
         self.metrics = transfer_metrics(registry)
         self.rooms: dict[int, ReceiverRoom] = {}
         self._layout = buffers.layout().to_proto()
-        # One channel per encoder address, the least recently used closed beyond
-        # MAX_CHANNELS: an address named once (a departed pod, a bad caller) is not kept open
-        # forever.
-        self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()
-        self._closing: set[asyncio.Task] = set()  # calls ending gracefully after Done
+        self.channels = EncoderChannels(grace_s=config.timeout_s)  # bounded, one per address
         self.blocks = BlockReservations(allocator, self.metrics, clear=buffers.clear,
                                         client_share=client_share)
 
@@ -122,10 +118,7 @@ class EmbeddingReceiver:
         return True
 
     async def close(self) -> None:
-        await asyncio.gather(*self._closing, return_exceptions=True)
-        for ch in self._channels.values():
-            await ch.close()
-        self._channels.clear()
+        await self.channels.close()
 
     def _interrupt(self, r: ReceiverRoom, ev: RoomEvent) -> None:
         """Handle an event that arrives while no message is expected."""
@@ -211,9 +204,7 @@ class EmbeddingReceiver:
             # NOTE: after Done, let the encoder finish its side of the stream. Cancelling the
             # call (or the task blocked in call.read(), which grpc.aio turns into an RPC
             # cancel) can land before the encoder sees Done written, failing it there.
-            task = asyncio.create_task(self._close_call(r.call, r.reader))
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+            self.channels.track(asyncio.create_task(self._close_call(r.call, r.reader)))
         else:
             if r.reader is not None:
                 r.reader.cancel()
@@ -247,23 +238,8 @@ class EmbeddingReceiver:
                 return ev.address
         raise TransferError(f"room {r.room}: {reason}", "UNAVAILABLE")
 
-    MAX_CHANNELS = 64
-
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        ch = self._channels.get(address)
-        if ch is not None:
-            self._channels.move_to_end(address)
-        elif len(self._channels) >= self.MAX_CHANNELS:
-            _, old = self._channels.popitem(last=False)
-            task = asyncio.ensure_future(old.close(grace=self.config.timeout_s))
-            self._closing.add(task)  # NOTE: calls still on it finish within the grace
-            task.add_done_callback(self._closing.discard)
-        if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address)
-        return ch
-
     async def _attempt(self, r: ReceiverRoom, deadline: float | None) -> PromptPayload:
-        stub = encoder_pb2_grpc.EncoderStub(self._channel(r.address))
+        stub = encoder_pb2_grpc.EncoderStub(self.channels.get(r.address))
         r.call = call = stub.Attach()
         r.reader = asyncio.create_task(self._read(r, call, r.attempt))
         init = encoder_pb2.AttachInit(

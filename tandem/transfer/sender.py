@@ -329,7 +329,7 @@ class EmbeddingSender:
         total, sent, resumes, nbytes = payload.num_tokens, 0, 0, 0
         ids, allocated = list(init.block_ids), init.allocated_tokens
         while True:
-            self._check_blocks(room, layout, ids, allocated)
+            layout.check_destination(room, ids, allocated)
             piece = min(total - sent, allocated)
             nbytes += await self._write_piece(r, payload, layout, ids, sent, piece, deadline)
             sent += piece
@@ -353,16 +353,6 @@ class EmbeddingSender:
                          "sending Done")
         return SendStats(tokens=total, bytes=nbytes, resumes=resumes,
                          seconds=time.monotonic() - t0)
-
-    def _check_blocks(self, room: int, layout: BufferLayout, ids: list[int], allocated: int):
-        bs = layout.block_size
-        if allocated <= 0 or not ids or allocated > len(ids) * bs:
-            raise TransferError(f"room {room}: {allocated} tokens reserved in {len(ids)} blocks "
-                                f"of {bs}", "INVALID_ARGUMENT")
-        bad = [b for b in ids if not 0 <= b < layout.num_blocks]
-        if bad or len(set(ids)) != len(ids):
-            raise TransferError(f"room {room}: bad destination block ids {bad or 'duplicates'} "
-                                f"(pool of {layout.num_blocks})", "INVALID_ARGUMENT")
 
     def _slot_done(self, slot: int, f) -> None:
         if isinstance(f.exception(), TransferStuck):
