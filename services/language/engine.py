@@ -341,9 +341,7 @@ class Engine:
         delta.error, delta.error_code = error or req.error, code or req.error_code
         m = self.metrics
         m.finished.labels(status.label).inc()
-        m.e2e.observe(time.monotonic() - req.t_created)
-        if len(req.output_ids) > 1 and req.t_first_token:
-            m.tpot.observe((req.t_last_token - req.t_first_token) / (len(req.output_ids) - 1))
+        m.request_finished(req, time.monotonic())
         self._emit(live, delta)
 
     def _emit(self, live: Live, delta: StreamDelta) -> None:

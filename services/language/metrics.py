@@ -2,10 +2,11 @@
 service's own, so several engines in one process (tests) never collide.
 
 Per step (the engine): batch size and tokens, prompt / generation token counters,
-retractions, queue and KV gauges. Per finished request (`request_finished`, from the
-request's timestamps): time to first token, time per output token, latency, and, as vLLM
-names them, queue time (queued -> first scheduled), prefill time (first scheduled ->
-first token), decode time (first token -> last token), prompt and generation tokens.
+retractions, queue and KV gauges. At a request's first token: time to first token. Per
+finished request (`request_finished`, called by the engine's `_finish` from the request's
+timestamps): latency, time per output token and, as vLLM names them, queue time (queued ->
+first scheduled), prefill time (first scheduled -> first token), decode time (first token
+-> last token), prompt and generation tokens.
 `kv_cache_usage_ratio` is pages held by requests over the pool (idle cached pages count
 as free: they are evicted on demand).
 """
@@ -35,29 +36,25 @@ class LanguageMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = r = registry
         p = "tandem_language_"
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first token.",
-                              buckets=_LATENCY, registry=r)  # fmt: skip
-        self.tpot = Histogram(p + "time_per_output_token_seconds",
-                              "Mean time between output tokens of a finished request.",
-                              buckets=_TPOT, registry=r)  # fmt: skip
-        self.e2e = Histogram(p + "request_latency_seconds", "Arrival to finish.",
-                             buckets=_LATENCY, registry=r)  # fmt: skip
-        self.queue_time = Histogram(p + "request_queue_time_seconds",
-                                    "Per request: waiting queue to first scheduled.",
-                                    buckets=_PHASE, registry=r)  # fmt: skip
-        self.prefill_time = Histogram(p + "request_prefill_time_seconds",
-                                      "Per request: first scheduled to first token.",
-                                      buckets=_PHASE, registry=r)  # fmt: skip
-        self.decode_time = Histogram(p + "request_decode_time_seconds",
-                                     "Per request: first token to last token.",
-                                     buckets=_PHASE, registry=r)  # fmt: skip
-        self.request_prompt_tokens = Histogram(p + "request_prompt_tokens",
-                                               "Prompt tokens per finished request.",
-                                               buckets=_REQUEST_TOKENS, registry=r)  # fmt: skip
-        self.request_generation_tokens = Histogram(p + "request_generation_tokens",
-                                                   "Generated tokens per finished request.",
-                                                   buckets=_REQUEST_TOKENS,
-                                                   registry=r)  # fmt: skip
+
+        def hist(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(p + name, doc, buckets=buckets, registry=r)
+
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first token.", _LATENCY)
+        self.tpot = hist("time_per_output_token_seconds",
+                         "Mean time between output tokens of a finished request.", _TPOT)
+        self.e2e = hist("request_latency_seconds", "Arrival to finish.", _LATENCY)
+        self.queue_time = hist("request_queue_time_seconds",
+                               "Per request: waiting queue to first scheduled.", _PHASE)
+        self.prefill_time = hist("request_prefill_time_seconds",
+                                 "Per request: first scheduled to first token.", _PHASE)
+        self.decode_time = hist("request_decode_time_seconds",
+                                "Per request: first token to last token.", _PHASE)
+        self.request_prompt_tokens = hist("request_prompt_tokens",
+                                          "Prompt tokens per finished request.", _REQUEST_TOKENS)
+        self.request_generation_tokens = hist(
+            "request_generation_tokens", "Generated tokens per finished request.",
+            _REQUEST_TOKENS)
         self.waiting = Gauge(p + "waiting_requests", "Requests in the waiting queue.", registry=r)
         self.running = Gauge(p + "running_requests", "Requests prefilling or decoding.",
                              registry=r)  # fmt: skip
@@ -108,9 +105,13 @@ class LanguageMetrics:
         total = _value(self.kv_total)
         return _value(self.kv_used) / total if total > 0 else 0.0
 
-    def request_finished(self, req) -> None:
-        """Observe a finished `Request`'s phases and sizes (a phase it never reached, e.g.
+    def request_finished(self, req, now: float) -> None:
+        """Observe a finished `Request` (the engine's `_finish`, its one way out): latency,
+        time per output token, its phases and sizes (a phase it never reached, e.g.
         prefill of a request aborted while queued, is not observed)."""
+        self.e2e.observe(now - req.t_created)
+        if len(req.output_ids) > 1 and req.t_first_token:
+            self.tpot.observe((req.t_last_token - req.t_first_token) / (len(req.output_ids) - 1))
         if req.t_queued and req.t_first_scheduled:
             self.queue_time.observe(max(req.t_first_scheduled - req.t_queued, 0.0))
         if req.t_first_scheduled and req.t_first_token:

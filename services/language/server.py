@@ -211,14 +211,8 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             # -- 2. the engine generates --
             q: asyncio.Queue[StreamDelta] = asyncio.Queue()
             loop = asyncio.get_running_loop()
-
-            def sink(d: StreamDelta) -> None:  # NOTE: on the engine thread
-                if d.finished:  # every end, a cancelled stream's too (nobody reads q then)
-                    self.metrics.request_finished(req)
-                loop.call_soon_threadsafe(q.put_nowait, d)
-
             try:
-                self.engine.submit(req, sink)
+                self.engine.submit(req, lambda d: loop.call_soon_threadsafe(q.put_nowait, d))
             except AdmissionError as e:
                 self.engine.unpin(room)
                 outcome = f"{e.code} at admission: {e.message}"
