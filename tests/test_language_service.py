@@ -44,9 +44,9 @@ def free_port() -> int:
 
 
 class EncoderPeer:
-    def __init__(self, ckpt: Path, log: Path) -> None:
+    def __init__(self, ckpt: Path, log: Path, *flags: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "language_peers" / "encoder_peer.py"), str(ckpt)],
+            [sys.executable, str(HERE / "language_peers" / "encoder_peer.py"), str(ckpt), *flags],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "wb"), text=True,
         )  # fmt: skip
         self.log = log
@@ -64,7 +64,7 @@ class EncoderPeer:
         for line in self.proc.stdout:
             ev = json.loads(line)
             with self._cond:
-                self.sent[ev["room"]] = ev
+                self.sent[ev["room"] if ev["event"] == "sent" else (ev["event"], ev["room"])] = ev
                 self._cond.notify_all()
 
     def send(self, room: int, prompt: int) -> None:
@@ -76,13 +76,21 @@ class EncoderPeer:
             assert self._cond.wait_for(lambda: room in self.sent, timeout)
             return self.sent[room]
 
+    def read(self, room: int, timeout: float = 30) -> dict:
+        """Nonzero bytes left in the room's blocks, per rank (see encoder_peer.py)."""
+        self.proc.stdin.write(json.dumps({"op": "read", "room": room}) + "\n")
+        self.proc.stdin.flush()
+        with self._cond:
+            assert self._cond.wait_for(lambda: ("read", room) in self.sent, timeout)
+            return self.sent.pop(("read", room))
+
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait()
 
 
 class Language:
-    def __init__(self, ckpt: Path, log: Path) -> None:
+    def __init__(self, ckpt: Path, log: Path, *extra: str) -> None:
         self.port, self.metrics_port = free_port(), free_port()
         args = [
             sys.executable, "-m", "tandem.cli", "language", "--model", str(ckpt),
@@ -91,7 +99,7 @@ class Language:
             "--embedding-block-size", "16", "--embedding-blocks", "64",
             "--default-reservation-tokens", "32", "--max-prefill-tokens", "64",
             "--drain-timeout-s", "1.5", "--reattach-grace-s", "0.5",
-            "--transfer.timeout-s", "20", "--cpu-threads", "2",
+            "--transfer.timeout-s", "20", "--cpu-threads", "2", *extra,
         ]  # fmt: skip
         self.log = log
         self.proc = subprocess.Popen(args, stdout=open(log, "wb"), stderr=subprocess.STDOUT)

@@ -222,7 +222,10 @@ def test_kill9_of_rank_1_ends_the_instance(checkpoint, tmp_path):
 def test_step_messages_are_plain_data_not_pickle():
     """A step crosses to the other ranks as safetensors bytes with a JSON header (no pickle
     across the process boundary): every field of every chunk survives, non-contiguous
-    embedding rows included, and the bytes hold no pickle opcode stream."""
+    embedding rows included, and the bytes hold no pickle opcode stream. Rows the ranks
+    hold (the transfer wrote them to every rank) are named, not carried."""
+    import safetensors.torch
+
     from services.language import tp_wire
     from services.language.forward_batch import SeqChunk, decode_positions
 
@@ -231,13 +234,22 @@ def test_step_messages_are_plain_data_not_pickle():
         SeqChunk(3, 0, torch.arange(5).expand(3, 5), [4, 1], input_embeds=rows[2:7]),
         SeqChunk(9, 17, decode_positions(17, -3), [0, 6], token_ids=torch.tensor([42]),
                  want_prompt_logits=True),
+        SeqChunk(5, 4, torch.arange(3).expand(3, 3), [2, 3], input_embeds=rows[0:3],
+                 embeds_key=77, embeds_row=4),
     ])  # fmt: skip
+    held = {77: torch.cat([torch.zeros(4, 8), rows[0:3]])}  # payload 77's rows on a rank
     data = tp_wire.encode_step(batch)
     assert not data.startswith(b"\x80")  # pickle protocol 2+ header
-    got = tp_wire.decode_step(data)
+    carried = set(safetensors.torch.load(data))
+    assert "0.input_embeds" in carried and "2.input_embeds" not in carried
+    taken = []
+    got = tp_wire.decode_step(data, lambda k, r, n: taken.append((k, r, n)) or held[k][r:r + n])
+    assert taken == [(77, 4, 3)]
     for want, have in zip(batch.chunks, got.chunks, strict=True):
-        assert (have.seq_id, have.start, have.block_table, have.want_prompt_logits) == (
-            want.seq_id, want.start, want.block_table, want.want_prompt_logits)
+        assert (have.seq_id, have.start, have.block_table, have.want_prompt_logits,
+                have.embeds_key, have.embeds_row) == (
+            want.seq_id, want.start, want.block_table, want.want_prompt_logits,
+            want.embeds_key, want.embeds_row)
         for name in ("positions", "input_embeds", "token_ids"):
             a, b = getattr(want, name), getattr(have, name)
             assert (a is None and b is None) or torch.equal(a, b), name

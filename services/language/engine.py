@@ -27,6 +27,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -41,7 +42,7 @@ from services.language.request import Request, RequestStatus, StreamDelta
 from services.language.sampler import sample
 from services.language.schedule_policy import NewTokenRatio
 from services.language.scheduler import AdmissionError, Scheduler
-from tandem.transfer.payload import PromptInfo
+from tandem.transfer.payload import PromptInfo, PromptPayload
 
 log = logging.getLogger("tandem.language.engine")
 
@@ -81,6 +82,9 @@ class Engine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.num_steps = 0
+        # Called with a request's prompt payload once the request ended (no step names its
+        # rows any more): the receiver's `release`, so other tensor-parallel ranks drop them.
+        self.release_prompt: Callable[[PromptPayload], None] | None = None
         # where the engine thread's time goes: forward seconds of steps with prompt
         # tokens (prefill/mixed) and of pure decode steps, and the rest of the step
         self.profile = {"mixed_s": 0.0, "mixed_steps": 0, "decode_s": 0.0, "decode_steps": 0,
@@ -328,6 +332,8 @@ class Engine:
             self._compiling.remove(live)
         req.status = status
         self._live.pop(req.rid, None)
+        if req.prompt is not None and self.release_prompt is not None:
+            self.release_prompt(req.prompt)
         with self._known_lock:
             self._known.discard(req.rid)
         delta = delta or StreamDelta()

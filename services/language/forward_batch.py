@@ -54,6 +54,11 @@ class SeqChunk:
     input_embeds: torch.Tensor | None = None  # [n, embed_dim] (prompt chunks)
     token_ids: torch.Tensor | None = None  # [n] int64 (decode)
     want_prompt_logits: bool = False  # return logits of every position, not just the last
+    # Where the other tensor-parallel ranks hold these prompt rows (the transfer wrote them
+    # to every rank): rows [embeds_row, embeds_row + n) of their payload `embeds_key`.
+    # None: they do not, and `input_embeds` travels with the step (tp_wire).
+    embeds_key: int | None = None
+    embeds_row: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -108,7 +108,8 @@ def start_tensor_parallel(cfg: LanguageConfig, spec, device, dtype, max_len: int
         max_seq_len=max_len,
         cuda_graph_max_bs=cfg.cuda_graph_max_bs if device.type == "cuda" else 0,
         size=cfg.tp, dist_address=f"127.0.0.1:{free_port()}", control_address="",
-        timeout_s=cfg.tp_timeout_s, threads=threads,
+        timeout_s=cfg.tp_timeout_s, threads=threads, transfer=cfg.transfer.model_dump(),
+        embedding_blocks=cfg.embedding_blocks, embedding_block_size=cfg.embedding_block_size,
     )  # fmt: skip
     log.info("starting %d tensor-parallel ranks", cfg.tp)
     return start_ranks(args, device, shard)
@@ -142,8 +143,11 @@ async def run(
     )
     buffers.register(transfer)
     allocator = BlockAllocator(cfg.embedding_blocks, cfg.embedding_block_size)
+    ranks = engine.runner.tp.workers.buffers if engine.runner.tp is not None else None
+    if ranks is not None:
+        ranks.check_mirror(buffers.layout())
     receiver = EmbeddingReceiver(
-        transfer, buffers, allocator, cfg.transfer,
+        transfer, buffers, allocator, cfg.transfer, ranks=ranks,
         reserve_tokens=cfg.default_reservation_tokens,
         client_share=cfg.embedding_client_share,
         reattach_grace_s=cfg.reattach_grace_s,
@@ -151,6 +155,7 @@ async def run(
         registry=registry,
         on_prompt=engine.pin_prefix,  # the prefix cache answers what it holds (pinned)
     )  # fmt: skip
+    engine.release_prompt = receiver.release
 
     server = grpc_server(max_send_message_length=16 << 20)
     limits = ServiceLimits(cfg.default_max_tokens, cfg.request_timeout_s, cfg.model,

@@ -376,6 +376,8 @@ class Scheduler:
                 positions=prompt.mrope_positions[:, a:b].to(torch.int64),
                 block_table=pages,
                 input_embeds=prompt.input_embeds[a:b],
+                embeds_key=prompt.ranks_key,
+                embeds_row=a,
             )
         # generated tokens (or a text-only prompt): ids, text positions shifted by the
         # prompt's MRoPE delta (0 without images)

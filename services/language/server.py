@@ -215,6 +215,8 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                 self.engine.submit(req, lambda d: loop.call_soon_threadsafe(q.put_nowait, d))
             except AdmissionError as e:
                 self.engine.unpin(room)
+                if req.prompt is not None:  # never reached a step: the ranks drop its rows
+                    self.receiver.release(req.prompt)
                 outcome = f"{e.code} at admission: {e.message}"
                 yield error_response(e.code, e.message)
                 return

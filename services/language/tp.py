@@ -16,8 +16,12 @@ weights (shard.py) and of the KV cache (its KV heads, the same page ids as rank 
       included) ─────────────────────────────▶
       the same forward; all-reduces after o_proj / down_proj / MoE; logits gathered to 0
 
-Embeddings reach the workers inside the step (rank 0 receives the transfer, then sends the
-chunk's rows with the step); see docs/architecture.md for the N-destination alternative.
+Embeddings reach every rank straight from the encoder: the Attach Init names each rank's
+buffers and the encoder writes every piece to all of them (tp_buffers.py: rank 0 runs the
+room and tells the others, over a second socket per rank, when to copy their rows out,
+clear blocks, or drop rows); a step then names the rows instead of carrying them. A
+payload the ranks do not hold (an engine driven without the receiver: tests, benchmarks)
+travels with the step instead.
 
 Failure: a worker that exits (kill -9, crash) or a collective that times out
 (`timeout_s`, a hung rank) ends the whole instance: rank 0 logs one line, kills the other
@@ -45,6 +49,7 @@ import torch.distributed as dist
 
 from services.language import tp_wire
 from services.language.model.shard import Shard
+from services.language.tp_buffers import RankBuffers
 
 log = logging.getLogger("tandem.language.tp")
 
@@ -67,6 +72,10 @@ class RankArgs:
     control_address: str  # host:port of rank 0's control socket
     timeout_s: float
     threads: int
+    # Each rank's own embedding buffers, a mirror of rank 0's pool (tp_buffers.py).
+    transfer: dict  # TransferConfig fields
+    embedding_blocks: int
+    embedding_block_size: int
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -105,9 +114,10 @@ def init_group(rank: int, size: int, address: str, device: torch.device, timeout
 class Ranks:
     """Rank 0's handle on the workers: start them, send each step, notice deaths."""
 
-    def __init__(self, args: RankArgs, procs: list[subprocess.Popen], conns: list[Connection]
-                 ) -> None:
-        self.args, self.procs, self.conns = args, procs, conns
+    def __init__(self, args: RankArgs, procs: list[subprocess.Popen], conns: list[Connection],
+                 data_conns: list[Connection]) -> None:
+        self.args, self.procs, self.conns, self.data_conns = args, procs, conns, data_conns
+        self.buffers: RankBuffers | None = None  # set by start()
         self._stopping = False
         self._watch = threading.Thread(target=self._watch_procs, name="tp-watch", daemon=True)
         self._watch.start()
@@ -116,9 +126,12 @@ class Ranks:
         """Every worker builds its runner with `num_pages` KV pages; returns once all have."""
         for c in self.conns:
             c.send_bytes(tp_wire.encode_json({"num_pages": num_pages}))
+        ready = []
         for r, c in enumerate(self.conns, start=1):
-            if not tp_wire.decode_json(c.recv_bytes()).get("ready"):
+            ready.append(tp_wire.decode_json(c.recv_bytes()))
+            if not ready[-1].get("ready"):
                 self.fail(f"rank {r} did not start")
+        self.buffers = RankBuffers(self.data_conns, ready, self.fail)
 
     def send_step(self, batch) -> None:
         data = tp_wire.encode_step(batch)
@@ -136,6 +149,8 @@ class Ranks:
                 c.send_bytes(tp_wire.STOP)
             except OSError:
                 pass
+        for c in self.data_conns:
+            c.close()
         for p in self.procs:
             try:
                 p.wait(timeout=10)
@@ -180,9 +195,11 @@ def start_ranks(args: RankArgs, device: torch.device, shard: Shard) -> TensorPar
         init_group(0, args.size, args.dist_address, device, args.timeout_s)
         listener._listener._socket.settimeout(args.timeout_s)  # bounded accept
         conns: list[Connection | None] = [None] * (args.size - 1)
-        for _ in range(args.size - 1):
+        data_conns: list[Connection | None] = [None] * (args.size - 1)
+        for _ in range(2 * (args.size - 1)):  # a step socket and a data socket per rank
             c = listener.accept()
-            conns[tp_wire.decode_json(c.recv_bytes())["rank"] - 1] = c
+            hello = tp_wire.decode_json(c.recv_bytes())
+            (data_conns if hello["channel"] == "data" else conns)[hello["rank"] - 1] = c
     except Exception:
         for p in procs:
             p.kill()
@@ -190,5 +207,5 @@ def start_ranks(args: RankArgs, device: torch.device, shard: Shard) -> TensorPar
     finally:
         listener.close()
     tp = TensorParallel(0, shard, device)
-    tp.workers = Ranks(args, procs, conns)
+    tp.workers = Ranks(args, procs, conns, data_conns)
     return tp

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import asdict
 from multiprocessing.connection import Client
 
 import torch
@@ -19,9 +20,12 @@ import torch
 from services.language import tp_wire
 from services.language.model.shard import Shard
 from services.language.tp import RankArgs, TensorParallel, init_group, rank_device
+from services.language.tp_buffers import WorkerBuffers
+from tandem.config import TransferConfig
 from tandem.devices import DTYPES
 from tandem.models.checkpoint import read_spec, resolve_model_path
 from tandem.models.split import load_text_weights
+from tandem.transfer import EmbeddingBuffers, MooncakeEngine
 
 log = logging.getLogger("tandem.language.tp")
 
@@ -35,8 +39,11 @@ def main(rank: int, args: RankArgs) -> int:
     device = rank_device(torch.device(args.device), rank)
     init_group(rank, args.size, args.dist_address, device, args.timeout_s)
     host, port = args.control_address.rsplit(":", 1)
-    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["TANDEM_TP_AUTHKEY"]))
-    conn.send_bytes(tp_wire.encode_json({"rank": rank}))
+    authkey = bytes.fromhex(os.environ["TANDEM_TP_AUTHKEY"])
+    conn = Client((host, int(port)), authkey=authkey)
+    conn.send_bytes(tp_wire.encode_json({"rank": rank, "channel": "step"}))
+    data_conn = Client((host, int(port)), authkey=authkey)
+    data_conn.send_bytes(tp_wire.encode_json({"rank": rank, "channel": "data"}))
     spec = read_spec(resolve_model_path(args.model))
     shard = Shard.of(spec, rank, args.size)
     weights = load_text_weights(spec, DTYPES[args.dtype], device, shard)
@@ -51,7 +58,16 @@ def main(rank: int, args: RankArgs) -> int:
         linear_backend=args.linear_backend, cpu_parallel_min_tokens=args.cpu_parallel_min_tokens,
         tp=TensorParallel(rank, shard, device),
     )  # fmt: skip
-    conn.send_bytes(tp_wire.encode_json({"ready": True}))
+    # This rank's embedding buffers, a mirror of rank 0's pool: the encoder writes every
+    # prompt here too (tp_buffers.py). Host memory, as on rank 0.
+    transfer = MooncakeEngine(TransferConfig(**args.transfer))
+    buffers = EmbeddingBuffers(args.embedding_blocks, args.embedding_block_size, spec.embed_dim,
+                               DTYPES[args.dtype])
+    buffers.register(transfer)
+    held = WorkerBuffers(data_conn, buffers)
+    held.start()
+    conn.send_bytes(tp_wire.encode_json({"ready": True, "session_id": transfer.session_id,
+                                         "layout": asdict(buffers.layout())}))
     while True:
         try:
             data = conn.recv_bytes()
@@ -60,7 +76,7 @@ def main(rank: int, args: RankArgs) -> int:
             return 1
         if data == tp_wire.STOP:
             return 0
-        batch = tp_wire.decode_step(data)
+        batch = tp_wire.decode_step(data, held.take)
         # NOTE: rank 0 checked the batch before sending it; any failure here (a collective
         # that timed out, a peer gone) ends this rank, and rank 0 ends the instance.
         runner.forward(batch)

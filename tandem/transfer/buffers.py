@@ -184,11 +184,12 @@ class EmbeddingBuffers:
         block_ids: list[int],
         n_tokens: int,
         out_embeds: torch.Tensor,
-        out_fill: torch.Tensor,
-        out_mrope: torch.Tensor,
+        out_fill: torch.Tensor | None,
+        out_mrope: torch.Tensor | None,
         start: int,
     ) -> None:
-        """Copy `n_tokens` tokens out of `block_ids` (token order) into out[start:start+n]."""
+        """Copy `n_tokens` tokens out of `block_ids` (token order) into out[start:start+n]
+        (fill ids and positions only where an output for them is given)."""
         bs, d = self.block_size, self.embed_dim
         nb = ceil_div(n_tokens, bs)
         ids = block_ids[:nb]
@@ -201,7 +202,9 @@ class EmbeddingBuffers:
             n, b0, b1 = t1 - t0, ids[i], ids[i] + (j - i)
             a = start + t0
             out_embeds[a : a + n].copy_(self.embeddings[b0:b1].view(-1, d)[:n])
-            out_fill[a : a + n].copy_(self.fill_ids[b0:b1].reshape(-1)[:n])
-            rows = self.mrope_positions[b0:b1].view(j - i, 3, bs).permute(1, 0, 2)
-            out_mrope[:, a : a + n].copy_(rows.reshape(3, -1)[:, :n])
+            if out_fill is not None:
+                out_fill[a : a + n].copy_(self.fill_ids[b0:b1].reshape(-1)[:n])
+            if out_mrope is not None:
+                rows = self.mrope_positions[b0:b1].view(j - i, 3, bs).permute(1, 0, 2)
+                out_mrope[:, a : a + n].copy_(rows.reshape(3, -1)[:, :n])
             i = j

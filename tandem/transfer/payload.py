@@ -64,6 +64,10 @@ class PromptPayload:
     mrope_delta: int
     start: int = 0
     info: PromptInfo | None = None
+    # The name under which the language instance's other tensor-parallel ranks hold these
+    # rows (the encoder wrote the prompt to every rank); None when they do not (rank 0 then
+    # ships the rows with each step). Set by the receiver; never crosses a process.
+    ranks_key: int | None = None
 
     def __post_init__(self) -> None:
         n = self.input_embeds.shape[0]

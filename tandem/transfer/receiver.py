@@ -30,6 +30,11 @@ is freed on every path: after the payload is gathered out, on failure, on abort 
 the awaiting task is cancelled. `deadline` is Unix seconds. Failures raise
 TransferError(reason, code) with a gRPC code name.
 
+With `ranks` (a tensor-parallel instance's other ranks, services/language/tp_buffers.py)
+every Init names each rank's buffers too (the encoder writes all of them); each copy-out,
+wipe and drop is done by every rank, and the payload's `ranks_key` names the rows they hold
+(`release(payload)` once its request ended).
+
 NOTE: blocks are reused as soon as a room ends. An encoder frozen mid-write (SIGSTOP) whose
 room timed out can, if it ever resumes, land a stale write in reused blocks; every block
 carries an aux row (room, piece, index) checked before it is copied out, so such a write is
@@ -39,6 +44,8 @@ reported as DATA_LOSS instead of reaching the model when it hits the aux rows.
 from __future__ import annotations
 
 import asyncio
+import functools
+import itertools
 import time
 from collections.abc import Callable
 
@@ -80,6 +87,7 @@ class EmbeddingReceiver:
         resume_tokens: int | None = None,
         registry=None,
         on_prompt: Callable[[int, PromptInfo], int] | None = None,
+        ranks=None,
     ) -> None:
         if allocator.block_size != buffers.block_size or allocator.num_total != buffers.num_blocks:
             raise ValueError("allocator and buffers disagree on block size or block count")
@@ -94,7 +102,12 @@ class EmbeddingReceiver:
         self.rooms: dict[int, ReceiverRoom] = {}
         self._layout = buffers.layout().to_proto()
         self.channels = EncoderChannels(grace_s=config.timeout_s)  # bounded, one per address
-        self.blocks = BlockReservations(allocator, self.metrics, clear=buffers.clear,
+        # The instance's other tensor-parallel ranks (services/language/tp_buffers.py
+        # RankBuffers): named in every Init, told to copy, clear and drop with rank 0.
+        self.ranks = ranks
+        self._rank_dests = list(ranks.destinations) if ranks is not None else []
+        self._keys = itertools.count(1)  # the ranks' name for a payload's rows
+        self.blocks = BlockReservations(allocator, self.metrics, clear=self._clear,
                                         client_share=client_share)
 
     # ---- public control ---------------------------------------------------------------
@@ -119,6 +132,23 @@ class EmbeddingReceiver:
 
     async def close(self) -> None:
         await self.channels.close()
+
+    def release(self, payload: PromptPayload) -> None:
+        """The request of a payload `receive` returned ended: the other ranks may forget
+        its rows. NOTE: only once no model step can name them any more."""
+        if self.ranks is not None and payload.ranks_key is not None:
+            self.ranks.drop(payload.ranks_key)
+
+    def _clear(self, ids: list[int]) -> None:
+        """Blocks a room lets go: wiped on every rank before anyone can have them again."""
+        self.buffers.clear(ids)
+        if self.ranks is not None:
+            self.ranks.clear(ids)
+
+    def _drop_rows(self, r: ReceiverRoom) -> None:
+        if self.ranks is not None and r.ranks_key is not None:
+            self.ranks.drop(r.ranks_key)
+        r.ranks_key = None
 
     def _interrupt(self, r: ReceiverRoom, ev: RoomEvent) -> None:
         """Handle an event that arrives while no message is expected."""
@@ -159,6 +189,7 @@ class EmbeddingReceiver:
             raise TransferError(f"room {room} is already receiving", "ALREADY_EXISTS")
         r = self.rooms[room] = ReceiverRoom(room, encoder_address, client=client)
         t0 = time.monotonic()
+        payload: PromptPayload | None = None
         try:
             # NOTE: waiting for a first reservation is queueing behind rooms under way (each
             # bounded by the transfer timeout), not a stalled transfer: it may last until the
@@ -191,7 +222,10 @@ class EmbeddingReceiver:
             self._hang_up(r, graceful=r.state == ReceiverState.TRANSFERRING and r.sent == r.total)
             self.blocks.free_all(r)  # NOTE: every path ends here; no block outlives the room
             self.rooms.pop(room, None)
+            if payload is None:  # the room failed: the ranks' rows of it go too
+                self._drop_rows(r)
         r.state = ReceiverState.SUCCESS
+        payload.ranks_key = r.ranks_key
         m = self.metrics
         m.tokens.labels("language").inc(payload.num_tokens)
         m.bytes.labels("language").inc(sum(t.numel() * t.element_size() for t in r.out))
@@ -244,7 +278,8 @@ class EmbeddingReceiver:
         r.reader = asyncio.create_task(self._read(r, call, r.attempt))
         init = encoder_pb2.AttachInit(
             room=r.room, session_id=self.engine.session_id, layout=self._layout,
-            block_ids=r.ids, allocated_tokens=r.allocated, generation=r.attempt + 1)
+            block_ids=r.ids, allocated_tokens=r.allocated, generation=r.attempt + 1,
+            ranks=self._rank_dests)
         await self._write(r, encoder_pb2.AttachRequest(init=init))
         r.state = ReceiverState.WAITING_FOR_INPUT
         while True:
@@ -324,6 +359,9 @@ class EmbeddingReceiver:
             r.out = (torch.empty((total, b.embed_dim), dtype=b.dtype, device=dev),
                      torch.empty(total, dtype=torch.int32, device=dev),
                      torch.empty((3, total), dtype=torch.int32, device=dev))
+            if self.ranks is not None:  # a new attempt's rows: under a new name
+                self._drop_rows(r)
+                r.ranks_key = next(self._keys)
         r.state = ReceiverState.TRANSFERRING
 
     async def _copy_out(self, r: ReceiverRoom, ids: list[int], start: int, upto: int) -> None:
@@ -333,8 +371,12 @@ class EmbeddingReceiver:
         piece_tokens = min(r.total - start, len(ids) * bs)
         check = (ids[i0:], r.room, r.attempt + 1, r.total, start, piece_tokens, upto - a, i0)
         self.buffers.check_piece(*check)
-        await asyncio.get_running_loop().run_in_executor(
-            None, self.buffers.gather_into, ids[i0:], upto - a, *r.out, a)
+        copy = functools.partial(self.buffers.gather_into, ids[i0:], upto - a, *r.out, a)
+        if self.ranks is not None:  # every rank copies its own blocks (and checks them)
+            copy = functools.partial(
+                self.ranks.gather, r.ranks_key, ids[i0:], upto - a, a, r.total, r.room,
+                r.attempt + 1, start, piece_tokens, i0, local=copy)
+        await asyncio.get_running_loop().run_in_executor(None, copy)
         # NOTE: and again after the copy: a stale write whose aux row lands while we copy is
         # caught too (one landing wholly inside the copy, aux first, is what this narrows).
         self.buffers.check_piece(*check)

@@ -91,6 +91,7 @@ class ReceiverRoom:
     info: PromptInfo | None = None  # the prompt's content, when the encoder announced it
     cached: int = 0  # leading tokens we hold: the payload starts there
     out: tuple | None = None  # (embeds, fill_ids, mrope) of the whole prompt
+    ranks_key: int | None = None  # the other tensor-parallel ranks' name for `out`'s rows
     resumes: int = 0
     call: object | None = None
     reader: asyncio.Task | None = None

@@ -53,7 +53,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from tandem.config import TransferConfig
-from tandem.transfer.buffers import BufferLayout
 from tandem.transfer.errors import TransferError, TransferStuck, timed_out
 from tandem.transfer.metrics import transfer_metrics
 from tandem.transfer.payload import PromptInfo, PromptPayload
@@ -61,9 +60,10 @@ from tandem.transfer.sender_room import (
     SenderRoom,
     SenderState,
     SendStats,
+    destinations,
     failed_msg,
 )
-from tandem.transfer.staging import StagingArea, WriteRound, write_round
+from tandem.transfer.staging import Destination, StagingArea, WriteRound, write_round
 from tandem.v1 import encoder_pb2
 
 log = logging.getLogger(__name__)
@@ -320,10 +320,8 @@ class EmbeddingSender:
         if payload.start != r.cached:
             raise TransferError(f"room {room}: payload starts at token {payload.start}, the "
                                 f"language side holds {r.cached}", "INTERNAL")
-        layout = BufferLayout.from_proto(init.layout)
-        why = self.staging.check_layout(layout, payload)
-        if why:
-            raise TransferError(f"room {room}: layout mismatch: {why}", "INVALID_ARGUMENT")
+        dests = destinations(room, init, self.staging, payload)
+        layout = dests[0].layout
         r.to(SenderState.TRANSFERRING)
         t0 = time.monotonic()
         total, sent, resumes, nbytes = payload.num_tokens, 0, 0, 0
@@ -331,7 +329,7 @@ class EmbeddingSender:
         while True:
             layout.check_destination(room, ids, allocated)
             piece = min(total - sent, allocated)
-            nbytes += await self._write_piece(r, payload, layout, ids, sent, piece, deadline)
+            nbytes += await self._write_piece(r, payload, dests, ids, sent, piece, deadline)
             sent += piece
             if sent >= total:
                 break
@@ -361,14 +359,15 @@ class EmbeddingSender:
         else:
             self.staging.release(slot)
 
-    async def _write_piece(self, r: SenderRoom, payload: PromptPayload, layout: BufferLayout,
+    async def _write_piece(self, r: SenderRoom, payload: PromptPayload, dests: list[Destination],
                            ids: list[int], start: int, piece: int, deadline) -> int:
-        """Write tokens [start, start+piece) into `ids`: per staging round, chunks of
+        """Write tokens [start, start+piece) into `ids` of every destination: per staging
+        round, chunks of
         `chunk_tokens` are staged and submitted, two deep (chunk k+1 is copied while chunk
         k is on the wire); each finished chunk but the piece's last is announced with a
         non-partial Progress, so the language side copies it out early."""
         loop = asyncio.get_running_loop()
-        peer, bs = r.init.session_id, layout.block_size
+        bs = dests[0].layout.block_size
         step = self.staging.round_tokens(bs)
         chunk = max(bs, min(step, self.chunk_tokens // bs * bs))
         end, nbytes = start + piece, 0
@@ -380,8 +379,8 @@ class EmbeddingSender:
         for t0 in range(start, end, step):
             slot = await self._acquire_slot(r, deadline)
             job = WriteRound(
-                self.engine, self.staging, peer, slot, payload, r.room, r.init.generation,
-                layout, ids, start, piece, t0, min(t0 + step, end), chunk, lambda: r.terminal,
+                self.engine, self.staging, dests, slot, payload, r.room, r.init.generation,
+                ids, start, piece, t0, min(t0 + step, end), chunk, lambda: r.terminal,
                 on_chunk=lambda c_end: c_end < end and loop.call_soon_threadsafe(progress, c_end),
                 on_fail=lambda err: loop.call_soon_threadsafe(self._fail, r, err),
             )

@@ -1,5 +1,6 @@
 """Encoder-side room bookkeeping: the sender's state enum, a room's record (its one
-wake-up), the stats of a delivery, and the AttachFailed message (see sender.py)."""
+wake-up), the stats of a delivery, a room's destinations (one per tensor-parallel rank),
+and the AttachFailed message (see sender.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tandem.transfer.buffers import BufferLayout
 from tandem.transfer.errors import TransferError
+from tandem.transfer.payload import PromptPayload
+from tandem.transfer.staging import Destination, StagingArea
 from tandem.v1 import common_pb2, encoder_pb2
 
 
@@ -65,6 +69,31 @@ class SenderRoom:
         """Return once `done()` holds (checked now and after every transition)."""
         while not done():
             await self._changed.wait()
+
+
+MAX_RANKS = 64  # destinations one Init may name (tensor-parallel ranks of one instance)
+
+
+def destinations(room: int, init: encoder_pb2.AttachInit, staging: StagingArea,
+                 payload: PromptPayload) -> list[Destination]:
+    """Rank 0's buffers, then each other tensor-parallel rank's (seeds/001's
+    required_dst_info_num destinations); every one must take this payload, and mirror rank
+    0's pool (one list of block ids serves them all). Raises INVALID_ARGUMENT."""
+    dests = [Destination(init.session_id, BufferLayout.from_proto(init.layout))]
+    dests += [Destination(d.session_id, BufferLayout.from_proto(d.layout)) for d in init.ranks]
+    if len(dests) > MAX_RANKS:
+        raise TransferError(f"room {room}: {len(dests)} destinations (at most {MAX_RANKS})",
+                            "INVALID_ARGUMENT")
+    first = dests[0].layout
+    for k, d in enumerate(dests):
+        why = staging.check_layout(d.layout, payload)
+        if not why and (d.layout.block_size, d.layout.num_blocks) != (first.block_size,
+                                                                         first.num_blocks):
+            why = (f"rank {k}'s pool ({d.layout.num_blocks} blocks of {d.layout.block_size}) "
+                   f"does not mirror rank 0's ({first.num_blocks} of {first.block_size})")
+        if why:
+            raise TransferError(f"room {room}: layout mismatch: {why}", "INVALID_ARGUMENT")
+    return dests
 
 
 def failed_msg(err: TransferError) -> encoder_pb2.AttachResponse:

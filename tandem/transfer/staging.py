@@ -132,7 +132,8 @@ class StagingArea:
         at: int = 0,
     ) -> tuple[list[int], list[int], list[int]]:
         """Copy payload tokens [t0, t1) of the piece into `slot` at token offset `at`;
-        return the writes (srcs, dsts, lengths).
+        return the writes (srcs, dsts, lengths) into `layout`'s buffers (`writes` gives
+        those into any other rank's).
 
         The piece starts at token `piece_start` and lands in `block_ids` (token order);
         t0 - piece_start and `at` are multiples of the block size (whole blocks only).
@@ -142,7 +143,6 @@ class StagingArea:
         nb = ceil_div(n, bs)
         if at % bs or at + nb * bs > self.slot_tokens or at // bs + nb > self.max_round_blocks:
             raise ValueError(f"staging range at {at} for {n} tokens does not fit the slot")
-        es = self.embeds.element_size()
         self.used[slot] = max(self.used[slot], at + nb * bs)
         e, f = self.embeds[slot][at:], self.fill[slot][at:]
         e[:n].copy_(payload.input_embeds[t0:t1])
@@ -163,6 +163,18 @@ class StagingArea:
         a[:, B.AUX_BLOCK_TOKENS] = torch.clamp(n - torch.arange(nb, dtype=torch.int32) * bs, max=bs)
         a[:, B.AUX_ROOM_LO], a[:, B.AUX_ROOM_HI], a[:, B.AUX_EMBED_DIM] = lo, hi, d
         a[:, B.AUX_GENERATION] = generation
+        return self.writes(slot, layout, block_ids, i0, n, at)
+
+    def writes(self, slot: int, layout: BufferLayout, block_ids: list[int], i0: int, n: int,
+               at: int) -> tuple[list[int], list[int], list[int]]:
+        """The writes (srcs, dsts, lengths) that put the `n` tokens staged at `at` in `slot`
+        into blocks `block_ids[i0:]` of the buffers `layout` describes. NOTE: one staging,
+        many destinations: each tensor-parallel rank's pool has its own `layout`."""
+        bs, d, es = layout.block_size, self.embed_dim, self.embeds.element_size()
+        nb = ceil_div(n, bs)
+        e, f = self.embeds[slot][at:], self.fill[slot][at:]
+        m = self.mrope[slot][3 * at : 3 * at + nb * 3 * bs]
+        a = self.aux[slot][at // bs : at // bs + nb]
         plans: list[list[tuple[int, int, int]]] = [[], [], [], []]
         row_e, row_f, row_m, row_a = bs * d * es, bs * 4, 3 * bs * 4, B.AUX_WIDTH * 4
         for k in range(nb):
@@ -195,20 +207,28 @@ class StagingArea:
         return None
 
 
+@dataclass(frozen=True)
+class Destination:
+    """One rank's buffers: where a piece goes (every rank gets every piece)."""
+
+    peer: str  # its transfer session id
+    layout: BufferLayout
+
+
 @dataclass
 class WriteRound:
     """One staging round of a room's piece, handed to a writer thread: tokens [t0, t1)
     of the piece that starts at token `start` (piece number `piece`), destined for the
-    blocks `ids` of the peer's buffers described by `layout`."""
+    blocks `ids` of every destination's buffers (rank 0 first; the same block ids in each:
+    the ranks' pools mirror each other)."""
 
     engine: Any  # MooncakeEngine
     staging: StagingArea
-    peer: str  # the peer's transfer session id
+    dests: list[Destination]
     slot: int  # staging slot this round stages into (held by the caller)
     payload: PromptPayload
     room: int
     generation: int  # the destination reservation's (AttachInit.generation)
-    layout: BufferLayout
     ids: list[int]
     start: int
     piece: int
@@ -221,14 +241,17 @@ class WriteRound:
 
 
 def write_round(w: WriteRound) -> int:
-    """Thread side of one staging round, in chunks of `w.chunk` tokens, each staged then
-    submitted (one transfer per coalesced region), two deep (chunk k+1 is copied while
-    chunk k is on the wire). `on_chunk` runs as each chunk completes; `on_fail` runs at
-    the first failure, before the leftovers are drained, so the room ends at once. Stops
-    submitting once `dead` is set. Returns the bytes written; raises TransferStuck when
-    writes from the slot never ended (the caller must retire it)."""
+    """Thread side of one staging round, in chunks of `w.chunk` tokens, each staged once
+    then submitted to every destination (one transfer per coalesced region), two deep
+    (chunk k+1 is copied while chunk k is on the wire). `on_chunk` runs as each chunk has
+    reached every destination; `on_fail` runs at the first failure, before the leftovers
+    are drained, so the room ends at once. Stops submitting once the room ended. Returns
+    the bytes written (all destinations); raises TransferStuck when writes from the slot
+    never ended (the caller must retire it)."""
     engine, room, t0, t1 = w.engine, w.room, w.t0, w.t1
-    pending: list[tuple[list, int, int]] = []  # (started transfers, bytes, end token)
+    first, bs = w.dests[0].layout, w.dests[0].layout.block_size
+    # (per destination: (peer, started transfers)), bytes, end token
+    pending: list[tuple[list[tuple[str, list]], int, int]] = []
     leftovers: list[tuple[int, int]] = []
     written = 0
     try:
@@ -236,20 +259,30 @@ def write_round(w: WriteRound) -> int:
             if w.room_ended():  # the room ended: write nothing more
                 raise TransferError(f"room {room}: ended during the write", "ABORTED", room)
             c1 = min(c0 + w.chunk, t1)
-            srcs, dsts, lens = w.staging.stage(
-                w.slot, w.payload, room, w.generation, w.layout, w.ids, w.start, w.piece, c0, c1, at=c0 - t0)
+            at = c0 - t0
+            plans = [w.staging.stage(w.slot, w.payload, room, w.generation, first, w.ids,
+                                     w.start, w.piece, c0, c1, at=at)]
+            i0 = (c0 - w.start) // bs
+            plans += [w.staging.writes(w.slot, d.layout, w.ids, i0, c1 - c0, at)
+                      for d in w.dests[1:]]
+            started_all: list[tuple[str, list]] = []
             try:
-                pending.append((engine.submit(w.peer, srcs, dsts, lens), sum(lens), c1))
+                for d, (srcs, dsts, lens) in zip(w.dests, plans, strict=True):
+                    started_all.append((d.peer, engine.submit(d.peer, srcs, dsts, lens)))
             except TransferError as e:
-                leftovers += e.pending
+                leftovers += e.pending + [t for _, st in started_all for t in st]
                 raise
+            pending.append((started_all, sum(sum(p[2]) for p in plans), c1))
             while len(pending) > 1 or (pending and c1 == t1):
-                started, n, c_end = pending.pop(0)
-                try:
-                    engine.wait(w.peer, started)
-                except TransferError as e:
-                    leftovers += e.pending
-                    raise
+                started_all, n, c_end = pending[0]
+                for k, (peer, started) in enumerate(started_all):
+                    try:
+                        engine.wait(peer, started)
+                    except TransferError as e:
+                        pending.pop(0)
+                        leftovers += e.pending + [t for _, st in started_all[k + 1:] for t in st]
+                        raise
+                pending.pop(0)
                 written += n
                 w.on_chunk(c_end)
     except TransferError as e:
@@ -257,7 +290,8 @@ def write_round(w: WriteRound) -> int:
         raise
     finally:
         # NOTE: never reuse the slot while a started write may still read from it.
-        rest = leftovers + [t for started, _, _ in pending for t in started]
+        rest = leftovers + [t for started_all, _, _ in pending for _, st in started_all
+                            for t in st]
         if rest and not engine.drain(rest):
             raise TransferStuck(f"room {room}: writes from staging slot {w.slot} never "
                                 f"finished", "UNAVAILABLE", room)

@@ -4,8 +4,14 @@ It plays the encoder's transfer role only: hosts `Encoder.Attach` (an EmbeddingS
 a registered staging area) and, on command, delivers the payload of prompt i (computed
 with transformers, exactly as the encoder would) into a room.
 
-stdin  {"op": "send", "room": R, "prompt": i} | {"op": "exit"}
+stdin  {"op": "send", "room": R, "prompt": i} | {"op": "read", "room": R} | {"op": "exit"}
 stdout {"event": "ready", "address": ...} then {"event": "sent", "room", "ok", ...}
+       | {"event": "read", "room": R, "nonzero": [bytes per destination], "rc": [...]}
+
+`read` reads back, with this process's own Mooncake engine, every block the room's Init
+named in every destination (each tensor-parallel rank): what any process reaching the
+language instance's transfer ports could do once it learned the addresses.
+`--rank0-only` plays an encoder that ignores AttachInit.ranks (writes rank 0 only).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
 import grpc  # noqa: E402
 import language_oracle as oracle  # noqa: E402
+import torch  # noqa: E402
 from prompts import make_inputs  # noqa: E402
 
 from tandem.config import TransferConfig  # noqa: E402
@@ -35,9 +42,34 @@ def emit(**event) -> None:
 class Attach(encoder_pb2_grpc.EncoderServicer):
     def __init__(self, sender: EmbeddingSender) -> None:
         self.sender = sender
+        self.inits: dict[int, object] = {}  # room -> its AttachInit (for `read`)
 
     async def Attach(self, request_iterator, context):  # noqa: N802
-        await self.sender.attach(request_iterator, context)
+        async def recording():
+            async for req in request_iterator:
+                if req.WhichOneof("msg") == "init":
+                    self.inits[req.init.room] = req.init
+                yield req
+
+        await self.sender.attach(recording(), context)
+
+
+def read_back(engine, sink, init) -> tuple[list[int], list[int]]:
+    """Nonzero bytes (and read return codes) in the Init's blocks, per destination."""
+    dests = [(init.session_id, init.layout)] + [(d.session_id, d.layout) for d in init.ranks]
+    nonzero, rcs = [], []
+    for session, lay in dests:
+        es = 4 if lay.dtype == "float32" else 2
+        rows = [(lay.embeddings_addr, lay.block_size * lay.embed_dim * es),
+                (lay.fill_ids_addr, lay.block_size * 4), (lay.aux_addr, 16 * 4)]
+        count = 0
+        for b in init.block_ids:
+            for base, n in rows:
+                sink[:n].fill_(0xAB)
+                rcs.append(engine._te.transfer_sync_read(session, sink.data_ptr(), base + b * n, n))
+                count += int(sink[:n].count_nonzero())
+        nonzero.append(count)
+    return nonzero, sorted(set(rcs))
 
 
 async def send(sender, room: int, payload) -> None:
@@ -55,9 +87,19 @@ async def main() -> None:
     staging = StagingArea(4, 512, model.config.text_config.hidden_size * (
         1 + oracle.num_deepstack(model)), dtype=model.dtype)  # fmt: skip
     staging.register(engine)
+    if "--rank0-only" in sys.argv:
+        import dataclasses
+
+        import tandem.transfer.sender as sender_module
+
+        honest = sender_module.write_round
+        sender_module.write_round = lambda w: honest(dataclasses.replace(w, dests=w.dests[:1]))
+    sink = torch.zeros(1 << 20, dtype=torch.uint8)
+    engine.register(sink)
     sender = EmbeddingSender(engine, staging, cfg)
     server = grpc.aio.server()
-    encoder_pb2_grpc.add_EncoderServicer_to_server(Attach(sender), server)
+    servicer = Attach(sender)
+    encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     emit(event="ready", address=f"127.0.0.1:{port}")
@@ -69,6 +111,11 @@ async def main() -> None:
         cmd = json.loads(line)
         if cmd["op"] == "exit":
             break
+        if cmd["op"] == "read":
+            nonzero, rcs = await asyncio.to_thread(
+                read_back, engine, sink, servicer.inits[cmd["room"]])
+            emit(event="read", room=cmd["room"], nonzero=nonzero, rc=rcs)
+            continue
         payload = oracle.payload(model, make_inputs(oracle, processor, cmd["prompt"]))
         t = asyncio.create_task(send(sender, cmd["room"], payload))
         tasks.add(t)

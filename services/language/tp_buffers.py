@@ -1,0 +1,148 @@
+"""Embeddings delivered to every tensor-parallel rank (seeds/001's N destinations).
+
+Each rank of a `--tp N` instance has its own Mooncake engine and its own
+`EmbeddingBuffers`, a mirror of rank 0's pool (same block count, block size, width and
+dtype). Rank 0's receiver names every rank in the Attach Init (`AttachInit.ranks`), and the
+encoder writes each piece into the same block ids of every rank. Rank 0 alone runs the
+room (reservations, Progress, Resume, Done, the prefix cache); over one data socket per
+rank (beside the step socket, see tp.py) it tells the others what to do with their copy:
+
+    rank 0 ─▶ rank r   gather {key, ids, n, at, total, room, generation, start,
+                               piece_tokens, first_index}
+                       rank r checks its blocks' aux rows (the fence holds per rank),
+                       copies the rows into its copy of payload `key` ([total, embed_dim])
+                       at row `at`, checks again          ─▶ {"ok": true} | {"error", "code"}
+    rank 0 ─▶ rank r   clear {ids}   zero the blocks: their room let them go ─▶ {"ok": true}
+    rank 0 ─▶ rank r   drop {key}    the payload's request ended: forget its rows
+
+Invariants: a gather is answered before rank 0 frees the blocks, and a clear before they
+are handed out again, so no later room's write can land in blocks a rank has yet to copy
+or clear. A drop is sent only once no step can name the key (the request ended in the
+engine, or never reached it). Steps name rows by (key, row) (`SeqChunk.embeds_key`)
+instead of carrying them. One lock serialises the socket's calls (the receiver's copies
+run in executor threads, drops come from the engine thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+import torch
+
+from services.language import tp_wire
+from tandem.transfer import EmbeddingBuffers, TransferError
+from tandem.transfer.buffers import BufferLayout
+from tandem.v1 import encoder_pb2
+
+log = logging.getLogger("tandem.language.tp")
+
+
+class RankBuffers:
+    """Rank 0's handle on the other ranks' embedding buffers."""
+
+    def __init__(self, conns: list[Connection], ready: list[dict],
+                 fail: Callable[[str], None]) -> None:
+        self.conns, self._fail = conns, fail
+        self.destinations = [
+            encoder_pb2.RankDestination(
+                session_id=m["session_id"], layout=BufferLayout(**m["layout"]).to_proto())
+            for m in ready
+        ]
+        self._lock = threading.Lock()
+
+    def check_mirror(self, layout: BufferLayout) -> None:
+        """Every rank's pool must mirror rank 0's (`layout`): one list of block ids for all."""
+        for r, d in enumerate(self.destinations, start=1):
+            got = BufferLayout.from_proto(d.layout)
+            if (got.block_size, got.num_blocks, got.embed_dim, got.dtype) != (
+                    layout.block_size, layout.num_blocks, layout.embed_dim, layout.dtype):
+                self._fail(f"rank {r}'s embedding buffers {got} do not mirror rank 0's {layout}")
+
+    def _call(self, msg: dict, answer: bool, local: Callable[[], None] | None = None) -> None:
+        data = tp_wire.encode_json(msg)
+        with self._lock:
+            try:
+                for c in self.conns:
+                    c.send_bytes(data)
+                if local is not None:  # rank 0's own copy, while the others make theirs
+                    local()
+                replies = [tp_wire.decode_json(c.recv_bytes()) for c in self.conns] if answer else []
+            except (OSError, EOFError) as e:
+                self._fail(f"a tensor-parallel rank's data socket broke ({e})")
+                raise
+        for r, rep in enumerate(replies, start=1):
+            if not rep.get("ok"):
+                raise TransferError(f"rank {r}: {rep.get('error')}", rep.get("code", "INTERNAL"))
+
+    def gather(self, key: int, ids: list[int], n: int, at: int, total: int, room: int,
+               generation: int, start: int, piece_tokens: int, first_index: int,
+               local: Callable[[], None]) -> None:
+        """Every rank (rank 0 through `local`) checks and copies `n` tokens of blocks `ids`
+        into its rows of payload `key` at row `at`. Raises TransferError (DATA_LOSS)."""
+        self._call({"op": "gather", "key": key, "ids": ids, "n": n, "at": at, "total": total,
+                    "room": room, "generation": generation, "start": start,
+                    "piece_tokens": piece_tokens, "first_index": first_index},
+                   answer=True, local=local)
+
+    def clear(self, ids: list[int]) -> None:
+        if ids:
+            self._call({"op": "clear", "ids": ids}, answer=True)
+
+    def drop(self, key: int) -> None:
+        self._call({"op": "drop", "key": key}, answer=False)
+
+
+class WorkerBuffers:
+    """A rank's own embedding buffers and the payload rows it holds, served to rank 0."""
+
+    def __init__(self, conn: Connection, buffers: EmbeddingBuffers) -> None:
+        self.conn, self.buffers = conn, buffers
+        self.rows: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        threading.Thread(target=self._serve, name="tp-buffers", daemon=True).start()
+
+    def take(self, key: int, row: int, n: int) -> torch.Tensor:
+        """Rows [row, row + n) of payload `key` (a step's prompt chunk)."""
+        with self._lock:
+            rows = self.rows.get(key)
+        if rows is None or row + n > rows.shape[0]:
+            raise RuntimeError(f"rows [{row}, {row + n}) of payload {key} are not held here")
+        return rows[row : row + n]
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                msg = tp_wire.decode_json(self.conn.recv_bytes())
+            except (EOFError, OSError):
+                return  # rank 0 is gone; the step loop notices and exits
+            op = msg["op"]
+            if op == "drop":
+                with self._lock:
+                    self.rows.pop(msg["key"], None)
+                continue
+            try:
+                if op == "gather":
+                    self._gather(msg)
+                elif op == "clear":
+                    self.buffers.clear(msg["ids"])
+                reply = {"ok": True}
+            except TransferError as e:
+                reply = {"error": e.reason, "code": e.code}
+            self.conn.send_bytes(tp_wire.encode_json(reply))
+
+    def _gather(self, m: dict) -> None:
+        b = self.buffers
+        check = (m["ids"], m["room"], m["generation"], m["total"], m["start"],
+                 m["piece_tokens"], m["n"], m["first_index"])
+        b.check_piece(*check)
+        with self._lock:
+            out = self.rows.get(m["key"])
+            if out is None:
+                out = self.rows[m["key"]] = torch.empty(m["total"], b.embed_dim, dtype=b.dtype)
+        b.gather_into(m["ids"], m["n"], out, None, None, m["at"])
+        b.check_piece(*check)  # NOTE: and after: a stale write landing during the copy
