@@ -10,12 +10,16 @@ with its own Mooncake engine and buffers) fed by real encoder-side transfer peer
 - An encoder that writes rank 0 only (ignores AttachInit.ranks) is caught on rank 1 by
   the aux fence: DATA_LOSS naming the rank, never used; the instance stays up and the next
   request is exact; every block and page is free after.
+- A rank hung (SIGSTOP) while rank 0 waits for its copy ends the instance within the
+  tensor-parallel timeout, as a hung collective does.
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 from test_language_service import MAX_NEW, EncoderPeer, Language, drain, reference_tokens
 
@@ -85,3 +89,42 @@ def test_a_rank_the_encoder_did_not_write_fails_the_room_with_data_loss(tp_clust
     assert [t for m in drain(call) for t in m.token_ids] == refs[3]
     assert lang.proc.poll() is None
     lang.assert_all_free()
+
+
+def test_a_rank_hung_during_a_copy_ends_the_instance(checkpoint, tmp_path):
+    """A rank that stops answering (SIGSTOP) while rank 0 waits for its copy: bounded by
+    `tp_timeout_s` like a collective, the whole instance ends (one line naming the rank)
+    and the stream gets an error instead of hanging; the encoder peer's room is freed."""
+    import signal
+
+    import psutil
+
+    ckpt = checkpoint("qwen2_5_vl")
+    peer = EncoderPeer(ckpt, tmp_path / "peer.log")
+    lang = Language(ckpt, tmp_path / "language.log", "--tp", "2", "--tp-timeout-s", "4")
+    try:
+        peer.wait_ready()
+        lang.wait_ready()
+        (worker,) = [p for p in psutil.Process(lang.proc.pid).children()
+                     if "tp_worker" in " ".join(p.cmdline())]
+        worker.send_signal(signal.SIGSTOP)
+        room = next(_rooms)
+        call = lang.generate(room, peer.address, MAX_NEW[1])
+        peer.send(room, 1)
+        t0 = time.monotonic()
+        try:
+            msgs = drain(call)
+            assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_ERROR, msgs[-1]
+        except grpc.RpcError as e:  # the process ended under the stream
+            assert e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), e
+        assert lang.proc.wait(timeout=30) != 0
+        assert time.monotonic() - t0 < 25
+        assert "rank 1 did not answer within 4 s" in lang.log.read_text()
+        assert not peer.wait_sent(room)["ok"]  # the encoder's side of the room ended too
+    finally:
+        for p in psutil.Process(lang.proc.pid).children() if lang.proc.poll() is None else []:
+            p.kill()
+        if lang.proc.poll() is None:
+            lang.proc.kill()
+        lang.proc.wait()
+        peer.kill()

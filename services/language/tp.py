@@ -131,7 +131,7 @@ class Ranks:
             ready.append(tp_wire.decode_json(c.recv_bytes()))
             if not ready[-1].get("ready"):
                 self.fail(f"rank {r} did not start")
-        self.buffers = RankBuffers(self.data_conns, ready, self.fail)
+        self.buffers = RankBuffers(self.data_conns, ready, self.fail, self.args.timeout_s)
 
     def send_step(self, batch) -> None:
         data = tp_wire.encode_step(batch)

@@ -44,8 +44,8 @@ class RankBuffers:
     """Rank 0's handle on the other ranks' embedding buffers."""
 
     def __init__(self, conns: list[Connection], ready: list[dict],
-                 fail: Callable[[str], None]) -> None:
-        self.conns, self._fail = conns, fail
+                 fail: Callable[[str], None], timeout_s: float = 60.0) -> None:
+        self.conns, self._fail, self.timeout_s = conns, fail, timeout_s
         self.destinations = [
             encoder_pb2.RankDestination(
                 session_id=m["session_id"], layout=BufferLayout(**m["layout"]).to_proto())
@@ -69,13 +69,20 @@ class RankBuffers:
                     c.send_bytes(data)
                 if local is not None:  # rank 0's own copy, while the others make theirs
                     local()
-                replies = [tp_wire.decode_json(c.recv_bytes()) for c in self.conns] if answer else []
+                replies = [self._answer(r, c) for r, c in enumerate(self.conns, 1)] if answer else []
             except (OSError, EOFError) as e:
                 self._fail(f"a tensor-parallel rank's data socket broke ({e})")
                 raise
         for r, rep in enumerate(replies, start=1):
             if not rep.get("ok"):
                 raise TransferError(f"rank {r}: {rep.get('error')}", rep.get("code", "INTERNAL"))
+
+    def _answer(self, rank: int, c: Connection) -> dict:
+        # NOTE: bounded like a collective: a hung rank must not hold this lock (and with
+        # it every room's copy and the engine thread's drops) forever.
+        if not c.poll(self.timeout_s):
+            self._fail(f"rank {rank} did not answer within {self.timeout_s:g} s")
+        return tp_wire.decode_json(c.recv_bytes())
 
     def gather(self, key: int, ids: list[int], n: int, at: int, total: int, room: int,
                generation: int, start: int, piece_tokens: int, first_index: int,
