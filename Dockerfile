@@ -37,14 +37,14 @@ ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 RUN apt-get update && apt-get install -y --no-install-recommends make \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY Makefile pyproject.toml constraints.txt README.md ./
+COPY Makefile pyproject.toml setup.py MANIFEST.in constraints.txt README.md ./
 COPY protos ./protos
 COPY tandem ./tandem
 COPY services ./services
 # Stubs need only grpcio-tools, so the build venv always takes the CPU torch build.
 RUN PIP_EXTRA_INDEX_URL="$TORCH_CPU_INDEX" \
     make proto PYTHON=python3 VENV=/opt/build TORCH_SPEC="${TORCH_SPEC}+cpu"
-RUN /opt/build/bin/pip wheel --no-deps --wheel-dir /wheels .
+RUN /opt/build/bin/pip wheel --no-deps --no-build-isolation --wheel-dir /wheels .
 
 # ---- runtime --------------------------------------------------------------------------------
 FROM base AS runtime
@@ -63,7 +63,7 @@ RUN if [ "$VARIANT" = cpu ]; then \
     else \
       /opt/venv/bin/pip install -q "$TORCH_SPEC"; \
     fi
-RUN PIP_CONSTRAINT=/opt/constraints.txt /opt/venv/bin/pip install -q /wheels/tandem-*.whl
+RUN PIP_CONSTRAINT=/opt/constraints.txt /opt/venv/bin/pip install -q "$(ls /wheels/tandem-*.whl)[server]"
 # The grammar engine: whole on CUDA (its triton kernels), without triton on CPU (1 GB the
 # CPU path never imports; see pyproject.toml).
 RUN if [ "$VARIANT" = cuda ]; then \

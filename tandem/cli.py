@@ -48,6 +48,29 @@ def _tiny_model(argv: list[str]) -> int:
     return 0
 
 
+def _certs(argv: list[str]) -> int:
+    from tandem.pki import ROLES
+
+    p = argparse.ArgumentParser(
+        prog="tandem certs",
+        description="Write a new CA and a certificate + key per role (router, encoder, "
+        "language, operator) for mTLS between the tiers: pass a tier its role's files with "
+        "--internal-tls.ca/.cert/.key (docs/deploy.md, 'Internal TLS'). ca.key only signs "
+        "more certificates later: keep it out of the cluster.")
+    p.add_argument("dir", help="Output directory (created; existing files are replaced).")
+    p.add_argument("--days", type=int, default=365, help="Validity of every certificate.")
+    args = p.parse_args(argv)
+    from pathlib import Path
+
+    from tandem.pki import make_pki
+
+    paths = make_pki(Path(args.dir), days=args.days)
+    print(f"{paths.ca}  (CA)")
+    for role in ROLES:
+        print(f"{paths.cert(role)}  {paths.key(role)}  ({role})")
+    return 0
+
+
 def _up(argv: list[str]) -> int:
     """`tandem up` runs the tiers as local processes; with `--ray [ADDRESS]`, as Ray actors.
     Both launchers read the same plan (tandem/launch/plan.py) and never import each other."""
@@ -67,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         "router": "run the router (OpenAI HTTP + gRPC)",
         "up": "run a whole local cluster (encoders, language instances, router)",
         "tiny-model": "write a small random-weight checkpoint",
+        "certs": "write a CA and per-tier certificates for mTLS between the tiers",
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print("usage: tandem {" + ",".join(commands) + "} [options]\n")
@@ -74,11 +98,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:<11} {text}")
         print("\n`tandem COMMAND --help` lists the command's options.")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    cmd, rest = argv[0], argv[1:]
+    try:
+        return _dispatch(argv[0], argv[1:])
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] in ("tandem", "services"):
+            raise
+        # a client-only install (`pip install tandem`): one line, not a traceback
+        print(f"tandem {argv[0]}: needs the server install: pip install 'tandem[server]' "
+              f"(missing {e.name})", file=sys.stderr)
+        return 2
+
+
+def _dispatch(cmd: str, rest: list[str]) -> int:
     if cmd in SERVICES:
         return _run_service(cmd, rest)
     if cmd == "tiny-model":
         return _tiny_model(rest)
+    if cmd == "certs":
+        return _certs(rest)
     return _up(rest)
 
 

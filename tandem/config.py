@@ -8,7 +8,7 @@ instance, or exits with one line naming the bad field.
 from __future__ import annotations
 
 import sys
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, Field, ValidationError
 from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, SettingsConfigDict
@@ -59,6 +59,16 @@ class TransferConfig(BaseModel):
     )
 
 
+class InternalTLSConfig(BaseModel):
+    """PEM files (or the PEM text itself, for secrets passed through the environment)."""
+
+    ca: str = Field("", description="The CA that signs every tier's certificate (mTLS "
+                    "between tiers); `tandem certs DIR` makes one.")
+    cert: str = Field("", description="This process's certificate; its common name is its "
+                      "role (router, encoder, language).")
+    key: str = Field("", description="This process's private key.")
+
+
 class ServiceSettings(TandemSettings):
     """The fields every service has: its model, where it binds, how long a request without
     a deadline may run, how long SIGTERM waits. A service with other defaults or another
@@ -72,6 +82,16 @@ class ServiceSettings(TandemSettings):
     drain_timeout_s: float = Field(
         30.0, ge=0, le=3600, description="On SIGTERM, wait this long for requests in progress."
     )
+    log_format: Literal["text", "json"] = Field(
+        "text", description="Log lines as text or as one JSON object per line (each with "
+        "its level).")
+    internal_tls: InternalTLSConfig = Field(
+        default_factory=InternalTLSConfig,
+        description="mTLS between tiers (tandem/internal_tls.py); required unless "
+        "--insecure-internal.")
+    insecure_internal: bool = Field(
+        False, description="Plaintext between tiers, no mTLS: any process that reaches the "
+        "tiers' ports can call them. Only for a network nothing else reaches; logs a warning.")
 
 
 class ModelServiceSettings(ServiceSettings):
@@ -90,6 +110,9 @@ class ModelServiceSettings(ServiceSettings):
     transfer: TransferConfig = Field(
         default_factory=TransferConfig, description="Transfer engine settings."
     )
+    health_port: int = Field(
+        0, ge=0, le=65535, description="Also serve grpc.health.v1 alone, plaintext, on this "
+        "port (Kubernetes probes cannot present the internal client certificate); 0: off.")
 
 
 def format_validation_error(prog: str, err: ValidationError) -> str:

@@ -5,9 +5,10 @@ bind, signals, drain, deadlines.
         return run_service("tandem encoder", run(cfg), cfg.cpu_threads)
 
     async def run(cfg, ready=None, stop=None):
-        server = grpc.aio.server(...)
+        tls = load_internal_tls(cfg, "tandem encoder", "encoder")  # None: --insecure-internal
+        server = grpc_server(tls, ...)                             # + RoleGate under mTLS
         add_XServicer_to_server(servicer, server)
-        health = await start_serving(server, SERVICE, address, "tandem encoder")
+        health = await start_serving(server, SERVICE, address, "tandem encoder", tls)
             # = add_health_and_reflection (grpc.health.v1 + reflection), bind (exits with
             #   one line on failure), server.start(), set_serving
         stop = stop_on_signals(stop)                         # SIGTERM / SIGINT set it
@@ -26,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import sys
 import time
 from collections.abc import Callable, Coroutine
 from typing import Protocol
@@ -35,6 +35,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tandem.internal_tls import InternalTLS, RoleGate
+
+log = logging.getLogger("tandem")
+
 # NOTE: gRPC servers set SO_REUSEPORT by default, so a second process binding a taken port
 # succeeds and the kernel splits connections between the two (seen: an encoder and a
 # language instance on one port, half the calls "Method not found"). Off: a taken port is
@@ -42,23 +46,25 @@ from grpc_reflection.v1alpha import reflection
 _SERVER_OPTIONS: tuple[tuple[str, int], ...] = (("grpc.so_reuseport", 0),)
 
 
-def grpc_server(**limits: int) -> grpc.aio.Server:
+def grpc_server(internal: InternalTLS | None = None, **limits: int) -> grpc.aio.Server:
     """Every service's gRPC server: _SERVER_OPTIONS plus `grpc.<name>` channel limits, e.g.
-    grpc_server(max_send_message_length=16 << 20)."""
+    grpc_server(tls, max_send_message_length=16 << 20). An internal tier's server with
+    mTLS (`internal`) checks each caller's role before any handler (RoleGate)."""
     options = [*_SERVER_OPTIONS, *((f"grpc.{k}", v) for k, v in limits.items())]
-    return grpc.aio.server(options=options)
+    return grpc.aio.server(options=options, interceptors=[RoleGate()] if internal else None)
 
 
-def run_service(prog: str, main: Coroutine[None, None, None], cpu_threads: int = 0) -> int:
-    """The body of `tandem <service>`: log lines on stderr, torch's CPU threads (0 keeps
-    torch's default), the event loop until `main` returns. A checkpoint that cannot be
-    used is one line naming the problem and exit code 2, not a traceback."""
+def run_service(prog: str, main: Coroutine[None, None, None], cpu_threads: int = 0,
+                log_format: str = "text") -> int:
+    """The body of `tandem <service>`: log lines on stderr (a level on each; text or
+    JSON), torch's CPU threads (0 keeps torch's default), the event loop until `main`
+    returns. A start-up error (a checkpoint that cannot be used: exit code 2; bad TLS
+    material, a taken port: exit code 1) is one logged line naming the problem, in the
+    chosen format, not a traceback."""
+    from tandem.logs import configure_logging
     from tandem.models.checkpoint import CheckpointError
 
-    logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )  # fmt: skip
+    configure_logging(log_format)
     if cpu_threads:
         import torch
 
@@ -66,8 +72,13 @@ def run_service(prog: str, main: Coroutine[None, None, None], cpu_threads: int =
     try:
         asyncio.run(main)
     except CheckpointError as e:
-        print(f"{prog}: {e}", file=sys.stderr)
+        log.error("%s: %s", prog, e)
         return 2
+    except SystemExit as e:
+        if not isinstance(e.code, str):
+            raise
+        log.error("%s", e.code)  # NOTE: the message already names the program
+        return 1
     return 0
 
 
@@ -81,10 +92,15 @@ def add_health_and_reflection(server: grpc.aio.Server, service: str) -> health.a
     return servicer
 
 
-def bind(server: grpc.aio.Server, address: str, prog: str) -> int:
-    """Bind an insecure port; a port already taken stops the service with one line."""
+def bind(server: grpc.aio.Server, address: str, prog: str,
+         internal: InternalTLS | None = None) -> int:
+    """Bind a port (mTLS with `internal`, else plaintext); a port already taken stops the
+    service with one line."""
     try:  # NOTE: older grpc returns 0 on failure, newer raises RuntimeError
-        port = server.add_insecure_port(address)
+        if internal is not None:
+            port = server.add_secure_port(address, internal.server_credentials())
+        else:
+            port = server.add_insecure_port(address)
     except RuntimeError as e:
         raise SystemExit(f"{prog}: cannot bind {address} ({e})") from None
     if port == 0:
@@ -98,12 +114,21 @@ async def set_serving(servicer: health.aio.HealthServicer, service: str) -> None
 
 
 async def start_serving(
-    server: grpc.aio.Server, service: str, address: str, prog: str
+    server: grpc.aio.Server, service: str, address: str, prog: str,
+    internal: InternalTLS | None = None, health_port: int = 0,
 ) -> health.aio.HealthServicer:
-    """Health and reflection beside `service`, bind `address`, start, and turn SERVING;
-    the health servicer, for the drain."""
+    """Health and reflection beside `service`, bind `address` (mTLS with `internal`),
+    start, and turn SERVING; the health servicer, for the drain. `health_port` > 0 also
+    serves that servicer alone, plaintext, on the same host: a Kubernetes gRPC probe
+    cannot present a client certificate, and health is all that port answers."""
     servicer = add_health_and_reflection(server, service)
-    bind(server, address, prog)
+    bind(server, address, prog, internal)
+    if health_port:
+        probe = grpc.aio.server(options=list(_SERVER_OPTIONS))
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, probe)
+        bind(probe, f"{address.rsplit(':', 1)[0]}:{health_port}", prog)
+        await probe.start()
+        servicer.probe_server = probe  # NOTE: kept alive with the servicer
     await server.start()
     await set_serving(servicer, service)
     return servicer

@@ -69,3 +69,16 @@ def test_transfer_port_range_stays_where_mooncake_honours_it():
     """Mooncake ignores RPC port ranges past 32767 (listening anywhere in 15000-17000)."""
     r = _run(["encoder", "--model", "m", "--transfer.max-port", "40000"])
     assert r.returncode == 2 and "transfer.max_port='40000'" in r.stderr
+
+
+def test_log_format_json_puts_every_line_in_json_with_a_level():
+    """`--log-format json`: each stderr line is one JSON object with its level, the
+    start-up error included (one line)."""
+    import json
+
+    r = _run(["encoder", "--model", "/nonexistent", "--insecure-internal", "--log-format", "json"])
+    assert r.returncode == 2
+    lines = [json.loads(ln) for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines and all({"ts", "level", "logger", "msg"} <= set(e) for e in lines), r.stderr
+    assert lines[-1]["level"] == "ERROR" and "no such checkpoint" in lines[-1]["msg"]
+    assert any(e["level"] == "WARNING" and "PLAINTEXT" in e["msg"] for e in lines)

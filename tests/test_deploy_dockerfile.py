@@ -191,7 +191,8 @@ def test_system_packages_cover_the_makefiles_sysdeps():
 
 
 def test_cuda_variant_swaps_in_the_cuda_mooncake_from_pyproject():
-    cpu_pkg = next(d for d in PYPROJECT["project"]["dependencies"] if d.startswith("mooncake"))
+    server = PYPROJECT["project"]["optional-dependencies"]["server"]
+    cpu_pkg = next(d for d in server if d.startswith("mooncake"))
     (cuda_spec,) = [d for d in PYPROJECT["project"]["optional-dependencies"]["cuda"]
                     if d.startswith("mooncake")]
     assert arg_default("MOONCAKE_CUDA_SPEC", "runtime") == cuda_spec
@@ -278,10 +279,10 @@ def test_make_runs_the_setup_chain_in_the_image_context(context):
 
 
 def test_wheel_carries_the_stubs_and_the_entry_point(context, tmp_path):
-    """The image installs a wheel built after `make proto`: it must hold tandem/v1 and the
-    console script. Stubs made here by `make proto` stand in for the image's."""
-    shutil.copytree(ROOT / "tandem" / "v1", context / "tandem" / "v1", dirs_exist_ok=True,
-                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    """A wheel built from the image's context, which has no stubs (tandem/v1 is never
+    copied, nor committed): the build hook (setup.py) generates them from protos/, so the
+    wheel holds tandem/v1 and the console script."""
+    assert not (context / "tandem" / "v1").exists()
     r = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
          "--wheel-dir", str(tmp_path), "."],
@@ -295,3 +296,33 @@ def test_wheel_carries_the_stubs_and_the_entry_point(context, tmp_path):
     assert "services/encoder/config.py" in names
     ep = zipfile.ZipFile(whl).read(next(n for n in names if n.endswith("entry_points.txt")))
     assert "tandem = tandem.cli:main" in ep.decode()
+
+
+@pytest.mark.timeout(600)
+def test_client_only_install_imports_no_server_stack(context, tmp_path):
+    """`pip install tandem` (a wheel built from a clean context) into an empty venv: the
+    SDK imports and builds a request without torch, transformers, Mooncake or pydantic
+    installed; a server command says, in one line, which install it needs."""
+    wheels = tmp_path / "wheels"
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                        "--no-build-isolation", "--wheel-dir", str(wheels), "."],
+                       cwd=context, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    (whl,) = wheels.glob("tandem-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    r = subprocess.run([str(py), "-m", "pip", "install", "-q", f"{whl}[client]"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    code = ("import importlib.util as u, sys; import tandem.client as c; "
+            "(m,) = c.to_messages([{'role': 'user', 'content': ['hi', c.image(b'png')]}]); "
+            "assert m.role == 'user' and len(m.content) == 2; c.Client('127.0.0.1:1').close(); "
+            "print([n for n in ('torch', 'transformers', 'mooncake', 'pydantic', 'numpy') "
+            "if u.find_spec(n) or n in sys.modules])")
+    r = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+    r = subprocess.run([str(venv / "bin" / "tandem"), "encoder", "--model", "m"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "pip install 'tandem[server]'" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -392,6 +392,11 @@ def test_request_id_is_echoed_and_greps_across_the_three_tiers(cluster):
                 break
             time.sleep(0.1)
         assert tiers >= {"router", "encoder", "language"}, tiers
+        # the router's one line per finished request: status, tokens, stage times, route
+        (line,) = [ln for ln in cluster.log_text().splitlines()
+                   if ln.startswith("router") and f"{rid}: OK" in ln]
+        assert " INFO " in line and "tokens " in line and " out" in line, line
+        assert "stages " in line and "via " in line, line
     bad = httpx.post(url, json=body, headers={"X-Request-Id": "no spaces"}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Request-Id"
 

@@ -22,7 +22,7 @@ from kubernetes_validate.utils import SchemaNotFoundError, latest_version
 from services.encoder.config import EncoderConfig
 from services.language.config import LanguageConfig
 from services.router.config import RouterConfig
-from tandem.config import TransferConfig, parse_settings
+from tandem.config import InternalTLSConfig, TransferConfig, parse_settings
 from tandem.v1 import encoder_pb2, language_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +33,8 @@ NAMESPACE = "serving"
 RELEASE = "tandem"
 OLDEST_K8S = "1.27.0"  # Chart.yaml kubeVersion floor
 NEWEST_K8S = latest_version()
-VARIANTS = {"default": [], "production": ["-f", str(PROD)]}
+VARIANTS = {"default": [], "production": ["-f", str(PROD)],
+            "plaintext": ["--set", "internalTLS.enabled=false"]}
 TIERS = {
     # tier: (config class, proto service full name the readiness probe must ask for)
     "encoder": (EncoderConfig, encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name),
@@ -245,7 +246,8 @@ def test_rendered_config_is_what_the_service_parses(rendered, monkeypatch, varia
         field = key.removeprefix("TANDEM_").lower()
         if "__" in field:
             outer, inner = field.split("__", 1)
-            assert outer == "transfer" and inner in TransferConfig.model_fields, key
+            nested = {"transfer": TransferConfig, "internal_tls": InternalTLSConfig}
+            assert outer in nested and inner in nested[outer].model_fields, key
         else:
             assert field in cls.model_fields, f"{key}: no such field in {cls.__name__}"
     for key in [k for k in os.environ if k.startswith("TANDEM_")]:
@@ -261,7 +263,10 @@ def test_rendered_config_is_what_the_service_parses(rendered, monkeypatch, varia
         assert cfg.port == port_of(c, "grpc") and cfg.metrics_port == port_of(c, "metrics")
         assert cfg.metrics_port > 0, "metrics must be served in the cluster"
         assert cfg.transfer.host == FAKE_POD_IP
+        assert cfg.health_port == (port_of(c, "health") if cfg.internal_tls.cert else 0)
     assert cfg.host == "0.0.0.0"
+    # mTLS between the tiers unless the variant turns it off (then explicitly plaintext)
+    assert bool(cfg.internal_tls.cert) != cfg.insecure_internal
 
 
 @pytest.mark.parametrize("tier", TIERS)
@@ -273,10 +278,14 @@ def test_tier_probes_ports_and_discovery_match_the_service(rendered, tier):
     assert grpc_port == _field_default(cls, "port")
     # Kubernetes' grpc probe calls grpc.health.v1.Health/Check with `service`: readiness and
     # startup ask for the tier's own proto service, liveness for the whole server.
+    # Under internal mTLS (the default) they ask the plaintext health-only port, which the
+    # service serves at TANDEM_HEALTH_PORT (a kubelet probe has no client certificate).
     assert health.SERVICE_NAME == "grpc.health.v1.Health"
+    probe_port = port_of(c, "health")
+    assert _pod_env(objs, tier)["TANDEM_HEALTH_PORT"] == str(probe_port) != str(grpc_port)
     for probe in ("startupProbe", "readinessProbe"):
-        assert c[probe]["grpc"] == {"port": grpc_port, "service": proto_service}
-    assert c["livenessProbe"]["grpc"] == {"port": grpc_port, "service": health.OVERALL_HEALTH}
+        assert c[probe]["grpc"] == {"port": probe_port, "service": proto_service}
+    assert c["livenessProbe"]["grpc"] == {"port": probe_port, "service": health.OVERALL_HEALTH}
     # GPU requested in both requests and limits (extended resources must match).
     assert c["resources"]["requests"]["nvidia.com/gpu"] == 1
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
@@ -348,8 +357,11 @@ def test_network_policy_opens_exactly_the_needed_paths(rendered, variant):
                 kind = "grpc"
             elif (p["port"], p.get("endPort")) == (lo, hi):
                 kind = "transfer"
-            else:
-                assert p["port"] == port_of(container(objs, tier), "metrics")
+            else:  # metrics, and the health-only port (the kubelet's probes)
+                c = container(objs, tier)
+                assert p["port"] in {port_of(c, "metrics"), *(
+                    [port_of(c, "health")] if any(q["name"] == "health" for q in c["ports"])
+                    else [])}
                 continue
             for peer in rule["from"]:
                 got[kind] |= {
@@ -401,3 +413,58 @@ def test_service_monitors_target_existing_ports(rendered):
         for ep in mon["spec"]["endpoints"]:
             assert ep["port"] in names and ep["path"] == "/metrics"
     assert not [o for o in rendered["default"] if o["kind"] == "ServiceMonitor"]
+
+
+def test_generated_internal_certificates_serve_mtls_by_role(rendered, tmp_path):
+    """The chart's generated CA and certificates (one Secret per role, the CA's own Secret
+    mounted nowhere) are what the services accept: each certificate's common name is its
+    role, and a real gRPC server holding the encoder's certificate (RoleGate on) admits the
+    router's GetLoad over mTLS and refuses the language's (PERMISSION_DENIED)."""
+    import asyncio
+    import base64
+
+    import grpc
+
+    from tandem.internal_tls import InternalTLS, RoleGate, sync_channel
+    from tandem.pki import common_name
+    from tandem.v1 import encoder_pb2_grpc
+
+    objs = rendered["default"]
+    pem = {}
+    for role in ("router", "encoder", "language"):
+        data = find(objs, "Secret", f"{RELEASE}-internal-tls-{role}")["data"]
+        assert set(data) == {"ca.crt", "tls.crt", "tls.key"}  # no CA key in a tier's Secret
+        pem[role] = {k: base64.b64decode(v) for k, v in data.items()}
+        assert common_name(pem[role]["tls.crt"]) == role
+        vol = next(v for v in find(objs, "Deployment", f"{RELEASE}-{role}")["spec"]["template"][
+            "spec"]["volumes"] if v["name"] == "internal-tls")
+        assert vol["secret"]["secretName"] == f"{RELEASE}-internal-tls-{role}"
+    assert len({p["ca.crt"] for p in pem.values()}) == 1  # one CA
+    tls = {r: InternalTLS(p["ca.crt"], p["tls.crt"], p["tls.key"], r) for r, p in pem.items()}
+
+    class Encoder(encoder_pb2_grpc.EncoderServicer):
+        async def GetLoad(self, request, context):  # noqa: N802
+            return encoder_pb2.EncoderGetLoadResponse(queued_requests=7)
+
+    async def serve():
+        server = grpc.aio.server(interceptors=[RoleGate()])
+        encoder_pb2_grpc.add_EncoderServicer_to_server(Encoder(), server)
+        port = server.add_secure_port("127.0.0.1:0", tls["encoder"].server_credentials())
+        await server.start()
+        return server, port
+
+    loop = asyncio.new_event_loop()
+    server, port = loop.run_until_complete(serve())
+    import threading
+
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    try:
+        req = encoder_pb2.EncoderGetLoadRequest()
+        with sync_channel(f"127.0.0.1:{port}", tls["router"]) as ch:
+            assert encoder_pb2_grpc.EncoderStub(ch).GetLoad(req, timeout=10).queued_requests == 7
+        with sync_channel(f"127.0.0.1:{port}", tls["language"]) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                encoder_pb2_grpc.EncoderStub(ch).GetLoad(req, timeout=10)
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        loop.call_soon_threadsafe(loop.stop)

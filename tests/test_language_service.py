@@ -99,7 +99,7 @@ class Language:
             "--embedding-block-size", "16", "--embedding-blocks", "64",
             "--default-reservation-tokens", "32", "--max-prefill-tokens", "64",
             "--drain-timeout-s", "1.5", "--reattach-grace-s", "0.5",
-            "--transfer.timeout-s", "20", "--cpu-threads", "2", *extra,
+            "--transfer.timeout-s", "20", "--cpu-threads", "2", "--insecure-internal", *extra,
         ]  # fmt: skip
         self.log = log
         self.proc = subprocess.Popen(args, stdout=open(log, "wb"), stderr=subprocess.STDOUT)

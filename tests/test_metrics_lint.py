@@ -252,7 +252,7 @@ def test_http_status_counter_counts_every_answer():
     from services.router.http_api import build_app
     from services.router.metrics import HttpStatusCounter
 
-    core = RouterCore(RouterConfig(api_key="k", max_request_bytes=4096, model="m"))
+    core = RouterCore(RouterConfig(api_key="k", max_request_bytes=4096, model="m", insecure_internal=True))
     app = build_app(core)
     assert any(m.cls is HttpStatusCounter for m in app.user_middleware)
     c, key = TestClient(app), {"Authorization": "Bearer k"}

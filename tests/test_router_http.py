@@ -19,7 +19,7 @@ PNG_1PX = base64.b64decode(
 
 
 def make(**kw) -> tuple[RouterCore, TestClient]:
-    core = RouterCore(RouterConfig(**kw))
+    core = RouterCore(RouterConfig(**{"insecure_internal": True, **kw}))
     return core, TestClient(build_app(core))
 
 
@@ -405,7 +405,7 @@ def test_openapi_declares_the_statuses_the_router_answers():
     from services.router.http_api import build_app
     from services.router.openapi import ERROR_STATUSES
 
-    doc = TestClient(build_app(RouterCore(RouterConfig(model="m")))).get("/openapi.json").json()
+    doc = TestClient(build_app(RouterCore(RouterConfig(model="m", insecure_internal=True)))).get("/openapi.json").json()
     for path in ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"):
         got = doc["paths"][path]["post"]["responses"]
         assert "422" not in got, path
@@ -414,5 +414,5 @@ def test_openapi_declares_the_statuses_the_router_answers():
         assert ref.endswith("/ErrorBody")
     assert "HTTPValidationError" not in doc["components"]["schemas"]
     # and a body that does not validate is indeed a 400, not a 422
-    c = TestClient(build_app(RouterCore(RouterConfig(model="m"))))
+    c = TestClient(build_app(RouterCore(RouterConfig(model="m", insecure_internal=True))))
     assert c.post("/v1/chat/completions", json={"model": "m"}).status_code == 400

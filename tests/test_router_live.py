@@ -34,7 +34,7 @@ from tandem.launch.procs import free_port
 def _serve_router(**overrides):
     cfg = RouterConfig(http_port=free_port(), grpc_port=free_port(), api_key="k3y",
                        encoders=[f"127.0.0.1:{free_port()}"], languages=[f"127.0.0.1:{free_port()}"],
-                       load_refresh_s=0.1, model="tiny", **overrides)
+                       load_refresh_s=0.1, model="tiny", insecure_internal=True, **overrides)
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
     t = threading.Thread(target=loop.run_until_complete, args=(run_router(cfg, stop),))
@@ -166,7 +166,7 @@ def test_dns_resolution():
         # The registry merges the static list with what the DNS name resolves to, and a
         # failed re-resolution keeps the instances it had.
         cfg = RouterConfig(encoders=["10.1.1.1:50061"], encoder_dns="localhost:50061",
-                           language_dns="localhost:50071")
+                           language_dns="localhost:50071", insecure_internal=True)
         reg = Registry(cfg)
         await reg.refresh_membership()
         assert "10.1.1.1:50061" in reg.encoders.instances
@@ -218,7 +218,7 @@ def test_tls_on_the_grpc_port(tmp_path):
     cert_pem = _self_signed(tmp_path)
     cfg = RouterConfig(http_port=free_port(), grpc_port=free_port(), host="127.0.0.1",
                        tls_cert=str(tmp_path / "cert.pem"), tls_key=str(tmp_path / "key.pem"),
-                       model="tiny")
+                       model="tiny", insecure_internal=True)
 
     async def go():
         stop = asyncio.Event()

@@ -152,7 +152,7 @@ def test_round_robin_per_tier_alternates_each_tier():
     from services.router.config import RouterConfig
     from services.router.core import RouterCore
 
-    core = RouterCore(RouterConfig(policy="round_robin"))
+    core = RouterCore(RouterConfig(policy="round_robin", insecure_internal=True))
     enc, lang = core.selectors["encoder"], core.selectors["language"]
     assert enc is not lang
     picks = []

@@ -14,6 +14,7 @@ import pytest
 
 from tandem.launch.plan import parse_args, plan, transfer_ranges
 from tandem.launch.procs import Child, stop_all, wait_ready
+from tandem.pki import make_pki
 
 
 def test_parse_args_rejects_zero_instances(capsys):
@@ -42,10 +43,11 @@ def test_port_flags_in_tier_args_work_or_are_refused_in_one_line(capsys):
         assert text in capsys.readouterr().err
 
 
-def test_plan_gives_distinct_ports_and_transfer_ranges():
+def test_plan_gives_distinct_ports_and_transfer_ranges(tmp_path):
     args = parse_args(["--model", "/m", "--encoders", "2", "--languages", "3",
                        "--language-args", "--default-reservation-tokens 64", "--api-key", "k"])
-    encoders, languages, router = plan(args, "/m")
+    pki = make_pki(tmp_path / "pki")
+    encoders, languages, router = plan(args, "/m", pki)
     assert [c.name for c in encoders + languages] == [
         "encoder-0", "encoder-1", "language-0", "language-1", "language-2"]
     ports = {c.grpc_address for c in encoders + languages}
@@ -66,7 +68,20 @@ def test_plan_gives_distinct_ports_and_transfer_ranges():
     r = router.argv
     assert r[r.index("--encoders") + 1] == ",".join(c.grpc_address for c in encoders)
     assert r[r.index("--languages") + 1] == ",".join(c.grpc_address for c in languages)
-    assert "--api-key" not in r and router.env_extra == {"TANDEM_API_KEY": "k"}
+    assert "--api-key" not in r and router.env_extra["TANDEM_API_KEY"] == "k"
+    # each child gets its own role's certificate, through the environment (not argv), and
+    # plaintext is explicitly off whatever the launcher's own environment says
+    for c in [router, *encoders, *languages]:
+        role = c.name.split("-")[0]
+        assert c.env_extra["TANDEM_INTERNAL_TLS__CA"] == str(pki.ca)
+        assert c.env_extra["TANDEM_INTERNAL_TLS__CERT"] == str(pki.cert(role))
+        assert c.env_extra["TANDEM_INTERNAL_TLS__KEY"] == str(pki.key(role))
+        assert c.env_extra["TANDEM_INSECURE_INTERNAL"] == "false"
+        assert not any("tls" in a for a in c.argv), c.argv
+    encoders, languages, router = plan(args, "/m", None)  # --insecure-internal
+    assert all(c.env_extra.get("TANDEM_INSECURE_INTERNAL") == "1" and
+               "TANDEM_INTERNAL_TLS__CERT" not in c.env_extra
+               for c in [router, *encoders, *languages])
     assert router.health_service == "tandem.v1.Router"
     assert all(lo < hi for lo, hi in transfer_ranges(4))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from tandem.internal_tls import load_internal_tls
 from tandem.metrics import metric_set, serve_metrics, service_registry
 from tandem.serving import drain, grpc_server, run_service, start_serving, stop_on_signals
 from tandem.v1 import encoder_pb2, encoder_pb2_grpc
@@ -27,7 +28,7 @@ SERVICE = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name
 
 def serve(cfg: EncoderConfig) -> int:
     # NOTE: with one CPU thread, float32 rows do not depend on the batch (see vit_runner).
-    return run_service("tandem encoder", run(cfg), cfg.cpu_threads)
+    return run_service("tandem encoder", run(cfg), cfg.cpu_threads, cfg.log_format)
 
 
 def _message_limit(cfg: EncoderConfig) -> int:
@@ -42,6 +43,7 @@ async def run(
     from tandem.transfer.sender import EmbeddingSender
     from tandem.transfer.staging import StagingArea
 
+    tls = load_internal_tls(cfg, "tandem encoder", "encoder")  # before the model loads
     registry = service_registry()
     metrics = metric_set(EncoderMetrics, registry)
     pipeline = EncodePipeline.from_config(cfg, metrics)
@@ -56,14 +58,15 @@ async def run(
     sender = EmbeddingSender(engine, staging, cfg.transfer, registry=registry)
 
     limit = _message_limit(cfg)
-    server = grpc_server(max_receive_message_length=limit, max_send_message_length=16 << 20)
+    server = grpc_server(tls, max_receive_message_length=limit, max_send_message_length=16 << 20)
     servicer = EncoderServicer(pipeline, sender, cfg.model, cfg.request_timeout_s, metrics)
     encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server)
     if cfg.metrics_port:
         serve_metrics(cfg.metrics_port, cfg.host, registry)
     pipeline.start()
     address = f"{cfg.host}:{cfg.port}"
-    health_servicer = await start_serving(server, SERVICE, address, "tandem encoder")
+    health_servicer = await start_serving(server, SERVICE, address, "tandem encoder", tls,
+                                          cfg.health_port)
     stop = stop_on_signals(stop)
     log.info(
         "encoder ready on %s (model %s, transfer %s, devices %s)",

@@ -37,7 +37,7 @@ SERVICE = language_pb2.DESCRIPTOR.services_by_name["Language"].full_name
 
 
 def serve(cfg: LanguageConfig) -> int:
-    return run_service("tandem language", run(cfg), cfg.cpu_threads)
+    return run_service("tandem language", run(cfg), cfg.cpu_threads, cfg.log_format)
 
 
 def build_engine(cfg: LanguageConfig, metrics: LanguageMetrics):
@@ -128,9 +128,11 @@ def chat_template(path):
 async def run(
     cfg: LanguageConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None
 ) -> None:
+    from tandem.internal_tls import load_internal_tls
     from tandem.transfer import BlockAllocator, EmbeddingBuffers, EmbeddingReceiver
     from tandem.transfer.engine import MooncakeEngine
 
+    tls = load_internal_tls(cfg, "tandem language", "language")  # before the model loads
     registry = service_registry()
     metrics = metric_set(LanguageMetrics, registry)
     engine, spec, _ = build_engine(cfg, metrics)
@@ -147,7 +149,7 @@ async def run(
     if ranks is not None:
         ranks.check_mirror(buffers.layout())
     receiver = EmbeddingReceiver(
-        transfer, buffers, allocator, cfg.transfer, ranks=ranks,
+        transfer, buffers, allocator, cfg.transfer, ranks=ranks, tls=tls,
         reserve_tokens=cfg.default_reservation_tokens,
         client_share=cfg.embedding_client_share,
         reattach_grace_s=cfg.reattach_grace_s,
@@ -157,7 +159,7 @@ async def run(
     )  # fmt: skip
     engine.release_prompt = receiver.release
 
-    server = grpc_server(max_send_message_length=16 << 20)
+    server = grpc_server(tls, max_send_message_length=16 << 20)
     limits = ServiceLimits(cfg.default_max_tokens, cfg.request_timeout_s, cfg.model,
                            max_prompt_tokens=engine.cfg.max_model_len - 1)
     servicer = LanguageServicer(engine, receiver, allocator, limits, metrics,
@@ -166,7 +168,8 @@ async def run(
     if cfg.metrics_port:
         serve_metrics(cfg.metrics_port, cfg.host, registry)
     address = f"{cfg.host}:{cfg.port}"
-    health_servicer = await start_serving(server, SERVICE, address, "tandem language")
+    health_servicer = await start_serving(server, SERVICE, address, "tandem language", tls,
+                                          cfg.health_port)
     stop = stop_on_signals(stop)
     log.info(
         "language ready on %s (model %s, %s %s, %d KV pages of %d, transfer %s)",

@@ -144,6 +144,7 @@ class Dispatcher:
                         client_id=req.client_id,
                     ),
                     timeout=max(0.001, deadline - time.time()),
+                    metadata=_id_metadata(req),
                 ))
                 self.registry.encoders.record_success(enc.address)
                 route.resumes = resp.resumes
@@ -182,19 +183,22 @@ class Dispatcher:
         more as a whole (new room, other instances where there are any): the caller has
         seen nothing yet, so it still gets exactly one answer."""
         start = time.time()
-        outcome, inner = "cancelled", self._generate(req, start)
+        outcome, inner, detail = "CANCELLED (client gone)", self._generate(req, start), ""
         try:
             async for piece in inner:
                 if piece.finish_reason is not None:
-                    outcome = f"ok ({piece.finish_reason})"
+                    outcome = f"OK ({piece.finish_reason})"
+                    detail = _summary(piece)
                 yield piece
         except RouterError as err:
             outcome = f"{err.code}: {err.message}"
             raise
         finally:
             await inner.aclose()  # NOTE: now, not at garbage collection (cancels its calls)
-            # one log line per request: its id greps across the three tiers
-            log.info("%s: %s in %.0f ms", req.request_id, outcome, (time.time() - start) * 1e3)
+            # one log line per finished request (status, tokens, stage times); its id
+            # greps across the three tiers
+            log.info("%s: %s in %.0f ms%s", req.request_id, outcome,
+                     (time.time() - start) * 1e3, detail)
 
     async def _generate(self, req: ChatRequest, start: float) -> AsyncIterator[Piece]:
         deadline = start + req.timeout_s
@@ -258,6 +262,7 @@ class Dispatcher:
                 client_id=req.client_id,
             ),
             timeout=max(0.001, deadline - time.time()),
+            metadata=_id_metadata(req),
         )
         route.language = lang.address
         if enc is not None:
@@ -375,3 +380,23 @@ class Dispatcher:
                 timings[f] = getattr(enc_resp.timings, f)
         piece.timings = timings
         return piece
+
+
+def _summary(last: Piece) -> str:
+    """The tokens and stage times of a finished request, for its log line."""
+    u, parts = last.usage, []
+    if u is not None:
+        parts.append(f"tokens {u.prompt_tokens} in ({u.cached_tokens} cached) "
+                     f"{u.completion_tokens} out")
+    if last.timings:
+        parts.append("stages " + " ".join(f"{k}={v:.0f}ms" for k, v in last.timings.items()))
+    if last.route is not None:
+        parts.append(f"via {last.route.encoder or '-'} -> {last.route.language}")
+    return (": " + ", ".join(parts)) if parts else ""
+
+
+def _id_metadata(req: ChatRequest) -> tuple[tuple[str, str], ...]:
+    """The request id as gRPC metadata too (x-request-id), beside the message's field, for
+    proxies and tracing that read only headers."""
+    return (("x-request-id", req.request_id),)
+

@@ -85,7 +85,10 @@ def http_config(app, cfg: RouterConfig) -> uvicorn.Config:
     """The router's HTTP server settings: keep-alive longer than clients' pools, the
     request deadline (headers here, the body in the app)."""
     return uvicorn.Config(
+        # log_config None: uvicorn's loggers go through the service's own handler (one
+        # format, a level on every line; tandem/logs.py)
         app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=1,
+        log_config=None,
         timeout_keep_alive=cfg.http_keep_alive_s,
         http=request_deadline_protocol(cfg.http_request_timeout_s),
     )  # fmt: skip

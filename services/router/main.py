@@ -91,12 +91,9 @@ async def run_router(cfg, stop: asyncio.Event) -> None:
     http = _HttpServer(http_config(build_app(core), cfg))
     http_task = asyncio.create_task(http.serve(sockets=[sock]))
     health_task = asyncio.create_task(_health_loop(core, health_servicer))
-    print(
-        f"tandem router: http://{cfg.host}:{sock.getsockname()[1]} grpc {cfg.host}:{grpc_port} "
-        f"encoders={len(core.registry.encoders.instances)} "
-        f"languages={len(core.registry.languages.instances)}",
-        flush=True,
-    )
+    log.info("router ready: http://%s:%d grpc %s:%d encoders=%d languages=%d", cfg.host,
+             sock.getsockname()[1], cfg.host, grpc_port, len(core.registry.encoders.instances),
+             len(core.registry.languages.instances))
     stop_task = asyncio.create_task(stop.wait())
     await asyncio.wait({stop_task, http_task}, return_when=asyncio.FIRST_COMPLETED)
     # Drain: refuse new work, let in-flight requests finish.
@@ -117,4 +114,4 @@ def serve(cfg) -> int:
     async def main() -> None:
         await run_router(cfg, serving.stop_on_signals())
 
-    return serving.run_service("tandem router", main())
+    return serving.run_service("tandem router", main(), log_format=cfg.log_format)

@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.router.config import RouterConfig
 from services.router.health import HealthTracker, InstanceState
 from services.router.selection import Candidate
+from tandem.internal_tls import InternalTLS, aio_channel, load_internal_tls
 from tandem.v1 import encoder_pb2, encoder_pb2_grpc, language_pb2, language_pb2_grpc
 
 log = logging.getLogger("tandem.router")
@@ -71,15 +72,16 @@ def _reported_work(kind: str, r) -> tuple[int, float]:
 class Pool:
     """All instances of one tier."""
 
-    def __init__(self, kind: str, eject_after: int, rpc_timeout_s: float = 2.0) -> None:
+    def __init__(self, kind: str, eject_after: int, rpc_timeout_s: float = 2.0,
+                 tls: InternalTLS | None = None) -> None:
         assert kind in ("encoder", "language")
-        self.kind = kind
+        self.kind, self.tls = kind, tls  # mTLS to the tiers with the router's certificate
         self.eject_after = eject_after
         self.rpc_timeout_s = rpc_timeout_s
         self.instances: dict[str, Instance] = {}
 
     def _connect(self, address: str) -> Instance:
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        channel = aio_channel(address, self.tls, CHANNEL_OPTIONS)
         stub_cls = (
             encoder_pb2_grpc.EncoderStub if self.kind == "encoder" else language_pb2_grpc.LanguageStub
         )
@@ -209,8 +211,9 @@ class Registry:
 
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
-        self.encoders = Pool("encoder", cfg.eject_after_failures)
-        self.languages = Pool("language", cfg.eject_after_failures)
+        tls = load_internal_tls(cfg, "tandem router", "router")
+        self.encoders = Pool("encoder", cfg.eject_after_failures, tls=tls)
+        self.languages = Pool("language", cfg.eject_after_failures, tls=tls)
         self._tasks: list[asyncio.Task] = []
         self.first_poll = asyncio.Event()
 

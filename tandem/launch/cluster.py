@@ -12,12 +12,15 @@ from __future__ import annotations
 import collections
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tandem.launch.procs import free_port
 
@@ -43,11 +46,14 @@ class LocalCluster:
     router_args: str = ""
     echo: bool = False  # copy the cluster's log lines to our stdout
     env: dict[str, str] | None = None
+    insecure_internal: bool = False  # default: mTLS between the tiers, as `tandem up` does
+    pki_dir: str = ""  # where `tandem up` writes the CA and certificates (default: a temp dir)
     http_port: int = 0
     grpc_port: int = 0
     instances: dict[str, InstanceInfo] = field(default_factory=dict)
     lines: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4000))
     proc: subprocess.Popen | None = None
+    _own_pki: str = ""
 
     @property
     def http_url(self) -> str:
@@ -57,15 +63,35 @@ class LocalCluster:
     def grpc_address(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
+    def operator_tls(self):
+        """Credentials to call the tiers as the operator (health, GetLoad); None when the
+        cluster runs plaintext."""
+        if self.insecure_internal:
+            return None
+        from tandem.internal_tls import from_files
+        from tandem.pki import PKIPaths
+
+        p = PKIPaths(Path(self.pki_dir))
+        return from_files(p.ca, p.cert("operator"), p.key("operator"), "operator")
+
+    def channel(self, address: str):
+        """A sync channel to one of the cluster's tiers, as the operator."""
+        from tandem.internal_tls import sync_channel
+
+        return sync_channel(address, self.operator_tls())
+
     def addresses(self, kind: str) -> list[str]:
         return [i.address for n, i in sorted(self.instances.items()) if n.startswith(kind + "-")]
 
     def start(self, timeout_s: float = 300.0) -> LocalCluster:
         self.http_port = self.http_port or free_port()
         self.grpc_port = self.grpc_port or free_port()
+        if not self.insecure_internal and not self.pki_dir:
+            self.pki_dir = self._own_pki = tempfile.mkdtemp(prefix="tandem-pki-")
         argv = [sys.executable, "-m", "tandem.cli", "up", "--model", self.model,
                 "--encoders", str(self.encoders), "--languages", str(self.languages),
                 "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port)]
+        argv += ["--insecure-internal"] if self.insecure_internal else ["--pki-dir", self.pki_dir]
         for flag, value in (("--api-key", self.api_key), ("--encoder-args", self.encoder_args),
                             ("--language-args", self.language_args),
                             ("--router-args", self.router_args)):
@@ -106,7 +132,7 @@ class LocalCluster:
 
         out = {}
         for addr in self.addresses(kind):
-            with grpc.insecure_channel(addr) as ch:
+            with self.channel(addr) as ch:
                 try:
                     if kind == "encoder":
                         r = encoder_pb2_grpc.EncoderStub(ch).GetLoad(
@@ -132,6 +158,8 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        if self._own_pki:
+            shutil.rmtree(self._own_pki, ignore_errors=True)
         return self.proc.returncode
 
     def __enter__(self) -> LocalCluster:

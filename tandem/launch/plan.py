@@ -18,10 +18,12 @@ import random
 import shlex
 import socket
 import sys
+import tempfile
 from pathlib import Path
 
 from tandem.launch.procs import Child, free_port, say
 from tandem.models.checkpoint import ARCHS
+from tandem.pki import PKIPaths, make_pki
 
 ROUTER_HEALTH = "tandem.v1.Router"
 PORT_RANGE = 40  # Mooncake RPC ports per instance
@@ -113,6 +115,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "waits for every thread it forks, so the language tier runs first and "
                    "the vision tower fills the idle time (measured in docs/benchmarks.md). "
                    "0 = equal priority.")
+    p.add_argument("--insecure-internal", action="store_true",
+                   help="Plaintext between the tiers. By default `tandem up` makes a "
+                   "throwaway CA and a certificate per tier at start, and the tiers talk "
+                   "mTLS (docs/deploy.md, 'Internal TLS').")
+    p.add_argument("--pki-dir", default="",
+                   help="Write that CA and the certificates here and keep them (default: "
+                   "a private temporary directory, removed at exit).")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="Seconds to get ready.")
     p.add_argument("--stop-timeout", type=float, default=15.0,
                    help="Seconds each child gets to drain before it is killed.")
@@ -179,8 +188,39 @@ def _cpu_only() -> bool:
         return True
 
 
-def plan(args: argparse.Namespace, model: str) -> tuple[list[Child], list[Child], Child]:
-    """(encoders, languages, router) as local processes on `args.host`, free ports each."""
+def internal_pki(args: argparse.Namespace) -> PKIPaths | None:
+    """The cluster's CA and certificates (None under --insecure-internal)."""
+    if args.insecure_internal:
+        say("[up] WARNING: --insecure-internal: the tiers talk plaintext")
+        return None
+    out = Path(args.pki_dir) if args.pki_dir else Path(tempfile.mkdtemp(prefix="tandem-pki-"))
+    return make_pki(out)
+
+
+def tls_env(pki: PKIPaths | None, role: str, inline: bool = False) -> dict[str, str]:
+    """The environment that gives a `role` process its certificate (file paths; the PEM
+    text itself with `inline`, for processes on other machines: Ray actors)."""
+    if pki is None:
+        return {"TANDEM_INSECURE_INTERNAL": "1"}
+    val = (lambda p: p.read_text()) if inline else str  # noqa: E731
+    # NOTE: "false" explicitly: the launcher decides, whatever its own environment says
+    return {"TANDEM_INTERNAL_TLS__CA": val(pki.ca), "TANDEM_INTERNAL_TLS__CERT": val(pki.cert(role)),
+            "TANDEM_INTERNAL_TLS__KEY": val(pki.key(role)), "TANDEM_INSECURE_INTERNAL": "false"}
+
+
+def operator_tls(pki: PKIPaths | None):
+    """The launcher's own credentials to probe the tiers (None: plaintext)."""
+    if pki is None:
+        return None
+    from tandem.internal_tls import from_files
+
+    return from_files(pki.ca, pki.cert("operator"), pki.key("operator"), "operator")
+
+
+def plan(args: argparse.Namespace, model: str, pki: PKIPaths | None = None
+         ) -> tuple[list[Child], list[Child], Child]:
+    """(encoders, languages, router) as local processes on `args.host`, free ports each;
+    each child gets its role's certificate from `pki` (plaintext when None)."""
     ranges = transfer_ranges(args.encoders + args.languages)
     language_extra = shlex.split(args.language_args)
     if _cpu_only():
@@ -199,7 +239,10 @@ def plan(args: argparse.Namespace, model: str) -> tuple[list[Child], list[Child]
             child = Child(f"{kind}-{i}", argv, f"{args.host}:{port}",
                           nice=args.encoder_nice if kind == "encoder" else 0)
             child.metrics_url = f"http://{args.host}:{metrics}/metrics"
+            child.env_extra.update(tls_env(pki, kind))
+            child.probe_tls = operator_tls(pki)
             out.append(child)
     router = router_child(args, model, [c.grpc_address for c in encoders],
                           [c.grpc_address for c in languages])  # fmt: skip
+    router.env_extra.update(tls_env(pki, "router"))
     return encoders, languages, router

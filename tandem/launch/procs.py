@@ -83,6 +83,7 @@ class Child:
     env_extra: dict[str, str] = field(default_factory=dict)  # e.g. secrets kept out of argv
     metrics_url: str = ""  # its Prometheus endpoint, printed with its ready line
     nice: int = 0  # scheduling priority below the launcher's (`tandem up --encoder-nice`)
+    probe_tls: object | None = None  # InternalTLS (role operator) for a tier under mTLS
     proc: subprocess.Popen | None = None
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=40))
     started_at: float = 0.0
@@ -141,7 +142,9 @@ def probe(child: Child, timeout: float = 1.0) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(child.grpc_address) as ch:
+    from tandem.internal_tls import sync_channel
+
+    with sync_channel(child.grpc_address, child.probe_tls) as ch:
         try:
             r = health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=child.health_service), timeout=timeout

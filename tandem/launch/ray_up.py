@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import threading
 
@@ -43,8 +44,15 @@ class ServiceHost:
         self.name, self.kind = name, kind
         self.child: Child | None = None
 
-    def start(self, model: str, extra: list[str], ready_timeout_s: float, nice: int = 0) -> dict:
+    def start(self, model: str, extra: list[str], ready_timeout_s: float, nice: int = 0,
+              tls_env: dict[str, str] | None = None, probe_pem: dict[str, str] | None = None
+              ) -> dict:
+        """`tls_env`: the child's certificate as PEM text in TANDEM_INTERNAL_TLS__* (this
+        node need not see the driver's files); `probe_pem` (ca, cert, key): the operator's,
+        to probe the child's health over mTLS."""
         import ray
+
+        from tandem.internal_tls import InternalTLS
 
         ip = ray.util.get_node_ip_address()
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -58,6 +66,10 @@ class ServiceHost:
         (ports,) = launch_plan.transfer_ranges(1)
         argv = launch_plan.instance_argv(self.kind, model, ip, port, ports, extra)
         self.child = Child(self.name, argv, f"{ip}:{port}", nice=nice)
+        self.child.env_extra.update(tls_env or {})
+        if probe_pem:
+            self.child.probe_tls = InternalTLS(*(probe_pem[k].encode() for k in
+                                                 ("ca", "cert", "key")), "operator")
         self.child.start(env)
         try:
             wait_ready([self.child], ready_timeout_s, threading.Event())
@@ -141,10 +153,14 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(args.encoders)] + [
             ("language", i, rargs.language_cpus, rargs.language_gpus, args.language_args)
             for i in range(args.languages)]  # fmt: skip
-    actors, pg, router, code = [], None, None, 0
+    actors, pg, router, code, pki = [], None, None, 0, None
     try:
         _check_resources(ray, rargs, args)
         model = args.model or str(launch_plan.default_model(args.arch))
+        pki = launch_plan.internal_pki(args)
+        probe_pem = None if pki is None else {
+            "ca": pki.ca.read_text(), "cert": pki.cert("operator").read_text(),
+            "key": pki.key("operator").read_text()}
         # SPREAD: bundles go to different nodes where possible (soft, unlike STRICT_SPREAD).
         pg = placement_group([{"CPU": c, "GPU": g} if g else {"CPU": c} for _, _, c, g, _ in plan],
                              strategy="SPREAD", name=f"tandem-{os.getpid()}")  # fmt: skip
@@ -157,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         import shlex
 
         pending = [a.start.remote(model, shlex.split(extra), args.ready_timeout,
-                                  args.encoder_nice if kind == "encoder" else 0)
+                                  args.encoder_nice if kind == "encoder" else 0,
+                                  launch_plan.tls_env(pki, kind, inline=True), probe_pem)
                    for a, (kind, _, _, _, extra) in zip(actors, plan, strict=True)]  # fmt: skip
         infos = []
         for ref in pending:  # NOTE: in order, but every start runs in parallel on its actor
@@ -175,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                      for kind in ("encoder", "language")}  # fmt: skip
         router = launch_plan.router_child(args, model, addresses["encoder"],
                                           addresses["language"])  # fmt: skip
+        router.env_extra.update(launch_plan.tls_env(pki, "router"))
         say(f"[up] router      starting http://{args.host}:{args.http_port}")
         router.start(dict(os.environ, PYTHONUNBUFFERED="1"))
         wait_ready([router], args.ready_timeout, stop)
@@ -203,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         code = 1
     finally:
         _teardown(ray, router, actors, pg, args.stop_timeout, remove_placement_group)
+        if pki is not None and not args.pki_dir:
+            shutil.rmtree(pki.dir, ignore_errors=True)
         say("[up] stopped")
     return code
 

@@ -16,9 +16,10 @@ Without --model, a tiny random-weight checkpoint is built once into the cache di
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 
-from tandem.launch.plan import default_model, parse_args, plan
+from tandem.launch.plan import default_model, internal_pki, parse_args, plan
 from tandem.launch.procs import say, stop_all, stop_event_on_signals, wait_ready
 
 
@@ -27,7 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     stop = stop_event_on_signals()
 
     model = args.model or str(default_model(args.arch))
-    encoders, languages, router = plan(args, model)
+    pki = internal_pki(args)
+    if pki is not None:
+        say(f"[up] internal mTLS: a throwaway CA and certificates in {pki.dir}")
+    encoders, languages, router = plan(args, model, pki)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     groups = [[router], languages + encoders]
     code = 0
@@ -65,5 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         code = 1
     finally:
         stop_all(groups, args.stop_timeout)
+        if pki is not None and not args.pki_dir:
+            shutil.rmtree(pki.dir, ignore_errors=True)
         say("[up] stopped")
     return code

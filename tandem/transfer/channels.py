@@ -13,10 +13,12 @@ from collections import OrderedDict
 
 import grpc
 
+from tandem.internal_tls import aio_channel
+
 
 class EncoderChannels:
-    def __init__(self, grace_s: float, max_channels: int = 64) -> None:
-        self.grace_s, self.max_channels = grace_s, max_channels
+    def __init__(self, grace_s: float, max_channels: int = 64, tls=None) -> None:
+        self.grace_s, self.max_channels, self.tls = grace_s, max_channels, tls
         self.open: OrderedDict[str, grpc.aio.Channel] = OrderedDict()  # LRU order
         self._closing: set[asyncio.Task] = set()
 
@@ -28,7 +30,7 @@ class EncoderChannels:
         if len(self.open) >= self.max_channels:
             _, old = self.open.popitem(last=False)
             self.track(asyncio.ensure_future(old.close(grace=self.grace_s)))
-        ch = self.open[address] = grpc.aio.insecure_channel(address)
+        ch = self.open[address] = aio_channel(address, self.tls)
         return ch
 
     def track(self, task: asyncio.Task) -> None:

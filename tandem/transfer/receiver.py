@@ -88,6 +88,7 @@ class EmbeddingReceiver:
         registry=None,
         on_prompt: Callable[[int, PromptInfo], int] | None = None,
         ranks=None,
+        tls=None,
     ) -> None:
         if allocator.block_size != buffers.block_size or allocator.num_total != buffers.num_blocks:
             raise ValueError("allocator and buffers disagree on block size or block count")
@@ -101,7 +102,9 @@ class EmbeddingReceiver:
         self.metrics = transfer_metrics(registry)
         self.rooms: dict[int, ReceiverRoom] = {}
         self._layout = buffers.layout().to_proto()
-        self.channels = EncoderChannels(grace_s=config.timeout_s)  # bounded, one per address
+        # bounded, one per address; mTLS with `tls` (tandem/internal_tls.py: its role is
+        # "language", the one role an encoder's Attach admits)
+        self.channels = EncoderChannels(grace_s=config.timeout_s, tls=tls)
         # The instance's other tensor-parallel ranks (services/language/tp_buffers.py
         # RankBuffers): named in every Init, told to copy, clear and drop with rank 0.
         self.ranks = ranks

@@ -50,6 +50,7 @@ class EncoderProcess:
             str(lo),
             "--transfer.max-port",
             str(hi),
+            "--insecure-internal",  # the test's language side is a plaintext peer
             *args,
         ]
         self.log = log

@@ -130,3 +130,51 @@ topologySpreadConstraints:
         {{- include "tandem.selectorLabels" . | nindent 8 }}
 {{- end }}
 {{- end -}}
+
+{{/*
+The Secret holding a role's internal TLS material (ca.crt, tls.crt, tls.key): the one
+named in internalTLS.existingSecrets, else the chart's generated one.
+*/}}
+{{- define "tandem.internalTLSSecret" -}}
+{{- $name := index .root.Values.internalTLS.existingSecrets .role -}}
+{{- if $name -}}{{ $name }}{{- else -}}{{ include "tandem.fullname" .root }}-internal-tls-{{ .role }}{{- end -}}
+{{- end }}
+
+{{/*
+A container's internal TLS settings: env entries (call with dict "root" "role"); volume
+and mount below. Without internalTLS.enabled: --insecure-internal, via the environment.
+*/}}
+{{- define "tandem.internalTLSEnv" -}}
+{{- if .root.Values.internalTLS.enabled }}
+- name: TANDEM_INTERNAL_TLS__CA
+  value: /etc/tandem/internal/ca.crt
+- name: TANDEM_INTERNAL_TLS__CERT
+  value: /etc/tandem/internal/tls.crt
+- name: TANDEM_INTERNAL_TLS__KEY
+  value: /etc/tandem/internal/tls.key
+{{- else }}
+- name: TANDEM_INSECURE_INTERNAL
+  value: "true"
+{{- end }}
+{{- end }}
+
+{{- define "tandem.internalTLSMount" -}}
+{{- if .root.Values.internalTLS.enabled }}
+- name: internal-tls
+  mountPath: /etc/tandem/internal
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "tandem.internalTLSVolume" -}}
+{{- if .root.Values.internalTLS.enabled }}
+- name: internal-tls
+  secret:
+    secretName: {{ include "tandem.internalTLSSecret" . }}
+    defaultMode: 0440  # readable by fsGroup (the pods run as a non-root user)
+    items:
+      - {key: ca.crt, path: ca.crt}
+      - {key: tls.crt, path: tls.crt}
+      - {key: tls.key, path: tls.key}
+{{- end }}
+{{- end }}

@@ -107,6 +107,11 @@ spec:
                   fieldPath: status.podIP
             - name: HOME
               value: /tmp
+            {{- include "tandem.internalTLSEnv" (dict "root" $root "role" $tier) | nindent 12 }}
+            {{- if $root.Values.internalTLS.enabled }}
+            - name: TANDEM_HEALTH_PORT
+              value: {{ $root.Values.internalTLS.healthPort | quote }}
+            {{- end }}
             - name: HF_HOME
               value: /cache/huggingface
             {{- if $m.hfTokenSecret }}
@@ -126,24 +131,32 @@ spec:
             - name: metrics
               containerPort: {{ $v.metricsPort }}
               protocol: TCP
+            {{- if $root.Values.internalTLS.enabled }}
+            - name: health
+              containerPort: {{ $root.Values.internalTLS.healthPort }}
+              protocol: TCP
+            {{- end }}
           # Startup/readiness ask for the service's own health entry (SERVING once the model
           # is loaded, NOT_SERVING while draining); liveness asks for the server as a whole.
+          # Under internal mTLS they ask the plaintext health-only port (a kubelet gRPC
+          # probe cannot present a client certificate).
+          {{- $probePort := ternary $root.Values.internalTLS.healthPort $v.port $root.Values.internalTLS.enabled }}
           startupProbe:
             grpc:
-              port: {{ $v.port }}
+              port: {{ $probePort }}
               service: {{ .health }}
             periodSeconds: 10
             failureThreshold: {{ $v.startupFailureThreshold }}
           readinessProbe:
             grpc:
-              port: {{ $v.port }}
+              port: {{ $probePort }}
               service: {{ .health }}
             periodSeconds: 5
             timeoutSeconds: 3
             failureThreshold: 2
           livenessProbe:
             grpc:
-              port: {{ $v.port }}
+              port: {{ $probePort }}
               service: ""
             periodSeconds: 10
             timeoutSeconds: 5
@@ -190,12 +203,14 @@ spec:
               mountPath: /dev/shm
             - name: hf-cache
               mountPath: /cache
+            {{- include "tandem.internalTLSMount" (dict "root" $root) | nindent 12 }}
             {{- if ne $m.source "huggingface" }}
             - name: model
               mountPath: {{ $m.mountPath }}
               readOnly: true
             {{- end }}
       volumes:
+        {{- include "tandem.internalTLSVolume" (dict "root" $root "role" $tier) | nindent 8 }}
         - name: tmp
           emptyDir: {}
         - name: shm
