@@ -156,6 +156,16 @@ _RESERVED = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end
 # '=' are the longest, far below): a text longer than max_tokens times it cannot fit, and
 # is refused before the tokenizer spends seconds and gigabytes on it.
 MAX_CHARS_PER_TOKEN = 64
+# Characters tokenized per piece when a long text is first counted (`_certainly_over`).
+COUNT_PIECE_CHARS = 1 << 17
+
+
+def words_in(text: str) -> int:
+    """Whitespace-separated words: a lower bound on the tokens of `text`, for the
+    checkpoints' tokenizers (byte-level BPE after a regex pre-tokenizer, as Qwen's, or
+    SentencePiece splitting by whitespace): no token spans two words. Counted in a few ms
+    per MB, so a text far over the limit is refused before the template renders it."""
+    return len(text.split())
 
 
 class ChatTemplate:
@@ -212,10 +222,15 @@ class ChatTemplate:
         repeated image_tokens[i] times; refuses a prompt over `max_tokens`."""
         if tools and not self.renders_tools:
             raise invalid("tools", "this model's chat template does not render tools")
-        chars = sum(len(p) for m in messages for p in m.parts if isinstance(p, str))
+        texts = [p for m in messages for p in m.parts if isinstance(p, str)]
+        chars = sum(len(p) for p in texts)
         if chars > max_tokens * MAX_CHARS_PER_TOKEN:  # NOTE: before the costly render
             raise invalid("messages", f"the chat's text is {chars} characters, more than a "
                           f"prompt of at most {max_tokens} tokens can hold")
+        words = sum(words_in(p) for p in texts)
+        if words > max_tokens:
+            raise invalid("messages", f"the chat's text is {words} words, more than a prompt "
+                          f"of at most {max_tokens} tokens can hold")
         text = self.processor.apply_chat_template(
             hf_messages, tools=tools or None, tokenize=False,
             add_generation_prompt=messages[-1].role != "assistant",
@@ -226,6 +241,8 @@ class ChatTemplate:
         expanded = pieces[0]
         for n, piece in zip(image_tokens, pieces[1:], strict=True):
             expanded += self.image_token * n + piece
+        if self._certainly_over(expanded, max_tokens):
+            raise invalid("messages", f"the prompt is over the limit of {max_tokens} tokens")
         ids = self.processor.tokenizer(expanded)["input_ids"]
         if len(ids) > max_tokens:
             raise invalid(
@@ -233,11 +250,39 @@ class ChatTemplate:
             )
         return ids
 
+    def _certainly_over(self, text: str, limit: int) -> bool:
+        """True when `text` has more than `limit` tokens, found by tokenizing it piece by
+        piece and stopping as soon as the count passes the limit: refusing a long text
+        costs about what a legal one does, not what its length would (a flood of 2 MB texts
+        took the encoder's CPU from other clients). Pieces end before a space (where the
+        pre-tokenizer splits anyway); each cut may still add a token, so `limit` plus one
+        per piece must be passed. False means: tokenize the whole and count exactly."""
+        if len(text) <= COUNT_PIECE_CHARS:
+            return False
+        n = pieces = start = 0
+        tok = self.processor.tokenizer
+        while start < len(text):
+            end = min(len(text), start + COUNT_PIECE_CHARS)
+            if end < len(text):
+                cut = text.rfind(" ", start + COUNT_PIECE_CHARS // 2, end)
+                end = cut if cut > start else end
+            n += len(tok(text[start:end], add_special_tokens=False)["input_ids"])
+            pieces += 1
+            if n > limit + pieces:
+                return True
+            start = end
+        return False
+
     def raw_ids(self, prompt: str, max_tokens: int) -> list[int]:
         """A raw prompt's ids (the completions API: no chat template)."""
         if len(prompt) > max_tokens * MAX_CHARS_PER_TOKEN:
             raise invalid("prompt", f"the prompt is {len(prompt)} characters, more than "
                           f"{max_tokens} tokens can hold")
+        if words_in(prompt) > max_tokens:
+            raise invalid("prompt", f"the prompt is {words_in(prompt)} words, more than "
+                          f"{max_tokens} tokens can hold")
+        if self._certainly_over(prompt, max_tokens):
+            raise invalid("prompt", f"the prompt is over the limit of {max_tokens} tokens")
         ids = self.processor.tokenizer(prompt)["input_ids"]
         if len(ids) > max_tokens:
             raise invalid("prompt", f"the prompt is {len(ids)} tokens, over the limit of "

@@ -364,3 +364,48 @@ def test_budget_stops_a_fetch_once_the_request_has_ended(http_server):
         image_bytes(ImageInput(url=http_server + "/trickle.png"), "f", lim,
                     Budget(deadline=time.monotonic() + 0.5))
     assert time.monotonic() - t0 < 3
+
+
+def test_a_huge_text_is_refused_after_tokenizing_about_a_legal_prompts_worth(tiny_pipe):
+    """Refusing a text far over the token limit costs about what a legal prompt does, not
+    what its length would (issue 16: a flood of 2 MB texts took the CPU from other
+    clients): the tokenizer sees a few pieces, then the chat is refused by name. A legal
+    long text (more than one piece) still gets exactly the ids of one whole tokenization."""
+    from tandem.chat import COUNT_PIECE_CHARS, ChatTemplate
+
+    template = ChatTemplate(tiny_pipe.preprocessor.processor)
+    tok = template.processor.tokenizer
+    seen: list[int] = []
+
+    class Counting:
+        def __call__(self, text, **kw):
+            seen.append(len(text))
+            return tok(text, **kw)
+
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+    template.processor.tokenizer = Counting()
+    try:
+        huge = [Message("user", ("lorem ipsum dolor sit amet " * 75_000,))]  # ~2 MB
+        hf, _ = template.split(huge)
+        with pytest.raises(ChatError, match="375000 words, more than a prompt of at most 32768") as e:
+            template.token_ids(huge, hf, [], 32768)
+        assert e.value.field == "messages" and seen == []  # counted in words: no tokenizing
+        # words under the limit but tokens over it (one word, many tokens): counted in
+        # pieces, refused after about a legal prompt's worth of tokenizing
+        dense = [Message("user", (("x" * 2_000 + " ") * 1_000,))]  # 2 MB, 1000 words
+        hf, _ = template.split(dense)
+        with pytest.raises(ChatError, match="over the limit of 32768 tokens"):
+            template.token_ids(dense, hf, [], 32768)
+        assert sum(seen) <= 3 * COUNT_PIECE_CHARS < 2_000_000 // 5, seen
+        seen.clear()
+        legal = [Message("user", ("the quick brown fox jumps. " * 12_000,))]  # 324K chars
+        hf, _ = template.split(legal)
+        ids = template.token_ids(legal, hf, [], 200_000)
+        assert len(seen) > 2  # counted in pieces first, then tokenized whole
+        text = template.processor.apply_chat_template(hf, tokenize=False,
+                                                      add_generation_prompt=True)
+        assert ids == tok(text)["input_ids"]
+    finally:
+        template.processor.tokenizer = tok

@@ -1,0 +1,202 @@
+"""One client floods, another is served: the calm client's latency with and without a flood
+(issue 16: other clients' p99 within 2x of the unloaded p99). Run by `make bench`, or
+`python bench/flood.py [--requests 20] [--rounds 2]`; the table goes to bench/results/flood.md.
+
+A `tandem up` cluster (1 encoder with 2 preprocessing workers, 1 language instance, the
+tiny qwen2_5_vl). Two HTTP clients told apart by source address (127.0.0.1, 127.0.0.2):
+- the flooder (a process of its own) keeps `--flood` requests in flight, each sent as soon
+  as the last ended: with `--mix both`, two of three with an image URL on an allow-listed
+  host that trickles one byte every 0.5 s (each holds a fetch for the whole URL timeout),
+  one of three with ~2 MB of text and a small image (`--mix url` / `text`: one kind);
+- the calm client sends `--requests` chats one after another (one 48x40 image, 4 output
+  tokens) and we time each.
+Phases alternate (calm alone, calm under the flood, ...) for `--rounds` rounds; p50/p99 of
+the calm client's latency per phase and the ratio flooded / unloaded are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import http.server
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from encoder_peers.chats import png  # noqa: E402
+
+from tandem.launch.cluster import LocalCluster  # noqa: E402
+from tandem.launch.plan import default_model  # noqa: E402
+
+OUT = Path(__file__).parent / "results" / "flood.md"
+MIXES = {"both": "2 of 3 with a slow image URL, 1 of 3 with ~2 MB of text and an image",
+         "url": "each with a slow image URL", "text": "each with ~2 MB of text and an image"}
+URL_TIMEOUT_S = 3.0
+HUGE_TEXT = "lorem ipsum dolor sit amet " * 75_000  # ~2 MB
+
+
+class _Trickle(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802
+        self.send_response(200)
+        self.send_header("Content-Length", "1000000")
+        self.end_headers()
+        try:
+            while True:
+                self.wfile.write(b"\x89")
+                self.wfile.flush()
+                time.sleep(0.5)
+        except OSError:
+            pass
+
+    def log_message(self, *a):
+        pass
+
+
+def image(data: bytes) -> dict:
+    return {"type": "image_url",
+            "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
+
+
+def body(content: list, timeout_ms: int) -> dict:
+    return {"model": "", "messages": [{"role": "user", "content": content}], "max_tokens": 4,
+            "temperature": 0, "timeout_ms": timeout_ms}
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+async def flood_forever(url: str, trickle: str, flood: int, mix: str) -> None:
+    """The flooder (its own process: its CPU is not the calm client's event loop): `flood`
+    loops, each sending its next request as soon as the last one ended. Bodies are
+    serialized once, as an attacker would."""
+    bodies = [json.dumps(body([image(png(32, 32, 1)), {"type": "text", "text": HUGE_TEXT}],
+                              120_000)).encode(),
+              json.dumps(body([{"type": "image_url", "image_url": {"url": trickle}},
+                               {"type": "text", "text": "what is this?"}], 120_000)).encode()]
+    pick = {"text": [0], "url": [1], "both": [1, 1, 0]}[mix]
+    headers = {"content-type": "application/json"}
+    async with httpx.AsyncClient(timeout=120, transport=httpx.AsyncHTTPTransport(
+            local_address="127.0.0.1")) as flooder:
+        async def loop(k: int) -> None:
+            i = k
+            while True:
+                try:
+                    await flooder.post(url, content=bodies[pick[i % len(pick)]], headers=headers)
+                except httpx.HTTPError:
+                    pass
+                i += 1
+                print("sent", flush=True)
+
+        await asyncio.gather(*(loop(k) for k in range(flood)))
+
+
+async def calm_phase(url: str, n: int) -> tuple[list[float], int]:
+    """The calm client's latencies (s) and failures."""
+    async with httpx.AsyncClient(timeout=120, transport=httpx.AsyncHTTPTransport(
+            local_address="127.0.0.2")) as calm:
+        lat, failed = [], 0
+        for i in range(n):
+            t0 = time.monotonic()
+            r = await calm.post(url, json=body([image(png(48, 40, i % 7)),
+                                                {"type": "text", "text": "describe"}], 60_000))
+            lat.append(time.monotonic() - t0)
+            failed += r.status_code != 200
+    return lat, failed
+
+
+def phase(url: str, trickle: str, n: int, flood: int, mix: str) -> tuple[list[float], int, int]:
+    """The calm client's latencies and failures, with a flooder process running (flood >
+    0), and the flood requests it sent meanwhile."""
+    proc = None
+    if flood:
+        proc = subprocess.Popen([sys.executable, __file__, "--flooder", url, trickle,
+                                 str(flood), mix], stdout=subprocess.PIPE, text=True)
+        time.sleep(3.0)  # the flood is under way
+    try:
+        lat, failed = asyncio.run(calm_phase(url, n))
+    finally:
+        sent = 0
+        if proc is not None:
+            proc.kill()
+            sent = proc.stdout.read().count("sent")
+            proc.wait()
+    return lat, failed, sent
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--flooder"]:
+        url, trickle, flood, mix = sys.argv[2:6]
+        asyncio.run(flood_forever(url, trickle, int(flood), mix))
+        return
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=20, help="Calm requests per phase.")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--flood", type=int, default=12, help="Flood requests kept in flight.")
+    ap.add_argument("--mix", choices=["both", "url", "text"], default="both",
+                    help="The flood's requests: slow URLs and huge texts (2:1), or one kind.")
+    a = ap.parse_args()
+
+    class Server(http.server.ThreadingHTTPServer):
+        daemon_threads = True
+
+        def handle_error(self, request, client_address):
+            pass
+
+    srv = Server(("127.0.0.1", 0), _Trickle)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    trickle = f"http://127.0.0.1:{srv.server_address[1]}/slow.png"
+    cluster = LocalCluster(
+        str(default_model("qwen2_5_vl")), encoders=1, languages=1,
+        encoder_args=f"--allowed-url-hosts 127.0.0.1 --allow-private-urls "
+        f"--url-timeout-s {URL_TIMEOUT_S} --preprocess-workers 2")
+    runs: dict[str, list[float]] = {"unloaded": [], "flooded": []}
+    fails = {"unloaded": 0, "flooded": 0}
+    flood_sent = 0
+    with cluster:
+        url = cluster.http_url + "/v1/chat/completions"
+        phase(url, trickle, 3, 0, a.mix)  # warm-up
+        for _ in range(a.rounds):
+            for name, flood in (("unloaded", 0), ("flooded", a.flood)):
+                lat, failed, sent = phase(url, trickle, a.requests, flood, a.mix)
+                runs[name] += lat
+                fails[name] += failed
+                flood_sent += sent
+    srv.shutdown()
+    ms = {k: (statistics.median(v) * 1e3, pct(v, 0.99) * 1e3) for k, v in runs.items()}
+    lines = [
+        f"## One client floods, another is served (bench/flood.py --mix {a.mix})", "",
+        f"`tandem up` (1 encoder, 2 preprocessing workers, 1 language instance, tiny "
+        f"qwen2_5_vl). The calm client (127.0.0.2) sends {a.requests} image chats one after "
+        f"another per phase; under the flood, the flooder (127.0.0.1) keeps {a.flood} requests "
+        f"in flight ({MIXES[a.mix]}; the URL trickles one byte per 0.5 s, URL timeout "
+        f"{URL_TIMEOUT_S:g} s). Phases alternate, {a.rounds} rounds "
+        f"({flood_sent} flood requests answered while the calm client ran). Host: {os.cpu_count()} cores (shared).", "",
+        "| phase | calm requests | failed | p50 ms | p99 ms |", "|---|---|---|---|---|"]
+    for k in ("unloaded", "flooded"):
+        lines.append(f"| {k} | {len(runs[k])} | {fails[k]} | {ms[k][0]:.0f} | {ms[k][1]:.0f} |")
+    lines += ["", f"Calm client's p99 under the flood / unloaded: "
+              f"**{ms['flooded'][1] / ms['unloaded'][1]:.2f}x** "
+              f"(p50 {ms['flooded'][0] / ms['unloaded'][0]:.2f}x)."]
+    text = "\n".join(lines) + "\n"
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    out = OUT if a.mix == "both" else OUT.with_name(f"flood-{a.mix}.md")
+    out.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
