@@ -7,6 +7,7 @@ instance, or exits with one line naming the bad field.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Literal, TypeVar
 
@@ -126,8 +127,41 @@ def format_validation_error(prog: str, err: ValidationError) -> str:
     return f"{prog}: invalid config: " + "; ".join(parts)
 
 
+# TANDEM_* variables that are not service config (the launcher's, the kernels' build
+# cache, a tensor-parallel worker's secret, benchmarks' and tests' knobs).
+NOT_CONFIG_ENV = ("TANDEM_CACHE_DIR", "TANDEM_KERNEL_DIR", "TANDEM_TP_AUTHKEY")
+NOT_CONFIG_ENV_PREFIXES = ("TANDEM_BENCH_", "TANDEM_SOAK_")
+
+
+def env_names(cls: type[BaseSettings]) -> set[str]:
+    """Every TANDEM_* variable `cls` reads: a field, or a nested model's field."""
+    names = set()
+    for name, f in cls.model_fields.items():
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            names |= {f"TANDEM_{name}__{sub}".upper() for sub in ann.model_fields}
+        else:
+            names.add(f"TANDEM_{name}".upper())
+    return names
+
+
+def unknown_env(cls: type[BaseSettings], environ) -> list[str]:
+    """TANDEM_* variables in `environ` that `cls` does not read: a typo (`cache_byte`) or
+    another service's setting would otherwise be ignored without a word."""
+    known = env_names(cls)
+    return sorted(k for k in environ if k.upper().startswith("TANDEM_")
+                  and k.upper() not in known and k.upper() not in NOT_CONFIG_ENV
+                  and not k.upper().startswith(NOT_CONFIG_ENV_PREFIXES))
+
+
 def parse_settings(cls: type[S], argv: list[str], prog: str) -> S:
-    """Build `cls` from argv and the environment; exit(2) with one clear line if invalid."""
+    """Build `cls` from argv and the environment; exit(2) with one clear line if invalid
+    (a bad value, an unknown flag, or a TANDEM_* variable that is not one of its fields)."""
+    unknown = unknown_env(cls, os.environ)
+    if unknown:
+        print(f"{prog}: invalid config: unknown environment variable(s) {', '.join(unknown)}: "
+              f"not settings of this service (`{prog} --help` lists them)", file=sys.stderr)
+        raise SystemExit(2)
     try:
         source = CliSettingsSource(cls, cli_prog_name=prog)
         return CliApp.run(cls, cli_args=argv, cli_settings_source=source)

@@ -82,3 +82,13 @@ def test_log_format_json_puts_every_line_in_json_with_a_level():
     assert lines and all({"ts", "level", "logger", "msg"} <= set(e) for e in lines), r.stderr
     assert lines[-1]["level"] == "ERROR" and "no such checkpoint" in lines[-1]["msg"]
     assert any(e["level"] == "WARNING" and "PLAINTEXT" in e["msg"] for e in lines)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_an_unknown_tandem_variable_stops_the_service_with_one_line(name):
+    """A misspelt TANDEM_* variable (or another service's) is refused, not ignored."""
+    r = _run([name, "--model", "m"], {"TANDEM_CACHE_BYTE": "1", "TANDEM_BENCH_RUNS": "3"})
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "unknown environment variable(s) TANDEM_CACHE_BYTE" in lines[0]
+    assert "TANDEM_BENCH_RUNS" not in lines[0]  # a benchmark's knob, not config

@@ -150,6 +150,9 @@ def test_strict_validation_rejects_an_unknown_field(rendered):
         (["--set", "transfer.protocol=rdma"], "deviceName"),
         (["--set", "encoder.config.port=1"], "encoder.config.port"),
         (["--set", "model.source=pvc"], "model.claimName"),
+        (["--set", "encoder.config.cache_byte=5"], "additional properties 'cache_byte'"),
+        (["--set", "language.config.kv_memory_fraction=2"], "/language/config/kv_memory_fraction"),
+        (["--set", "router.config.log_format=xml"], "/router/config/log_format"),
     ],
     ids=[
         "replicas-string",
@@ -160,6 +163,9 @@ def test_strict_validation_rejects_an_unknown_field(rendered):
         "rdma-no-device",
         "managed-key-in-config",
         "pvc-no-claim",
+        "misspelt-config-key",
+        "config-out-of-range",
+        "config-not-a-choice",
     ],
 )
 def test_broken_values_are_rejected(helm, args, message):
@@ -468,3 +474,21 @@ def test_generated_internal_certificates_serve_mtls_by_role(rendered, tmp_path):
             assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
     finally:
         loop.call_soon_threadsafe(loop.stop)
+
+
+def test_config_schema_is_generated_from_the_services_settings():
+    """values.schema.json's `<tier>.config` lists exactly each service's settings fields
+    (deploy/k8s/config_schema.py): they cannot drift apart."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("config_schema",
+                                                  ROOT / "deploy" / "k8s" / "config_schema.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert json.loads((CHART / "values.schema.json").read_text()) == mod.generated()
+    for tier, cls in (("encoder", EncoderConfig), ("language", LanguageConfig),
+                      ("router", RouterConfig)):
+        props = mod.generated()["properties"][tier]["properties"]["config"]["properties"]
+        nested = {"transfer", "internal_tls"}
+        assert set(props) == set(cls.model_fields) - nested, tier
