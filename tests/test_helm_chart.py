@@ -492,3 +492,70 @@ def test_config_schema_is_generated_from_the_services_settings():
         props = mod.generated()["properties"][tier]["properties"]["config"]["properties"]
         nested = {"transfer", "internal_tls"}
         assert set(props) == set(cls.model_fields) - nested, tier
+
+
+def _exported_metric_names() -> set[str]:
+    """Every series name the services export (each tier's metric set built in a registry of
+    its own): counters' _total, histograms' _bucket/_sum/_count, gauges."""
+    from prometheus_client import CollectorRegistry
+
+    from services.encoder.metrics import EncoderMetrics
+    from services.language.metrics import LanguageMetrics
+    from services.router.metrics import RouterMetrics
+    from tandem.metrics import metric_set
+    from tandem.transfer.metrics import transfer_metrics
+
+    names: set[str] = set()
+    for make in (lambda r: metric_set(EncoderMetrics, r), lambda r: metric_set(LanguageMetrics, r),
+                 lambda r: metric_set(RouterMetrics, r),
+                 lambda r: transfer_metrics(r).blocks(0, 1)):  # blocks: where a pool exists
+        reg = CollectorRegistry()
+        make(reg)
+        for fam in reg.collect():
+            names.add(fam.name)
+            names |= {f"{fam.name}{s}" for s in ("_total", "_bucket", "_sum", "_count")}
+    return names
+
+
+def test_alerts_and_dashboard_use_real_metrics_and_pass_promtool(helm, tmp_path):
+    """The PrometheusRule's rules pass `promtool check rules`; every metric its alerts and
+    the Grafana dashboard query is one the services export; the dashboard JSON parses."""
+    import json
+    import re
+    import shutil
+
+    objs = render(helm, "--set", "prometheusRule.enabled=true",
+                  "--set", "grafanaDashboard.enabled=true")
+    rule = find(objs, "PrometheusRule", RELEASE)
+    alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert {"TandemErrorRatioHigh", "TandemTTFTHigh", "TandemTransferFaults",
+            "TandemKVCacheFull", "TandemTierDown"} <= alerts
+    dash = json.loads(find(objs, "ConfigMap", f"{RELEASE}-dashboard")["data"]["tandem.json"])
+    exprs = [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]
+    exprs += [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"tandem_[a-z_]+", e)}
+    assert used and used <= _exported_metric_names(), used - _exported_metric_names()
+    promtool = shutil.which("promtool") or str(ROOT / ".tools" / "promtool")
+    if not Path(promtool).exists():
+        pytest.skip("promtool not installed (`make test` fetches it)")
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    r = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_helm_test_hook_sends_one_chat_to_the_router(helm):
+    """`helm test`: a hook pod that posts one chat to the router's Service (with the API key
+    from its Secret when one is configured) and fails unless it gets a 200 with a choice."""
+    objs = render(helm, "--set", "router.apiKey.value=k3y")
+    pod = find(objs, "Pod", f"{RELEASE}-test-chat")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    (c,) = pod["spec"]["containers"]
+    env = {e["name"]: e for e in c["env"]}
+    svc = find(objs, "Service", f"{RELEASE}-router")
+    port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "http")
+    assert env["ROUTER_URL"]["value"] == f"http://{RELEASE}-router:{port}"
+    assert env["API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == f"{RELEASE}-router-api-key"
+    assert "/v1/chat/completions" in c["args"][0]
+    kubernetes_validate.validate(pod, NEWEST_K8S, strict=True)
