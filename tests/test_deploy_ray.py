@@ -130,3 +130,45 @@ def test_ray_launcher_serves_a_chat_and_leaves_nothing_behind(checkpoint, monkey
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         ray.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_ray_launcher_with_token_auth_against_ray_start(checkpoint, tmp_path):
+    """A Ray cluster as an operator starts it (`ray start --head`) with token
+    authentication on (`RAY_AUTH_MODE=token`, Ray's token in $HOME/.ray/auth_token):
+    `tandem up --ray ADDRESS --demo` connects with that token, serves the demo chat (the
+    tiers under their throwaway mTLS, each actor handed its certificate as PEM text in the
+    environment, the API key by the environment) and exits 0. No secret on a command line."""
+    import tempfile
+
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    temp = tempfile.mkdtemp(prefix="tr-", dir="/tmp")  # NOTE: Ray's socket paths must stay short
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(LOOPBACK_ENV, HOME=str(tmp_path), RAY_AUTH_MODE="token", PYTHONUNBUFFERED="1")
+    start = [ray_bin, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
+             "--num-cpus=2", "--num-gpus=0", "--include-dashboard=false",
+             "--disable-usage-stats", f"--temp-dir={temp}"]
+    gen = subprocess.run([ray_bin, "get-auth-token", "--generate"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert gen.returncode == 0 and (tmp_path / ".ray" / "auth_token").exists(), gen.stderr
+    r = subprocess.run(start, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    try:
+        argv = [sys.executable, "-m", "tandem.cli", "up", "--ray", f"127.0.0.1:{port}",
+                "--encoder-gpus", "0", "--language-gpus", "0", "--model", str(checkpoint("qwen2_5_vl")),
+                "--http-port", str(free_port()), "--grpc-port", str(free_port()),
+                "--api-key", "s3cret", "--demo", "--ready-timeout", "180"]  # fmt: skip
+        out = subprocess.run(argv, env={**env, "DEMO_ONLY": "1"}, capture_output=True,
+                             text=True, timeout=240)
+        log = out.stdout + out.stderr
+        assert out.returncode == 0, log[-3000:]
+        assert "[demo] answer" in log and "internal mTLS" in log, log[-3000:]
+        for pid in re.findall(r"(?:encoder|language)-\d=(\d+)", log):
+            cmdline = open(f"/proc/{pid}/cmdline").read() if _alive(int(pid)) else ""
+            assert "s3cret" not in cmdline and "BEGIN" not in cmdline
+    finally:
+        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=60)
+        import shutil
+
+        shutil.rmtree(temp, ignore_errors=True)

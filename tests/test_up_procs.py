@@ -188,3 +188,10 @@ def test_encoders_run_at_a_lower_priority_than_the_other_tiers():
         assert psutil.Process(child.proc.pid).nice() == min(base + 7, 19)
     finally:
         child.kill_group()
+
+
+def test_up_help_names_the_ray_launcher():
+    r = subprocess.run([sys.executable, "-m", "tandem.cli", "up", "--help"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "--ray [ADDRESS]" in r.stdout and "RAY_AUTH_TOKEN" in r.stdout
+    assert "--insecure-internal" in r.stdout and "--pki-dir" in r.stdout

@@ -92,6 +92,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="tandem up",
         description="A whole local cluster: N encoders, M language instances, one router.",
+        epilog="--ray [ADDRESS]: run the encoder and language instances as Ray actors "
+        "instead (a running cluster's GCS address, ray://HOST:10001, or 'local'); with it "
+        "--encoder-gpus/--language-gpus/--encoder-cpus/--language-cpus/--ray-num-cpus/"
+        "--ray-namespace size them (`tandem up --ray --help`). Ray's token authentication "
+        "works as for any Ray client (the token in ~/.ray/auth_token or RAY_AUTH_TOKEN).",
     )
     p.add_argument("--model", default="", help="Local checkpoint dir or Hugging Face id "
                    "(default: a tiny random-weight model built into the cache once).")

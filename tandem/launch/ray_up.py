@@ -158,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         _check_resources(ray, rargs, args)
         model = args.model or str(launch_plan.default_model(args.arch))
         pki = launch_plan.internal_pki(args)
+        if pki is not None:
+            say(f"[up] internal mTLS: a throwaway CA and certificates in {pki.dir} (each actor "
+                f"gets its own as PEM text in its environment)")
         probe_pem = None if pki is None else {
             "ca": pki.ca.read_text(), "cert": pki.cert("operator").read_text(),
             "key": pki.key("operator").read_text()}
