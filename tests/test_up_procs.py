@@ -4,6 +4,7 @@ processes (a child that ignores SIGTERM and has a grandchild is killed with its 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -195,3 +196,32 @@ def test_up_help_names_the_ray_launcher():
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "--ray [ADDRESS]" in r.stdout and "RAY_AUTH_TOKEN" in r.stdout
     assert "--insecure-internal" in r.stdout and "--pki-dir" in r.stdout
+
+
+@pytest.mark.parametrize("kind", ["encoder", "language", "router", "up"])
+def test_a_taken_port_stops_each_server_within_seconds_in_one_line(kind, checkpoint):
+    """A second server on a port already in use exits non-zero within 5 s, with one line
+    naming the port: each tier (before its model loads) and `tandem up` (before any tier
+    starts; its router would bind last)."""
+    import socket
+    import time as _time
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        flag = {"encoder": "--port", "language": "--port", "router": "--http-port",
+                "up": "--http-port"}[kind]
+        argv = [sys.executable, "-m", "tandem.cli", kind, "--model",
+                str(checkpoint("qwen2_5_vl")), flag, str(port)]
+        if kind != "up":
+            argv.append("--insecure-internal")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+        t0 = _time.monotonic()
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+        took = _time.monotonic() - t0
+    assert r.returncode != 0
+    errors = [ln for ln in r.stderr.splitlines() if "cannot listen" in ln]
+    assert len(errors) == 1 and f"127.0.0.1:{port} ({flag})" in errors[0], r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert took < 5, took

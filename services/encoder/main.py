@@ -14,7 +14,14 @@ import logging
 
 from tandem.internal_tls import load_internal_tls
 from tandem.metrics import metric_set, serve_metrics, service_registry
-from tandem.serving import drain, grpc_server, run_service, start_serving, stop_on_signals
+from tandem.serving import (
+    drain,
+    grpc_server,
+    require_free_ports,
+    run_service,
+    start_serving,
+    stop_on_signals,
+)
 from tandem.v1 import encoder_pb2, encoder_pb2_grpc
 
 from .config import EncoderConfig
@@ -43,6 +50,8 @@ async def run(
     from tandem.transfer.sender import EmbeddingSender
     from tandem.transfer.staging import StagingArea
 
+    require_free_ports("tandem encoder", cfg.host, {"--port": cfg.port, "--metrics-port":
+                       cfg.metrics_port, "--health-port": cfg.health_port})
     tls = load_internal_tls(cfg, "tandem encoder", "encoder")  # before the model loads
     registry = service_registry()
     metrics = metric_set(EncoderMetrics, registry)

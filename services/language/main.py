@@ -20,6 +20,7 @@ from tandem.metrics import metric_set, serve_metrics, service_registry
 from tandem.serving import (
     drain,
     grpc_server,
+    require_free_ports,
     run_service,
     start_serving,
     stop_on_signals,
@@ -132,6 +133,8 @@ async def run(
     from tandem.transfer import BlockAllocator, EmbeddingBuffers, EmbeddingReceiver
     from tandem.transfer.engine import MooncakeEngine
 
+    require_free_ports("tandem language", cfg.host, {"--port": cfg.port, "--metrics-port":
+                       cfg.metrics_port, "--health-port": cfg.health_port})
     tls = load_internal_tls(cfg, "tandem language", "language")  # before the model loads
     registry = service_registry()
     metrics = metric_set(LanguageMetrics, registry)

@@ -38,7 +38,12 @@ def http_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as e:  # taken since the start-up check: still one line
+        sock.close()
+        raise SystemExit(f"tandem router: cannot listen on {host}:{port} (--http-port): "
+                         f"{e.strerror}") from None
     return sock
 
 
@@ -81,6 +86,8 @@ async def _health_loop(core: RouterCore, servicer) -> None:
 
 async def run_router(cfg, stop: asyncio.Event) -> None:
     """Serve until `stop` is set, then drain and shut down."""
+    serving.require_free_ports("tandem router", cfg.host, {"--http-port": cfg.http_port,
+                                                           "--grpc-port": cfg.grpc_port})
     core = RouterCore(cfg)
     await core.registry.start()
     server, health_servicer, grpc_port = build_grpc_server(core)

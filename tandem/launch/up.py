@@ -21,10 +21,14 @@ import sys
 
 from tandem.launch.plan import default_model, internal_pki, parse_args, plan
 from tandem.launch.procs import say, stop_all, stop_event_on_signals, wait_ready
+from tandem.serving import require_free_ports
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    # NOTE: before anything starts: the router binds these last, after every tier loaded
+    require_free_ports("tandem up", args.host, {"--http-port": args.http_port,
+                                                "--grpc-port": args.grpc_port})
     stop = stop_event_on_signals()
 
     model = args.model or str(default_model(args.arch))
