@@ -3,6 +3,8 @@
 #
 #   docker build -t tandem:0.1.0-cuda .                      # GPU hosts (default)
 #   docker build -t tandem:0.1.0-cpu --build-arg VARIANT=cpu .
+#   docker build -t tandem:0.1.0-router --target router .    # the router alone: no torch,
+#                                                             # no CUDA (the chart's default)
 #
 # The steps are the ones `make` runs (tests/test_deploy_dockerfile.py holds them together):
 #   build stage    `make proto`: venv, the pinned torch first, the package with
@@ -47,6 +49,27 @@ RUN PIP_EXTRA_INDEX_URL="$TORCH_CPU_INDEX" \
 RUN /opt/build/bin/pip wheel --no-deps --no-build-isolation --wheel-dir /wheels .
 
 # ---- runtime --------------------------------------------------------------------------------
+# ---- router: the front door alone on a plain CPU base (`--target router`) ---------------
+# No torch, transformers, Mooncake or CUDA: the package's `router` extra. Built before the
+# runtime stage so that a plain `docker build` still ends with the full image.
+FROM ${CPU_IMAGE} AS router
+ENV DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates tini \
+ && rm -rf /var/lib/apt/lists/*
+COPY --from=build /wheels /wheels
+RUN python3 -m venv /opt/venv && /opt/venv/bin/pip install -q --upgrade pip \
+ && /opt/venv/bin/pip install -q "$(ls /wheels/tandem-*.whl)[router]" \
+ && /opt/venv/bin/python -c "import sys, services.router.main; assert 'torch' not in sys.modules" \
+ && rm -rf /wheels
+RUN groupadd --gid 10001 tandem && useradd --uid 10001 --gid 10001 --create-home tandem
+ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1
+USER 10001:10001
+WORKDIR /home/tandem
+EXPOSE 8000 50051
+ENTRYPOINT ["/usr/bin/tini", "--", "tandem"]
+CMD ["router", "--help"]
+
 FROM base AS runtime
 ARG VARIANT
 ARG TORCH_SPEC=torch==2.13.0

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,13 +143,14 @@ def test_runs_as_the_charts_non_root_user():
     assert any(f"--uid {uid}" in r for r in runs("runtime")), "user is never created"
 
 
-def test_entrypoint_is_the_tandem_console_script():
-    (ep,) = [i.args for i in INSTR if i.op == "ENTRYPOINT"]
+@pytest.mark.parametrize("stage", ["runtime", "router"])
+def test_entrypoint_is_the_tandem_console_script(stage):
+    (ep,) = [i.args for i in INSTR if i.stage == stage and i.op == "ENTRYPOINT"]
     argv = json.loads(ep)  # exec form: the service is PID 1's child under tini, gets SIGTERM
     assert argv[-1] == "tandem"
     assert argv[:-1] in ([], ["/usr/bin/tini", "--"])
     assert PYPROJECT["project"]["scripts"]["tandem"] == "tandem.cli:main"
-    env = " ".join(i.args for i in INSTR if i.stage == "runtime" and i.op == "ENV")
+    env = " ".join(i.args for i in INSTR if i.stage == stage and i.op == "ENV")
     assert "PATH=/opt/venv/bin:" in env
 
 
@@ -298,17 +301,25 @@ def test_wheel_carries_the_stubs_and_the_entry_point(context, tmp_path):
     assert "tandem = tandem.cli:main" in ep.decode()
 
 
-@pytest.mark.timeout(600)
-def test_client_only_install_imports_no_server_stack(context, tmp_path):
-    """`pip install tandem` (a wheel built from a clean context) into an empty venv: the
-    SDK imports and builds a request without torch, transformers, Mooncake or pydantic
-    installed; a server command says, in one line, which install it needs."""
-    wheels = tmp_path / "wheels"
+@pytest.fixture(scope="module")
+def wheel(context, tmp_path_factory) -> Path:
+    """The package's wheel, built from the image's context (no stubs in it: the build hook
+    makes them)."""
+    wheels = tmp_path_factory.mktemp("wheels")
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
                         "--no-build-isolation", "--wheel-dir", str(wheels), "."],
                        cwd=context, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     (whl,) = wheels.glob("tandem-*.whl")
+    return whl
+
+
+@pytest.mark.timeout(600)
+def test_client_only_install_imports_no_server_stack(wheel, tmp_path):
+    """`pip install tandem` (a wheel built from a clean context) into an empty venv: the
+    SDK imports and builds a request without torch, transformers, Mooncake or pydantic
+    installed; a server command says, in one line, which install it needs."""
+    whl = wheel
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
@@ -326,3 +337,52 @@ def test_client_only_install_imports_no_server_stack(context, tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "pip install 'tandem[server]'" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.timeout(600)
+def test_router_image_install_serves_without_torch(wheel, tmp_path):
+    """The router image's install (`tandem[router]`, the Dockerfile's `router` target) into
+    an empty venv: no torch, transformers or Mooncake, and `tandem router` starts and
+    answers /health (503: no tier is up)."""
+    import httpx
+
+    from tandem.launch.procs import free_port
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    r = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q",
+                        f"{wheel}[router]"], capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr
+    code = ("import importlib.util as u; print([n for n in ('torch', 'transformers', "
+            "'mooncake', 'numpy') if u.find_spec(n)])")
+    r = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True,
+                       text=True, timeout=60)
+    assert r.stdout.strip() == "[]", r.stdout + r.stderr
+    http = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    proc = subprocess.Popen([str(venv / "bin" / "tandem"), "router", "--insecure-internal",
+                             "--encoders", "127.0.0.1:1", "--languages", "127.0.0.1:2",
+                             "--http-port", str(http), "--grpc-port", str(free_port())],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(100):
+            try:
+                h = httpx.get(f"http://127.0.0.1:{http}/health", timeout=2)
+                break
+            except httpx.HTTPError:
+                assert proc.poll() is None, proc.stdout.read().decode()
+                time.sleep(0.2)
+        assert h.status_code == 503 and h.json()["status"] == "unavailable", h.text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_router_target_is_the_router_alone_and_runtime_stays_the_default():
+    """`--target router` installs the `router` extra on the plain CPU base (no torch step);
+    the full image is still the last stage, what a plain `docker build` makes."""
+    stages = [i.stage for i in INSTR]
+    assert stages[-1] == "runtime" and "router" in stages
+    router_runs = " ".join(runs("router"))
+    assert "[router]" in router_runs and "torch" not in router_runs.replace(
+        "'torch' not in sys.modules", "")

@@ -335,6 +335,10 @@ def test_router_ports_probes_and_service(rendered):
     ports = {p["name"]: p for p in svc["spec"]["ports"]}
     assert ports["http"]["port"] == port_of(c, "http") and ports["http"]["targetPort"] == "http"
     assert ports["grpc"]["port"] == port_of(c, "grpc") and ports["grpc"]["targetPort"] == "grpc"
+    # the router runs the CPU-only image (the Dockerfile's `router` target), the tiers the
+    # full one
+    assert c["image"].endswith("-router") and not container(objs, "encoder")["image"].endswith(
+        "-router")
 
 
 def _selects(peer: dict, objs: list[dict], tier: str) -> bool:

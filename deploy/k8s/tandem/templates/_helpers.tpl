@@ -52,6 +52,12 @@ app.kubernetes.io/component: {{ .tier }}
 {{- printf "%s:%s" .Values.image.repository $tag -}}
 {{- end -}}
 
+{{/* The router's image: the CPU-only `router` build target. */}}
+{{- define "tandem.routerImage" -}}
+{{- $tag := .Values.image.routerTag | default (printf "%s-router" .Chart.AppVersion) -}}
+{{- printf "%s:%s" .Values.image.repository $tag -}}
+{{- end -}}
+
 {{/* Headless Service name of a tier (the router's DNS discovery name). */}}
 {{- define "tandem.headlessName" -}}
 {{- printf "%s-%s-headless" (include "tandem.fullname" .root) .tier -}}
