@@ -19,13 +19,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import http.server
 import json
 import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -36,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from encoder_peers.chats import png  # noqa: E402
+from encoder_peers.trickle import start_trickle  # noqa: E402
 
 from tandem.launch.cluster import LocalCluster  # noqa: E402
 from tandem.launch.plan import default_model  # noqa: E402
@@ -45,23 +44,6 @@ MIXES = {"both": "2 of 3 with a slow image URL, 1 of 3 with ~2 MB of text and an
          "url": "each with a slow image URL", "text": "each with ~2 MB of text and an image"}
 URL_TIMEOUT_S = 3.0
 HUGE_TEXT = "lorem ipsum dolor sit amet " * 75_000  # ~2 MB
-
-
-class _Trickle(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802
-        self.send_response(200)
-        self.send_header("Content-Length", "1000000")
-        self.end_headers()
-        try:
-            while True:
-                self.wfile.write(b"\x89")
-                self.wfile.flush()
-                time.sleep(0.5)
-        except OSError:
-            pass
-
-    def log_message(self, *a):
-        pass
 
 
 def image(data: bytes) -> dict:
@@ -150,15 +132,7 @@ def main() -> None:
                     help="The flood's requests: slow URLs and huge texts (2:1), or one kind.")
     a = ap.parse_args()
 
-    class Server(http.server.ThreadingHTTPServer):
-        daemon_threads = True
-
-        def handle_error(self, request, client_address):
-            pass
-
-    srv = Server(("127.0.0.1", 0), _Trickle)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    trickle = f"http://127.0.0.1:{srv.server_address[1]}/slow.png"
+    trickle, stop_trickle = start_trickle()
     cluster = LocalCluster(
         str(default_model("qwen2_5_vl")), encoders=1, languages=1,
         encoder_args=f"--allowed-url-hosts 127.0.0.1 --allow-private-urls "
@@ -175,7 +149,7 @@ def main() -> None:
                 runs[name] += lat
                 fails[name] += failed
                 flood_sent += sent
-    srv.shutdown()
+    stop_trickle()
     ms = {k: (statistics.median(v) * 1e3, pct(v, 0.99) * 1e3) for k, v in runs.items()}
     lines = [
         f"## One client floods, another is served (bench/flood.py --mix {a.mix})", "",

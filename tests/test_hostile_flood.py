@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import http.server
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -31,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from encoder_peers.chats import png, to_proto  # noqa: E402
 from encoder_peers.language_side import LanguageSide  # noqa: E402
 from encoder_peers.server import EncoderProcess, port_range  # noqa: E402
+from encoder_peers.trickle import start_trickle  # noqa: E402
 
 from tandem.chat import ImageInput, Message  # noqa: E402
 from tandem.v1 import encoder_pb2, encoder_pb2_grpc  # noqa: E402
@@ -39,37 +38,11 @@ URL_TIMEOUT_S = 3.0
 HUGE_TEXT = "lorem ipsum dolor sit amet " * 75_000  # ~2 MB: just under 32768 tokens x 64
 
 
-class _Trickle(http.server.BaseHTTPRequestHandler):
-    """An allow-listed image host that sends one byte every half second, for ever."""
-
-    def do_GET(self):  # noqa: N802
-        self.send_response(200)
-        self.send_header("Content-Length", "1000000")
-        self.end_headers()
-        try:
-            while True:
-                self.wfile.write(b"\x89")
-                self.wfile.flush()
-                time.sleep(0.5)
-        except OSError:  # the encoder gave up: expected
-            pass
-
-    def log_message(self, *a):
-        pass
-
-
 @pytest.fixture(scope="module")
 def trickle_url():
-    class Server(http.server.ThreadingHTTPServer):
-        daemon_threads = True
-
-        def handle_error(self, request, client_address):
-            pass
-
-    srv = Server(("127.0.0.1", 0), _Trickle)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}/slow.png"
-    srv.shutdown()
+    url, stop = start_trickle()
+    yield url
+    stop()
 
 
 def _flood_messages(trickle_url: str, i: int) -> list[Message]:
