@@ -188,7 +188,7 @@ class Dispatcher:
             async for piece in inner:
                 if piece.finish_reason is not None:
                     outcome = f"OK ({piece.finish_reason})"
-                    detail = _summary(piece)
+                    detail = piece.summary()
                 yield piece
         except RouterError as err:
             outcome = f"{err.code}: {err.message}"
@@ -380,19 +380,6 @@ class Dispatcher:
                 timings[f] = getattr(enc_resp.timings, f)
         piece.timings = timings
         return piece
-
-
-def _summary(last: Piece) -> str:
-    """The tokens and stage times of a finished request, for its log line."""
-    u, parts = last.usage, []
-    if u is not None:
-        parts.append(f"tokens {u.prompt_tokens} in ({u.cached_tokens} cached) "
-                     f"{u.completion_tokens} out")
-    if last.timings:
-        parts.append("stages " + " ".join(f"{k}={v:.0f}ms" for k, v in last.timings.items()))
-    if last.route is not None:
-        parts.append(f"via {last.route.encoder or '-'} -> {last.route.language}")
-    return (": " + ", ".join(parts)) if parts else ""
 
 
 def _id_metadata(req: ChatRequest) -> tuple[tuple[str, str], ...]:

@@ -99,6 +99,18 @@ class Piece:
     # The last piece of a request with tools: the calls the model made (OpenAI's shape).
     tool_calls: list[dict] = field(default_factory=list)
 
+    def summary(self) -> str:
+        """The last piece's tokens, stage times and route, for the request's log line."""
+        u, parts = self.usage, []
+        if u is not None:
+            parts.append(f"tokens {u.prompt_tokens} in ({u.cached_tokens} cached) "
+                         f"{u.completion_tokens} out")
+        if self.timings:
+            parts.append("stages " + " ".join(f"{k}={v:.0f}ms" for k, v in self.timings.items()))
+        if self.route is not None:
+            parts.append(f"via {self.route.encoder or '-'} -> {self.route.language}")
+        return (": " + ", ".join(parts)) if parts else ""
+
 
 def conversation_key(messages: list[common_pb2.ChatMessage]) -> str:
     """The language-affinity key of a chat: a hash of its system messages and its first
