@@ -145,7 +145,11 @@ def test_ray_launcher_with_token_auth_against_ray_start(checkpoint, tmp_path):
     temp = tempfile.mkdtemp(prefix="tr-", dir="/tmp")  # NOTE: Ray's socket paths must stay short
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(LOOPBACK_ENV, HOME=str(tmp_path), RAY_AUTH_MODE="token", PYTHONUNBUFFERED="1")
+    # HOME is the test's (Ray keeps its token in $HOME/.ray); the CPU kernels already built
+    # for this machine stay where they are (rebuilding them would take a minute)
+    kernels = os.environ.get("TANDEM_KERNEL_DIR") or os.path.expanduser("~/.cache/tandem/kernels")
+    env.update(LOOPBACK_ENV, HOME=str(tmp_path), RAY_AUTH_MODE="token", PYTHONUNBUFFERED="1",
+               TANDEM_KERNEL_DIR=kernels)
     start = [ray_bin, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
              "--num-cpus=2", "--num-gpus=0", "--include-dashboard=false",
              "--disable-usage-stats", f"--temp-dir={temp}"]
