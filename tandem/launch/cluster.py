@@ -66,13 +66,10 @@ class LocalCluster:
     def operator_tls(self):
         """Credentials to call the tiers as the operator (health, GetLoad); None when the
         cluster runs plaintext."""
-        if self.insecure_internal:
-            return None
-        from tandem.internal_tls import from_files
+        from tandem.launch.plan import operator_tls
         from tandem.pki import PKIPaths
 
-        p = PKIPaths(Path(self.pki_dir))
-        return from_files(p.ca, p.cert("operator"), p.key("operator"), "operator")
+        return operator_tls(None if self.insecure_internal else PKIPaths(Path(self.pki_dir)))
 
     def channel(self, address: str):
         """A sync channel to one of the cluster's tiers, as the operator."""
