@@ -63,6 +63,22 @@ class RouterConfig(ServiceSettings):
         "client. Set it only behind a proxy that sets it (a client could forge it); empty = "
         "the connection's remote address.",
     )  # fmt: skip
+    refusal_bytes_per_s: int = Field(
+        256 * 1024, ge=0,
+        description="Per client (its address, see client_id_header), the budget of refused "
+        "bytes refilled each second: every request answered 4xx (not 429) costs its size "
+        "(at least 4 KiB); a client past its budget has its next requests held, unread, one "
+        "at a time until it is repaid (services/router/refusals.py). Served requests cost "
+        "nothing. 0 turns it off.",
+    )  # fmt: skip
+    refusal_burst_bytes: int = Field(
+        4 * 1024 * 1024, ge=0, description="Refused bytes a client may send at once before "
+        "it is held (the budget's size)."
+    )  # fmt: skip
+    refusal_max_hold_s: float = Field(
+        30.0, gt=0, le=3600, description="Longest a client in debt is held; a request that "
+        "would wait longer is answered 429 with Retry-After."
+    )  # fmt: skip
     tls_cert: str = Field("", description="PEM certificate for the gRPC port (enables TLS).")
     tls_key: str = Field("", description="PEM private key for the gRPC port.")
     max_image_bytes: int = Field(

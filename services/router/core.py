@@ -12,6 +12,7 @@ from services.router.config import RouterConfig
 from services.router.dispatcher import Dispatcher
 from services.router.errors import RouterError, Tier, from_rpc
 from services.router.metrics import RouterMetrics
+from services.router.refusals import RefusalBudget
 from services.router.registry import Registry
 from services.router.selection import Selector
 from tandem.metrics import metric_set, service_registry
@@ -29,6 +30,9 @@ class RouterCore:
         }
         self.dispatcher = Dispatcher(self.registry, self.selectors, cfg, self.metrics)
         self.admission = Admission(cfg.max_inflight, self.metrics)
+        self.refusals = RefusalBudget(
+            cfg.refusal_bytes_per_s, cfg.refusal_burst_bytes, cfg.refusal_max_hold_s,
+            on_hold=lambda outcome: self.metrics.refusal_holds.labels(outcome).inc())
         self.draining = False
 
     def model_name(self) -> str:

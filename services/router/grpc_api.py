@@ -20,6 +20,7 @@ from services.router.config import RouterConfig
 from services.router.core import RouterCore
 from services.router.errors import RouterError
 from services.router.openai_models import Tool, tool_setup_of
+from services.router.refusals import HeldTooLong, Ticket
 from services.router.request import MAX_TIMEOUT_MS, ChatRequest, Piece
 from services.router.tools import ToolMode, ToolSetup, parse_output
 from tandem.finish_reasons import FROM_OPENAI
@@ -145,13 +146,27 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Generate(self, request, context):
         core = self.core
+        who = _client_id(context, core.cfg)
+        try:
+            ticket = await core.refusals.enter(who)  # refusals.py: a client in debt waits
+        except HeldTooLong as held:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(held))
+        try:
+            async for out in self._generate(request, context, who, ticket):
+                yield out
+        finally:
+            ticket.close()
+
+    async def _generate(self, request, context, who: str, ticket: Ticket):
+        """Generate's body; the first message or the error goes to the refusal `ticket`."""
+        core = self.core
         sent = False
         request_id = request.request_id
         try:
             self._auth(context)
             core.check_model(request.model)
             req = _validate(request, core.cfg)
-            req.client_id = _client_id(context, core.cfg)
+            req.client_id = who
             request_id = req.request_id
             n = request.n or 1
             if n > 1 and req.tools.mode is not ToolMode.NONE:
@@ -163,9 +178,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     if req.tools.mode is not ToolMode.NONE:  # calls known at the end only
                         whole = _whole([p async for _, p in agen], req.tools)
                         sent = True
+                        ticket.close()
                         yield _to_proto(whole, request_id)
                     async for index, piece in agen:
                         sent = True
+                        ticket.close()
                         yield _to_proto(piece, request_id, index)
                 finally:
                     await agen.aclose()
@@ -175,6 +192,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except RouterError as err:
             core.metrics.requests.labels("grpc", err.code.lower()).inc()
             if not sent:
+                ticket.answered(err.http_status, request.ByteSize())
                 await context.abort(err.grpc_code, err.message)
             yield router_pb2.RouterGenerateResponse(
                 finish_reason=common_pb2.FINISH_REASON_ERROR,

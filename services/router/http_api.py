@@ -20,11 +20,12 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.router import openai_format as fmt
-from services.router.admission import check_api_key, client_id
+from services.router.admission import client_id
 from services.router.choices import choice_requests, merged
 from services.router.config import RouterConfig
 from services.router.core import RouterCore
 from services.router.errors import RouterError
+from services.router.http_guard import Guard, error_response
 from services.router.metrics import HttpStatusCounter
 from services.router.openai_completions import (
     CompletionRequest,
@@ -43,13 +44,6 @@ from services.router.openapi import ERROR_RESPONSES, document
 from services.router.request import Piece
 from services.router.tools import ToolMode
 from tandem.v1 import language_pb2
-
-
-def _error(err: RouterError, close: bool = False) -> JSONResponse:
-    """`close`: the request was not read to its end, so the connection cannot carry
-    another one: the response says so and the server closes it after sending."""
-    headers = {"connection": "close"} if close else None
-    return JSONResponse(err.openai_body(), status_code=err.http_status, headers=headers)
 
 
 def _loc(loc) -> str:
@@ -71,7 +65,7 @@ def build_app(core: RouterCore) -> FastAPI:
 
     @app.exception_handler(RouterError)
     async def _router_error(_req, err: RouterError):
-        return _error(err)
+        return error_response(err)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_req, exc: RequestValidationError):
@@ -81,7 +75,7 @@ def build_app(core: RouterCore) -> FastAPI:
             msg = f"{param}: not supported by this server (refused, never silently ignored)"
         else:
             msg = f"{param}: {first['msg']}" if param else first["msg"]
-        return _error(RouterError("INVALID_ARGUMENT", msg, param))
+        return error_response(RouterError("INVALID_ARGUMENT", msg, param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_req, exc: StarletteHTTPException):
@@ -94,8 +88,8 @@ def build_app(core: RouterCore) -> FastAPI:
     # NOTE: a plain ASGI middleware, not `@app.middleware("http")`: Starlette's
     # BaseHTTPMiddleware hides the client's disconnect from `request.is_disconnected()`,
     # and a non-streaming request would then run to the end for a caller that is gone.
-    app.add_middleware(_Guard, cfg=cfg)
-    # NOTE: added last, so outermost: it also counts the answers _Guard gives (401, 413).
+    app.add_middleware(Guard, cfg=cfg, refusals=core.refusals)
+    # NOTE: added last, so outermost: it also counts the answers Guard gives (401, 413).
     app.add_middleware(HttpStatusCounter, metrics=core.metrics)
 
     @app.get("/health")
@@ -215,79 +209,6 @@ async def _serve(core: RouterCore, req, body, shape, rid: str, request: Request)
     finally:
         if not body.stream:
             release()
-
-
-class _Guard:
-    """Body-size limit (413, on the declared length and on the bytes read), the time to
-    receive the body (408) and the API key on /v1/* (401), before any parsing."""
-
-    def __init__(self, app, cfg: RouterConfig) -> None:
-        self.app = app
-        self.cfg = cfg
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            headers = {k.decode("latin-1").lower(): v.decode("latin-1")
-                       for k, v in scope.get("headers", ())}
-            length = headers.get("content-length", "")
-            err = None
-            if length.isdigit() and int(length) > self.cfg.max_request_bytes:
-                err = self._too_large()
-            elif scope.get("path", "").startswith("/v1/"):
-                try:
-                    check_api_key(self.cfg.api_key, headers.get("authorization"))
-                except RouterError as e:
-                    err = e
-            if err is not None:  # NOTE: the body is left unread: close the connection
-                await _error(err, close=True)(scope, receive, send)
-                return
-            receive = await self._bounded_body(scope, receive, send)
-            if receive is None:
-                return
-        await self.app(scope, receive, send)
-
-    def _too_large(self) -> RouterError:
-        return RouterError("TOO_LARGE", f"request body over {self.cfg.max_request_bytes} bytes")
-
-    async def _bounded_body(self, scope, receive, send):
-        """Read the whole body, counting bytes: a chunked upload has no content-length, so
-        the limit holds on what arrives (413 past it), within `http_request_timeout_s` (408
-        past it: a client that stalls or trickles its body cannot hold the connection).
-        Either answer closes the connection. Returns a receive that replays the body and
-        then hands over to the client's (disconnects stay visible), or None when the request
-        was answered or the client left."""
-        limit, size, chunks = self.cfg.max_request_bytes, 0, []
-        err = None
-        try:
-            async with asyncio.timeout(self.cfg.http_request_timeout_s):
-                while True:
-                    message = await receive()
-                    if message["type"] == "http.disconnect":
-                        return None
-                    chunk = message.get("body", b"")
-                    size += len(chunk)
-                    if size > limit:
-                        err = self._too_large()
-                        break
-                    chunks.append(chunk)
-                    if not message.get("more_body", False):
-                        break
-        except TimeoutError:
-            err = RouterError("REQUEST_TIMEOUT", f"request body not received within "
-                              f"{self.cfg.http_request_timeout_s:g}s")  # fmt: skip
-        if err is not None:
-            await _error(err, close=True)(scope, receive, send)
-            return None
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-
-        return replay
 
 
 async def _watch_disconnect(task: asyncio.Future, request: Request) -> None:

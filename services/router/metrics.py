@@ -71,6 +71,11 @@ class RouterMetrics:
             "tandem_router_cached_prompt_tokens",
             "Prompt tokens served from language instances' prefix caches.", registry=r,
         )
+        self.refusal_holds = Counter(
+            "tandem_router_refusal_holds", "Requests held because their client's "
+            "refused requests were over its budget, by outcome (passed, refused: 429).",
+            ["outcome"], registry=r,
+        )  # fmt: skip
         self.healthy = Gauge(
             "tandem_router_healthy_instances", "Healthy instances per tier.", ["tier"], registry=r
         )
