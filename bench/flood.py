@@ -130,13 +130,16 @@ def main() -> None:
     ap.add_argument("--flood", type=int, default=12, help="Flood requests kept in flight.")
     ap.add_argument("--mix", choices=["both", "url", "text"], default="both",
                     help="The flood's requests: slow URLs and huge texts (2:1), or one kind.")
+    ap.add_argument("--router-args", default="",
+                    help="Extra router flags, e.g. '--refusal-bytes-per-s 0' (the refused-"
+                    "bytes budget off: the flood's CPU cost alone).")
     a = ap.parse_args()
 
     trickle, stop_trickle = start_trickle()
     cluster = LocalCluster(
         str(default_model("qwen2_5_vl")), encoders=1, languages=1,
         encoder_args=f"--allowed-url-hosts 127.0.0.1 --allow-private-urls "
-        f"--url-timeout-s {URL_TIMEOUT_S} --preprocess-workers 2")
+        f"--url-timeout-s {URL_TIMEOUT_S} --preprocess-workers 2", router_args=a.router_args)
     runs: dict[str, list[float]] = {"unloaded": [], "flooded": []}
     fails = {"unloaded": 0, "flooded": 0}
     flood_sent = 0
@@ -158,7 +161,8 @@ def main() -> None:
         f"another per phase; under the flood, the flooder (127.0.0.1) keeps {a.flood} requests "
         f"in flight ({MIXES[a.mix]}; the URL trickles one byte per 0.5 s, URL timeout "
         f"{URL_TIMEOUT_S:g} s). Phases alternate, {a.rounds} rounds "
-        f"({flood_sent} flood requests answered while the calm client ran). Host: {os.cpu_count()} cores (shared).", "",
+        f"({flood_sent} flood requests answered while the calm client ran). Host: "
+        f"{os.cpu_count()} cores (shared). Router flags: `{a.router_args or '(defaults)'}`.", "",
         "| phase | calm requests | failed | p50 ms | p99 ms |", "|---|---|---|---|---|"]
     for k in ("unloaded", "flooded"):
         lines.append(f"| {k} | {len(runs[k])} | {fails[k]} | {ms[k][0]:.0f} | {ms[k][1]:.0f} |")
@@ -168,6 +172,8 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     OUT.parent.mkdir(parents=True, exist_ok=True)
     out = OUT if a.mix == "both" else OUT.with_name(f"flood-{a.mix}.md")
+    if a.router_args:
+        out = out.with_name(out.stem + "-custom.md")
     out.write_text(text)
     print(text)
 
