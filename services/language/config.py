@@ -91,6 +91,19 @@ class LanguageConfig(ModelServiceSettings):
         description="Longest wait of a tensor-parallel collective (or rank start-up): a "
         "rank that hangs past it ends the instance.",
     )  # fmt: skip
+    cpu_small_step_pool: bool = Field(
+        True,
+        description="On CPU with cpu_threads > 1, a small step (under cpu_parallel_min_tokens) "
+        "still splits its linears across the cores, on a claim-based pool: the step's thread "
+        "and cpu_threads - 1 helpers take column strips from one counter, so the step never "
+        "waits for a helper that was descheduled (csrc/strip_pool.cpp). "
+        "--no-cpu-small-step-pool runs small steps wholly on one thread.",
+    )  # fmt: skip
+    cpu_pool_spin_us: int = Field(
+        1000, ge=0, le=100_000,
+        description="How long a pool helper spins after a job before it sleeps (µs): longer "
+        "than the gaps between one step's linears, so it stays awake through a step.",
+    )  # fmt: skip
     cpu_parallel_min_tokens: int = Field(
         16, ge=0, le=1 << 20,
         description="On CPU, a step of fewer tokens (a small decode batch) runs on one "

@@ -67,6 +67,8 @@ def build_engine(cfg: LanguageConfig, metrics: LanguageMetrics):
         attention_backend=cfg.attention_backend,
         linear_backend=cfg.linear_backend,
         cpu_parallel_min_tokens=cfg.cpu_parallel_min_tokens,
+        cpu_small_step_pool=cfg.cpu_small_step_pool,
+        cpu_pool_spin_us=cfg.cpu_pool_spin_us,
         tp=tp,
     )
     if tp is not None:
@@ -106,6 +108,7 @@ def start_tensor_parallel(cfg: LanguageConfig, spec, device, dtype, max_len: int
         model=str(spec.path), dtype=str(dtype).removeprefix("torch."), device=str(device),
         page_size=cfg.kv_page_size, attention_backend=cfg.attention_backend,
         linear_backend=cfg.linear_backend, cpu_parallel_min_tokens=cfg.cpu_parallel_min_tokens,
+        cpu_small_step_pool=cfg.cpu_small_step_pool, cpu_pool_spin_us=cfg.cpu_pool_spin_us,
         max_seq_len=max_len,
         cuda_graph_max_bs=cfg.cuda_graph_max_bs if device.type == "cuda" else 0,
         size=cfg.tp, dist_address=f"127.0.0.1:{free_port()}", control_address="",

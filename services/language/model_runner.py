@@ -55,6 +55,8 @@ class ModelRunner:
         attention_backend: str = "auto",
         linear_backend: str = "auto",
         cpu_parallel_min_tokens: int = 0,
+        cpu_small_step_pool: bool = False,
+        cpu_pool_spin_us: int = 1000,
         tp: TensorParallel | None = None,
     ) -> None:
         spec = weights.spec
@@ -87,12 +89,20 @@ class ModelRunner:
         self.limits = ChunkLimits(c.vocab_size, c.embed_dim, c.hidden_size, num_pages, page_size)
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         self.decode_op = decode_attention_op(attention_backend, self.device)
-        # NOTE (CPU): a step of fewer tokens runs on one thread. On a host whose cores the
-        # other tiers (router, encoder) and clients share, a small step's parallel regions
+        # NOTE (CPU): a step of fewer tokens runs on one torch thread. On a host whose cores
+        # the other tiers (router, encoder) and clients share, a small step's OpenMP regions
         # wait for a descheduled thread more than they gain from the second one (measured
         # in docs/benchmarks.md); big steps (prefill, wide decode batches) use them all.
+        # With `cpu_small_step_pool` a small step's linears (most of it: it streams every
+        # weight) still use every core, through the claim-based pool, which never waits
+        # for a helper that has not started (csrc/strip_pool.cpp).
         self.max_threads = torch.get_num_threads()
         self.parallel_min_tokens = cpu_parallel_min_tokens if self.device.type == "cpu" else 0
+        self.pool_helpers = 0
+        if (cpu_small_step_pool and self.parallel_min_tokens and self.max_threads > 1
+                and self.linear_kernels is not None):
+            self.pool_helpers = self.max_threads - 1
+            self.linear_kernels.set_pool_helpers(self.pool_helpers, cpu_pool_spin_us)
         self.graph_runner: GraphRunner | None = None
         # NOTE: a sparse MoE layer routes with a data-dependent loop over experts, which a
         # CUDA graph cannot capture: MoE models decode eagerly.

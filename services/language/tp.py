@@ -65,6 +65,8 @@ class RankArgs:
     attention_backend: str
     linear_backend: str
     cpu_parallel_min_tokens: int
+    cpu_small_step_pool: bool
+    cpu_pool_spin_us: int
     max_seq_len: int
     cuda_graph_max_bs: int
     size: int

@@ -56,6 +56,7 @@ def main(rank: int, args: RankArgs) -> int:
         dtype=DTYPES[args.dtype], cuda_graph_max_bs=args.cuda_graph_max_bs,
         max_seq_len=args.max_seq_len, attention_backend=args.attention_backend,
         linear_backend=args.linear_backend, cpu_parallel_min_tokens=args.cpu_parallel_min_tokens,
+        cpu_small_step_pool=args.cpu_small_step_pool, cpu_pool_spin_us=args.cpu_pool_spin_us,
         tp=TensorParallel(rank, shard, device),
     )  # fmt: skip
     # This rank's embedding buffers, a mirror of rank 0's pool: the encoder writes every

@@ -10,6 +10,10 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, c10::optional<tor
                             int64_t N);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gu);
+namespace strip_pool {
+void set_helpers(int64_t count, int64_t spin_us);
+int64_t helpers();
+}
 std::vector<torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                                    int64_t H, int64_t Hkv);
 
@@ -26,5 +30,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear, NoGil(), "x [M, K] @ packed weight (+ packed bias) -> [M, N]");
   m.def("rms_norm", &rms_norm, NoGil(), "RMSNorm of contiguous [T, D] float32 rows");
   m.def("silu_mul", &silu_mul, NoGil(), "silu(gate) * up of a fused [T, 2I] gate/up output");
+  m.def("set_pool_helpers", &strip_pool::set_helpers, NoGil(), py::arg("count"),
+        py::arg("spin_us") = 100,
+        "helper threads of the claim-based pool for one-thread steps' linears (0: none), "
+        "and how long each spins after a job before it sleeps");
+  m.def("pool_helpers", &strip_pool::helpers, "helper threads of the claim-based pool");
   m.def("rope_qk", &rope_qk, NoGil(), "q, k with rotary applied, split out of a fused qkv output");
 }

@@ -15,11 +15,13 @@
 // k in blocks of KC, in order, one fused multiply-add per k, each block's sum added into y
 // (so rounding grows with KC + K / KC, not with K). A row's result does not depend on M or
 // on which other rows share the batch (batch-invariant), and is deterministic.
-// Work splits over strips (at::parallel_for, torch's intra-op threads).
+// Work splits over strips: torch's intra-op threads (at::parallel_for), or, for a step on
+// one torch thread, the claim-based pool of strip_pool.cpp.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <functional>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -94,6 +96,10 @@ constexpr TileFn TILES[MR + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>,
 
 }  // namespace
 
+namespace strip_pool {
+bool run(int64_t total, const std::function<void(int64_t)>& task);
+}
+
 torch::Tensor pack_linear(torch::Tensor wt) {
   TORCH_CHECK(wt.dim() == 2 && wt.scalar_type() == torch::kFloat32, "wt must be [K, N] float32");
   const int64_t K = wt.size(0), N = wt.size(1), J = (N + NB - 1) / NB;
@@ -127,15 +133,21 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, c10::optional<tor
   const float* xp = xc.data_ptr<float>();
   const float* wpp = wp.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, J, 1, [&](int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; ++j) {
-      const int64_t ncols = std::min(NB, N - j * NB);
-      const float* w = wpp + j * K * NB;
-      for (int64_t m = 0; m < M; m += MR) {
-        const int r = static_cast<int>(std::min<int64_t>(MR, M - m));
-        TILES[r](xp + m * K, K, w, bp ? bp + j * NB : nullptr, yp + m * N + j * NB, N, ncols);
-      }
+  auto strip = [&](int64_t j) {
+    const int64_t ncols = std::min(NB, N - j * NB);
+    const float* w = wpp + j * K * NB;
+    for (int64_t m = 0; m < M; m += MR) {
+      const int r = static_cast<int>(std::min<int64_t>(MR, M - m));
+      TILES[r](xp + m * K, K, w, bp ? bp + j * NB : nullptr, yp + m * N + j * NB, N, ncols);
     }
+  };
+  // A step on one torch thread (small: model_runner's cpu_parallel_min_tokens) shares its
+  // strips with the claim-based pool's helpers, if any (strip_pool.cpp); otherwise torch's
+  // OpenMP threads split them. Each strip is computed whole by one thread either way, so
+  // the result does not depend on the path.
+  if (at::get_num_threads() == 1 && strip_pool::run(J, strip)) return y;
+  at::parallel_for(0, J, 1, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) strip(j);
   });
   return y;
 }
