@@ -3,7 +3,7 @@ encoder, each pair side by side in one run on fresh `tandem up` clusters.
 
     .venv/bin/python bench/reuse.py [--size small] [--conversations 8] [--turns 6]
                                     [--max-tokens 16] [--text-requests 12] [--runs 3]
-                                    [--text-concurrency 8] [--text-only]
+                                    [--text-concurrency 8] [--text-only] [--language-args FLAGS]
                                     [--out bench/results/reuse.md]
 
 Multi-turn workload: `--conversations` chats run concurrently, each `--turns` turns in
@@ -172,7 +172,7 @@ def one_cluster(model_dir: Path, name: str, run: int, args) -> dict:
     kw = CONFIGS[name]
     cluster = LocalCluster(str(model_dir), encoders=1, languages=1,
                            encoder_args=f"--metrics-port {enc_port}",
-                           language_args=kw.get("language_args", ""),
+                           language_args=f"{kw.get('language_args', '')} {args.language_args}".strip(),
                            router_args=kw.get("router_args", ""))
     out: dict = {}
     with cluster:
@@ -205,6 +205,8 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--text-concurrency", type=int, default=8)
     p.add_argument("--text-only", action="store_true", help="skip the multi-turn workload")
+    p.add_argument("--language-args", default="",
+                   help="extra flags for every cluster's language tier (a tried setting)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "reuse.md"))
     args = p.parse_args()
 

@@ -259,3 +259,30 @@ def test_claim_pool_linears_equal_one_thread_bit_for_bit():
         k.set_pool_helpers(0)
         torch.set_num_threads(before)
     assert k.pool_helpers() == 0
+
+
+def test_claim_pool_in_a_forked_child_runs_alone():
+    """A child forked while the pool has helpers has none of their threads: it must run
+    its linears alone, not wait for helpers that do not exist (pthread_atfork)."""
+    import os
+
+    k = kernels()
+    if k is None:
+        pytest.skip("CPU kernels unavailable")
+    wp = k.pack_linear(torch.randn(512, 3072))
+    x = torch.randn(2, 512)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        k.set_pool_helpers(1)
+        want = k.packed_linear(x, wp, None, 3072)
+        pid = os.fork()
+        if pid == 0:  # the child: exact, and alone
+            ok = k.pool_helpers() == 0 and torch.equal(k.packed_linear(x, wp, None, 3072), want)
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.WEXITSTATUS(status) == 0
+        assert k.pool_helpers() == 1  # the parent keeps its helper
+    finally:
+        k.set_pool_helpers(0)
+        torch.set_num_threads(before)

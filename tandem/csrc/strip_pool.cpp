@@ -26,6 +26,7 @@
 #include <climits>
 #include <cstdint>
 #include <functional>
+#include <pthread.h>
 #include <thread>
 #include <vector>
 
@@ -131,8 +132,22 @@ struct Pool {
   }
 };
 
+Pool& pool();
+
+// A child forked after the helpers started has none of their threads: it forgets them
+// (their handles are leaked, never joined) and runs alone until set_helpers is called.
+void forget_helpers_after_fork() {
+  Pool& p = pool();
+  new std::vector<std::thread>(std::move(p.helpers));  // NOTE: leaked on purpose
+  p.helpers.clear();
+  p.sleeping.store(0);
+  p.busy.clear();
+}
+
 Pool& pool() {
   static Pool p;
+  static const int registered = pthread_atfork(nullptr, nullptr, forget_helpers_after_fork);
+  (void)registered;
   return p;
 }
 
