@@ -98,11 +98,9 @@ class ModelRunner:
         # for a helper that has not started (csrc/strip_pool.cpp).
         self.max_threads = torch.get_num_threads()
         self.parallel_min_tokens = cpu_parallel_min_tokens if self.device.type == "cpu" else 0
-        self.pool_helpers = 0
         if (cpu_small_step_pool and self.parallel_min_tokens and self.max_threads > 1
                 and self.linear_kernels is not None):
-            self.pool_helpers = self.max_threads - 1
-            self.linear_kernels.set_pool_helpers(self.pool_helpers, cpu_pool_spin_us)
+            self.linear_kernels.set_pool_helpers(self.max_threads - 1, cpu_pool_spin_us)
         self.graph_runner: GraphRunner | None = None
         # NOTE: a sparse MoE layer routes with a data-dependent loop over experts, which a
         # CUDA graph cannot capture: MoE models decode eagerly.

@@ -20,9 +20,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.router import openai_format as fmt
-from services.router.admission import client_id
 from services.router.choices import choice_requests, merged
-from services.router.config import RouterConfig
 from services.router.core import RouterCore
 from services.router.errors import RouterError
 from services.router.http_guard import Guard, error_response
@@ -52,11 +50,6 @@ def _loc(loc) -> str:
     for p in parts:
         out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
     return out
-
-
-def _client_id(request: Request, cfg: RouterConfig) -> str:
-    forwarded = request.headers.get(cfg.client_id_header) if cfg.client_id_header else None
-    return client_id(request.client.host if request.client else None, forwarded)
 
 
 def build_app(core: RouterCore) -> FastAPI:
@@ -126,7 +119,7 @@ def build_app(core: RouterCore) -> FastAPI:
         core.check_model(body.model)
         rid = request_id_from_header(request.headers.get("x-request-id"))
         req = to_chat_request(body, cfg, rid)
-        req.client_id = _client_id(request, cfg)
+        req.client_id = request.state.client_id  # set by http_guard.Guard
         if body.n > 1 and req.tools.mode is not ToolMode.NONE:
             raise RouterError("INVALID_ARGUMENT", "n > 1 with tools is not served", "n")
         shape = fmt.ChatShape(req.request_id, body.model or core.model_name(), req.tools)
@@ -137,7 +130,7 @@ def build_app(core: RouterCore) -> FastAPI:
         core.check_model(body.model)
         rid = request_id_from_header(request.headers.get("x-request-id"))
         req = to_completion_request(body, cfg, rid)
-        req.client_id = _client_id(request, cfg)
+        req.client_id = request.state.client_id  # set by http_guard.Guard
         shape = CompletionShape(req.request_id, body.model or core.model_name(),
                                 req.prompt if body.echo else "")
         return await _serve(core, req, body, shape, rid, request)

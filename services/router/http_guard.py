@@ -40,7 +40,8 @@ class Guard:
     (refusals.py; 429 past the hold), the body-size limit (413, on the declared length and
     on the bytes read), the time to receive the body (408) and the API key on /v1/* (401).
     Every answer's status is reported to the client's refusal budget with the request's
-    size."""
+    size. The client's key (admission.client_id) is computed here, once, and left in
+    `request.state.client_id` for the handlers."""
 
     def __init__(self, app, cfg: RouterConfig, refusals: RefusalBudget) -> None:
         self.app = app
@@ -55,8 +56,10 @@ class Guard:
                    for k, v in scope.get("headers", ())}
         forwarded = headers.get(self.cfg.client_id_header.lower()) if self.cfg.client_id_header else None
         host = scope["client"][0] if scope.get("client") else None
+        who = client_id(host, forwarded)
+        scope.setdefault("state", {})["client_id"] = who  # the handlers' `request.state`
         try:
-            ticket = await self.refusals.enter(client_id(host, forwarded))
+            ticket = await self.refusals.enter(who)
         except HeldTooLong as held:
             await _held(held)(scope, receive, send)
             return
