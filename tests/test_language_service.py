@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,18 +28,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from language_peers.prompts import make_inputs
 
+from tandem.launch.procs import free_port
 from tandem.v1 import common_pb2, language_pb2, language_pb2_grpc
 
 HERE = Path(__file__).resolve().parent
 N_PROMPTS = 16
 MAX_NEW = [6 + i % 7 for i in range(N_PROMPTS)]
 _rooms = iter(range(1000, 1 << 40))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EncoderPeer:

@@ -7,12 +7,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+
+from tandem.launch.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent  # the project venv's bin/
@@ -24,12 +25,6 @@ TORCH_PINS = ["torch==2.13.0", "torchvision==0.28.0"]
 
 def say(msg: str) -> None:
     print(f"[peer] {msg}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- the checkpoint --------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,12 +30,44 @@ def say(line: str) -> None:
 
 
 _HANDED_OUT: set[int] = set()
+# Service ports come from below the kernel's ephemeral range and below the Mooncake RPC
+# windows (20000-32000, see plan.transfer_ranges). A port the kernel offers for bind(0) is
+# in the ephemeral range, where any process's outgoing connection may take it as a source
+# port before the child binds it (seen in CI: an encoder's metrics port "already in use");
+# outside that range only an explicit bind can take it.
+_SERVICE_PORTS_LO, _SERVICE_PORTS_HI = 10000, 20000
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # the Linux default
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free now and never handed out before by this process. NOTE: the children
-    bind later, so the kernel may offer the same free port twice in a row (seen: an encoder
-    and a language instance given one port); a port is never given twice."""
+    """A port free now, never handed out before by this process, and (where the kernel's
+    ephemeral range allows) outside it, so no outgoing connection can take it before the
+    child binds it. Random, so two processes picking at once rarely meet; the bind check
+    catches a port already bound."""
+    hi = min(_SERVICE_PORTS_HI, _ephemeral_low())
+    for _ in range(200):
+        if hi - _SERVICE_PORTS_LO < 1000:
+            break  # an unusual ephemeral range: fall back to the kernel's choice
+        port = random.randrange(_SERVICE_PORTS_LO, hi)
+        if port not in _HANDED_OUT and _bindable(host, port):
+            _HANDED_OUT.add(port)
+            return port
     while True:
         with socket.socket() as s:
             s.bind((host, 0))
