@@ -27,6 +27,9 @@ from tandem.pki import PKIPaths, make_pki
 
 ROUTER_HEALTH = "tandem.v1.Router"
 PORT_RANGE = 40  # Mooncake RPC ports per instance
+# where the instances' Mooncake RPC ranges are drawn: below 32768 (Mooncake ignores a range
+# reaching past 32767) and clear of the service-port window (procs.SERVICE_WINDOW)
+MOONCAKE_WINDOW = (20000, 28000)
 # NOTE: the language tier sizes its KV pool from free GPU memory; an instance without a
 # GPU needs an explicit page count, so it gets this one unless the caller gave --kv-pages.
 CPU_KV_PAGES = 4096
@@ -63,7 +66,7 @@ def _port_free(port: int) -> bool:
 def transfer_ranges(n: int) -> list[tuple[int, int]]:
     """`n` disjoint Mooncake RPC port ranges in a random free-looking window."""
     for _ in range(50):
-        base = random.randrange(20000, 32000 - n * PORT_RANGE)
+        base = random.randrange(MOONCAKE_WINDOW[0], MOONCAKE_WINDOW[1] - n * PORT_RANGE)
         ranges = [(base + i * PORT_RANGE, base + (i + 1) * PORT_RANGE - 1) for i in range(n)]
         if all(_port_free(lo) and _port_free(lo + 1) for lo, _ in ranges):
             return ranges

@@ -30,12 +30,13 @@ def say(line: str) -> None:
 
 
 _HANDED_OUT: set[int] = set()
-# Service ports come from below the kernel's ephemeral range and below the Mooncake RPC
-# windows (20000-32000, see plan.transfer_ranges). A port the kernel offers for bind(0) is
-# in the ephemeral range, where any process's outgoing connection may take it as a source
-# port before the child binds it (seen in CI: an encoder's metrics port "already in use");
-# outside that range only an explicit bind can take it.
-_SERVICE_PORTS_LO, _SERVICE_PORTS_HI = 10000, 20000
+# Service ports come from a window of their own, below the kernel's ephemeral range: a port
+# the kernel offers for bind(0) lies in that range, where any process's outgoing connection
+# may take it as a source port before the child binds it (seen in CI: an encoder's metrics
+# port "already in use"); outside it only an explicit bind can. The window also stays clear
+# of the Mooncake RPC windows (plan.MOONCAKE_WINDOW; Mooncake's own default 15000-17000)
+# and of Ray's worker ports (10002-19999), which `ray start` refuses to share.
+SERVICE_WINDOW = (28000, 32768)
 
 
 def _ephemeral_low() -> int:
@@ -60,11 +61,11 @@ def free_port(host: str = "127.0.0.1") -> int:
     ephemeral range allows) outside it, so no outgoing connection can take it before the
     child binds it. Random, so two processes picking at once rarely meet; the bind check
     catches a port already bound."""
-    hi = min(_SERVICE_PORTS_HI, _ephemeral_low())
+    lo, hi = SERVICE_WINDOW[0], min(SERVICE_WINDOW[1], _ephemeral_low())
     for _ in range(200):
-        if hi - _SERVICE_PORTS_LO < 1000:
+        if hi - lo < 1000:
             break  # an unusual ephemeral range: fall back to the kernel's choice
-        port = random.randrange(_SERVICE_PORTS_LO, hi)
+        port = random.randrange(lo, hi)
         if port not in _HANDED_OUT and _bindable(host, port):
             _HANDED_OUT.add(port)
             return port

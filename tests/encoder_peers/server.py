@@ -12,14 +12,17 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.launch.plan import MOONCAKE_WINDOW
 from tandem.launch.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def port_range(width: int = 40) -> tuple[int, int]:
-    # NOTE: below 32768: Mooncake ignores RPC port ranges that reach past 32767.
-    base = random.randrange(20000, 32000, width)
+    # NOTE: the launcher's Mooncake window (below 32768: Mooncake ignores RPC port ranges
+    # that reach past 32767; below the service ports that free_port hands out)
+    lo, hi = MOONCAKE_WINDOW
+    base = random.randrange(lo, hi - width, width)
     return base, base + width - 1
 
 
