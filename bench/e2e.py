@@ -197,10 +197,9 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "e2e.md"))
     args = p.parse_args()
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import build_checkpoint
+    from tandem.models.tiny import cached_tiny_model
 
-    model_dir = build_checkpoint(args.arch, args.size)
+    model_dir = cached_tiny_model(ROOT / ".cache" / "test-models", args.arch, args.size)
     base = workload(args.requests, seed=1234, gap=args.concurrency)
     ideal = sum(r.repeat for r in base) / max(1, sum(r.image_key is not None for r in base))
     rows = []

@@ -221,10 +221,9 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "reuse.md"))
     args = p.parse_args()
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import build_checkpoint
+    from tandem.models.tiny import cached_tiny_model
 
-    model_dir = build_checkpoint(args.arch, args.size)
+    model_dir = cached_tiny_model(ROOT / ".cache" / "test-models", args.arch, args.size)
     names = ["cache on", "encoder path"] if args.text_only else list(CONFIGS)
     results: dict[str, list[dict]] = {name: [] for name in names}
     for run in range(args.runs):

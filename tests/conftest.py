@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -25,26 +23,11 @@ ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "test-models"
 
 
-def _builder_digest() -> str:
-    """Hash of the checkpoint builder's sources: a change rebuilds the cached models."""
-    h = hashlib.sha256()
-    for p in sorted((ROOT / "tandem" / "models").rglob("*.py")):
-        h.update(p.read_bytes())
-    return h.hexdigest()[:12]
-
-
 def build_checkpoint(arch: str, size: str = "tiny", seed: int = 0) -> Path:
     """Path of a `tandem tiny-model` checkpoint, built on first use (process-safe)."""
-    from tandem.models.tiny import ensure_tiny_model
+    from tandem.models.tiny import cached_tiny_model
 
-    out = CACHE / f"{arch}-{size}-s{seed}-{_builder_digest()}"
-    if (out / ".complete").exists():
-        return out
-    # Builds from older builder sources are dead weight: drop them.
-    for stale in CACHE.glob(f"{arch}-{size}-s{seed}-*"):
-        if stale != out and (stale / ".complete").exists():
-            shutil.rmtree(stale, ignore_errors=True)
-    return ensure_tiny_model(out, arch=arch, size=size, seed=seed)
+    return cached_tiny_model(CACHE, arch, size, seed)
 
 
 @pytest.fixture(scope="session")

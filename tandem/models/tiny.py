@@ -234,3 +234,31 @@ def ensure_tiny_model(out_dir, arch: str = "qwen2_5_vl", size: str = "tiny", see
     except OSError:  # another process won the race
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _builder_digest() -> str:
+    """Hash of the checkpoint builder's sources (tandem/models): a change rebuilds."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in sorted(Path(__file__).resolve().parent.rglob("*.py")):
+        h.update(p.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def cached_tiny_model(cache_dir, arch: str, size: str = "tiny", seed: int = 0) -> Path:
+    """A tiny checkpoint under `cache_dir`, keyed by the builder's sources and built on first
+    use (process-safe); older builds of the same arch/size/seed are dropped. The tests'
+    `checkpoint` fixture and the benchmarks share it. NOTE: no process-wide side effects
+    (the test suite's thread settings live in tests/conftest.py, not here), so a benchmark
+    that builds its model this way still runs its servers with their own defaults."""
+    import shutil
+
+    cache = Path(cache_dir)
+    out = cache / f"{arch}-{size}-s{seed}-{_builder_digest()}"
+    if (out / ".complete").exists():
+        return out
+    for stale in cache.glob(f"{arch}-{size}-s{seed}-*"):
+        if stale != out and (stale / ".complete").exists():
+            shutil.rmtree(stale, ignore_errors=True)
+    return ensure_tiny_model(out, arch=arch, size=size, seed=seed)
