@@ -16,12 +16,11 @@ import argparse
 import os
 import random
 import shlex
-import socket
 import sys
 import tempfile
 from pathlib import Path
 
-from tandem.launch.procs import Child, free_port, say
+from tandem.launch.procs import Child, free_port, port_bindable, say
 from tandem.models.checkpoint import ARCHS
 from tandem.pki import PKIPaths, make_pki
 
@@ -54,21 +53,13 @@ def default_model(arch: str) -> Path:
     return ensure_tiny_model(out, arch=arch, size="tiny", seed=0)
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def transfer_ranges(n: int) -> list[tuple[int, int]]:
     """`n` disjoint Mooncake RPC port ranges in a random free-looking window."""
     for _ in range(50):
         base = random.randrange(MOONCAKE_WINDOW[0], MOONCAKE_WINDOW[1] - n * PORT_RANGE)
         ranges = [(base + i * PORT_RANGE, base + (i + 1) * PORT_RANGE - 1) for i in range(n)]
-        if all(_port_free(lo) and _port_free(lo + 1) for lo, _ in ranges):
+        if all(port_bindable("127.0.0.1", lo) and port_bindable("127.0.0.1", lo + 1)
+               for lo, _ in ranges):
             return ranges
     raise RuntimeError("no free port window for the transfer engines")
 

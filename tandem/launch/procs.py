@@ -47,7 +47,8 @@ def _ephemeral_low() -> int:
         return 32768  # the Linux default
 
 
-def _bindable(host: str, port: int) -> bool:
+def port_bindable(host: str, port: int) -> bool:
+    """Whether `port` on `host` can be bound now (nothing listens on or holds it)."""
     with socket.socket() as s:
         try:
             s.bind((host, port))
@@ -66,7 +67,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         if hi - lo < 1000:
             break  # an unusual ephemeral range: fall back to the kernel's choice
         port = random.randrange(lo, hi)
-        if port not in _HANDED_OUT and _bindable(host, port):
+        if port not in _HANDED_OUT and port_bindable(host, port):
             _HANDED_OUT.add(port)
             return port
     while True:
