@@ -96,3 +96,17 @@ def test_no_import_cycle_in_tandem_and_services():
     assert len(graph) > 50  # the walk sees the project
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_benchmarks_do_not_import_the_test_suites_conftest():
+    """tests/conftest.py sets OMP_NUM_THREADS=1 for the suite; a benchmark that imported it
+    ran every tier of its clusters on one thread (inherited), and measured that. Benchmarks
+    build their checkpoints with tandem.models.tiny.cached_tiny_model instead."""
+    offenders = []
+    for p in sorted((ROOT / "bench").rglob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n.split(".")[0] == "conftest" for n in names):
+                offenders.append(f"{p.relative_to(ROOT)}:{node.lineno}")
+    assert offenders == []

@@ -149,6 +149,24 @@ def test_free_port_never_hands_out_a_port_twice():
     assert len(set(ports)) == len(ports)
 
 
+def test_free_ports_stay_out_of_the_ephemeral_mooncake_and_ray_ranges():
+    """A port in the kernel's ephemeral range can be taken by any outgoing connection before
+    the child binds it (a CI failure); Mooncake's windows and Ray's worker ports 10002-19999
+    must not be shared either."""
+    from tandem.launch.plan import MOONCAKE_WINDOW, transfer_ranges
+    from tandem.launch.procs import SERVICE_WINDOW, _ephemeral_low, free_port
+
+    eph_low = _ephemeral_low()
+    if min(SERVICE_WINDOW[1], eph_low) - SERVICE_WINDOW[0] < 1000:
+        pytest.skip(f"this host's ephemeral range starts at {eph_low}: kernel ports are used")
+    for port in (free_port() for _ in range(100)):
+        assert SERVICE_WINDOW[0] <= port < min(SERVICE_WINDOW[1], eph_low)
+        assert not MOONCAKE_WINDOW[0] <= port < MOONCAKE_WINDOW[1]
+        assert not 10002 <= port <= 19999
+    for lo, hi in transfer_ranges(4):
+        assert MOONCAKE_WINDOW[0] <= lo <= hi < MOONCAKE_WINDOW[1] <= SERVICE_WINDOW[0]
+
+
 def test_grpc_servers_refuse_a_taken_port():
     """With gRPC's default SO_REUSEPORT a second server binds a taken port and silently
     shares its connections; every service's server (grpc_server) makes it a bind error."""
