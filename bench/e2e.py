@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from latency import machine, publish, summary  # noqa: E402  (bench/, the script's own folder)
+from latency import checkpoint, machine, publish, summary  # noqa: E402  (bench/, the script's own folder)
 
 from tandem.launch.cluster import LocalCluster  # noqa: E402
 
@@ -197,9 +197,7 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "e2e.md"))
     args = p.parse_args()
 
-    from tandem.models.tiny import cached_tiny_model
-
-    model_dir = cached_tiny_model(ROOT / ".cache" / "test-models", args.arch, args.size)
+    model_dir = checkpoint(args.arch, args.size)
     base = workload(args.requests, seed=1234, gap=args.concurrency)
     ideal = sum(r.repeat for r in base) / max(1, sum(r.image_key is not None for r in base))
     rows = []

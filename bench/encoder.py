@@ -26,6 +26,8 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from latency import checkpoint  # noqa: E402  (bench/, the script's own folder)
+
 from services.encoder.config import EncoderConfig  # noqa: E402
 from services.encoder.pipeline import EncodePipeline  # noqa: E402
 from tandem.chat import ImageInput, Message  # noqa: E402
@@ -38,16 +40,6 @@ def make_png(w: int, h: int, seed: int) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
     return buf.getvalue()
-
-
-def checkpoint(arch: str, size: str) -> Path:
-    from tandem.models.tiny import build_tiny_model
-
-    out = ROOT / ".cache" / "bench-models" / f"{arch}-{size}"
-    if not (out / ".complete").exists():
-        build_tiny_model(out, arch=arch, size=size, seed=0)
-        (out / ".complete").touch()
-    return out
 
 
 def request(data: bytes) -> list[Message]:

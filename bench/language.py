@@ -147,9 +147,9 @@ def main(argv=None) -> int:
     if a.model:
         ckpt = Path(a.model)
     else:
-        from tandem.models.tiny import cached_tiny_model
+        from latency import checkpoint  # bench/, the script's own folder
 
-        ckpt = cached_tiny_model(ROOT / ".cache" / "test-models", a.arch, a.size)
+        ckpt = checkpoint(a.arch, a.size)
     cfg = LanguageConfig(
         model=str(ckpt), device=a.device, dtype=a.dtype, kv_pages=4096, kv_page_size=16,
         max_prefill_tokens=a.max_prefill_tokens, max_running_requests=max(a.concurrency),

@@ -71,11 +71,9 @@ def main(argv=None) -> int:
 
     path = args.model
     if path is None:
-        from tandem.models.tiny import build_tiny_model
+        from latency import checkpoint  # bench/, the script's own folder
 
-        path = ROOT / ".cache" / "bench-models" / f"{args.arch}-{args.size}"
-        if not (path / "config.json").exists():
-            build_tiny_model(path, arch=args.arch, size=args.size, seed=0)
+        path = checkpoint(args.arch, args.size)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     max_bs = max(args.batch_sizes)

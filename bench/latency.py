@@ -1,5 +1,6 @@
-"""What the serving benchmarks share (e2e.py, peer.py, reuse.py): percentiles, per-run
-medians, the machine's one-line description, and writing a result table."""
+"""What the serving benchmarks share (e2e.py, peer.py, reuse.py, language.py): percentiles,
+per-run medians, the machine's one-line description, writing a result table, and the
+cached tiny checkpoint."""
 
 from __future__ import annotations
 
@@ -7,6 +8,15 @@ import os
 import platform
 import statistics
 from pathlib import Path
+
+
+def checkpoint(arch: str, size: str) -> Path:
+    """The tests' cached tiny checkpoint (.cache/test-models), built on first use. NOTE: not
+    through tests/conftest.py, whose OMP_NUM_THREADS=1 would reach every benchmarked server."""
+    from tandem.models.tiny import cached_tiny_model
+
+    return cached_tiny_model(Path(__file__).resolve().parent.parent / ".cache" / "test-models",
+                             arch, size)
 
 
 def pct(xs: list[float], q: float) -> float:

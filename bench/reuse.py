@@ -42,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from latency import machine, pct, publish  # noqa: E402  (bench/, the script's own folder)
+from latency import checkpoint, machine, pct, publish  # noqa: E402  (bench/, the script's own folder)
 
 from tandem.launch.cluster import LocalCluster  # noqa: E402
 from tandem.launch.procs import free_port  # noqa: E402
@@ -221,9 +221,7 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "reuse.md"))
     args = p.parse_args()
 
-    from tandem.models.tiny import cached_tiny_model
-
-    model_dir = cached_tiny_model(ROOT / ".cache" / "test-models", args.arch, args.size)
+    model_dir = checkpoint(args.arch, args.size)
     names = ["cache on", "encoder path"] if args.text_only else list(CONFIGS)
     results: dict[str, list[dict]] = {name: [] for name in names}
     for run in range(args.runs):

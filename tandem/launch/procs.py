@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import os
 import random
 import signal
@@ -39,7 +40,9 @@ _HANDED_OUT: set[int] = set()
 SERVICE_WINDOW = (28000, 32768)
 
 
+@functools.cache
 def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (read once)."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             return int(f.read().split()[0])
@@ -63,9 +66,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     child binds it. Random, so two processes picking at once rarely meet; the bind check
     catches a port already bound."""
     lo, hi = SERVICE_WINDOW[0], min(SERVICE_WINDOW[1], _ephemeral_low())
-    for _ in range(200):
-        if hi - lo < 1000:
-            break  # an unusual ephemeral range: fall back to the kernel's choice
+    # an unusual ephemeral range (starting below the window's upper part): the kernel's choice
+    for _ in range(200 if hi - lo >= 1000 else 0):
         port = random.randrange(lo, hi)
         if port not in _HANDED_OUT and port_bindable(host, port):
             _HANDED_OUT.add(port)
