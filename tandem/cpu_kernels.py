@@ -10,12 +10,20 @@
         the decoder's pointwise steps around the linears, one call each instead of ~30
         small torch ops per layer (csrc/pointwise.cpp).
 
+Every kernel is written once over the 16-lane vector of csrc/vec16.h, which has an AVX-512,
+an AVX2+FMA, a NEON (aarch64) and a generic C++ path, chosen by the compiler's target. All
+paths run the same operations in the same order, so a kernel's result is the same bits on
+every CPU (tests/test_cpu_kernels.py checks it against forced builds); `isa()` says which
+path a build runs. TANDEM_KERNEL_ISA forces one: `native` (default: what -march=native
+gives), `avx2` (AVX-512 disabled: an AVX-512 host proves the AVX2 path) or `generic`.
+
 The build is keyed by the sources, the torch version, this CPU's flags (it is compiled
-with -march=native) and the Python environment, and cached in $TANDEM_KERNEL_DIR (default
-~/.cache/tandem/kernels): `make setup` builds it ahead (`python -m tandem.cpu_kernels`, ~60 s
-on two cores), so no request ever waits for the compiler. Where it cannot be built (no compiler,
-no ninja), `kernels()` returns None once with a warning and the runner keeps torch's ops
-(gather + SDPA, F.linear): slower, same results within float32 rounding.
+with -march=native), the forced path and the Python environment, and cached in
+$TANDEM_KERNEL_DIR (default ~/.cache/tandem/kernels): `make setup` builds it ahead
+(`python -m tandem.cpu_kernels`, ~60 s on two cores), so no request ever waits for the
+compiler. Where it cannot be built (no compiler, no ninja), `kernels()` returns None once
+with a warning and the runner keeps torch's ops (gather + SDPA, F.linear): slower, same
+results within float32 rounding.
 """
 
 from __future__ import annotations
@@ -32,10 +40,33 @@ import torch
 
 log = logging.getLogger("tandem.language.kernels")
 
+CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(
-    Path(__file__).with_name("csrc") / f
+    CSRC / f
     for f in ("bindings.cpp", "paged_decode.cpp", "linear.cpp", "pointwise.cpp", "strip_pool.cpp")
 )
+HEADERS = (CSRC / "vec16.h",)
+
+# TANDEM_KERNEL_ISA: the vector path to build (csrc/vec16.h), and the compiler flags for it.
+ISA_ENV = "TANDEM_KERNEL_ISA"
+ISA_FLAGS = {
+    "native": [],  # whatever -march=native enables: avx512, avx2, neon or generic
+    "avx2": ["-mno-avx512f"],  # x86-64 with AVX2+FMA: AVX-512 (and its subsets) off
+    "generic": ["-DTANDEM_FORCE_GENERIC"],  # the plain C++ path
+}
+
+
+def requested_isa() -> str:
+    """The path asked for by TANDEM_KERNEL_ISA (default native); refused if unknown or
+    impossible on this CPU (never silently another one)."""
+    isa = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"{ISA_ENV} must be one of {sorted(ISA_FLAGS)}, got {isa!r}")
+    if isa == "avx2":
+        flags = _cpu_flags().split()
+        if "avx2" not in flags or "fma" not in flags:
+            raise ValueError(f"{ISA_ENV}=avx2: this CPU has no AVX2+FMA ({os.uname().machine})")
+    return isa
 
 
 def _cpu_flags() -> str:
@@ -61,10 +92,11 @@ def kernels():
     scripts = sysconfig.get_path("scripts")
     if scripts and scripts not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+    isa = requested_isa()  # a bad request is an error, not a fallback
     try:  # no source (an install without it), no compiler, no ninja: keep torch's ops
         key = hashlib.sha256(
-            b"".join(p.read_bytes() for p in SOURCES) + Path(__file__).read_bytes()
-            + torch.__version__.encode() + _cpu_flags().encode()
+            b"".join(p.read_bytes() for p in SOURCES + HEADERS) + Path(__file__).read_bytes()
+            + torch.__version__.encode() + _cpu_flags().encode() + isa.encode()
             # NOTE: and the environment: the build embeds its torch/Python include paths, so
             # two venvs sharing one directory would rebuild it for each other in turn.
             + sys.prefix.encode()
@@ -76,11 +108,12 @@ def kernels():
         # same sources (another clone, a snapshot) reuses the build instead of recompiling
         # because ninja saw other source paths.
         sources = []
-        for p in SOURCES:
+        for p in SOURCES + HEADERS:
             copy = build / "src" / p.name
             if not copy.exists() or copy.read_bytes() != p.read_bytes():
                 copy.write_bytes(p.read_bytes())
-            sources.append(str(copy))
+            if p in SOURCES:
+                sources.append(str(copy))
         from torch.utils.cpp_extension import load
 
         mod = load(
@@ -90,14 +123,23 @@ def kernels():
             # NOTE: no contraction of a * b + c into one FMA where the source does not
             # ask for it (the pointwise steps round as torch does); intrinsics still FMA.
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno",
-                          "-ffp-contract=off"],
+                          "-ffp-contract=off", *ISA_FLAGS[isa]],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as e:
         log.warning("CPU kernels unavailable (%s); using torch's ops (gather + SDPA, F.linear)", e)
         return None
+    if mod.isa() == "generic" and isa == "native":
+        log.warning("CPU kernels: no vector path for this CPU (%s: neither AVX-512, AVX2+FMA "
+                    "nor NEON); the generic C++ path is used (slower)", os.uname().machine)
     return mod
+
+
+def isa() -> str | None:
+    """The vector path the kernels run (avx512, avx2, neon, generic), None where unbuilt."""
+    mod = kernels()
+    return None if mod is None else mod.isa()
 
 
 def paged_decode_op():
@@ -189,5 +231,9 @@ def linear_kernels(backend: str, device: torch.device, dtype: torch.dtype):
 
 if __name__ == "__main__":  # `make setup`: build ahead of the first request
     mod = kernels()
-    print("CPU kernels:", "built" if mod is not None else "UNAVAILABLE")
+    model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text()
+                  .splitlines() if ln.startswith("model name")), os.uname().machine) \
+        if Path("/proc/cpuinfo").exists() else os.uname().machine
+    print("CPU kernels:", f"built, path {mod.isa()} ({requested_isa()} build on {model})"
+          if mod is not None else "UNAVAILABLE")
     sys.exit(0 if mod is not None else 1)

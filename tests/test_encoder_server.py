@@ -1,7 +1,8 @@
 """A real `tandem encoder` process over gRPC, delivering to a real receiver in this process.
 
 - A good chat is encoded, delivered through Mooncake (with Resume rounds: the receiver
-  reserves fewer tokens than the prompt) and equals transformers' payload bit for bit.
+  reserves fewer tokens than the prompt) and equals transformers' payload bit for bit
+  (the encoder runs torch's linears, as the oracle does: every delivered byte is checked).
 - Each bad input is refused with INVALID_ARGUMENT naming the part and the problem, and the
   next good request still succeeds (the service stays up).
 - A repeated image is served from the cache (response and GetLoad say so).
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from encoder_peers.chats import chat, oracle, png, to_proto  # noqa: E402
+from encoder_peers.chats import assert_payload_matches, chat, oracle, png, to_proto  # noqa: E402
 from encoder_peers.language_side import LanguageSide  # noqa: E402
 from encoder_peers.server import EncoderProcess, free_port, port_range  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
@@ -69,6 +70,8 @@ def env(checkpoint, tmp_path_factory, loop):
         "127.0.0.1",
         "--max-images-per-request",
         "4",
+        "--linear-backend",
+        "torch",
     )
     try:
         enc.wait_serving()
@@ -128,13 +131,9 @@ async def _encode(env, messages, limits=None, receive=True):
 def _good(env, loop, messages):
     resp, payload = loop.run_until_complete(_encode(env, messages))
     ref = oracle(env["model"], env["processor"], messages)
-    hidden = ref["embeds"].shape[1]
-    assert torch.equal(payload.fill_ids.long(), ref["ids"])
-    assert torch.equal(payload.input_embeds[:, :hidden], ref["embeds"])
-    for k, d in enumerate(ref["deepstack"]):
-        assert torch.equal(payload.input_embeds[:, hidden * (k + 1) : hidden * (k + 2)], d)
-    assert torch.equal(payload.mrope_positions.long(), ref["positions"])
-    assert payload.mrope_delta == ref["delta"]
+    # torch's linears in the encoder (--linear-backend torch): its payload is transformers'
+    # bits, so every byte that crossed the transfer is checked
+    assert_payload_matches(payload, ref, None, exact=True)
     assert resp.prompt_tokens == payload.num_tokens
     return resp, payload
 

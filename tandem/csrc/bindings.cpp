@@ -1,6 +1,8 @@
 // The one Python module of the language tier's CPU kernels (see cpu_kernels.py).
 #include <torch/extension.h>
 
+#include "vec16.h"
+
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale);
@@ -35,5 +37,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "helper threads of the claim-based pool for one-thread steps' linears (0: none), "
         "and how long each spins after a job before it sleeps");
   m.def("pool_helpers", &strip_pool::helpers, "helper threads of the claim-based pool");
+  m.def("isa", [] { return std::string(v16::kPath); },
+        "the vector path this build runs: avx512, avx2, neon or generic (vec16.h)");
   m.def("rope_qk", &rope_qk, NoGil(), "q, k with rotary applied, split out of a fused qkv output");
 }

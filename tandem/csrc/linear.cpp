@@ -14,85 +14,79 @@
 // Each output tile is MR rows x NB columns held in registers; its dot products run over
 // k in blocks of KC, in order, one fused multiply-add per k, each block's sum added into y
 // (so rounding grows with KC + K / KC, not with K). A row's result does not depend on M or
-// on which other rows share the batch (batch-invariant), and is deterministic.
+// on which other rows share the batch (batch-invariant), and is deterministic; and since
+// every y element is that same chain of FMAs on every path of vec16.h (AVX-512, AVX2, NEON,
+// generic), a result is the same bits on every CPU.
 // Work splits over strips: torch's intra-op threads (at::parallel_for), or, for a step on
 // one torch thread, the claim-based pool of strip_pool.cpp.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <functional>
+#include <utility>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec16.h"
 
 namespace {
 
-constexpr int64_t NB = 32;  // strip width: two 16-float vectors
-constexpr int MR = 8;       // rows per register tile: 8 x 2 accumulators of 32 registers
-constexpr int64_t KC = 128; // k per register pass; passes add into y (bounds rounding growth)
+using v16::V;
 
-#if defined(__AVX512F__)
+constexpr int64_t NB = 32;   // strip width: two V of 16 floats
+constexpr int64_t KC = 128;  // k per register pass; passes add into y (bounds rounding growth)
+// Rows per register tile: 2 V accumulators a row, the tile's accumulators kept in registers
+// (AVX-512: 16 of 32 zmm; AVX2: 12 of 16 ymm; NEON: 24 of 32 q). The tile height changes
+// how often a weight is reloaded, never a result: each y element is its own FMA chain.
+#if defined(TANDEM_AVX512)
+constexpr int MR = 8;
+#elif defined(TANDEM_AVX2) || defined(TANDEM_NEON)
+constexpr int MR = 3;
+#else
+constexpr int MR = 4;
+#endif
+
+// One register tile: R rows of x times one strip -> R x NB outputs at y (row stride ldy),
+// all NB columns written (a strip's tail columns go through a scratch tile, see below).
 template <int R>
-inline void tile(const float* x, int64_t K, const float* w, const float* bias,
-                 float* y, int64_t ldy, int64_t ncols) {
-  const __mmask16 m0 = ncols >= 16 ? 0xFFFF : (__mmask16)((1u << ncols) - 1);
-  const __mmask16 m1 = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : (__mmask16)((1u << (ncols - 16)) - 1);
-  __m512 a0[R], a1[R];
+inline void tile(const float* x, int64_t K, const float* w, const float* bias, float* y,
+                 int64_t ldy) {
+  V a0[R], a1[R];
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
     const int64_t k1 = std::min(K, k0 + KC);
-    const __m512 b0 = k0 == 0 && bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-    const __m512 b1 = k0 == 0 && bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+    const V b0 = k0 == 0 && bias ? v16::load(bias) : v16::zero();
+    const V b1 = k0 == 0 && bias ? v16::load(bias + 16) : v16::zero();
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) { a0[r] = b0; a1[r] = b1; }
     for (int64_t k = k0; k < k1; ++k) {
-      const __m512 w0 = _mm512_loadu_ps(w + k * NB), w1 = _mm512_loadu_ps(w + k * NB + 16);
+      const V w0 = v16::load(w + k * NB), w1 = v16::load(w + k * NB + 16);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        const __m512 xr = _mm512_set1_ps(x[r * K + k]);
-        a0[r] = _mm512_fmadd_ps(xr, w0, a0[r]);
-        a1[r] = _mm512_fmadd_ps(xr, w1, a1[r]);
+        const V xr = v16::set1(x[r * K + k]);
+        a0[r] = v16::fma(xr, w0, a0[r]);
+        a1[r] = v16::fma(xr, w1, a1[r]);
       }
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {  // y = this block's sum (first block) or y + it
       float* yr = y + r * ldy;
       if (k0 > 0) {
-        a0[r] = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, yr), a0[r]);
-        a1[r] = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, yr + 16), a1[r]);
+        a0[r] = v16::add(v16::load(yr), a0[r]);
+        a1[r] = v16::add(v16::load(yr + 16), a1[r]);
       }
-      _mm512_mask_storeu_ps(yr, m0, a0[r]);
-      _mm512_mask_storeu_ps(yr + 16, m1, a1[r]);
+      v16::store(yr, a0[r]);
+      v16::store(yr + 16, a1[r]);
     }
   }
 }
-#else
-template <int R>
-inline void tile(const float* x, int64_t K, const float* w, const float* bias,
-                 float* y, int64_t ldy, int64_t ncols) {
-  float acc[R][NB];
-  for (int64_t k0 = 0; k0 < K; k0 += KC) {
-    const int64_t k1 = std::min(K, k0 + KC);
-    for (int r = 0; r < R; ++r)
-      for (int64_t c = 0; c < NB; ++c) acc[r][c] = k0 == 0 && bias ? bias[c] : 0.f;
-    for (int64_t k = k0; k < k1; ++k)
-      for (int r = 0; r < R; ++r) {
-        const float xr = x[r * K + k];
-#pragma omp simd
-        for (int64_t c = 0; c < NB; ++c) acc[r][c] += xr * w[k * NB + c];
-      }
-    for (int r = 0; r < R; ++r)
-      for (int64_t c = 0; c < ncols; ++c)
-        y[r * ldy + c] = k0 > 0 ? y[r * ldy + c] + acc[r][c] : acc[r][c];
-  }
-}
-#endif
 
-using TileFn = void (*)(const float*, int64_t, const float*, const float*, float*, int64_t,
-                        int64_t);
-constexpr TileFn TILES[MR + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>,
-                                  tile<5>, tile<6>, tile<7>, tile<8>};
+using TileFn = void (*)(const float*, int64_t, const float*, const float*, float*, int64_t);
+
+template <size_t... I>
+constexpr std::array<TileFn, MR + 1> make_tiles(std::index_sequence<I...>) {
+  return {{nullptr, &tile<static_cast<int>(I) + 1>...}};
+}
+constexpr auto TILES = make_tiles(std::make_index_sequence<MR>{});
 
 }  // namespace
 
@@ -136,9 +130,19 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, c10::optional<tor
   auto strip = [&](int64_t j) {
     const int64_t ncols = std::min(NB, N - j * NB);
     const float* w = wpp + j * K * NB;
+    const float* b = bp ? bp + j * NB : nullptr;
     for (int64_t m = 0; m < M; m += MR) {
       const int r = static_cast<int>(std::min<int64_t>(MR, M - m));
-      TILES[r](xp + m * K, K, w, bp ? bp + j * NB : nullptr, yp + m * N + j * NB, N, ncols);
+      float* y0 = yp + m * N + j * NB;
+      if (ncols == NB) {
+        TILES[r](xp + m * K, K, w, b, y0, N);
+        continue;
+      }
+      // The last strip of an N that is not a multiple of NB: the tile runs on a scratch
+      // tile (the same operations, so the same bits) and its first ncols columns are kept.
+      alignas(64) float scratch[MR * NB];
+      TILES[r](xp + m * K, K, w, b, scratch, NB);
+      for (int i = 0; i < r; ++i) std::copy(scratch + i * NB, scratch + i * NB + ncols, y0 + i * N);
     }
   };
   // A step on one torch thread (small: model_runner's cpu_parallel_min_tokens) shares its

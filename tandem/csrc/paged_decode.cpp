@@ -11,10 +11,16 @@
 //
 // Work is split over (row, kv head): the G = H / Hkv query heads that share a kv head read
 // each key and value once. Scores, softmax and the weighted sum run in float32 (as the
-// SDPA path does), two passes over the keys: scores, then exp-weights times values (one
-// pass per query head, accumulating in registers; the head's values stay in L2). For
-// float32 with head_dim 64 or 128 on AVX-512, `item_fast` serves all G heads of a kv head
-// in one pass over the keys and one over the values.
+// SDPA path does), two passes over the keys: scores, then exp-weights times values.
+//
+// Arithmetic (the same on every path of vec16.h, so the same bits on every CPU):
+//   score_t   = hsum(FMA chain over the head dim in 16-lane slices, tail zero-padded) * scale
+//   p_t       = exp(score_t - max): the polynomial of vec16.h for whole 16-key blocks,
+//               std::exp for the last L % 16 keys; z = hsum(block sums) + the tail, in order
+//   out[d]    = (FMA chain over t of p_t * v_t[d]) / z
+// `item_fast` serves float32 heads whose dim is a multiple of 16 with all G query heads
+// of a kv head in one pass over the keys and one over the values (the accumulators of as
+// many heads as fit the registers at once); it computes exactly the values above.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -23,126 +29,72 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec16.h"
 
 namespace {
+
+using v16::V;
 
 template <typename T>
 inline float load(const T* p, int64_t i) { return static_cast<float>(p[i]); }
 
-// dot(a, b) over D floats, and acc += p * v: the two inner loops. The AVX-512 versions
-// keep 16-lane partial sums and reduce once per dot (D a multiple of 16); the generic
-// ones serve every other dtype and width.
+// dot(a, b) over D elements: 16 lanes at a time, one fixed reduction.
 template <typename T>
 inline float dot(const float* a, const T* b, int64_t D) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t d = 0; d < D; ++d) s += a[d] * load(b, d);
-  return s;
+  V acc = v16::zero();
+  for (int64_t d = 0; d < D; d += 16)
+    acc = v16::fma(v16::load_n(a + d, D - d), v16::load_n(b + d, D - d), acc);
+  return v16::hsum(acc);
 }
 
 // sg[t] = exp(sg[t] - m) for t < L; returns the sum.
 inline float exp_shifted(float* sg, int64_t L, float m) {
-  float z = 0.f;
+  const V mv = v16::set1(m);
+  V zv = v16::zero();
   int64_t t = 0;
-#if defined(__AVX512F__)
-  // exp(x) = 2^n * exp(r), x = n ln2 + r, |r| <= ln2 / 2; exp(r) by its Taylor polynomial
-  // to degree 7 (relative error < 2e-8 on that range: below float32's own rounding).
-  const __m512 mv = _mm512_set1_ps(m), log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 ln2 = _mm512_set1_ps(0.693147180559945309f);
-  __m512 zv = _mm512_setzero_ps();
   for (; t + 16 <= L; t += 16) {
-    __m512 x = _mm512_sub_ps(_mm512_loadu_ps(sg + t), mv);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));  // exp below that is 0 in float32 anyway
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT);
-    const __m512 r = _mm512_fnmadd_ps(n, ln2, x);
-    __m512 p = _mm512_set1_ps(1.f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    const __m512 e = _mm512_scalef_ps(p, n);
-    _mm512_storeu_ps(sg + t, e);
-    zv = _mm512_add_ps(zv, e);
+    const V e = v16::exp_poly(v16::sub(v16::load(sg + t), mv));
+    v16::store(sg + t, e);
+    zv = v16::add(zv, e);
   }
-  z = _mm512_reduce_add_ps(zv);
-#endif
+  float z = v16::hsum(zv);
   for (; t < L; ++t) z += (sg[t] = std::exp(sg[t] - m));
   return z;
 }
 
-// out[0:D) = sum_t p[t] * v_t[0:D) over the L values of one kv head: 16 lanes of the head
-// dimension at a time, the accumulator held in a register across all t.
+// out[0:D) = sum_t p[t] * v_t[0:D) over the L values of one kv head, 16 lanes of the head
+// dimension at a time, each lane's sum one FMA chain over t.
 template <typename T>
 inline void weighted_sum(const float* p, const T* vc, const int64_t* rows, int64_t L,
                          int64_t D, float* out) {
-  std::fill(out, out + D, 0.f);
-  for (int64_t t = 0; t < L; ++t) {
-    const T* vp = vc + rows[t];
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) out[d] += p[t] * load(vp, d);
-  }
-}
-
-#if defined(__AVX512F__)
-template <>
-inline float dot<float>(const float* a, const float* b, int64_t D) {
-  if (D % 16) {
-    float s = 0.f;
-    for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
-    return s;
-  }
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 16)
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
-  return _mm512_reduce_add_ps(acc);
-}
-
-template <>
-inline void weighted_sum<float>(const float* p, const float* vc, const int64_t* rows,
-                                int64_t L, int64_t D, float* out) {
-  if (D % 16) {
-    std::fill(out, out + D, 0.f);
-    for (int64_t t = 0; t < L; ++t)
-      for (int64_t d = 0; d < D; ++d) out[d] += p[t] * vc[rows[t] + d];
-    return;
-  }
   for (int64_t d = 0; d < D; d += 16) {
-    __m512 acc = _mm512_setzero_ps();
+    V acc = v16::zero();
     for (int64_t t = 0; t < L; ++t)
-      acc = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_loadu_ps(vc + rows[t] + d), acc);
-    _mm512_storeu_ps(out + d, acc);
+      acc = v16::fma(v16::set1(p[t]), v16::load_n(vc + rows[t] + d, D - d), acc);
+    v16::store_n(out + d, acc, D - d);
   }
 }
-#endif
 
-#if defined(__AVX512F__)
-// float32, D = 16 * ND (ND = 4 or 8: head_dim 64 or 128): the G query heads of one kv head
-// together. Each key row is loaded once for all G dot products, and each value row once
-// for all G weighted sums, which keep G * ND independent accumulators (no FMA chain of
-// length L, as one head and one 16-lane slice at a time would have).
+// The largest divisor of nd that is at most cap (the 16-lane slices of a head one pass of
+// the weighted sum keeps in registers).
+constexpr int slices_per_pass(int nd, int cap) {
+  for (int c = nd < cap ? nd : cap; c > 1; --c)
+    if (nd % c == 0) return c;
+  return 1;
+}
+
+// float32, D = 16 * ND: the G query heads of one kv head together (see the top).
 template <int ND>
 void item_fast(const float* q, const float* kc, const float* vc, const int64_t* rows,
                int64_t L, int64_t G, float scale, float* scores, float* out) {
-  constexpr int kAcc = 16 / ND;  // query heads per pass: kAcc * ND accumulators
-  for (int64_t g0 = 0; g0 < G; g0 += kAcc) {
-    const int64_t ng = std::min<int64_t>(kAcc, G - g0);
-    __m512 qv[kAcc][ND];
-    for (int64_t g = 0; g < ng; ++g)
-      for (int d = 0; d < ND; ++d) qv[g][d] = _mm512_loadu_ps(q + (g0 + g) * 16 * ND + 16 * d);
-    for (int64_t t = 0; t < L; ++t) {
-      __m512 kv[ND];
-      for (int d = 0; d < ND; ++d) kv[d] = _mm512_loadu_ps(kc + rows[t] + 16 * d);
-      for (int64_t g = 0; g < ng; ++g) {
-        __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
-        for (int d = 1; d < ND; ++d) acc = _mm512_fmadd_ps(qv[g][d], kv[d], acc);
-        scores[(g0 + g) * L + t] = _mm512_reduce_add_ps(acc) * scale;
-      }
+  constexpr int64_t D = 16 * ND;
+  for (int64_t t = 0; t < L; ++t) {  // each key row loaded once for all G heads
+    V kv[ND];
+    for (int d = 0; d < ND; ++d) kv[d] = v16::load(kc + rows[t] + 16 * d);
+    for (int64_t g = 0; g < G; ++g) {
+      V acc = v16::zero();
+      for (int d = 0; d < ND; ++d) acc = v16::fma(v16::load(q + g * D + 16 * d), kv[d], acc);
+      scores[g * L + t] = v16::hsum(acc) * scale;
     }
   }
   std::vector<float> z(G);
@@ -150,33 +102,53 @@ void item_fast(const float* q, const float* kc, const float* vc, const int64_t* 
     float* sg = scores + g * L;
     z[g] = exp_shifted(sg, L, *std::max_element(sg, sg + L));
   }
-  for (int64_t g0 = 0; g0 < G; g0 += kAcc) {
-    const int64_t ng = std::min<int64_t>(kAcc, G - g0);
-    __m512 acc[kAcc][ND];
-    for (int64_t g = 0; g < kAcc; ++g)
-      for (int d = 0; d < ND; ++d) acc[g][d] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < L; ++t) {
-      __m512 vv[ND];
-      for (int d = 0; d < ND; ++d) vv[d] = _mm512_loadu_ps(vc + rows[t] + 16 * d);
-      for (int64_t g = 0; g < ng; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[(g0 + g) * L + t]);
-        for (int d = 0; d < ND; ++d) acc[g][d] = _mm512_fmadd_ps(p, vv[d], acc[g][d]);
+  // Each pass: GC heads x DC slices of accumulators, each value row's DC slices loaded once.
+  constexpr int DC = slices_per_pass(ND, v16::kRegs);
+  constexpr int GC = v16::kRegs / DC > 0 ? v16::kRegs / DC : 1;
+  for (int64_t g0 = 0; g0 < G; g0 += GC) {
+    const int64_t ng = std::min<int64_t>(GC, G - g0);
+    for (int d0 = 0; d0 < ND; d0 += DC) {
+      V acc[GC][DC];
+      for (int g = 0; g < GC; ++g)
+        for (int d = 0; d < DC; ++d) acc[g][d] = v16::zero();
+      for (int64_t t = 0; t < L; ++t) {
+        V vv[DC];
+        for (int d = 0; d < DC; ++d) vv[d] = v16::load(vc + rows[t] + 16 * (d0 + d));
+        for (int64_t g = 0; g < ng; ++g) {
+          const V p = v16::set1(scores[(g0 + g) * L + t]);
+          for (int d = 0; d < DC; ++d) acc[g][d] = v16::fma(p, vv[d], acc[g][d]);
+        }
       }
-    }
-    for (int64_t g = 0; g < ng; ++g) {
-      const __m512 s = _mm512_set1_ps(z[g0 + g]);  // divided, as the generic path does
-      for (int d = 0; d < ND; ++d)
-        _mm512_storeu_ps(out + (g0 + g) * 16 * ND + 16 * d, _mm512_div_ps(acc[g][d], s));
+      for (int64_t g = 0; g < ng; ++g) {
+        const V s = v16::set1(z[g0 + g]);  // divided, as the generic path does
+        for (int d = 0; d < DC; ++d)
+          v16::store(out + (g0 + g) * D + 16 * (d0 + d), v16::div(acc[g][d], s));
+      }
     }
   }
 }
-#endif
+
+using FastFn = void (*)(const float*, const float*, const float*, const int64_t*, int64_t,
+                        int64_t, float, float*, float*);
+
+// item_fast for head dims 32, 64, 80, 96 and 128; nullptr for the others.
+inline FastFn fast_for(int64_t D) {
+  switch (D) {
+    case 32: return item_fast<2>;
+    case 64: return item_fast<4>;
+    case 80: return item_fast<5>;
+    case 96: return item_fast<6>;
+    case 128: return item_fast<8>;
+    default: return nullptr;
+  }
+}
 
 template <typename T>
 void decode(const T* q, const T* kc, const T* vc, const int64_t* bt, const int64_t* lens,
             T* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t ps, int64_t W,
             float scale) {
   const int64_t G = H / Hkv;
+  const FastFn fast = std::is_same_v<T, float> ? fast_for(D) : nullptr;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> qf(G * D), acc(G * D), scores;
     std::vector<int64_t> rows;  // element offset of key/value t of this (row, kv head)
@@ -187,19 +159,13 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* bt, const int64
         for (int64_t slot = 0; slot < ps && t < L; ++slot, ++t)
           rows[t] = ((bt[b * W + page] * ps + slot) * Hkv + kvh) * D;
       scores.assign(G * L, 0.f);
-#if defined(__AVX512F__)
       if constexpr (std::is_same_v<T, float>) {
-        T* o = out + (b * H + kvh * G) * D;  // the G heads of this kv head are adjacent
-        if (D == 64) {
-          item_fast<4>(q + (b * H + kvh * G) * D, kc, vc, rows.data(), L, G, scale, scores.data(), o);
-          continue;
-        }
-        if (D == 128) {
-          item_fast<8>(q + (b * H + kvh * G) * D, kc, vc, rows.data(), L, G, scale, scores.data(), o);
+        if (fast) {  // the G heads of this kv head are adjacent in q and out
+          fast(q + (b * H + kvh * G) * D, kc, vc, rows.data(), L, G, scale, scores.data(),
+               out + (b * H + kvh * G) * D);
           continue;
         }
       }
-#endif
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = load(q, (b * H + kvh * G + g) * D + d);
       for (int64_t t = 0; t < L; ++t)

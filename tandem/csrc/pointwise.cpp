@@ -8,11 +8,15 @@
 // Why: at decode batch sizes each torch op costs more in dispatch than in arithmetic, and
 // these steps are ~30 small ops per layer (RMSNorm 8, rotary 14, split/reshape/contiguous);
 // here they are 3 calls. Same formulas and operation order as the torch code they replace
-// (model/decoder.py, model/rope.py); only the sum of squares is accumulated in another order.
+// (model/decoder.py, model/rope.py); only the sum of squares is accumulated in another order
+// (vec16.h's, the same on every CPU). Everything else is element-wise with no contraction
+// (-ffp-contract=off), so every path of the build gives the same bits.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
+
+#include "vec16.h"
 
 namespace {
 
@@ -33,9 +37,12 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   at::parallel_for(0, T, kRowsPerTask, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const float* xr = xp + t * D;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t d = 0; d < D; ++d) ss += xr[d] * xr[d];
+      v16::V acc = v16::zero();  // the sum of squares in vec16.h's fixed order
+      for (int64_t d = 0; d < D; d += 16) {
+        const v16::V xv = v16::load_n(xr + d, D - d);
+        acc = v16::fma(xv, xv, acc);
+      }
+      const float ss = v16::hsum(acc);
       const float r = 1.f / std::sqrt(ss / static_cast<float>(D) + e);
       float* yr = yp + t * D;
 #pragma omp simd

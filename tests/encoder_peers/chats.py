@@ -72,6 +72,7 @@ def oracle(model, processor, messages: list[Message]) -> dict:
     pos, delta = inner.get_rope_index(ids, inputs["mm_token_type_ids"], image_grid_thw=grid)
     return {
         "ids": ids[0],
+        "image_rows": ids[0] == model.config.image_token_id,
         "embeds": embeds[0],
         "deepstack": deep,
         "positions": pos[:, 0],
@@ -79,6 +80,41 @@ def oracle(model, processor, messages: list[Message]) -> dict:
         "pixel_values": inputs.get("pixel_values"),
         "grid": grid,
     }
+
+
+# How close the encoder's image features must be to transformers', by what computed them:
+#   exact=True   the vision tower's linears are torch's (linear_backend "torch", or the packed
+#                kernels unavailable): both sides run the same ops in the same order (one
+#                thread, MKL_CBWR strict), so the payload is transformers' bits.
+#   exact=False  our packed linears replace torch's (the CPU default): each product is
+#                within its summation's error bound (tests/test_cpu_kernels.py), and those
+#                differences pass through the tower's layers: the features must agree to
+#                1e-4 relative, 1e-5 of their largest magnitude absolute. Whether they also
+#                happen to be equal depends on the BLAS's internal summation order, which
+#                differs between CPUs, so no test asserts it.
+# Token ids, positions and the text rows (embedding lookups) are exact either way.
+FEATURE_RTOL, FEATURE_ATOL_OF_MAX = 1e-4, 1e-5
+
+
+def assert_payload_matches(payload, ref, num_deepstack: int | None, exact: bool) -> None:
+    """The encoder's prompt payload against the oracle's (`oracle()`), under the rule above."""
+    hidden = ref["embeds"].shape[1]
+    assert torch.equal(payload.fill_ids.long(), ref["ids"])
+    assert payload.input_embeds.dtype == torch.float32
+    if num_deepstack is not None:
+        assert payload.embed_dim == hidden * (1 + num_deepstack)
+        assert len(ref["deepstack"]) in (0, num_deepstack)
+    text = ~ref["image_rows"]
+    for k, want in enumerate([ref["embeds"], *ref["deepstack"]]):
+        got = payload.input_embeds[:, hidden * k : hidden * (k + 1)]
+        if exact:
+            assert torch.equal(got, want), f"column block {k} differs"
+            continue
+        assert torch.equal(got[text], want[text]), f"text rows of column block {k} differ"
+        atol = FEATURE_ATOL_OF_MAX * want.abs().max().item()
+        torch.testing.assert_close(got, want, rtol=FEATURE_RTOL, atol=atol)
+    assert torch.equal(payload.mrope_positions.long(), ref["positions"])
+    assert payload.mrope_delta == ref["delta"]
 
 
 def to_proto(messages: list[Message]):

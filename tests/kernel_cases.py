@@ -1,0 +1,106 @@
+"""Fixed, seeded inputs for every CPU kernel, and what a build of the kernels makes of them.
+
+`outputs(mod)` runs one build (any vector path) on all cases; `references()` computes
+torch's ops on the same inputs. tests/test_cpu_kernels.py compares a forced build's
+outputs (run in a child process: `python tests/kernel_cases.py OUT.pt` under
+TANDEM_KERNEL_ISA) with the native build's, bit for bit, and with torch's within the bounds
+stated there.
+
+The shapes are the awkward ones: N not a multiple of the 32-column strip, K not a multiple
+of the 128-deep k block, rows 1..64 across register-tile edges, head dims 32/40/64/80/96/128
+(40: not a multiple of 16), GQA, page edges.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+LINEAR_SHAPES = [(300, 100), (129, 33), (512, 768), (64, 40)]  # (K, N)
+ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 24, 31, 33, 48, 63, 64]
+HEAD_DIMS = [32, 40, 64, 80, 96, 128]
+NORM_DIMS = [40, 100, 512]
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def linear_case(k: int, n: int, m: int, bias: bool):
+    g = _gen(k * 1000 + n * 10 + m)
+    wt = torch.randn(k, n, generator=g) * k**-0.5
+    b = torch.randn(n, generator=g) if bias else None
+    return torch.randn(m, k, generator=g), wt, b
+
+
+def attention_case(d: int, dtype: torch.dtype):
+    """4 rows (lengths across page edges and 16-key blocks), 8 query heads over 2 kv heads."""
+    g = _gen(d)
+    b, h, hkv, ps, pages = 4, 8, 2, 16, 40
+    lens = torch.tensor([1, 16, 47, 130], dtype=torch.int64)
+    kc = torch.randn(pages, ps, hkv, d, generator=g).to(dtype)
+    vc = torch.randn(pages, ps, hkv, d, generator=g).to(dtype)
+    tables = torch.randperm(pages, generator=g)[: b * 9].view(b, 9).contiguous()
+    q = torch.randn(b, h, d, generator=g).to(dtype)
+    return q, kc, vc, tables, lens
+
+
+def attention_ref(q, kc, vc, tables, lens, scale):
+    """Plain float64 softmax attention over each row's keys (the reference)."""
+    b, h, d = q.shape
+    ps, hkv = kc.shape[1], kc.shape[2]
+    out = torch.empty(b, h, d, dtype=torch.float64)
+    for i in range(b):
+        n = int(lens[i])
+        slots = torch.arange(n)
+        pages = tables[i][slots // ps]
+        k = kc.double()[pages, slots % ps]  # [n, hkv, d]
+        v = vc.double()[pages, slots % ps]
+        rep = h // hkv
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        s = torch.einsum("hd,nhd->hn", q[i].double(), k) * scale
+        out[i] = torch.einsum("hn,nhd->hd", torch.softmax(s, -1), v)
+    return out
+
+
+def outputs(mod) -> dict[str, torch.Tensor]:
+    """Every kernel of build `mod` on every case, by name."""
+    out: dict[str, torch.Tensor] = {}
+    for k, n in LINEAR_SHAPES:
+        wp = None
+        for m in ROWS:
+            for bias in (False, True):
+                x, wt, b = linear_case(k, n, m, bias)
+                wp = mod.pack_linear(wt)
+                bp = mod.pack_bias(b) if bias else None
+                out[f"linear/{k}x{n}/m{m}/bias{int(bias)}"] = mod.packed_linear(x, wp, bp, n)
+    for d in HEAD_DIMS:
+        for dtype in (torch.float32, torch.bfloat16):
+            q, kc, vc, tables, lens = attention_case(d, dtype)
+            out[f"attention/d{d}/{dtype}"] = mod.paged_decode_attention(
+                q, kc, vc, tables, lens, d**-0.5)
+    for d in NORM_DIMS:
+        g = _gen(d)
+        x, w = torch.randn(9, d, generator=g), torch.randn(d, generator=g)
+        out[f"rms_norm/d{d}"] = mod.rms_norm(x, w, 1e-6)
+        out[f"silu_mul/d{d}"] = mod.silu_mul(torch.randn(9, 2 * d, generator=g) * 4)
+    g = _gen(7)
+    h, hkv, d = 4, 2, 64
+    qkv = torch.randn(5, (h + 2 * hkv) * d, generator=g)
+    cos, sin = torch.randn(5, d, generator=g), torch.randn(5, d, generator=g)
+    q, k = mod.rope_qk(qkv, cos, sin, h, hkv)
+    out["rope/q"], out["rope/k"] = q, k
+    return out
+
+
+if __name__ == "__main__":  # child process: this build's outputs, saved to argv[1]
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tandem.cpu_kernels import kernels
+
+    mod = kernels()
+    if mod is None:
+        sys.exit("kernels unavailable")
+    torch.set_num_threads(1)
+    torch.save({"isa": mod.isa(), "outputs": outputs(mod)}, sys.argv[1])
