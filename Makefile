@@ -16,7 +16,7 @@ MODEL ?=
 HELM := .tools/helm
 PROMTOOL := .tools/promtool
 
-.PHONY: setup test run lint proto bench bench-peer clean helm
+.PHONY: setup test run lint proto bench bench-peer clean helm check-neon
 
 setup: $(STAMPS)/sysdeps $(STAMPS)/deps tandem/v1/__init__.py $(STAMPS)/kernels
 
@@ -77,6 +77,15 @@ $(PROMTOOL):
 
 test: setup $(if $(wildcard deploy/scripts/install-helm.sh),$(HELM)) $(PROMTOOL)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The aarch64 NEON path of the kernels' vector type (csrc/vec16.h), on an x86 host: built by
+# Debian's cross compiler and run under qemu-user, its bits compared with the native path's.
+check-neon: setup
+	@if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq g++-aarch64-linux-gnu qemu-user; \
+	fi
+	$(PY) -m pytest -q -rs tests/test_vec16_paths.py
 
 run: setup
 	$(VENV)/bin/tandem up $(if $(MODEL),--model $(MODEL)) --demo

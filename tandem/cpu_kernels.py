@@ -79,6 +79,17 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
+def cpu_model() -> str:
+    """The CPU's model name (for logs and reports), or the machine type."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return os.uname().machine
+
+
 def _build_dir() -> Path:
     root = os.environ.get("TANDEM_KERNEL_DIR") or Path.home() / ".cache" / "tandem" / "kernels"
     return Path(root)
@@ -92,11 +103,11 @@ def kernels():
     scripts = sysconfig.get_path("scripts")
     if scripts and scripts not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
-    isa = requested_isa()  # a bad request is an error, not a fallback
+    path = requested_isa()  # a bad request is an error, not a fallback
     try:  # no source (an install without it), no compiler, no ninja: keep torch's ops
         key = hashlib.sha256(
             b"".join(p.read_bytes() for p in SOURCES + HEADERS) + Path(__file__).read_bytes()
-            + torch.__version__.encode() + _cpu_flags().encode() + isa.encode()
+            + torch.__version__.encode() + _cpu_flags().encode() + path.encode()
             # NOTE: and the environment: the build embeds its torch/Python include paths, so
             # two venvs sharing one directory would rebuild it for each other in turn.
             + sys.prefix.encode()
@@ -123,14 +134,14 @@ def kernels():
             # NOTE: no contraction of a * b + c into one FMA where the source does not
             # ask for it (the pointwise steps round as torch does); intrinsics still FMA.
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno",
-                          "-ffp-contract=off", *ISA_FLAGS[isa]],
+                          "-ffp-contract=off", *ISA_FLAGS[path]],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as e:
         log.warning("CPU kernels unavailable (%s); using torch's ops (gather + SDPA, F.linear)", e)
         return None
-    if mod.isa() == "generic" and isa == "native":
+    if mod.isa() == "generic" and path == "native":
         log.warning("CPU kernels: no vector path for this CPU (%s: neither AVX-512, AVX2+FMA "
                     "nor NEON); the generic C++ path is used (slower)", os.uname().machine)
     return mod
@@ -231,9 +242,6 @@ def linear_kernels(backend: str, device: torch.device, dtype: torch.dtype):
 
 if __name__ == "__main__":  # `make setup`: build ahead of the first request
     mod = kernels()
-    model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text()
-                  .splitlines() if ln.startswith("model name")), os.uname().machine) \
-        if Path("/proc/cpuinfo").exists() else os.uname().machine
-    print("CPU kernels:", f"built, path {mod.isa()} ({requested_isa()} build on {model})"
+    print("CPU kernels:", f"built, path {mod.isa()} ({requested_isa()} build on {cpu_model()})"
           if mod is not None else "UNAVAILABLE")
     sys.exit(0 if mod is not None else 1)

@@ -45,6 +45,13 @@ def _cuda() -> bool:
         return False
 
 
+def pytest_report_header(config):
+    """Which vector path of the CPU kernels this run tests (csrc/vec16.h), on which CPU."""
+    from tandem.cpu_kernels import cpu_model, isa
+
+    return f"cpu kernels: path {isa() or 'unavailable (torch ops)'} on {cpu_model()}"
+
+
 def pytest_collection_modifyitems(config, items):
     if _cuda():
         return

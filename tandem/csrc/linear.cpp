@@ -7,11 +7,11 @@
 //
 // Why: MKL's sgemm runs decode-sized products (M = 4..32 rows) at 25-45% of the core's
 // FMA peak on this hardware, and a decode step reads every weight once, so a product
-// whose every weight element is loaded once and used by up to MR rows from registers
+// whose every weight element is loaded once and used by several rows from registers
 // runs at the memory's pace instead. A packed strip is contiguous (K * NB floats), so
 // the weights stream sequentially whatever N is.
 //
-// Each output tile is MR rows x NB columns held in registers; its dot products run over
+// Each output tile (rows x 16 or 32 columns) is held in registers; its dot products run over
 // k in blocks of KC, in order, one fused multiply-add per k, each block's sum added into y
 // (so rounding grows with KC + K / KC, not with K). A row's result does not depend on M or
 // on which other rows share the batch (batch-invariant), and is deterministic; and since
@@ -26,6 +26,7 @@
 #include <array>
 #include <functional>
 #include <utility>
+#include <vector>
 
 #include "vec16.h"
 
@@ -35,58 +36,69 @@ using v16::V;
 
 constexpr int64_t NB = 32;   // strip width: two V of 16 floats
 constexpr int64_t KC = 128;  // k per register pass; passes add into y (bounds rounding growth)
-// Rows per register tile: 2 V accumulators a row, the tile's accumulators kept in registers
-// (AVX-512: 16 of 32 zmm; AVX2: 12 of 16 ymm; NEON: 24 of 32 q). The tile height changes
-// how often a weight is reloaded, never a result: each y element is its own FMA chain.
+// Register tiles, two shapes: "wide" tiles of up to MRW rows x 32 columns (a whole strip:
+// 2 vectors a row) and "tall" tiles of up to MRT rows x 16 columns (half a strip, run once
+// per half). Each holds its accumulators in registers with room for one k's weights and
+// a broadcast x:
+//   AVX-512  wide 8 rows: 16 accumulators of 32 zmm (no tall tiles)
+//   AVX2     tall 6 rows: 12 ymm accumulators + 2 weights + 1 broadcast of 16 ymm (a wide
+//            3-row tile leaves no register for the weights: each FMA reloads its weight,
+//            15 loads per 12 FMAs); wide 3-row tiles serve the last 1-3 rows, where a tall
+//            tile's few accumulators would leave the FMA units waiting on latency
+//   NEON     tall 6 rows: 24 q accumulators + 4 + 1 of 32 q; wide 2 rows for the last ones
+// Rows go to tall tiles while more than MRW are left, then to one wide tile. The shapes
+// change how often a weight or an x is reloaded, never a result: each y element is its
+// own FMA chain over k.
 #if defined(TANDEM_AVX512)
-constexpr int MR = 8;
-#elif defined(TANDEM_AVX2) || defined(TANDEM_NEON)
-constexpr int MR = 3;
+constexpr int MRW = 8, MRT = 0;
+#elif defined(TANDEM_AVX2)
+constexpr int MRW = 3, MRT = 6;
+#elif defined(TANDEM_NEON)
+constexpr int MRW = 2, MRT = 6;
 #else
-constexpr int MR = 4;
+constexpr int MRW = 4, MRT = 0;
 #endif
 
-// One register tile: R rows of x times one strip -> R x NB outputs at y (row stride ldy),
-// all NB columns written (a strip's tail columns go through a scratch tile, see below).
-template <int R>
-inline void tile(const float* x, int64_t K, const float* w, const float* bias, float* y,
-                 int64_t ldy) {
-  V a0[R], a1[R];
-  for (int64_t k0 = 0; k0 < K; k0 += KC) {
-    const int64_t k1 = std::min(K, k0 + KC);
-    const V b0 = k0 == 0 && bias ? v16::load(bias) : v16::zero();
-    const V b1 = k0 == 0 && bias ? v16::load(bias + 16) : v16::zero();
+// One register tile over one k block [k0, k1): R rows of x times 16 * H columns of the
+// strip at w (row stride NB) -> y (row stride ldy). y = the block's sum (+ bias) for the
+// first block, y + the block's sum after it.
+template <int R, int H>
+inline void tile(const float* x, int64_t K, int64_t k0, int64_t k1, const float* w,
+                 const float* bias, float* y, int64_t ldy) {
+  V acc[R][H], b[H];
+  for (int h = 0; h < H; ++h) b[h] = k0 == 0 && bias ? v16::load(bias + 16 * h) : v16::zero();
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) { a0[r] = b0; a1[r] = b1; }
-    for (int64_t k = k0; k < k1; ++k) {
-      const V w0 = v16::load(w + k * NB), w1 = v16::load(w + k * NB + 16);
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < H; ++h) acc[r][h] = b[h];
+  for (int64_t k = k0; k < k1; ++k) {
+    V wk[H];
+    for (int h = 0; h < H; ++h) wk[h] = v16::load(w + k * NB + 16 * h);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const V xr = v16::set1(x[r * K + k]);
-        a0[r] = v16::fma(xr, w0, a0[r]);
-        a1[r] = v16::fma(xr, w1, a1[r]);
-      }
+    for (int r = 0; r < R; ++r) {
+      const V xr = v16::set1(x[r * K + k]);
+      for (int h = 0; h < H; ++h) acc[r][h] = v16::fma(xr, wk[h], acc[r][h]);
     }
+  }
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {  // y = this block's sum (first block) or y + it
-      float* yr = y + r * ldy;
-      if (k0 > 0) {
-        a0[r] = v16::add(v16::load(yr), a0[r]);
-        a1[r] = v16::add(v16::load(yr + 16), a1[r]);
-      }
-      v16::store(yr, a0[r]);
-      v16::store(yr + 16, a1[r]);
+  for (int r = 0; r < R; ++r) {
+    float* yr = y + r * ldy;
+    for (int h = 0; h < H; ++h) {
+      if (k0 > 0) acc[r][h] = v16::add(v16::load(yr + 16 * h), acc[r][h]);
+      v16::store(yr + 16 * h, acc[r][h]);
     }
   }
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, const float*, float*, int64_t);
+using TileFn = void (*)(const float*, int64_t, int64_t, int64_t, const float*, const float*,
+                        float*, int64_t);
 
-template <size_t... I>
-constexpr std::array<TileFn, MR + 1> make_tiles(std::index_sequence<I...>) {
-  return {{nullptr, &tile<static_cast<int>(I) + 1>...}};
+// table[r] = the r-row tile of H vectors a row (r = 1..rows; entry 0 unused).
+template <int H, size_t... I>
+constexpr std::array<TileFn, sizeof...(I) + 1> make_tiles(std::index_sequence<I...>) {
+  return {{nullptr, &tile<static_cast<int>(I) + 1, H>...}};
 }
-constexpr auto TILES = make_tiles(std::make_index_sequence<MR>{});
+constexpr auto WIDE = make_tiles<2>(std::make_index_sequence<MRW>{});
+constexpr auto TALL = make_tiles<1>(std::make_index_sequence<MRT>{});
 
 }  // namespace
 
@@ -127,23 +139,34 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, c10::optional<tor
   const float* xp = xc.data_ptr<float>();
   const float* wpp = wp.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  // One strip: k blocks outer, row tiles inner, so a block of the strip (KC x NB floats,
+  // 16 KB) stays in L1 while every row tile uses it; each y element still sees its k
+  // blocks in order, so the order of the loops changes no result.
   auto strip = [&](int64_t j) {
     const int64_t ncols = std::min(NB, N - j * NB);
     const float* w = wpp + j * K * NB;
     const float* b = bp ? bp + j * NB : nullptr;
-    for (int64_t m = 0; m < M; m += MR) {
-      const int r = static_cast<int>(std::min<int64_t>(MR, M - m));
-      float* y0 = yp + m * N + j * NB;
-      if (ncols == NB) {
-        TILES[r](xp + m * K, K, w, b, y0, N);
-        continue;
+    // The last strip of an N that is not a multiple of NB runs on a scratch copy of its
+    // rows (the same operations, so the same bits); its first ncols columns are kept.
+    std::vector<float> scratch(ncols == NB ? 0 : M * NB);
+    float* y0 = ncols == NB ? yp + j * NB : scratch.data();
+    const int64_t ld = ncols == NB ? N : NB;
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+      const int64_t k1 = std::min(K, k0 + KC);
+      int64_t m = 0;
+      for (; MRT > 0 && M - m > MRW; m += MRT) {  // tall tiles, where the path has them
+        const int r = static_cast<int>(std::min<int64_t>(MRT, M - m));
+        for (int64_t c = 0; c < NB; c += 16)
+          TALL[r](xp + m * K, K, k0, k1, w + c, b ? b + c : nullptr, y0 + m * ld + c, ld);
       }
-      // The last strip of an N that is not a multiple of NB: the tile runs on a scratch
-      // tile (the same operations, so the same bits) and its first ncols columns are kept.
-      alignas(64) float scratch[MR * NB];
-      TILES[r](xp + m * K, K, w, b, scratch, NB);
-      for (int i = 0; i < r; ++i) std::copy(scratch + i * NB, scratch + i * NB + ncols, y0 + i * N);
+      for (; m < M; m += MRW) {
+        const int r = static_cast<int>(std::min<int64_t>(MRW, M - m));
+        WIDE[r](xp + m * K, K, k0, k1, w, b, y0 + m * ld, ld);
+      }
     }
+    if (ncols != NB)
+      for (int64_t i = 0; i < M; ++i)
+        std::copy(scratch.data() + i * NB, scratch.data() + i * NB + ncols, yp + i * N + j * NB);
   };
   // A step on one torch thread (small: model_runner's cpu_parallel_min_tokens) shares its
   // strips with the claim-based pool's helpers, if any (strip_pool.cpp); otherwise torch's

@@ -1,0 +1,79 @@
+"""Every path of csrc/vec16.h computes the same bits (tests/vec16_check.cpp, standalone).
+
+All instruction-set-specific code of the CPU kernels lives in vec16.h; the kernels are
+written once over its 16-lane type. Here its operations run on fixed inputs, built for
+each path this host can run (native, AVX2 where the native path is AVX-512, generic) and
+for aarch64 NEON under qemu where the cross compiler and qemu-user are installed (Debian
+`g++-aarch64-linux-gnu qemu-user`; `make check-neon` installs them and runs this file).
+The outputs must be identical. (test_cpu_kernels.py checks the whole kernels the same way
+across the paths the host can run.)
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).with_name("vec16_check.cpp")
+FLAGS = ["-O2", "-std=c++17", "-ffp-contract=off", "-fno-math-errno"]
+
+
+def _flags_of_cpu() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _run(tmp: Path, name: str, compiler: str, flags: list[str], runner: list[str]) -> list[str]:
+    exe = tmp / name
+    subprocess.run([compiler, *FLAGS, *flags, str(SRC), "-o", str(exe)], check=True,
+                   capture_output=True, timeout=300)
+    out = subprocess.run([*runner, str(exe)], check=True, capture_output=True, text=True,
+                         timeout=300).stdout.splitlines()
+    return out
+
+
+def _builds() -> dict[str, tuple[str, list[str], list[str], str]]:
+    """name -> (compiler, flags, runner prefix, the path the build must report)."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        return {}
+    flags = _flags_of_cpu()
+    native = "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else None
+    if native is None:
+        native = "neon" if Path("/proc/cpuinfo").exists() and "asimd" in flags else "generic"
+    builds = {"native": (cxx, ["-march=native"], [], native),
+              "generic": (cxx, ["-march=native", "-DTANDEM_FORCE_GENERIC"], [], "generic")}
+    if native == "avx512":
+        builds["avx2"] = (cxx, ["-march=native", "-mno-avx512f"], [], "avx2")
+    cross, qemu = shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64")
+    if native != "neon" and cross and qemu:
+        builds["neon"] = (cross, [], [qemu, "-L", "/usr/aarch64-linux-gnu"], "neon")
+    return builds
+
+
+@pytest.mark.parametrize("path", ["generic", "avx2", "neon"])
+def test_vec16_path_gives_the_native_bits(tmp_path, path):
+    builds = _builds()
+    if "native" not in builds:
+        pytest.skip("no C++ compiler")
+    if path not in builds:
+        pytest.skip(f"{path}: not runnable here (native path {builds['native'][3]}; "
+                    "neon needs g++-aarch64-linux-gnu and qemu-user)")
+    got = {}
+    for name in ("native", path):
+        cxx, flags, runner, want = builds[name]
+        lines = _run(tmp_path, name, cxx, flags, runner)
+        assert lines[0] == f"path {want}", (name, lines[0])
+        got[name] = lines[1:]
+    assert len(got["native"]) > 20_000
+    diff = [(i, a, b) for i, (a, b) in enumerate(zip(got["native"], got[path], strict=True))
+            if a != b]
+    assert diff == [], f"{path} differs from native at {len(diff)} values, first {diff[:5]}"
