@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/language_runner.py [--model DIR | --arch qwen3_vl --size small]
         [--device auto] [--dtype auto] [--batch-sizes 1 32] [--context 256] [--steps 20]
+        [--threads N] [--linear-backend auto|torch|packed_cpu] [--attention-backend ...]
 
 For each batch size, `bs` sequences of `context` tokens are prefilled once; then the same
 decode batch (one token per sequence) is timed `steps` times through `forward_eager` and
@@ -9,6 +10,8 @@ through the graph runner (CUDA graph replay on a GPU; on a CPU the same static-b
 runs eagerly, so the ratio there is ~1 and only shows the padding overhead). Re-running the
 same decode step rewrites the same KV slots, so every step does identical work. Prints the
 median step time of `--repeats` runs and the ratio eager / graph measured in the same run.
+On a CPU, running it with each backend (our kernels, or torch's linears / gather + SDPA)
+gives the decode step's profile by difference (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -62,6 +65,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    ap.add_argument("--linear-backend", default="auto", choices=["auto", "torch", "packed_cpu"],
+                    help="the runner's linears (a decode-step profile: run once with each)")
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "gather", "paged_cpu"])
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -84,10 +90,15 @@ def main(argv=None) -> int:
     runner = ModelRunner(
         weights, page_size=args.page_size, num_pages=max_bs * per_seq + 1, device=device,
         dtype=dtype, cuda_graph_max_bs=max(max_bs, 1), max_seq_len=max_len,
+        linear_backend=args.linear_backend, attention_backend=args.attention_backend,
     )  # fmt: skip
     setup_s = time.perf_counter() - t0
     pool = KVPagePool(runner.num_pages, runner.page_size)
     gr = runner.graph_runner
+    from tandem.cpu_kernels import cpu_model, isa
+
+    print(f"kernels path {isa()} on {cpu_model()} | linears {args.linear_backend} | "
+          f"attention {args.attention_backend} | threads {torch.get_num_threads()}")
     print(f"model {path} | device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'})"
           f" | dtype {str(dtype).removeprefix('torch.')} | context {args.context} | graphs {len(gr.graphs)}"
           f" captured in {setup_s:.1f}s (incl. KV alloc)")  # fmt: skip

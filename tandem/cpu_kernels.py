@@ -5,7 +5,9 @@
         gathering every row's pages into a workspace in every layer of every step.
     pack_linear / pack_bias / packed_linear
         float32 linear layers over weights packed in column strips (csrc/linear.cpp):
-        2-6x MKL's sgemm on this AMD CPU for 1-64 rows, 2.4x at 256, smaller rounding error.
+        2-6x MKL's sgemm for 1-64 rows on an AVX-512 Zen 5, 1.5-2.5x for 4-8 rows and about
+        1.0-1.4x for 16-64 on an AVX2 EPYC (docs/benchmarks.md, bench/kernels.py); each
+        output within its summation's forward-error bound (tests/test_cpu_kernels.py).
     rms_norm / silu_mul / rope_qk
         the decoder's pointwise steps around the linears, one call each instead of ~30
         small torch ops per layer (csrc/pointwise.cpp).
