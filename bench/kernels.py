@@ -22,6 +22,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -71,8 +72,8 @@ def bench_linears(mod, rows, runs, iters, out):
         wp = mod.pack_linear(w.t().contiguous())
         for m in rows:
             x = torch.randn(m, k, generator=g)
-            ours_s, torch_s, ratio = paired(lambda: mod.packed_linear(x, wp, None, n),
-                                            lambda: F.linear(x, w), runs, iters)
+            ours_s, torch_s, ratio = paired(partial(mod.packed_linear, x, wp, None, n),
+                                            partial(F.linear, x, w), runs, iters)
             gfs = 2 * m * k * n / ours_s / 1e9
             out.append(f"| linear {name} | {m} | {ours_s * 1e3:.3f} | {torch_s * 1e3:.3f} | "
                        f"**{ratio:.2f}x** | {gfs:.0f} |")
@@ -97,13 +98,13 @@ def bench_attention(rows, runs, iters, out):
             kv = torch.zeros(b, hkv, d)
             slots = torch.full((b,), pages * ps, dtype=torch.int64)
 
-            def attend(decode_op):
-                meta = AttentionMetadata(slot_mapping=slots, num_single=b,
-                                         single_block_tables=tables, single_seq_lens=lens,
-                                         decode_op=decode_op)
-                return lambda: paged_attention(q, kv, kv, kc, vc, meta, d**-0.5)
+            metas = [AttentionMetadata(slot_mapping=slots, num_single=b,
+                                       single_block_tables=tables, single_seq_lens=lens,
+                                       decode_op=o) for o in (op, None)]
+            ours, theirs = (partial(paged_attention, q, kv, kv, kc, vc, m, d**-0.5)
+                            for m in metas)
 
-            ours_s, torch_s, ratio = paired(attend(op), attend(None), runs, iters)
+            ours_s, torch_s, ratio = paired(ours, theirs, runs, iters)
             out.append(f"| decode attention D={d} H={h}/{hkv}, {ctx} keys | {b} | "
                        f"{ours_s * 1e3:.3f} | {torch_s * 1e3:.3f} | **{ratio:.2f}x** | |")
             print(out[-1], flush=True)

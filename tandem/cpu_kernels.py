@@ -30,6 +30,7 @@ results within float32 rounding.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -117,29 +118,39 @@ def kernels():
         name = f"tandem_cpu_kernels_{key}"
         build = _build_dir() / name
         (build / "src").mkdir(parents=True, exist_ok=True)
-        # NOTE: compiled from copies inside the keyed directory, so every checkout with the
-        # same sources (another clone, a snapshot) reuses the build instead of recompiling
-        # because ninja saw other source paths.
-        sources = []
-        for p in SOURCES + HEADERS:
-            copy = build / "src" / p.name
-            if not copy.exists() or copy.read_bytes() != p.read_bytes():
-                copy.write_bytes(p.read_bytes())
-            if p in SOURCES:
-                sources.append(str(copy))
-        from torch.utils.cpp_extension import load
+        # NOTE: one process builds or loads a key at a time, under an flock that the kernel
+        # drops when its holder dies. torch's own `lock` file is not dropped: a process
+        # killed mid-build (Ctrl-C in `make setup`, a test timeout) left it, and every later
+        # start of a tier waited on it forever. Under the flock, a `lock` left is stale.
+        with open(build / "build.flock", "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            if (build / "lock").exists():
+                log.warning("CPU kernels: removing a stale build lock in %s (a build was "
+                            "killed)", build)
+                (build / "lock").unlink(missing_ok=True)
+            # NOTE: compiled from copies inside the keyed directory, so every checkout with the
+            # same sources (another clone, a snapshot) reuses the build instead of recompiling
+            # because ninja saw other source paths.
+            sources = []
+            for p in SOURCES + HEADERS:
+                copy = build / "src" / p.name
+                if not copy.exists() or copy.read_bytes() != p.read_bytes():
+                    copy.write_bytes(p.read_bytes())
+                if p in SOURCES:
+                    sources.append(str(copy))
+            from torch.utils.cpp_extension import load
 
-        mod = load(
-            name=name,
-            sources=sources,
-            build_directory=str(build),
-            # NOTE: no contraction of a * b + c into one FMA where the source does not
-            # ask for it (the pointwise steps round as torch does); intrinsics still FMA.
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno",
-                          "-ffp-contract=off", *ISA_FLAGS[path]],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+            mod = load(
+                name=name,
+                sources=sources,
+                build_directory=str(build),
+                # NOTE: no contraction of a * b + c into one FMA where the source does not
+                # ask for it (the pointwise steps round as torch does); intrinsics still FMA.
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno",
+                              "-ffp-contract=off", *ISA_FLAGS[path]],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
     except Exception as e:
         log.warning("CPU kernels unavailable (%s); using torch's ops (gather + SDPA, F.linear)", e)
         return None

@@ -400,3 +400,21 @@ def test_a_forced_path_is_honoured_or_refused(monkeypatch):
         cpu_kernels.requested_isa()
     monkeypatch.setenv("TANDEM_KERNEL_ISA", "generic")
     assert cpu_kernels.requested_isa() == "generic"
+
+
+@needs_kernel
+def test_a_build_killed_midway_does_not_block_later_starts():
+    """torch's builder leaves its `lock` file behind when the building process is killed;
+    a later process must not wait on it forever (the child's timeout is a hang guard)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    build = Path(kernels().__file__).parent
+    (build / "lock").write_text("")  # what a build killed mid-way leaves
+    code = "from tandem.cpu_kernels import kernels; assert kernels() is not None; print('ok')"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+    assert "removing a stale build lock" in r.stderr
+    assert not (build / "lock").exists()

@@ -16,10 +16,10 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
+from waiting import wait_until
 
 from tandem.launch.procs import free_port
 
@@ -83,9 +83,12 @@ def test_ray_launcher_serves_a_chat_and_leaves_nothing_behind(checkpoint, monkey
 
     threading.Thread(target=pump, daemon=True).start()
     try:
-        end = time.monotonic() + 240
-        while not ready.wait(0.5):
-            assert proc.poll() is None and time.monotonic() < end, "\n".join(lines[-60:])
+        def up() -> bool:
+            assert proc.poll() is None, "\n".join(lines[-60:])
+            return ready.is_set()
+
+        wait_until(up, timeout_s=240, poll_s=0.5, what="`tandem up --ray` printing its pids",
+                   state=lambda: "\n".join(lines[-60:]))
         pids = {k: int(v) for k, v in (p.split("=") for p in lines[-1].split()[2:])}
         assert set(pids) == {"encoder-0", "language-0", "router"}
         assert all(_alive(p) for p in pids.values())
@@ -121,10 +124,10 @@ def test_ray_launcher_serves_a_chat_and_leaves_nothing_behind(checkpoint, monkey
         pgs = [pg for pg in placement_group_table().values()
                if pg["name"] == f"tandem-{proc.pid}"]  # fmt: skip
         assert pgs and all(pg["state"] == "REMOVED" for pg in pgs)
-        deadline = time.monotonic() + 10  # the reaper of a killed actor's child may lag
-        while any(_alive(p) for p in pids.values()) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [n for n, p in pids.items() if _alive(p)], "service processes left behind"
+        # the reaper of a killed actor's child may lag (a hang guard: the claim is none left)
+        wait_until(lambda: not any(_alive(p) for p in pids.values()), timeout_s=60, poll_s=0.2,
+                   what="no service process left behind",
+                   state=lambda: [n for n, p in pids.items() if _alive(p)])
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

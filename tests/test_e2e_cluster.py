@@ -4,13 +4,15 @@ the tiny Qwen2.5-VL, driven by the official `openai` client, raw HTTP and the SD
 Proves: greedy answers (streaming and not, HTTP and SDK) equal transformers `generate()`,
 including prompts that need resumed transfers (languages reserve only 64 tokens); repeated
 images reach the encoder that caches them; bad input is a 4xx and the router stays healthy;
-a client that disconnects mid-stream frees the language pages within 1 s; 200 concurrent
-requests succeed and leave every block and page free; kill -9 of an encoder under load
-gives each request an answer or a clear error before its deadline and the cluster keeps
-serving; kill -9 of a language instance mid-stream ends that stream with an error event
-and the other instance serves what follows; every turn of a conversation reaches the
-language instance whose prefix cache holds its earlier turns; Ctrl-C of `tandem up`
-leaves no process behind.
+a client that disconnects mid-stream cancels its generation and frees the language pages;
+200 concurrent requests succeed and leave every block and page free; kill -9 of an encoder
+under load gives each request an answer or a clear error (none hangs past its client's
+timeout) and the cluster keeps serving; kill -9 of a language instance mid-stream ends
+that stream with an error event and the other instance serves what follows; every turn of
+a conversation reaches the language instance whose prefix cache holds its earlier turns;
+Ctrl-C of `tandem up` leaves no process behind.
+
+No test here bounds a duration: waits end on the state they wait for (tests/waiting.py).
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ import collections
 import io
 import json
 import os
+import re
 import signal
-import time
 
 import httpx
 import psutil
 import pytest
 from language_oracle import generate, load, make_image, make_inputs
+from waiting import wait_until
 
 from tandem.client import Client, image
 from tandem.launch.cluster import LocalCluster
@@ -110,20 +113,49 @@ def openai_client(cluster):
     return OpenAI(base_url=cluster.http_url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
-def wait_idle(cluster, timeout_s: float) -> dict:
-    """Poll every instance until nothing is held; return the last loads."""
-    end = time.monotonic() + timeout_s
-    while True:
+IDLE_HANG_GUARD_S = 120.0
+
+
+def wait_idle(cluster, timeout_s: float = IDLE_HANG_GUARD_S) -> dict:
+    """Poll every instance until nothing is held; return the loads then (with "idle":
+    True). `timeout_s` is a hang guard: one below `IDLE_HANG_GUARD_S` (an old caller's
+    speed bound) is raised to it, since the claim is the state reached, not how soon.
+    Past it, AssertionError with the last loads."""
+    last: dict = {"idle": False}
+
+    def idle() -> bool:
         langs, encs = cluster.loads("language"), cluster.loads("encoder")
-        idle = all(
+        last.update(language=langs, encoder=encs, idle=all(
             r.free_kv_pages == r.total_kv_pages
             and r.free_embedding_blocks == r.total_embedding_blocks
             and r.transferring + r.waiting + r.running == 0
             for r in langs.values()
-        ) and all(r.queued_requests == 0 and r.open_rooms == 0 for r in encs.values())
-        if idle or time.monotonic() > end:
-            return {"language": langs, "encoder": encs, "idle": idle}
-        time.sleep(0.05)
+        ) and all(r.queued_requests == 0 and r.open_rooms == 0 for r in encs.values()))
+        return last["idle"]
+
+    wait_until(idle, timeout_s=max(timeout_s, IDLE_HANG_GUARD_S),
+               what="every instance idle (no page, block, room or request held)",
+               state=lambda: last)
+    return last
+
+
+def log_tiers(cluster, rid: str) -> set[str]:
+    """The tiers (router, encoder, language) whose log lines name `rid`."""
+    return {ln.split("|")[0].strip().split("-")[0]
+            for ln in cluster.log_text().splitlines() if rid in ln}  # fmt: skip
+
+
+def request_log_lines(cluster, rid: str) -> dict[str, str]:
+    """The one line per finished request of each tier that logged `rid`: the router's
+    "<rid>: <outcome> in <n> ms ..." and the language's "<rid> room <n>: <outcome>"."""
+    out = {}
+    for ln in cluster.log_text().splitlines():
+        tier = ln.split("|")[0].strip().split("-")[0]
+        if tier == "router" and re.search(rf"{re.escape(rid)}: .+ in \d+ ms", ln):
+            out["router"] = ln
+        elif tier == "language" and re.search(rf"{re.escape(rid)} room \d+: ", ln):
+            out["language"] = ln
+    return out
 
 
 @pytest.mark.parametrize("name,text,images", CHATS, ids=[c[0] for c in CHATS])
@@ -204,14 +236,18 @@ def test_bad_input_is_4xx_and_router_stays_healthy(cluster):
     assert httpx.get(cluster.http_url + "/health").status_code == 200
     r = httpx.post(url, json={"model": "", "messages": good, "max_tokens": 2}, timeout=30)
     assert r.status_code == 200
-    assert wait_idle(cluster, 5)["idle"]
+    assert wait_idle(cluster)["idle"]
 
 
-def test_client_disconnect_frees_pages_within_1s(cluster):
+def test_client_disconnect_cancels_the_generation_and_frees_pages(cluster):
+    """A client that hangs up mid-stream ends its generation: the language tier logs it
+    cancelled (not finished after its 4000 tokens) and every page is free again."""
     body = {"model": "", "messages": openai_messages("Tell me a story.", [(5, (56, 56))]),
             "max_tokens": 4000, "ignore_eos": True, "temperature": 0, "stream": True}
+    rid = "hang-up-mid-stream"
     with httpx.Client(timeout=30) as http:
-        with http.stream("POST", cluster.http_url + "/v1/chat/completions", json=body) as r:
+        with http.stream("POST", cluster.http_url + "/v1/chat/completions", json=body,
+                         headers={"X-Request-Id": rid}) as r:
             assert r.status_code == 200
             lines = r.iter_lines()
             got = 0
@@ -222,10 +258,17 @@ def test_client_disconnect_frees_pages_within_1s(cluster):
                     break
             busy = sum(x.running + x.waiting for x in cluster.loads("language").values())
             assert busy >= 1  # the generation is still running when we hang up
-        closed = time.monotonic()
-    state = wait_idle(cluster, 1.0)
-    freed_in = time.monotonic() - closed
-    assert state["idle"], (freed_in, state)
+
+    # what ended it: the hang-up (both tiers' one line per request say so), not its length
+    def both_lines() -> dict[str, str] | None:
+        got = request_log_lines(cluster, rid)
+        return got if got.keys() >= {"router", "language"} else None
+
+    lines = wait_until(both_lines, timeout_s=60, what=f"{rid}'s router and language lines",
+                       state=lambda: request_log_lines(cluster, rid))
+    assert f"{rid}: CANCELLED (client gone)" in lines["router"], lines
+    assert re.search(r"room \d+: cancelled$", lines["language"]), lines
+    assert wait_idle(cluster)["idle"]
 
 
 def test_deadline_gives_504_or_error_event_and_frees(cluster):
@@ -239,7 +282,7 @@ def test_deadline_gives_504_or_error_event_and_frees(cluster):
         assert '"deadline_exceeded"' in r.text and r.text.rstrip().endswith("data: [DONE]")
     else:
         assert r.status_code == 504
-    assert wait_idle(cluster, 2)["idle"]
+    assert wait_idle(cluster)["idle"]
 
 
 async def _many(cluster, n: int, timeout_ms: int, on_progress=None, stagger_s: float = 0.0,
@@ -279,7 +322,7 @@ def test_200_concurrent_requests_then_everything_free(cluster):
     results = asyncio.run(_many(cluster, 200, timeout_ms=120_000))
     bad = [r for r in results if isinstance(r, BaseException) or not _ok(r)]
     assert not bad, bad[:3]
-    state = wait_idle(cluster, 10)
+    state = wait_idle(cluster)
     assert state["idle"], state
 
 
@@ -300,12 +343,11 @@ def test_kill9_encoder_during_load(cluster):
             await asyncio.sleep(0.01)
         os.kill(victim, signal.SIGKILL)
 
-    t0 = time.monotonic()
     results = asyncio.run(_many(cluster, 50, timeout_ms, on_progress=kill_while_it_works,
                                 stagger_s=0.05, distinct_images=True))
-    assert time.monotonic() - t0 < timeout_ms / 1000 + 10  # nobody hung past its deadline
     for r in results:
-        assert not isinstance(r, BaseException), r  # an httpx timeout would land here
+        # nobody hung: each client's own timeout (its deadline + 15 s) would land here
+        assert not isinstance(r, BaseException), r
         status, text = r
         if not _ok(r):  # a clear error: OpenAI error shape, 5xx status or error event
             assert status in (200, 502, 503, 504) and '"error"' in text, (status, text[:300])
@@ -317,13 +359,14 @@ def test_kill9_encoder_during_load(cluster):
     # The cluster serves the next requests normally (on the surviving encoder).
     after = asyncio.run(_many(cluster, 10, timeout_ms))
     assert all(_ok(r) for r in after), after
-    assert wait_idle(cluster, 10)["idle"]
+    assert wait_idle(cluster)["idle"]
 
 
-def stream_and_kill(cluster, victim_of) -> tuple[list[str], float]:
+def stream_and_kill(cluster, victim_of) -> list[str]:
     """Stream a long chat; once 3 content chunks have arrived, SIGKILL `victim_of(pid of
-    the language instance serving it)`; read the stream to its end. Returns its `data:`
-    events and the seconds from the kill to the stream's end."""
+    the language instance serving it)`; read the stream to its end (a read that waits
+    past the client's 30 s timeout raises: the stream must end, not stall). Returns its
+    `data:` events."""
     body = {"model": "", "messages": openai_messages("Keep talking.", [(7, (56, 56))]),
             "max_tokens": 4000, "ignore_eos": True, "stream": True, "timeout_ms": 60_000}
     pid_of = {i.address: i.pid for n, i in cluster.instances.items()
@@ -340,14 +383,12 @@ def stream_and_kill(cluster, victim_of) -> tuple[list[str], float]:
             busy = [a for a, x in cluster.loads("language").items() if x.running]
             assert len(busy) == 1
             os.kill(victim_of(pid_of[busy[0]]), signal.SIGKILL)
-            t0 = time.monotonic()
             events.extend(lines)  # the rest of the stream: it must end, with an error
-            ended_after = time.monotonic() - t0
-    return [e for e in events if e.startswith("data: ")], ended_after
+    return [e for e in events if e.startswith("data: ")]
 
 
 def test_kill9_language_mid_stream_ends_with_error_event(cluster):
-    data, _ = stream_and_kill(cluster, lambda pid: pid)
+    data = stream_and_kill(cluster, lambda pid: pid)
     assert data[-1] == "data: [DONE]" and '"error"' in data[-2], data[-3:]
     assert '"finish_reason": "stop"' not in "".join(data)
     # the surviving language instance serves the next requests
@@ -384,14 +425,10 @@ def test_request_id_is_echoed_and_greps_across_the_three_tiers(cluster):
         assert r.status_code == 200 and r.headers["x-request-id"] == rid
         first = r.json() if not stream else json.loads(r.text.split("data: ", 2)[1])
         assert first["id"] == f"chatcmpl-{rid}"
-        tiers: set[str] = set()
-        for _ in range(50):  # the children's log lines arrive through pipes
-            tiers = {ln.split("|")[0].strip().split("-")[0]
-                     for ln in cluster.log_text().splitlines() if rid in ln}  # fmt: skip
-            if tiers >= {"router", "encoder", "language"}:
-                break
-            time.sleep(0.1)
-        assert tiers >= {"router", "encoder", "language"}, tiers
+        # the children's log lines arrive through pipes
+        wait_until(lambda r=rid: log_tiers(cluster, r) >= {"router", "encoder", "language"},
+                   timeout_s=60, what=f"{rid} in the router's, an encoder's and a language's log",
+                   state=lambda r=rid: log_tiers(cluster, r))
         # the router's one line per finished request: status, tokens, stage times, route
         (line,) = [ln for ln in cluster.log_text().splitlines()
                    if ln.startswith("router") and f"{rid}: OK" in ln]
@@ -406,7 +443,7 @@ def test_ctrl_c_stops_every_child(cluster):
     children = up.children(recursive=True)
     assert len(children) >= 3  # router, 1 surviving language, 1 surviving encoder
     assert cluster.stop(signal.SIGINT) == 0
-    _, alive = psutil.wait_procs(children, timeout=5)
+    _, alive = psutil.wait_procs(children, timeout=60)  # a hang guard: the claim is none left
     assert alive == [], alive
     assert "[up] stopped" in cluster.log_text()
 

@@ -17,7 +17,6 @@ import asyncio
 import collections
 import os
 import signal
-import time
 
 import pytest
 from test_e2e_cluster import _many, _ok, wait_idle
@@ -38,7 +37,6 @@ def cluster(checkpoint):
 
 def test_sigstop_of_one_encoder_under_load_fails_no_request(cluster):
     victim = cluster.instances["encoder-0"]
-    frozen_at: list[float] = []
 
     async def freeze_while_it_works(tasks):
         for _ in range(500):
@@ -47,7 +45,6 @@ def test_sigstop_of_one_encoder_under_load_fails_no_request(cluster):
                 break
             await asyncio.sleep(0.01)
         os.kill(victim.pid, signal.SIGSTOP)
-        frozen_at.append(time.monotonic())
 
     try:
         results = asyncio.run(_many(cluster, CONCURRENCY, timeout_ms=60_000,
@@ -55,14 +52,13 @@ def test_sigstop_of_one_encoder_under_load_fails_no_request(cluster):
                                     distinct_images=True))
     finally:
         os.kill(victim.pid, signal.SIGCONT)
-    took = time.monotonic() - frozen_at[0]
     outcomes = collections.Counter(
         "ok" if not isinstance(r, BaseException) and _ok(r)
         else repr(r)[:160] if isinstance(r, BaseException) else f"{r[0]}: {r[1][:160]}"
         for r in results)
     moved = [ln for ln in cluster.lines if "ejected" in ln or "retrying" in ln]
-    print(f"SIGSTOP outcomes after {took:.1f} s:", dict(outcomes))
+    print("SIGSTOP outcomes:", dict(outcomes))
     print("\n".join(moved[:8]))
     assert outcomes["ok"] == CONCURRENCY, dict(outcomes)
     # Thawed, the frozen encoder finds its rooms gone; everything is returned everywhere.
-    assert wait_idle(cluster, 30)["idle"]
+    assert wait_idle(cluster)["idle"]

@@ -81,13 +81,14 @@ def test_tp2_greedy_equals_transformers_through_the_cluster(setup):
 
 def test_kill9_of_rank_1_mid_stream_fails_over_to_the_other_instance(checkpoint):
     """Two language instances of 2 ranks each: kill -9 of rank 1 of the one serving a
-    stream ends that stream with an error event within 5 s (rank 0 ends the instance), the
-    next requests succeed on the other instance, and the encoder holds no room after."""
+    stream ends that stream with an error event (rank 0 ends the instance; the stream
+    ends rather than stalls past its client's read timeout), the next requests succeed on
+    the other instance, and the encoder holds no room after."""
     import asyncio
-    import time
 
     import psutil
     from test_e2e_cluster import _many, _ok, stream_and_kill
+    from waiting import wait_until
 
     cl = LocalCluster(str(checkpoint("qwen2_5_vl")), encoders=1, languages=2,
                       language_args="--tp 2 --kv-pages 256 --kv-page-size 4")
@@ -98,14 +99,11 @@ def test_kill9_of_rank_1_mid_stream_fails_over_to_the_other_instance(checkpoint)
         return worker.pid
 
     with cl:
-        data, ended_after = stream_and_kill(cl, rank1)
+        data = stream_and_kill(cl, rank1)
         assert data[-1] == "data: [DONE]" and '"error"' in data[-2], data[-3:]
-        assert ended_after < 5, ended_after
         after = asyncio.run(_many(cl, 6, 30_000))  # served by the surviving instance
         assert all(_ok(r) for r in after), after
-        for _ in range(100):
-            encs = cl.loads("encoder").values()
-            if all(e.open_rooms == 0 and e.queued_requests == 0 for e in encs):
-                break
-            time.sleep(0.05)
-        assert all(e.open_rooms == 0 and e.queued_requests == 0 for e in encs)
+        wait_until(lambda: all(e.open_rooms == 0 and e.queued_requests == 0
+                               for e in cl.loads("encoder").values()),
+                   timeout_s=60, what="the encoder holds no room and no request",
+                   state=lambda: cl.loads("encoder"))

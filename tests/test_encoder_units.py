@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from encoder_peers.chats import chat, png  # noqa: E402
+from waiting import wait_until  # noqa: E402
 
 from services.encoder.cache import CachedFeatures, EmbeddingCache  # noqa: E402
 from services.encoder.config import EncoderConfig  # noqa: E402
@@ -119,10 +120,21 @@ def test_per_image_pixel_bounds_are_clamped(tiny_pipe):
     assert small.images[0].hash != base.hash  # identity is the processed pixels
 
 
+# /endless.png?<key>: how each such fetch went, seen from the server; a callable in
+# _ON_FIRST_BYTE[key] runs once its first byte is out
+_ENDLESS: dict[str, dict] = {}
+_ON_FIRST_BYTE: dict[str, object] = {}
+ENDLESS_BYTES = 300  # a byte every 0.2 s: the server gives up after about a minute
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
     body = png(64, 48, 9)
 
     def do_GET(self):  # noqa: N802
+        path, _, key = self.path.partition("?")
+        if path == "/endless.png":
+            self._endless(key)
+            return
         if self.path == "/slow.png":
             time.sleep(1.5)
         if self.path == "/trickle.png":  # a byte every 0.2 s: no single read ever times out
@@ -147,6 +159,27 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(self.body)))
         self.end_headers()
         self.wfile.write(self.body)
+
+    def _endless(self, key: str) -> None:
+        """A byte every 0.2 s of a body that never completes, until the client hangs up
+        or (a hang guard) ENDLESS_BYTES are out and the server hangs up itself; records
+        the bytes sent and which side ended it."""
+        seen = _ENDLESS[key] = {"sent": 0, "ended_by": None}
+        try:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(self.body)))
+            self.end_headers()
+            for b in self.body[:ENDLESS_BYTES]:
+                self.wfile.write(bytes([b]))
+                self.wfile.flush()
+                seen["sent"] += 1
+                if seen["sent"] == 1 and (hook := _ON_FIRST_BYTE.pop(key, None)):
+                    hook()
+                time.sleep(0.2)
+            seen["ended_by"] = "server"
+        except OSError:
+            seen["ended_by"] = "client"
+        self.close_connection = True
 
     def log_message(self, *a):
         pass
@@ -349,21 +382,33 @@ def test_fair_pool_serves_clients_in_turn_and_drops_cancelled_jobs():
 
 def test_budget_stops_a_fetch_once_the_request_has_ended(http_server):
     """A worker fetching a trickling URL for a request that has gone (its Encode
-    cancelled) or run out of time is let go at the next byte, not at the fetch timeout."""
+    cancelled) or run out of time is let go by the request's Budget, not by the fetch
+    timeout. The URL's timeout (an hour) cannot fire here and the body never completes, so
+    only the budget can end the fetch: TimeoutError (the url's own timeout would be a
+    ChatError, and the server giving up, at ENDLESS_BYTES, a ChatError for the cut body),
+    and it is the client that hung up, mid-body."""
     from services.encoder.images import Budget
 
-    lim = ImageLimits(10**6, 10**7, ("127.0.0.1",), allow_private_urls=True, url_timeout_s=30)
+    lim = ImageLimits(10**6, 10**7, ("127.0.0.1",), allow_private_urls=True,
+                      url_timeout_s=3600)
+
+    def fetch(key: str, budget: Budget) -> dict:
+        url = f"{http_server}/endless.png?{key}"
+        with pytest.raises(TimeoutError):
+            image_bytes(ImageInput(url=url), "f", lim, budget)
+        # the server sees the hang-up at its next write: a hang guard, not a bound
+        wait_until(lambda: _ENDLESS[key]["ended_by"], timeout_s=60,
+                   what=f"the {key} fetch's server side ended", state=lambda: _ENDLESS[key])
+        return _ENDLESS[key]
+
+    # the request is gone (its stop set once the first byte is out): let go at a next byte
     budget = Budget()
-    threading.Timer(0.5, budget.stop.set).start()
-    t0 = time.monotonic()
-    with pytest.raises(TimeoutError):
-        image_bytes(ImageInput(url=http_server + "/trickle.png"), "f", lim, budget)
-    assert time.monotonic() - t0 < 3
-    t0 = time.monotonic()
-    with pytest.raises(TimeoutError):  # the request's deadline, not the url's 30 s
-        image_bytes(ImageInput(url=http_server + "/trickle.png"), "f", lim,
-                    Budget(deadline=time.monotonic() + 0.5))
-    assert time.monotonic() - t0 < 3
+    _ON_FIRST_BYTE["stopped"] = budget.stop.set
+    seen = fetch("stopped", budget)
+    assert seen["ended_by"] == "client" and seen["sent"] < ENDLESS_BYTES, seen
+    # the request's deadline passes mid-fetch (0.5 s builds the scenario, nothing is timed)
+    seen = fetch("deadline", Budget(deadline=time.monotonic() + 0.5))
+    assert seen["ended_by"] == "client" and seen["sent"] < ENDLESS_BYTES, seen
 
 
 def test_a_huge_text_is_refused_after_tokenizing_about_a_legal_prompts_worth(tiny_pipe):

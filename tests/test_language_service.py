@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,6 +28,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from language_peers.prompts import make_inputs
+from waiting import wait_until
 
 from tandem.launch.procs import free_port
 from tandem.v1 import common_pb2, language_pb2, language_pb2_grpc
@@ -102,15 +104,16 @@ class Language:
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
     def wait_ready(self) -> Language:
-        end = time.monotonic() + 120
-        while time.monotonic() < end:
+        def serving() -> bool:
             assert self.proc.poll() is None, f"language exited: {self.log.read_text()[-2000:]}"
             try:
-                if self.health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                    return self
+                return self.health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == 1
             except grpc.RpcError:
-                time.sleep(0.2)
-        raise AssertionError("language did not become healthy")
+                return False
+
+        wait_until(serving, timeout_s=180, poll_s=0.2, what="the language instance healthy",
+                   state=lambda: self.log.read_text()[-2000:])
+        return self
 
     def generate(self, room, encoder, max_tokens=8, deadline_ms=0, **sampling):
         req = language_pb2.LanguageGenerateRequest(
@@ -121,18 +124,34 @@ class Language:
     def load(self) -> language_pb2.LanguageGetLoadResponse:
         return self.stub.GetLoad(language_pb2.LanguageGetLoadRequest(), timeout=5)
 
-    def assert_all_free(self, timeout: float = 10) -> None:
-        """Everything is freed promptly; the wait only covers cancellation's round trip."""
-        end = time.monotonic() + timeout
-        while True:
+    def assert_all_free(self) -> None:
+        """Every page and block is free and no request is held (the wait covers
+        cancellation's round trip; it is a hang guard, the claim is the state)."""
+        def free() -> bool:
             ld = self.load()
-            free = (ld.free_kv_pages == ld.total_kv_pages
+            return (ld.free_kv_pages == ld.total_kv_pages
                     and ld.free_embedding_blocks == ld.total_embedding_blocks
                     and ld.running == ld.waiting == ld.transferring == 0)  # fmt: skip
-            if free or time.monotonic() > end:
-                break
-            time.sleep(0.05)
-        assert free, ld
+
+        wait_until(free, timeout_s=60, what="every KV page and embedding block free",
+                   state=self.load)
+
+    def wait_transferring(self) -> None:
+        """Until a room waits for its prompt."""
+        wait_until(lambda: self.load().transferring > 0, timeout_s=60, poll_s=0.02,
+                   what="a room waiting for its prompt", state=self.load)
+
+    def finished(self) -> dict[str, float]:
+        """tandem_language_requests_finished_total by reason ("finished_length", ...)."""
+        body = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                      timeout=30).read().decode()
+        return {m.group(1): float(m.group(2)) for m in re.finditer(
+            r'^tandem_language_requests_finished_total\{reason="(\w+)"\} (\S+)$', body, re.M)}
+
+    def finished_since(self, before: dict[str, float]) -> dict[str, float]:
+        """The requests finished since `before` (a `finished()`), by reason; none: {}."""
+        now = self.finished()
+        return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
 
 
 def reference_tokens(ckpt) -> list[list[int]]:
@@ -250,8 +269,12 @@ def _first_then(call, action):
 
 
 def test_abort_cancel_and_deadlines_free_everything(cluster):
+    """Each way a request can be ended early ends it and frees everything: none of the
+    3000-token generations runs to its length (the finished-requests counter says which
+    way each one ended)."""
     lang, peer, *_ = cluster
     long = dict(max_tokens=3000, ignore_eos=True)
+    before = lang.finished()
     # Abort RPC while decoding
     room = next(_rooms)
     call = lang.generate(room, peer.address, **long)
@@ -270,6 +293,10 @@ def test_abort_cancel_and_deadlines_free_everything(cluster):
         _first_then(call, call.cancel)
     assert e.value.code() == grpc.StatusCode.CANCELLED
     lang.assert_all_free()
+    # the hang-up ended it (the server aborted it), as the Abort RPC did the first one, not
+    # its 3000 tokens
+    wait_until(lambda: lang.finished_since(before) == {"finished_abort": 2}, timeout_s=60,
+               what="two requests finished, both aborted", state=lambda: lang.finished_since(before))
 
     # deadline passes while decoding
     room = next(_rooms)
@@ -289,12 +316,12 @@ def test_abort_cancel_and_deadlines_free_everything(cluster):
     # Abort RPC while waiting for the prompt
     room = next(_rooms)
     call = lang.generate(room, peer.address)
-    while lang.load().transferring == 0:
-        time.sleep(0.02)
+    lang.wait_transferring()
     assert lang.stub.Abort(language_pb2.AbortRequest(room=room), timeout=5).found
     msgs = drain(call)
     assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
     lang.assert_all_free()
+    assert "finished_length" not in lang.finished_since(before), lang.finished_since(before)
 
 
 def test_reattach_and_killed_encoder(cluster, refs):
@@ -303,8 +330,7 @@ def test_reattach_and_killed_encoder(cluster, refs):
     room = next(_rooms)
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(drain, lang.generate(room, other.address, MAX_NEW[7]))
-        while lang.load().transferring == 0:
-            time.sleep(0.02)
+        lang.wait_transferring()
         ok = lang.stub.Reattach(
             language_pb2.ReattachRequest(room=room, encoder_address=peer.address), timeout=5
         )
@@ -317,8 +343,7 @@ def test_reattach_and_killed_encoder(cluster, refs):
     # the encoder dies before delivering: the room fails after the reattach grace
     room = next(_rooms)
     call = lang.generate(room, other.address)
-    while lang.load().transferring == 0:
-        time.sleep(0.02)
+    lang.wait_transferring()
     other.kill()
     msgs = drain(call)
     assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_ERROR
@@ -356,8 +381,8 @@ def test_sigterm_drains_then_exits(cluster):
 
     def on_first():
         os.kill(lang.proc.pid, signal.SIGTERM)
-        while not lang.load().draining:
-            time.sleep(0.02)
+        wait_until(lambda: lang.load().draining, timeout_s=60, poll_s=0.02,
+                   what="the language instance draining", state=lang.load)
         states.append(lang.health.Check(health_pb2.HealthCheckRequest(), timeout=5).status)
         refused = drain(lang.generate(next(_rooms), peer.address))
         states.append(refused[-1].error.code)

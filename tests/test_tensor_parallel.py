@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import language_oracle as oracle
 import pytest
@@ -210,9 +209,9 @@ def test_kill9_of_rank_1_ends_the_instance(checkpoint, tmp_path):
         line = p.stdout.readline()
         assert line.startswith("PIDS"), (line, p.stderr.read()[-2000:] if p.poll() is not None else "")
         os.kill(int(line.split()[1]), signal.SIGKILL)
-        t0 = time.monotonic()
-        code = p.wait(timeout=10)
-        assert time.monotonic() - t0 < 5 and code != 0
+        # the instance ends itself (a hang guard, not a bound: the claim is that it ends, non-zero)
+        code = p.wait(timeout=60)
+        assert code != 0
         err = p.stderr.read()
         assert "rank 1 exited" in err and "ending this instance" in err, err[-2000:]
     finally:

@@ -16,7 +16,6 @@ with its own Mooncake engine and buffers) fed by real encoder-side transfer peer
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -111,14 +110,13 @@ def test_a_rank_hung_during_a_copy_ends_the_instance(checkpoint, tmp_path):
         room = next(_rooms)
         call = lang.generate(room, peer.address, MAX_NEW[1])
         peer.send(room, 1)
-        t0 = time.monotonic()
         try:
             msgs = drain(call)
             assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_ERROR, msgs[-1]
         except grpc.RpcError as e:  # the process ended under the stream
             assert e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), e
-        assert lang.proc.wait(timeout=30) != 0
-        assert time.monotonic() - t0 < 25
+        assert lang.proc.wait(timeout=60) != 0  # a hang guard: the claim is that it ends
+        # what ended it: rank 0's wait for the copy, bounded by tp_timeout_s
         assert "rank 1 did not answer within 4 s" in lang.log.read_text()
         assert not peer.wait_sent(room)["ok"]  # the encoder's side of the room ended too
     finally:

@@ -8,7 +8,6 @@ import asyncio
 import os
 import random
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "transfer_peers"))
 from harness import Peer, make_engine, make_receiver, release_all  # noqa: E402
 from peerlib import digest, make_payload  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from waiting import async_wait_until  # noqa: E402
 
 from tandem.transfer import TransferError  # noqa: E402
 
@@ -78,10 +80,14 @@ async def test_soak_200_rooms(tmp_path):
         assert outcome.get("ok", 0) >= 170, outcome
         assert not rx.rooms and not rx.allocator.owners
         assert rx.allocator.num_free == rx.allocator.num_total
-        end = time.monotonic() + 5
-        while (st := await enc.stats())["rooms"] or st["free"] != st["total"]:
-            assert time.monotonic() < end, st
-            await asyncio.sleep(0.05)
+        last = {}
+
+        async def enc_clean() -> bool:
+            last["stats"] = st = await enc.stats()
+            return not st["rooms"] and st["free"] == st["total"]
+
+        await async_wait_until(enc_clean, timeout_s=60, what="the encoder's rooms and slots free",
+                               state=lambda: last.get("stats"))
     finally:
         await enc.stop()
         await rx.close()

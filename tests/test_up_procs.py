@@ -217,12 +217,12 @@ def test_up_help_names_the_ray_launcher():
 
 
 @pytest.mark.parametrize("kind", ["encoder", "language", "router", "up"])
-def test_a_taken_port_stops_each_server_within_seconds_in_one_line(kind, checkpoint):
-    """A second server on a port already in use exits non-zero within 5 s, with one line
-    naming the port: each tier (before its model loads) and `tandem up` (before any tier
-    starts; its router would bind last)."""
+def test_a_taken_port_stops_each_server_in_one_line(kind, checkpoint):
+    """A second server on a port already in use exits non-zero with one line naming the
+    port and no traceback: each tier (it checks the port before its model loads) and
+    `tandem up` (before any tier starts; its router would bind last). How long that takes
+    is not asserted; the run's timeout is only a hang guard."""
     import socket
-    import time as _time
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -235,11 +235,8 @@ def test_a_taken_port_stops_each_server_within_seconds_in_one_line(kind, checkpo
         if kind != "up":
             argv.append("--insecure-internal")
         env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
-        t0 = _time.monotonic()
         r = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
-        took = _time.monotonic() - t0
     assert r.returncode != 0
     errors = [ln for ln in r.stderr.splitlines() if "cannot listen" in ln]
     assert len(errors) == 1 and f"127.0.0.1:{port} ({flag})" in errors[0], r.stderr
     assert "Traceback" not in r.stderr, r.stderr
-    assert took < 5, took

@@ -6,7 +6,6 @@ import os
 import random
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -58,20 +57,22 @@ class EncoderProcess:
         )
 
     def wait_serving(self, timeout: float = 90.0) -> None:
-        end = time.monotonic() + timeout
+        from waiting import wait_until
+
         with grpc.insecure_channel(self.address) as ch:
             stub = health_pb2_grpc.HealthStub(ch)
-            while time.monotonic() < end:
+
+            def serving() -> bool:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"encoder exited: {self.log.read_text()[-3000:]}")
                 try:
                     r = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                    if r.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
                 except grpc.RpcError:
-                    pass
-                time.sleep(0.2)
-        raise TimeoutError(f"encoder not serving: {self.log.read_text()[-3000:]}")
+                    return False
+                return r.status == health_pb2.HealthCheckResponse.SERVING
+
+            wait_until(serving, timeout_s=timeout, what="encoder serving", poll_s=0.2,
+                       state=lambda: self.log.read_text()[-3000:])
 
     def stop(self, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:

@@ -50,16 +50,13 @@ def _deadline(cmd) -> float | None:
 
 async def _report(kind: str, room: int, coro, extra) -> None:
     asyncio.current_task().started = True
-    t0 = time.monotonic()
     try:
         res = await coro
-        emit(event=kind, room=room, ok=True, elapsed=time.monotonic() - t0, **extra(res))
+        emit(event=kind, room=room, ok=True, **extra(res))
     except TransferError as e:
-        emit(event=kind, room=room, ok=False, code=e.code, reason=e.reason,
-             elapsed=time.monotonic() - t0)
+        emit(event=kind, room=room, ok=False, code=e.code, reason=e.reason)
     except asyncio.CancelledError:
-        emit(event=kind, room=room, ok=False, code="CANCELLED", reason="task cancelled",
-             elapsed=time.monotonic() - t0)
+        emit(event=kind, room=room, ok=False, code="CANCELLED", reason="task cancelled")
 
 
 async def main() -> None:
