@@ -14,13 +14,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
+# The encoder process's own setting (services/encoder/main.py), before torch loads MKL: this
+# benchmark runs the pipeline in its own process.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -153,8 +153,8 @@ _RESERVED = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end
 
 
 # No token of a real tokenizer spells more characters than this (long runs of spaces or
-# '=' are the longest, far below): a text longer than max_tokens times it cannot fit, and
-# is refused before the tokenizer spends seconds and gigabytes on it.
+# '=' are the longest, far below): a text longer than max_prompt_tokens times it cannot
+# fit, and is refused before the tokenizer spends seconds and gigabytes on it.
 MAX_CHARS_PER_TOKEN = 64
 # Characters tokenized per piece when a long text is first counted (`_certainly_over`).
 COUNT_PIECE_CHARS = 1 << 17
@@ -215,22 +215,22 @@ class ChatTemplate:
         return "tandem_probe_fn" in text
 
     def token_ids(self, messages: list[Message], hf_messages: list[dict],
-                  image_tokens: list[int], max_tokens: int,
+                  image_tokens: list[int], max_prompt_tokens: int,
                   tools: list[dict] | None = None) -> list[int]:
         """The prompt's ids: the template rendered (with the generation prompt unless the
         chat ends with an assistant turn, and `tools` when given), image i's placeholder
-        repeated image_tokens[i] times; refuses a prompt over `max_tokens`."""
+        repeated image_tokens[i] times; refuses a prompt over `max_prompt_tokens`."""
         if tools and not self.renders_tools:
             raise invalid("tools", "this model's chat template does not render tools")
         texts = [p for m in messages for p in m.parts if isinstance(p, str)]
         chars = sum(len(p) for p in texts)
-        if chars > max_tokens * MAX_CHARS_PER_TOKEN:  # NOTE: before the costly render
+        if chars > max_prompt_tokens * MAX_CHARS_PER_TOKEN:  # NOTE: before the costly render
             raise invalid("messages", f"the chat's text is {chars} characters, more than a "
-                          f"prompt of at most {max_tokens} tokens can hold")
+                          f"prompt of at most {max_prompt_tokens} tokens can hold")
         words = sum(words_in(p) for p in texts)
-        if words > max_tokens:
+        if words > max_prompt_tokens:
             raise invalid("messages", f"the chat's text is {words} words, more than a prompt "
-                          f"of at most {max_tokens} tokens can hold")
+                          f"of at most {max_prompt_tokens} tokens can hold")
         text = self.processor.apply_chat_template(
             hf_messages, tools=tools or None, tokenize=False,
             add_generation_prompt=messages[-1].role != "assistant",
@@ -241,13 +241,12 @@ class ChatTemplate:
         expanded = pieces[0]
         for n, piece in zip(image_tokens, pieces[1:], strict=True):
             expanded += self.image_token * n + piece
-        if self._certainly_over(expanded, max_tokens):
-            raise invalid("messages", f"the prompt is over the limit of {max_tokens} tokens")
+        if self._certainly_over(expanded, max_prompt_tokens):
+            raise invalid("messages", f"the prompt is over the limit of {max_prompt_tokens} tokens")
         ids = self.processor.tokenizer(expanded)["input_ids"]
-        if len(ids) > max_tokens:
-            raise invalid(
-                "messages", f"the prompt is {len(ids)} tokens, over the limit of {max_tokens}"
-            )
+        if len(ids) > max_prompt_tokens:
+            raise invalid("messages", f"the prompt is {len(ids)} tokens, over the limit of "
+                          f"{max_prompt_tokens}")
         return ids
 
     def _certainly_over(self, text: str, limit: int) -> bool:
@@ -273,26 +272,26 @@ class ChatTemplate:
             start = end
         return False
 
-    def raw_ids(self, prompt: str, max_tokens: int) -> list[int]:
+    def raw_ids(self, prompt: str, max_prompt_tokens: int) -> list[int]:
         """A raw prompt's ids (the completions API: no chat template)."""
-        if len(prompt) > max_tokens * MAX_CHARS_PER_TOKEN:
+        if len(prompt) > max_prompt_tokens * MAX_CHARS_PER_TOKEN:
             raise invalid("prompt", f"the prompt is {len(prompt)} characters, more than "
-                          f"{max_tokens} tokens can hold")
-        if words_in(prompt) > max_tokens:
+                          f"{max_prompt_tokens} tokens can hold")
+        if words_in(prompt) > max_prompt_tokens:
             raise invalid("prompt", f"the prompt is {words_in(prompt)} words, more than "
-                          f"{max_tokens} tokens can hold")
-        if self._certainly_over(prompt, max_tokens):
-            raise invalid("prompt", f"the prompt is over the limit of {max_tokens} tokens")
+                          f"{max_prompt_tokens} tokens can hold")
+        if self._certainly_over(prompt, max_prompt_tokens):
+            raise invalid("prompt", f"the prompt is over the limit of {max_prompt_tokens} tokens")
         ids = self.processor.tokenizer(prompt)["input_ids"]
-        if len(ids) > max_tokens:
+        if len(ids) > max_prompt_tokens:
             raise invalid("prompt", f"the prompt is {len(ids)} tokens, over the limit of "
-                          f"{max_tokens}")
+                          f"{max_prompt_tokens}")
         return ids
 
-    def text_only_ids(self, messages: list[Message], max_tokens: int,
+    def text_only_ids(self, messages: list[Message], max_prompt_tokens: int,
                       tools: list[dict] | None = None) -> list[int]:
         """A chat without images -> its prompt ids (an image is refused)."""
         hf_messages, images = self.split(messages)
         if images:
             raise invalid(images[0][0], "this path takes text-only chats")
-        return self.token_ids(messages, hf_messages, [], max_tokens, tools)
+        return self.token_ids(messages, hf_messages, [], max_prompt_tokens, tools)

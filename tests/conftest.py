@@ -16,7 +16,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # MKL picks GEMM kernels by matrix size on AVX-512 CPUs, so a row of a batched product
 # need not equal the same row computed alone; strict reproducibility mode makes rows
 # batch-invariant (the encoder's batched == alone property). Same value as the encoder
-# process sets for itself (services/encoder/__init__.py).
+# process sets for itself (services/encoder/main.py).
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,8 +1,13 @@
-"""The project's modules import one another without a cycle.
+"""The project's modules import one another without a cycle, and the tiers stay apart.
 
 Every `import` / `from ... import` of a project module counts, wherever it stands (module
 top, inside a function, under `TYPE_CHECKING`): an import moved into a function to dodge a
 circle is still a circle in the design, so it fails here too.
+
+Layering: a tier (services/encoder, services/language, services/router) imports only
+itself and the shared package, and the shared package (tandem/) imports no tier. What two
+tiers share lives in tandem/. The same scan also counts a string that names a module of a
+forbidden tier (`importlib.import_module("services.x")` is an import too).
 """
 
 from __future__ import annotations
@@ -39,28 +44,32 @@ def _resolve(name: str, known: dict[str, Path]) -> str | None:
     return None
 
 
+def _imports(mod: str, path: Path, known: dict[str, Path]) -> list[tuple[int, str]]:
+    """(line, project module) for each import in `mod`, wherever it stands."""
+    pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from a.b import c` may import the module a.b.c or the name c of a.b
+            targets = [f"{base}.{a.name}" for a in node.names] or [base]
+        for t in targets:
+            dep = _resolve(t, known)
+            # a package's __init__ is its own parent, not an edge to itself
+            if dep and dep != mod and not mod.startswith(dep + "."):
+                out.append((node.lineno, dep))
+    return out
+
+
 def import_graph() -> dict[str, set[str]]:
     known = _modules()
-    graph: dict[str, set[str]] = {m: set() for m in known}
-    for mod, path in known.items():
-        pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            targets: list[str] = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
-                    base = ".".join(anchor + ([base] if base else []))
-                # `from a.b import c` may import the module a.b.c or the name c of a.b
-                targets = [f"{base}.{a.name}" for a in node.names] or [base]
-            for t in targets:
-                dep = _resolve(t, known)
-                # a package's __init__ is its own parent, not an edge to itself
-                if dep and dep != mod and not mod.startswith(dep + "."):
-                    graph[mod].add(dep)
-    return graph
+    return {mod: {dep for _, dep in _imports(mod, path, known)} for mod, path in known.items()}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -96,6 +105,74 @@ def test_no_import_cycle_in_tandem_and_services():
     assert len(graph) > 50  # the walk sees the project
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+SHARED = "tandem"
+
+
+def layer(mod: str) -> str:
+    """`tandem` for the shared package, `services.<tier>` for a tier."""
+    parts = mod.split(".")
+    return ".".join(parts[:2]) if parts[0] == "services" else parts[0]
+
+
+def allowed(src: str, dst: str) -> bool:
+    """A module may import its own layer and the shared package; nothing else."""
+    return layer(dst) in (layer(src), SHARED)
+
+
+def _named_modules(path: Path, known: dict[str, Path]) -> list[tuple[int, str]]:
+    """(line, module) for each string constant that is exactly a project module's name."""
+    return [(node.lineno, node.value) for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and node.value in known]
+
+
+# The `tandem` command is every process's one entry point (`tandem encoder|language|router`,
+# `python -m tandem.cli` under `tandem up`): it names each tier's config and serve modules
+# as strings and imports them inside the subcommand (tandem/cli.py, SERVICES). Only strings:
+# an `import` of a tier there still fails.
+NAMED_BY_THE_ENTRY_POINT = {"tandem.cli"}
+
+
+def layering_violations(known: dict[str, Path] | None = None) -> list[str]:
+    known = known if known is not None else _modules()
+    out = []
+    for mod, path in sorted(known.items()):
+        rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+        for line, dep in _imports(mod, path, known):
+            if not allowed(mod, dep):
+                out.append(f"{rel}:{line}: {layer(mod)} imports {dep}")
+        if mod in NAMED_BY_THE_ENTRY_POINT:
+            continue
+        for line, dep in _named_modules(path, known):
+            if dep != mod and not allowed(mod, dep):
+                out.append(f"{rel}:{line}: {layer(mod)} names the module {dep!r}")
+    return out
+
+
+def test_the_layering_checker_sees_lazy_and_named_imports(tmp_path):
+    src = tmp_path / "lazy.py"
+    src.write_text("import tandem.units\n"
+                   "def f():\n    from services.router import core\n"
+                   "def g():\n    import importlib\n"
+                   "    return importlib.import_module('services.router.core')\n")
+    (tmp_path / "core.py").write_text("")
+    (tmp_path / "units.py").write_text("")
+    known = {"services.encoder.lazy": src, "services.router.core": tmp_path / "core.py",
+             "tandem.units": tmp_path / "units.py"}
+    assert layering_violations(known) == [
+        f"{src}:3: services.encoder imports services.router.core",
+        f"{src}:6: services.encoder names the module 'services.router.core'"]
+    assert allowed("services.language.engine", "tandem.transfer.payload")
+    assert allowed("services.language.engine", "services.language.model.decoder")
+    assert not allowed("tandem.transfer.receiver", "services.language.request")
+    assert not allowed("services.router.core", "services.encoder.images")
+
+
+def test_no_tier_imports_another_and_tandem_imports_no_tier():
+    violations = layering_violations()
+    assert violations == [], "across the layers:\n" + "\n".join(violations)
 
 
 def test_benchmarks_do_not_import_the_test_suites_conftest():

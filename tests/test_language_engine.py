@@ -60,8 +60,8 @@ def collect(engine: Engine, reqs: list[Request], timeout: float = 120) -> dict[i
     """Submit all, gather every request's deltas until each has finished."""
     q: queue.Queue = queue.Queue()
     for r in reqs:
-        engine.submit(r, lambda d, rid=r.rid: q.put((rid, d)))
-    out: dict[int, list[StreamDelta]] = {r.rid: [] for r in reqs}
+        engine.submit(r, lambda d, rid=r.room: q.put((rid, d)))
+    out: dict[int, list[StreamDelta]] = {r.room: [] for r in reqs}
     pending = len(reqs)
     while pending:
         rid, d = q.get(timeout=timeout)
@@ -80,8 +80,8 @@ def greedy_requests(case: Case, base: int) -> list[Request]:
 def check_greedy_streams(case: Case, engine: Engine, reqs: list[Request], streams) -> None:
     """Every request's tokens, text, finish reason and usage equal the oracle's."""
     for r, ref, n in zip(reqs, case.refs, case.max_new, strict=True):
-        deltas = streams[r.rid]
-        assert [t for d in deltas for t in d.token_ids] == ref, f"request {r.rid}"
+        deltas = streams[r.room]
+        assert [t for d in deltas for t in d.token_ids] == ref, f"request {r.room}"
         last = deltas[-1]
         stopped = ref[-1] in engine.eos
         assert len(ref) == n or stopped
@@ -183,7 +183,7 @@ def test_abort_deadline_and_shutdown_free_every_page(checkpoint):
         b = Request(2, SamplingParams(**long), case.payloads[10], deadline=time.monotonic() - 1)
         c = Request(3, SamplingParams(**long), case.payloads[11])
         for r in (a, b, c):
-            engine.submit(r, lambda d, rid=r.rid: q.put((rid, d)))
+            engine.submit(r, lambda d, rid=r.room: q.put((rid, d)))
         finals: dict[int, StreamDelta] = {}
         aborted = False
         while 2 not in finals or 1 not in finals:
@@ -280,12 +280,12 @@ def test_shaped_rows_leave_free_rows_equal_to_generate(checkpoint):
         ]
         streams = collect(engine, free + twins)
         for r, ref in zip(free, case.refs[:8], strict=True):
-            assert [t for d in streams[r.rid] for t in d.token_ids] == ref, f"request {r.rid}"
-        twin_tokens = [[t for d in streams[r.rid] for t in d.token_ids] for r in twins]
+            assert [t for d in streams[r.room] for t in d.token_ids] == ref, f"request {r.room}"
+        twin_tokens = [[t for d in streams[r.room] for t in d.token_ids] for r in twins]
         assert twin_tokens != case.refs[:8]
         for r, toks in zip(twins, twin_tokens, strict=True):
             assert len(toks) == r.sampling.max_tokens  # min_tokens: no early EOS
-            tops = [t for d in streams[r.rid] for t in d.top_logprobs]
+            tops = [t for d in streams[r.room] for t in d.top_logprobs]
             assert len(tops) == len(toks) and all(len(t) == 4 for t in tops)
         assert engine.pool.num_free == engine.pool.num_total
     finally:

@@ -62,14 +62,14 @@ class ContentModel:
                 self.slots[c.block_table[p // PAGE] * PAGE + p % PAGE] = (p, self.digest(req, p))
             for p in range(end):
                 slot = self.slots[c.block_table[p // PAGE] * PAGE + p % PAGE]
-                assert slot == (p, self.digest(req, p)), f"request {req.rid} reads foreign KV at {p}"
+                assert slot == (p, self.digest(req, p)), f"request {req.room} reads foreign KV at {p}"
             out.append(int.from_bytes(self.digest(req, end - 1)[:4], "little") % 1000)
         return out
 
 
 def run(sched: Scheduler, reqs: list[Request]) -> ContentModel:
     model = sched.model  # one per scheduler: it is the KV the scheduler's pages name
-    by_id = {r.rid: r for r in reqs}
+    by_id = {r.room: r for r in reqs}
     for _ in range(5000):
         step = sched.schedule()
         if step is None:
@@ -263,10 +263,10 @@ def pinned_request(cache: PrefixCache, ids: list[int], max_tokens: int) -> Reque
     """A request as the engine submits one whose cached prefix was pinned during its
     transfer: it holds the pinned pages, its payload's rows start after them."""
     req = make_request(ids, max_tokens=max_tokens)
-    start = cache.pin(req.rid, ids, [])
+    start = cache.pin(req.room, ids, [])
     assert start > 0
     req.prompt = req.prompt.rows_from(start)
-    req.block_table = cache.take_pin(req.rid, start)
+    req.block_table = cache.take_pin(req.room, start)
     req.num_pinned_pages = req.num_keyed_pages = len(req.block_table)
     req.num_computed_tokens = start
     return req
@@ -290,13 +290,13 @@ def test_an_older_head_blocked_by_a_pinned_waiter_lets_it_go_first():
         if step is None:
             break
         assert not step.failed, [r.error for r in step.failed]
-        order += [c.req.rid for c in step.chunks if c.req.rid not in order]
-        tokens = model.forward(step.batch, {r.rid: r for r in (head, waiter)})
+        order += [c.req.room for c in step.chunks if c.req.room not in order]
+        tokens = model.forward(step.batch, {r.room: r for r in (head, waiter)})
         sched.commit(step, [t if c.samples else None for c, t in zip(step.chunks, tokens, strict=True)])
         for c in step.chunks:
             if c.samples and len(c.req.output_ids) >= c.req.sampling.max_tokens:
                 sched.finish(c.req, RequestStatus.FINISHED_LENGTH)
-    assert order == [waiter.rid, head.rid]
+    assert order == [waiter.room, head.room]
     assert head.status is waiter.status is RequestStatus.FINISHED_LENGTH
     all_idle_or_free(cache)
 

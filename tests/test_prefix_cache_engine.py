@@ -77,7 +77,7 @@ def test_multi_turn_chat_with_image_equals_generate(chat, chunk):
         prev_len = 0
         for turn in range(3):
             req, ref = chat.request(10 + turn, messages, [image], ["img7"])
-            out = collect(engine, [req])[req.rid]
+            out = collect(engine, [req])[req.room]
             assert tokens(out) == ref, f"turn {turn}"
             assert out[-1].cached_tokens == req.cached_tokens
             if turn:  # the previous turn's prompt (and reply) is cached, a page at least
@@ -104,7 +104,7 @@ def test_same_text_other_image_or_place_shares_no_image_page(chat):
                                                      {"type": "text", "text": text}]}]
         c, ref_c = chat.request(3, moved, [a_img], ["a"])
         for req, ref in ((a, ref_a), (b, ref_b), (c, ref_c)):
-            assert tokens(collect(engine, [req])[req.rid]) == ref
+            assert tokens(collect(engine, [req])[req.room]) == ref
         first_pad = a.prompt.info.images[0].start
         assert b.cached_tokens == first_pad // 4 * 4  # only pages wholly before the image
         assert c.cached_tokens <= first_pad // 4 * 4 + 4  # "Look: " differs from there on
@@ -125,12 +125,12 @@ def test_sharers_run_concurrently_through_retractions(chat):
         image = oracle.make_image(3, (56, 56))
         sys = [{"role": "system", "content": [{"type": "text", "text": SYSTEM}]}]
         warm, ref = chat.request(1, sys + [user("Hi.", 1)], [image], ["img3"], max_tokens=4)
-        assert tokens(collect(engine, [warm])[warm.rid]) == ref
+        assert tokens(collect(engine, [warm])[warm.room]) == ref
         pairs = [chat.request(10 + i, sys + [user(f"Question {i}: " + "why? " * i, 1)],
                               [image], ["img3"], max_tokens=12) for i in range(6)]
         streams = collect(engine, [r for r, _ in pairs])
         for r, ref in pairs:
-            assert tokens(streams[r.rid]) == ref, f"request {r.rid}"
+            assert tokens(streams[r.room]) == ref, f"request {r.room}"
             assert r.cached_tokens > 0
         assert engine.scheduler.num_retractions > 0
         assert_pages_settled(engine)

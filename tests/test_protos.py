@@ -1,7 +1,9 @@
-"""The wire contract: buf lint is clean and every message survives a round trip."""
+"""The wire contract: buf lint is clean, and a field has presence exactly where our code
+tells "unset" from zero."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import shutil
 import subprocess
@@ -79,14 +81,61 @@ def _all_message_classes():
             yield desc.full_name, getattr(mod, desc.name)
 
 
-@pytest.mark.parametrize("name,cls", list(_all_message_classes()))
-def test_round_trip(name, cls):
-    msg = _filled(cls)
-    back = cls.FromString(msg.SerializeToString())
-    assert back == msg
-    # Every non-oneof field was set, so the encoding is not trivially empty.
-    if cls.DESCRIPTOR.fields:
-        assert msg.ByteSize() > 0
+def _has_field_reads() -> dict[str, list[str]]:
+    """name -> where: every `x.HasField("name")` in tandem/ and services/ (stubs aside)."""
+    out: dict[str, list[str]] = {}
+    for pkg in ("tandem", "services"):
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel.startswith("tandem/v1/"):
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), rel)):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr == "HasField" and node.args
+                        and isinstance(node.args[0], ast.Constant)):
+                    out.setdefault(node.args[0].value, []).append(f"{rel}:{node.lineno}")
+    return out
+
+
+def _optional_scalars(fields) -> set[str]:
+    """Scalars declared `optional` (proto3 presence: a synthetic oneof of their own)."""
+    return {f"{f.containing_type.full_name}.{f.name}" for f in fields
+            if f.has_presence and f.type != FieldDescriptor.TYPE_MESSAGE
+            and f.containing_oneof is not None and f.containing_oneof.name == f"_{f.name}"}
+
+
+def _all_fields():
+    return [f for _, cls in _all_message_classes() for f in cls.DESCRIPTOR.fields]
+
+
+def test_fields_read_for_presence_have_it():
+    """Where the code asks whether a field was set (`seed`: 0 is a seed, unset draws one),
+    the field must carry presence (`optional`, a message, a oneof member): on a plain
+    proto3 scalar, 0 and unset are the same bytes, and HasField raises at run time."""
+    reads = _has_field_reads()
+    assert "seed" in reads  # the scan sees the code
+    fields, oneofs = _all_fields(), {o.name for _, c in _all_message_classes()
+                                     for o in c.DESCRIPTOR.oneofs}
+    wrong = []
+    for name, lines in sorted(reads.items()):
+        where = ", ".join(lines)
+        named = [f for f in fields if f.name == name]
+        if not named and name not in oneofs:
+            wrong.append(f"{name} (read at {where}): no such field in protos/tandem/v1")
+        for f in named:
+            if not f.has_presence:
+                wrong.append(f"{f.full_name} (read at {where}): no presence; declare it "
+                             f"`optional` or stop asking whether it was set")
+    assert wrong == [], "\n".join(wrong)
+
+
+def test_every_optional_scalar_is_read_for_presence():
+    """A scalar is `optional` only because its zero is a value and unset means something
+    else: then some code must tell the two apart (HasField), or the presence is dead."""
+    reads, optional = _has_field_reads(), _optional_scalars(_all_fields())
+    assert "tandem.v1.SamplingParams.seed" in optional  # the scan sees presence
+    unread = sorted(f for f in optional if f.rpartition(".")[2] not in reads)
+    assert unread == [], f"optional but never read with HasField: {unread}"
 
 
 @pytest.mark.parametrize(

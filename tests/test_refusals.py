@@ -73,11 +73,22 @@ def test_in_debt_requests_wait_one_at_a_time_and_the_queue_is_bounded():
 
 
 def test_off_when_rate_is_zero():
-    b = RefusalBudget(rate=0, burst=0, max_hold_s=1)
+    """`rate` 0 turns the budget off: a refusal leaves no debt and no request waits. With a
+    clock that never moves, a budget that were on would hold the next request until its
+    hold ran out (HeldTooLong) or divide by the zero rate."""
+    holds: list[str] = []
+    b = RefusalBudget(rate=0, burst=0, max_hold_s=1, clock=Clock(), on_hold=holds.append)
 
     async def go():
-        for _ in range(3):
-            (await b.enter("a")).answered(400, 10**6)
+        for status in (400, 401, 413):
+            (await b.enter("a")).answered(status, 10**6)
+            assert b.level("a") == 0  # no debt, however large the refusal
+        # three at once, none closed: no gate is taken, so none waits on another
+        tickets = await asyncio.gather(*(b.enter("a") for _ in range(3)))
+        for t in tickets:
+            t.answered(400, 10**6)
+        assert b.level("a") == 0
+        assert holds == []  # never held: neither "passed" after a wait nor "refused"
 
     asyncio.run(go())
 

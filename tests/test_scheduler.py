@@ -68,7 +68,7 @@ class SlotModel:
 
 def run(sched: Scheduler, reqs: list[Request], max_steps: int = 2000, on_step=None):
     """Drive the loop until every request finishes by length; return the steps."""
-    model, by_id, steps = SlotModel(), {r.rid: r for r in reqs}, []
+    model, by_id, steps = SlotModel(), {r.room: r for r in reqs}, []
     for _ in range(max_steps):
         step = sched.schedule()
         if step is None:
@@ -113,7 +113,7 @@ def test_prefill_chunks_and_decodes_share_a_step():
     sched.commit(first, [7])  # a is now RUNNING
     sched.add(b)
     step = sched.schedule()
-    assert [(c.req.rid, c.num_tokens) for c in step.chunks] == [(a.rid, 1), (b.rid, 16)]
+    assert [(c.req.room, c.num_tokens) for c in step.chunks] == [(a.room, 1), (b.room, 16)]
     assert step.batch.chunks[0].is_decode and not step.batch.chunks[1].is_decode
     assert not step.batch.is_pure_decode
     sched.finish(a, RequestStatus.FINISHED_ABORT)
@@ -128,8 +128,8 @@ def test_queue_order(policy):
     sched.add(low)
     sched.add(high)
     order = []
-    run(sched, [low, high], on_step=lambda s: order.extend(c.req.rid for c in s.chunks))
-    expected = [low.rid, high.rid] if policy == "fcfs" else [high.rid, low.rid]
+    run(sched, [low, high], on_step=lambda s: order.extend(c.req.room for c in s.chunks))
+    expected = [low.room, high.room] if policy == "fcfs" else [high.room, low.room]
     assert order == expected
 
 
@@ -200,7 +200,7 @@ def test_lone_request_that_outgrows_the_pool_fails_and_frees():
         step = sched.schedule()
         if step.failed:
             break
-        toks = model.forward(step.batch, {req.rid: req})
+        toks = model.forward(step.batch, {req.room: req})
         sched.commit(
             step, [t if c.samples else None for c, t in zip(step.chunks, toks, strict=True)]
         )
@@ -215,7 +215,7 @@ def test_abort_at_every_stage_frees_pages(stage):
     reqs = [make_request(12, max_tokens=30) for _ in range(3)]
     for r in reqs:
         sched.add(r)
-    model, by_id = SlotModel(), {r.rid: r for r in reqs}
+    model, by_id = SlotModel(), {r.room: r for r in reqs}
     target = None
     for _ in range(200):
         wanted = {

@@ -101,16 +101,16 @@ def test_json_schema_regex_and_choice_are_always_valid(setup):
             reqs[-1].sampling.logit_bias = ends
         streams = collect(engine, reqs)
         for r in reqs:
-            out = streams[r.rid]
-            assert out[-1].finish_reason is RequestStatus.FINISHED_STOP, (r.rid, text_of(out))
+            out = streams[r.room]
+            assert out[-1].finish_reason is RequestStatus.FINISHED_STOP, (r.room, text_of(out))
         for r in reqs[:20]:
-            Shape.model_validate_json(text_of(streams[r.rid]))  # raises if invalid
+            Shape.model_validate_json(text_of(streams[r.room]))  # raises if invalid
         for r in reqs[20:25]:
-            assert re.fullmatch(r"[a-z]{3}-[0-9]{2}", text_of(streams[r.rid]))
+            assert re.fullmatch(r"[a-z]{3}-[0-9]{2}", text_of(streams[r.room]))
         for r in reqs[25:30]:
-            assert text_of(streams[r.rid]) in ("yes", "no", "maybe so")
+            assert text_of(streams[r.room]) in ("yes", "no", "maybe so")
         for r in reqs[30:]:
-            assert isinstance(json.loads(text_of(streams[r.rid])), dict)
+            assert isinstance(json.loads(text_of(streams[r.room])), dict)
         assert engine.pool.num_free == engine.pool.num_total
     finally:
         engine.stop()
@@ -124,9 +124,9 @@ def test_free_requests_batched_with_structured_ones_equal_generate(setup):
         shaped = [structured(20 + i, setup, spec, i) for i in range(3)]
         streams = collect(engine, [free[0], shaped[0], free[1], shaped[1], free[2], shaped[2]])
         for r in free:
-            assert [t for d in streams[r.rid] for t in d.token_ids] == setup.ref
+            assert [t for d in streams[r.room] for t in d.token_ids] == setup.ref
         for r in shaped:
-            Shape.model_validate_json(text_of(streams[r.rid]))
+            Shape.model_validate_json(text_of(streams[r.room]))
     finally:
         engine.stop()
 

@@ -9,6 +9,16 @@ progress get up to `drain_timeout_s` to deliver, then the server stops.
 
 from __future__ import annotations
 
+import os
+
+# NOTE: set before torch is imported (and MKL first called) in this process. On AVX-512
+# CPUs MKL picks GEMM kernels by matrix size, so an image's embeddings could differ in the
+# last bits depending on the batch it was encoded in (measured: up to 6e-6 with the small
+# checkpoint); strict conditional numerical reproducibility makes each row batch-invariant,
+# so a cached image equals a freshly encoded one whatever batch computed it. The test suite
+# sets the same value for itself (tests/conftest.py).
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
 import asyncio
 import logging
 

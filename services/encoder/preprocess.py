@@ -76,7 +76,8 @@ class Preprocessor:
         budget = budget or Budget()
         lim = self.limits
         max_images = min(lim.max_images, req.max_images or lim.max_images)
-        max_tokens = min(lim.max_prompt_tokens, req.max_prompt_tokens or lim.max_prompt_tokens)
+        max_prompt_tokens = min(lim.max_prompt_tokens,
+                                req.max_prompt_tokens or lim.max_prompt_tokens)
         hf_messages, image_parts = self.template.split(messages)
         if len(image_parts) > max_images:
             raise invalid(
@@ -86,7 +87,7 @@ class Preprocessor:
         images = [self._image(where, p, budget) for where, p in image_parts]
         budget.check()
         ids = self.template.token_ids(
-            messages, hf_messages, [im.num_tokens for im in images], max_tokens, tools
+            messages, hf_messages, [im.num_tokens for im in images], max_prompt_tokens, tools
         )
         types = self.processor.create_mm_token_type_ids([ids])[0]
         return Prepared(

@@ -105,16 +105,16 @@ class Engine:
             self._thread.join(timeout)
         self.grammars.close()
 
-    def pin_prefix(self, rid: int, info: PromptInfo) -> int:
-        """Pin the cached pages that start `info`'s prompt for room `rid` and return how
+    def pin_prefix(self, room: int, info: PromptInfo) -> int:
+        """Pin the cached pages that start `info`'s prompt for `room` and return how
         many leading tokens they hold: the encoder then sends only the rest, and `submit()`
         hands the pages to the request. Any thread (the receiver's `on_prompt`).
-        NOTE: the caller must `unpin(rid)` on every path where the request is not submitted."""
-        return self.pool.pin(rid, info.token_ids, info.images)
+        NOTE: the caller must `unpin(room)` on every path where the request is not submitted."""
+        return self.pool.pin(room, info.token_ids, info.images)
 
-    def unpin(self, rid: int) -> None:
-        """Release room `rid`'s pin, if it still has one (no-op after `submit`). Any thread."""
-        self.pool.unpin(rid)
+    def unpin(self, room: int) -> None:
+        """Release `room`'s pin, if it still has one (no-op after `submit`). Any thread."""
+        self.pool.unpin(room)
 
     def submit(self, req: Request, sink: Sink) -> None:
         """Queue a request whose prompt is complete; raises AdmissionError on bad input.
@@ -133,28 +133,28 @@ class Engine:
             )
         req.sampling.max_tokens = min(req.sampling.max_tokens, tokens_left)  # the default
         with self._known_lock:
-            if req.rid in self._known:
-                raise AdmissionError(f"request {req.rid} is already running")
-            self._known.add(req.rid)
+            if req.room in self._known:
+                raise AdmissionError(f"request {req.room} is already running")
+            self._known.add(req.room)
         start = req.prompt.start if req.prompt is not None else 0
         try:
-            pages = self.pool.take_pin(req.rid, start)
+            pages = self.pool.take_pin(req.room, start)
         except ValueError as e:
             with self._known_lock:
-                self._known.discard(req.rid)
-            raise AdmissionError(f"request {req.rid}: {e}", "INTERNAL") from None
+                self._known.discard(req.room)
+            raise AdmissionError(f"request {req.room}: {e}", "INTERNAL") from None
         req.block_table = pages
         req.num_pinned_pages = req.num_keyed_pages = len(pages)
         req.num_computed_tokens = start
         self._inbox.put(Submit(req, sink))
         self._wake.set()
 
-    def abort(self, rid: int, reason: str = "aborted", code: str = "CANCELLED") -> bool:
+    def abort(self, room: int, reason: str = "aborted", code: str = "CANCELLED") -> bool:
         """Abort a submitted request at any stage; False when it is unknown or finished."""
         with self._known_lock:
-            if rid not in self._known:
+            if room not in self._known:
                 return False
-        self._inbox.put(Abort(rid, reason, code))
+        self._inbox.put(Abort(room, reason, code))
         self._wake.set()
         return True
 
@@ -205,15 +205,15 @@ class Engine:
                 case Submit(req, sink):
                     detok = IncrementalDetokenizer(self.tokenizer, req.sampling.stop,
                                                    req.sampling.include_stop_str_in_output)
-                    live = self._live[req.rid] = Live(req, sink, detok)
+                    live = self._live[req.room] = Live(req, sink, detok)
                     if req.grammar_future is not None:  # joins the queue once compiled
                         req.status = RequestStatus.WAITING_FOR_GRAMMAR
                         self._compiling.append(live)
                         req.grammar_future.add_done_callback(lambda _f: self._wake.set())
                         continue
                     self._add(live)
-                case Abort(rid, reason, code) if rid in self._live:
-                    self._finish(self._live[rid], RequestStatus.FINISHED_ABORT, reason, code)
+                case Abort(room, reason, code) if room in self._live:
+                    self._finish(self._live[room], RequestStatus.FINISHED_ABORT, reason, code)
 
     def _add(self, live: Live) -> None:
         try:
@@ -234,7 +234,7 @@ class Engine:
                              StreamDelta(error_field=e.field))
                 continue
             except Exception as e:  # the grammar engine itself failed: not the caller's fault
-                log.exception("grammar of request %s failed to compile", live.req.rid)
+                log.exception("grammar of request %s failed to compile", live.req.room)
                 self._finish(live, RequestStatus.FINISHED_ERROR, f"grammar: {e!r}", "INTERNAL")
                 continue
             self._add(live)
@@ -255,7 +255,7 @@ class Engine:
         if step is None:
             return False
         for req in step.failed:
-            self._finish(self._live[req.rid], req.status, req.error, req.error_code)
+            self._finish(self._live[req.room], req.status, req.error, req.error_code)
         if not step.chunks:
             return True
         self.num_steps += 1
@@ -283,7 +283,7 @@ class Engine:
         t2 = time.perf_counter()
         m.count_generated(len(rows))
         for i in rows:
-            self._on_token(self._live[step.chunks[i].req.rid], tokens[i], logprobs[i], tops[i],
+            self._on_token(self._live[step.chunks[i].req.room], tokens[i], logprobs[i], tops[i],
                            now)
         kind = "decode" if step.batch.is_pure_decode else "mixed"
         self.profile[kind + "_s"] += t2 - t0
@@ -331,11 +331,11 @@ class Engine:
         if live in self._compiling:
             self._compiling.remove(live)
         req.status = status
-        self._live.pop(req.rid, None)
+        self._live.pop(req.room, None)
         if req.prompt is not None and self.release_prompt is not None:
             self.release_prompt(req.prompt)
         with self._known_lock:
-            self._known.discard(req.rid)
+            self._known.discard(req.room)
         delta = delta or StreamDelta()
         if status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOP):
             delta.text += live.detok.flush()  # held-back text that never became a stop string
@@ -354,7 +354,7 @@ class Engine:
         try:
             live.sink(delta)
         except Exception:  # a broken sink must not take the engine down
-            log.exception("sink of request %s failed", live.req.rid)
+            log.exception("sink of request %s failed", live.req.room)
             if not delta.finished:
                 self._finish(live, RequestStatus.FINISHED_ABORT, "output sink failed", "INTERNAL")
 

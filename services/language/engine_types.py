@@ -32,9 +32,9 @@ class Submit:
 
 @dataclass
 class Abort:
-    """Inbox event: end request `rid` with an error message and a gRPC code name."""
+    """Inbox event: end `room`'s request with an error message and a gRPC code name."""
 
-    rid: int
+    room: int
     reason: str
     code: str
 

@@ -53,10 +53,6 @@ class KVPagePool:
     def num_total(self) -> int:
         return self._num_total
 
-    @property
-    def num_used(self) -> int:
-        return self._num_total - len(self._free)
-
     def can_alloc(self, n_pages: int) -> bool:
         return 0 <= n_pages <= len(self._free)
 

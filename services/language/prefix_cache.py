@@ -82,7 +82,6 @@ class CacheStats:
     query_tokens: int = 0  # tokens looked up (whole pages offered to match)
     hit_tokens: int = 0  # tokens found cached
     evictions: int = 0  # idle cached pages given back to the free list
-    inserted: int = 0  # pages that got a key
 
 
 class PrefixCache:
@@ -195,7 +194,6 @@ class PrefixCache:
                 return False
             self._page[key] = page
             self._key[page] = key
-            self.stats.inserted += 1
             return True
 
     # ---- pins: a room's cached prefix, held while the rest of its prompt is on its way ---

@@ -167,7 +167,7 @@ _arrival = itertools.count()
 class Request:
     """A request from admission to finish. Owned by the engine thread once submitted."""
 
-    rid: int  # the room id (unique per instance)
+    room: int  # the room id (unique per instance)
     sampling: SamplingParams
     # The prompt: embedding rows from the encoder (from `prompt.start` on: the tokens
     # before it are pinned cached pages), or, for a text-only chat the language tier
@@ -231,10 +231,6 @@ class Request:
     def seq_len(self) -> int:
         """Known tokens: prompt plus generated."""
         return self.prompt_len + len(self.output_ids)
-
-    @property
-    def num_pending(self) -> int:
-        return self.seq_len - self.num_computed_tokens
 
     @property
     def remaining_tokens(self) -> int:

@@ -71,10 +71,6 @@ class Step:
     failed: list[Request] = field(default_factory=list)  # ended by the scheduler this step
 
     @property
-    def num_decode(self) -> int:
-        return sum(1 for c in self.chunks if c.req.status is RequestStatus.RUNNING)
-
-    @property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
 
@@ -371,7 +367,7 @@ class Scheduler:
             a, b = s - prompt.start, e - prompt.start
             assert a >= 0, "a chunk before the prompt's first row (its pinned prefix)"
             return SeqChunk(
-                seq_id=req.rid,
+                seq_id=req.room,
                 start=s,
                 positions=prompt.mrope_positions[:, a:b].to(torch.int64),
                 block_table=pages,
@@ -386,7 +382,7 @@ class Scheduler:
         else:
             ids = req.output_ids[s - L : e - L]
         return SeqChunk(
-            seq_id=req.rid,
+            seq_id=req.room,
             start=s,
             positions=decode_positions(s, prompt.mrope_delta if prompt is not None else 0, e - s),
             block_table=pages,

@@ -177,7 +177,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         self.streams.add(room)
         outcome = "cancelled"  # NOTE: one log line per request (its id greps across tiers)
         req = Request(
-            rid=room, sampling=sampling, request_id=request.request_id,
+            room=room, sampling=sampling, request_id=request.request_id,
             priority=request.priority, status=RequestStatus.WAITING_FOR_INPUT,
             deadline=time.monotonic() + (deadline - now),
         )  # fmt: skip

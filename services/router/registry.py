@@ -54,7 +54,6 @@ class Instance:
     kv_used: float = 0.0
     draining: bool = False
     model: str = ""
-    last_load: object | None = field(default=None, repr=False)
 
     @property
     def load(self) -> float:
@@ -176,7 +175,6 @@ class Pool:
         inst.kv_used = kv_used
         inst.draining = r.draining
         inst.model = r.model
-        inst.last_load = r
         inst.tracker.record_success()
 
     async def poll(self) -> None:
