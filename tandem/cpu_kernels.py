@@ -156,8 +156,16 @@ def kernels():
         return None
     if mod.isa() == "generic" and path == "native":
         log.warning("CPU kernels: no vector path for this CPU (%s: neither AVX-512, AVX2+FMA "
-                    "nor NEON); the generic C++ path is used (slower)", os.uname().machine)
+                    "nor NEON): backend 'auto' keeps torch's ops; 'packed_cpu'/'paged_cpu' "
+                    "run the generic C++ path (slower)", os.uname().machine)
     return mod
+
+
+def _auto_uses(mod) -> bool:
+    """Whether backend 'auto' runs our kernels: only on a vector path. The generic C++ path
+    is there to prove the others and for explicit requests; it runs 0.2-0.5x torch's ops
+    (bench/kernels.py, docs/benchmarks.md)."""
+    return mod is not None and mod.isa() != "generic"
 
 
 def isa() -> str | None:
@@ -178,7 +186,8 @@ BACKENDS = ("auto", "gather", "paged_cpu")
 def decode_attention_op(backend: str, device: torch.device):
     """The decode attention the runner uses (`AttentionMetadata.decode_op`), by config:
 
-    auto       the in-place kernel on CPU where it builds; gather + SDPA otherwise
+    auto       the in-place kernel on CPU where it builds on a vector path; gather + SDPA
+               otherwise
     gather     gather + SDPA everywhere (None)
     paged_cpu  the in-place kernel; refused on CUDA or where it cannot be built
     """
@@ -189,6 +198,8 @@ def decode_attention_op(backend: str, device: torch.device):
     if device.type != "cpu":
         raise ValueError(f"attention_backend paged_cpu runs on the CPU, not on {device}")
     op = paged_decode_op()
+    if backend == "auto" and not _auto_uses(kernels()):
+        return None
     if op is None and backend == "paged_cpu":
         raise ValueError("attention_backend paged_cpu: the kernel could not be built (see log)")
     return op
@@ -236,7 +247,8 @@ def linear_kernels(backend: str, device: torch.device, dtype: torch.dtype):
     """The kernels a model tier runs its linears on (`DenseLinear.pack`, `pack_linears`),
     by config:
 
-    auto        packed on CPU in float32 where the kernels build; torch's F.linear otherwise
+    auto        packed on CPU in float32 where the kernels build on a vector path; torch's
+                F.linear otherwise
     torch       torch's ops everywhere (None)
     packed_cpu  packed; refused on CUDA, in another dtype, or where it cannot be built
     """
@@ -250,7 +262,7 @@ def linear_kernels(backend: str, device: torch.device, dtype: torch.dtype):
     mod = kernels()
     if mod is None and backend == "packed_cpu":
         raise ValueError("linear_backend packed_cpu: the kernels could not be built (see log)")
-    return mod
+    return mod if backend == "packed_cpu" or _auto_uses(mod) else None
 
 
 if __name__ == "__main__":  # `make setup`: build ahead of the first request

@@ -418,3 +418,24 @@ def test_a_build_killed_midway_does_not_block_later_starts():
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
     assert "removing a stale build lock" in r.stderr
     assert not (build / "lock").exists()
+
+
+def test_auto_keeps_torch_ops_where_only_the_generic_path_builds(monkeypatch):
+    """The generic C++ path runs 0.2-0.5x torch's ops: `auto` must not pick it; an explicit
+    request still gets it."""
+    from tandem import cpu_kernels
+
+    class Generic:
+        def isa(self):
+            return "generic"
+
+        def paged_decode_attention(self, *a):
+            raise AssertionError("not called here")
+
+    fake = Generic()
+    monkeypatch.setattr(cpu_kernels, "kernels", lambda: fake)
+    cpu = torch.device("cpu")
+    assert cpu_kernels.linear_kernels("auto", cpu, torch.float32) is None
+    assert cpu_kernels.decode_attention_op("auto", cpu) is None
+    assert cpu_kernels.linear_kernels("packed_cpu", cpu, torch.float32) is fake
+    assert cpu_kernels.decode_attention_op("paged_cpu", cpu) == fake.paged_decode_attention
