@@ -77,3 +77,21 @@ def test_vec16_path_gives_the_native_bits(tmp_path, path):
     diff = [(i, a, b) for i, (a, b) in enumerate(zip(got["native"], got[path], strict=True))
             if a != b]
     assert diff == [], f"{path} differs from native at {len(diff)} values, first {diff[:5]}"
+
+
+def test_every_x86_path_compiles(tmp_path):
+    """Where a path cannot run here (AVX-512 on an AVX2 host), it must still compile: a
+    syntax or intrinsic error in its branch of vec16.h shows here, not on a user's CPU."""
+    import platform
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None or platform.machine() != "x86_64":
+        pytest.skip("needs an x86-64 C++ compiler")
+    for name, flags in {"avx512": ["-march=x86-64-v4"], "avx2": ["-march=x86-64-v3"],
+                        "generic": ["-march=x86-64"]}.items():
+        exe = tmp_path / name
+        r = subprocess.run([cxx, *FLAGS, *flags, str(SRC), "-o",
+                            str(exe)], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, (name, r.stderr[-2000:])
+        strings = exe.read_bytes()
+        assert b"path %s" in strings and name.encode() in strings, name
