@@ -11,8 +11,9 @@ with decode_op None) at 400 keys per row, head dims 64 and 128.
 
 For each case the two sides run in alternating order (A B A B ...), each timing the median
 of `--iters` calls; the figure quoted is the median over `--runs` of the per-run ratio
-torch / ours (> 1: ours faster). Prints the CPU, the kernels' vector path and a markdown
-table (docs/benchmarks.md quotes it).
+torch / ours (> 1: ours faster). Prints the CPU, the kernels' vector path and markdown
+tables, also written to bench/results/kernels-PATH.md (`--out`; docs/benchmarks.md quotes
+them).
 """
 
 from __future__ import annotations
@@ -117,12 +118,18 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--no-attention", action="store_true")
+    ap.add_argument("--out", default=None,
+                    help="markdown file for the tables (default bench/results/kernels-PATH.md, "
+                    "PATH the kernels' vector path)")
     args = ap.parse_args()
     mod = kernels()
     if mod is None:
         sys.exit("the CPU kernels could not be built (see the log)")
-    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; kernel path {mod.isa()}; "
-          f"torch {torch.__version__}")
+    head = (f"CPU: {cpu_model()}, {os.cpu_count()} cores; kernel path {mod.isa()}; "
+            f"torch {torch.__version__}")
+    print(head)
+    tables = [f"# bench/kernels.py, path {mod.isa()}, {time.strftime('%Y-%m-%d %H:%M')}\n",
+              head, f"`{' '.join(['bench/kernels.py', *sys.argv[1:]])}`"]
     for threads in args.threads:
         torch.set_num_threads(threads)
         out = [f"\n{threads} torch thread(s), path {mod.isa()}, {cpu_model()}\n",
@@ -132,6 +139,10 @@ def main() -> None:
         bench_linears(mod, args.rows, args.runs, args.iters, out)
         if not args.no_attention:
             bench_attention([r for r in args.rows if r <= 32], args.runs, args.iters, out)
+        tables += out
+    path = Path(args.out or ROOT / "bench" / "results" / f"kernels-{mod.isa()}.md")
+    path.write_text("\n".join(tables) + "\n")
+    print(f"\nwritten to {path}")
 
 
 if __name__ == "__main__":
