@@ -32,6 +32,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import latency  # noqa: E402  (bench/, the script's own folder)
+
 from tandem.cpu_kernels import cpu_model, kernels  # noqa: E402
 
 LINEARS = {  # name: (K, N)
@@ -140,9 +142,9 @@ def main() -> None:
         if not args.no_attention:
             bench_attention([r for r in args.rows if r <= 32], args.runs, args.iters, out)
         tables += out
-    path = Path(args.out or ROOT / "bench" / "results" / f"kernels-{mod.isa()}.md")
-    path.write_text("\n".join(tables) + "\n")
-    print(f"\nwritten to {path}")
+    # rows were printed as measured (a run takes minutes); publish prints the whole again
+    latency.publish("\n".join(tables) + "\n",
+                    args.out or str(ROOT / "bench" / "results" / f"kernels-{mod.isa()}.md"))
 
 
 if __name__ == "__main__":

@@ -66,20 +66,21 @@ def requested_isa() -> str:
     if isa not in ISA_FLAGS:
         raise ValueError(f"{ISA_ENV} must be one of {sorted(ISA_FLAGS)}, got {isa!r}")
     if isa == "avx2":
-        flags = _cpu_flags().split()
-        if "avx2" not in flags or "fma" not in flags:
+        if not {"avx2", "fma"} <= cpu_flags():
             raise ValueError(f"{ISA_ENV}=avx2: this CPU has no AVX2+FMA ({os.uname().machine})")
     return isa
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (/proc/cpuinfo: `flags` on x86, `Features` on aarch64);
+    empty where they cannot be read."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
+            if line.startswith(("flags", "Features")):
+                return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return os.uname().machine
+    return frozenset()
 
 
 def cpu_model() -> str:
@@ -110,7 +111,8 @@ def kernels():
     try:  # no source (an install without it), no compiler, no ninja: keep torch's ops
         key = hashlib.sha256(
             b"".join(p.read_bytes() for p in SOURCES + HEADERS) + Path(__file__).read_bytes()
-            + torch.__version__.encode() + _cpu_flags().encode() + path.encode()
+            + torch.__version__.encode() + os.uname().machine.encode()
+            + " ".join(sorted(cpu_flags())).encode() + path.encode()
             # NOTE: and the environment: the build embeds its torch/Python include paths, so
             # two venvs sharing one directory would rebuild it for each other in turn.
             + sys.prefix.encode()

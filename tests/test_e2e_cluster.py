@@ -116,11 +116,10 @@ def openai_client(cluster):
 IDLE_HANG_GUARD_S = 120.0
 
 
-def wait_idle(cluster, timeout_s: float = IDLE_HANG_GUARD_S) -> dict:
+def wait_idle(cluster) -> dict:
     """Poll every instance until nothing is held; return the loads then (with "idle":
-    True). `timeout_s` is a hang guard: one below `IDLE_HANG_GUARD_S` (an old caller's
-    speed bound) is raised to it, since the claim is the state reached, not how soon.
-    Past it, AssertionError with the last loads."""
+    True). Past `IDLE_HANG_GUARD_S` (a hang guard: the claim is the state reached, not how
+    soon), AssertionError with the last loads."""
     last: dict = {"idle": False}
 
     def idle() -> bool:
@@ -133,7 +132,7 @@ def wait_idle(cluster, timeout_s: float = IDLE_HANG_GUARD_S) -> dict:
         ) and all(r.queued_requests == 0 and r.open_rooms == 0 for r in encs.values()))
         return last["idle"]
 
-    wait_until(idle, timeout_s=max(timeout_s, IDLE_HANG_GUARD_S),
+    wait_until(idle, timeout_s=IDLE_HANG_GUARD_S,
                what="every instance idle (no page, block, room or request held)",
                state=lambda: last)
     return last

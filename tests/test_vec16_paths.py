@@ -17,18 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from tandem.cpu_kernels import cpu_flags
+
 SRC = Path(__file__).with_name("vec16_check.cpp")
 FLAGS = ["-O2", "-std=c++17", "-ffp-contract=off", "-fno-math-errno"]
-
-
-def _flags_of_cpu() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def _run(tmp: Path, name: str, compiler: str, flags: list[str], runner: list[str]) -> list[str]:
@@ -45,10 +37,10 @@ def _builds() -> dict[str, tuple[str, list[str], list[str], str]]:
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         return {}
-    flags = _flags_of_cpu()
+    flags = cpu_flags()
     native = "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else None
     if native is None:
-        native = "neon" if Path("/proc/cpuinfo").exists() and "asimd" in flags else "generic"
+        native = "neon" if "asimd" in flags else "generic"
     builds = {"native": (cxx, ["-march=native"], [], native),
               "generic": (cxx, ["-march=native", "-DTANDEM_FORCE_GENERIC"], [], "generic")}
     if native == "avx512":
