@@ -120,22 +120,18 @@ def wait_idle(cluster) -> dict:
     """Poll every instance until nothing is held; return the loads then (with "idle":
     True). Past `IDLE_HANG_GUARD_S` (a hang guard: the claim is the state reached, not how
     soon), AssertionError with the last loads."""
-    last: dict = {"idle": False}
 
-    def idle() -> bool:
+    def loads() -> dict:
         langs, encs = cluster.loads("language"), cluster.loads("encoder")
-        last.update(language=langs, encoder=encs, idle=all(
+        return {"language": langs, "encoder": encs, "idle": all(
             r.free_kv_pages == r.total_kv_pages
             and r.free_embedding_blocks == r.total_embedding_blocks
             and r.transferring + r.waiting + r.running == 0
             for r in langs.values()
-        ) and all(r.queued_requests == 0 and r.open_rooms == 0 for r in encs.values()))
-        return last["idle"]
+        ) and all(r.queued_requests == 0 and r.open_rooms == 0 for r in encs.values())}
 
-    wait_until(idle, timeout_s=IDLE_HANG_GUARD_S,
-               what="every instance idle (no page, block, room or request held)",
-               state=lambda: last)
-    return last
+    return wait_until(loads, until=lambda state: state["idle"], timeout_s=IDLE_HANG_GUARD_S,
+                      what="every instance idle (no page, block, room or request held)")
 
 
 def log_tiers(cluster, rid: str) -> set[str]:

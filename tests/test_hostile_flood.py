@@ -100,15 +100,10 @@ def test_encoder_flood_from_one_client_leaves_another_served(checkpoint, tmp_pat
             # A's requests are gone: their threads are let go and the queue empties (the
             # state is the claim; that a request's end stops its fetch at the next byte,
             # not at the url timeout, is test_encoder_units' budget test)
-            last = {}
-
-            async def queue_empty() -> bool:
-                last["load"] = await stub.GetLoad(encoder_pb2.EncoderGetLoadRequest())
-                return last["load"].queued_requests == 0
-
-            await async_wait_until(queue_empty, timeout_s=60, poll_s=0.2,
-                                   what="the encoder's queue empty once A's requests are gone",
-                                   state=lambda: last.get("load"))
+            await async_wait_until(lambda: stub.GetLoad(encoder_pb2.EncoderGetLoadRequest()),
+                                   until=lambda load: load.queued_requests == 0,
+                                   timeout_s=60, poll_s=0.2,
+                                   what="the encoder's queue empty once A's requests are gone")
         await side.receiver.close()
         return calm, still_flooding
 

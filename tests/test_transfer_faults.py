@@ -80,14 +80,9 @@ def assert_rx_clean(rx) -> None:
 async def assert_peer_clean(peer: Peer) -> None:
     """The peer's room table is empty and its slots/blocks are all free (staging slots
     come back when Mooncake returns the writing thread, a moment after the room ends)."""
-    last = {}
-
-    async def clean() -> bool:
-        last["stats"] = st = await peer.stats()
-        return st["rooms"] == [] and st["free"] == st["total"]
-
-    await async_wait_until(clean, timeout_s=HANG_GUARD_S, what="the peer's rooms and slots free",
-                           state=lambda: last.get("stats"))
+    await async_wait_until(peer.stats, timeout_s=HANG_GUARD_S,
+                           until=lambda st: st["rooms"] == [] and st["free"] == st["total"],
+                           what="the peer's rooms and slots free")
 
 
 async def mid_transfer_on_receiver(rx, address: str, enc: Peer, tokens: int = 300):

@@ -27,26 +27,30 @@ def _end(timeout_s: float, what: str) -> float:
     return time.monotonic() + timeout_s
 
 
-def _hung(what: str, timeout_s: float, state: Callable[[], Any]) -> AssertionError:
-    return AssertionError(f"{what} not reached within {timeout_s} s (hang guard): {state()!r}")
+def _hung(what: str, timeout_s: float, shown: Any) -> AssertionError:
+    return AssertionError(f"{what} not reached within {timeout_s} s (hang guard): {shown!r}")
 
 
 def wait_until(predicate: Callable[[], Any], *, timeout_s: float, what: str,
-               state: Callable[[], Any] = lambda: None, poll_s: float = 0.05) -> Any:
-    """Poll `predicate` until it returns something truthy, and return that. Past
-    `timeout_s` (a hang guard) raise AssertionError naming `what` and showing `state()`."""
+               state: Callable[[], Any] | None = None, until: Callable[[Any], Any] | None = None,
+               poll_s: float = 0.05) -> Any:
+    """Poll `predicate` until it returns something truthy, and return that; or, with
+    `until`, poll `predicate` for a value until `until(value)` holds, and return the value.
+    Past `timeout_s` (a hang guard) raise AssertionError naming `what` and showing `state()`
+    (default: the last value polled)."""
     end = _end(timeout_s, what)
     while True:
         got = predicate()
-        if got:
+        if (until or bool)(got):
             return got
         if time.monotonic() >= end:
-            raise _hung(what, timeout_s, state)
+            raise _hung(what, timeout_s, state() if state else got)
         time.sleep(poll_s)
 
 
 async def async_wait_until(predicate: Callable[[], Any], *, timeout_s: float, what: str,
-                           state: Callable[[], Any] = lambda: None,
+                           state: Callable[[], Any] | None = None,
+                           until: Callable[[Any], Any] | None = None,
                            poll_s: float = 0.05) -> Any:
     """`wait_until` for a coroutine: `predicate` may be sync or async; the loop keeps
     running between polls."""
@@ -55,8 +59,8 @@ async def async_wait_until(predicate: Callable[[], Any], *, timeout_s: float, wh
         got = predicate()
         if inspect.isawaitable(got):
             got = await got
-        if got:
+        if (until or bool)(got):
             return got
         if time.monotonic() >= end:
-            raise _hung(what, timeout_s, state)
+            raise _hung(what, timeout_s, state() if state else got)
         await asyncio.sleep(poll_s)
