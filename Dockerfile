@@ -60,7 +60,7 @@ RUN apt-get update \
 COPY --from=build /wheels /wheels
 RUN python3 -m venv /opt/venv && /opt/venv/bin/pip install -q --upgrade pip \
  && /opt/venv/bin/pip install -q "$(ls /wheels/tandem-*.whl)[router]" \
- && /opt/venv/bin/python -c "import sys, services.router.main; assert 'torch' not in sys.modules" \
+ && /opt/venv/bin/python -c "import sys, tandem.services.router.main; assert 'torch' not in sys.modules" \
  && rm -rf /wheels
 RUN groupadd --gid 10001 tandem && useradd --uid 10001 --gid 10001 --create-home tandem
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1
@@ -101,7 +101,7 @@ RUN if [ "$VARIANT" = cuda ]; then \
       /opt/venv/bin/pip uninstall -y -q mooncake-transfer-engine-non-cuda \
       && PIP_CONSTRAINT=/opt/constraints.txt /opt/venv/bin/pip install -q --no-deps "$MOONCAKE_CUDA_SPEC"; \
     fi \
- && /opt/venv/bin/python -c "import tandem.v1.encoder_pb2, services.encoder.config" \
+ && /opt/venv/bin/python -c "import tandem.v1.encoder_pb2, tandem.services.encoder.config" \
  && rm -rf /wheels
 
 # The CPU variant carries a compiler: the language tier builds its CPU kernels (paged decode

@@ -38,7 +38,7 @@ $(PY):
 XGRAMMAR_SPEC := xgrammar>=0.2.8,<0.3
 
 # torch first, from the pinned build, so nothing later can pull a CUDA wheel.
-$(STAMPS)/deps: pyproject.toml constraints.txt | $(PY)
+$(STAMPS)/deps: pyproject.toml setup.py constraints.txt | $(PY)
 	@mkdir -p $(STAMPS)
 	$(PIP) install -q "$(TORCH_SPEC)"
 	PIP_CONSTRAINT=constraints.txt $(PIP) install -q -e '.[dev]'

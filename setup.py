@@ -4,7 +4,12 @@
 it for development. Any build (`pip wheel .`, `python -m build`, `pip install .`) runs this
 file first, which generates the stubs from `protos/` when they are missing or older than
 the protos — before setuptools looks for packages, so `tandem.v1` is found and shipped.
-Everything else about the package is in pyproject.toml.
+
+It also names the packages: the repository keeps the tiers at the top (`services/encoder`,
+`services/language`, `services/router`: one folder per process), while the distribution
+installs them as `tandem.services.*`, so a wheel puts exactly one import name, `tandem`,
+into site-packages (a top-level `services` would collide with any user's own). Everything
+else about the package is in pyproject.toml.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 HERE = Path(__file__).resolve().parent
 
@@ -43,5 +48,12 @@ def generate_stubs() -> None:
     (out / "__init__.py").touch()
 
 
+def packages() -> tuple[list[str], dict[str, str]]:
+    """(package names, package_dir): `tandem*` from tandem/, `tandem.services*` from services/."""
+    tiers = ["tandem.services"] + [f"tandem.services.{p}" for p in find_packages("services")]
+    return find_packages(include=["tandem", "tandem.*"]) + tiers, {"tandem.services": "services"}
+
+
 generate_stubs()
-setup()
+_packages, _package_dir = packages()
+setup(packages=_packages, package_dir=_package_dir)

@@ -33,9 +33,9 @@ sys.path.insert(0, str(ROOT))
 
 from latency import checkpoint  # noqa: E402  (bench/, the script's own folder)
 
-from services.encoder.config import EncoderConfig  # noqa: E402
-from services.encoder.pipeline import EncodePipeline  # noqa: E402
 from tandem.chat import ImageInput, Message  # noqa: E402
+from tandem.services.encoder.config import EncoderConfig  # noqa: E402
+from tandem.services.encoder.pipeline import EncodePipeline  # noqa: E402
 
 SIZES = [(224, 224), (448, 336), (640, 480), (320, 320), (512, 256), (160, 400), (384, 384)]
 

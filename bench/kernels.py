@@ -84,8 +84,8 @@ def bench_linears(mod, rows, runs, iters, out):
 
 
 def bench_attention(rows, runs, iters, out):
-    from services.language.attention import AttentionMetadata, paged_attention
     from tandem.cpu_kernels import paged_decode_op
+    from tandem.services.language.model.attention import AttentionMetadata, paged_attention
 
     op = paged_decode_op()
     g = torch.Generator().manual_seed(1)

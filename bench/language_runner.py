@@ -27,9 +27,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from services.language.forward_batch import ForwardBatch, SeqChunk, decode_positions  # noqa: E402
-from services.language.kv_cache import KVPagePool  # noqa: E402
-from services.language.model_runner import ModelRunner  # noqa: E402
+from tandem.services.language.engine.kv_pages import KVPagePool  # noqa: E402
+from tandem.services.language.runner.forward_batch import ForwardBatch, SeqChunk, decode_positions  # noqa: E402
+from tandem.services.language.runner.model_runner import ModelRunner  # noqa: E402
 from tandem.units import ceil_div  # noqa: E402
 
 

@@ -8,7 +8,7 @@ Processes, all real: this one is the encoder (EmbeddingSender); `--role rank0` i
 language instance's rank 0 (its receiver, Mooncake engine, buffers); `--role rank1`, started
 by rank 0, is rank 1 (its own engine and mirrored buffers, `WorkerBuffers`; in the same
 gloo process group as rank 0). The production classes move the data: `RankBuffers` /
-`WorkerBuffers` (services/language/tp_buffers.py) for direct, `dist.broadcast` for the
+`WorkerBuffers` (services/language/tp/buffers.py) for direct, `dist.broadcast` for the
 alternative. Each run times one prompt from the encoder's `send` to "rank 1 holds its rows"
 (both ranks' clocks are the host's CLOCK_MONOTONIC).
 """
@@ -67,7 +67,7 @@ def group(rank: int, address: str) -> None:
 
 # ---- rank 1 --------------------------------------------------------------------------
 def rank1(control: str, dist_address: str) -> None:
-    from services.language.tp_buffers import WorkerBuffers
+    from tandem.services.language.tp.buffers import WorkerBuffers
 
     engine = MooncakeEngine(TransferConfig(timeout_s=60, min_port=17000, max_port=17499))
     buffers = EmbeddingBuffers(POOL_BLOCKS, BS, D, DTYPE)
@@ -93,7 +93,7 @@ def rank1(control: str, dist_address: str) -> None:
 async def rank0() -> None:
     import subprocess
 
-    from services.language.tp_buffers import RankBuffers
+    from tandem.services.language.tp.buffers import RankBuffers
 
     cfg = TransferConfig(timeout_s=60, min_port=16000, max_port=16499)
     engine = MooncakeEngine(cfg)

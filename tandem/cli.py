@@ -11,9 +11,9 @@ import sys
 
 SERVICES = {
     # name: (config module, config class, serve module)
-    "encoder": ("services.encoder.config", "EncoderConfig", "services.encoder.main"),
-    "language": ("services.language.config", "LanguageConfig", "services.language.main"),
-    "router": ("services.router.config", "RouterConfig", "services.router.main"),
+    "encoder": ("tandem.services.encoder.config", "EncoderConfig", "tandem.services.encoder.main"),
+    "language": ("tandem.services.language.config", "LanguageConfig", "tandem.services.language.main"),
+    "router": ("tandem.services.router.config", "RouterConfig", "tandem.services.router.main"),
 }
 
 

@@ -1,6 +1,6 @@
 """The wire's `FinishReason` and OpenAI's `finish_reason` strings: one map, both ways.
 
-The language tier maps its request status onto the wire (`services/language/request.py`
+The language tier maps its request status onto the wire (`services/language/engine/request.py`
 `FINISH_REASONS`); the router and the SDK read the wire through this map. ERROR carries
 an `ErrorInfo` and is never a finish reason a caller sees.
 """

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from services.encoder.config import EncoderConfig
-from services.language.config import LanguageConfig
-from services.router.config import RouterConfig
 from tandem.config import parse_settings
+from tandem.services.encoder.config import EncoderConfig
+from tandem.services.language.config import LanguageConfig
+from tandem.services.router.config import RouterConfig
 
 TANDEM = [sys.executable, "-m", "tandem.cli"]
 CONFIGS = {"encoder": EncoderConfig, "language": LanguageConfig, "router": RouterConfig}

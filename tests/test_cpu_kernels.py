@@ -8,14 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.language.attention import AttentionMetadata, paged_attention
-from services.language.model.linear import DenseLinear
 from tandem.cpu_kernels import (
     decode_attention_op,
     kernels,
     linear_kernels,
     paged_decode_op,
 )
+from tandem.services.language.model.attention import AttentionMetadata, paged_attention
+from tandem.services.language.model.linear import DenseLinear
 
 op = paged_decode_op()
 needs_kernel = pytest.mark.skipif(op is None, reason="no C++ toolchain to build the kernel")
@@ -162,8 +162,8 @@ def test_linear_backend_choice_is_honoured_or_refused():
 
 @needs_kernel
 def test_pointwise_kernels_equal_the_torch_steps_they_replace():
-    from services.language.model.decoder import RMSNorm
-    from services.language.model.rope import apply_rotary
+    from tandem.services.language.model.decoder import RMSNorm
+    from tandem.services.language.model.rope import apply_rotary
 
     mod = kernels()
     g = torch.Generator().manual_seed(3)
@@ -362,7 +362,7 @@ def test_each_path_within_its_bound_of_torch(path_outputs, isa):
             got = out[f"attention/d{d}/{dtype}"]
             assert got.dtype == dtype
             torch.testing.assert_close(got.double(), ref, atol=tol[0], rtol=tol[1])
-    from services.language.model.decoder import RMSNorm
+    from tandem.services.language.model.decoder import RMSNorm
 
     for d in kc.NORM_DIMS:
         g = kc._gen(d)

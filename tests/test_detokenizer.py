@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from services.language.detokenizer import IncrementalDetokenizer
+from tandem.services.language.engine.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "héllo wörld 你好 🙂 ok",

@@ -95,7 +95,7 @@ def test_kill9_of_rank_1_mid_stream_fails_over_to_the_other_instance(checkpoint)
 
     def rank1(pid: int) -> int:  # the instance's tensor-parallel worker
         (worker,) = [p for p in psutil.Process(pid).children()
-                     if "services.language.tp_worker" in " ".join(p.cmdline())]
+                     if "tandem.services.language.tp.worker" in " ".join(p.cmdline())]
         return worker.pid
 
     with cl:

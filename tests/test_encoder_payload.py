@@ -21,8 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from encoder_peers.chats import assert_payload_matches, chat, oracle  # noqa: E402
 
-from services.encoder.config import EncoderConfig  # noqa: E402
-from services.encoder.pipeline import EncodePipeline  # noqa: E402
+from tandem.services.encoder.config import EncoderConfig  # noqa: E402
+from tandem.services.encoder.pipeline import EncodePipeline  # noqa: E402
 
 ARCHS = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 

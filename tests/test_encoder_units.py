@@ -20,13 +20,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from encoder_peers.chats import chat, png  # noqa: E402
 from waiting import wait_until  # noqa: E402
 
-from services.encoder.cache import CachedFeatures, EmbeddingCache  # noqa: E402
-from services.encoder.config import EncoderConfig  # noqa: E402
-from services.encoder.images import ImageLimits, image_bytes  # noqa: E402
-from services.encoder.pipeline import EncodePipeline  # noqa: E402
-from services.encoder.scheduler import lb_assign  # noqa: E402
-from services.encoder.vit_runner import VisionRunner  # noqa: E402
 from tandem.chat import ChatError, ImageInput, Message  # noqa: E402
+from tandem.services.encoder.cache import CachedFeatures, EmbeddingCache  # noqa: E402
+from tandem.services.encoder.config import EncoderConfig  # noqa: E402
+from tandem.services.encoder.images import ImageLimits, image_bytes  # noqa: E402
+from tandem.services.encoder.pipeline import EncodePipeline  # noqa: E402
+from tandem.services.encoder.scheduler import lb_assign  # noqa: E402
+from tandem.services.encoder.vit_runner import VisionRunner  # noqa: E402
 
 
 def feats(rows: int, width: int = 8, deep: int = 0) -> CachedFeatures:
@@ -277,8 +277,8 @@ def test_cuda_graph_replay_matches_eager(checkpoint, arch, dtype):
 
 def test_two_devices_give_the_same_features(checkpoint, tiny_pipe):
     """Two runners (two 'devices', here both CPU): images split largest-first, same result."""
-    from services.encoder.scheduler import EncoderScheduler
     from tandem.models.split import load_vision_part
+    from tandem.services.encoder.scheduler import EncoderScheduler
 
     path = checkpoint("qwen2_5_vl")
     runners = [VisionRunner(load_vision_part(path, torch.float32, "cpu").visual) for _ in range(2)]
@@ -316,7 +316,7 @@ def test_fair_pool_one_clients_flood_leaves_a_thread_for_another():
     """Two threads, default share (1 per client): client A's six blocked jobs hold one
     thread; B's job runs at once on the other and is done while all of A's still wait.
     (A plain FIFO pool ran A's first two jobs on both threads: B waited for them.)"""
-    from services.encoder.fair_pool import FairPool
+    from tandem.services.encoder.fair_pool import FairPool
 
     async def go():
         pool = FairPool(2)
@@ -341,7 +341,7 @@ def test_fair_pool_serves_clients_in_turn_and_drops_cancelled_jobs():
     """share = workers: A's jobs fill both threads, but the next free thread goes to B
     (round-robin over clients, not the oldest job). A job cancelled while waiting never
     runs; an exception reaches its caller; None is a client of its own."""
-    from services.encoder.fair_pool import FairPool, share_of
+    from tandem.services.encoder.fair_pool import FairPool, share_of
 
     assert [share_of(w, 0) for w in (1, 2, 3, 8)] == [1, 1, 1, 4]
     assert share_of(2, 5) == 2 and share_of(4, 3) == 3
@@ -387,7 +387,7 @@ def test_budget_stops_a_fetch_once_the_request_has_ended(http_server):
     only the budget can end the fetch: TimeoutError (the url's own timeout would be a
     ChatError, and the server giving up, at ENDLESS_BYTES, a ChatError for the cut body),
     and it is the client that hung up, mid-body."""
-    from services.encoder.images import Budget
+    from tandem.services.encoder.images import Budget
 
     lim = ImageLimits(10**6, 10**7, ("127.0.0.1",), allow_private_urls=True,
                       url_timeout_s=3600)

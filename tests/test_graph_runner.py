@@ -11,10 +11,10 @@ import language_oracle as oracle
 import pytest
 import torch
 
-from services.language.forward_batch import ForwardBatch, SeqChunk, decode_positions
-from services.language.graph_runner import batch_buckets, width_buckets
-from services.language.kv_cache import KVPagePool
-from services.language.model_runner import ModelRunner
+from tandem.services.language.engine.kv_pages import KVPagePool
+from tandem.services.language.runner.forward_batch import ForwardBatch, SeqChunk, decode_positions
+from tandem.services.language.runner.graph_runner import batch_buckets, width_buckets
+from tandem.services.language.runner.model_runner import ModelRunner
 from tandem.units import ceil_div
 
 PAGE = 4

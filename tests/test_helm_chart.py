@@ -19,10 +19,10 @@ import yaml
 from grpc_health.v1 import health
 from kubernetes_validate.utils import SchemaNotFoundError, latest_version
 
-from services.encoder.config import EncoderConfig
-from services.language.config import LanguageConfig
-from services.router.config import RouterConfig
 from tandem.config import InternalTLSConfig, TransferConfig, parse_settings
+from tandem.services.encoder.config import EncoderConfig
+from tandem.services.language.config import LanguageConfig
+from tandem.services.router.config import RouterConfig
 from tandem.v1 import encoder_pb2, language_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -503,10 +503,10 @@ def _exported_metric_names() -> set[str]:
     its own): counters' _total, histograms' _bucket/_sum/_count, gauges."""
     from prometheus_client import CollectorRegistry
 
-    from services.encoder.metrics import EncoderMetrics
-    from services.language.metrics import LanguageMetrics
-    from services.router.metrics import RouterMetrics
     from tandem.metrics import metric_set
+    from tandem.services.encoder.metrics import EncoderMetrics
+    from tandem.services.language.metrics import LanguageMetrics
+    from tandem.services.router.metrics import RouterMetrics
     from tandem.transfer.metrics import transfer_metrics
 
     names: set[str] = set()

@@ -4,10 +4,11 @@ Every `import` / `from ... import` of a project module counts, wherever it stand
 top, inside a function, under `TYPE_CHECKING`): an import moved into a function to dodge a
 circle is still a circle in the design, so it fails here too.
 
-Layering: a tier (services/encoder, services/language, services/router) imports only
-itself and the shared package, and the shared package (tandem/) imports no tier. What two
-tiers share lives in tandem/. The same scan also counts a string that names a module of a
-forbidden tier (`importlib.import_module("services.x")` is an import too).
+Layering: a tier (services/encoder, services/language, services/router; installed as
+`tandem.services.<tier>`) imports only itself and the shared package, and the shared
+package (the rest of tandem/) imports no tier. What two tiers share lives in tandem/. The
+same scan also counts a string that names a module of a forbidden tier
+(`importlib.import_module("tandem.services.x")` is an import too).
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ SKIP = ("tandem/v1/",)  # generated stubs
 
 
 def _module_name(path: Path) -> str:
+    """The import name: services/ is installed as `tandem.services` (setup.py)."""
     rel = path.relative_to(ROOT).with_suffix("")
     parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
-    return ".".join(parts)
+    return ".".join(("tandem",) + parts if parts[0] == "services" else parts)
 
 
 def _modules() -> dict[str, Path]:
@@ -111,9 +113,9 @@ SHARED = "tandem"
 
 
 def layer(mod: str) -> str:
-    """`tandem` for the shared package, `services.<tier>` for a tier."""
+    """`tandem` for the shared package, `tandem.services.<tier>` for a tier."""
     parts = mod.split(".")
-    return ".".join(parts[:2]) if parts[0] == "services" else parts[0]
+    return ".".join(parts[:3]) if parts[:2] == ["tandem", "services"] else parts[0]
 
 
 def allowed(src: str, dst: str) -> bool:
@@ -154,25 +156,58 @@ def layering_violations(known: dict[str, Path] | None = None) -> list[str]:
 def test_the_layering_checker_sees_lazy_and_named_imports(tmp_path):
     src = tmp_path / "lazy.py"
     src.write_text("import tandem.units\n"
-                   "def f():\n    from services.router import core\n"
+                   "def f():\n    from tandem.services.router import core\n"
                    "def g():\n    import importlib\n"
-                   "    return importlib.import_module('services.router.core')\n")
+                   "    return importlib.import_module('tandem.services.router.core')\n")
     (tmp_path / "core.py").write_text("")
     (tmp_path / "units.py").write_text("")
-    known = {"services.encoder.lazy": src, "services.router.core": tmp_path / "core.py",
+    known = {"tandem.services.encoder.lazy": src, "tandem.services.router.core": tmp_path / "core.py",
              "tandem.units": tmp_path / "units.py"}
     assert layering_violations(known) == [
-        f"{src}:3: services.encoder imports services.router.core",
-        f"{src}:6: services.encoder names the module 'services.router.core'"]
-    assert allowed("services.language.engine", "tandem.transfer.payload")
-    assert allowed("services.language.engine", "services.language.model.decoder")
-    assert not allowed("tandem.transfer.receiver", "services.language.request")
-    assert not allowed("services.router.core", "services.encoder.images")
+        f"{src}:3: tandem.services.encoder imports tandem.services.router.core",
+        f"{src}:6: tandem.services.encoder names the module 'tandem.services.router.core'"]
+    assert allowed("tandem.services.language.engine.core", "tandem.transfer.payload")
+    assert allowed("tandem.services.language.engine.core", "tandem.services.language.model.decoder")
+    assert not allowed("tandem.transfer.receiver", "tandem.services.language.engine.request")
+    assert not allowed("tandem.services.router.core", "tandem.services.encoder.images")
 
 
 def test_no_tier_imports_another_and_tandem_imports_no_tier():
     violations = layering_violations()
     assert violations == [], "across the layers:\n" + "\n".join(violations)
+
+
+# Inside a tier, its roles stack: each sub-package (or top-level module) lists the roles it
+# may use besides itself and the shared package. A role not listed here may use anything in
+# its tier (the process's wiring: main, server, config, metrics, core, front-ends).
+ROLES = {
+    # language: the network <- the runner <- the engine; tp runs the runner on other ranks
+    "tandem.services.language.model": set(),
+    "tandem.services.language.runner": {"model", "tp"},  # tp: its TensorParallel, as a type
+    "tandem.services.language.tp": {"model", "runner"},
+    "tandem.services.language.engine": {"runner.forward_batch", "metrics"},
+    # router: picking and calling the tiers knows nothing of the front doors above it
+    "tandem.services.router.dispatch": {"config", "errors", "metrics", "request"},
+}
+
+
+def role_violations(known: dict[str, Path] | None = None) -> list[str]:
+    known = known if known is not None else _modules()
+    out = []
+    for mod, path in sorted(known.items()):
+        role = next((r for r in ROLES if mod == r or mod.startswith(r + ".")), None)
+        if role is None:
+            continue
+        tier = layer(mod)
+        ok = [role] + [f"{tier}.{u}" for u in ROLES[role]]
+        for line, dep in _imports(mod, path, known):
+            if layer(dep) == tier and not any(dep == o or dep.startswith(o + ".") for o in ok):
+                out.append(f"{path.relative_to(ROOT)}:{line}: {role} uses {dep}")
+    return out
+
+
+def test_roles_inside_a_tier_stack():
+    assert role_violations() == [], "\n".join(role_violations())
 
 
 def test_benchmarks_do_not_import_the_test_suites_conftest():

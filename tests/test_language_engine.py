@@ -15,10 +15,15 @@ import time
 import language_oracle as oracle
 import pytest
 
-from services.language.engine import Engine, EngineConfig
-from services.language.model_runner import ModelRunner
-from services.language.request import Request, RequestStatus, SamplingParams, StreamDelta
 from tandem.models.split import load_text_weights
+from tandem.services.language.engine.core import Engine, EngineConfig
+from tandem.services.language.engine.request import (
+    Request,
+    RequestStatus,
+    SamplingParams,
+    StreamDelta,
+)
+from tandem.services.language.runner.model_runner import ModelRunner
 
 SIZES = [(28, 28), (56, 84), (112, 56), (84, 140)]
 N_PROMPTS = 16
@@ -210,7 +215,7 @@ def test_abort_deadline_and_shutdown_free_every_page(checkpoint):
 
 
 def test_bad_input_is_rejected_before_queueing(checkpoint):
-    from services.language.scheduler import AdmissionError
+    from tandem.services.language.engine.scheduler import AdmissionError
 
     case = _cases.get("qwen2_5_vl") or Case(checkpoint("qwen2_5_vl"))
     engine = case.engine(num_pages=8, max_model_len=64)
@@ -228,7 +233,7 @@ def test_bad_input_is_rejected_before_queueing(checkpoint):
 def test_max_tokens_beyond_the_context_is_refused_not_shortened(checkpoint):
     """An explicit max_tokens the context cannot hold is a clear error naming the numbers
     (it used to be shortened silently); the service's default is fitted to the context."""
-    from services.language.scheduler import AdmissionError
+    from tandem.services.language.engine.scheduler import AdmissionError
 
     case = _cases.get("qwen2_5_vl") or Case(checkpoint("qwen2_5_vl"))
     payload = case.payloads[0]

@@ -12,9 +12,9 @@ import language_oracle as oracle
 import pytest
 import torch
 
-from services.language.forward_batch import ForwardBatch, SeqChunk, decode_positions
-from services.language.kv_cache import KVPagePool
-from services.language.model_runner import ModelRunner
+from tandem.services.language.engine.kv_pages import KVPagePool
+from tandem.services.language.runner.forward_batch import ForwardBatch, SeqChunk, decode_positions
+from tandem.services.language.runner.model_runner import ModelRunner
 from tandem.units import ceil_div
 
 ARCHS = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]

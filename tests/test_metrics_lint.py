@@ -247,10 +247,10 @@ def test_router_counts_streams_by_outcome(cluster):
 def test_http_status_counter_counts_every_answer():
     from fastapi.testclient import TestClient
 
-    from services.router.config import RouterConfig
-    from services.router.core import RouterCore
-    from services.router.http_api import build_app
-    from services.router.metrics import HttpStatusCounter
+    from tandem.services.router.config import RouterConfig
+    from tandem.services.router.core import RouterCore
+    from tandem.services.router.metrics import HttpStatusCounter
+    from tandem.services.router.openai.app import build_app
 
     core = RouterCore(RouterConfig(api_key="k", max_request_bytes=4096, model="m", insecure_internal=True))
     app = build_app(core)
@@ -279,9 +279,9 @@ def test_a_stream_is_counted_once_by_how_it_ended():
     closed and the admission slot released on each path."""
     import asyncio
 
-    from services.router.errors import RouterError
-    from services.router.http_api import _sse
-    from services.router.request import Piece
+    from tandem.services.router.errors import RouterError
+    from tandem.services.router.openai.app import _sse
+    from tandem.services.router.request import Piece
 
     class Shape:  # the four chunk kinds of a real shape, as bytes
         def start(self, i):

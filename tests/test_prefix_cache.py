@@ -15,11 +15,11 @@ import hashlib
 import pytest
 import torch
 
-from services.language.forward_batch import ForwardBatch
-from services.language.kv_cache import KVPagePool
-from services.language.prefix_cache import PrefixCache, page_keys
-from services.language.request import Request, RequestStatus, SamplingParams
-from services.language.scheduler import Scheduler
+from tandem.services.language.engine.kv_pages import KVPagePool
+from tandem.services.language.engine.prefix_cache import PrefixCache, page_keys
+from tandem.services.language.engine.request import Request, RequestStatus, SamplingParams
+from tandem.services.language.engine.scheduler import Scheduler
+from tandem.services.language.runner.forward_batch import ForwardBatch
 from tandem.transfer.payload import ImageSpan, PromptInfo, PromptPayload
 
 PAGE = 4

@@ -14,10 +14,10 @@ import language_oracle as oracle
 import pytest
 from test_language_engine import collect
 
-from services.language.engine import Engine, EngineConfig
-from services.language.model_runner import ModelRunner
-from services.language.request import Request, SamplingParams
 from tandem.models.split import load_text_weights
+from tandem.services.language.engine.core import Engine, EngineConfig
+from tandem.services.language.engine.request import Request, SamplingParams
+from tandem.services.language.runner.model_runner import ModelRunner
 
 SYSTEM = "You are a careful assistant. " * 6
 

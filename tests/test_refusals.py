@@ -9,11 +9,11 @@ import asyncio
 import pytest
 from fastapi.testclient import TestClient
 
-from services.router.admission import client_id
-from services.router.config import RouterConfig
-from services.router.core import RouterCore
-from services.router.http_api import build_app
-from services.router.refusals import FLOOR_BYTES, HeldTooLong, RefusalBudget
+from tandem.services.router.admission import client_id
+from tandem.services.router.config import RouterConfig
+from tandem.services.router.core import RouterCore
+from tandem.services.router.openai.app import build_app
+from tandem.services.router.refusals import FLOOR_BYTES, HeldTooLong, RefusalBudget
 
 
 class Clock:

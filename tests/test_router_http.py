@@ -9,9 +9,9 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from services.router.config import RouterConfig
-from services.router.core import RouterCore
-from services.router.http_api import build_app
+from tandem.services.router.config import RouterConfig
+from tandem.services.router.core import RouterCore
+from tandem.services.router.openai.app import build_app
 
 PNG_1PX = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
@@ -159,7 +159,7 @@ def test_http_socket_connections_have_nodelay():
     import asyncio
     import socket
 
-    from services.router.main import http_socket
+    from tandem.services.router.main import http_socket
 
     async def main() -> int:
         sock = http_socket("127.0.0.1", 0)
@@ -194,7 +194,7 @@ def test_every_openai_chat_parameter_is_honoured_or_refused_by_name():
     that silently drops it."""
     from openai.types.chat import completion_create_params as ccp
 
-    from services.router.openai_models import ChatCompletionRequest
+    from tandem.services.router.openai.chat import ChatCompletionRequest
 
     served = set(ChatCompletionRequest.model_fields)
     core, client = make()
@@ -226,7 +226,7 @@ def test_every_openai_chat_parameter_is_honoured_or_refused_by_name():
     (chat(response_format={"type": "text"}), None, None),
 ])
 def test_structured_output_fields_reach_the_sampling_proto(body, kind, text):
-    from services.router.openai_models import ChatCompletionRequest, to_chat_request
+    from tandem.services.router.openai.chat import ChatCompletionRequest, to_chat_request
 
     core, _ = make()
     req = to_chat_request(ChatCompletionRequest.model_validate(body), core.cfg, "x")
@@ -311,8 +311,8 @@ CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
 
 
 def test_tool_choice_shapes_the_request():
-    from services.router.openai_models import ChatCompletionRequest, to_chat_request
-    from services.router.tools import ToolMode
+    from tandem.services.router.openai.chat import ChatCompletionRequest, to_chat_request
+    from tandem.services.router.tools import ToolMode
 
     core, _ = make()
 
@@ -334,7 +334,7 @@ def test_tool_choice_shapes_the_request():
 
 
 def test_tool_output_parsing():
-    from services.router.tools import ToolMode, ToolSetup, parse_output
+    from tandem.services.router.tools import ToolMode, ToolSetup, parse_output
 
     auto = ToolSetup(ToolMode.AUTO, "[]")
     out = parse_output('Let me look.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n'
@@ -374,7 +374,7 @@ def test_every_openai_completions_parameter_is_honoured_or_refused_by_name():
     """The same walk over the `openai` package's completions request type."""
     from openai.types import completion_create_params as ccp
 
-    from services.router.openai_completions import CompletionRequest
+    from tandem.services.router.openai.completions import CompletionRequest
 
     served = set(CompletionRequest.model_fields)
     _, client = make()
@@ -400,10 +400,10 @@ def test_openapi_declares_the_statuses_the_router_answers():
     body that does not validate is a 400)."""
     from fastapi.testclient import TestClient
 
-    from services.router.config import RouterConfig
-    from services.router.core import RouterCore
-    from services.router.http_api import build_app
-    from services.router.openapi import ERROR_STATUSES
+    from tandem.services.router.config import RouterConfig
+    from tandem.services.router.core import RouterCore
+    from tandem.services.router.openai.app import build_app
+    from tandem.services.router.openai.openapi import ERROR_STATUSES
 
     doc = TestClient(build_app(RouterCore(RouterConfig(model="m", insecure_internal=True)))).get("/openapi.json").json()
     for path in ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"):

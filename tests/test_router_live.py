@@ -17,10 +17,6 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from services.router.config import RouterConfig
-from services.router.health import InstanceState
-from services.router.main import run_router
-from services.router.registry import Pool, Registry, resolve
 from tandem.client import (
     AsyncClient,
     AuthenticationError,
@@ -31,6 +27,10 @@ from tandem.client import (
     image,
 )
 from tandem.launch.procs import free_port
+from tandem.services.router.config import RouterConfig
+from tandem.services.router.dispatch.health import InstanceState
+from tandem.services.router.dispatch.registry import Pool, Registry, resolve
+from tandem.services.router.main import run_router
 
 sys.path.insert(0, str(Path(__file__).parent))
 from waiting import async_wait_until, wait_until  # noqa: E402

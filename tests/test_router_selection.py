@@ -7,10 +7,15 @@ from collections import Counter
 
 import pytest
 
-from services.router.admission import Admission, check_api_key
-from services.router.errors import RouterError
-from services.router.health import HealthTracker, InstanceState
-from services.router.selection import Candidate, NoInstanceError, Selector, rendezvous_order
+from tandem.services.router.admission import Admission, check_api_key
+from tandem.services.router.dispatch.health import HealthTracker, InstanceState
+from tandem.services.router.dispatch.selection import (
+    Candidate,
+    NoInstanceError,
+    Selector,
+    rendezvous_order,
+)
+from tandem.services.router.errors import RouterError
 
 
 def _h(i: int) -> str:
@@ -149,8 +154,8 @@ def test_error_mapping():
 def test_round_robin_per_tier_alternates_each_tier():
     """Each tier has its own selector: interleaved picks (language, encoder, language, ...)
     still cycle through every instance of each tier."""
-    from services.router.config import RouterConfig
-    from services.router.core import RouterCore
+    from tandem.services.router.config import RouterConfig
+    from tandem.services.router.core import RouterCore
 
     core = RouterCore(RouterConfig(policy="round_robin", insecure_internal=True))
     enc, lang = core.selectors["encoder"], core.selectors["language"]
@@ -170,7 +175,7 @@ def _chat(*turns: tuple[str, str]):
 
 
 def test_conversation_key_follows_the_conversation_and_picks_its_language_instance():
-    from services.router.request import conversation_key
+    from tandem.services.router.request import conversation_key
 
     sys, first = ("system", "Be brief."), ("user", "Hello")
     turn1 = _chat(sys, first)
@@ -200,7 +205,7 @@ def test_a_tiers_resource_exhausted_is_413_never_retried_only_overload_is_429():
 
     import grpc
 
-    from services.router.errors import (
+    from tandem.services.router.errors import (
         RETRYABLE_ENCODER,
         RETRYABLE_REQUEST,
         Tier,

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from services.language.request import Request, SamplingParams
-from services.language.sampler import sample, sampling_probs
+from tandem.services.language.engine.request import Request, SamplingParams
+from tandem.services.language.engine.sampler import sample, sampling_probs
 
 P = torch.tensor([0.1, 0.2, 0.3, 0.4])
 LOGITS = P.log()

@@ -15,9 +15,9 @@ from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
 )
 
-from services.language.detokenizer import IncrementalDetokenizer
-from services.language.request import Request, SamplingParams
-from services.language.sampler import filter_logits, sample, shape_logits
+from tandem.services.language.engine.detokenizer import IncrementalDetokenizer
+from tandem.services.language.engine.request import Request, SamplingParams
+from tandem.services.language.engine.sampler import filter_logits, sample, shape_logits
 from tandem.transfer.payload import PromptPayload
 
 V = 50

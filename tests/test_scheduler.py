@@ -15,12 +15,12 @@ import hashlib
 import pytest
 import torch
 
-from services.language.forward_batch import ForwardBatch
-from services.language.kv_cache import KVPagePool
-from services.language.prefix_cache import PrefixCache
-from services.language.request import Request, RequestStatus, SamplingParams
-from services.language.schedule_policy import NewTokenRatio
-from services.language.scheduler import AdmissionError, Scheduler
+from tandem.services.language.engine.kv_pages import KVPagePool
+from tandem.services.language.engine.policy import NewTokenRatio
+from tandem.services.language.engine.prefix_cache import PrefixCache
+from tandem.services.language.engine.request import Request, RequestStatus, SamplingParams
+from tandem.services.language.engine.scheduler import AdmissionError, Scheduler
+from tandem.services.language.runner.forward_batch import ForwardBatch
 from tandem.transfer.payload import PromptPayload
 
 PAGE = 4

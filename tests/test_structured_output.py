@@ -20,11 +20,11 @@ import pytest
 from pydantic import BaseModel, Field
 from test_language_engine import collect
 
-from services.language.engine import Engine, EngineConfig
-from services.language.grammar import GrammarKind, GrammarSpec
-from services.language.model_runner import ModelRunner
-from services.language.request import Request, RequestStatus, SamplingParams
 from tandem.models.split import load_text_weights
+from tandem.services.language.engine.core import Engine, EngineConfig
+from tandem.services.language.engine.grammar import GrammarKind, GrammarSpec
+from tandem.services.language.engine.request import Request, RequestStatus, SamplingParams
+from tandem.services.language.runner.model_runner import ModelRunner
 
 
 class Colour(str, enum.Enum):

@@ -1,7 +1,7 @@
 """Tensor parallelism at --tp 2 on CPU (gloo): real rank processes, real collectives.
 
 Each case starts rank 0 in this process (the engine, scheduler and sampler) and rank 1 as
-its own process (`services.language.tp_worker`), exactly as `tandem language --tp 2` does:
+its own process (`tandem.services.language.tp.worker`), exactly as `tandem language --tp 2` does:
 - prompt logits equal transformers' within 1e-4 for 0/1/2-image prompts;
 - 16 concurrent greedy generations (0-3 images, shared steps, a KV pool small enough to
   retract) equal `generate()` token for token;
@@ -27,15 +27,15 @@ from prometheus_client import CollectorRegistry
 from test_language_engine import Case, check_greedy_streams, collect, greedy_requests
 from test_language_model import PAGE, TOL, Seq
 
-from services.language.config import LanguageConfig
-from services.language.forward_batch import ForwardBatch
-from services.language.kv_cache import KVPagePool
-from services.language.main import build_engine
-from services.language.metrics import LanguageMetrics
-from services.language.model.shard import REPLICATED, Shard
 from tandem.metrics import metric_set
 from tandem.models.checkpoint import read_spec
 from tandem.models.split import load_text_weights
+from tandem.services.language.config import LanguageConfig
+from tandem.services.language.engine.kv_pages import KVPagePool
+from tandem.services.language.main import build_engine
+from tandem.services.language.metrics import LanguageMetrics
+from tandem.services.language.model.shard import REPLICATED, Shard
+from tandem.services.language.runner.forward_batch import ForwardBatch
 
 pytestmark = pytest.mark.timeout(600)
 ARCHS = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
@@ -194,9 +194,9 @@ def test_kill9_of_rank_1_ends_the_instance(checkpoint, tmp_path):
         import sys, time
         sys.path.insert(0, {str(os.path.dirname(__file__))!r})
         from prometheus_client import CollectorRegistry
-        from services.language.config import LanguageConfig
-        from services.language.main import build_engine
-        from services.language.metrics import LanguageMetrics
+        from tandem.services.language.config import LanguageConfig
+        from tandem.services.language.main import build_engine
+        from tandem.services.language.metrics import LanguageMetrics
         from tandem.metrics import metric_set
         lc = LanguageConfig(model={str(ckpt)!r}, tp=2, kv_pages=64, kv_page_size=4)
         engine, _, _ = build_engine(lc, metric_set(LanguageMetrics, CollectorRegistry()))
@@ -225,8 +225,8 @@ def test_step_messages_are_plain_data_not_pickle():
     hold (the transfer wrote them to every rank) are named, not carried."""
     import safetensors.torch
 
-    from services.language import tp_wire
-    from services.language.forward_batch import SeqChunk, decode_positions
+    from tandem.services.language.runner.forward_batch import SeqChunk, decode_positions
+    from tandem.services.language.tp import wire
 
     rows = torch.randn(12, 10)[:, :8]  # a strided view, as a payload slice can be
     batch = ForwardBatch([
@@ -237,12 +237,12 @@ def test_step_messages_are_plain_data_not_pickle():
                  embeds_key=77, embeds_row=4),
     ])  # fmt: skip
     held = {77: torch.cat([torch.zeros(4, 8), rows[0:3]])}  # payload 77's rows on a rank
-    data = tp_wire.encode_step(batch)
+    data = wire.encode_step(batch)
     assert not data.startswith(b"\x80")  # pickle protocol 2+ header
     carried = set(safetensors.torch.load(data))
     assert "0.input_embeds" in carried and "2.input_embeds" not in carried
     taken = []
-    got = tp_wire.decode_step(data, lambda k, r, n: taken.append((k, r, n)) or held[k][r:r + n])
+    got = wire.decode_step(data, lambda k, r, n: taken.append((k, r, n)) or held[k][r:r + n])
     assert taken == [(77, 4, 3)]
     for want, have in zip(batch.chunks, got.chunks, strict=True):
         assert (have.seq_id, have.start, have.block_table, have.want_prompt_logits,
@@ -252,4 +252,4 @@ def test_step_messages_are_plain_data_not_pickle():
         for name in ("positions", "input_embeds", "token_ids"):
             a, b = getattr(want, name), getattr(have, name)
             assert (a is None and b is None) or torch.equal(a, b), name
-    assert tp_wire.decode_json(tp_wire.encode_json({"num_pages": 7})) == {"num_pages": 7}
+    assert wire.decode_json(wire.encode_json({"num_pages": 7})) == {"num_pages": 7}

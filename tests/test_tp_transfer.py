@@ -105,7 +105,7 @@ def test_a_rank_hung_during_a_copy_ends_the_instance(checkpoint, tmp_path):
         peer.wait_ready()
         lang.wait_ready()
         (worker,) = [p for p in psutil.Process(lang.proc.pid).children()
-                     if "tp_worker" in " ".join(p.cmdline())]
+                     if "tp.worker" in " ".join(p.cmdline())]
         worker.send_signal(signal.SIGSTOP)
         room = next(_rooms)
         call = lang.generate(room, peer.address, MAX_NEW[1])

@@ -44,9 +44,9 @@ def config_schema(cls) -> dict:
 
 def generated() -> dict:
     sys.path.insert(0, str(ROOT))
-    from services.encoder.config import EncoderConfig
-    from services.language.config import LanguageConfig
-    from services.router.config import RouterConfig
+    from tandem.services.encoder.config import EncoderConfig
+    from tandem.services.language.config import LanguageConfig
+    from tandem.services.router.config import RouterConfig
 
     schema = json.loads(SCHEMA.read_text())
     for tier, cls in (("encoder", EncoderConfig), ("language", LanguageConfig),

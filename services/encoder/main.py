@@ -24,6 +24,10 @@ import logging
 
 from tandem.internal_tls import load_internal_tls
 from tandem.metrics import metric_set, serve_metrics, service_registry
+from tandem.services.encoder.config import EncoderConfig
+from tandem.services.encoder.metrics import EncoderMetrics
+from tandem.services.encoder.pipeline import EncodePipeline
+from tandem.services.encoder.server import EncoderServicer
 from tandem.serving import (
     drain,
     grpc_server,
@@ -33,11 +37,6 @@ from tandem.serving import (
     stop_on_signals,
 )
 from tandem.v1 import encoder_pb2, encoder_pb2_grpc
-
-from .config import EncoderConfig
-from .metrics import EncoderMetrics
-from .pipeline import EncodePipeline
-from .server import EncoderServicer
 
 log = logging.getLogger("tandem.encoder")
 SERVICE = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name

@@ -18,9 +18,8 @@ import itertools
 
 import torch
 
+from tandem.services.encoder.cache import CachedFeatures
 from tandem.transfer.payload import PromptPayload
-
-from .cache import CachedFeatures
 
 
 def rope_index(

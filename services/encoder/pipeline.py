@@ -24,15 +24,14 @@ import torch
 
 from tandem.chat import Limits, Message
 from tandem.devices import resolve_device, resolve_dtype
+from tandem.services.encoder.cache import EmbeddingCache
+from tandem.services.encoder.fair_pool import FairPool
+from tandem.services.encoder.images import Budget, ImageLimits
+from tandem.services.encoder.merge import build_payload
+from tandem.services.encoder.preprocess import PreprocessLimits, Preprocessor
+from tandem.services.encoder.scheduler import EncoderScheduler
+from tandem.services.encoder.vit_runner import VisionRunner
 from tandem.transfer.payload import ImageSpan, PromptInfo, PromptPayload
-
-from .cache import EmbeddingCache
-from .fair_pool import FairPool
-from .images import Budget, ImageLimits
-from .merge import build_payload
-from .preprocess import PreprocessLimits, Preprocessor
-from .scheduler import EncoderScheduler
-from .vit_runner import VisionRunner
 
 
 class EncodeState(enum.Enum):

@@ -20,8 +20,7 @@ import numpy as np
 import torch
 
 from tandem.chat import ChatTemplate, ImageInput, Limits, Message, invalid
-
-from .images import Budget, ImageLimits, decode_image, image_bytes
+from tandem.services.encoder.images import Budget, ImageLimits, decode_image, image_bytes
 
 
 @dataclass

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import CachedFeatures, EmbeddingCache
-from .preprocess import PreparedImage
-from .vit_runner import VisionRunner
+from tandem.services.encoder.cache import CachedFeatures, EmbeddingCache
+from tandem.services.encoder.preprocess import PreparedImage
+from tandem.services.encoder.vit_runner import VisionRunner
 
 
 def lb_assign(patches: list[int], num_devices: int) -> list[list[int]]:

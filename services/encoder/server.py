@@ -24,12 +24,11 @@ import time
 import grpc
 
 from tandem.chat import ChatError
+from tandem.services.encoder.chat import job_from_proto
+from tandem.services.encoder.pipeline import EncodePipeline, EncodeState
 from tandem.serving import deadline_from_proto
 from tandem.transfer.errors import TransferError
 from tandem.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
-
-from .chat import job_from_proto
-from .pipeline import EncodePipeline, EncodeState
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,11 @@ import logging
 
 from tandem.devices import resolve_device, resolve_dtype
 from tandem.metrics import metric_set, serve_metrics, service_registry
+from tandem.services.language.config import LanguageConfig
+from tandem.services.language.engine.core import Engine
+from tandem.services.language.engine.types import EngineConfig
+from tandem.services.language.metrics import LanguageMetrics
+from tandem.services.language.server import LanguageServicer, ServiceLimits
 from tandem.serving import (
     drain,
     grpc_server,
@@ -27,11 +32,6 @@ from tandem.serving import (
     wait_idle,
 )
 from tandem.v1 import language_pb2, language_pb2_grpc
-
-from .config import LanguageConfig
-from .engine import Engine, EngineConfig
-from .metrics import LanguageMetrics
-from .server import LanguageServicer, ServiceLimits
 
 log = logging.getLogger("tandem.language")
 SERVICE = language_pb2.DESCRIPTOR.services_by_name["Language"].full_name
@@ -45,9 +45,9 @@ def build_engine(cfg: LanguageConfig, metrics: LanguageMetrics):
     """(engine, spec, tokenizer) for `cfg` (also used by the benchmark)."""
     from transformers import AutoTokenizer
 
-    from services.language.model_runner import ModelRunner
     from tandem.models.checkpoint import read_spec, resolve_model_path
     from tandem.models.split import load_text_weights
+    from tandem.services.language.runner.model_runner import ModelRunner
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
@@ -95,9 +95,9 @@ def start_tensor_parallel(cfg: LanguageConfig, spec, device, dtype, max_len: int
     """Rank 0's `TensorParallel`, the other ranks started and in the process group."""
     import torch
 
-    from services.language.model.shard import Shard
-    from services.language.tp import RankArgs, start_ranks
     from tandem.launch.procs import free_port
+    from tandem.services.language.model.shard import Shard
+    from tandem.services.language.tp.ranks import RankArgs, start_ranks
 
     shard = Shard.of(spec, 0, cfg.tp)  # refuses a model --tp does not divide, before spawning
     # NOTE (CPU): the ranks share this host's cores; each gets its part of them.

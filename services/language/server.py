@@ -26,18 +26,18 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.language.engine import Engine
-from services.language.grammar import GrammarKind, GrammarSpec
-from services.language.metrics import LanguageMetrics
-from services.language.request import (
+from tandem.chat import ChatError, ChatTemplate, messages_from_proto, tools_from_json
+from tandem.services.language.engine.core import Engine
+from tandem.services.language.engine.grammar import GrammarKind, GrammarSpec
+from tandem.services.language.engine.request import (
     FINISH_REASONS,
     Request,
     RequestStatus,
     SamplingParams,
     StreamDelta,
 )
-from services.language.scheduler import AdmissionError
-from tandem.chat import ChatError, ChatTemplate, messages_from_proto, tools_from_json
+from tandem.services.language.engine.scheduler import AdmissionError
+from tandem.services.language.metrics import LanguageMetrics
 from tandem.serving import deadline_from_proto
 from tandem.transfer import BlockAllocator, EmbeddingReceiver, TransferError
 from tandem.v1 import common_pb2, language_pb2, language_pb2_grpc

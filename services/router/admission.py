@@ -6,8 +6,8 @@ import hashlib
 import hmac
 from contextlib import contextmanager
 
-from services.router.errors import RouterError
-from services.router.metrics import RouterMetrics
+from tandem.services.router.errors import RouterError
+from tandem.services.router.metrics import RouterMetrics
 
 
 class Admission:

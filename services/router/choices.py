@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 
-from services.router.request import ChatRequest, Piece
+from tandem.services.router.request import ChatRequest, Piece
 from tandem.v1 import common_pb2
 
 

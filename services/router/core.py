@@ -7,15 +7,15 @@ from pathlib import PurePath
 
 import grpc
 
-from services.router.admission import Admission
-from services.router.config import RouterConfig
-from services.router.dispatcher import Dispatcher
-from services.router.errors import RouterError, Tier, from_rpc
-from services.router.metrics import RouterMetrics
-from services.router.refusals import RefusalBudget
-from services.router.registry import Registry
-from services.router.selection import Selector
 from tandem.metrics import metric_set, service_registry
+from tandem.services.router.admission import Admission
+from tandem.services.router.config import RouterConfig
+from tandem.services.router.dispatch.dispatcher import Dispatcher
+from tandem.services.router.dispatch.registry import Registry
+from tandem.services.router.dispatch.selection import Selector
+from tandem.services.router.errors import RouterError, Tier, from_rpc
+from tandem.services.router.metrics import RouterMetrics
+from tandem.services.router.refusals import RefusalBudget
 
 
 class RouterCore:

@@ -3,7 +3,7 @@
 Errors before any output end the call with a status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
 UNAUTHENTICATED, UNAVAILABLE, DEADLINE_EXCEEDED, ...); a failure after output is a last
 message with finish_reason ERROR and `error` set. A client that cancels the call cancels
-this handler's task, which closes the dispatcher's generator (see dispatcher.py's leak note).
+this handler's task, which closes the dispatcher's generator (see dispatch/dispatcher.py's leak note).
 """
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ import uuid
 import grpc
 from pydantic import TypeAdapter, ValidationError
 
-from services.router.admission import check_api_key, client_id
-from services.router.choices import choice_requests, merged
-from services.router.config import RouterConfig
-from services.router.core import RouterCore
-from services.router.errors import RouterError
-from services.router.openai_models import Tool, tool_setup_of
-from services.router.refusals import HeldTooLong, Ticket
-from services.router.request import MAX_TIMEOUT_MS, ChatRequest, Piece
-from services.router.tools import ToolMode, ToolSetup, parse_output
 from tandem.finish_reasons import FROM_OPENAI
+from tandem.services.router.admission import check_api_key, client_id
+from tandem.services.router.choices import choice_requests, merged
+from tandem.services.router.config import RouterConfig
+from tandem.services.router.core import RouterCore
+from tandem.services.router.errors import RouterError
+from tandem.services.router.openai.chat import Tool, tool_setup_of
+from tandem.services.router.refusals import HeldTooLong, Ticket
+from tandem.services.router.request import MAX_TIMEOUT_MS, ChatRequest, Piece
+from tandem.services.router.tools import ToolMode, ToolSetup, parse_output
 from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 _TOOLS = TypeAdapter(list[Tool])

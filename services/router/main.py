@@ -19,11 +19,11 @@ import grpc
 import uvicorn
 from grpc_health.v1 import health_pb2
 
-from services.router.core import RouterCore
-from services.router.grpc_api import RouterServicer
-from services.router.http_api import build_app
-from services.router.http_server import http_config
 from tandem import serving
+from tandem.services.router.core import RouterCore
+from tandem.services.router.grpc_api import RouterServicer
+from tandem.services.router.openai.app import build_app
+from tandem.services.router.openai.server import http_config
 from tandem.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger("tandem.router")

@@ -5,7 +5,7 @@ Every request is counted once, when its answer has ended:
 
     tandem_router_requests_total{api, outcome}     chat / completion requests that reached
         a front end's handler: outcome "ok" or the error code in lower case; a stream is
-        counted at its end (http_api._sse): "ok", the code it failed with after output,
+        counted at its end (openai/app.py, _sse): "ok", the code it failed with after output,
         or "cancelled" when the client left first
     tandem_router_http_requests_total{handler, code}   every HTTP answer by route and status
         code (`HttpStatusCounter`), those refused before any handler included (401, 413,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from services.router.tools import ToolSetup
+from tandem.services.router.tools import ToolSetup
 from tandem.v1 import common_pb2
 
 # Stage timings (ms) and what the stages skipped: images the encoder did not run through

@@ -52,7 +52,7 @@ def read_tensors(spec: ModelSpec, names, dtype: torch.dtype, device, plan=None
                  ) -> dict[str, torch.Tensor]:
     """The named tensors, converted to `dtype` on `device`; nothing else is read.
 
-    `plan(name, shape)` (tensor parallelism: `services.language.model.shard.Shard.plan`,
+    `plan(name, shape)` (tensor parallelism: `tandem.services.language.model.shard.Shard.plan`,
     called with the stored name) may return a read plan: then only its parts are read
     from the file (safetensors slices) and concatenated on its `dim`."""
     from safetensors import safe_open
@@ -160,7 +160,7 @@ def load_text_weights(
     shard=None,
 ) -> TextWeights:
     """The text decoder's tensors, normalized names (see module doc); no `visual` tensor is
-    read. With `shard` (`services.language.model.shard.Shard`, tensor parallelism) only
+    read. With `shard` (`tandem.services.language.model.shard.Shard`, tensor parallelism) only
     that rank's slices of the split tensors are read (its `plan`), the rest whole."""
     spec = _spec(model)
     names = text_tensor_names(spec)

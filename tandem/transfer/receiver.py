@@ -30,7 +30,7 @@ is freed on every path: after the payload is gathered out, on failure, on abort 
 the awaiting task is cancelled. `deadline` is Unix seconds. Failures raise
 TransferError(reason, code) with a gRPC code name.
 
-With `ranks` (a tensor-parallel instance's other ranks, services/language/tp_buffers.py)
+With `ranks` (a tensor-parallel instance's other ranks, services/language/tp/buffers.py)
 every Init names each rank's buffers too (the encoder writes all of them); each copy-out,
 wipe and drop is done by every rank, and the payload's `ranks_key` names the rows they hold
 (`release(payload)` once its request ended).
@@ -113,7 +113,7 @@ class EmbeddingReceiver:
         # bounded, one per address; mTLS with `tls` (tandem/internal_tls.py: its role is
         # "language", the one role an encoder's Attach admits)
         self.channels = EncoderChannels(grace_s=config.timeout_s, tls=tls)
-        # The instance's other tensor-parallel ranks (services/language/tp_buffers.py
+        # The instance's other tensor-parallel ranks (services/language/tp/buffers.py
         # RankBuffers): named in every Init, told to copy, clear and drop with rank 0.
         self.ranks = ranks
         self._rank_dests = list(ranks.destinations) if ranks is not None else []

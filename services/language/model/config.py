@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from services.language.model.shard import Shard
+from tandem.services.language.model.shard import Shard
 
 ARCHS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 

@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.language.attention import AttentionMetadata, paged_attention
-from services.language.model.config import DecoderConfig
-from services.language.model.linear import DenseLinear, fuse_checkpoint_tensors
-from services.language.model.rope import MRope, apply_rotary
+from tandem.services.language.model.attention import AttentionMetadata, paged_attention
+from tandem.services.language.model.config import DecoderConfig
+from tandem.services.language.model.linear import DenseLinear, fuse_checkpoint_tensors
+from tandem.services.language.model.rope import MRope, apply_rotary
 
 
 class RMSNorm(nn.Module):

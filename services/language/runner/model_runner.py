@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from services.language.attention import AttentionMetadata, PrefillChunkMeta
-from services.language.forward_batch import (
+from tandem.cpu_kernels import decode_attention_op, linear_kernels
+from tandem.services.language.model import DecoderConfig, QwenVLDecoder
+from tandem.services.language.model.attention import AttentionMetadata, PrefillChunkMeta
+from tandem.services.language.runner.forward_batch import (
     ChunkLimits,
     ForwardBatch,
     ForwardOutput,
@@ -20,15 +22,13 @@ from services.language.forward_batch import (
     chunk_slots,
     decode_rows,
 )
-from services.language.graph_runner import GraphRunner
-from services.language.kv_cache import KVCache
-from services.language.model import DecoderConfig, QwenVLDecoder
-from tandem.cpu_kernels import decode_attention_op, linear_kernels
+from tandem.services.language.runner.graph_runner import GraphRunner
+from tandem.services.language.runner.kv_cache import KVCache
 from tandem.units import ceil_div
 
 if TYPE_CHECKING:
-    from services.language.tp import TensorParallel
     from tandem.models.split import TextWeights
+    from tandem.services.language.tp.ranks import TensorParallel
 
 
 class ModelRunner:
@@ -63,7 +63,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = dtype
         self.spec = spec
-        # Tensor parallelism (tp.py): `weights` hold this rank's shard; every rank runs every
+        # Tensor parallelism (tp/ranks.py): `weights` hold this rank's shard; every rank runs every
         # step (rank 0 sends it to the others first), logits are gathered to rank 0.
         self.tp = tp
         self.cfg = DecoderConfig.from_weights(spec, weights.tensors, tp.shard if tp else None)

@@ -1,8 +1,8 @@
-"""A tensor-parallel rank other than 0: `python -m services.language.tp_worker RANK ARGS_JSON`.
+"""A tensor-parallel rank other than 0: `python -m tandem.services.language.tp.worker RANK ARGS_JSON`.
 
-Started by rank 0 (`services.language.tp.start_ranks`), never by hand. It joins the process
+Started by rank 0 (`tandem.services.language.tp.ranks.start_ranks`), never by hand. It joins the process
 group, loads its shard, builds the same runner as rank 0 at its sizes, then runs every step
-rank 0 sends until told to stop or rank 0 is gone. See tp.py for the whole protocol.
+rank 0 sends until told to stop or rank 0 is gone. See ranks.py for the whole protocol.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from multiprocessing.connection import Client
 
 import torch
 
-from services.language import tp_wire
-from services.language.model.shard import Shard
-from services.language.tp import RankArgs, TensorParallel, init_group, rank_device
-from services.language.tp_buffers import WorkerBuffers
 from tandem.config import TransferConfig
 from tandem.devices import DTYPES
 from tandem.models.checkpoint import read_spec, resolve_model_path
 from tandem.models.split import load_text_weights
+from tandem.services.language.model.shard import Shard
+from tandem.services.language.tp import wire
+from tandem.services.language.tp.buffers import WorkerBuffers
+from tandem.services.language.tp.ranks import RankArgs, TensorParallel, init_group, rank_device
 from tandem.transfer import EmbeddingBuffers, MooncakeEngine
 
 log = logging.getLogger("tandem.language.tp")
@@ -41,15 +41,15 @@ def main(rank: int, args: RankArgs) -> int:
     host, port = args.control_address.rsplit(":", 1)
     authkey = bytes.fromhex(os.environ["TANDEM_TP_AUTHKEY"])
     conn = Client((host, int(port)), authkey=authkey)
-    conn.send_bytes(tp_wire.encode_json({"rank": rank, "channel": "step"}))
+    conn.send_bytes(wire.encode_json({"rank": rank, "channel": "step"}))
     data_conn = Client((host, int(port)), authkey=authkey)
-    data_conn.send_bytes(tp_wire.encode_json({"rank": rank, "channel": "data"}))
+    data_conn.send_bytes(wire.encode_json({"rank": rank, "channel": "data"}))
     spec = read_spec(resolve_model_path(args.model))
     shard = Shard.of(spec, rank, args.size)
     weights = load_text_weights(spec, DTYPES[args.dtype], device, shard)
-    num_pages = tp_wire.decode_json(conn.recv_bytes())["num_pages"]
+    num_pages = wire.decode_json(conn.recv_bytes())["num_pages"]
 
-    from services.language.model_runner import ModelRunner
+    from tandem.services.language.runner.model_runner import ModelRunner
 
     runner = ModelRunner(
         weights, page_size=args.page_size, num_pages=num_pages, device=device,
@@ -60,14 +60,14 @@ def main(rank: int, args: RankArgs) -> int:
         tp=TensorParallel(rank, shard, device),
     )  # fmt: skip
     # This rank's embedding buffers, a mirror of rank 0's pool: the encoder writes every
-    # prompt here too (tp_buffers.py). Host memory, as on rank 0.
+    # prompt here too (buffers.py). Host memory, as on rank 0.
     transfer = MooncakeEngine(TransferConfig(**args.transfer))
     buffers = EmbeddingBuffers(args.embedding_blocks, args.embedding_block_size, spec.embed_dim,
                                DTYPES[args.dtype])
     buffers.register(transfer)
     held = WorkerBuffers(data_conn, buffers)
     held.start()
-    conn.send_bytes(tp_wire.encode_json({"ready": True, "session_id": transfer.session_id,
+    conn.send_bytes(wire.encode_json({"ready": True, "session_id": transfer.session_id,
                                          "layout": asdict(buffers.layout())}))
     while True:
         try:
@@ -75,9 +75,9 @@ def main(rank: int, args: RankArgs) -> int:
         except (EOFError, OSError):
             log.error("rank %d: rank 0 is gone; exiting", rank)
             return 1
-        if data == tp_wire.STOP:
+        if data == wire.STOP:
             return 0
-        batch = tp_wire.decode_step(data, held.take)
+        batch = wire.decode_step(data, held.take)
         # NOTE: rank 0 checked the batch before sending it; any failure here (a collective
         # that timed out, a peer gone) ends this rank, and rank 0 ends the instance.
         runner.forward(batch)

@@ -9,8 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.router.errors import RouterError
-from services.router.request import MAX_TIMEOUT_MS
+from tandem.services.router.errors import RouterError
+from tandem.services.router.request import MAX_TIMEOUT_MS
 from tandem.v1 import common_pb2
 
 

@@ -1,5 +1,5 @@
 """The router's HTTP guard: what every request passes before any parsing (an ASGI
-middleware; `http_api.build_app` installs it)."""
+middleware; `app.build_app` installs it)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
 
-from services.router.admission import check_api_key, client_id
-from services.router.config import RouterConfig
-from services.router.errors import RouterError
-from services.router.refusals import HeldTooLong, RefusalBudget
+from tandem.services.router.admission import check_api_key, client_id
+from tandem.services.router.config import RouterConfig
+from tandem.services.router.errors import RouterError
+from tandem.services.router.refusals import HeldTooLong, RefusalBudget
 
 
 def error_response(err: RouterError, close: bool = False) -> JSONResponse:

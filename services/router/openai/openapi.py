@@ -1,7 +1,7 @@
 """What the router's OpenAPI document (`/openapi.json`) says each route can answer.
 
 FastAPI documents 200 and its own 422 only; this router never answers 422 (a body that
-does not validate is a 400 in OpenAI's error shape, http_api's handler) and does answer the
+does not validate is a 400 in OpenAI's error shape, app.py's handler) and does answer the
 statuses below, each with OpenAI's error body: the API routes declare `ERROR_RESPONSES`
 (`@app.post(..., responses=ERROR_RESPONSES)`), and `document(app)` drops the 422s.
 """

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.router.config import RouterConfig
-from services.router.health import HealthTracker, InstanceState
-from services.router.selection import Candidate
 from tandem.internal_tls import InternalTLS, aio_channel, load_internal_tls
+from tandem.services.router.config import RouterConfig
+from tandem.services.router.dispatch.health import HealthTracker, InstanceState
+from tandem.services.router.dispatch.selection import Candidate
 from tandem.v1 import encoder_pb2, encoder_pb2_grpc, language_pb2, language_pb2_grpc
 
 log = logging.getLogger("tandem.router")

@@ -2,22 +2,22 @@
 
 `tandem language --tp N` is one instance of N processes. Rank 0 is the service (gRPC, the
 transfer receiver, scheduler, sampling, detokenization); ranks 1..N-1 are worker processes
-it starts itself (`python -m services.language.tp_worker`), each holding its shard of the
+it starts itself (`python -m tandem.services.language.tp.worker`), each holding its shard of the
 weights (shard.py) and of the KV cache (its KV heads, the same page ids as rank 0).
 
-    rank 0                                     rank r (tp_worker)
+    rank 0                                     rank r (worker.py)
     start_ranks(): spawn workers ─────────────▶ init_process_group
     init_process_group (gloo on CPU, NCCL) ◀──▶ connect to rank 0's control socket
     load its shard, size the KV pool           load its shard
     ranks.start(num_pages) ────("init")───────▶ build its runner ──("ready")──▶
     every step: runner.forward(batch):
       send the ForwardBatch (plain data,        recv ─▶ runner.forward(batch)
-      tp_wire: JSON + safetensors, embeddings
+      wire.py: JSON + safetensors, embeddings
       included) ─────────────────────────────▶
       the same forward; all-reduces after o_proj / down_proj / MoE; logits gathered to 0
 
 Embeddings reach every rank straight from the encoder: the Attach Init names each rank's
-buffers and the encoder writes every piece to all of them (tp_buffers.py: rank 0 runs the
+buffers and the encoder writes every piece to all of them (buffers.py: rank 0 runs the
 room and tells the others, over a second socket per rank, when to copy their rows out,
 clear blocks, or drop rows); a step then names the rows instead of carrying them. A
 payload the ranks do not hold (an engine driven without the receiver: tests, benchmarks)
@@ -47,9 +47,9 @@ from multiprocessing.connection import Connection, Listener
 import torch
 import torch.distributed as dist
 
-from services.language import tp_wire
-from services.language.model.shard import Shard
-from services.language.tp_buffers import RankBuffers
+from tandem.services.language.model.shard import Shard
+from tandem.services.language.tp import wire
+from tandem.services.language.tp.buffers import RankBuffers
 
 log = logging.getLogger("tandem.language.tp")
 
@@ -74,7 +74,7 @@ class RankArgs:
     control_address: str  # host:port of rank 0's control socket
     timeout_s: float
     threads: int
-    # Each rank's own embedding buffers, a mirror of rank 0's pool (tp_buffers.py).
+    # Each rank's own embedding buffers, a mirror of rank 0's pool (buffers.py).
     transfer: dict  # TransferConfig fields
     embedding_blocks: int
     embedding_block_size: int
@@ -127,16 +127,16 @@ class Ranks:
     def start(self, num_pages: int) -> None:
         """Every worker builds its runner with `num_pages` KV pages; returns once all have."""
         for c in self.conns:
-            c.send_bytes(tp_wire.encode_json({"num_pages": num_pages}))
+            c.send_bytes(wire.encode_json({"num_pages": num_pages}))
         ready = []
         for r, c in enumerate(self.conns, start=1):
-            ready.append(tp_wire.decode_json(c.recv_bytes()))
+            ready.append(wire.decode_json(c.recv_bytes()))
             if not ready[-1].get("ready"):
                 self.fail(f"rank {r} did not start")
         self.buffers = RankBuffers(self.data_conns, ready, self.fail, self.args.timeout_s)
 
     def send_step(self, batch) -> None:
-        data = tp_wire.encode_step(batch)
+        data = wire.encode_step(batch)
         try:
             for c in self.conns:
                 c.send_bytes(data)
@@ -148,7 +148,7 @@ class Ranks:
         self._stopping = True
         for c in self.conns:
             try:
-                c.send_bytes(tp_wire.STOP)
+                c.send_bytes(wire.STOP)
             except OSError:
                 pass
         for c in self.data_conns:
@@ -189,7 +189,7 @@ def start_ranks(args: RankArgs, device: torch.device, shard: Shard) -> TensorPar
     args = RankArgs(**{**asdict(args), "control_address": f"{host}:{port}"})
     env = {**os.environ, "TANDEM_TP_AUTHKEY": authkey.hex()}  # NOTE: not on the command line
     procs = [
-        subprocess.Popen([sys.executable, "-m", "services.language.tp_worker", str(r),
+        subprocess.Popen([sys.executable, "-m", "tandem.services.language.tp.worker", str(r),
                           json.dumps(asdict(args))], env=env)
         for r in range(1, args.size)
     ]
@@ -200,7 +200,7 @@ def start_ranks(args: RankArgs, device: torch.device, shard: Shard) -> TensorPar
         data_conns: list[Connection | None] = [None] * (args.size - 1)
         for _ in range(2 * (args.size - 1)):  # a step socket and a data socket per rank
             c = listener.accept()
-            hello = tp_wire.decode_json(c.recv_bytes())
+            hello = wire.decode_json(c.recv_bytes())
             (data_conns if hello["channel"] == "data" else conns)[hello["rank"] - 1] = c
     except Exception:
         for p in procs:

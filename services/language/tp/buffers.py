@@ -5,7 +5,7 @@ Each rank of a `--tp N` instance has its own Mooncake engine and its own
 dtype). Rank 0's receiver names every rank in the Attach Init (`AttachInit.ranks`), and the
 encoder writes each piece into the same block ids of every rank. Rank 0 alone runs the
 room (reservations, Progress, Resume, Done, the prefix cache); over one data socket per
-rank (beside the step socket, see tp.py) it tells the others what to do with their copy:
+rank (beside the step socket, see ranks.py) it tells the others what to do with their copy:
 
     rank 0 ─▶ rank r   gather {key, ids, n, at, total, room, generation, start,
                                piece_tokens, first_index}
@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from services.language import tp_wire
+from tandem.services.language.tp import wire
 from tandem.transfer import EmbeddingBuffers, TransferError
 from tandem.transfer.buffers import BufferLayout
 from tandem.v1 import encoder_pb2
@@ -62,7 +62,7 @@ class RankBuffers:
                 self._fail(f"rank {r}'s embedding buffers {got} do not mirror rank 0's {layout}")
 
     def _call(self, msg: dict, answer: bool, local: Callable[[], None] | None = None) -> None:
-        data = tp_wire.encode_json(msg)
+        data = wire.encode_json(msg)
         with self._lock:
             try:
                 for c in self.conns:
@@ -82,7 +82,7 @@ class RankBuffers:
         # it every room's copy and the engine thread's drops) forever.
         if not c.poll(self.timeout_s):
             self._fail(f"rank {rank} did not answer within {self.timeout_s:g} s")
-        return tp_wire.decode_json(c.recv_bytes())
+        return wire.decode_json(c.recv_bytes())
 
     def gather(self, key: int, ids: list[int], n: int, at: int, total: int, room: int,
                generation: int, start: int, piece_tokens: int, first_index: int,
@@ -124,7 +124,7 @@ class WorkerBuffers:
     def _serve(self) -> None:
         while True:
             try:
-                msg = tp_wire.decode_json(self.conn.recv_bytes())
+                msg = wire.decode_json(self.conn.recv_bytes())
             except (EOFError, OSError):
                 return  # rank 0 is gone; the step loop notices and exits
             op = msg["op"]
@@ -140,7 +140,7 @@ class WorkerBuffers:
                 reply = {"ok": True}
             except TransferError as e:
                 reply = {"error": e.reason, "code": e.code}
-            self.conn.send_bytes(tp_wire.encode_json(reply))
+            self.conn.send_bytes(wire.encode_json(reply))
 
     def _gather(self, m: dict) -> None:
         b = self.buffers

@@ -1,5 +1,5 @@
 """OpenAI chat-completions request schema (pydantic, with bounds; the sampling fields it
-shares with the completions API are `openai_sampling.py`) and its conversion to the wire
+shares with the completions API are `sampling.py`) and its conversion to the wire
 protos. Nothing is silently dropped: every field is honoured, hint-only (`user`,
 `parallel_tool_calls`, an image's `detail`: OpenAI treats them as hints too), or refused
 with a 400 naming it (`param`): unknown fields by `extra="forbid"`, and values we cannot
@@ -16,11 +16,11 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from services.router.config import RouterConfig
-from services.router.errors import RouterError
-from services.router.openai_sampling import SamplingFields, _Model, _utf8, sampling_params
-from services.router.request import ChatRequest
-from services.router.tools import ToolSetup, tool_setup
+from tandem.services.router.config import RouterConfig
+from tandem.services.router.errors import RouterError
+from tandem.services.router.openai.sampling import SamplingFields, _Model, _utf8, sampling_params
+from tandem.services.router.request import ChatRequest
+from tandem.services.router.tools import ToolSetup, tool_setup
 from tandem.v1 import common_pb2, language_pb2
 
 

@@ -13,12 +13,12 @@ import time
 
 from pydantic import Field
 
-from services.router.choices import total_usage
-from services.router.config import RouterConfig
-from services.router.errors import RouterError
-from services.router.openai_format import extension, sse
-from services.router.openai_sampling import SamplingFields, _utf8, sampling_params
-from services.router.request import ChatRequest, Piece
+from tandem.services.router.choices import total_usage
+from tandem.services.router.config import RouterConfig
+from tandem.services.router.errors import RouterError
+from tandem.services.router.openai.format import extension, sse
+from tandem.services.router.openai.sampling import SamplingFields, _utf8, sampling_params
+from tandem.services.router.request import ChatRequest, Piece
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.language.kv_cache import KVPagePool
+from tandem.services.language.engine.kv_pages import KVPagePool
 from tandem.transfer.payload import ImageSpan
 
 PageKey = bytes

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.language.grammar import GrammarSpec
+from tandem.services.language.engine.grammar import GrammarSpec
 from tandem.transfer.payload import ImageSpan, PromptPayload
 from tandem.v1 import common_pb2
 

@@ -20,7 +20,7 @@ import bisect
 from collections.abc import Iterator
 from typing import Protocol
 
-from services.language.request import Request, RequestStatus
+from tandem.services.language.engine.request import Request, RequestStatus
 from tandem.units import ceil_div
 
 

@@ -29,8 +29,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from services.router.config import RouterConfig
-from services.router.errors import (
+from tandem.finish_reasons import TO_OPENAI
+from tandem.services.router.config import RouterConfig
+from tandem.services.router.dispatch.registry import Instance, Registry
+from tandem.services.router.dispatch.selection import NoInstanceError, Selector
+from tandem.services.router.errors import (
     RETRYABLE_ENCODER,
     RETRYABLE_REQUEST,
     RouterError,
@@ -38,9 +41,8 @@ from services.router.errors import (
     from_error_info,
     from_rpc,
 )
-from services.router.metrics import RouterMetrics
-from services.router.registry import Instance, Registry
-from services.router.request import (
+from tandem.services.router.metrics import RouterMetrics
+from tandem.services.router.request import (
     ENCODER_TIMINGS,
     TIMING_FIELDS,
     ChatRequest,
@@ -53,8 +55,6 @@ from services.router.request import (
     image_hashes,
     prompt_key,
 )
-from services.router.selection import NoInstanceError, Selector
-from tandem.finish_reasons import TO_OPENAI
 from tandem.v1 import common_pb2, encoder_pb2, language_pb2
 
 log = logging.getLogger("tandem.router")

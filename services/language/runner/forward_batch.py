@@ -56,7 +56,7 @@ class SeqChunk:
     want_prompt_logits: bool = False  # return logits of every position, not just the last
     # Where the other tensor-parallel ranks hold these prompt rows (the transfer wrote them
     # to every rank): rows [embeds_row, embeds_row + n) of their payload `embeds_key`.
-    # None: they do not, and `input_embeds` travels with the step (tp_wire).
+    # None: they do not, and `input_embeds` travels with the step (tp/wire.py).
     embeds_key: int | None = None
     embeds_row: int = 0
 

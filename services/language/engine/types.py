@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.language.detokenizer import IncrementalDetokenizer
-from services.language.request import Request, StreamDelta
+from tandem.services.language.engine.detokenizer import IncrementalDetokenizer
+from tandem.services.language.engine.request import Request, StreamDelta
 
 Sink = Callable[[StreamDelta], None]
 

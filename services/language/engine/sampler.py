@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.language.grammar import apply_masks
-from services.language.request import Request, SamplingParams
+from tandem.services.language.engine.grammar import apply_masks
+from tandem.services.language.engine.request import Request, SamplingParams
 
 
 @dataclass

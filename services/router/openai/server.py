@@ -5,7 +5,7 @@ response). A connection that sends nothing, or half its headers, and stalls is o
 held for ever (slowloris). The protocol here adds one timer:
 
     connection opens ──▶ armed ──▶ headers complete ──▶ disarmed (the app bounds the body:
-                                                        http_guard.Guard, 408)
+                                                        guard.Guard, 408)
     response sent, keep-alive idle (uvicorn's timer) ──▶ first byte of the next request
                      ──▶ armed ──▶ headers complete ──▶ disarmed
     timer fires ──▶ 408 (when some bytes came) and the connection is closed
@@ -20,8 +20,8 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from services.router.config import RouterConfig
-from services.router.errors import RouterError
+from tandem.services.router.config import RouterConfig
+from tandem.services.router.errors import RouterError
 
 
 class _RequestDeadline(H11Protocol):

@@ -19,18 +19,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.router import openai_format as fmt
-from services.router.choices import choice_requests, merged
-from services.router.core import RouterCore
-from services.router.errors import RouterError
-from services.router.http_guard import Guard, error_response
-from services.router.metrics import HttpStatusCounter
-from services.router.openai_completions import (
-    CompletionRequest,
-    CompletionShape,
-    to_completion_request,
-)
-from services.router.openai_models import (
+from tandem.services.router.choices import choice_requests, merged
+from tandem.services.router.core import RouterCore
+from tandem.services.router.errors import RouterError
+from tandem.services.router.metrics import HttpStatusCounter
+from tandem.services.router.openai import format as fmt
+from tandem.services.router.openai.chat import (
     ChatCompletionRequest,
     DetokenizeBody,
     TokenizeBody,
@@ -38,9 +32,15 @@ from services.router.openai_models import (
     to_chat_request,
     to_tokenize_request,
 )
-from services.router.openapi import ERROR_RESPONSES, document
-from services.router.request import Piece
-from services.router.tools import ToolMode
+from tandem.services.router.openai.completions import (
+    CompletionRequest,
+    CompletionShape,
+    to_completion_request,
+)
+from tandem.services.router.openai.guard import Guard, error_response
+from tandem.services.router.openai.openapi import ERROR_RESPONSES, document
+from tandem.services.router.request import Piece
+from tandem.services.router.tools import ToolMode
 from tandem.v1 import language_pb2
 
 
@@ -119,7 +119,7 @@ def build_app(core: RouterCore) -> FastAPI:
         core.check_model(body.model)
         rid = request_id_from_header(request.headers.get("x-request-id"))
         req = to_chat_request(body, cfg, rid)
-        req.client_id = request.state.client_id  # set by http_guard.Guard
+        req.client_id = request.state.client_id  # set by guard.Guard
         if body.n > 1 and req.tools.mode is not ToolMode.NONE:
             raise RouterError("INVALID_ARGUMENT", "n > 1 with tools is not served", "n")
         shape = fmt.ChatShape(req.request_id, body.model or core.model_name(), req.tools)
@@ -130,7 +130,7 @@ def build_app(core: RouterCore) -> FastAPI:
         core.check_model(body.model)
         rid = request_id_from_header(request.headers.get("x-request-id"))
         req = to_completion_request(body, cfg, rid)
-        req.client_id = request.state.client_id  # set by http_guard.Guard
+        req.client_id = request.state.client_id  # set by guard.Guard
         shape = CompletionShape(req.request_id, body.model or core.model_name(),
                                 req.prompt if body.echo else "")
         return await _serve(core, req, body, shape, rid, request)

@@ -35,10 +35,15 @@ from collections.abc import Callable
 
 import torch
 
-from services.language.attention import AttentionMetadata
-from services.language.forward_batch import ChunkLimits, ForwardBatch, ForwardOutput, decode_rows
-from services.language.kv_cache import KVCache
-from services.language.model import QwenVLDecoder
+from tandem.services.language.model import QwenVLDecoder
+from tandem.services.language.model.attention import AttentionMetadata
+from tandem.services.language.runner.forward_batch import (
+    ChunkLimits,
+    ForwardBatch,
+    ForwardOutput,
+    decode_rows,
+)
+from tandem.services.language.runner.kv_cache import KVCache
 from tandem.units import ceil_div
 
 GRAPH_MAX_SEQ_LEN = 8192

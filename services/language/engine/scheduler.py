@@ -42,11 +42,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.language.forward_batch import ForwardBatch, SeqChunk, decode_positions
-from services.language.prefix_cache import PrefixCache, page_keys, shareable_pages
-from services.language.request import Request, RequestStatus
-from services.language.schedule_policy import NewTokenRatio, PrefillAdder, WaitingQueue
 from tandem.errors import ServiceError
+from tandem.services.language.engine.policy import NewTokenRatio, PrefillAdder, WaitingQueue
+from tandem.services.language.engine.prefix_cache import PrefixCache, page_keys, shareable_pages
+from tandem.services.language.engine.request import Request, RequestStatus
+from tandem.services.language.runner.forward_batch import ForwardBatch, SeqChunk, decode_positions
 from tandem.units import ceil_div
 
 

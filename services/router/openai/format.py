@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import time
 
-from services.router.choices import total_usage
-from services.router.request import Piece
-from services.router.tools import ToolSetup, parse_output
+from tandem.services.router.choices import total_usage
+from tandem.services.router.request import Piece
+from tandem.services.router.tools import ToolSetup, parse_output
 
 
 def logprobs(piece: Piece) -> dict | None:

@@ -14,7 +14,7 @@ Rank 0 and its workers talk over one authenticated local socket per worker
     rank 0 ─▶ worker   stop      b"" (an empty message)
 
 A second socket per worker (hello {"rank": r, "channel": "data"}) carries the embedding
-buffers' calls (tp_buffers.py), JSON both ways.
+buffers' calls (buffers.py), JSON both ways.
 
 `RankArgs` travels on the worker's command line as JSON.
 """
@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from services.language.forward_batch import ForwardBatch, SeqChunk
+from tandem.services.language.runner.forward_batch import ForwardBatch, SeqChunk
 
 STOP = b""
 _TENSORS = ("positions", "input_embeds", "token_ids")

@@ -32,16 +32,16 @@ from collections.abc import Callable
 import torch
 from prometheus_client import CollectorRegistry
 
-from services.language.detokenizer import IncrementalDetokenizer
-from services.language.engine_types import Abort, EngineConfig, Live, Sink, Submit
-from services.language.grammar import GrammarError, Grammars, matcher
-from services.language.kv_cache import KVPagePool
-from services.language.metrics import LanguageMetrics
-from services.language.prefix_cache import PrefixCache
-from services.language.request import Request, RequestStatus, StreamDelta
-from services.language.sampler import sample
-from services.language.schedule_policy import NewTokenRatio
-from services.language.scheduler import AdmissionError, Scheduler
+from tandem.services.language.engine.detokenizer import IncrementalDetokenizer
+from tandem.services.language.engine.grammar import GrammarError, Grammars, matcher
+from tandem.services.language.engine.kv_pages import KVPagePool
+from tandem.services.language.engine.policy import NewTokenRatio
+from tandem.services.language.engine.prefix_cache import PrefixCache
+from tandem.services.language.engine.request import Request, RequestStatus, StreamDelta
+from tandem.services.language.engine.sampler import sample
+from tandem.services.language.engine.scheduler import AdmissionError, Scheduler
+from tandem.services.language.engine.types import Abort, EngineConfig, Live, Sink, Submit
+from tandem.services.language.metrics import LanguageMetrics
 from tandem.transfer.payload import PromptInfo, PromptPayload
 
 log = logging.getLogger("tandem.language.engine")
