@@ -40,8 +40,9 @@ from prometheus_client import CollectorRegistry
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tandem.sampling import SamplingParams  # noqa: E402
 from tandem.services.language.config import LanguageConfig  # noqa: E402
-from tandem.services.language.engine.request import Request, SamplingParams  # noqa: E402
+from tandem.services.language.engine.request import Request  # noqa: E402
 from tandem.services.language.main import build_engine  # noqa: E402
 from tandem.services.language.metrics import LanguageMetrics  # noqa: E402
 from tandem.transfer.payload import PromptPayload  # noqa: E402

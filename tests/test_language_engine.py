@@ -240,16 +240,19 @@ def test_max_tokens_beyond_the_context_is_refused_not_shortened(checkpoint):
     prompt = payload.num_tokens
     engine = case.engine(num_pages=64, max_model_len=prompt + 10)
     try:
-        asked = SamplingParams(max_tokens=11, max_tokens_given=True)
+        asked = SamplingParams(max_tokens=11)
         with pytest.raises(AdmissionError, match=rf"max_tokens 11 .* - {prompt} \(prompt\) = 10"):
             engine.submit(Request(1, asked, payload), print)
-        default = Request(2, SamplingParams(max_tokens=256), payload)  # the service default
+        # no max_tokens: the service's default (256), shortened to what the context leaves
+        with pytest.raises(AdmissionError, match=r"min_tokens 11 is more than the default"):
+            engine.submit(Request(4, SamplingParams(min_tokens=11), payload), print)
+        default = Request(2, SamplingParams(), payload)
         q: queue.Queue = queue.Queue()
         engine.submit(default, q.put)
-        assert default.sampling.max_tokens == 10
-        fits = Request(3, SamplingParams(max_tokens=10, max_tokens_given=True), payload)
+        assert default.max_new_tokens == 10 and default.sampling.max_tokens is None
+        fits = Request(3, SamplingParams(max_tokens=10), payload)
         engine.submit(fits, q.put)
-        assert fits.sampling.max_tokens == 10
+        assert fits.max_new_tokens == 10
     finally:
         engine.stop()
 

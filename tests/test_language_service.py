@@ -254,7 +254,7 @@ def test_seeded_sampling_logprobs_and_bad_params(cluster):
     assert [lp.token_id for lp in lps] == toks(a) and all(lp.logprob <= 0 for lp in lps)
     bad = drain(lang.generate(next(_rooms), peer.address, top_p=1.5))
     assert bad[-1].finish_reason == common_pb2.FINISH_REASON_ERROR
-    assert (bad[-1].error.code, bad[-1].error.field) == ("INVALID_ARGUMENT", "sampling")
+    assert (bad[-1].error.code, bad[-1].error.field) == ("INVALID_ARGUMENT", "sampling.top_p")
     lang.assert_all_free()
 
 

@@ -15,9 +15,10 @@ import hashlib
 import pytest
 import torch
 
+from tandem.sampling import SamplingParams
 from tandem.services.language.engine.kv_pages import KVPagePool
 from tandem.services.language.engine.prefix_cache import PrefixCache, page_keys
-from tandem.services.language.engine.request import Request, RequestStatus, SamplingParams
+from tandem.services.language.engine.request import Request, RequestStatus
 from tandem.services.language.engine.scheduler import Scheduler
 from tandem.services.language.runner.forward_batch import ForwardBatch
 from tandem.transfer.payload import ImageSpan, PromptInfo, PromptPayload

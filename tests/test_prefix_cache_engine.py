@@ -15,8 +15,9 @@ import pytest
 from test_language_engine import collect
 
 from tandem.models.split import load_text_weights
+from tandem.sampling import SamplingParams
 from tandem.services.language.engine.core import Engine, EngineConfig
-from tandem.services.language.engine.request import Request, SamplingParams
+from tandem.services.language.engine.request import Request
 from tandem.services.language.runner.model_runner import ModelRunner
 
 SYSTEM = "You are a careful assistant. " * 6

@@ -131,11 +131,37 @@ def test_fields_read_for_presence_have_it():
 
 def test_every_optional_scalar_is_read_for_presence():
     """A scalar is `optional` only because its zero is a value and unset means something
-    else: then some code must tell the two apart (HasField), or the presence is dead."""
+    else: then some code must tell the two apart (HasField), or the presence is dead. The
+    sampling knobs' presence is read by one table (tandem.sampling.from_proto)."""
+    from tandem.sampling import KNOBS
+
     reads, optional = _has_field_reads(), _optional_scalars(_all_fields())
     assert "tandem.v1.SamplingParams.seed" in optional  # the scan sees presence
-    unread = sorted(f for f in optional if f.rpartition(".")[2] not in reads)
+    by_table = {f"tandem.v1.SamplingParams.{k.name}" for k in KNOBS}
+    unread = sorted(f for f in optional
+                    if f.rpartition(".")[2] not in reads and f not in by_table)
     assert unread == [], f"optional but never read with HasField: {unread}"
+
+
+def test_sampling_knobs_are_the_protos_scalars_with_presence_where_zero_is_not_default():
+    """tandem.sampling.KNOBS is the one table of SamplingParams' scalars: each row names a
+    field of the proto, every scalar field has a row, and a field has presence exactly
+    where its default is not its zero (absent then travels as absent, never as 0)."""
+    from tandem.sampling import KNOBS, SamplingParams, from_proto, to_proto
+    from tandem.v1 import common_pb2
+
+    fields = common_pb2.SamplingParams.DESCRIPTOR.fields_by_name
+    scalars = {n for n, f in fields.items() if f.type != FieldDescriptor.TYPE_MESSAGE
+               and not f.is_repeated}
+    assert {k.name for k in KNOBS} == scalars
+    for k in KNOBS:
+        zero_is_default = k.default is not None and k.default == 0
+        assert fields[k.name].has_presence == (not zero_is_default and k.type is not bool), k
+    # absent knobs come back as their defaults; present ones as given
+    assert from_proto(common_pb2.SamplingParams()) == SamplingParams()
+    given = to_proto(top_p=0.5, repetition_penalty=1.25, max_tokens=7, seed=0)
+    got = from_proto(given)
+    assert (got.top_p, got.repetition_penalty, got.max_tokens, got.seed) == (0.5, 1.25, 7, 0)
 
 
 @pytest.mark.parametrize(

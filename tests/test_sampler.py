@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from tandem.services.language.engine.request import Request, SamplingParams
+from tandem.sampling import SamplingParams
+from tandem.services.language.engine.request import Request
 from tandem.services.language.engine.sampler import sample, sampling_probs
 
 P = torch.tensor([0.1, 0.2, 0.3, 0.4])

@@ -15,8 +15,9 @@ from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
 )
 
+from tandem.sampling import SamplingParams
 from tandem.services.language.engine.detokenizer import IncrementalDetokenizer
-from tandem.services.language.engine.request import Request, SamplingParams
+from tandem.services.language.engine.request import Request
 from tandem.services.language.engine.sampler import filter_logits, sample, shape_logits
 from tandem.transfer.payload import PromptPayload
 
@@ -130,7 +131,7 @@ def test_stop_strings_with_and_without_inclusion(include):
 
 def test_out_of_range_parameters_are_refused():
     for kw in ({"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"repetition_penalty": 0},
-               {"min_p": 1.5}, {"logit_bias": {1: 500}}, {"min_tokens": 300},
+               {"min_p": 1.5}, {"logit_bias": {1: 500}}, {"min_tokens": 300, "max_tokens": 256},
                {"top_logprobs": 3}, {"top_logprobs": 25, "logprobs": True}):
         with pytest.raises(ValueError):
             SamplingParams(**kw)

@@ -21,9 +21,9 @@ from pydantic import BaseModel, Field
 from test_language_engine import collect
 
 from tandem.models.split import load_text_weights
+from tandem.sampling import GrammarKind, GrammarSpec, SamplingParams
 from tandem.services.language.engine.core import Engine, EngineConfig
-from tandem.services.language.engine.grammar import GrammarKind, GrammarSpec
-from tandem.services.language.engine.request import Request, RequestStatus, SamplingParams
+from tandem.services.language.engine.request import Request, RequestStatus
 from tandem.services.language.runner.model_runner import ModelRunner
 
 
@@ -78,9 +78,10 @@ def text_of(stream) -> str:
     return "".join(d.text for d in stream)
 
 
-def structured(rid, setup, spec, seed, max_tokens=400):
+def structured(rid, setup, spec, seed, max_tokens=400, logit_bias=None):
     return Request(rid, SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens,
-                                       grammar=spec), setup.payload)
+                                       grammar=spec, logit_bias=logit_bias or {}),
+                   setup.payload)
 
 
 def test_json_schema_regex_and_choice_are_always_valid(setup):
@@ -97,8 +98,7 @@ def test_json_schema_regex_and_choice_are_always_valid(setup):
         obj = GrammarSpec(GrammarKind.JSON_OBJECT)
         ends = {setup.tokenizer.convert_tokens_to_ids(t): 6.0 for t in ('"', "}")}
         for s in range(5):
-            reqs.append(structured(400 + s, setup, obj, s))
-            reqs[-1].sampling.logit_bias = ends
+            reqs.append(structured(400 + s, setup, obj, s, logit_bias=ends))
         streams = collect(engine, reqs)
         for r in reqs:
             out = streams[r.room]

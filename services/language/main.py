@@ -82,6 +82,7 @@ def build_engine(cfg: LanguageConfig, metrics: LanguageMetrics):
             max_running_requests=cfg.max_running_requests,
             schedule_policy=cfg.schedule_policy,
             max_model_len=max_len,
+            default_max_tokens=cfg.default_max_tokens,
             init_new_token_ratio=cfg.init_new_token_ratio,
             prefix_cache=cfg.prefix_cache,
         ),
@@ -166,7 +167,7 @@ async def run(
     engine.release_prompt = receiver.release
 
     server = grpc_server(tls, max_send_message_length=16 << 20)
-    limits = ServiceLimits(cfg.default_max_tokens, cfg.request_timeout_s, cfg.model,
+    limits = ServiceLimits(cfg.request_timeout_s, cfg.model,
                            max_prompt_tokens=engine.cfg.max_model_len - 1)
     servicer = LanguageServicer(engine, receiver, allocator, limits, metrics,
                                 template=chat_template(spec.path))

@@ -19,7 +19,6 @@ enforced by both: the receiver's wait and the engine's per-request deadline.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -27,13 +26,13 @@ from dataclasses import dataclass
 import grpc
 
 from tandem.chat import ChatError, ChatTemplate, messages_from_proto, tools_from_json
+from tandem.sampling import SamplingError
+from tandem.sampling import from_proto as sampling_from_proto
 from tandem.services.language.engine.core import Engine
-from tandem.services.language.engine.grammar import GrammarKind, GrammarSpec
 from tandem.services.language.engine.request import (
     FINISH_REASONS,
     Request,
     RequestStatus,
-    SamplingParams,
     StreamDelta,
 )
 from tandem.services.language.engine.scheduler import AdmissionError
@@ -43,50 +42,6 @@ from tandem.transfer import BlockAllocator, EmbeddingReceiver, TransferError
 from tandem.v1 import common_pb2, language_pb2, language_pb2_grpc
 
 log = logging.getLogger("tandem.language")
-
-
-def sampling_from_proto(p: common_pb2.SamplingParams, default_max_tokens: int) -> SamplingParams:
-    """Proto zero values mean "default"; raises ValueError naming a bad field."""
-    return SamplingParams(
-        temperature=p.temperature,
-        top_p=p.top_p if p.top_p > 0 else 1.0,
-        top_k=p.top_k,
-        max_tokens=p.max_tokens if p.max_tokens > 0 else default_max_tokens,
-        max_tokens_given=p.max_tokens > 0,
-        seed=p.seed if p.HasField("seed") else None,
-        stop=list(p.stop),
-        stop_token_ids=list(p.stop_token_ids),
-        ignore_eos=p.ignore_eos,
-        logprobs=p.logprobs,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty or 1.0,
-        min_p=p.min_p,
-        logit_bias=dict(p.logit_bias),
-        min_tokens=p.min_tokens,
-        include_stop_str_in_output=p.include_stop_str_in_output,
-        top_logprobs=p.top_logprobs,
-        grammar=grammar_from_proto(p.structured_output) if p.HasField("structured_output")
-        else None,
-    )
-
-
-def grammar_from_proto(so: common_pb2.StructuredOutput) -> GrammarSpec | None:
-    """The wire's StructuredOutput -> GrammarSpec (ValueError when it names nothing)."""
-    match so.WhichOneof("kind"):
-        case "json_schema":
-            return GrammarSpec(GrammarKind.JSON_SCHEMA, so.json_schema)
-        case "json_object":
-            return GrammarSpec(GrammarKind.JSON_OBJECT) if so.json_object else None
-        case "regex":
-            return GrammarSpec(GrammarKind.REGEX, so.regex)
-        case "choice":
-            if not so.choice.choices:
-                raise ValueError("structured_output.choice needs at least one choice")
-            return GrammarSpec(GrammarKind.CHOICE, json.dumps(list(so.choice.choices)))
-        case "ebnf":
-            return GrammarSpec(GrammarKind.EBNF, so.ebnf)
-    return None
 
 
 def delta_to_proto(
@@ -128,7 +83,6 @@ def error_response(code: str, message: str, field: str = "", abort: bool = False
 
 @dataclass
 class ServiceLimits:
-    default_max_tokens: int
     request_timeout_s: float
     model: str
     max_prompt_tokens: int = 1 << 20  # text-only chats tokenized here
@@ -162,9 +116,9 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             yield error_response("UNAVAILABLE", "language instance is draining")
             return
         try:
-            sampling = sampling_from_proto(request.sampling, self.limits.default_max_tokens)
-        except ValueError as e:
-            yield error_response("INVALID_ARGUMENT", str(e), field="sampling")
+            sampling = sampling_from_proto(request.sampling)
+        except SamplingError as e:
+            yield error_response("INVALID_ARGUMENT", str(e), field=f"sampling.{e.field}")
             return
         if room in self.streams:
             yield error_response("ALREADY_EXISTS", f"room {room} is already in progress")

@@ -14,6 +14,7 @@ import uuid
 import grpc
 from pydantic import TypeAdapter, ValidationError
 
+from tandem import sampling
 from tandem.finish_reasons import FROM_OPENAI
 from tandem.services.router.admission import check_api_key, client_id
 from tandem.services.router.choices import choice_requests, merged
@@ -33,14 +34,6 @@ def _validate(request: router_pb2.RouterGenerateRequest, cfg: RouterConfig) -> C
     if not request.messages:
         raise RouterError("INVALID_ARGUMENT", "messages must not be empty", "messages")
     s = request.sampling
-    if s.max_tokens < 0:
-        raise RouterError("INVALID_ARGUMENT", "max_tokens must be >= 0", "sampling.max_tokens")
-    if not 0.0 <= s.temperature <= 2.0:
-        raise RouterError("INVALID_ARGUMENT", "temperature must be in [0, 2]", "sampling.temperature")
-    if not 0.0 <= s.top_p <= 1.0:
-        raise RouterError("INVALID_ARGUMENT", "top_p must be in [0, 1]", "sampling.top_p")
-    if s.top_k < 0:
-        raise RouterError("INVALID_ARGUMENT", "top_k must be >= 0", "sampling.top_k")
     if not 0 <= request.timeout_ms <= MAX_TIMEOUT_MS:
         raise RouterError("INVALID_ARGUMENT", f"timeout_ms must be in [0, {MAX_TIMEOUT_MS}] "
                           "(0 = the router's default)", "timeout_ms")  # fmt: skip
@@ -64,6 +57,10 @@ def _validate(request: router_pb2.RouterGenerateRequest, cfg: RouterConfig) -> C
         s = common_pb2.SamplingParams()
         s.CopyFrom(request.sampling)
         s.structured_output.CopyFrom(tools.grammar)
+    try:
+        sampling.from_proto(s)  # the language tier's own check, before routing
+    except sampling.SamplingError as e:
+        raise RouterError("INVALID_ARGUMENT", str(e), f"sampling.{e.field}") from None
     return ChatRequest(
         messages=list(request.messages),
         sampling=s,

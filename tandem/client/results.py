@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from tandem.client.content import to_messages
 from tandem.client.errors import TandemError, error_from_code
 from tandem.finish_reasons import TO_OPENAI
+from tandem.sampling import to_proto
 from tandem.v1 import common_pb2, router_pb2
 
 
@@ -63,22 +64,9 @@ def build_request(
     messages,
     *,
     model: str = "",
-    max_tokens: int | None = None,
-    temperature: float = 0.0,
-    top_p: float = 0.0,
-    top_k: int = 0,
-    seed: int | None = None,
     stop: list[str] | str | None = None,
-    logprobs: bool = False,
-    top_logprobs: int = 0,
-    presence_penalty: float = 0.0,
-    frequency_penalty: float = 0.0,
-    repetition_penalty: float = 1.0,
-    min_p: float = 0.0,
-    logit_bias: dict[int, float] | None = None,
-    min_tokens: int = 0,
     stop_token_ids: list[int] | None = None,
-    include_stop_str_in_output: bool = False,
+    logit_bias: dict[int, float] | None = None,
     json_schema: dict | None = None,
     json_object: bool = False,
     regex: str | None = None,
@@ -87,33 +75,19 @@ def build_request(
     tools: list[dict] | None = None,
     tool_choice: str | None = None,
     n: int = 1,
-    ignore_eos: bool = False,
     timeout: float | None = None,
     request_id: str = "",
     priority: int = 0,
+    **knobs,
 ) -> router_pb2.RouterGenerateRequest:
-    """Temperature 0 (the default here) is greedy decoding; the sampling parameters mean
-    what they mean in the HTTP API (docs/sdk.md)."""
-    sampling = common_pb2.SamplingParams(
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        max_tokens=max_tokens or 0,
-        stop=[stop] if isinstance(stop, str) else list(stop or []),
-        logprobs=logprobs,
-        top_logprobs=top_logprobs,
-        presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty,
-        repetition_penalty=repetition_penalty,
-        min_p=min_p,
-        logit_bias=logit_bias or {},
-        min_tokens=min_tokens,
-        stop_token_ids=list(stop_token_ids or []),
-        include_stop_str_in_output=include_stop_str_in_output,
-        ignore_eos=ignore_eos,
-    )
-    if seed is not None:
-        sampling.seed = seed
+    """`knobs` are the sampling parameters of `tandem.sampling.KNOBS` by name (max_tokens,
+    temperature, top_p, top_k, min_p, seed, presence_penalty, ...; an unknown name is a
+    TypeError); each means what it means in the HTTP API (docs/sdk.md). Left out, a knob
+    takes the service's default: temperature 0 (greedy decoding), top_p 1, ..."""
+    sampling = to_proto(**knobs)
+    sampling.stop.extend([stop] if isinstance(stop, str) else list(stop or []))
+    sampling.stop_token_ids.extend(stop_token_ids or [])
+    sampling.logit_bias.update(logit_bias or {})
     asked = [k for k, v in (("json_schema", json_schema), ("json_object", json_object),
                             ("regex", regex), ("choice", choice), ("grammar", grammar)) if v]
     if len(asked) > 1:

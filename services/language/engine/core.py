@@ -125,13 +125,19 @@ class Engine:
         if req.sampling.grammar is not None and req.grammar_future is None:
             req.grammar_future = self.grammars.compile(req.sampling.grammar)
         tokens_left = self.cfg.max_model_len - req.prompt_len  # > 0: check() passed
-        if req.sampling.max_tokens_given and req.sampling.max_tokens > tokens_left:
+        asked = req.sampling.max_tokens
+        if asked is not None and asked > tokens_left:
             raise AdmissionError(
-                f"max_tokens {req.sampling.max_tokens} is more than the context leaves: "
+                f"max_tokens {asked} is more than the context leaves: "
                 f"{self.cfg.max_model_len} (max_model_len) - {req.prompt_len} (prompt) = "
                 f"{tokens_left}"
             )
-        req.sampling.max_tokens = min(req.sampling.max_tokens, tokens_left)  # the default
+        if asked is None:  # the service's default, shortened to fit
+            req.max_new_tokens = min(self.cfg.default_max_tokens, tokens_left)
+            if req.sampling.min_tokens > req.max_new_tokens:
+                raise AdmissionError(
+                    f"min_tokens {req.sampling.min_tokens} is more than the default "
+                    f"max_tokens here ({req.max_new_tokens}): give max_tokens")
         with self._known_lock:
             if req.room in self._known:
                 raise AdmissionError(f"request {req.room} is already running")
@@ -313,7 +319,7 @@ class Engine:
         delta.text = live.detok.add([token])
         if live.detok.stopped:
             self._finish(live, RequestStatus.FINISHED_STOP, delta=delta)
-        elif len(req.output_ids) >= p.max_tokens:
+        elif len(req.output_ids) >= req.max_new_tokens:
             self._finish(live, RequestStatus.FINISHED_LENGTH, delta=delta)
         else:
             self._emit(live, delta)

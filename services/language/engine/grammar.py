@@ -15,33 +15,18 @@ structured output never pays for them. A spec that does not compile is a Grammar
 
 from __future__ import annotations
 
-import enum
 import json
 import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 
 from tandem.errors import ServiceError
+from tandem.sampling import GrammarKind, GrammarSpec
 
 _CPP_PREFIX = re.compile(r"\[[\d:]+\] \S+:\d+: ")
-
-
-class GrammarKind(enum.Enum):
-    JSON_SCHEMA = "json_schema"  # text: the schema, JSON
-    JSON_OBJECT = "json_object"  # any JSON object; text unused
-    REGEX = "regex"  # text: the pattern
-    CHOICE = "choice"  # text: a JSON list of the allowed strings
-    EBNF = "ebnf"  # text: the grammar (xgrammar's EBNF, GBNF-like)
-
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    kind: GrammarKind
-    text: str = ""
 
 
 class GrammarError(ServiceError):

@@ -83,7 +83,7 @@ class NewTokenRatio:
 
     def on_retract(self, running: list[Request]) -> None:
         decoded = sum(len(r.output_ids) for r in running)
-        total = sum(r.sampling.max_tokens for r in running)
+        total = sum(r.max_new_tokens for r in running)
         estimate = (decoded + self.RETRACT_DECODE_STEPS * len(running)) / (total + 1)
         self.value = min(1.0, max(estimate, self.value))
 

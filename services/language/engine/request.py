@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.services.language.engine.grammar import GrammarSpec
+from tandem.sampling import SamplingParams
 from tandem.transfer.payload import ImageSpan, PromptPayload
 from tandem.v1 import common_pb2
 
@@ -70,75 +70,6 @@ assert set(FINISH_REASONS) == {s for s in RequestStatus if s.finished}
 
 
 @dataclass
-class SamplingParams:
-    """Plain-data twin of `tandem.v1.SamplingParams`, with defaults resolved."""
-
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0  # (0, 1]; 1 = off
-    top_k: int = 0  # 0 = off
-    max_tokens: int = 256
-    # NOTE: asked for by the caller (not the service's default): more than the context
-    # leaves is then refused at admission instead of silently shortened.
-    max_tokens_given: bool = False
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: bool = False
-    presence_penalty: float = 0.0  # OpenAI, over generated tokens
-    frequency_penalty: float = 0.0  # OpenAI, over generated tokens
-    repetition_penalty: float = 1.0  # transformers', over prompt + generated tokens
-    min_p: float = 0.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    min_tokens: int = 0
-    include_stop_str_in_output: bool = False
-    top_logprobs: int = 0
-    grammar: GrammarSpec | None = None  # structured output
-
-    def __post_init__(self) -> None:
-        if not (self.temperature >= 0):
-            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
-        if not (0 < self.top_p <= 1):
-            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"sampling.top_k must be >= 0, got {self.top_k}")
-        if self.max_tokens < 1:
-            raise ValueError(f"sampling.max_tokens must be >= 1, got {self.max_tokens}")
-        if any(not s for s in self.stop):
-            raise ValueError("sampling.stop must not contain empty strings")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"sampling.{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0 < self.repetition_penalty <= 2.0:
-            raise ValueError(
-                f"sampling.repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"sampling.min_p must be in [0, 1], got {self.min_p}")
-        bad = [t for t, b in self.logit_bias.items() if t < 0 or not -100 <= b <= 100]
-        if bad or len(self.logit_bias) > 1024:
-            raise ValueError("sampling.logit_bias: token ids >= 0, biases in [-100, 100], at "
-                             f"most 1024 entries (bad: {bad[:5]})")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"sampling.min_tokens must be in [0, max_tokens "
-                             f"{self.max_tokens}], got {self.min_tokens}")
-        if not 0 <= self.top_logprobs <= 20 or (self.top_logprobs and not self.logprobs):
-            raise ValueError("sampling.top_logprobs must be in [0, 20] and needs logprobs")
-        if self.grammar is not None and self.ignore_eos:
-            raise ValueError("sampling.ignore_eos cannot go with structured output (the "
-                             "grammar ends the output)")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
-
-    @property
-    def shapes_logits(self) -> bool:
-        """Anything to apply to the logits before picking (penalties, bias, min_tokens)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
-                    or self.repetition_penalty != 1.0 or self.min_tokens)
-
-
-@dataclass
 class StreamDelta:
     """What one step produced for one request (plain twin of LanguageGenerateResponse)."""
 
@@ -178,6 +109,9 @@ class Request:
     deadline: float = float("inf")  # time.monotonic() seconds
     status: RequestStatus = RequestStatus.WAITING_FOR_INPUT
     arrival: int = field(default_factory=lambda: next(_arrival))  # FCFS order
+    # Tokens it may generate: the spec's max_tokens when given; else the engine grants the
+    # service's default, shortened to what the context leaves, at admission (`submit`).
+    max_new_tokens: int | None = None
     # --- counters ---
     num_computed_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)
@@ -204,6 +138,10 @@ class Request:
     # prefix pinned before its prompt arrived, which the encoder did not send.
     num_pinned_pages: int = 0
     cached_tokens: int | None = None  # prompt tokens found cached when first admitted
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens is None:
+            self.max_new_tokens = self.sampling.max_tokens
 
     @property
     def prompt_len(self) -> int:
@@ -235,7 +173,7 @@ class Request:
     @property
     def remaining_tokens(self) -> int:
         """Tokens it may still generate."""
-        return max(self.sampling.max_tokens - len(self.output_ids), 0)
+        return max(self.max_new_tokens - len(self.output_ids), 0)
 
     def sort_key(self, by_priority: bool) -> tuple[int, int]:
         return (-self.priority if by_priority else 0, self.arrival)

@@ -30,8 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.sampling import SamplingParams
 from tandem.services.language.engine.grammar import apply_masks
-from tandem.services.language.engine.request import Request, SamplingParams
+from tandem.services.language.engine.request import Request
 
 
 @dataclass

@@ -18,6 +18,7 @@ class EngineConfig:
     max_running_requests: int = 64
     schedule_policy: str = "fcfs"
     max_model_len: int = 32768
+    default_max_tokens: int = 256  # a request's max_tokens when it gives none
     init_new_token_ratio: float = 0.7  # share of max_tokens reserved at admission (decays)
     prefix_cache: bool = True  # share whole KV pages between requests with equal prefixes
 

@@ -83,9 +83,9 @@ class NamedToolChoice(_Model):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[Message] = Field(min_length=1, max_length=4096)
-    max_completion_tokens: int | None = Field(None, ge=1, le=1 << 20)
+    max_completion_tokens: int | None = None  # max_tokens' new name (bounds: tandem.sampling)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = None
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     # Hint only (accepted, no effect), as documented in docs/sdk.md.
@@ -133,12 +133,6 @@ def tool_setup_of(tools_in: list[Tool] | None,
                               "which is not in tools", "tool_choice")  # fmt: skip
         choice = choice.function.name
     return tool_setup(tools, choice)
-
-
-def _top_logprobs(body: ChatCompletionRequest) -> int:
-    if body.top_logprobs and not body.logprobs:
-        raise RouterError("INVALID_ARGUMENT", "top_logprobs needs logprobs: true", "top_logprobs")
-    return body.top_logprobs or 0
 
 
 class TokenizeBody(_Model):
@@ -219,10 +213,12 @@ def to_chat_request(body: ChatCompletionRequest, cfg: RouterConfig, request_id: 
     """Validated body -> front-end-independent request (raises RouterError on bad input);
     `request_id` (request_id_from_header) becomes the response id's suffix."""
     messages = chat_messages(body.messages, cfg)
-    max_tokens = body.max_completion_tokens or body.max_tokens or 0
+    newer = body.max_completion_tokens is not None
     tools = tool_setup_of(body.tools, body.tool_choice)
-    sampling = sampling_params(body, max_tokens, body.logprobs, _top_logprobs(body),
-                               forced=tools.grammar, forced_by="tool_choice")
+    sampling = sampling_params(
+        body, body.max_completion_tokens if newer else body.max_tokens, body.logprobs,
+        body.top_logprobs or 0, forced=tools.grammar, forced_by="tool_choice",
+        spelled={"max_tokens": "max_completion_tokens"} if newer else None)
     timeout_s = body.timeout_ms / 1000 if body.timeout_ms else cfg.request_timeout_s
     return ChatRequest(
         messages=messages,

@@ -25,7 +25,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str]
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = None  # how many alternatives: the wire's top_logprobs
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=16)
@@ -49,8 +49,9 @@ def to_completion_request(body: CompletionRequest, cfg: RouterConfig,
         raise RouterError("INVALID_ARGUMENT", "echo with logprobs needs the prompt's "
                           "logprobs, which are not computed", "echo")  # fmt: skip
     wants_lp = body.logprobs is not None
-    sampling = sampling_params(body, body.max_tokens or DEFAULT_MAX_TOKENS, wants_lp,
-                               body.logprobs or 0)
+    max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    sampling = sampling_params(body, max_tokens, wants_lp,
+                               body.logprobs or 0, spelled={"top_logprobs": "logprobs"})
     return ChatRequest(
         messages=[], sampling=sampling,
         timeout_s=body.timeout_ms / 1000 if body.timeout_ms else cfg.request_timeout_s,

@@ -1,14 +1,19 @@
-"""What the chat and completions APIs share: sampling and structured-output fields with
-OpenAI's bounds (and vLLM's extensions), and their conversion to the wire's
-SamplingParams. Every field here is honoured; a value out of range is a 400 naming it."""
+"""What the chat and completions APIs share: sampling and structured-output fields (OpenAI's
+and vLLM's extensions), and their conversion to the wire's SamplingParams. Every field here
+is honoured; a value out of range is a 400 naming it.
+
+The sampling knobs are not spelled here: `SamplingFields` takes one field per row of
+`tandem.sampling.KNOBS` that OpenAI's bodies share, and their bounds are checked by
+`tandem.sampling.from_proto`, the check the gRPC front door and the language tier run."""
 
 from __future__ import annotations
 
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from tandem import sampling as knobs
 from tandem.services.router.errors import RouterError
 from tandem.services.router.request import MAX_TIMEOUT_MS
 from tandem.v1 import common_pb2
@@ -46,40 +51,38 @@ class StructuredOutputs(_Model):
     grammar: str | None = Field(None, min_length=1, max_length=1 << 20)
 
 
-class SamplingFields(_Model):
-    """The request fields both APIs take (each API adds its prompt, logprobs and more)."""
+class _SamplingFields(_Model):
+    """The request fields both APIs take besides the knobs (each API adds its prompt,
+    logprobs and more)."""
 
     model: str = ""
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1, le=1 << 20)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)
+    max_tokens: int | None = None  # bounds: tandem.sampling (max_tokens)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=16)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = Field(None, max_length=1024)
+    logit_bias: dict[str, float] | None = Field(None, max_length=knobs.MAX_LOGIT_BIAS)
     response_format: ResponseFormat | None = None
     # vLLM-compatible extensions
-    top_k: int | None = Field(None, ge=0, le=1 << 20)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    min_tokens: int | None = Field(None, ge=0, le=1 << 20)
-    stop_token_ids: list[int] | None = Field(None, max_length=64)
-    include_stop_str_in_output: bool = False
+    stop_token_ids: list[int] | None = Field(None, max_length=knobs.MAX_STOP_TOKEN_IDS)
     # vLLM-compatible structured-output extensions (at most one constraint in all)
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict | str | None = None
     guided_regex: str | None = Field(None, min_length=1, max_length=16384)
     guided_choice: list[str] | None = Field(None, min_length=1, max_length=1024)
     guided_grammar: str | None = Field(None, min_length=1, max_length=1 << 20)
-    ignore_eos: bool = False  # extension (benchmarks)
     timeout_ms: int | None = Field(None, ge=1, le=MAX_TIMEOUT_MS)  # extension: per-request deadline
     priority: int = Field(0, ge=-(1 << 31), lt=1 << 31)  # extension
     # Hint only (accepted, no effect), as documented in docs/sdk.md.
     user: str | None = Field(None, max_length=256)
+
+
+# ... and one field per knob of tandem.sampling.KNOBS (temperature, top_p, top_k, min_p,
+# the penalties, min_tokens, seed, ignore_eos, include_stop_str_in_output, ...).
+SamplingFields = create_model(
+    "SamplingFields", __base__=_SamplingFields, __doc__=_SamplingFields.__doc__,
+    **{name: (typ, Field(default, description=doc))
+       for name, (typ, default, doc) in knobs.openai_fields().items()})
 
 
 def _utf8(text: str, param: str) -> str:
@@ -94,14 +97,10 @@ def _utf8(text: str, param: str) -> str:
 
 
 def _stop_list(stop: str | list[str] | None) -> list[str]:
+    """OpenAI's string or list (how many, and none empty: tandem.sampling)."""
     if stop is None:
         return []
-    stops = [_utf8(s, "stop") for s in ([stop] if isinstance(stop, str) else stop)]
-    if len(stops) > 16:
-        raise RouterError("INVALID_ARGUMENT", "at most 16 stop sequences", "stop")
-    if any(not s for s in stops):
-        raise RouterError("INVALID_ARGUMENT", "stop sequences must be non-empty", "stop")
-    return stops
+    return [_utf8(s, "stop") for s in ([stop] if isinstance(stop, str) else stop)]
 
 
 def _schema_text(schema, param: str) -> str:
@@ -156,53 +155,34 @@ def structured_output(body: SamplingFields) -> common_pb2.StructuredOutput | Non
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
-    """OpenAI's {"token id": bias} with biases in [-100, 100]."""
+    """OpenAI's {"token id": bias}: keys are token ids (the biases' bounds: tandem.sampling)."""
     out = {}
     for key, value in (bias or {}).items():
-        if not key.isdigit() or not -100 <= value <= 100:
-            raise RouterError("INVALID_ARGUMENT", f"logit_bias {{{key!r}: {value}}}: keys are "
-                              "token ids, biases in [-100, 100]", "logit_bias")  # fmt: skip
+        if not key.isdigit() or int(key) >= 1 << 31:
+            raise RouterError("INVALID_ARGUMENT", f"logit_bias key {key!r}: keys are token ids",
+                              "logit_bias")  # fmt: skip
         out[int(key)] = float(value)
     return out
 
 
-def _token_ids(ids: list[int] | None, param: str) -> list[int]:
-    if any(not 0 <= t < 1 << 31 for t in ids or []):
-        raise RouterError("INVALID_ARGUMENT", "token ids must be in [0, 2^31)", param)
-    return list(ids or [])
-
-
-def _min_tokens(min_tokens: int | None, max_tokens: int) -> int:
-    if min_tokens and max_tokens and min_tokens > max_tokens:
-        raise RouterError("INVALID_ARGUMENT", f"min_tokens {min_tokens} is more than "
-                          f"max_tokens {max_tokens}", "min_tokens")  # fmt: skip
-    return min_tokens or 0
-
-
-def sampling_params(body: SamplingFields, max_tokens: int, logprobs: bool, top_logprobs: int,
-                    forced: common_pb2.StructuredOutput | None = None,
-                    forced_by: str = "") -> common_pb2.SamplingParams:
-    """The wire's SamplingParams of a validated body; `forced` is a constraint the API
-    adds itself (a forced tool call), which excludes any other (`forced_by` names it)."""
-    sampling = common_pb2.SamplingParams(
-        # NOTE: OpenAI's default temperature is 1.0; our proto reads 0 as greedy.
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=body.top_p or 0.0,
-        top_k=body.top_k or 0,
-        max_tokens=max_tokens,
-        stop=_stop_list(body.stop),
-        ignore_eos=body.ignore_eos,
-        logprobs=logprobs,
-        top_logprobs=top_logprobs,
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=body.repetition_penalty or 0.0,
-        min_p=body.min_p or 0.0,
-        logit_bias=_logit_bias(body.logit_bias),
-        min_tokens=_min_tokens(body.min_tokens, max_tokens),
-        stop_token_ids=_token_ids(body.stop_token_ids, "stop_token_ids"),
-        include_stop_str_in_output=body.include_stop_str_in_output,
-    )
+def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: bool,
+                    top_logprobs: int, forced: common_pb2.StructuredOutput | None = None,
+                    forced_by: str = "",
+                    spelled: dict[str, str] | None = None) -> common_pb2.SamplingParams:
+    """The wire's SamplingParams of a body, checked as every tier checks it (a 400 naming
+    the field as the API spells it: `spelled` maps a wire name to the body's, e.g.
+    max_tokens -> max_completion_tokens); `forced` is a constraint the API adds itself (a
+    forced tool call), which excludes any other (`forced_by` names it)."""
+    values = {}
+    for name in knobs.openai_fields():
+        value = getattr(body, name)
+        default = knobs.KNOB[name].openai_default
+        values[name] = default if value is None and default is not None else value
+    sampling = knobs.to_proto(**values, max_tokens=max_tokens, logprobs=logprobs,
+                              top_logprobs=top_logprobs)
+    sampling.stop.extend(_stop_list(body.stop))
+    sampling.stop_token_ids.extend(body.stop_token_ids or [])
+    sampling.logit_bias.update(_logit_bias(body.logit_bias))
     structured = structured_output(body)
     if forced is not None:
         if structured is not None:
@@ -210,10 +190,10 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: bool, top_l
                               "constraint cannot go together", forced_by)  # fmt: skip
         structured = forced
     if structured is not None:
-        if body.ignore_eos:
-            raise RouterError("INVALID_ARGUMENT", "ignore_eos cannot go with structured "
-                              "output (the grammar ends the output)", "ignore_eos")  # fmt: skip
         sampling.structured_output.CopyFrom(structured)
-    if body.seed is not None:
-        sampling.seed = body.seed
+    try:
+        knobs.from_proto(sampling)
+    except knobs.SamplingError as e:
+        raise RouterError("INVALID_ARGUMENT", f"{e.field}: {e.reason}",
+                          (spelled or {}).get(e.field, e.field)) from None
     return sampling
