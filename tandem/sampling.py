@@ -221,13 +221,16 @@ def _optional(k: Knob) -> bool:
 def to_proto(**values) -> common_pb2.SamplingParams:
     """The wire's SamplingParams from knob values by name (None: absent); the non-scalar
     fields (stop, stop_token_ids, logit_bias, structured_output) are set by the caller.
-    An unknown name is a TypeError, as for a function's keyword argument."""
+    An unknown name is a TypeError, as for a function's keyword argument; a value out of
+    its knob's bounds is a SamplingError here already (one the wire cannot even carry,
+    e.g. a seed past 64 bits, must not reach the protobuf encoder)."""
     unknown = sorted(set(values) - set(KNOB))
     if unknown:
         raise TypeError(f"unknown sampling parameter(s): {', '.join(unknown)}")
     out = common_pb2.SamplingParams()
     for name, value in values.items():
         if value is not None:
+            KNOB[name].check(value)
             setattr(out, name, value)
     return out
 

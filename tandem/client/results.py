@@ -7,9 +7,9 @@ import random
 from dataclasses import dataclass, field
 
 from tandem.client.content import to_messages
-from tandem.client.errors import TandemError, error_from_code
+from tandem.client.errors import InvalidRequestError, TandemError, error_from_code
 from tandem.finish_reasons import TO_OPENAI
-from tandem.sampling import to_proto
+from tandem.sampling import SamplingError, to_proto
 from tandem.v1 import common_pb2, router_pb2
 
 
@@ -84,7 +84,10 @@ def build_request(
     temperature, top_p, top_k, min_p, seed, presence_penalty, ...; an unknown name is a
     TypeError); each means what it means in the HTTP API (docs/sdk.md). Left out, a knob
     takes the service's default: temperature 0 (greedy decoding), top_p 1, ..."""
-    sampling = to_proto(**knobs)
+    try:  # refused here as the router would refuse it, without a round trip
+        sampling = to_proto(**knobs)
+    except SamplingError as e:
+        raise InvalidRequestError("INVALID_ARGUMENT", str(e), f"sampling.{e.field}") from None
     sampling.stop.extend([stop] if isinstance(stop, str) else list(stop or []))
     sampling.stop_token_ids.extend(stop_token_ids or [])
     sampling.logit_bias.update(logit_bias or {})

@@ -154,6 +154,13 @@ def structured_output(body: SamplingFields) -> common_pb2.StructuredOutput | Non
     return asked[0][1] if asked else None
 
 
+def _token_ids(ids: list[int] | None) -> list[int]:
+    """Ids the wire's int32 can carry (their bounds: tandem.sampling)."""
+    if any(not -(1 << 31) <= t < 1 << 31 for t in ids or []):
+        raise knobs.SamplingError("stop_token_ids", "token ids must be in [0, 2^31)")
+    return list(ids or [])
+
+
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     """OpenAI's {"token id": bias}: keys are token ids (the biases' bounds: tandem.sampling)."""
     out = {}
@@ -178,20 +185,20 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: bool
         value = getattr(body, name)
         default = knobs.KNOB[name].openai_default
         values[name] = default if value is None and default is not None else value
-    sampling = knobs.to_proto(**values, max_tokens=max_tokens, logprobs=logprobs,
-                              top_logprobs=top_logprobs)
-    sampling.stop.extend(_stop_list(body.stop))
-    sampling.stop_token_ids.extend(body.stop_token_ids or [])
-    sampling.logit_bias.update(_logit_bias(body.logit_bias))
     structured = structured_output(body)
     if forced is not None:
         if structured is not None:
             raise RouterError("INVALID_ARGUMENT", "a forced tool call and another output "
                               "constraint cannot go together", forced_by)  # fmt: skip
         structured = forced
-    if structured is not None:
-        sampling.structured_output.CopyFrom(structured)
     try:
+        sampling = knobs.to_proto(**values, max_tokens=max_tokens, logprobs=logprobs,
+                                  top_logprobs=top_logprobs)
+        sampling.stop.extend(_stop_list(body.stop))
+        sampling.stop_token_ids.extend(_token_ids(body.stop_token_ids))
+        sampling.logit_bias.update(_logit_bias(body.logit_bias))
+        if structured is not None:
+            sampling.structured_output.CopyFrom(structured)
         knobs.from_proto(sampling)
     except knobs.SamplingError as e:
         raise RouterError("INVALID_ARGUMENT", f"{e.field}: {e.reason}",
