@@ -97,6 +97,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("repetition_penalty", float, 1.0, "transformers' repetition penalty over prompt and "
          "output tokens (a positive logit divided by it, a negative one multiplied); 1 is "
          "off.", 0, 2, lo_open=True),
+    Knob("typical_p", float, 1.0, "Locally typical sampling: keep the tokens whose "
+         "information is closest to the entropy, up to this mass; 1 keeps all.", 0, 1,
+         lo_open=True),
     Knob("min_tokens", int, 0, "EOS and stop token ids cannot end the output before this "
          "many tokens.", 0, MAX_TOKENS),
     Knob("seed", int, None, "Seed of the request's random generator; absent: a random "

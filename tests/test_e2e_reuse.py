@@ -175,6 +175,16 @@ def test_sampling_parameters_through_http_and_the_sdk(cluster, ckpt):
                        frequency_penalty=2.0, min_p=0.1, logprobs=True, top_logprobs=2)
         assert len(pen.top_logprobs) == len(pen.token_ids)
         assert all(len(t) == 2 and isinstance(t[0][2], str) for t in pen.top_logprobs)
+        # typical_p, the knob added through tandem/sampling.py alone: a mass this small
+        # keeps one token a step, so two seeds agree where they otherwise differ
+        sampled = [sdk.chat(msgs, max_tokens=6, temperature=1.0, seed=s).token_ids
+                   for s in (1, 2)]
+        typical = sdk.chat(msgs, max_tokens=6, temperature=1.0, typical_p=1e-6, seed=1)
+    over_http = openai_client(cluster).chat.completions.create(
+        model="", messages=msgs, max_tokens=6, temperature=1.0, seed=2,
+        extra_body={"typical_p": 1e-6})
+    assert sampled[0] != sampled[1]
+    assert over_http.choices[0].message.content == typical.text
 
 
 def test_structured_output_parses_for_every_seed_through_the_openai_client(cluster):

@@ -57,6 +57,7 @@ def chat(**kw) -> dict:
 def test_the_table_names_every_openai_field_it_generates():
     assert {k.name for k in HTTP_KNOBS} <= set(ChatCompletionRequest.model_fields)
     assert {k.name for k in HTTP_KNOBS} <= set(CompletionRequest.model_fields)
+    assert "typical_p" in {k.name for k in HTTP_KNOBS}  # the knob added as a demonstration
 
 
 @pytest.mark.parametrize("knob", HTTP_KNOBS, ids=lambda k: k.name)
@@ -103,8 +104,8 @@ def test_an_unknown_sdk_keyword_is_a_type_error():
     with pytest.raises(TypeError, match="typical_q"):
         build_request("hi", typical_q=0.5)
     with pytest.raises(InvalidRequestError) as e:
-        build_request("hi", top_p=0)
-    assert e.value.field == "sampling.top_p"
+        build_request("hi", typical_p=0)
+    assert e.value.field == "sampling.typical_p"
 
 
 def test_absent_knobs_are_the_defaults_and_the_wire_stays_empty():

@@ -13,6 +13,7 @@ from transformers.generation.logits_process import (
     RepetitionPenaltyLogitsProcessor,
     SequenceBiasLogitsProcessor,
     TemperatureLogitsWarper,
+    TypicalLogitsWarper,
 )
 
 from tandem.sampling import SamplingParams
@@ -93,6 +94,16 @@ def test_min_p_equals_transformers(min_p, temperature):
     got = filter_logits(x, SamplingParams(temperature=temperature, min_p=min_p))
     want = hf(MinPLogitsWarper(min_p), hf(TemperatureLogitsWarper(temperature), x))
     assert torch.equal(torch.isinf(got), torch.isinf(want))
+    torch.testing.assert_close(got[~torch.isinf(got)], want[~torch.isinf(want)])
+
+
+@pytest.mark.parametrize("typical_p,temperature", [(0.2, 1.0), (0.6, 0.7), (0.95, 1.3)])
+def test_typical_p_equals_transformers(typical_p, temperature):
+    x = logits(8)
+    got = filter_logits(x, SamplingParams(temperature=temperature, typical_p=typical_p))
+    want = hf(TypicalLogitsWarper(typical_p), hf(TemperatureLogitsWarper(temperature), x))
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert 1 < int((~torch.isinf(got)).sum()) < V  # it kept some tokens and dropped others
     torch.testing.assert_close(got[~torch.isinf(got)], want[~torch.isinf(want)])
 
 

@@ -13,7 +13,8 @@ Per row, in this order (each request's parameters touch only its own row):
             presence, over generated ids), min_tokens (EOS and stop ids at -inf until
             that many tokens are out)                         -- greedy rows too
     filter  temperature, top-k, top-p, min_p (a token below min_p * the top token's
-            probability is dropped)                           -- sampled rows only
+            probability is dropped), typical_p (transformers' locally typical
+            sampling)                                         -- sampled rows only
 
 Before both, a structured-output row keeps only the tokens its grammar allows next
 (`grammar.apply_masks`); if shaping then leaves no token, the grammar's mask alone holds.
@@ -52,7 +53,22 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         x = x.masked_fill(x < kth, float("-inf"))
     if params.top_p < 1.0 or params.min_p > 0.0:
         x = _top_p_min_p(x, params)
+    if params.typical_p < 1.0:
+        x = _typical(x, params.typical_p)
     return x
+
+
+def _typical(x: torch.Tensor, mass: float) -> torch.Tensor:
+    """Keep the tokens whose surprise (-log p) is closest to the entropy, fewest first,
+    until their mass reaches `mass` (transformers' TypicalLogitsWarper, one row)."""
+    logp = torch.log_softmax(x, dim=-1)
+    entropy = -(logp * logp.exp()).nansum()  # nansum: -inf * 0 of dropped tokens
+    distance, order = torch.sort((-logp - entropy).abs())
+    mass_upto = torch.softmax(x[order], dim=-1).cumsum(dim=-1)
+    last = min(int((mass_upto < mass).sum()), x.numel() - 1)
+    drop_sorted = distance > distance[last]
+    drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+    return x.masked_fill(drop, float("-inf"))
 
 
 def _top_p_min_p(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
