@@ -1,7 +1,8 @@
-"""The wire's `FinishReason` and OpenAI's `finish_reason` strings: one map, both ways.
+"""The wire's `FinishReason` as OpenAI's `finish_reason` strings: one map, one way.
 
 The language tier maps its request status onto the wire (`services/language/engine/request.py`
-`FINISH_REASONS`); the router and the SDK read the wire through this map. ERROR carries
+`FINISH_REASONS`); the router keeps the wire's value and turns it into OpenAI's string at
+its HTTP edge only (`services/router/openai/`), the SDK when it reads the wire. ERROR carries
 an `ErrorInfo` and is never a finish reason a caller sees.
 """
 
@@ -15,4 +16,3 @@ TO_OPENAI = {
     common_pb2.FINISH_REASON_ABORT: "abort",
     common_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
-FROM_OPENAI = {name: reason for reason, name in TO_OPENAI.items()}

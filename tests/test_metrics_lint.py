@@ -281,16 +281,17 @@ def test_a_stream_is_counted_once_by_how_it_ended():
 
     from tandem.services.router.errors import RouterError
     from tandem.services.router.openai.app import _sse
-    from tandem.services.router.request import Piece
+    from tandem.services.router.request import Output
+    from tandem.v1 import common_pb2, language_pb2
 
     class Shape:  # the four chunk kinds of a real shape, as bytes
         def start(self, i):
             return b"s"
 
-        def piece(self, i, p):
-            return p.text.encode()
+        def output(self, i, o):
+            return o.text.encode()
 
-        def finish(self, i, p):
+        def finish(self, i, o):
             return b"f"
 
         def usage(self, last):
@@ -298,17 +299,21 @@ def test_a_stream_is_counted_once_by_how_it_ended():
 
     outcomes, closed, released = [], [], []
 
-    async def pieces(n: int, fail: str = ""):
+    def output(text: str, last: bool = False):
+        return Output(language_pb2.LanguageGenerateResponse(
+            text=text, finish_reason=common_pb2.FINISH_REASON_STOP if last else None))
+
+    async def outputs(n: int, fail: str = ""):
         try:
             for i in range(1, n):
-                yield 0, Piece(text=str(i), finish_reason="stop" if i == n - 1 else None)
+                yield 0, output(str(i), last=i == n - 1)
             if fail:
                 raise RouterError(fail, "it broke")
         finally:
             closed.append(n)
 
     def relay(n: int, fail: str = ""):
-        return _sse(pieces(n, fail), (0, Piece(text="0")), Shape(), True,
+        return _sse(outputs(n, fail), (0, output("0")), Shape(), True,
                     lambda: released.append(n), outcomes.append)
 
     async def main():
@@ -316,7 +321,7 @@ def test_a_stream_is_counted_once_by_how_it_ended():
         body = b"".join([c async for c in relay(2, "UNAVAILABLE")])
         assert b"it broke" in body
         early = relay(5)
-        for _ in range(3):  # start, piece 0, piece 1 (the inner stream has started)
+        for _ in range(3):  # start, output 0, output 1 (the inner stream has started)
             await early.__anext__()
         await early.aclose()  # the client went away mid-stream
 

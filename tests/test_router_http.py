@@ -339,11 +339,12 @@ def test_tool_output_parsing():
     auto = ToolSetup(ToolMode.AUTO, "[]")
     out = parse_output('Let me look.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n'
                        '</tool_call>\n<tool_call>{"name": "g", "arguments": {}}</tool_call>', auto)
-    assert out.content == "Let me look." and [c["function"]["name"] for c in out.tool_calls] == [
-        "f", "g"]
-    assert json.loads(out.tool_calls[0]["function"]["arguments"]) == {"a": 1}
-    assert out.tool_calls[0]["id"].startswith("call_") and out.tool_calls[0]["type"] == "function"
+    assert out.content == "Let me look." and [c.name for c in out.tool_calls] == ["f", "g"]
+    assert json.loads(out.tool_calls[0].arguments) == {"a": 1}
+    assert out.tool_calls[0].id.startswith("call_")
     assert parse_output("<tool_call>{broken</tool_call>", auto).tool_calls == []
+    # a name the wire's ToolCall cannot carry (a lone surrogate) is no call
+    assert parse_output('<tool_call>{"name": "\\ud800"}</tool_call>', auto).tool_calls == []
     forced = ToolSetup(ToolMode.FORCED, "[]")
     assert parse_output('{"name": "f", "arguments": {"x": true}}', forced).content is None
     assert parse_output('{"name": "f", "argu', forced).content == '{"name": "f", "argu'

@@ -3,7 +3,7 @@
 Each choice is its own request through the dispatcher (its own room, its own seed: the
 request's seed + i when it has one, so choice i is reproducible), all admitted as one
 request. Conversation affinity sends them to the same language instance, whose prefix
-cache can share the prompt's KV pages between them. Their pieces are merged in arrival
+cache can share the prompt's KV pages between them. Their Outputs are merged in arrival
 order, each tagged with its choice index; when any choice fails, the others are closed.
 """
 
@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 
-from tandem.services.router.request import ChatRequest, Piece
+from tandem.services.router.request import ChatRequest, Output
 from tandem.v1 import common_pb2
 
 
@@ -32,19 +32,19 @@ def choice_requests(req: ChatRequest, n: int) -> list[ChatRequest]:
 _END = object()
 
 
-async def merged(generators: list[AsyncIterator[Piece]]) -> AsyncIterator[tuple[int, Piece]]:
-    """(choice index, piece) from all generators as they come; the first error is raised
+async def merged(generators: list[AsyncIterator[Output]]) -> AsyncIterator[tuple[int, Output]]:
+    """(choice index, Output) from all generators as they come; the first error is raised
     (after the other generators are closed)."""
     if len(generators) == 1:  # the common case, without tasks
-        async for piece in generators[0]:
-            yield 0, piece
+        async for output in generators[0]:
+            yield 0, output
         return
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(i: int, gen: AsyncIterator[Piece]) -> None:
+    async def pump(i: int, gen: AsyncIterator[Output]) -> None:
         try:
-            async for piece in gen:
-                await queue.put((i, piece))
+            async for output in gen:
+                await queue.put((i, output))
             await queue.put((i, _END))
         except BaseException as e:  # noqa: BLE001  (handed to the consumer)
             await queue.put((i, e))
@@ -68,7 +68,7 @@ async def merged(generators: list[AsyncIterator[Piece]]) -> AsyncIterator[tuple[
             await g.aclose()
 
 
-def total_usage(last: list[Piece]) -> dict:
+def total_usage(last: list[Output]) -> dict:
     """OpenAI usage over all choices: the prompt once, the completions summed."""
     usages = [p.usage for p in last if p.usage]
     if not usages:

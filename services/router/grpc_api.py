@@ -15,7 +15,6 @@ import grpc
 from pydantic import TypeAdapter, ValidationError
 
 from tandem import sampling
-from tandem.finish_reasons import FROM_OPENAI
 from tandem.services.router.admission import check_api_key, client_id
 from tandem.services.router.choices import choice_requests, merged
 from tandem.services.router.config import RouterConfig
@@ -23,9 +22,9 @@ from tandem.services.router.core import RouterCore
 from tandem.services.router.errors import RouterError
 from tandem.services.router.openai.chat import Tool, tool_setup_of
 from tandem.services.router.refusals import HeldTooLong, Ticket
-from tandem.services.router.request import MAX_TIMEOUT_MS, ChatRequest, Piece
+from tandem.services.router.request import MAX_TIMEOUT_MS, ChatRequest, Output
 from tandem.services.router.tools import ToolMode, ToolSetup, parse_output
-from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tandem.v1 import common_pb2, language_pb2, router_pb2, router_pb2_grpc
 
 _TOOLS = TypeAdapter(list[Tool])
 
@@ -94,32 +93,26 @@ def _client_id(context: grpc.aio.ServicerContext, cfg: RouterConfig) -> str:
     return client_id(host or peer, forwarded)
 
 
-def _whole(pieces: list[Piece], tools: ToolSetup) -> Piece:
-    """A request with tools, answered in one last piece: its content and its calls."""
-    out = parse_output("".join(p.text for p in pieces), tools)
-    last = dataclasses.replace(pieces[-1], text=out.content or "",
-                               token_ids=[t for p in pieces for t in p.token_ids],
-                               logprobs=[lp for p in pieces for lp in p.logprobs])
-    if out.tool_calls:
-        last.finish_reason = "tool_calls"
-        last.tool_calls = out.tool_calls
-    return last
+def _whole(outputs: list[Output], tools: ToolSetup) -> Output:
+    """A request with tools, answered in one last Output: its content and its calls (then
+    its finish reason is TOOL_CALLS), all its tokens and logprobs."""
+    out = parse_output("".join(o.text for o in outputs), tools)
+    last = outputs[-1]
+    response = language_pb2.LanguageGenerateResponse(
+        text=out.content or "", finish_reason=last.response.finish_reason,
+        token_ids=[t for o in outputs for t in o.token_ids],
+        logprobs=[lp for o in outputs for lp in o.logprobs])
+    return dataclasses.replace(last, response=response, tool_calls=out.tool_calls)
 
 
-def _to_proto(piece: Piece, request_id: str, index: int = 0) -> router_pb2.RouterGenerateResponse:
+def _to_proto(output: Output, request_id: str, index: int = 0) -> router_pb2.RouterGenerateResponse:
     out = router_pb2.RouterGenerateResponse(
-        text=piece.text, token_ids=piece.token_ids, request_id=request_id, index=index
+        text=output.text, token_ids=output.token_ids, logprobs=output.logprobs,
+        tool_calls=output.tool_calls, request_id=request_id, index=index,
     )
-    for lp in piece.logprobs:
-        out.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top=[
-            common_pb2.TopLogprob(token_id=t.token_id, logprob=t.logprob, text=t.text)
-            for t in lp.top])
-    for call in piece.tool_calls:
-        fn = call["function"]
-        out.tool_calls.add(id=call["id"], name=fn["name"], arguments=fn["arguments"])
-    if piece.finish_reason is not None:
-        out.finish_reason = FROM_OPENAI[piece.finish_reason]
-        u = piece.usage
+    if output.finished:
+        out.finish_reason = output.finish_reason
+        u = output.usage
         out.usage.CopyFrom(
             common_pb2.Usage(
                 prompt_tokens=u.prompt_tokens,
@@ -129,7 +122,7 @@ def _to_proto(piece: Piece, request_id: str, index: int = 0) -> router_pb2.Route
                 cached_tokens=u.cached_tokens,
             )
         )
-        out.timings.CopyFrom(common_pb2.StageTimings(**(piece.timings or {})))
+        out.timings.CopyFrom(common_pb2.StageTimings(**(output.timings or {})))
     return out
 
 
@@ -173,14 +166,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 agen = merged([core.dispatcher.generate(r) for r in choice_requests(req, n)])
                 try:
                     if req.tools.mode is not ToolMode.NONE:  # calls known at the end only
-                        whole = _whole([p async for _, p in agen], req.tools)
+                        whole = _whole([o async for _, o in agen], req.tools)
                         sent = True
                         ticket.close()
                         yield _to_proto(whole, request_id)
-                    async for index, piece in agen:
+                    async for index, output in agen:
                         sent = True
                         ticket.close()
-                        yield _to_proto(piece, request_id, index)
+                        yield _to_proto(output, request_id, index)
                 finally:
                     await agen.aclose()
             finally:

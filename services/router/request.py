@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tandem.services.router.tools import ToolSetup
-from tandem.v1 import common_pb2
+from tandem.v1 import common_pb2, language_pb2
 
 # Stage timings (ms) and what the stages skipped: images the encoder did not run through
 # the ViT (inside the language side's cached prefix), the whole encoder (a text-only chat).
@@ -51,7 +52,7 @@ class Usage:
 @dataclass
 class Route:
     """Where one attempt of a request ran and how its transfer went (reported on the
-    last piece; the HTTP response carries these fields as extensions)."""
+    last Output; the HTTP response carries these fields as extensions)."""
 
     attempts: int  # whole-request attempts so far (1 = no retry)
     language: str = ""  # language instance address
@@ -68,39 +69,46 @@ class Route:
         return out
 
 
-@dataclass(frozen=True)
-class TopLogprob:
-    token_id: int
-    logprob: float
-    text: str
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """The chosen token's log-probability and the most likely alternatives."""
-
-    token_id: int
-    logprob: float
-    top: tuple[TopLogprob, ...] = ()
-
-
 @dataclass
-class Piece:
-    """New output since the previous piece; the last one has `finish_reason` set."""
+class Output:
+    """What a request produced since its previous Output: the language tier's message as
+    received (its text, tokens and logprobs, the wire's types), and on the last one
+    (`finished`) what the router adds. OpenAI's shapes are made at the HTTP edge only."""
 
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    usage: Usage | None = None
-    timings: dict[str, float] | None = None
-    # Set on the last piece: where it ran and how the transfer went.
+    response: language_pb2.LanguageGenerateResponse
+    usage: Usage | None = None  # the last one: merged with the encoder's figures
+    timings: dict[str, float] | None = None  # the last one: TIMING_FIELDS, in that order
+    # Set on the last one: where it ran and how the transfer went.
     route: Route | None = None
-    # The last piece of a request with tools: the calls the model made (OpenAI's shape).
-    tool_calls: list[dict] = field(default_factory=list)
+    # The last one of a request with tools: the calls the model made (then the finish
+    # reason is TOOL_CALLS, set by the router, and the text is the content before them).
+    tool_calls: list[common_pb2.ToolCall] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return self.response.text
+
+    @property
+    def token_ids(self) -> Sequence[int]:
+        return self.response.token_ids
+
+    @property
+    def logprobs(self) -> Sequence[common_pb2.TokenLogprob]:
+        return self.response.logprobs
+
+    @property
+    def finish_reason(self) -> common_pb2.FinishReason.ValueType:
+        """The wire's reason; UNSPECIFIED on all but the last one."""
+        if self.tool_calls:
+            return common_pb2.FINISH_REASON_TOOL_CALLS
+        return self.response.finish_reason
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
 
     def summary(self) -> str:
-        """The last piece's tokens, stage times and route, for the request's log line."""
+        """The last one's tokens, stage times and route, for the request's log line."""
         u, parts = self.usage, []
         if u is not None:
             parts.append(f"tokens {u.prompt_tokens} in ({u.cached_tokens} cached) "

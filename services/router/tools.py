@@ -1,10 +1,11 @@
 """Tool calls: what a request's `tools` / `tool_choice` ask of the tiers, and the model's
-output turned back into OpenAI `tool_calls`.
+output turned back into tool calls (the wire's `ToolCall`; OpenAI's `tool_calls` shape is
+made at the HTTP edge, openai/format.py).
 
     tool_choice  "none"      tools not rendered; plain text out
                  "auto"      tools rendered by the chat template; the output's
                              <tool_call>{"name", "arguments"}</tool_call> blocks (Qwen's
-                             format) become tool_calls, the text before them the content
+                             format) become tool calls, the text before them the content
                  "required"  tools rendered, and the output forced by the grammar engine
                  named       to one {"name", "arguments"} JSON object whose arguments
                              validate against that function's parameters schema (any of the
@@ -63,15 +64,19 @@ def tool_setup(tools: list[dict], choice: str | dict | None) -> ToolSetup:
 @dataclass(frozen=True)
 class ParsedOutput:
     content: str | None
-    tool_calls: list[dict]  # OpenAI's shape: {"id", "type": "function", "function": {...}}
+    tool_calls: list[common_pb2.ToolCall]  # arguments: a JSON object as text
 
 
-def _call(obj) -> dict | None:
+def _call(obj) -> common_pb2.ToolCall | None:
     if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)
             and isinstance(obj.get("arguments", {}), dict)):
         return None
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": obj["name"], "arguments": json.dumps(obj.get("arguments", {}))}}
+    try:  # NOTE: a name the wire cannot carry (a lone surrogate, \ud800) is no call
+        obj["name"].encode()
+    except UnicodeEncodeError:
+        return None
+    return common_pb2.ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", name=obj["name"],
+                               arguments=json.dumps(obj.get("arguments", {})))
 
 
 def parse_output(text: str, setup: ToolSetup) -> ParsedOutput:

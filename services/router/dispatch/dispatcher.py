@@ -2,7 +2,7 @@
 
     pick L (conversation affinity), E (image affinity), both bounded by load;
     room = random 63-bit id
-    L.Generate(room, E.address, sampling, deadline) ──▶ token stream ──▶ Piece, Piece, ...
+    L.Generate(room, E.address, sampling, deadline) ──▶ token stream ──▶ Output, Output, ...
     E.Encode(room, messages, deadline)  (concurrently; returns once the prompt is delivered)
        └─ E failed (UNAVAILABLE, broken) before delivery: E2 = another encoder,
           L.Reattach(room, E2.address), E2.Encode(room, ...)   (up to `encoder_retries`)
@@ -29,7 +29,6 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from tandem.finish_reasons import TO_OPENAI
 from tandem.services.router.config import RouterConfig
 from tandem.services.router.dispatch.registry import Instance, Registry
 from tandem.services.router.dispatch.selection import NoInstanceError, Selector
@@ -46,10 +45,8 @@ from tandem.services.router.request import (
     ENCODER_TIMINGS,
     TIMING_FIELDS,
     ChatRequest,
-    Piece,
+    Output,
     Route,
-    TokenLogprob,
-    TopLogprob,
     Usage,
     conversation_key,
     image_hashes,
@@ -176,8 +173,8 @@ class Dispatcher:
                 return None
         raise AssertionError("unreachable")
 
-    async def generate(self, req: ChatRequest) -> AsyncIterator[Piece]:
-        """Yield pieces; raise `RouterError` (before or between pieces) on failure.
+    async def generate(self, req: ChatRequest) -> AsyncIterator[Output]:
+        """Yield Outputs; raise `RouterError` (before or between them) on failure.
 
         A failure of the instances (not of the input) before any output is retried once
         more as a whole (new room, other instances where there are any): the caller has
@@ -185,11 +182,12 @@ class Dispatcher:
         start = time.time()
         outcome, inner, detail = "CANCELLED (client gone)", self._generate(req, start), ""
         try:
-            async for piece in inner:
-                if piece.finish_reason is not None:
-                    outcome = f"OK ({piece.finish_reason})"
-                    detail = piece.summary()
-                yield piece
+            async for output in inner:
+                if output.finished:
+                    reason = common_pb2.FinishReason.Name(output.finish_reason)
+                    outcome = f"OK ({reason.removeprefix('FINISH_REASON_').lower()})"
+                    detail = output.summary()
+                yield output
         except RouterError as err:
             outcome = f"{err.code}: {err.message}"
             raise
@@ -200,7 +198,7 @@ class Dispatcher:
             log.info("%s: %s in %.0f ms%s", req.request_id, outcome,
                      (time.time() - start) * 1e3, detail)
 
-    async def _generate(self, req: ChatRequest, start: float) -> AsyncIterator[Piece]:
+    async def _generate(self, req: ChatRequest, start: float) -> AsyncIterator[Output]:
         deadline = start + req.timeout_s
         avoid: dict[str, set[str]] = {"encoder": set(), "language": set()}
         for attempt in range(self.cfg.request_retries + 1):
@@ -208,9 +206,9 @@ class Dispatcher:
             attempt_gen = self._attempt(req, start, deadline, avoid, route)
             yielded = False
             try:
-                async for piece in attempt_gen:
+                async for output in attempt_gen:
                     yielded = True
-                    yield piece
+                    yield output
                 return
             except RouterError as err:
                 if (
@@ -239,7 +237,7 @@ class Dispatcher:
 
     async def _attempt(
         self, req: ChatRequest, start: float, deadline: float, avoid: dict, route: Route
-    ) -> AsyncIterator[Piece]:
+    ) -> AsyncIterator[Output]:
         hashes = image_hashes(req.messages)
         # NOTE: a raw prompt always goes straight to a language instance (no chat to encode)
         bypass = bool(req.prompt) or (self.cfg.encoder_bypass and not hashes)
@@ -302,23 +300,23 @@ class Dispatcher:
                     raise from_rpc(e, Tier.LANGUAGE) from None
                 if msg.finish_reason == common_pb2.FINISH_REASON_ERROR and first:
                     await self._raise_encoder_error(encode_task, deadline)
-                piece = await self._convert(msg, encode_task, deadline)
-                if piece.finish_reason is not None:
-                    piece.route = route
-                if first and (piece.token_ids or piece.text or piece.finish_reason):
+                output = await self._convert(msg, encode_task, deadline)
+                if output.finished:
+                    output.route = route
+                if first and (output.token_ids or output.text or output.finished):
                     first = False
                     self.metrics.ttft.observe(time.time() - start)
-                if piece.finish_reason is not None:
+                if output.finished:
                     finished = True
                     self.registry.languages.record_success(lang.address)
                     self.metrics.latency.observe(time.time() - start)
-                    if piece.usage:
-                        self.metrics.cached_image_tokens.inc(piece.usage.cached_image_tokens)
-                        self.metrics.cached_prompt_tokens.inc(piece.usage.cached_tokens)
-                    yield piece
+                    if output.usage:
+                        self.metrics.cached_image_tokens.inc(output.usage.cached_image_tokens)
+                        self.metrics.cached_prompt_tokens.inc(output.usage.cached_tokens)
+                    yield output
                     return
-                if piece.token_ids or piece.text:
-                    yield piece
+                if output.token_ids or output.text:
+                    yield output
         finally:
             lang.outstanding -= 1
             if not encode_task.done():
@@ -337,17 +335,16 @@ class Dispatcher:
         if encode_task.done() and not encode_task.cancelled() and encode_task.exception():
             raise encode_task.exception()
 
-    async def _convert(self, msg, encode_task: asyncio.Future, deadline: float) -> Piece:
-        piece = Piece(
-            text=msg.text,
-            token_ids=list(msg.token_ids),
-            logprobs=[TokenLogprob(lp.token_id, lp.logprob, tuple(
-                TopLogprob(t.token_id, t.logprob, t.text) for t in lp.top))
-                for lp in msg.logprobs],
-        )
+    async def _convert(
+        self, msg: language_pb2.LanguageGenerateResponse, encode_task: asyncio.Future,
+        deadline: float,
+    ) -> Output:
+        """The language tier's message as an Output (the last one: with the encoder's
+        figures merged), or the RouterError its ERROR / ABORT stands for."""
+        output = Output(msg)
         reason = msg.finish_reason
         if reason == common_pb2.FINISH_REASON_UNSPECIFIED:
-            return piece
+            return output
         if reason == common_pb2.FINISH_REASON_ERROR:
             raise from_error_info(msg.error, Tier.LANGUAGE)
         if reason == common_pb2.FINISH_REASON_ABORT:
@@ -358,7 +355,6 @@ class Dispatcher:
             if msg.error.code and msg.error.code != "CANCELLED":
                 raise from_error_info(msg.error, Tier.LANGUAGE)
             raise RouterError("ABORTED", "language: request aborted", tier=Tier.LANGUAGE)
-        piece.finish_reason = TO_OPENAI[reason]
         # The Encode answer normally precedes the first token (delivery precedes prefill);
         # wait a little for it to merge encoder timings and cache figures.
         enc_resp = None
@@ -366,7 +362,7 @@ class Dispatcher:
             await asyncio.wait({encode_task}, timeout=max(0.0, min(2.0, deadline - time.time())))
         if encode_task.done() and not encode_task.cancelled() and not encode_task.exception():
             enc_resp = encode_task.result()
-        piece.usage = Usage(
+        output.usage = Usage(
             prompt_tokens=msg.usage.prompt_tokens or (enc_resp.prompt_tokens if enc_resp else 0),
             completion_tokens=msg.usage.completion_tokens,
             cached_image_tokens=(
@@ -378,8 +374,8 @@ class Dispatcher:
         if enc_resp is not None:
             for f in ENCODER_TIMINGS:
                 timings[f] = getattr(enc_resp.timings, f)
-        piece.timings = timings
-        return piece
+        output.timings = timings
+        return output
 
 
 def _id_metadata(req: ChatRequest) -> tuple[tuple[str, str], ...]:

@@ -39,7 +39,7 @@ from tandem.services.router.openai.completions import (
 )
 from tandem.services.router.openai.guard import Guard, error_response
 from tandem.services.router.openai.openapi import ERROR_RESPONSES, document
-from tandem.services.router.request import Piece
+from tandem.services.router.request import Output
 from tandem.services.router.tools import ToolMode
 from tandem.v1 import language_pb2
 
@@ -164,14 +164,14 @@ async def _serve(core: RouterCore, req, body, shape, rid: str, request: Request)
         agen = merged([core.dispatcher.generate(r) for r in choice_requests(req, body.n)])
         if body.stream and req.tools.mode is not ToolMode.NONE:
             # a tool call is known only once its closing tag is out: answer whole
-            pieces = [p for _, p in await _collect_or_disconnect(agen, request)]
+            outputs = [o for _, o in await _collect_or_disconnect(agen, request)]
             release()
             core.metrics.requests.labels("http", "ok").inc()
             return StreamingResponse(
-                shape.tool_stream(pieces, include_usage),
+                shape.tool_stream(outputs, include_usage),
                 media_type="text/event-stream", headers=headers)
         if body.stream:
-            # Wait for the first piece so errors before output get a real status code.
+            # Wait for the first Output so errors before output get a real status code.
             first = await _first_or_disconnect(agen, request)
             def ended(outcome: str) -> None:  # counted when the stream ends, by outcome
                 core.metrics.requests.labels("http", outcome).inc()
@@ -190,7 +190,7 @@ async def _serve(core: RouterCore, req, body, shape, rid: str, request: Request)
             )
         result = await _collect_or_disconnect(agen, request)
         core.metrics.requests.labels("http", "ok").inc()
-        choices = [[p for i, p in result if i == k] for k in range(body.n)]
+        choices = [[o for i, o in result if i == k] for k in range(body.n)]
         return JSONResponse(shape.complete(choices), headers=headers)
     except RouterError as err:
         core.metrics.requests.labels("http", err.code.lower()).inc()
@@ -212,7 +212,7 @@ async def _watch_disconnect(task: asyncio.Future, request: Request) -> None:
             task.cancel()
 
 
-async def _first_or_disconnect(agen, request: Request) -> tuple[int, Piece]:
+async def _first_or_disconnect(agen, request: Request) -> tuple[int, Output]:
     task = asyncio.ensure_future(agen.__anext__())
     try:
         await _watch_disconnect(task, request)
@@ -225,7 +225,7 @@ async def _first_or_disconnect(agen, request: Request) -> tuple[int, Piece]:
         raise
 
 
-async def _collect_or_disconnect(agen, request: Request) -> list[tuple[int, Piece]]:
+async def _collect_or_disconnect(agen, request: Request) -> list[tuple[int, Output]]:
     async def collect():
         return [p async for p in agen]
 
@@ -239,28 +239,28 @@ async def _collect_or_disconnect(agen, request: Request) -> list[tuple[int, Piec
         await agen.aclose()
 
 
-async def _sse(agen, first: tuple[int, Piece], shape, include_usage, release, ended):
-    """Server-sent events: per choice a start chunk, piece chunks and a finish chunk; then
-    an optional usage chunk (all choices), `[DONE]`. A failure after output is an
-    `{"error": ...}` event. `agen` yields (choice index, piece). `ended(outcome)` is called
+async def _sse(agen, first: tuple[int, Output], shape, include_usage, release, ended):
+    """Server-sent events: per choice a start chunk, a chunk per Output and a finish chunk;
+    then an optional usage chunk (all choices), `[DONE]`. A failure after output is an
+    `{"error": ...}` event. `agen` yields (choice index, Output). `ended(outcome)` is called
     once when the stream ends: "ok", the error code in lower case, or "cancelled" (the
     client went away first)."""
     started: set[int] = set()
-    last: list[Piece] = []
+    last: list[Output] = []
     outcome = "cancelled"
     try:
-        index, piece = first
+        index, output = first
         while True:
             if index not in started:
                 started.add(index)
                 yield shape.start(index)
-            if piece.text or piece.token_ids:
-                yield shape.piece(index, piece)
-            if piece.finish_reason is not None:
-                last.append(piece)
-                yield shape.finish(index, piece)
+            if output.text or output.token_ids:
+                yield shape.output(index, output)
+            if output.finished:
+                last.append(output)
+                yield shape.finish(index, output)
             try:
-                index, piece = await agen.__anext__()
+                index, output = await agen.__anext__()
             except StopAsyncIteration:
                 break
         if include_usage and last:

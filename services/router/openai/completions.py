@@ -16,9 +16,9 @@ from pydantic import Field
 from tandem.services.router.choices import total_usage
 from tandem.services.router.config import RouterConfig
 from tandem.services.router.errors import RouterError
-from tandem.services.router.openai.format import extension, sse
+from tandem.services.router.openai.format import extension, finish_reason, sse
 from tandem.services.router.openai.sampling import SamplingFields, _utf8, sampling_params
-from tandem.services.router.request import ChatRequest, Piece
+from tandem.services.router.request import ChatRequest, Output
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -60,13 +60,13 @@ def to_completion_request(body: CompletionRequest, cfg: RouterConfig,
     )
 
 
-def legacy_logprobs(pieces: list[Piece], offset: int) -> dict | None:
+def legacy_logprobs(outputs: list[Output], offset: int) -> dict | None:
     """OpenAI's completions logprobs: tokens, token_logprobs, top_logprobs, text_offset
-    (a piece's text goes to its first token, as in the chat shape)."""
+    (an Output's text goes to its first token, as in the chat shape)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for p in pieces:
-        for k, lp in enumerate(p.logprobs):
-            tok = p.text if k == 0 else ""
+    for o in outputs:
+        for k, lp in enumerate(o.logprobs):
+            tok = o.text if k == 0 else ""
             out["tokens"].append(tok)
             out["token_logprobs"].append(lp.logprob)
             out["top_logprobs"].append({t.text: t.logprob for t in lp.top})
@@ -93,24 +93,25 @@ class CompletionShape:
         self.offsets[index] = len(self.echo)
         return self._chunk(index, self.echo)
 
-    def piece(self, index: int, piece: Piece) -> bytes:
-        lps = legacy_logprobs([piece], self.offsets[index])
-        self.offsets[index] += len(piece.text)
-        return self._chunk(index, piece.text, lps)
+    def output(self, index: int, output: Output) -> bytes:
+        lps = legacy_logprobs([output], self.offsets[index])
+        self.offsets[index] += len(output.text)
+        return self._chunk(index, output.text, lps)
 
-    def finish(self, index: int, piece: Piece) -> bytes:
-        return self._chunk(index, "", finish=piece.finish_reason,
-                           tandem=extension(piece, self.request_id))
+    def finish(self, index: int, output: Output) -> bytes:
+        return self._chunk(index, "", finish=finish_reason(output),
+                           tandem=extension(output, self.request_id))
 
-    def usage(self, last: list[Piece]) -> bytes:
+    def usage(self, last: list[Output]) -> bytes:
         return sse({"id": self.request_id, "object": "text_completion",
                     "created": self.created, "model": self.model, "choices": [],
                     "usage": total_usage(last), "tandem": extension(last[0], self.request_id)})
 
-    def complete(self, choices: list[list[Piece]]) -> dict:
-        out = [{"index": i, "text": self.echo + "".join(p.text for p in pieces),
-                "logprobs": legacy_logprobs(pieces, len(self.echo)),
-                "finish_reason": pieces[-1].finish_reason} for i, pieces in enumerate(choices)]
+    def complete(self, choices: list[list[Output]]) -> dict:
+        out = [{"index": i, "text": self.echo + "".join(o.text for o in outputs),
+                "logprobs": legacy_logprobs(outputs, len(self.echo)),
+                "finish_reason": finish_reason(outputs[-1])}
+               for i, outputs in enumerate(choices)]
         return {"id": self.request_id, "object": "text_completion", "created": self.created,
                 "model": self.model, "choices": out,
                 "usage": total_usage([c[-1] for c in choices]),

@@ -1,24 +1,38 @@
 """OpenAI chat-completion response shapes: full responses, SSE chunks, usage, logprobs,
-and Tandem's `tandem` extension object."""
+finish reasons, tool calls, and Tandem's `tandem` extension object. The router's Outputs
+carry the wire's types; these shapes are made here (and in completions.py) only."""
 
 from __future__ import annotations
 
 import json
 import time
 
+from tandem.finish_reasons import TO_OPENAI
 from tandem.services.router.choices import total_usage
-from tandem.services.router.request import Piece
+from tandem.services.router.request import Output
 from tandem.services.router.tools import ToolSetup, parse_output
+from tandem.v1 import common_pb2
 
 
-def logprobs(piece: Piece) -> dict | None:
-    if not piece.logprobs:
+def finish_reason(output: Output) -> str:
+    """OpenAI's finish_reason of a last Output."""
+    return TO_OPENAI[output.finish_reason]
+
+
+def tool_call(call: common_pb2.ToolCall) -> dict:
+    """One of OpenAI's `tool_calls`."""
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def logprobs(output: Output) -> dict | None:
+    if not output.logprobs:
         return None
-    # NOTE: the language tier detokenizes incrementally; a piece usually holds one token, and
-    # its text is that token's text. When it holds several, the text goes to the first.
+    # NOTE: the language tier detokenizes incrementally; an Output usually holds one token,
+    # and its text is that token's text. When it holds several, the text goes to the first.
     content = []
-    for k, lp in enumerate(piece.logprobs):
-        tok = piece.text if k == 0 else ""
+    for k, lp in enumerate(output.logprobs):
+        tok = output.text if k == 0 else ""
         top = [{"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode())}
                for t in lp.top]
         content.append(
@@ -27,34 +41,33 @@ def logprobs(piece: Piece) -> dict | None:
     return {"content": content}
 
 
-def extension(piece: Piece, request_id: str) -> dict:
+def extension(output: Output, request_id: str) -> dict:
     return {
-        "timings": piece.timings or {},
-        "cached_image_tokens": piece.usage.cached_image_tokens if piece.usage else 0,
+        "timings": output.timings or {},
+        "cached_image_tokens": output.usage.cached_image_tokens if output.usage else 0,
         "request_id": request_id,
-        **(piece.route.fields() if piece.route else {}),
+        **(output.route.fields() if output.route else {}),
     }
 
 
-def answer(pieces: list[Piece], tools: ToolSetup) -> tuple[dict, str]:
+def answer(outputs: list[Output], tools: ToolSetup) -> tuple[dict, str]:
     """(the assistant message, finish_reason) of a whole output: content, and tool calls
     when the request had tools and the model made any (finish_reason "tool_calls")."""
-    last = pieces[-1]
-    out = parse_output("".join(p.text for p in pieces), tools)
+    out = parse_output("".join(o.text for o in outputs), tools)
     message: dict = {"role": "assistant", "content": out.content}
     if out.tool_calls:
-        message["tool_calls"] = out.tool_calls
-        return message, "tool_calls"
-    return message, last.finish_reason
+        message["tool_calls"] = [tool_call(c) for c in out.tool_calls]
+        return message, TO_OPENAI[common_pb2.FINISH_REASON_TOOL_CALLS]
+    return message, finish_reason(outputs[-1])
 
 
-def completion(choices: list[list[Piece]], request_id: str, model: str,
+def completion(choices: list[list[Output]], request_id: str, model: str,
                tools: ToolSetup) -> dict:
-    """A whole response: one entry per choice (each the pieces of one sample)."""
+    """A whole response: one entry per choice (each the Outputs of one sample)."""
     out = []
-    for i, pieces in enumerate(choices):
-        lps = [c for p in pieces for c in (logprobs(p) or {"content": []})["content"]]
-        message, finish = answer(pieces, tools)
+    for i, outputs in enumerate(choices):
+        lps = [c for o in outputs for c in (logprobs(o) or {"content": []})["content"]]
+        message, finish = answer(outputs, tools)
         out.append({"index": i, "message": message,
                     "logprobs": {"content": lps} if lps else None, "finish_reason": finish})
     last = choices[0][-1]
@@ -95,27 +108,27 @@ class ChatShape:
         return chunk(self.request_id, self.model, self.created,
                      {"role": "assistant", "content": ""}, index=index)
 
-    def piece(self, index: int, piece: Piece) -> bytes:
-        return chunk(self.request_id, self.model, self.created, {"content": piece.text},
-                     index=index, logprobs=logprobs(piece))
+    def output(self, index: int, output: Output) -> bytes:
+        return chunk(self.request_id, self.model, self.created, {"content": output.text},
+                     index=index, logprobs=logprobs(output))
 
-    def finish(self, index: int, piece: Piece) -> bytes:
+    def finish(self, index: int, output: Output) -> bytes:
         return chunk(self.request_id, self.model, self.created, {}, index=index,
-                     finish_reason=piece.finish_reason,
-                     tandem=extension(piece, self.request_id))
+                     finish_reason=finish_reason(output),
+                     tandem=extension(output, self.request_id))
 
-    def usage(self, last: list[Piece]) -> bytes:
+    def usage(self, last: list[Output]) -> bytes:
         return sse({"id": self.request_id, "object": self.object_chunk,
                     "created": self.created, "model": self.model, "choices": [],
                     "usage": total_usage(last), "tandem": extension(last[0], self.request_id)})
 
-    def complete(self, choices: list[list[Piece]]) -> dict:
+    def complete(self, choices: list[list[Output]]) -> dict:
         return completion(choices, self.request_id, self.model, self.tools)
 
-    def tool_stream(self, pieces: list[Piece], include_usage: bool):
+    def tool_stream(self, outputs: list[Output], include_usage: bool):
         """The SSE events of a whole output with tools: role, content, each call as one
         tool-call delta (id, name, all its arguments), the finish chunk, usage, [DONE]."""
-        message, finish = answer(pieces, self.tools)
+        message, finish = answer(outputs, self.tools)
         yield self.start(0)
         if message["content"]:
             yield chunk(self.request_id, self.model, self.created, {"content": message["content"]})
@@ -123,7 +136,7 @@ class ChatShape:
             yield chunk(self.request_id, self.model, self.created,
                         {"tool_calls": [{"index": k, **call}]})
         yield chunk(self.request_id, self.model, self.created, {}, finish_reason=finish,
-                    tandem=extension(pieces[-1], self.request_id))
+                    tandem=extension(outputs[-1], self.request_id))
         if include_usage:
-            yield self.usage(pieces[-1:])
+            yield self.usage(outputs[-1:])
         yield b"data: [DONE]\n\n"
