@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from tandem.services.language.engine.kv_pages import KVPagePool  # noqa: E402
 from tandem.services.language.runner.forward_batch import ForwardBatch, SeqChunk, decode_positions  # noqa: E402
-from tandem.services.language.runner.model_runner import ModelRunner  # noqa: E402
+from tandem.services.language.runner.model_runner import ModelRunner, RunnerSettings  # noqa: E402
 from tandem.units import ceil_div  # noqa: E402
 
 
@@ -88,9 +88,10 @@ def main(argv=None) -> int:
     weights = load_text_weights(path, dtype=dtype, device=device)
     t0 = time.perf_counter()
     runner = ModelRunner(
-        weights, page_size=args.page_size, num_pages=max_bs * per_seq + 1, device=device,
-        dtype=dtype, cuda_graph_max_bs=max(max_bs, 1), max_seq_len=max_len,
-        linear_backend=args.linear_backend, attention_backend=args.attention_backend,
+        weights, RunnerSettings(page_size=args.page_size, cuda_graph_max_bs=max(max_bs, 1),
+                                max_seq_len=max_len, linear_backend=args.linear_backend,
+                                attention_backend=args.attention_backend),
+        num_pages=max_bs * per_seq + 1, device=device, dtype=dtype,
     )  # fmt: skip
     setup_s = time.perf_counter() - t0
     pool = KVPagePool(runner.num_pages, runner.page_size)

@@ -156,8 +156,8 @@ _RESERVED = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end
 # '=' are the longest, far below): a text longer than max_prompt_tokens times it cannot
 # fit, and is refused before the tokenizer spends seconds and gigabytes on it.
 MAX_CHARS_PER_TOKEN = 64
-# Characters tokenized per piece when a long text is first counted (`_certainly_over`).
-COUNT_PIECE_CHARS = 1 << 17
+# Characters tokenized per slice when a long text is first counted (`_certainly_over`).
+COUNT_SLICE_CHARS = 1 << 17
 
 
 def words_in(text: str) -> int:
@@ -235,12 +235,12 @@ class ChatTemplate:
             hf_messages, tools=tools or None, tokenize=False,
             add_generation_prompt=messages[-1].role != "assistant",
         )
-        pieces = text.split(self.image_token)
-        if len(pieces) != len(image_tokens) + 1:  # the template dropped or duplicated an image
+        parts = text.split(self.image_token)
+        if len(parts) != len(image_tokens) + 1:  # the template dropped or duplicated an image
             raise invalid("messages", "the chat template does not place every image")
-        expanded = pieces[0]
-        for n, piece in zip(image_tokens, pieces[1:], strict=True):
-            expanded += self.image_token * n + piece
+        expanded = parts[0]
+        for n, part in zip(image_tokens, parts[1:], strict=True):
+            expanded += self.image_token * n + part
         if self._certainly_over(expanded, max_prompt_tokens):
             raise invalid("messages", f"the prompt is over the limit of {max_prompt_tokens} tokens")
         ids = self.processor.tokenizer(expanded)["input_ids"]
@@ -250,24 +250,24 @@ class ChatTemplate:
         return ids
 
     def _certainly_over(self, text: str, limit: int) -> bool:
-        """True when `text` has more than `limit` tokens, found by tokenizing it piece by
-        piece and stopping as soon as the count passes the limit: refusing a long text
+        """True when `text` has more than `limit` tokens, found by tokenizing it slice by
+        slice and stopping as soon as the count passes the limit: refusing a long text
         costs about what a legal one does, not what its length would (a flood of 2 MB texts
-        took the encoder's CPU from other clients). Pieces end before a space (where the
+        took the encoder's CPU from other clients). Slices end before a space (where the
         pre-tokenizer splits anyway); each cut may still add a token, so `limit` plus one
-        per piece must be passed. False means: tokenize the whole and count exactly."""
-        if len(text) <= COUNT_PIECE_CHARS:
+        per slice must be passed. False means: tokenize the whole and count exactly."""
+        if len(text) <= COUNT_SLICE_CHARS:
             return False
-        n = pieces = start = 0
+        n = slices = start = 0
         tok = self.processor.tokenizer
         while start < len(text):
-            end = min(len(text), start + COUNT_PIECE_CHARS)
+            end = min(len(text), start + COUNT_SLICE_CHARS)
             if end < len(text):
-                cut = text.rfind(" ", start + COUNT_PIECE_CHARS // 2, end)
+                cut = text.rfind(" ", start + COUNT_SLICE_CHARS // 2, end)
                 end = cut if cut > start else end
             n += len(tok(text[start:end], add_special_tokens=False)["input_ids"])
-            pieces += 1
-            if n > limit + pieces:
+            slices += 1
+            if n > limit + slices:
                 return True
             start = end
         return False

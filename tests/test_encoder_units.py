@@ -416,7 +416,7 @@ def test_a_huge_text_is_refused_after_tokenizing_about_a_legal_prompts_worth(tin
     what its length would (issue 16: a flood of 2 MB texts took the CPU from other
     clients): the tokenizer sees a few pieces, then the chat is refused by name. A legal
     long text (more than one piece) still gets exactly the ids of one whole tokenization."""
-    from tandem.chat import COUNT_PIECE_CHARS, ChatTemplate
+    from tandem.chat import COUNT_SLICE_CHARS, ChatTemplate
 
     template = ChatTemplate(tiny_pipe.preprocessor.processor)
     tok = template.processor.tokenizer
@@ -443,7 +443,7 @@ def test_a_huge_text_is_refused_after_tokenizing_about_a_legal_prompts_worth(tin
         hf, _ = template.split(dense)
         with pytest.raises(ChatError, match="over the limit of 32768 tokens"):
             template.token_ids(dense, hf, [], 32768)
-        assert sum(seen) <= 3 * COUNT_PIECE_CHARS < 2_000_000 // 5, seen
+        assert sum(seen) <= 3 * COUNT_SLICE_CHARS < 2_000_000 // 5, seen
         seen.clear()
         legal = [Message("user", ("the quick brown fox jumps. " * 12_000,))]  # 324K chars
         hf, _ = template.split(legal)

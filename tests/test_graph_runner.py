@@ -14,7 +14,7 @@ import torch
 from tandem.services.language.engine.kv_pages import KVPagePool
 from tandem.services.language.runner.forward_batch import ForwardBatch, SeqChunk, decode_positions
 from tandem.services.language.runner.graph_runner import batch_buckets, width_buckets
-from tandem.services.language.runner.model_runner import ModelRunner
+from tandem.services.language.runner.model_runner import ModelRunner, RunnerSettings
 from tandem.units import ceil_div
 
 PAGE = 4
@@ -55,8 +55,9 @@ def _decode_batch(seqs) -> ForwardBatch:
 @pytest.fixture(scope="module")
 def runner(checkpoint):
     r = ModelRunner(
-        oracle.text_weights(checkpoint("qwen3_vl")), page_size=PAGE, num_pages=40 * ceil_div(MAX_SEQ, PAGE),
-        cuda_graph_max_bs=MAX_BS, max_seq_len=MAX_SEQ,
+        oracle.text_weights(checkpoint("qwen3_vl")),
+        RunnerSettings(page_size=PAGE, cuda_graph_max_bs=MAX_BS, max_seq_len=MAX_SEQ),
+        num_pages=40 * ceil_div(MAX_SEQ, PAGE),
     )  # fmt: skip
     pool = KVPagePool(r.num_pages, PAGE)
     return r, pool, _prefill(r, pool, 36, seed=0)
@@ -110,8 +111,9 @@ def test_batches_the_graph_runner_cannot_serve_fall_back(runner):
 @pytest.mark.gpu
 def test_cuda_graph_replay_equals_eager(checkpoint):
     r = ModelRunner(
-        oracle.text_weights(checkpoint("qwen2_5_vl")), page_size=PAGE, num_pages=40 * ceil_div(MAX_SEQ, PAGE),
-        device="cuda", cuda_graph_max_bs=MAX_BS, max_seq_len=MAX_SEQ,
+        oracle.text_weights(checkpoint("qwen2_5_vl")),
+        RunnerSettings(page_size=PAGE, cuda_graph_max_bs=MAX_BS, max_seq_len=MAX_SEQ),
+        num_pages=40 * ceil_div(MAX_SEQ, PAGE), device="cuda",
     )  # fmt: skip
     gr = r.graph_runner
     assert gr.use_graphs and len(gr.graphs) == len(gr.batch_sizes) * len(gr.widths)

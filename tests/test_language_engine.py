@@ -23,7 +23,7 @@ from tandem.services.language.engine.request import (
     SamplingParams,
     StreamDelta,
 )
-from tandem.services.language.runner.model_runner import ModelRunner
+from tandem.services.language.runner.model_runner import ModelRunner, RunnerSettings
 
 SIZES = [(28, 28), (56, 84), (112, 56), (84, 140)]
 N_PROMPTS = 16
@@ -46,7 +46,7 @@ class Case:
             self.refs.append(out[0] if isinstance(out, tuple) else out)
 
     def engine(self, num_pages: int, **cfg) -> Engine:
-        runner = ModelRunner(self.weights, page_size=4, num_pages=num_pages)
+        runner = ModelRunner(self.weights, RunnerSettings(page_size=4), num_pages=num_pages)
         return Engine(runner, self.tokenizer, EngineConfig(**cfg)).start()
 
 
@@ -111,7 +111,7 @@ def test_concurrent_greedy_equals_generate(case, pool):
         assert mixed
         if pool == "tiny":
             assert engine.scheduler.num_retractions > 0
-            assert any(r.num_retractions for r in reqs)
+            assert any(r.kv.num_retractions for r in reqs)
         check_greedy_streams(case, engine, reqs, streams)
         assert engine.pool.num_free == engine.pool.num_total
     finally:

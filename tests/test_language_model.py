@@ -14,7 +14,7 @@ import torch
 
 from tandem.services.language.engine.kv_pages import KVPagePool
 from tandem.services.language.runner.forward_batch import ForwardBatch, SeqChunk, decode_positions
-from tandem.services.language.runner.model_runner import ModelRunner
+from tandem.services.language.runner.model_runner import ModelRunner, RunnerSettings
 from tandem.units import ceil_div
 
 ARCHS = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
@@ -74,7 +74,7 @@ def case(request, checkpoint):
 
 def make_runner(weights, pages: int = 96) -> tuple[ModelRunner, KVPagePool]:
     """A runner and the pool of its KV pages (the engine's scheduler holds it in service)."""
-    return ModelRunner(weights, page_size=PAGE, num_pages=pages), KVPagePool(pages, PAGE)
+    return ModelRunner(weights, RunnerSettings(page_size=PAGE), num_pages=pages), KVPagePool(pages, PAGE)
 
 
 def test_prompt_logits_match_transformers(case):
@@ -230,7 +230,7 @@ def test_small_checkpoint_prompt_logits_and_greedy(arch, checkpoint):
     model, proc = oracle.load(path)
     inputs = oracle.make_inputs(proc, "What is in this image?", [oracle.make_image(7, (112, 84))])
     payload, ref = oracle.payload(model, inputs), oracle.prompt_logits(model, inputs)
-    runner = ModelRunner(oracle.text_weights(path), page_size=16, num_pages=16)
+    runner = ModelRunner(oracle.text_weights(path), RunnerSettings(page_size=16), num_pages=16)
     s = Seq(0, payload, KVPagePool(16, 16))
     half = payload.num_tokens // 2
     got = torch.cat([runner.forward(ForwardBatch([s.prompt_chunk(n)])).prompt_logits[0]

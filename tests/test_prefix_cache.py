@@ -170,7 +170,7 @@ def test_repeated_prompt_reuses_pages_and_outputs_equal_cache_off():
         sched.add(second)
         run(sched, [second])
         outs[enabled] = (first.output_ids, second.output_ids, model.computed - before,
-                         second.cached_tokens)
+                         second.kv.cached_tokens)
         all_idle_or_free(cache)
         # looked up: 7 pages each time; found: none the first time, all 7 the second
         assert cache.stats.query_tokens == (56 if enabled else 56)
@@ -191,7 +191,7 @@ def test_next_turn_reuses_the_prompt_and_the_generated_pages():
     sched.add(second)
     run(sched, [second])
     # first's KV: 30 prompt + 9 fed outputs = 39 tokens -> 9 whole pages are cached
-    assert second.cached_tokens == 36
+    assert second.kv.cached_tokens == 36
     all_idle_or_free(cache)
 
 
@@ -204,7 +204,7 @@ def test_same_text_other_image_shares_nothing_from_the_image_on():
         sched.add(r)
         run(sched, [r])
     # only the two pages before the first image's start (token 8) are shared
-    assert b.cached_tokens == 8 and c.cached_tokens == 8
+    assert b.kv.cached_tokens == 8 and c.kv.cached_tokens == 8
     assert b.output_ids != a.output_ids and c.output_ids != a.output_ids
     all_idle_or_free(cache)
 
@@ -215,7 +215,7 @@ def test_prompt_without_announced_images_is_never_shared():
     for r in (a, b):
         sched.add(r)
         run(sched, [r])
-    assert b.cached_tokens == 0 and cache.num_cached == 0
+    assert b.kv.cached_tokens == 0 and cache.num_cached == 0
 
 
 def test_concurrent_sharers_retraction_and_a_pool_full_of_cached_pages():
@@ -263,13 +263,13 @@ def test_a_head_blocked_by_rooms_pins_waits_instead_of_failing():
 def pinned_request(cache: PrefixCache, ids: list[int], max_tokens: int) -> Request:
     """A request as the engine submits one whose cached prefix was pinned during its
     transfer: it holds the pinned pages, its payload's rows start after them."""
-    req = make_request(ids, max_tokens=max_tokens)
-    start = cache.pin(req.room, ids, [])
+    full = make_request(ids, max_tokens=max_tokens)
+    start = cache.pin(full.room, ids, [])
     assert start > 0
-    req.prompt = req.prompt.rows_from(start)
-    req.block_table = cache.take_pin(req.room, start)
-    req.num_pinned_pages = req.num_keyed_pages = len(req.block_table)
-    req.num_computed_tokens = start
+    req = Request(full.room, full.sampling, full.prompt.rows_from(start))
+    req.kv.block_table = cache.take_pin(req.room, start)
+    req.kv.num_pinned_pages = req.kv.num_keyed_pages = len(req.kv.block_table)
+    req.kv.num_computed_tokens = start
     return req
 
 
@@ -316,5 +316,5 @@ def test_a_lone_runner_short_of_a_pinned_waiters_pages_steps_aside():
     b = pinned_request(cache, PROMPT + [3], max_tokens=2)
     sched.add(b)
     run(sched, [a, b])
-    assert a.num_retractions >= 1 and a.num_retractions <= sched.MAX_YIELDS
+    assert a.kv.num_retractions >= 1 and a.kv.num_retractions <= sched.MAX_YIELDS
     all_idle_or_free(cache)

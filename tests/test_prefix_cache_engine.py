@@ -18,7 +18,7 @@ from tandem.models.split import load_text_weights
 from tandem.sampling import SamplingParams
 from tandem.services.language.engine.core import Engine, EngineConfig
 from tandem.services.language.engine.request import Request
-from tandem.services.language.runner.model_runner import ModelRunner
+from tandem.services.language.runner.model_runner import ModelRunner, RunnerSettings
 
 SYSTEM = "You are a careful assistant. " * 6
 
@@ -32,7 +32,7 @@ class Chat:
         self.weights = load_text_weights(ckpt)
 
     def engine(self, num_pages=512, **cfg) -> Engine:
-        runner = ModelRunner(self.weights, page_size=4, num_pages=num_pages)
+        runner = ModelRunner(self.weights, RunnerSettings(page_size=4), num_pages=num_pages)
         return Engine(runner, self.tokenizer, EngineConfig(**cfg)).start()
 
     def request(self, rid: int, messages, images, keys, max_tokens=8):
@@ -80,9 +80,9 @@ def test_multi_turn_chat_with_image_equals_generate(chat, chunk):
             req, ref = chat.request(10 + turn, messages, [image], ["img7"])
             out = collect(engine, [req])[req.room]
             assert tokens(out) == ref, f"turn {turn}"
-            assert out[-1].cached_tokens == req.cached_tokens
+            assert out[-1].cached_tokens == req.kv.cached_tokens
             if turn:  # the previous turn's prompt (and reply) is cached, a page at least
-                assert req.cached_tokens >= prev_len - 4, (turn, req.cached_tokens, prev_len)
+                assert req.kv.cached_tokens >= prev_len - 4, (turn, req.kv.cached_tokens, prev_len)
             prev_len = req.prompt_len
             reply = chat.tokenizer.decode(ref, skip_special_tokens=True)
             messages += [{"role": "assistant", "content": [{"type": "text", "text": reply}]},
@@ -107,12 +107,12 @@ def test_same_text_other_image_or_place_shares_no_image_page(chat):
         for req, ref in ((a, ref_a), (b, ref_b), (c, ref_c)):
             assert tokens(collect(engine, [req])[req.room]) == ref
         first_pad = a.prompt.info.images[0].start
-        assert b.cached_tokens == first_pad // 4 * 4  # only pages wholly before the image
-        assert c.cached_tokens <= first_pad // 4 * 4 + 4  # "Look: " differs from there on
+        assert b.kv.cached_tokens == first_pad // 4 * 4  # only pages wholly before the image
+        assert c.kv.cached_tokens <= first_pad // 4 * 4 + 4  # "Look: " differs from there on
         # no page key of the image's pages is shared between a, b and c
         image_pages = slice(first_pad // 4, None)
-        assert not set(a.page_keys[image_pages]) & set(b.page_keys[image_pages])
-        assert not set(a.page_keys[image_pages]) & set(c.page_keys[image_pages])
+        assert not set(a.kv.page_keys[image_pages]) & set(b.kv.page_keys[image_pages])
+        assert not set(a.kv.page_keys[image_pages]) & set(c.kv.page_keys[image_pages])
         assert_pages_settled(engine)
     finally:
         engine.stop()
@@ -132,7 +132,7 @@ def test_sharers_run_concurrently_through_retractions(chat):
         streams = collect(engine, [r for r, _ in pairs])
         for r, ref in pairs:
             assert tokens(streams[r.room]) == ref, f"request {r.room}"
-            assert r.cached_tokens > 0
+            assert r.kv.cached_tokens > 0
         assert engine.scheduler.num_retractions > 0
         assert_pages_settled(engine)
     finally:

@@ -11,13 +11,14 @@ import torch
 from tandem.sampling import SamplingParams
 from tandem.services.language.engine.request import Request
 from tandem.services.language.engine.sampler import sample, sampling_probs
+from tandem.transfer.payload import PromptPayload
 
 P = torch.tensor([0.1, 0.2, 0.3, 0.4])
 LOGITS = P.log()
 
 
 def req(rid=1, **kw) -> Request:
-    return Request(rid, SamplingParams(**kw))
+    return Request(rid, SamplingParams(**kw), PromptPayload.of_token_ids([1, 2, 3]))
 
 
 def test_greedy_is_argmax_and_top_k_one_is_greedy():

@@ -180,7 +180,7 @@ def test_retraction_keeps_outputs_identical():
     assert small.num_retractions > 0
     # generated tokens were recomputed from their ids (a multi-token id chunk)
     assert any(c.is_decode and c.num_tokens > 1 for s in steps for c in s.batch.chunks)
-    assert any(r.num_retractions for r in reqs)
+    assert any(r.kv.num_retractions for r in reqs)
     assert [r.output_ids for r in reqs] == [r.output_ids for r in ref]
     assert pool.num_free == pool.num_total
     assert small.ratio.value > small.ratio.min  # raised again by the retraction
@@ -220,10 +220,10 @@ def test_abort_at_every_stage_frees_pages(stage):
     target = None
     for _ in range(200):
         wanted = {
-            "waiting": lambda r: r.status is RequestStatus.WAITING and not r.num_retractions,
-            "prefilling": lambda r: r.status is RequestStatus.PREFILLING and r.block_table,
+            "waiting": lambda r: r.status is RequestStatus.WAITING and not r.kv.num_retractions,
+            "prefilling": lambda r: r.status is RequestStatus.PREFILLING and r.kv.block_table,
             "running": lambda r: r.status is RequestStatus.RUNNING,
-            "retracted": lambda r: r.status is RequestStatus.WAITING and r.num_retractions,
+            "retracted": lambda r: r.status is RequestStatus.WAITING and r.kv.num_retractions,
         }[stage]
         target = next((r for r in reqs if wanted(r)), None)
         if target:
@@ -236,7 +236,7 @@ def test_abort_at_every_stage_frees_pages(stage):
         )
     assert target is not None, f"never reached stage {stage}"
     sched.finish(target, RequestStatus.FINISHED_ABORT)
-    assert target.block_table == [] and target.status is RequestStatus.FINISHED_ABORT
+    assert target.kv.block_table == [] and target.status is RequestStatus.FINISHED_ABORT
     sched.finish(target, RequestStatus.FINISHED_ABORT)  # idempotent
     for r in reqs:
         sched.finish(r, RequestStatus.FINISHED_ABORT)

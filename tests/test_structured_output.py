@@ -24,7 +24,7 @@ from tandem.models.split import load_text_weights
 from tandem.sampling import GrammarKind, GrammarSpec, SamplingParams
 from tandem.services.language.engine.core import Engine, EngineConfig
 from tandem.services.language.engine.request import Request, RequestStatus
-from tandem.services.language.runner.model_runner import ModelRunner
+from tandem.services.language.runner.model_runner import ModelRunner, RunnerSettings
 
 
 class Colour(str, enum.Enum):
@@ -60,7 +60,7 @@ class Setup:
         self.ref, _ = oracle.generate(self.model, inputs, 12)
 
     def engine(self, **cfg) -> Engine:
-        runner = ModelRunner(self.weights, page_size=4, num_pages=1024)
+        runner = ModelRunner(self.weights, RunnerSettings(page_size=4), num_pages=1024)
         return Engine(runner, self.tokenizer, EngineConfig(**cfg)).start()
 
 
@@ -152,7 +152,7 @@ def test_a_large_schema_compiles_while_decoding_goes_on(setup):
         fut.add_done_callback(lambda _f: (steps.setdefault("end", engine.num_steps),
                                           compiled.set()))
         req = Request(2, SamplingParams(max_tokens=1, grammar=big), setup.payload)
-        req.grammar_future = fut
+        req.sampler.grammar_future = fut
         out = collect(engine, [req])
         assert compiled.wait(30)
         assert steps["end"] > steps["start"], steps  # decode steps ran during the compile

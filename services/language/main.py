@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import asdict
 
 from tandem.devices import resolve_device, resolve_dtype
 from tandem.metrics import metric_set, serve_metrics, service_registry
@@ -53,24 +54,12 @@ def build_engine(cfg: LanguageConfig, metrics: LanguageMetrics):
     dtype = resolve_dtype(cfg.dtype, device)
     spec = read_spec(resolve_model_path(cfg.model))
     max_len = cfg.max_model_len or spec.max_position_embeddings
-    tp = start_tensor_parallel(cfg, spec, device, dtype, max_len) if cfg.tp > 1 else None
+    settings = runner_settings(cfg, device, max_len)
+    tp = start_tensor_parallel(cfg, spec, device, dtype, settings) if cfg.tp > 1 else None
     weights = load_text_weights(spec, dtype=dtype, device=device, shard=tp.shard if tp else None)
-    runner = ModelRunner(
-        weights,
-        page_size=cfg.kv_page_size,
-        num_pages=cfg.kv_pages,
-        kv_memory_fraction=cfg.kv_memory_fraction,
-        device=device,
-        dtype=dtype,
-        cuda_graph_max_bs=cfg.cuda_graph_max_bs if device.type == "cuda" else 0,
-        max_seq_len=max_len,
-        attention_backend=cfg.attention_backend,
-        linear_backend=cfg.linear_backend,
-        cpu_parallel_min_tokens=cfg.cpu_parallel_min_tokens,
-        cpu_small_step_pool=cfg.cpu_small_step_pool,
-        cpu_pool_spin_us=cfg.cpu_pool_spin_us,
-        tp=tp,
-    )
+    runner = ModelRunner(weights, settings, num_pages=cfg.kv_pages,
+                         kv_memory_fraction=cfg.kv_memory_fraction, device=device, dtype=dtype,
+                         tp=tp)  # fmt: skip
     if tp is not None:
         tp.workers.start(runner.num_pages)
     tokenizer = AutoTokenizer.from_pretrained(spec.path)
@@ -92,7 +81,20 @@ def build_engine(cfg: LanguageConfig, metrics: LanguageMetrics):
     return engine, spec, tokenizer
 
 
-def start_tensor_parallel(cfg: LanguageConfig, spec, device, dtype, max_len: int):
+def runner_settings(cfg: LanguageConfig, device, max_len: int):
+    """The runner's settings from the config: built once, used by every rank."""
+    from tandem.services.language.runner.model_runner import RunnerSettings
+
+    return RunnerSettings(
+        page_size=cfg.kv_page_size, max_seq_len=max_len,
+        cuda_graph_max_bs=cfg.cuda_graph_max_bs if device.type == "cuda" else 0,
+        attention_backend=cfg.attention_backend, linear_backend=cfg.linear_backend,
+        cpu_parallel_min_tokens=cfg.cpu_parallel_min_tokens,
+        cpu_small_step_pool=cfg.cpu_small_step_pool, cpu_pool_spin_us=cfg.cpu_pool_spin_us,
+    )  # fmt: skip
+
+
+def start_tensor_parallel(cfg: LanguageConfig, spec, device, dtype, settings):
     """Rank 0's `TensorParallel`, the other ranks started and in the process group."""
     import torch
 
@@ -107,12 +109,7 @@ def start_tensor_parallel(cfg: LanguageConfig, spec, device, dtype, max_len: int
         torch.set_num_threads(threads)
     args = RankArgs(
         model=str(spec.path), dtype=str(dtype).removeprefix("torch."), device=str(device),
-        page_size=cfg.kv_page_size, attention_backend=cfg.attention_backend,
-        linear_backend=cfg.linear_backend, cpu_parallel_min_tokens=cfg.cpu_parallel_min_tokens,
-        cpu_small_step_pool=cfg.cpu_small_step_pool, cpu_pool_spin_us=cfg.cpu_pool_spin_us,
-        max_seq_len=max_len,
-        cuda_graph_max_bs=cfg.cuda_graph_max_bs if device.type == "cuda" else 0,
-        size=cfg.tp, dist_address=f"127.0.0.1:{free_port()}", control_address="",
+        runner=asdict(settings), size=cfg.tp, dist_address=f"127.0.0.1:{free_port()}", control_address="",
         timeout_s=cfg.tp_timeout_s, threads=threads, transfer=cfg.transfer.model_dump(),
         embedding_blocks=cfg.embedding_blocks, embedding_block_size=cfg.embedding_block_size,
     )  # fmt: skip
@@ -164,7 +161,6 @@ async def run(
         registry=registry,
         on_prompt=engine.pin_prefix,  # the prefix cache answers what it holds (pinned)
     )  # fmt: skip
-    engine.release_prompt = receiver.release
 
     server = grpc_server(tls, max_send_message_length=16 << 20)
     limits = ServiceLimits(cfg.request_timeout_s, cfg.model,

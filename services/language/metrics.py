@@ -109,15 +109,15 @@ class LanguageMetrics:
         """Observe a finished `Request` (the engine's `_finish`, its one way out): latency,
         time per output token, its phases and sizes (a phase it never reached, e.g.
         prefill of a request aborted while queued, is not observed)."""
-        self.e2e.observe(now - req.t_created)
-        if len(req.output_ids) > 1 and req.t_first_token:
-            self.tpot.observe((req.t_last_token - req.t_first_token) / (len(req.output_ids) - 1))
-        if req.t_queued and req.t_first_scheduled:
-            self.queue_time.observe(max(req.t_first_scheduled - req.t_queued, 0.0))
-        if req.t_first_scheduled and req.t_first_token:
-            self.prefill_time.observe(max(req.t_first_token - req.t_first_scheduled, 0.0))
-        if req.t_first_token and req.t_last_token:
-            self.decode_time.observe(max(req.t_last_token - req.t_first_token, 0.0))
+        self.e2e.observe(now - req.times.created)
+        if len(req.output_ids) > 1 and req.times.first_token:
+            self.tpot.observe((req.times.last_token - req.times.first_token) / (len(req.output_ids) - 1))
+        if req.times.queued and req.times.first_scheduled:
+            self.queue_time.observe(max(req.times.first_scheduled - req.times.queued, 0.0))
+        if req.times.first_scheduled and req.times.first_token:
+            self.prefill_time.observe(max(req.times.first_token - req.times.first_scheduled, 0.0))
+        if req.times.first_token and req.times.last_token:
+            self.decode_time.observe(max(req.times.last_token - req.times.first_token, 0.0))
         self.request_prompt_tokens.observe(req.prompt_len)
         self.request_generation_tokens.observe(len(req.output_ids))
 

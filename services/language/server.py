@@ -32,13 +32,13 @@ from tandem.services.language.engine.core import Engine
 from tandem.services.language.engine.request import (
     FINISH_REASONS,
     Request,
-    RequestStatus,
     StreamDelta,
 )
 from tandem.services.language.engine.scheduler import AdmissionError
 from tandem.services.language.metrics import LanguageMetrics
 from tandem.serving import deadline_from_proto
 from tandem.transfer import BlockAllocator, EmbeddingReceiver, TransferError
+from tandem.transfer.payload import PromptPayload
 from tandem.v1 import common_pb2, language_pb2, language_pb2_grpc
 
 log = logging.getLogger("tandem.language")
@@ -130,18 +130,15 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             return
         self.streams.add(room)
         outcome = "cancelled"  # NOTE: one log line per request (its id greps across tiers)
-        req = Request(
-            room=room, sampling=sampling, request_id=request.request_id,
-            priority=request.priority, status=RequestStatus.WAITING_FOR_INPUT,
-            deadline=time.monotonic() + (deadline - now),
-        )  # fmt: skip
+        t0 = time.monotonic()
         try:
-            if sampling.grammar is not None:  # NOTE: compiles while the prompt is on its way
-                req.grammar_future = self.engine.grammars.compile(sampling.grammar)
+            # NOTE: the grammar compiles while the prompt is on its way
+            grammar = (self.engine.grammars.compile(sampling.grammar)
+                       if sampling.grammar is not None else None)
             # -- 1. the prompt: tokenized here (text-only chat) or through the room --
             if request.messages or request.prompt:
                 try:
-                    req.prompt_ids = await self._tokenize(request)
+                    prompt = PromptPayload.of_token_ids(await self._tokenize(request))
                 except ChatError as e:
                     outcome = f"{e.code} in the chat: {e.detail}"
                     yield error_response(e.code, e.detail, field=e.field)
@@ -150,7 +147,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                 self.transferring.add(room)
                 self.metrics.transferring.set(len(self.transferring))
                 try:
-                    req.prompt = await self.receiver.receive(
+                    prompt = await self.receiver.receive(
                         room, request.encoder_address, deadline, client=request.client_id)
                 except TransferError as e:
                     self.engine.unpin(room)
@@ -161,16 +158,24 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                 finally:
                     self.transferring.discard(room)
                     self.metrics.transferring.set(len(self.transferring))
-            transfer_ms = (time.monotonic() - req.t_created) * 1e3
+            transfer_ms = (time.monotonic() - t0) * 1e3
             # -- 2. the engine generates --
+            req = Request(room, sampling, prompt, request_id=request.request_id,
+                          priority=request.priority, grammar_future=grammar,
+                          deadline=time.monotonic() + (deadline - now))  # fmt: skip
             q: asyncio.Queue[StreamDelta] = asyncio.Queue()
             loop = asyncio.get_running_loop()
+
+            def sink(d: StreamDelta) -> None:  # the engine thread
+                if d.finished:  # NOTE: no step names its rows any more: the ranks drop them
+                    self.receiver.release(prompt)
+                loop.call_soon_threadsafe(q.put_nowait, d)
+
             try:
-                self.engine.submit(req, lambda d: loop.call_soon_threadsafe(q.put_nowait, d))
+                self.engine.submit(req, sink)
             except AdmissionError as e:
                 self.engine.unpin(room)
-                if req.prompt is not None:  # never reached a step: the ranks drop its rows
-                    self.receiver.release(req.prompt)
+                self.receiver.release(prompt)  # never reached a step
                 outcome = f"{e.code} at admission: {e.message}"
                 yield error_response(e.code, e.message)
                 return

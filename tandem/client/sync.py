@@ -86,7 +86,7 @@ class Client(RouterChannel):
         return collect(self._stream(messages, timeout, dict(kw, n=n)), n)
 
     def stream_chat(self, messages, *, timeout: float | None = None, **kw) -> Iterator[str]:
-        """Yield text pieces as they are generated."""
+        """Yield the text as it is generated, one fragment per message."""
         for msg in self._stream(messages, timeout, kw):
             check(msg)
             if msg.text:

@@ -47,6 +47,10 @@ class PromptPayload:
     and the encoder sent only the rest; `info` (the whole prompt's ids and images) is set
     when the encoder announced the prompt (cache-aware transfer), else None.
 
+    A text-only prompt (tokenized by the language tier itself) is the same type without
+    embeddings (`input_embeds` None, see `of_token_ids`): its rows are embedded from
+    `fill_ids` by the model, at text positions.
+
     input_embeds    [L, embed_dim]  model dtype; embed_dim = hidden * (1 + num_deepstack):
                     columns [0, hidden) are the input embeddings (text embeddings with
                     image features spliced in at image-pad tokens); for Qwen3-VL, columns
@@ -58,7 +62,7 @@ class PromptPayload:
     (L rows: tokens [start, start + L) of the prompt.)
     """
 
-    input_embeds: torch.Tensor
+    input_embeds: torch.Tensor | None
     fill_ids: torch.Tensor
     mrope_positions: torch.Tensor
     mrope_delta: int
@@ -70,20 +74,30 @@ class PromptPayload:
     ranks_key: int | None = None
 
     def __post_init__(self) -> None:
-        n = self.input_embeds.shape[0]
-        if self.input_embeds.dim() != 2:
-            raise ValueError(f"input_embeds must be [L, D], got {tuple(self.input_embeds.shape)}")
-        if tuple(self.fill_ids.shape) != (n,):
-            raise ValueError(f"fill_ids must be [{n}], got {tuple(self.fill_ids.shape)}")
+        if self.fill_ids.dim() != 1:
+            raise ValueError(f"fill_ids must be [L], got {tuple(self.fill_ids.shape)}")
+        n = self.fill_ids.shape[0]
+        if self.input_embeds is not None and (
+                self.input_embeds.dim() != 2 or self.input_embeds.shape[0] != n):
+            raise ValueError(f"input_embeds must be [{n}, D], got "
+                             f"{tuple(self.input_embeds.shape)}")  # fmt: skip
         if tuple(self.mrope_positions.shape) != (3, n):
             raise ValueError(
                 f"mrope_positions must be [3, {n}], got {tuple(self.mrope_positions.shape)}"
             )
 
+    @classmethod
+    def of_token_ids(cls, ids: list[int]) -> PromptPayload:
+        """A text-only prompt: ids, text positions (the same on all three MRoPE axes), no
+        embeddings and no images."""
+        positions = torch.arange(len(ids), dtype=torch.int32).expand(3, -1)
+        return cls(None, torch.tensor(ids, dtype=torch.int32), positions, 0,
+                   info=PromptInfo(list(ids)))
+
     @property
     def num_tokens(self) -> int:
         """Rows held (tokens [start, start + num_tokens) of the prompt)."""
-        return int(self.input_embeds.shape[0])
+        return int(self.fill_ids.shape[0])
 
     @property
     def end(self) -> int:
@@ -95,9 +109,11 @@ class PromptPayload:
         k = start - self.start
         if not 0 <= k <= self.num_tokens:
             raise ValueError(f"rows_from({start}) outside [{self.start}, {self.end}]")
-        return PromptPayload(self.input_embeds[k:], self.fill_ids[k:],
-                             self.mrope_positions[:, k:], self.mrope_delta, start, self.info)
+        embeds = self.input_embeds[k:] if self.input_embeds is not None else None
+        return PromptPayload(embeds, self.fill_ids[k:], self.mrope_positions[:, k:],
+                             self.mrope_delta, start, self.info)
 
     @property
-    def embed_dim(self) -> int:
-        return int(self.input_embeds.shape[1])
+    def embed_dim(self) -> int | None:
+        """Width of its embedding rows (None: a text-only prompt)."""
+        return int(self.input_embeds.shape[1]) if self.input_embeds is not None else None

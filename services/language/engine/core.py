@@ -27,7 +27,6 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -42,7 +41,7 @@ from tandem.services.language.engine.sampler import sample
 from tandem.services.language.engine.scheduler import AdmissionError, Scheduler
 from tandem.services.language.engine.types import Abort, EngineConfig, Live, Sink, Submit
 from tandem.services.language.metrics import LanguageMetrics
-from tandem.transfer.payload import PromptInfo, PromptPayload
+from tandem.transfer.payload import PromptInfo
 
 log = logging.getLogger("tandem.language.engine")
 
@@ -82,9 +81,6 @@ class Engine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.num_steps = 0
-        # Called with a request's prompt payload once the request ended (no step names its
-        # rows any more): the receiver's `release`, so other tensor-parallel ranks drop them.
-        self.release_prompt: Callable[[PromptPayload], None] | None = None
         # where the engine thread's time goes: forward seconds of steps with prompt
         # tokens (prefill/mixed) and of pure decode steps, and the rest of the step
         self.profile = {"mixed_s": 0.0, "mixed_steps": 0, "decode_s": 0.0, "decode_steps": 0,
@@ -120,10 +116,10 @@ class Engine:
         """Queue a request whose prompt is complete; raises AdmissionError on bad input.
         A prompt that starts after a pinned prefix (`prompt.start` > 0) takes the pin. A
         structured-output request's grammar starts compiling here unless the caller
-        started it earlier (`req.grammar_future = engine.grammars.compile(spec)`)."""
+        started it earlier (`req.sampler.grammar_future = engine.grammars.compile(spec)`)."""
         self.scheduler.check(req)
-        if req.sampling.grammar is not None and req.grammar_future is None:
-            req.grammar_future = self.grammars.compile(req.sampling.grammar)
+        if req.sampling.grammar is not None and req.sampler.grammar_future is None:
+            req.sampler.grammar_future = self.grammars.compile(req.sampling.grammar)
         tokens_left = self.cfg.max_model_len - req.prompt_len  # > 0: check() passed
         asked = req.sampling.max_tokens
         if asked is not None and asked > tokens_left:
@@ -142,16 +138,16 @@ class Engine:
             if req.room in self._known:
                 raise AdmissionError(f"request {req.room} is already running")
             self._known.add(req.room)
-        start = req.prompt.start if req.prompt is not None else 0
+        start = req.prompt.start
         try:
             pages = self.pool.take_pin(req.room, start)
         except ValueError as e:
             with self._known_lock:
                 self._known.discard(req.room)
             raise AdmissionError(f"request {req.room}: {e}", "INTERNAL") from None
-        req.block_table = pages
-        req.num_pinned_pages = req.num_keyed_pages = len(pages)
-        req.num_computed_tokens = start
+        req.kv.block_table = pages
+        req.kv.num_pinned_pages = req.kv.num_keyed_pages = len(pages)
+        req.kv.num_computed_tokens = start
         self._inbox.put(Submit(req, sink))
         self._wake.set()
 
@@ -212,10 +208,10 @@ class Engine:
                     detok = IncrementalDetokenizer(self.tokenizer, req.sampling.stop,
                                                    req.sampling.include_stop_str_in_output)
                     live = self._live[req.room] = Live(req, sink, detok)
-                    if req.grammar_future is not None:  # joins the queue once compiled
+                    if req.sampler.grammar_future is not None:  # joins the queue once compiled
                         req.status = RequestStatus.WAITING_FOR_GRAMMAR
                         self._compiling.append(live)
-                        req.grammar_future.add_done_callback(lambda _f: self._wake.set())
+                        req.sampler.grammar_future.add_done_callback(lambda _f: self._wake.set())
                         continue
                     self._add(live)
                 case Abort(room, reason, code) if room in self._live:
@@ -229,12 +225,12 @@ class Engine:
 
     def _admit_compiled(self) -> None:
         """Requests whose grammar finished compiling join the queue (or fail)."""
-        for live in [c for c in self._compiling if c.req.grammar_future.done()]:
+        for live in [c for c in self._compiling if c.req.sampler.grammar_future.done()]:
             self._compiling.remove(live)
             if live.req.status.finished:  # aborted or past its deadline meanwhile
                 continue
             try:
-                live.req.matcher = matcher(live.req.grammar_future.result())
+                live.req.sampler.matcher = matcher(live.req.sampler.grammar_future.result())
             except GrammarError as e:
                 self._finish(live, RequestStatus.FINISHED_ERROR, e.message, e.code,
                              StreamDelta(error_field=e.field))
@@ -300,12 +296,12 @@ class Engine:
     def _on_token(self, live: Live, token: int, logprob: float | None, top: list,
                   now: float) -> None:
         req, p = live.req, live.req.sampling
-        if not req.t_first_token:
-            req.t_first_token = now
-            self.metrics.ttft.observe(now - req.t_created)
-        req.t_last_token = now
+        if not req.times.first_token:
+            req.times.first_token = now
+            self.metrics.ttft.observe(now - req.times.created)
+        req.times.last_token = now
         delta = StreamDelta(token_ids=[token])
-        if req.matcher is not None and not req.matcher.accept_token(token):
+        if req.sampler.matcher is not None and not req.sampler.matcher.accept_token(token):
             self._finish(live, RequestStatus.FINISHED_ERROR,
                          f"token {token} breaks the request's grammar", "INTERNAL", delta)
             return
@@ -338,8 +334,6 @@ class Engine:
             self._compiling.remove(live)
         req.status = status
         self._live.pop(req.room, None)
-        if req.prompt is not None and self.release_prompt is not None:
-            self.release_prompt(req.prompt)
         with self._known_lock:
             self._known.discard(req.room)
         delta = delta or StreamDelta()
@@ -347,9 +341,9 @@ class Engine:
             delta.text += live.detok.flush()  # held-back text that never became a stop string
         delta.finish_reason = status
         delta.prompt_tokens = req.prompt_len
-        delta.cached_tokens = req.cached_tokens or 0
+        delta.cached_tokens = req.kv.cached_tokens or 0
         delta.completion_tokens = len(req.output_ids)
-        delta.timings_ms = req.timings_ms()
+        delta.timings_ms = req.times.ms()
         delta.error, delta.error_code = error or req.error, code or req.error_code
         m = self.metrics
         m.finished.labels(status.label).inc()

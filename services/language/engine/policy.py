@@ -117,14 +117,14 @@ class PrefillAdder:
         self.nothing_scheduled = nothing_scheduled
 
     def chunk_len(self, req: Request) -> int:
-        start = req.num_computed_tokens
+        start = req.kv.num_computed_tokens
         end = req.seq_len if start >= req.prompt_len else req.prompt_len
         return min(end - start, self.budget)
 
     def _grow(self, req: Request, n_tokens: int) -> int:
         """Allocate pages for `n_tokens` more; shrink to what free pages allow."""
-        start = req.num_computed_tokens
-        held = len(req.block_table)
+        start = req.kv.num_computed_tokens
+        held = len(req.kv.block_table)
         need = ceil_div(start + n_tokens, self.page_size) - held
         if need > 0 and not self.pool.can_alloc(need):
             n_tokens = min(n_tokens, (held + self.pool.num_free) * self.page_size - start)
@@ -132,7 +132,7 @@ class PrefillAdder:
                 return 0
             need = ceil_div(start + n_tokens, self.page_size) - held
         if need > 0:
-            req.block_table.extend(self.pool.alloc(need))
+            req.kv.block_table.extend(self.pool.alloc(need))
         self.budget -= n_tokens
         return n_tokens
 
@@ -150,7 +150,7 @@ class PrefillAdder:
         idle cached page it takes stops counting as free, so it costs headroom too."""
         if self.budget <= 0 or self.free_slots <= 0:
             return 0
-        held = len(req.block_table) + len(cached)
+        held = len(req.kv.block_table) + len(cached)
         revived = self.pool.num_idle_in(cached)
         if self.nothing_scheduled:
             need = ceil_div(req.seq_len + 1, self.page_size) - held + revived
@@ -160,15 +160,15 @@ class PrefillAdder:
             fits = need <= self.headroom
         if not fits:
             return 0
-        assert req.num_computed_tokens == len(req.block_table) * self.page_size
+        assert req.kv.num_computed_tokens == len(req.kv.block_table) * self.page_size
         self.pool.acquire(cached)
-        req.block_table.extend(cached)
-        req.num_computed_tokens = held * self.page_size
+        req.kv.block_table.extend(cached)
+        req.kv.num_computed_tokens = held * self.page_size
         n = self._grow(req, self.chunk_len(req))
         if n == 0:  # no page for the first chunk after all: give the cached pages back
             self.pool.free(cached)
-            del req.block_table[len(req.block_table) - len(cached):]
-            req.num_computed_tokens = len(req.block_table) * self.page_size
+            del req.kv.block_table[len(req.kv.block_table) - len(cached):]
+            req.kv.num_computed_tokens = len(req.kv.block_table) * self.page_size
             return 0
         self.headroom -= need
         self.free_slots -= 1

@@ -1,10 +1,19 @@
-"""One generation request inside the language tier: status, counters, pages, timings.
+"""One generation request inside the language tier, its state split by who writes it:
+
+    spec     RequestSpec: room, sampling, prompt, id, priority, deadline  (frozen)
+    kv       KVState: block table, computed tokens, pins, page keys       (scheduler)
+    sampler  SamplingState: generator, prompt ids tensor, grammar         (sampler, grammar)
+    times    Timings: when each stage began                               (engine)
+    and      status, output ids / logprobs, the token budget, the error   (engine)
 
 A request's sequence is its prompt followed by its generated tokens:
 
     position  0 ........ L-1 | L ........ L+k-1
-              prompt (embeds)  | output_ids[0..k) (token ids)
-              ^ num_computed_tokens counts positions whose K/V are in the cache
+              prompt rows      | output_ids[0..k) (token ids)
+              ^ kv.num_computed_tokens counts positions whose K/V are in the cache
+
+The prompt is one type, `PromptPayload`: embedding rows from the encoder, or a text-only
+prompt's ids (no embeddings; its rows are embedded from the ids at text positions).
 
 The next step computes the *pending* range [num_computed_tokens, L + k). Normally that is
 the last generated token (a decode step); after admission it is the prompt (chunked
@@ -34,7 +43,7 @@ class RequestStatus(enum.IntEnum):
     the wire's FinishReason. Values start at 1 so that no status is falsy.
     """
 
-    WAITING_FOR_INPUT = 1  # transfer room open, prompt not complete
+    NEW = 1  # made with its whole prompt, not yet submitted to the engine
     WAITING_FOR_GRAMMAR = 2  # prompt complete; its structured-output grammar compiling
     WAITING = 3  # in the waiting queue (new, or retracted and to be recomputed)
     PREFILLING = 4  # admitted; pending range still longer than one token
@@ -94,65 +103,106 @@ class StreamDelta:
 _arrival = itertools.count()
 
 
-@dataclass(eq=False)
-class Request:
-    """A request from admission to finish. Owned by the engine thread once submitted."""
+@dataclass(frozen=True)
+class RequestSpec:
+    """What was asked: fixed when the request is made, never written after."""
 
     room: int  # the room id (unique per instance)
     sampling: SamplingParams
-    # The prompt: embedding rows from the encoder (from `prompt.start` on: the tokens
-    # before it are pinned cached pages), or, for a text-only chat the language tier
-    # tokenized itself, just `prompt_ids` (`prompt` None: chunks are embedded from ids).
-    prompt: PromptPayload | None = None
+    # Embedding rows from the encoder (from `prompt.start` on: the tokens before it are
+    # pinned cached pages), or a text-only prompt the tier tokenized itself (no embeddings).
+    prompt: PromptPayload
     request_id: str = ""
     priority: int = 0
     deadline: float = float("inf")  # time.monotonic() seconds
-    status: RequestStatus = RequestStatus.WAITING_FOR_INPUT
-    arrival: int = field(default_factory=lambda: next(_arrival))  # FCFS order
-    # Tokens it may generate: the spec's max_tokens when given; else the engine grants the
-    # service's default, shortened to what the context leaves, at admission (`submit`).
-    max_new_tokens: int | None = None
-    # --- counters ---
-    num_computed_tokens: int = 0
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    block_table: list[int] = field(default_factory=list)  # KV page ids
+
+
+@dataclass
+class KVState:
+    """Where the request's KV lives. Written by the scheduler and its prefix cache only."""
+
+    block_table: list[int] = field(default_factory=list)  # KV page ids, in order
+    num_computed_tokens: int = 0  # leading positions whose K/V are in the cache
     num_retractions: int = 0
-    error: str = ""
-    error_code: str = ""
-    # --- timestamps (time.monotonic()) ---
-    t_created: float = field(default_factory=time.monotonic)
-    t_queued: float = 0.0  # prompt complete, entered the waiting queue
-    t_first_scheduled: float = 0.0
-    t_first_token: float = 0.0
-    t_last_token: float = 0.0
-    generator: torch.Generator | None = None  # created by the sampler on first use
-    prompt_ids_tensor: torch.Tensor | None = None  # made by the sampler when it needs it
-    grammar_future: Future | None = None  # the compiling grammar (sampling.grammar)
-    matcher: object | None = None  # its grammar matcher, once compiled (engine thread)
-    prompt_ids: list[int] | None = None  # text-only prompts (prompt None)
-    # --- prefix cache (see prefix_cache.py) ---
-    page_keys: list[bytes] = field(default_factory=list)  # keys of its first whole pages
-    num_keyed_pages: int = 0  # leading pages already offered to the cache
     # Leading pages held for the request's whole life (kept across retraction): a cached
     # prefix pinned before its prompt arrived, which the encoder did not send.
     num_pinned_pages: int = 0
+    page_keys: list[bytes] = field(default_factory=list)  # keys of its first whole pages
+    num_keyed_pages: int = 0  # leading pages already offered to the cache
     cached_tokens: int | None = None  # prompt tokens found cached when first admitted
 
-    def __post_init__(self) -> None:
-        if self.max_new_tokens is None:
-            self.max_new_tokens = self.sampling.max_tokens
+
+@dataclass
+class SamplingState:
+    """What drawing the request's tokens needs across steps. Written by the sampler
+    (generator, prompt ids) and by the engine thread (the grammar's future and matcher)."""
+
+    generator: torch.Generator | None = None  # made on first use
+    prompt_ids_tensor: torch.Tensor | None = None  # the repetition penalty's, made once
+    grammar_future: Future | None = None  # the compiling grammar (sampling.grammar)
+    matcher: object | None = None  # its grammar matcher, once compiled
+
+
+@dataclass
+class Timings:
+    """time.monotonic() of each stage's start (0: not reached). Written by the engine."""
+
+    created: float = field(default_factory=time.monotonic)
+    queued: float = 0.0  # entered the waiting queue
+    first_scheduled: float = 0.0
+    first_token: float = 0.0
+    last_token: float = 0.0
+
+    def ms(self) -> dict[str, float]:
+        def span(a: float, b: float) -> float:
+            return max(b - a, 0.0) * 1e3 if a and b else 0.0
+
+        return {
+            "queue": span(self.queued, self.first_scheduled),
+            "prefill": span(self.first_scheduled, self.first_token),
+            "decode": span(self.first_token, self.last_token),
+        }
+
+
+class Request:
+    """A request from submission to finish: its spec (read-only) and the state each owner
+    writes — `kv` (scheduler), `sampler` (sampler and grammar), `times`; the rest (status,
+    output, the token budget, the error) is the engine's. Owned by the engine thread once
+    submitted."""
+
+    def __init__(self, room: int, sampling: SamplingParams, prompt: PromptPayload, *,
+                 request_id: str = "", priority: int = 0, deadline: float = float("inf"),
+                 grammar_future: Future | None = None) -> None:
+        self.spec = RequestSpec(room, sampling, prompt, request_id, priority, deadline)
+        self.status = RequestStatus.NEW
+        self.arrival = next(_arrival)  # FCFS order
+        # Tokens it may generate: the spec's max_tokens when given; else the engine grants
+        # the service's default, shortened to what the context leaves, at `submit`.
+        self.max_new_tokens: int | None = sampling.max_tokens
+        self.output_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.error, self.error_code = "", ""
+        self.kv = KVState()
+        self.sampler = SamplingState(grammar_future=grammar_future)
+        self.times = Timings()
+
+    # the spec's fields, read-only
+    room = property(lambda self: self.spec.room)
+    sampling = property(lambda self: self.spec.sampling)
+    prompt = property(lambda self: self.spec.prompt)
+    request_id = property(lambda self: self.spec.request_id)
+    priority = property(lambda self: self.spec.priority)
+    deadline = property(lambda self: self.spec.deadline)
+
+    def __repr__(self) -> str:
+        return f"Request(room={self.room}, status={self.status.name}, out={len(self.output_ids)})"
 
     @property
     def prompt_len(self) -> int:
-        if self.prompt is not None:
-            return self.prompt.end
-        return len(self.prompt_ids) if self.prompt_ids is not None else 0
+        return self.prompt.end
 
     def prompt_token_ids(self) -> list[int]:
         """The whole prompt's ids (the repetition penalty, the cache keys); not a copy."""
-        if self.prompt is None:
-            return self.prompt_ids or []
         if self.prompt.info is not None:
             return self.prompt.info.token_ids
         return self.prompt.fill_ids.tolist()  # start is 0 without an announce
@@ -160,10 +210,9 @@ class Request:
     def cache_content(self) -> tuple[list[int], list[ImageSpan]] | None:
         """The prompt's token ids and images for page keys; None when its images are not
         known (a payload sent without the announce), so its pages are never shared."""
-        if self.prompt is not None and self.prompt.info is None:
+        if self.prompt.info is None:
             return None
-        images = self.prompt.info.images if self.prompt is not None else []
-        return self.prompt_token_ids(), images
+        return self.prompt.info.token_ids, self.prompt.info.images
 
     @property
     def seq_len(self) -> int:
@@ -177,13 +226,3 @@ class Request:
 
     def sort_key(self, by_priority: bool) -> tuple[int, int]:
         return (-self.priority if by_priority else 0, self.arrival)
-
-    def timings_ms(self) -> dict[str, float]:
-        def span(a: float, b: float) -> float:
-            return max(b - a, 0.0) * 1e3 if a and b else 0.0
-
-        return {
-            "queue": span(self.t_queued, self.t_first_scheduled),
-            "prefill": span(self.t_first_scheduled, self.t_first_token),
-            "decode": span(self.t_first_token, self.t_last_token),
-        }

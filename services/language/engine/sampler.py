@@ -114,9 +114,9 @@ def shape_logits(x: torch.Tensor, req: Request, eos: frozenset[int]) -> torch.Te
 
 def _prompt_ids(req: Request) -> torch.Tensor:
     """The prompt's ids as a tensor, made once per request."""
-    if req.prompt_ids_tensor is None:
-        req.prompt_ids_tensor = torch.tensor(req.prompt_token_ids(), dtype=torch.long)
-    return req.prompt_ids_tensor
+    if req.sampler.prompt_ids_tensor is None:
+        req.sampler.prompt_ids_tensor = torch.tensor(req.prompt_token_ids(), dtype=torch.long)
+    return req.sampler.prompt_ids_tensor
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -125,12 +125,12 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 
 def _generator(req: Request, device: torch.device) -> torch.Generator:
-    if req.generator is None or req.generator.device != device:
+    if req.sampler.generator is None or req.sampler.generator.device != device:
         seed = req.sampling.seed if req.sampling.seed is not None else secrets.randbits(63)
         g = torch.Generator(device=device)
         g.manual_seed(seed & ((1 << 63) - 1))
-        req.generator = g
-    return req.generator
+        req.sampler.generator = g
+    return req.sampler.generator
 
 
 def sample(logits: torch.Tensor, reqs: list[Request], eos: frozenset[int] = frozenset()
@@ -140,7 +140,7 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos: frozenset[int] = froz
     if logits.dim() != 2 or logits.shape[0] != len(reqs):
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(reqs)} requests")
     raw = logits.float()
-    logits = apply_masks(raw, [r.matcher for r in reqs])  # structured output, per row
+    logits = apply_masks(raw, [r.sampler.matcher for r in reqs])  # structured output, per row
     tokens = torch.argmax(logits, dim=-1)  # greedy for all rows; the others overwrite
     for i, req in enumerate(reqs):
         p = req.sampling

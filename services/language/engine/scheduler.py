@@ -117,7 +117,8 @@ class Scheduler:
         n = req.prompt_len
         if self.max_model_len is not None and n >= self.max_model_len:
             raise AdmissionError(f"prompt of {n} tokens reaches max_model_len {self.max_model_len}")
-        if req.prompt is not None and self.embed_dims and req.prompt.embed_dim not in self.embed_dims:
+        dim = req.prompt.embed_dim  # None: a text-only prompt (embedded from its ids)
+        if dim is not None and self.embed_dims and dim not in self.embed_dims:
             raise AdmissionError(
                 f"prompt embed_dim {req.prompt.embed_dim} does not match the model's "
                 f"{self.embed_dims[0]}"
@@ -133,7 +134,7 @@ class Scheduler:
         """Queue a request whose prompt is complete."""
         self.check(req)
         req.status = RequestStatus.WAITING
-        req.t_queued = req.t_queued or time.monotonic()
+        req.times.queued = req.times.queued or time.monotonic()
         self.waiting.push(req)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
@@ -180,7 +181,7 @@ class Scheduler:
                 self._retract(self._newest())
             else:
                 head = next(iter(self.waiting))
-                need = ceil_div(head.seq_len + 1, self.page_size) - len(head.block_table)
+                need = ceil_div(head.seq_len + 1, self.page_size) - len(head.kv.block_table)
                 if need <= self.pool.num_free + self.pool.num_pinned_for_rooms:
                     break  # rooms in transfer hold the pages it needs: they come back soon
                 head.error, head.error_code = (
@@ -196,8 +197,8 @@ class Scheduler:
         now = time.monotonic()
         scheduled = []
         for req, n in chunks.items():
-            req.t_first_scheduled = req.t_first_scheduled or now
-            start = req.num_computed_tokens
+            req.times.first_scheduled = req.times.first_scheduled or now
+            start = req.kv.num_computed_tokens
             scheduled.append(ScheduledChunk(req, start, n, start + n == req.seq_len))
         return Step(scheduled, ForwardBatch([self._seq_chunk(c) for c in scheduled]), failed)
 
@@ -208,12 +209,12 @@ class Scheduler:
                 req = chunk.req
                 if req.status.finished:
                     continue
-                req.num_computed_tokens = chunk.start + chunk.num_tokens
+                req.kv.num_computed_tokens = chunk.start + chunk.num_tokens
                 if chunk.samples:
                     assert token is not None
                     req.output_ids.append(int(token))
                     req.status = RequestStatus.RUNNING
-                assert req.num_computed_tokens <= len(req.block_table) * self.page_size
+                assert req.kv.num_computed_tokens <= len(req.kv.block_table) * self.page_size
                 self._offer_pages(req)
 
     # ---- prefix cache -----------------------------------------------------------------
@@ -225,18 +226,18 @@ class Scheduler:
         if content is None or not self.pool.enabled:
             return []
         n_pages = min(n_pages, req.seq_len // self.page_size)
-        have = len(req.page_keys)
+        have = len(req.kv.page_keys)
         if n_pages > have:
             ids, images = content
             seq = list(ids) + req.output_ids
-            req.page_keys += page_keys(seq[: n_pages * self.page_size], images, self.page_size,
-                                       first=have, parent=req.page_keys[-1] if have else b"")
-        return req.page_keys[:n_pages]
+            req.kv.page_keys += page_keys(seq[: n_pages * self.page_size], images, self.page_size,
+                                       first=have, parent=req.kv.page_keys[-1] if have else b"")
+        return req.kv.page_keys[:n_pages]
 
     def cached_pages(self, req: Request) -> list[int]:
         """Cached pages extending what `req` holds (no reference taken): at most up to the
         page before its last token, which must be computed for its logits."""
-        held = len(req.block_table)
+        held = len(req.kv.block_table)
         limit = shareable_pages(req.seq_len, self.page_size)
         if limit <= held:
             return []
@@ -244,13 +245,13 @@ class Scheduler:
 
     def _offer_pages(self, req: Request) -> None:
         """Key the pages `req` has filled since the last call (it never writes them again)."""
-        full = req.num_computed_tokens // self.page_size
-        if full <= req.num_keyed_pages:
+        full = req.kv.num_computed_tokens // self.page_size
+        if full <= req.kv.num_keyed_pages:
             return
         keys = self._keys(req, full)
-        for i in range(req.num_keyed_pages, len(keys)):
-            self.pool.insert(req.block_table[i], keys[i])
-        req.num_keyed_pages = full
+        for i in range(req.kv.num_keyed_pages, len(keys)):
+            self.pool.insert(req.kv.block_table[i], keys[i])
+        req.kv.num_keyed_pages = full
 
     # ---- policy pieces ----------------------------------------------------------------
 
@@ -259,11 +260,11 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.sort_key(self.by_priority)):
             if req.status is not RequestStatus.RUNNING or req in chunks:
                 continue
-            need = ceil_div(req.num_computed_tokens + 1, self.page_size) - len(req.block_table)
+            need = ceil_div(req.kv.num_computed_tokens + 1, self.page_size) - len(req.kv.block_table)
             while need > 0 and not self.pool.can_alloc(need) and req in self.running:
                 victim = self._newest()
                 if victim is req and len(self.running) == 1 and self._pinned_waiters() and \
-                        req.num_retractions < self.MAX_YIELDS:
+                        req.kv.num_retractions < self.MAX_YIELDS:
                     # NOTE: the pages it lacks are a waiting request's pinned prefix, which
                     # only that request's run frees: step aside (bounded, no ping-pong)
                     self._retract(req)
@@ -282,7 +283,7 @@ class Scheduler:
             if req not in self.running:
                 continue
             if need > 0:
-                req.block_table.extend(self.pool.alloc(need))
+                req.kv.block_table.extend(self.pool.alloc(need))
             chunks[req] = 1
         if retracted:
             self.ratio.on_retract(self.running)
@@ -303,7 +304,7 @@ class Scheduler:
                     chunks[req] = n
         blocked = False
         for req in list(self.waiting):
-            if blocked and not (req.num_pinned_pages and not chunks and not self.running):
+            if blocked and not (req.kv.num_pinned_pages and not chunks and not self.running):
                 continue
             cached = self.cached_pages(req)
             n = adder.try_admit(req, self.ratio.reserve_tokens(req, self.clip), cached)
@@ -320,20 +321,20 @@ class Scheduler:
                 break
 
     def _admitted(self, req: Request) -> None:
-        if req.cached_tokens is None:  # first admission: what the cache saved it
-            req.cached_tokens = req.num_computed_tokens
+        if req.kv.cached_tokens is None:  # first admission: what the cache saved it
+            req.kv.cached_tokens = req.kv.num_computed_tokens
             self.pool.count_query(shareable_pages(req.seq_len, self.page_size),
-                                  req.num_computed_tokens // self.page_size)
+                                  req.kv.num_computed_tokens // self.page_size)
         self.waiting.remove(req)
         self.running.append(req)
 
     def _pinned_waiters(self) -> bool:
-        return any(r.num_pinned_pages for r in self.waiting)
+        return any(r.kv.num_pinned_pages for r in self.waiting)
 
     def _committed(self, req: Request) -> int:
         """Pages a scheduled request is still expected to need."""
         total = req.seq_len + self.ratio.reserve_tokens(req, self.clip)
-        return max(ceil_div(total, self.page_size) - len(req.block_table), 0)
+        return max(ceil_div(total, self.page_size) - len(req.kv.block_table), 0)
 
     def _newest(self) -> Request:
         """Retraction victim: lowest priority (when honoured), then latest arrival."""
@@ -342,28 +343,28 @@ class Scheduler:
     def _retract(self, req: Request) -> None:
         """Back to the waiting queue, keeping only its pinned prefix's pages."""
         self.running.remove(req)
-        keep = req.num_pinned_pages
-        self.pool.free(req.block_table[keep:])
-        del req.block_table[keep:]
-        req.num_computed_tokens = keep * self.page_size
-        req.num_keyed_pages = min(req.num_keyed_pages, keep)
-        req.num_retractions += 1
+        keep = req.kv.num_pinned_pages
+        self.pool.free(req.kv.block_table[keep:])
+        del req.kv.block_table[keep:]
+        req.kv.num_computed_tokens = keep * self.page_size
+        req.kv.num_keyed_pages = min(req.kv.num_keyed_pages, keep)
+        req.kv.num_retractions += 1
         self.num_retractions += 1
         req.status = RequestStatus.WAITING
         self.waiting.push(req)
 
     def _free_pages(self, req: Request) -> None:
-        if req.block_table:
-            self.pool.free(req.block_table)
-            req.block_table = []
-        req.num_computed_tokens = req.num_pinned_pages = req.num_keyed_pages = 0
+        if req.kv.block_table:
+            self.pool.free(req.kv.block_table)
+            req.kv.block_table = []
+        req.kv.num_computed_tokens = req.kv.num_pinned_pages = req.kv.num_keyed_pages = 0
 
     def _seq_chunk(self, c: ScheduledChunk) -> SeqChunk:
         req, s, e = c.req, c.start, c.start + c.num_tokens
         prompt = req.prompt
-        pages = req.block_table[: ceil_div(e, self.page_size)]
+        pages = req.kv.block_table[: ceil_div(e, self.page_size)]
         L = req.prompt_len
-        if s < L and prompt is not None:  # prompt rows: embeddings and MRoPE positions
+        if s < L and prompt.input_embeds is not None:  # prompt rows: embeddings, MRoPE
             a, b = s - prompt.start, e - prompt.start
             assert a >= 0, "a chunk before the prompt's first row (its pinned prefix)"
             return SeqChunk(
@@ -375,16 +376,16 @@ class Scheduler:
                 embeds_key=prompt.ranks_key,
                 embeds_row=a,
             )
-        # generated tokens (or a text-only prompt): ids, text positions shifted by the
+        # generated tokens (or a text-only prompt's): ids, text positions shifted by the
         # prompt's MRoPE delta (0 without images)
         if s < L:
-            ids = req.prompt_ids[s:e]
+            ids = prompt.fill_ids[s - prompt.start : e - prompt.start].to(torch.int64)
         else:
-            ids = req.output_ids[s - L : e - L]
+            ids = torch.tensor(req.output_ids[s - L : e - L], dtype=torch.int64)
         return SeqChunk(
             seq_id=req.room,
             start=s,
-            positions=decode_positions(s, prompt.mrope_delta if prompt is not None else 0, e - s),
+            positions=decode_positions(s, prompt.mrope_delta, e - s),
             block_table=pages,
-            token_ids=torch.tensor(ids, dtype=torch.int64),
+            token_ids=ids,
         )

@@ -7,6 +7,7 @@ chunks; logits come back in the batch's chunk order.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +32,24 @@ if TYPE_CHECKING:
     from tandem.services.language.tp.ranks import TensorParallel
 
 
+@dataclass(frozen=True)
+class RunnerSettings:
+    """How a runner runs its model, the same on every tensor-parallel rank (rank 0 sends
+    them to the others, `tp/ranks.py` RankArgs.runner). Built once from the service's
+    config (`language/main.py`, runner_settings)."""
+
+    page_size: int = 16  # tokens per KV page
+    max_seq_len: int = 4096  # the longest sequence a decode graph holds
+    cuda_graph_max_bs: int = 0  # decode batch sizes captured as CUDA graphs (0: none)
+    attention_backend: str = "auto"
+    linear_backend: str = "auto"
+    # CPU: a step of fewer tokens runs on one thread (0: every step uses them all), and
+    # with `cpu_small_step_pool` its linears still use every core through the claim pool
+    cpu_parallel_min_tokens: int = 0
+    cpu_small_step_pool: bool = False
+    cpu_pool_spin_us: int = 1000
+
+
 class ModelRunner:
     """Owns the decoder, the KV tensors and (optionally) the decode graph runner.
 
@@ -44,21 +63,18 @@ class ModelRunner:
     def __init__(
         self,
         weights: TextWeights,
+        settings: RunnerSettings = RunnerSettings(),  # noqa: B008 (frozen)
         *,
-        page_size: int = 16,
         num_pages: int = 0,
         kv_memory_fraction: float = 0.5,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
-        cuda_graph_max_bs: int = 0,
-        max_seq_len: int = 4096,
-        attention_backend: str = "auto",
-        linear_backend: str = "auto",
-        cpu_parallel_min_tokens: int = 0,
-        cpu_small_step_pool: bool = False,
-        cpu_pool_spin_us: int = 1000,
         tp: TensorParallel | None = None,
     ) -> None:
+        """`num_pages` 0: as many as `kv_memory_fraction` of the device's free memory holds
+        (CUDA). `settings` is what every tensor-parallel rank runs with (rank 0's)."""
+        s = self.settings = settings
+        page_size = s.page_size
         spec = weights.spec
         self.device = torch.device(device)
         self.dtype = dtype
@@ -70,7 +86,7 @@ class ModelRunner:
         self.eos_token_ids: tuple[int, ...] = tuple(int(t) for t in spec.eos_token_ids)
         extra = {"reduce": tp.all_reduce} if tp else {}
         self.model = QwenVLDecoder.build(self.cfg, weights.tensors, self.device, dtype, **extra)
-        self.linear_kernels = linear_kernels(linear_backend, self.device, dtype)
+        self.linear_kernels = linear_kernels(s.linear_backend, self.device, dtype)
         if self.linear_kernels is not None:
             self.model.adopt_cpu_kernels(self.linear_kernels)
 
@@ -88,7 +104,7 @@ class ModelRunner:
         self.vocab_size, self.hidden_size, self.embed_dim = c.vocab_size, c.hidden_size, c.embed_dim
         self.limits = ChunkLimits(c.vocab_size, c.embed_dim, c.hidden_size, num_pages, page_size)
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.decode_op = decode_attention_op(attention_backend, self.device)
+        self.decode_op = decode_attention_op(s.attention_backend, self.device)
         # NOTE (CPU): a step of fewer tokens runs on one torch thread. On a host whose cores
         # the other tiers (router, encoder) and clients share, a small step's OpenMP regions
         # wait for a descheduled thread more than they gain from the second one (measured
@@ -97,17 +113,17 @@ class ModelRunner:
         # weight) still use every core, through the claim-based pool, which never waits
         # for a helper that has not started (csrc/strip_pool.cpp).
         self.max_threads = torch.get_num_threads()
-        self.parallel_min_tokens = cpu_parallel_min_tokens if self.device.type == "cpu" else 0
-        if (cpu_small_step_pool and self.parallel_min_tokens and self.max_threads > 1
+        self.parallel_min_tokens = s.cpu_parallel_min_tokens if self.device.type == "cpu" else 0
+        if (s.cpu_small_step_pool and self.parallel_min_tokens and self.max_threads > 1
                 and self.linear_kernels is not None):
-            self.linear_kernels.set_pool_helpers(self.max_threads - 1, cpu_pool_spin_us)
+            self.linear_kernels.set_pool_helpers(self.max_threads - 1, s.cpu_pool_spin_us)
         self.graph_runner: GraphRunner | None = None
         # NOTE: a sparse MoE layer routes with a data-dependent loop over experts, which a
         # CUDA graph cannot capture: MoE models decode eagerly.
-        if cuda_graph_max_bs > 0 and not self.model.cfg.moe_layers:
+        if s.cuda_graph_max_bs > 0 and not self.model.cfg.moe_layers:
             self.graph_runner = GraphRunner(
                 self.model, self.kv, self.compute_logits, self.limits, self.device,
-                max_bs=cuda_graph_max_bs, max_seq_len=max_seq_len,
+                max_bs=s.cuda_graph_max_bs, max_seq_len=s.max_seq_len,
             )  # fmt: skip
 
     # -- forward -----------------------------------------------------------------------

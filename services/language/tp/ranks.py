@@ -61,14 +61,7 @@ class RankArgs:
     model: str
     dtype: str  # torch dtype name
     device: str  # rank 0's device; CUDA ranks take cuda:rank
-    page_size: int
-    attention_backend: str
-    linear_backend: str
-    cpu_parallel_min_tokens: int
-    cpu_small_step_pool: bool
-    cpu_pool_spin_us: int
-    max_seq_len: int
-    cuda_graph_max_bs: int
+    runner: dict  # RunnerSettings fields: rank 0's, the same on every rank
     size: int
     dist_address: str  # host:port of the process group's rendezvous
     control_address: str  # host:port of rank 0's control socket

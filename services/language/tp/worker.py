@@ -49,16 +49,11 @@ def main(rank: int, args: RankArgs) -> int:
     weights = load_text_weights(spec, DTYPES[args.dtype], device, shard)
     num_pages = wire.decode_json(conn.recv_bytes())["num_pages"]
 
-    from tandem.services.language.runner.model_runner import ModelRunner
+    from tandem.services.language.runner.model_runner import ModelRunner, RunnerSettings
 
-    runner = ModelRunner(
-        weights, page_size=args.page_size, num_pages=num_pages, device=device,
-        dtype=DTYPES[args.dtype], cuda_graph_max_bs=args.cuda_graph_max_bs,
-        max_seq_len=args.max_seq_len, attention_backend=args.attention_backend,
-        linear_backend=args.linear_backend, cpu_parallel_min_tokens=args.cpu_parallel_min_tokens,
-        cpu_small_step_pool=args.cpu_small_step_pool, cpu_pool_spin_us=args.cpu_pool_spin_us,
-        tp=TensorParallel(rank, shard, device),
-    )  # fmt: skip
+    runner = ModelRunner(weights, RunnerSettings(**args.runner), num_pages=num_pages,
+                         device=device, dtype=DTYPES[args.dtype],
+                         tp=TensorParallel(rank, shard, device))  # fmt: skip
     # This rank's embedding buffers, a mirror of rank 0's pool: the encoder writes every
     # prompt here too (buffers.py). Host memory, as on rank 0.
     transfer = MooncakeEngine(TransferConfig(**args.transfer))
