@@ -21,8 +21,9 @@ from tandem.client import (
     image_from_pil,
     to_messages,
 )
+from tandem.client.channel import backoff_s
 from tandem.client.errors import error_from_code
-from tandem.client.results import add, backoff_s, build_request
+from tandem.client.results import add, build_request
 from tandem.v1 import common_pb2, router_pb2
 
 

@@ -22,20 +22,13 @@ os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 import asyncio
 import logging
 
+from tandem import serving
 from tandem.internal_tls import load_internal_tls
 from tandem.metrics import metric_set, serve_metrics, service_registry
 from tandem.services.encoder.config import EncoderConfig
 from tandem.services.encoder.metrics import EncoderMetrics
 from tandem.services.encoder.pipeline import EncodePipeline
 from tandem.services.encoder.server import EncoderServicer
-from tandem.serving import (
-    drain,
-    grpc_server,
-    require_free_ports,
-    run_service,
-    start_serving,
-    stop_on_signals,
-)
 from tandem.v1 import encoder_pb2, encoder_pb2_grpc
 
 log = logging.getLogger("tandem.encoder")
@@ -44,7 +37,7 @@ SERVICE = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name
 
 def serve(cfg: EncoderConfig) -> int:
     # NOTE: with one CPU thread, float32 rows do not depend on the batch (see vit_runner).
-    return run_service("tandem encoder", run(cfg), cfg.cpu_threads, cfg.log_format)
+    return serving.run_service("tandem encoder", run(cfg), cfg.cpu_threads, cfg.log_format)
 
 
 def _message_limit(cfg: EncoderConfig) -> int:
@@ -59,7 +52,7 @@ async def run(
     from tandem.transfer.sender import EmbeddingSender
     from tandem.transfer.staging import StagingArea
 
-    require_free_ports("tandem encoder", cfg.host, {"--port": cfg.port, "--metrics-port":
+    serving.require_free_ports("tandem encoder", cfg.host, {"--port": cfg.port, "--metrics-port":
                        cfg.metrics_port, "--health-port": cfg.health_port})
     tls = load_internal_tls(cfg, "tandem encoder", "encoder")  # before the model loads
     registry = service_registry()
@@ -76,16 +69,17 @@ async def run(
     sender = EmbeddingSender(engine, staging, cfg.transfer, registry=registry)
 
     limit = _message_limit(cfg)
-    server = grpc_server(tls, max_receive_message_length=limit, max_send_message_length=16 << 20)
+    server = serving.grpc_server(tls, max_receive_message_length=limit,
+                                 max_send_message_length=16 << 20)
     servicer = EncoderServicer(pipeline, sender, cfg.model, cfg.request_timeout_s, metrics)
     encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server)
     if cfg.metrics_port:
         serve_metrics(cfg.metrics_port, cfg.host, registry)
     pipeline.start()
     address = f"{cfg.host}:{cfg.port}"
-    health_servicer = await start_serving(server, SERVICE, address, "tandem encoder", tls,
+    health_servicer = await serving.start_serving(server, SERVICE, address, "tandem encoder", tls,
                                           cfg.health_port)
-    stop = stop_on_signals(stop)
+    stop = serving.stop_on_signals(stop)
     log.info(
         "encoder ready on %s (model %s, transfer %s, devices %s)",
         address,
@@ -96,7 +90,7 @@ async def run(
     if ready is not None:
         ready.set()
     await stop.wait()
-    await drain(servicer, health_servicer, cfg.drain_timeout_s, log)
+    await serving.drain(servicer, health_servicer, cfg.drain_timeout_s, log)
     await server.stop(grace=1.0)
     await pipeline.stop()
     log.info("encoder stopped")

@@ -16,6 +16,7 @@ import asyncio
 import logging
 from dataclasses import asdict
 
+from tandem import serving
 from tandem.devices import resolve_device, resolve_dtype
 from tandem.metrics import metric_set, serve_metrics, service_registry
 from tandem.services.language.config import LanguageConfig
@@ -23,15 +24,6 @@ from tandem.services.language.engine.core import Engine
 from tandem.services.language.engine.types import EngineConfig
 from tandem.services.language.metrics import LanguageMetrics
 from tandem.services.language.server import LanguageServicer, ServiceLimits
-from tandem.serving import (
-    drain,
-    grpc_server,
-    require_free_ports,
-    run_service,
-    start_serving,
-    stop_on_signals,
-    wait_idle,
-)
 from tandem.v1 import language_pb2, language_pb2_grpc
 
 log = logging.getLogger("tandem.language")
@@ -39,7 +31,7 @@ SERVICE = language_pb2.DESCRIPTOR.services_by_name["Language"].full_name
 
 
 def serve(cfg: LanguageConfig) -> int:
-    return run_service("tandem language", run(cfg), cfg.cpu_threads, cfg.log_format)
+    return serving.run_service("tandem language", run(cfg), cfg.cpu_threads, cfg.log_format)
 
 
 def build_engine(cfg: LanguageConfig, metrics: LanguageMetrics):
@@ -134,7 +126,7 @@ async def run(
     from tandem.transfer import BlockAllocator, EmbeddingBuffers, EmbeddingReceiver
     from tandem.transfer.engine import MooncakeEngine
 
-    require_free_ports("tandem language", cfg.host, {"--port": cfg.port, "--metrics-port":
+    serving.require_free_ports("tandem language", cfg.host, {"--port": cfg.port, "--metrics-port":
                        cfg.metrics_port, "--health-port": cfg.health_port})
     tls = load_internal_tls(cfg, "tandem language", "language")  # before the model loads
     registry = service_registry()
@@ -162,7 +154,7 @@ async def run(
         on_prompt=engine.pin_prefix,  # the prefix cache answers what it holds (pinned)
     )  # fmt: skip
 
-    server = grpc_server(tls, max_send_message_length=16 << 20)
+    server = serving.grpc_server(tls, max_send_message_length=16 << 20)
     limits = ServiceLimits(cfg.request_timeout_s, cfg.model,
                            max_prompt_tokens=engine.cfg.max_model_len - 1)
     servicer = LanguageServicer(engine, receiver, allocator, limits, metrics,
@@ -171,9 +163,9 @@ async def run(
     if cfg.metrics_port:
         serve_metrics(cfg.metrics_port, cfg.host, registry)
     address = f"{cfg.host}:{cfg.port}"
-    health_servicer = await start_serving(server, SERVICE, address, "tandem language", tls,
+    health_servicer = await serving.start_serving(server, SERVICE, address, "tandem language", tls,
                                           cfg.health_port)
-    stop = stop_on_signals(stop)
+    stop = serving.stop_on_signals(stop)
     log.info(
         "language ready on %s (model %s, %s %s, %d KV pages of %d, transfer %s)",
         address, cfg.model, engine.runner.device, engine.runner.dtype,
@@ -183,13 +175,13 @@ async def run(
         ready.set()
     await stop.wait()
 
-    if await drain(servicer, health_servicer, cfg.drain_timeout_s, log):
+    if await serving.drain(servicer, health_servicer, cfg.drain_timeout_s, log):
         for room in list(servicer.transferring):  # the engine's are aborted by its stop
             receiver.abort(room)
     engine.stop()  # aborts what is left: each stream gets its final ABORT message
     if engine.runner.tp is not None:
         engine.runner.tp.workers.stop()
-    await wait_idle(lambda: servicer.num_active, 2.0, poll_s=0.02)
+    await serving.wait_idle(lambda: servicer.num_active, 2.0, poll_s=0.02)
     await server.stop(grace=1.0)
     await receiver.close()
     log.info(

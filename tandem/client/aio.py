@@ -7,17 +7,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from tandem.client.channel import RouterChannel
+from tandem.client.channel import RouterChannel, backoff_s, retryable
 from tandem.client.errors import error_from_rpc
-from tandem.client.results import (
-    ChatResult,
-    add,
-    backoff_s,
-    build_request,
-    check,
-    collect,
-    retryable,
-)
+from tandem.client.results import ChatResult, add, build_request, check, collect
 from tandem.v1 import router_pb2
 
 

@@ -2,13 +2,17 @@
 
 It turns the router address and the caller's options into call metadata (the API key),
 channel credentials (TLS) and channel options, and opens the channel with the subclass's
-gRPC flavour (`grpc` for `Client`, `grpc.aio` for `AsyncClient`).
+gRPC flavour (`grpc` for `Client`, `grpc.aio` for `AsyncClient`); and the retry policy
+both follow (which errors are retried, the backoff between attempts).
 """
 
 from __future__ import annotations
 
+import random
+
 import grpc
 
+from tandem.client.errors import TandemError
 from tandem.v1 import router_pb2_grpc
 
 _OPTIONS = [("grpc.max_send_message_length", 256 << 20),
@@ -34,3 +38,13 @@ class RouterChannel:
         else:
             self._channel = self._grpc.insecure_channel(address, options=opts)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
+
+
+def backoff_s(attempt: int, base: float, cap: float = 5.0) -> float:
+    """Exponential backoff with full jitter."""
+    return random.uniform(0, min(cap, base * (2**attempt)))
+
+
+def retryable(err: TandemError) -> bool:
+    """Only a router that could not take the call is retried (nothing ran)."""
+    return err.code == "UNAVAILABLE"

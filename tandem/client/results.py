@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import dataclass, field
 
 from tandem.client.content import to_messages
-from tandem.client.errors import InvalidRequestError, TandemError, error_from_code
+from tandem.client.errors import InvalidRequestError, error_from_code
 from tandem.finish_reasons import TO_OPENAI
 from tandem.sampling import SamplingError, to_proto
 from tandem.v1 import common_pb2, router_pb2
@@ -153,12 +152,3 @@ def add(result: ChatResult, msg: router_pb2.RouterGenerateResponse) -> None:
         result.timings = StageTimings(t.preprocess_ms, t.vit_ms, t.transfer_ms, t.queue_ms,
                                       t.prefill_ms, t.decode_ms, t.skipped_images,
                                       t.encoder_bypassed)
-
-
-def backoff_s(attempt: int, base: float, cap: float = 5.0) -> float:
-    """Exponential backoff with full jitter."""
-    return random.uniform(0, min(cap, base * (2**attempt)))
-
-
-def retryable(err: TandemError) -> bool:
-    return err.code == "UNAVAILABLE"
