@@ -5,13 +5,25 @@ through the real Helm binary (installed by `deploy/scripts/install-helm.sh`), va
 object with kubernetes-validate (strict: unknown fields are errors) for the newest Kubernetes
 the package knows and for the chart's oldest supported one, and checks that ports, probes,
 discovery names and config keys are the ones the services actually read and serve.
+
+Every check reads the rendered objects, resolved as Kubernetes would (a container's
+environment from its envFrom sources and env entries, named ports to numbers, the config as
+the service itself parses it from its args and environment), and runs what can run here
+(the preStop hook, the `helm test` pod's program): never the templates' text, so renaming a
+helper, reordering keys or rewording a comment cannot break a test.
 """
 
 from __future__ import annotations
 
+import base64
+import copy
 import os
+import posixpath
+import shlex
 import subprocess
+import sys
 from pathlib import Path
+from unittest import mock
 
 import kubernetes_validate
 import pytest
@@ -99,8 +111,88 @@ def port_of(c: dict, name: str) -> int:
     return next(p["containerPort"] for p in c["ports"] if p["name"] == name)
 
 
-def config_map(objs: list[dict], tier: str) -> dict[str, str]:
-    return find(objs, "ConfigMap", f"{RELEASE}-{tier}")["data"]
+def resolve_port(c: dict, ref: int | str) -> int:
+    """A port as Kubernetes resolves it against container `c`: a number, or a port's name."""
+    return ref if isinstance(ref, int) else port_of(c, ref)
+
+
+def service_ports_to(svc: dict, c: dict, port: int) -> list[dict]:
+    """The Service's ports that forward to container `c`'s `port` (by number or name)."""
+    hits = [p for p in svc["spec"]["ports"]
+            if resolve_port(c, p.get("targetPort", p["port"])) == port]
+    assert hits, f"{svc['metadata']['name']}: no port forwards to {port}: {svc['spec']['ports']}"
+    return hits
+
+
+def pod_spec(objs: list[dict], tier: str) -> dict:
+    return find(objs, "Deployment", f"{RELEASE}-{tier}")["spec"]["template"]["spec"]
+
+
+def pod_labels(objs: list[dict], tier: str) -> dict:
+    return find(objs, "Deployment", f"{RELEASE}-{tier}")["spec"]["template"]["metadata"]["labels"]
+
+
+def _data(objs: list[dict], kind: str, name: str) -> dict[str, str] | None:
+    """A ConfigMap's or Secret's data (decoded); None for a Secret the release does not make."""
+    hits = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
+    if kind == "Secret" and not hits:
+        return None
+    (obj,) = hits
+    if kind == "Secret":
+        data = {k: base64.b64decode(v).decode() for k, v in (obj.get("data") or {}).items()}
+        return {**data, **(obj.get("stringData") or {})}
+    return dict(obj.get("data") or {})
+
+
+def env_of(objs: list[dict], c: dict) -> dict[str, str]:
+    """The environment container `c` would see, as the kubelet builds it: its envFrom
+    sources in order, then its env entries on top (the downward-API pod IP faked, values
+    of Secrets the release does not make dummied)."""
+    env: dict[str, str] = {}
+    for src in c.get("envFrom", []):
+        kind = "ConfigMap" if "configMapRef" in src else "Secret"
+        data = _data(objs, kind, (src.get("configMapRef") or src["secretRef"])["name"])
+        env.update({src.get("prefix", "") + k: v for k, v in (data or {}).items()})
+    for e in c.get("env", []):
+        if "value" in e:
+            env[e["name"]] = e["value"]
+            continue
+        src = e["valueFrom"]
+        if src.get("fieldRef", {}).get("fieldPath") == "status.podIP":
+            env[e["name"]] = FAKE_POD_IP
+        elif "configMapKeyRef" in src:
+            ref = src["configMapKeyRef"]
+            env[e["name"]] = _data(objs, "ConfigMap", ref["name"])[ref["key"]]
+        elif "secretKeyRef" in src:
+            ref = src["secretKeyRef"]
+            env[e["name"]] = (_data(objs, "Secret", ref["name"]) or {}).get(
+                ref["key"], "secret-from-k8s")
+        else:
+            raise AssertionError(f"{e['name']}: unmodelled valueFrom {src}")
+    return env
+
+
+CONFIGS = {"encoder": EncoderConfig, "language": LanguageConfig, "router": RouterConfig}
+
+
+def service_config(objs: list[dict], tier: str):
+    """The tier's config exactly as `tandem <tier>` parses it in the pod: the container's
+    args after the tier name, and its environment (no TANDEM_* from this process)."""
+    c = container(objs, tier)
+    assert c["args"][0] == tier
+    host = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    with mock.patch.dict(os.environ, {**host, **_pod_env(objs, tier)}, clear=True):
+        return parse_settings(CONFIGS[tier], c["args"][1:], f"tandem {tier}")
+
+
+def mount_holding(c: dict, pod: dict, path: str) -> tuple[dict, dict]:
+    """(volumeMount, volume) that `path` lies in, the innermost mount."""
+    mounts = [m for m in c.get("volumeMounts", [])
+              if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")]
+    assert mounts, f"{path} is on no volume"
+    mount = max(mounts, key=lambda m: len(m["mountPath"]))
+    (vol,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    return mount, vol
 
 
 # ---- Helm itself ---------------------------------------------------------------------------
@@ -132,7 +224,7 @@ def test_every_object_validates_strictly(helm, rendered, variant):
 
 def test_strict_validation_rejects_an_unknown_field(rendered):
     """The validator is not vacuous: a misspelt container field fails the same call."""
-    dep = find(rendered["default"], "Deployment", f"{RELEASE}-encoder")
+    dep = copy.deepcopy(find(rendered["default"], "Deployment", f"{RELEASE}-encoder"))
     kubernetes_validate.validate(dep, NEWEST_K8S, strict=True)
     dep["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
@@ -175,7 +267,8 @@ def test_broken_values_are_rejected(helm, args, message):
 
 
 def _documented_keys(lines: list[str]) -> dict[str, bool]:
-    """Dotted key path -> whether a comment block starting with `# --` sits right above it."""
+    """Dotted key path -> whether the comment block right above it holds a `# --` line (the
+    helm-docs description), whatever the indentation width."""
     out, stack, comment = {}, [], []
     for ln in lines:
         body = ln.strip()
@@ -185,9 +278,11 @@ def _documented_keys(lines: list[str]) -> dict[str, bool]:
         if not body or body.startswith("-") or ":" not in body:
             comment = []
             continue
-        indent = (len(ln) - len(ln.lstrip())) // 2
-        stack = stack[:indent] + [body.split(":", 1)[0]]
-        out[".".join(stack)] = bool(comment) and comment[0].startswith("# --")
+        indent = len(ln) - len(ln.lstrip())
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        stack.append((indent, body.split(":", 1)[0].strip().strip("'\"")))
+        out[".".join(k for _, k in stack)] = any(c.startswith("# --") for c in comment)
         comment = []
     return out
 
@@ -224,27 +319,17 @@ def _field_default(cls, name):
 
 
 def _pod_env(objs: list[dict], tier: str) -> dict[str, str]:
-    """The environment the container would see: its ConfigMap plus its own env entries
-    (downward-API pod IP faked, Secret values dummied)."""
-    env = dict(config_map(objs, tier))
-    for e in container(objs, tier).get("env", []):
-        if "value" in e:
-            env[e["name"]] = e["value"]
-        elif e["valueFrom"].get("fieldRef", {}).get("fieldPath") == "status.podIP":
-            env[e["name"]] = FAKE_POD_IP
-        else:
-            env[e["name"]] = "secret-from-k8s"
-    return env
+    return env_of(objs, container(objs, tier))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("tier", ["encoder", "language", "router"])
-def test_rendered_config_is_what_the_service_parses(rendered, monkeypatch, variant, tier):
+def test_rendered_config_is_what_the_service_parses(rendered, variant, tier):
     """Each TANDEM_* key names a real config field, and the service's own parser (CLI args +
     env, exactly as `tandem <tier>` runs it) accepts the rendered values; the parsed ports are
     the container ports."""
     objs = rendered[variant]
-    cls = {"encoder": EncoderConfig, "language": LanguageConfig, "router": RouterConfig}[tier]
+    cls = CONFIGS[tier]
     env = _pod_env(objs, tier)
     for key in env:
         if not key.startswith("TANDEM_"):
@@ -256,13 +341,8 @@ def test_rendered_config_is_what_the_service_parses(rendered, monkeypatch, varia
             assert outer in nested and inner in nested[outer].model_fields, key
         else:
             assert field in cls.model_fields, f"{key}: no such field in {cls.__name__}"
-    for key in [k for k in os.environ if k.startswith("TANDEM_")]:
-        monkeypatch.delenv(key)
-    for key, val in env.items():
-        monkeypatch.setenv(key, val)
     c = container(objs, tier)
-    assert c["args"][0] == tier
-    cfg = parse_settings(cls, c["args"][1:], f"tandem {tier}")
+    cfg = service_config(objs, tier)
     if tier == "router":
         assert cfg.http_port == port_of(c, "http") and cfg.grpc_port == port_of(c, "grpc")
     else:
@@ -289,40 +369,61 @@ def test_tier_probes_ports_and_discovery_match_the_service(rendered, tier):
     assert health.SERVICE_NAME == "grpc.health.v1.Health"
     probe_port = port_of(c, "health")
     assert _pod_env(objs, tier)["TANDEM_HEALTH_PORT"] == str(probe_port) != str(grpc_port)
-    for probe in ("startupProbe", "readinessProbe"):
-        assert c[probe]["grpc"] == {"port": probe_port, "service": proto_service}
-    assert c["livenessProbe"]["grpc"] == {"port": probe_port, "service": health.OVERALL_HEALTH}
+    for probe, service in (("startupProbe", proto_service), ("readinessProbe", proto_service),
+                           ("livenessProbe", health.OVERALL_HEALTH)):
+        grpc = c[probe]["grpc"]
+        assert resolve_port(c, grpc["port"]) == probe_port, probe
+        assert grpc.get("service", "") == service, probe
     # GPU requested in both requests and limits (extended resources must match).
     assert c["resources"]["requests"]["nvidia.com/gpu"] == 1
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
     # The router's discovery name is this tier's headless Service, on the gRPC port.
-    host, port = config_map(objs, "router")[f"TANDEM_{tier.upper()}_DNS"].rsplit(":", 1)
+    host, port = getattr(service_config(objs, "router"), f"{tier}_dns").rsplit(":", 1)
     svc_name = f"{RELEASE}-{tier}-headless"
     assert host == f"{svc_name}.{NAMESPACE}.svc.cluster.local"
     svc = find(objs, "Service", svc_name)
     assert svc["spec"]["clusterIP"] == "None"
-    assert svc["spec"]["publishNotReadyAddresses"] is False
-    grpc_svc_port = next(p for p in svc["spec"]["ports"] if p["name"] == "grpc")
-    assert int(port) == grpc_svc_port["port"] == grpc_port and grpc_svc_port["targetPort"] == "grpc"
-    pod_labels = find(objs, "Deployment", f"{RELEASE}-{tier}")["spec"]["template"]["metadata"][
-        "labels"
-    ]
-    assert svc["spec"]["selector"].items() <= pod_labels.items()
+    assert svc["spec"].get("publishNotReadyAddresses", False) is False
+    (grpc_svc_port,) = service_ports_to(svc, c, grpc_port)
+    assert int(port) == grpc_svc_port["port"] == grpc_port
+    assert svc["spec"]["selector"].items() <= pod_labels(objs, tier).items()
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("tier", ["encoder", "language", "router"])
-def test_termination_outlasts_prestop_and_drain(rendered, variant, tier):
-    """SIGKILL never cuts a drain short: grace > preStop sleep + the service's drain_timeout_s
-    (as the service parses it); a tier pod sleeps until the router has re-resolved DNS."""
+def test_termination_outlasts_prestop_and_drain(rendered, tmp_path, variant, tier):
+    """SIGKILL never cuts a drain short: grace > preStop sleep (what the hook waits when
+    run) + the service's drain_timeout_s (as the service parses it); a tier pod sleeps
+    until the router has re-resolved DNS."""
     objs = rendered[variant]
-    c = container(objs, tier)
-    pod = find(objs, "Deployment", f"{RELEASE}-{tier}")["spec"]["template"]["spec"]
-    sleep = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
-    drain = float(config_map(objs, tier)["TANDEM_DRAIN_TIMEOUT_S"])
-    assert pod["terminationGracePeriodSeconds"] > sleep + drain
+    sleep = prestop_seconds(container(objs, tier), tmp_path)
+    drain = service_config(objs, tier).drain_timeout_s
+    assert pod_spec(objs, tier)["terminationGracePeriodSeconds"] > sleep + drain
     if tier != "router":
-        assert sleep >= float(config_map(objs, "router")["TANDEM_DNS_REFRESH_S"])
+        assert sleep >= service_config(objs, "router").dns_refresh_s
+
+
+def prestop_seconds(c: dict, tmp: Path) -> float:
+    """How long the container's preStop hook waits: its `sleep` action, or its exec command
+    run here with a `sleep` on PATH that records its arguments instead of sleeping."""
+    pre = c["lifecycle"]["preStop"]
+    if "sleep" in pre:
+        return float(pre["sleep"]["seconds"])
+    fake, log = tmp / "bin", tmp / "slept"
+    fake.mkdir(exist_ok=True)
+    (fake / "sleep").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" >>{shlex.quote(str(log))}\n')
+    (fake / "sleep").chmod(0o755)
+    log.write_text("")
+    argv = list(pre["exec"]["command"])
+    if posixpath.basename(argv[0]) == "sleep":
+        argv[0] = str(fake / "sleep")
+    r = subprocess.run(argv, env={"PATH": f"{fake}:/usr/bin:/bin"}, capture_output=True,
+                       text=True, timeout=10)
+    assert r.returncode == 0, r.stderr
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    words = log.read_text().split()
+    assert words, f"preStop {argv} never sleeps"
+    return sum(float(w[:-1]) * units[w[-1]] if w[-1] in units else float(w) for w in words)
 
 
 def test_router_ports_probes_and_service(rendered):
@@ -330,11 +431,12 @@ def test_router_ports_probes_and_service(rendered):
     c = container(objs, "router")
     assert port_of(c, "http") == _field_default(RouterConfig, "http_port")
     assert port_of(c, "grpc") == _field_default(RouterConfig, "grpc_port")
-    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    probe = c["readinessProbe"]["httpGet"]
+    assert probe["path"] == "/health" and resolve_port(c, probe["port"]) == port_of(c, "http")
     svc = find(objs, "Service", f"{RELEASE}-router")
-    ports = {p["name"]: p for p in svc["spec"]["ports"]}
-    assert ports["http"]["port"] == port_of(c, "http") and ports["http"]["targetPort"] == "http"
-    assert ports["grpc"]["port"] == port_of(c, "grpc") and ports["grpc"]["targetPort"] == "grpc"
+    for name in ("http", "grpc"):
+        (p,) = service_ports_to(svc, c, port_of(c, name))
+        assert p["port"] == port_of(c, name), name
     # the router runs the CPU-only image (the Dockerfile's `router` target), the tiers the
     # full one
     assert c["image"].endswith("-router") and not container(objs, "encoder")["image"].endswith(
@@ -342,8 +444,13 @@ def test_router_ports_probes_and_service(rendered):
 
 
 def _selects(peer: dict, objs: list[dict], tier: str) -> bool:
-    labels = find(objs, "Deployment", f"{RELEASE}-{tier}")["spec"]["template"]["metadata"]["labels"]
-    return peer["podSelector"]["matchLabels"].items() <= labels.items()
+    """Whether a NetworkPolicy `from` peer admits the tier's pods (a peer without a pod
+    selector admits every pod it reaches)."""
+    sel = peer.get("podSelector")
+    if sel is None:
+        return True
+    assert not sel.get("matchExpressions"), "matchExpressions: not modelled here"
+    return (sel.get("matchLabels") or {}).items() <= pod_labels(objs, tier).items()
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -351,48 +458,53 @@ def test_network_policy_opens_exactly_the_needed_paths(rendered, variant):
     """gRPC: router -> both tiers, language -> encoder (Attach). Transfer range: encoder ->
     language (Mooncake writes), language -> encoder; nothing else."""
     objs = rendered[variant]
-    cm = config_map(objs, "encoder")
-    lo, hi = int(cm["TANDEM_TRANSFER__MIN_PORT"]), int(cm["TANDEM_TRANSFER__MAX_PORT"])
     expect = {
         "encoder": {"grpc": {"router", "language"}, "transfer": {"language"}},
         "language": {"grpc": {"router"}, "transfer": {"encoder"}},
     }
     for tier, want in expect.items():
         pol = find(objs, "NetworkPolicy", f"{RELEASE}-{tier}")["spec"]
-        grpc_port = port_of(container(objs, tier), "grpc")
+        assert _selects(pol, objs, tier) and not _selects(pol, objs, "router")
+        c = container(objs, tier)
+        transfer = service_config(objs, tier).transfer
+        lo, hi = transfer.min_port, transfer.max_port
+        grpc_port = port_of(c, "grpc")
+        # metrics, and the health-only port (the kubelet's probes): open to any source
+        others = {p["containerPort"] for p in c["ports"] if p["name"] in ("metrics", "health")}
         got = {"grpc": set(), "transfer": set()}
         for rule in pol["ingress"]:
-            (p,) = rule["ports"]
-            if p["port"] == grpc_port:
-                kind = "grpc"
-            elif (p["port"], p.get("endPort")) == (lo, hi):
-                kind = "transfer"
-            else:  # metrics, and the health-only port (the kubelet's probes)
-                c = container(objs, tier)
-                assert p["port"] in {port_of(c, "metrics"), *(
-                    [port_of(c, "health")] if any(q["name"] == "health" for q in c["ports"])
-                    else [])}
-                continue
-            for peer in rule["from"]:
-                got[kind] |= {
-                    t for t in ("router", "encoder", "language") if _selects(peer, objs, t)
-                }
+            # no `from`: every source; a peer without a pod selector: every pod it reaches
+            peers = {"*"} if not rule.get("from") else {
+                t for peer in rule["from"] for t in ("router", "encoder", "language")
+                if _selects(peer, objs, t)}
+            for p in rule.get("ports") or [{}]:  # no ports: all of them
+                port = resolve_port(c, p["port"]) if "port" in p else None
+                if port == grpc_port and not p.get("endPort"):
+                    got["grpc"] |= peers
+                elif (port, p.get("endPort")) == (lo, hi):
+                    got["transfer"] |= peers
+                else:
+                    assert port in others and not p.get("endPort"), f"{tier} opens {p}"
         assert got == want, tier
 
 
 def test_production_gpu_rdma_and_model_volume(rendered):
     objs = rendered["production"]
+    prod = yaml.safe_load(PROD.read_text())["model"]
     for tier in TIERS:
         c = container(objs, tier)
         assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
         assert c["resources"]["limits"]["rdma/rdma_shared_device_a"] == 1
-        assert config_map(objs, tier)["TANDEM_MODEL"] == "/models/Qwen2.5-VL-72B-Instruct"
-        mount = next(m for m in c["volumeMounts"] if m["name"] == "model")
-        assert mount == {"name": "model", "mountPath": "/models", "readOnly": True}
-    assert container(objs, "language")["resources"]["limits"]["nvidia.com/gpu"] == 4
+        # the model the service loads is the checkpoint directory on the read-only claim
+        model = str(service_config(objs, tier).model)
+        mount, vol = mount_holding(c, pod_spec(objs, tier), model)
+        assert mount.get("readOnly") is True
+        assert vol["persistentVolumeClaim"]["claimName"] == prod["claimName"]
+        assert posixpath.relpath(model, mount["mountPath"]) == prod["path"]
     # one language pod = one instance of 4 tensor-parallel ranks, one per GPU (issue 12)
-    assert config_map(objs, "language")["TANDEM_TP"] == "4"
-    assert config_map(rendered["default"], "language")["TANDEM_TP"] == "1"
+    gpus = container(objs, "language")["resources"]["limits"]["nvidia.com/gpu"]
+    assert service_config(objs, "language").tp == gpus == 4
+    assert service_config(rendered["default"], "language").tp == 1
     # HPA owns the replica count: the Deployments leave it out.
     for tier in ("encoder", "language", "router"):
         assert "replicas" not in find(objs, "Deployment", f"{RELEASE}-{tier}")["spec"]
@@ -404,7 +516,11 @@ def test_production_gpu_rdma_and_model_volume(rendered):
         "name": "tandem-api-key",
         "key": "api-key",
     }
-    assert env["TANDEM_TLS_CERT"]["value"].startswith("/etc/tandem/tls/")
+    # the router's TLS certificate and key are files of a mounted Secret
+    cfg = service_config(objs, "router")
+    for path in (cfg.tls_cert, cfg.tls_key):
+        _, vol = mount_holding(router, pod_spec(objs, "router"), str(path))
+        assert "secret" in vol, path
 
 
 def test_service_monitors_target_existing_ports(rendered):
@@ -549,17 +665,61 @@ def test_alerts_and_dashboard_use_real_metrics_and_pass_promtool(helm, tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_helm_test_hook_sends_one_chat_to_the_router(helm):
-    """`helm test`: a hook pod that posts one chat to the router's Service (with the API key
-    from its Secret when one is configured) and fails unless it gets a 200 with a choice."""
+def test_helm_test_hook_sends_one_chat_to_the_router(helm, tmp_path):
+    """`helm test`: a hook pod, running the router's image, whose program (run here against
+    a stand-in router) posts one chat to the router's Service URL with the router's own API
+    key, and exits 0 only on a 200 that carries a choice."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from urllib.parse import urlsplit
+
     objs = render(helm, "--set", "router.apiKey.value=k3y")
     pod = find(objs, "Pod", f"{RELEASE}-test-chat")
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
-    (c,) = pod["spec"]["containers"]
-    env = {e["name"]: e for e in c["env"]}
-    svc = find(objs, "Service", f"{RELEASE}-router")
-    port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "http")
-    assert env["ROUTER_URL"]["value"] == f"http://{RELEASE}-router:{port}"
-    assert env["API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == f"{RELEASE}-router-api-key"
-    assert "/v1/chat/completions" in c["args"][0]
     kubernetes_validate.validate(pod, NEWEST_K8S, strict=True)
+    (c,) = pod["spec"]["containers"]
+    assert c["image"] == container(objs, "router")["image"]
+    env = env_of(objs, c)
+    url = urlsplit(env["ROUTER_URL"])
+    svc = find(objs, "Service", f"{RELEASE}-router")
+    router = container(objs, "router")
+    ((port, _),) = [(p["port"], p) for p in service_ports_to(svc, router, port_of(router, "http"))]
+    assert url.hostname.split(".")[0] == svc["metadata"]["name"] and url.port == port
+    key = _pod_env(objs, "router")["TANDEM_API_KEY"]
+    assert key == "k3y"
+
+    seen, answer = [], {}
+
+    class Router(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append((self.path, self.headers.get("Authorization"), body))
+            self.send_response(answer["status"])
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(json.dumps(answer["body"]).encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Router)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    argv = [*c.get("command", []), *c.get("args", [])]
+    if posixpath.basename(argv[0]).startswith("python"):
+        argv[0] = sys.executable  # the image's python: httpx is in both
+    local = f"http://127.0.0.1:{server.server_address[1]}{url.path}"
+    run_env = {**env, "ROUTER_URL": local, "PATH": os.environ["PATH"]}
+    try:
+        for status, body, ok in ((200, {"choices": [{"index": 0}]}, True),
+                                 (200, {"choices": []}, False),
+                                 (503, {"error": "no tier"}, False)):
+            answer.update(status=status, body=body)
+            r = subprocess.run(argv, env=run_env, capture_output=True, text=True, timeout=60)
+            assert (r.returncode == 0) is ok, (status, body, r.stdout + r.stderr)
+    finally:
+        server.shutdown()
+    assert len(seen) == 3
+    path, auth, body = seen[0]
+    assert path == "/v1/chat/completions" and auth == f"Bearer {key}"
+    assert body["messages"] and body["max_tokens"] > 0
