@@ -59,7 +59,7 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=build /wheels /wheels
 RUN python3 -m venv /opt/venv && /opt/venv/bin/pip install -q --upgrade pip \
- && /opt/venv/bin/pip install -q "$(ls /wheels/tandem-*.whl)[router]" \
+ && /opt/venv/bin/pip install -q "$(ls /wheels/tandem_vlm-*.whl)[router]" \
  && /opt/venv/bin/python -c "import sys, tandem.services.router.main; assert 'torch' not in sys.modules" \
  && rm -rf /wheels
 RUN groupadd --gid 10001 tandem && useradd --uid 10001 --gid 10001 --create-home tandem
@@ -86,7 +86,7 @@ RUN if [ "$VARIANT" = cpu ]; then \
     else \
       /opt/venv/bin/pip install -q "$TORCH_SPEC"; \
     fi
-RUN PIP_CONSTRAINT=/opt/constraints.txt /opt/venv/bin/pip install -q "$(ls /wheels/tandem-*.whl)[server]"
+RUN PIP_CONSTRAINT=/opt/constraints.txt /opt/venv/bin/pip install -q "$(ls /wheels/tandem_vlm-*.whl)[server]"
 # The grammar engine: whole on CUDA (its triton kernels), without triton on CPU (1 GB the
 # CPU path never imports; see pyproject.toml).
 RUN if [ "$VARIANT" = cuda ]; then \

@@ -41,6 +41,8 @@ XGRAMMAR_SPEC := xgrammar>=0.2.8,<0.3
 $(STAMPS)/deps: pyproject.toml setup.py constraints.txt | $(PY)
 	@mkdir -p $(STAMPS)
 	$(PIP) install -q "$(TORCH_SPEC)"
+	@# the distribution was called `tandem` before (a name PyPI gives another project)
+	@$(PIP) uninstall -q -y tandem 2>/dev/null || true
 	PIP_CONSTRAINT=constraints.txt $(PIP) install -q -e '.[dev]'
 	$(PIP) install -q --no-deps "$(XGRAMMAR_SPEC)"
 	@touch $@
@@ -88,7 +90,8 @@ check-neon: setup
 	$(PY) -m pytest -q -rs tests/test_vec16_paths.py
 
 run: setup
-	$(VENV)/bin/tandem up $(if $(MODEL),--model $(MODEL)) --demo
+	$(VENV)/bin/tandem up $(if $(MODEL),--model $(MODEL)) $(if $(PORT),--http-port $(PORT)) \
+	  $(if $(GRPC_PORT),--grpc-port $(GRPC_PORT)) --demo
 
 lint: setup
 	$(VENV)/bin/ruff check tandem services bench tests

@@ -49,9 +49,11 @@ def generate_stubs() -> None:
 
 
 def packages() -> tuple[list[str], dict[str, str]]:
-    """(package names, package_dir): `tandem*` from tandem/, `tandem.services*` from services/."""
+    """(package names, package_dir): `tandem*` from tandem/, `tandem.services*` from services/,
+    and tandem/csrc (the kernels' sources: data, no __init__.py)."""
     tiers = ["tandem.services"] + [f"tandem.services.{p}" for p in find_packages("services")]
-    return find_packages(include=["tandem", "tandem.*"]) + tiers, {"tandem.services": "services"}
+    shared = find_packages(include=["tandem", "tandem.*"]) + ["tandem.csrc"]
+    return shared + tiers, {"tandem.services": "services"}
 
 
 generate_stubs()

@@ -9,5 +9,18 @@ load with the Auto classes on machines without torchvision.
 from tandem.models import hook as _hook
 
 __version__ = "0.1.0"
+DISTRIBUTION = "tandem-vlm"  # the name pip knows it by (pyproject.toml's project.name)
+
+
+def version() -> str:
+    """The installed distribution's version (the source tree's when not installed)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version(DISTRIBUTION)
+    except PackageNotFoundError:
+        return __version__
+
 
 _hook.install()

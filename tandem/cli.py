@@ -71,17 +71,6 @@ def _certs(argv: list[str]) -> int:
     return 0
 
 
-def _up(argv: list[str]) -> int:
-    """`tandem up` runs the tiers as local processes; with `--ray [ADDRESS]`, as Ray actors.
-    Both launchers read the same plan (tandem/launch/plan.py) and never import each other."""
-    if any(a == "--ray" or a.startswith("--ray=") for a in argv):
-        from tandem.launch.ray_up import main as launch
-    else:
-        from tandem.launch.up import main as launch
-
-    return launch(argv) or 0
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {
@@ -89,22 +78,28 @@ def main(argv: list[str] | None = None) -> int:
         "language": "run the prefill/decode service",
         "router": "run the router (OpenAI HTTP + gRPC)",
         "up": "run a whole local cluster (encoders, language instances, router)",
+        "serve": "`vllm serve`'s command line (MODEL and its flags), run as `tandem up`",
         "tiny-model": "write a small random-weight checkpoint",
         "certs": "write a CA and per-tier certificates for mTLS between the tiers",
     }
+    if argv and argv[0] in ("-V", "--version"):
+        import tandem
+
+        print(f"tandem {tandem.version()}")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print("usage: tandem {" + ",".join(commands) + "} [options]\n")
         for name, text in commands.items():
             print(f"  {name:<11} {text}")
-        print("\n`tandem COMMAND --help` lists the command's options.")
+        print("\n`tandem COMMAND --help` lists the command's options; `tandem --version`.")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     try:
         return _dispatch(argv[0], argv[1:])
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] in ("tandem", "services"):
             raise
-        # a client-only install (`pip install tandem`): one line, not a traceback
-        print(f"tandem {argv[0]}: needs the server install: pip install 'tandem[server]' "
+        # a client-only install (`pip install tandem-vlm`): one line, not a traceback
+        print(f"tandem {argv[0]}: needs the server install: pip install 'tandem-vlm[server]' "
               f"(missing {e.name})", file=sys.stderr)
         return 2
 
@@ -112,11 +107,17 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(cmd: str, rest: list[str]) -> int:
     if cmd in SERVICES:
         return _run_service(cmd, rest)
+    if cmd == "serve":
+        from tandem.launch.serve import main as serve
+
+        return serve(rest)
     if cmd == "tiny-model":
         return _tiny_model(rest)
     if cmd == "certs":
         return _certs(rest)
-    return _up(rest)
+    from tandem.launch import up
+
+    return up(rest)
 
 
 if __name__ == "__main__":

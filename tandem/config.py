@@ -86,6 +86,9 @@ class ServiceSettings(TandemSettings):
     log_format: Literal["text", "json"] = Field(
         "text", description="Log lines as text or as one JSON object per line (each with "
         "its level).")
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = Field(
+        "info", description="The least severe level logged (library loggers included); "
+        "'warning' hides the per-request lines.")
     internal_tls: InternalTLSConfig = Field(
         default_factory=InternalTLSConfig,
         description="mTLS between tiers (tandem/internal_tls.py); required unless "

@@ -87,7 +87,8 @@ KNOBS: tuple[Knob, ...] = (
          openai_default=1.0),
     Knob("top_p", float, 1.0, "Nucleus sampling: keep the most likely tokens whose mass "
          "reaches top_p; 1 keeps all.", 0, 1, lo_open=True),
-    Knob("top_k", int, 0, "Keep the k most likely tokens; 0 keeps all.", 0, MAX_TOKENS),
+    Knob("top_k", int, 0, "Keep the k most likely tokens; 0 or -1 (vLLM's 'off') keeps "
+         "all.", -1, MAX_TOKENS),
     Knob("min_p", float, 0.0, "Drop tokens less likely than min_p times the most likely "
          "one.", 0, 1),
     Knob("presence_penalty", float, 0.0, "Subtracted once from the logit of every token "

@@ -56,7 +56,7 @@ def grpc_server(internal: InternalTLS | None = None, **limits: int) -> grpc.aio.
 
 
 def run_service(prog: str, main: Coroutine[None, None, None], cpu_threads: int = 0,
-                log_format: str = "text") -> int:
+                log_format: str = "text", log_level: str = "info") -> int:
     """The body of `tandem <service>`: log lines on stderr (a level on each; text or
     JSON), torch's CPU threads (0 keeps torch's default), the event loop until `main`
     returns. A start-up error (a checkpoint that cannot be used: exit code 2; bad TLS
@@ -65,7 +65,7 @@ def run_service(prog: str, main: Coroutine[None, None, None], cpu_threads: int =
     from tandem.logs import configure_logging
     from tandem.models.checkpoint import CheckpointError
 
-    configure_logging(log_format)
+    configure_logging(log_format, getattr(logging, log_level.upper()))
     if cpu_threads:
         import torch
 

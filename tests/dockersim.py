@@ -218,7 +218,7 @@ pip() {
           *.whl|*.whl\[*)
             f=${a%%\[*}
             [ -f "$f" ] || fail "$f is not a wheel file"
-            case "${f##*/}" in tandem-*) link "$here/tandem";; esac;;
+            case "${f##*/}" in tandem_vlm-*) link "$here/tandem";; esac;;
           .|.\[*) link "$here/tandem";;
         esac
       done;;
@@ -349,7 +349,7 @@ class Build:
     `work`; stages are built once, on demand."""
 
     def __init__(self, dockerfile: Path, context: Path, work: Path,
-                 build_args: dict[str, str] | None = None, wheel: str = "tandem-0-py3-none-any.whl"):
+                 build_args: dict[str, str] | None = None, wheel: str = "tandem_vlm-0-py3-none-any.whl"):
         self.instrs = parse_dockerfile(dockerfile.read_text())
         self.context, self.work = context, work
         self.args = dict(build_args or {})

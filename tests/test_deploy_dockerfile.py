@@ -110,7 +110,7 @@ class Sim:
 @pytest.fixture(scope="module")
 def sim(context, tmp_path_factory) -> Sim:
     work = tmp_path_factory.mktemp("sim")
-    wheel = f"{PROJECT}-{PYPROJECT['project']['version']}-py3-none-any.whl"
+    wheel = f"{PROJECT.replace('-', '_')}-{PYPROJECT['project']['version']}-py3-none-any.whl"
     default = Build(DOCKERFILE, context, work / "default", wheel=wheel)
     variant = default.globals.get("VARIANT")
     assert variant in VARIANTS, f"default VARIANT {variant!r}"
@@ -384,18 +384,22 @@ def wheel(context, tmp_path_factory) -> Path:
                         "--no-build-isolation", "--wheel-dir", str(wheels), "."],
                        cwd=context, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    (whl,) = wheels.glob("tandem-*.whl")
+    (whl,) = wheels.glob(f"{PROJECT.replace('-', '_')}-*.whl")
     return whl
 
 
 def test_wheel_carries_the_stubs_and_the_entry_point(wheel):
     """A wheel built from the image's context, which has no stubs (tandem/v1 is never
     copied, nor committed): the build hook (setup.py) generates them from protos/, so the
-    wheel holds tandem/v1, the tiers under tandem/services, and the console script."""
+    wheel holds tandem/v1, the tiers under tandem/services, the console script, and every
+    source the CPU kernels are compiled from on the serving machine (headers included: an
+    image without csrc/vec16.h would serve with torch's ops only)."""
     names = zipfile.ZipFile(wheel).namelist()
     for mod in ("encoder", "language", "router", "common"):
         assert f"tandem/v1/{mod}_pb2.py" in names and f"tandem/v1/{mod}_pb2_grpc.py" in names
     assert "tandem/services/encoder/config.py" in names
+    sources = {f"tandem/csrc/{f.name}" for f in (ROOT / "tandem" / "csrc").iterdir()}
+    assert sources and sources <= set(names), sorted(sources - set(names))
     ep = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt")))
     assert "tandem = tandem.cli:main" in ep.decode()
 
@@ -458,7 +462,7 @@ def test_client_only_install_imports_no_server_stack(wheel, tmp_path):
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
     r = subprocess.run([str(venv / "bin" / "tandem"), "encoder", "--model", "m"],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "pip install 'tandem[server]'" in r.stderr, r.stderr
+    assert r.returncode == 2 and f"pip install '{PYPROJECT['project']['name']}[server]'" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 

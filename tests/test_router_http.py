@@ -71,6 +71,9 @@ def assert_openai_error(r, status: int, code: str, param=None):
         (chat(stop_token_ids=[-1]), "stop_token_ids"),
         (chat(stop=["a"] * 17), "stop"),
         (chat(messages=[{"role": "wizard", "content": "x"}]), None),
+        (chat(messages=[{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}]}]),
+         "messages[0].content[0]"),
         (
             chat(messages=img_msg("data:image/png;base64,@@notbase64@@")),
             "messages[0].content[0].image_url",

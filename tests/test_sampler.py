@@ -10,7 +10,7 @@ import torch
 
 from tandem.sampling import SamplingParams
 from tandem.services.language.engine.request import Request
-from tandem.services.language.engine.sampler import sample, sampling_probs
+from tandem.services.language.engine.sampler import filter_logits, sample, sampling_probs
 from tandem.transfer.payload import PromptPayload
 
 P = torch.tensor([0.1, 0.2, 0.3, 0.4])
@@ -113,3 +113,11 @@ def test_bad_params_are_rejected(kw, match):
 def test_shape_mismatch_is_an_error():
     with pytest.raises(ValueError, match="do not match"):
         sample(torch.zeros(2, 5), [req()])
+
+
+def test_top_k_minus_one_and_zero_keep_every_token():
+    """vLLM's top_k=-1 is "off", as 0 is here."""
+    x = torch.randn(50, generator=torch.Generator().manual_seed(3))
+    plain = filter_logits(x, SamplingParams(temperature=1.0))
+    for k in (-1, 0):
+        assert torch.equal(filter_logits(x, SamplingParams(temperature=1.0, top_k=k)), plain)

@@ -37,7 +37,7 @@ def inside(k: sampling.Knob):
     lo = k.lo if k.lo is not None else 0
     hi = k.hi if k.hi is not None else lo + 8
     if k.type is int:
-        return int(lo) + 1
+        return int(lo) + 1 if int(lo) + 1 != k.default else int(lo) + 2
     return lo + (hi - lo) * 0.375 if k.default != lo + (hi - lo) * 0.375 else lo + (hi - lo) / 8
 
 
@@ -113,3 +113,8 @@ def test_absent_knobs_are_the_defaults_and_the_wire_stays_empty():
     got = sampling.from_proto(common_pb2.SamplingParams())
     assert {k.name: getattr(got, k.name) for k in sampling.KNOBS} == {
         k.name: k.default for k in sampling.KNOBS}
+
+
+def test_top_k_minus_one_is_off_as_in_vllm():
+    req = to_chat_request(ChatCompletionRequest.model_validate(chat(top_k=-1)), CFG, "x")
+    assert req.sampling.top_k == -1 and sampling.from_proto(req.sampling).top_k == -1

@@ -31,7 +31,8 @@ SERVICE = language_pb2.DESCRIPTOR.services_by_name["Language"].full_name
 
 
 def serve(cfg: LanguageConfig) -> int:
-    return serving.run_service("tandem language", run(cfg), cfg.cpu_threads, cfg.log_format)
+    return serving.run_service("tandem language", run(cfg), cfg.cpu_threads, cfg.log_format,
+                               cfg.log_level)
 
 
 def build_engine(cfg: LanguageConfig, metrics: LanguageMetrics):

@@ -39,9 +39,10 @@ class RouterCore:
         return self.registry.model_name() or "tandem"
 
     def check_model(self, name: str) -> None:
-        """Empty means the served model; the name or its last path component match."""
+        """Empty means the served model; so does its name, or a path or id that ends in
+        it (a client that names the checkpoint's path or hub id)."""
         served = self.model_name()
-        if name and name not in (served, PurePath(served).name):
+        if name and served not in (name, PurePath(name).name) and name != PurePath(served).name:
             raise RouterError("NOT_FOUND", f"model {name!r} is not served here", "model")
 
     def ready(self) -> bool:

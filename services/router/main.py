@@ -121,4 +121,5 @@ def serve(cfg) -> int:
     async def main() -> None:
         await run_router(cfg, serving.stop_on_signals())
 
-    return serving.run_service("tandem router", main(), log_format=cfg.log_format)
+    return serving.run_service("tandem router", main(), log_format=cfg.log_format,
+                               log_level=cfg.log_level)

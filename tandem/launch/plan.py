@@ -102,6 +102,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--http-port", type=int, default=8000, help="Router HTTP port.")
     p.add_argument("--grpc-port", type=int, default=50051, help="Router gRPC port.")
     p.add_argument("--api-key", default="", help="Require this Bearer key at the router.")
+    p.add_argument("--served-model-name", default="",
+                   help="The model's name in the API (/v1/models, `model`): default the "
+                   "checkpoint directory's name, or the Hugging Face id as given.")
+    p.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error", "critical"],
+                   help="Every tier's --log-level.")
     p.add_argument("--demo", action="store_true",
                    help="Send one chat with a generated image once ready (DEMO_ONLY=1: exit after).")
     p.add_argument("--encoder-args", default="", help="Extra flags for every encoder.")
@@ -164,11 +170,31 @@ def instance_argv(
             "--transfer.max-port", str(hi), *extra]  # fmt: skip
 
 
+def served_name(args: argparse.Namespace, model: str) -> str:
+    """The model's name in the API: --served-model-name, else the checkpoint directory's
+    name, or a Hugging Face id as given (as vLLM names it)."""
+    if args.served_model_name:
+        return args.served_model_name
+    return Path(model).name if Path(model).expanduser().is_dir() else model
+
+
+def checked_model(args: argparse.Namespace) -> str:
+    """The checkpoint the tiers will load, checked before anything starts: a missing
+    directory, an unsupported architecture or an unreadable config ends the launch here
+    (CheckpointError), not after certificates were made and every tier started."""
+    from tandem.models.checkpoint import read_spec, resolve_model_path
+
+    model = args.model or str(default_model(args.arch))
+    read_spec(resolve_model_path(model))
+    return model
+
+
 def router_child(
     args: argparse.Namespace, model: str, encoders: list[str], languages: list[str]
 ) -> Child:
     """The router, local to the launcher, given every instance's address."""
-    argv = [*CLI, "router", "--model", model, "--host", args.host,
+    argv = [*CLI, "router", "--model", served_name(args, model), "--host", args.host,
+            "--log-level", args.log_level,
             "--http-port", str(args.http_port), "--grpc-port", str(args.grpc_port),
             "--encoders", ",".join(encoders), "--languages", ",".join(languages),
             *shlex.split(args.router_args)]  # fmt: skip
@@ -234,7 +260,8 @@ def plan(args: argparse.Namespace, model: str, pki: PKIPaths | None = None
             # tier metrics on, one port per instance (unless the caller named one)
             metrics = _flag_value(extra, "--metrics-port")
             own = [] if metrics else ["--metrics-port", metrics := str(free_port(args.host))]
-            argv = instance_argv(kind, model, args.host, port, ranges.pop(), [*extra, *own])
+            argv = instance_argv(kind, model, args.host, port, ranges.pop(),
+                                 ["--log-level", args.log_level, *extra, *own])
             child = Child(f"{kind}-{i}", argv, f"{args.host}:{port}",
                           nice=args.encoder_nice if kind == "encoder" else 0)
             child.metrics_url = f"http://{args.host}:{metrics}/metrics"

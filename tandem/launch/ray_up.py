@@ -175,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             ).remote(f"{kind}-{i}", kind))  # fmt: skip
         import shlex
 
-        pending = [a.start.remote(model, shlex.split(extra), args.ready_timeout,
+        pending = [a.start.remote(model, ["--log-level", args.log_level, *shlex.split(extra)],
+                                  args.ready_timeout,
                                   args.encoder_nice if kind == "encoder" else 0,
                                   launch_plan.tls_env(pki, kind, inline=True), probe_pem)
                    for a, (kind, _, _, _, extra) in zip(actors, plan, strict=True)]  # fmt: skip

@@ -19,19 +19,23 @@ import os
 import shutil
 import sys
 
-from tandem.launch.plan import default_model, internal_pki, parse_args, plan
+from tandem.launch.plan import checked_model, internal_pki, parse_args, plan, served_name
 from tandem.launch.procs import say, stop_all, stop_event_on_signals, wait_ready
+from tandem.models.checkpoint import CheckpointError
 from tandem.serving import require_free_ports
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        model = checked_model(args)
+    except CheckpointError as e:
+        say(f"[up] error: {e}")
+        return 2
     # NOTE: before anything starts: the router binds these last, after every tier loaded
     require_free_ports("tandem up", args.host, {"--http-port": args.http_port,
                                                 "--grpc-port": args.grpc_port})
     stop = stop_event_on_signals()
-
-    model = args.model or str(default_model(args.arch))
     pki = internal_pki(args)
     if pki is not None:
         say(f"[up] internal mTLS: a throwaway CA and certificates in {pki.dir}")
@@ -48,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         router.start(env)
         wait_ready([router], args.ready_timeout, stop)
         say(f"[up] ready: OpenAI API http://{args.host}:{args.http_port}/v1   "
-            f"gRPC {args.host}:{args.grpc_port}   model {model}")
+            f"gRPC {args.host}:{args.grpc_port}   model {served_name(args, model)} ({model})")
         say("[up] pids: " + " ".join(f"{c.name}={c.proc.pid}" for c in encoders + languages
                                        + [router]))
         if args.demo:

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import tandem
 from tandem.services.router.choices import choice_requests, merged
 from tandem.services.router.core import RouterCore
 from tandem.services.router.errors import RouterError
@@ -95,6 +96,11 @@ def build_app(core: RouterCore) -> FastAPI:
             "inflight": core.admission.inflight,
         }
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/version")
+    async def version():
+        """The server's version (as vLLM's /version answers it)."""
+        return {"version": tandem.version()}
 
     @app.get("/metrics")
     async def metrics():

@@ -14,7 +14,7 @@ import re
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.services.router.config import RouterConfig
 from tandem.services.router.errors import RouterError
@@ -39,7 +39,20 @@ class ImageURLPart(_Model):
     image_url: ImageURL
 
 
-Part = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
+class UnservedPart(BaseModel):
+    """A content part OpenAI or vLLM define that is not served here (video, audio, files):
+    parsed only so that it is refused by name (`chat_messages`), not as a schema error."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["video_url", "video", "input_audio", "audio_url", "file"]
+
+
+UNSERVED = {"video_url": "video input is not supported yet",
+            "video": "video input is not supported yet",
+            "input_audio": "audio input is not supported",
+            "audio_url": "audio input is not supported",
+            "file": "file inputs are not supported"}
+Part = Annotated[TextPart | ImageURLPart | UnservedPart, Field(discriminator="type")]
 
 
 class FunctionCall(_Model):
@@ -202,6 +215,9 @@ def chat_messages(body_messages: list[Message], cfg: RouterConfig) -> list[commo
             for j, part in enumerate(m.content):
                 if isinstance(part, TextPart):
                     msg.content.add(text=_utf8(part.text, f"messages[{i}].content[{j}].text"))
+                elif isinstance(part, UnservedPart):
+                    raise RouterError("INVALID_ARGUMENT", UNSERVED[part.type],
+                                      f"messages[{i}].content[{j}]")
                 else:
                     param = f"messages[{i}].content[{j}].image_url"
                     msg.content.add(image=_image_part(part.image_url.url, param, cfg.max_image_bytes))
