@@ -228,6 +228,11 @@ def test_bad_input_is_4xx_and_router_stays_healthy(cluster):
             assert r.status_code == status, (body.get("model"), stream, r.text)
             err = r.json()["error"]
             assert err["message"] and err["type"] and err["code"]
+    # refused by the language tier at admission, named as the body spells it
+    r = httpx.post(url, json={"model": "", "messages": good, "max_tokens": 1_000_000},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    assert "context leaves" in r.json()["error"]["message"]
     assert httpx.get(cluster.http_url + "/health").status_code == 200
     r = httpx.post(url, json={"model": "", "messages": good, "max_tokens": 2}, timeout=30)
     assert r.status_code == 200

@@ -250,3 +250,15 @@ def test_a_tiers_resource_exhausted_is_413_never_retried_only_overload_is_429():
     assert (overloaded.http_status, overloaded.openai_type) == (429, "rate_limit_error")
     assert RouterError("REQUEST_TIMEOUT", "x").http_status == 408
     assert RouterError("REQUEST_TIMEOUT", "x").grpc_name == "DEADLINE_EXCEEDED"
+
+
+def test_the_request_log_line_gives_each_figure_its_own_unit():
+    """Stage times in ms; counts and flags as they are (a count was printed as "0ms")."""
+    from tandem.services.router.request import TIMING_FIELDS, Output
+    from tandem.v1 import language_pb2
+
+    timings = dict.fromkeys(TIMING_FIELDS, 0.0) | {"vit_ms": 12.4, "skipped_images": 2,
+                                                   "encoder_bypassed": False}
+    line = Output(language_pb2.LanguageGenerateResponse(), timings=timings).summary()
+    assert "vit=12ms" in line and "skipped_images=2 " in line
+    assert "encoder_bypassed=0" in line and "skipped_images=2ms" not in line

@@ -177,7 +177,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                 self.engine.unpin(room)
                 self.receiver.release(prompt)  # never reached a step
                 outcome = f"{e.code} at admission: {e.message}"
-                yield error_response(e.code, e.message)
+                yield error_response(e.code, e.message, field=e.field)
                 return
             finished = False
             try:

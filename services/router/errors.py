@@ -71,11 +71,14 @@ class RouterError(ServiceError):
         return self.grpc_code.name
 
     def openai_body(self) -> dict:
+        # NOTE: the tiers name a sampling field as the wire nests it (`sampling.max_tokens`);
+        # OpenAI's bodies hold it at the top level (`max_tokens`)
+        param = self.param.removeprefix("sampling.") if self.param else self.param
         return {
             "error": {
                 "message": self.message,
                 "type": self.openai_type,
-                "param": self.param,
+                "param": param,
                 "code": self.code.lower(),
             }
         }

@@ -114,7 +114,10 @@ class Output:
             parts.append(f"tokens {u.prompt_tokens} in ({u.cached_tokens} cached) "
                          f"{u.completion_tokens} out")
         if self.timings:
-            parts.append("stages " + " ".join(f"{k}={v:.0f}ms" for k, v in self.timings.items()))
+            # each figure with its own unit: stage times in ms, counts and flags as they are
+            parts.append("stages " + " ".join(
+                f"{k.removesuffix('_ms')}={v:.0f}ms" if k.endswith("_ms") else f"{k}={v:g}"
+                for k, v in self.timings.items()))
         if self.route is not None:
             parts.append(f"via {self.route.encoder or '-'} -> {self.route.language}")
         return (": " + ", ".join(parts)) if parts else ""

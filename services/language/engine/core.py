@@ -126,14 +126,14 @@ class Engine:
             raise AdmissionError(
                 f"max_tokens {asked} is more than the context leaves: "
                 f"{self.cfg.max_model_len} (max_model_len) - {req.prompt_len} (prompt) = "
-                f"{tokens_left}"
-            )
+                f"{tokens_left}", field="sampling.max_tokens")
         if asked is None:  # the service's default, shortened to fit
             req.max_new_tokens = min(self.cfg.default_max_tokens, tokens_left)
             if req.sampling.min_tokens > req.max_new_tokens:
                 raise AdmissionError(
                     f"min_tokens {req.sampling.min_tokens} is more than the default "
-                    f"max_tokens here ({req.max_new_tokens}): give max_tokens")
+                    f"max_tokens here ({req.max_new_tokens}): give max_tokens",
+                    field="sampling.min_tokens")
         with self._known_lock:
             if req.room in self._known:
                 raise AdmissionError(f"request {req.room} is already running")

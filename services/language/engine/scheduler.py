@@ -51,9 +51,14 @@ from tandem.units import ceil_div
 
 
 class AdmissionError(ServiceError):
-    """A request that can never run here (too long for the model or the KV pool)."""
+    """A request that can never run here (too long for the model or the KV pool);
+    `field` names the request field at fault when one is (the wire's ErrorInfo.field)."""
 
     code = "INVALID_ARGUMENT"
+
+    def __init__(self, message: str, code: str | None = None, field: str = "") -> None:
+        super().__init__(message, code)
+        self.field = field
 
 
 @dataclass
