@@ -46,7 +46,11 @@ RELEASE = "tandem"
 OLDEST_K8S = "1.27.0"  # Chart.yaml kubeVersion floor
 NEWEST_K8S = latest_version()
 VARIANTS = {"default": [], "production": ["-f", str(PROD)],
-            "plaintext": ["--set", "internalTLS.enabled=false"]}
+            "plaintext": ["--set", "internalTLS.enabled=false"],
+            "cert-manager": ["--set", "internalTLS.certManager=true"]}
+CERT_MANAGER = "cert-manager.io/v1"
+EXISTING_TLS = [a for role in ("router", "encoder", "language")
+                for a in ("--set", f"internalTLS.existingSecrets.{role}=mine-{role}")]
 TIERS = {
     # tier: (config class, proto service full name the readiness probe must ask for)
     "encoder": (EncoderConfig, encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name),
@@ -75,6 +79,11 @@ def helm_run(helm: Path, *args: str) -> subprocess.CompletedProcess:
 
 def render(helm: Path, *extra: str, kube: str = NEWEST_K8S) -> list[dict]:
     """`helm template` -> objects; raises AssertionError carrying Helm's message on failure."""
+    return [d for d in yaml.safe_load_all(render_text(helm, *extra, kube=kube)) if d]
+
+
+def render_text(helm: Path, *extra: str, kube: str = NEWEST_K8S) -> str:
+    """`helm template`'s output, as a GitOps tool (Argo CD, Flux) would apply it."""
     r = helm_run(
         helm,
         "template",
@@ -87,7 +96,7 @@ def render(helm: Path, *extra: str, kube: str = NEWEST_K8S) -> list[dict]:
         *extra,
     )
     assert r.returncode == 0, r.stderr
-    return [d for d in yaml.safe_load_all(r.stdout) if d]
+    return r.stdout
 
 
 @pytest.fixture(scope="module")
@@ -218,8 +227,9 @@ def test_every_object_validates_strictly(helm, rendered, variant):
             try:
                 kubernetes_validate.validate(obj, version, strict=True)
             except SchemaNotFoundError:
-                # The Prometheus Operator's CRD: checked against the Services it selects below.
-                assert obj["apiVersion"] == "monitoring.coreos.com/v1", obj["kind"]
+                # CRDs: the Prometheus Operator's, checked against the Services it selects
+                # below; cert-manager's, checked field by field below.
+                assert obj["apiVersion"] in ("monitoring.coreos.com/v1", CERT_MANAGER), obj["kind"]
 
 
 def test_strict_validation_rejects_an_unknown_field(rendered):
@@ -594,6 +604,197 @@ def test_generated_internal_certificates_serve_mtls_by_role(rendered, tmp_path):
             assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
     finally:
         loop.call_soon_threadsafe(loop.stop)
+
+
+# cert-manager.io/v1 spec fields the chart may set, and their closed choices (from
+# cert-manager's CRDs): kubernetes-validate has no schema for CRDs, so a misspelt key would
+# pass it and be dropped by the API server.
+CM_SPEC = {
+    "Issuer": {"selfSigned": {"crlDistributionPoints"},
+               "ca": {"secretName", "crlDistributionPoints", "issuingCertificateURLs",
+                      "ocspServers"}},
+    "Certificate": {"secretName": None, "secretTemplate": {"labels", "annotations"},
+                    "commonName": None, "dnsNames": None, "ipAddresses": None,
+                    "usages": None, "duration": None, "isCA": None,
+                    "privateKey": {"algorithm", "size", "encoding", "rotationPolicy"},
+                    "issuerRef": {"name", "kind", "group"}},
+}
+CM_USAGES = {"signing", "digital signature", "content commitment", "key encipherment",
+             "key agreement", "data encipherment", "cert sign", "crl sign", "encipher only",
+             "decipher only", "any", "server auth", "client auth", "code signing",
+             "email protection", "s/mime", "ipsec end system", "ipsec tunnel", "ipsec user",
+             "timestamping", "ocsp signing", "microsoft sgc", "netscape sgc"}
+CM_KEY = {"algorithm": {"RSA", "ECDSA", "Ed25519"}, "encoding": {"PKCS1", "PKCS8"},
+          "rotationPolicy": {"Never", "Always"}}
+
+
+def _check_cert_manager_shape(obj: dict) -> None:
+    kind, spec = obj["kind"], obj["spec"]
+    assert set(obj) == {"apiVersion", "kind", "metadata", "spec"}, obj["metadata"]["name"]
+    assert kind in CM_SPEC and set(spec) <= set(CM_SPEC[kind]), (kind, set(spec))
+    for key, sub in CM_SPEC[kind].items():
+        if sub is not None and key in spec:
+            assert isinstance(spec[key], dict) and set(spec[key]) <= sub, (kind, key)
+    if kind == "Issuer":
+        assert len(spec) == 1, "an Issuer has exactly one kind of issuer"
+        return
+    assert isinstance(spec["secretName"], str) and spec["secretName"]
+    assert isinstance(spec["issuerRef"]["name"], str)
+    for key in ("dnsNames", "ipAddresses", "usages"):
+        assert all(isinstance(v, str) for v in spec.get(key, [])), key
+    assert set(spec.get("usages", [])) <= CM_USAGES, spec["usages"]
+    for key, choices in CM_KEY.items():
+        assert spec.get("privateKey", {}).get(key, next(iter(choices))) in choices, key
+    assert isinstance(spec.get("privateKey", {}).get("size", 256), int)
+    # a Go duration cert-manager accepts (at least an hour)
+    hours = spec.get("duration", "2160h")
+    assert hours.endswith("h") and int(hours[:-1]) >= 1, hours
+    for labels in spec.get("secretTemplate", {}).values():
+        assert all(isinstance(v, str) for v in labels.values())
+
+
+def _key_material(objs: list[dict]) -> list[str]:
+    """The rendered Secrets holding a private key (a `*.key` entry or PEM key text)."""
+    out = []
+    for o in objs:
+        if o["kind"] == "Secret":
+            data = _data(objs, "Secret", o["metadata"]["name"])
+            if any(k.endswith(".key") or "PRIVATE KEY" in v for k, v in data.items()):
+                out.append(o["metadata"]["name"])
+    return out
+
+
+def _internal_tls_files(objs: list[dict], tier: str) -> tuple[str, dict[str, str]]:
+    """(Secret name, {config field: Secret key}) the tier's internal TLS settings read: each
+    of the paths the service parses (ca, cert, key), resolved through the pod's mounts to
+    the Secret volume and the item it projects."""
+    c, pod = container(objs, tier), pod_spec(objs, tier)
+    cfg = service_config(objs, tier).internal_tls
+    names, keys = set(), {}
+    for field in ("ca", "cert", "key"):
+        path = getattr(cfg, field)
+        mount, vol = mount_holding(c, pod, path)
+        rel = posixpath.relpath(path, mount["mountPath"])
+        items = vol["secret"].get("items") or []
+        (key,) = [i["key"] for i in items if i["path"] == rel] or [rel]
+        names.add(vol["secret"]["secretName"])
+        keys[field] = key
+    (name,) = names
+    return name, keys
+
+
+def test_cert_manager_issues_exactly_the_secrets_the_pods_mount(rendered):
+    """internalTLS.certManager: a self-signed Issuer -> the CA Certificate -> a CA Issuer
+    holding it -> one Certificate per role, whose Secret (the keys cert-manager writes:
+    ca.crt, tls.crt, tls.key) is the one that role's pods read their CA, certificate and key
+    from; common name = the role, and the same DNS/IP names and usages as the chart's own
+    generated certificates. The chart renders no key material itself."""
+    from cryptography import x509
+
+    from tandem.pki import INTERNAL_NAME
+
+    objs = rendered["cert-manager"]
+    cm = [o for o in objs if o["apiVersion"] == CERT_MANAGER]
+    for o in cm:
+        _check_cert_manager_shape(o)
+    issuers = {o["metadata"]["name"]: o["spec"] for o in cm if o["kind"] == "Issuer"}
+    certs = [o["spec"] for o in cm if o["kind"] == "Certificate"]
+
+    def issuer_of(cert: dict) -> dict:
+        ref = cert["issuerRef"]
+        assert ref.get("group", "cert-manager.io") == "cert-manager.io"
+        assert ref.get("kind", "Issuer") == "Issuer"  # namespaced: no cluster-wide issuer
+        return issuers[ref["name"]]
+
+    (ca,) = [c for c in certs if c.get("isCA")]
+    assert issuer_of(ca) == {"selfSigned": {}}
+    leaves = {c["secretName"]: c for c in certs if not c.get("isCA")}
+    for leaf in leaves.values():
+        assert issuer_of(leaf) == {"ca": {"secretName": ca["secretName"]}}
+        assert "cert sign" not in leaf.get("usages", [])
+
+    default = rendered["default"]
+    mounted = set()
+    for role in ("router", "encoder", "language"):
+        name, keys = _internal_tls_files(objs, role)
+        assert keys == {"ca": "ca.crt", "cert": "tls.crt", "key": "tls.key"}, role
+        mounted.add(name)
+        leaf = leaves[name]
+        assert leaf["commonName"] == role
+        assert INTERNAL_NAME in leaf["dnsNames"]  # what clients check servers against
+        assert {"digital signature", "server auth", "client auth"} <= set(leaf["usages"])
+        # the same names as the certificate the chart generates without cert-manager
+        gen_secret, _ = _internal_tls_files(default, role)
+        assert gen_secret == name
+        gen = x509.load_pem_x509_certificate(_data(default, "Secret", name)["tls.crt"].encode())
+        san = gen.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert sorted(leaf["dnsNames"]) == sorted(san.get_values_for_type(x509.DNSName))
+        assert sorted(leaf["ipAddresses"]) == sorted(
+            str(ip) for ip in san.get_values_for_type(x509.IPAddress))
+    assert mounted == set(leaves)  # one Certificate per role, each mounted by its role
+    # the CA's Secret (its key) is mounted by no pod
+    volumes = [v for o in objs if o["kind"] in ("Deployment", "Pod")
+               for v in (o["spec"].get("template", o)["spec"].get("volumes") or [])]
+    assert ca["secretName"] not in {v.get("secret", {}).get("secretName") for v in volumes}
+    assert not [o for o in objs if o["kind"] == "Secret"]
+    assert _key_material(default), "the fallback's Secrets are what this test tells apart"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--api-versions", CERT_MANAGER], ["-f", str(PROD), "--api-versions", CERT_MANAGER],
+     EXISTING_TLS, ["--api-versions", CERT_MANAGER, *EXISTING_TLS]],
+    ids=["cert-manager-detected", "production-cert-manager", "existing-secrets",
+         "existing-secrets-with-cert-manager"],
+)
+def test_gitops_renders_are_identical_and_hold_no_keys(helm, args):
+    """What Argo CD or Flux apply (`helm template` on every sync): two renders are byte for
+    byte the same and hold no private key, so a sync rotates nothing. cert-manager is picked
+    up from the cluster's API versions ("auto"); existing Secrets are only referenced."""
+    first = render_text(helm, *args)
+    assert render_text(helm, *args) == first
+    objs = [d for d in yaml.safe_load_all(first) if d]
+    assert not _key_material(objs)
+    existing = any("existingSecrets" in a for a in args)
+    certs = {o["spec"]["secretName"] for o in objs if o["kind"] == "Certificate"}
+    for role in ("router", "encoder", "language"):
+        name, _ = _internal_tls_files(objs, role)
+        assert name == f"mine-{role}" if existing else name in certs, role
+    if existing:  # all three given: nothing to issue
+        assert not [o for o in objs if o["apiVersion"] == CERT_MANAGER]
+
+
+@pytest.mark.parametrize(
+    "args", [[], ["--api-versions", CERT_MANAGER, "--set", "internalTLS.certManager=false"]],
+    ids=["no-cert-manager", "cert-manager-off"])
+def test_without_cert_manager_each_render_generates_new_keys(helm, args):
+    """The fallback (for `helm install`, which reuses the first keys through `lookup`): a
+    render without a cluster generates a new CA and keys each time, the GitOps caveat that
+    values.yaml and docs/deploy.md state."""
+    first = [d for d in yaml.safe_load_all(render_text(helm, *args)) if d]
+    second = [d for d in yaml.safe_load_all(render_text(helm, *args)) if d]
+    assert _key_material(first) and _key_material(first) == _key_material(second)
+    assert not [o for o in first if o["apiVersion"] == CERT_MANAGER]
+    name = f"{RELEASE}-internal-tls-encoder"
+    assert _data(first, "Secret", name)["tls.key"] != _data(second, "Secret", name)["tls.key"]
+
+
+def test_production_turns_on_alerts_and_dashboard(rendered):
+    """The production example ships the PrometheusRule, selected by the same Prometheus that
+    selects its ServiceMonitors, and the Grafana dashboard for the sidecar."""
+    import json
+
+    objs = rendered["production"]
+    rule = find(objs, "PrometheusRule", RELEASE)
+    assert rule["spec"]["groups"] and all(g["rules"] for g in rule["spec"]["groups"])
+    for mon in (o for o in objs if o["kind"] == "ServiceMonitor"):
+        selected_by = yaml.safe_load(PROD.read_text())["serviceMonitor"]["labels"]
+        assert selected_by.items() <= mon["metadata"]["labels"].items()
+        assert selected_by.items() <= rule["metadata"]["labels"].items()
+    dash = find(objs, "ConfigMap", f"{RELEASE}-dashboard")
+    sidecar = yaml.safe_load((CHART / "values.yaml").read_text())["grafanaDashboard"]["labels"]
+    assert sidecar.items() <= dash["metadata"]["labels"].items()
+    assert json.loads(dash["data"]["tandem.json"])["panels"]
 
 
 def test_config_schema_is_generated_from_the_services_settings():
