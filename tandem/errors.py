@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import grpc
 
+# The trailing metadata key under which a failed gRPC call names the offending input (the
+# router sets it, the SDK reads it into TandemError.field): "sampling.temperature", ...
+FIELD_METADATA = "tandem-error-field"
+
 
 class ServiceError(Exception):
     """`code` is a gRPC status code name ("INVALID_ARGUMENT", "UNAVAILABLE", ...)."""

@@ -85,10 +85,12 @@ def test_sdk_typed_errors(router):
             c.chat([{"role": "user", "content": [image(b"\x89PNG..."), "what?"]}])
         with pytest.raises(NotFoundError):
             c.chat("hi", model="other")
-        with pytest.raises(InvalidRequestError, match="role"):
+        with pytest.raises(InvalidRequestError, match="role") as e:
             c.chat([{"role": "wizard", "content": "x"}])
-        with pytest.raises(InvalidRequestError):
+        assert e.value.field == "messages[0].role"  # carried in the call's trailing metadata
+        with pytest.raises(InvalidRequestError) as e:
             list(c.stream_chat("hi", temperature=-1))
+        assert e.value.field == "sampling.temperature"
 
 
 def test_async_sdk_and_unreachable_router(router):
@@ -98,6 +100,9 @@ def test_async_sdk_and_unreachable_router(router):
             assert await c.models() == ["tiny"]
             with pytest.raises(UnavailableError):
                 await c.chat("hi")
+            with pytest.raises(InvalidRequestError) as e:
+                await c.chat([{"role": "wizard", "content": "x"}])
+            assert e.value.field == "messages[0].role"
         async with AsyncClient(f"127.0.0.1:{free_port()}", retries=2, backoff=0.01,
                                timeout=5) as c:
             with pytest.raises(UnavailableError):

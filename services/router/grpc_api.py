@@ -15,6 +15,7 @@ import grpc
 from pydantic import TypeAdapter, ValidationError
 
 from tandem import sampling
+from tandem.errors import FIELD_METADATA
 from tandem.services.router.admission import check_api_key, client_id
 from tandem.services.router.choices import choice_requests, merged
 from tandem.services.router.config import RouterConfig
@@ -80,6 +81,12 @@ def _tools(request: router_pb2.RouterGenerateRequest) -> ToolSetup:
             raise RouterError("INVALID_ARGUMENT", f"tools: {e.errors()[0]['msg']}",
                               "tools") from None  # fmt: skip
     return tool_setup_of(tools, request.tool_choice or None)
+
+
+def _field_metadata(err: RouterError) -> tuple[tuple[str, str], ...]:
+    """The offending input's name as trailing metadata of a failed call (the SDK reads it
+    into TandemError.field; a status carries only a code and a message)."""
+    return ((FIELD_METADATA, err.param),) if err.param else ()
 
 
 def _client_id(context: grpc.aio.ServicerContext, cfg: RouterConfig) -> str:
@@ -183,7 +190,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             core.metrics.requests.labels("grpc", err.code.lower()).inc()
             if not sent:
                 ticket.answered(err.http_status, request.ByteSize())
-                await context.abort(err.grpc_code, err.message)
+                await context.abort(err.grpc_code, err.message, _field_metadata(err))
             yield router_pb2.RouterGenerateResponse(
                 finish_reason=common_pb2.FINISH_REASON_ERROR,
                 error=common_pb2.ErrorInfo(

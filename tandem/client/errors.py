@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import grpc
 
+from tandem.errors import FIELD_METADATA
+
 
 class TandemError(Exception):
     """Base class. `code` is the gRPC status code name; `field` names the offending input
@@ -71,4 +73,6 @@ def error_from_rpc(err: grpc.RpcError) -> TandemError:
     code = err.code() if hasattr(err, "code") else None
     name = code.name if code is not None else "UNKNOWN"
     details = err.details() if hasattr(err, "details") else str(err)
-    return error_from_code(name, details or name)
+    trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    field = dict(trailing or ()).get(FIELD_METADATA, "")
+    return error_from_code(name, details or name, field)
