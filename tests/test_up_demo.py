@@ -1,7 +1,7 @@
 """`tandem up --demo` as `make run` starts it, on a fresh cache: builds the tiny default
 checkpoint, starts 1 encoder + 1 language + router as processes, sends one chat with a
 generated image through the `openai` client, prints the answer and the time per stage,
-and with DEMO_ONLY=1 stops every child and exits 0."""
+with no line at warning level or above, and with DEMO_ONLY=1 stops every child and exits 0."""
 
 from __future__ import annotations
 
@@ -33,6 +33,11 @@ def test_up_demo_only_on_fresh_cache(tmp_path):
         assert re.search(rf"\[up\] {name}\s+ready", out)
         assert re.search(rf"^{name}\s*\| ", out, re.M)  # its log lines, prefixed
     assert "[up] stopped" in out
+    # a healthy start says nothing at warning level or above (Mooncake's benign start-up
+    # lines included: the launcher shows them only at --log-level debug)
+    loud = [ln for ln in out.splitlines() if re.search(
+        r"\| (\S+ \S+ (WARNING|ERROR|CRITICAL) |mooncake (WARNING|ERROR|CRITICAL) )", ln)]
+    assert loud == [], loud
     pids = [int(p) for p in re.findall(r"=(\d+)", re.search(r"\[up\] pids: (.*)", out).group(1))]
     assert len(pids) == 3
     assert not [p for p in pids if psutil.pid_exists(p)

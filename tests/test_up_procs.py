@@ -240,3 +240,24 @@ def test_a_taken_port_stops_each_server_in_one_line(kind, checkpoint):
     errors = [ln for ln in r.stderr.splitlines() if "cannot listen" in ln]
     assert len(errors) == 1 and f"127.0.0.1:{port} ({flag})" in errors[0], r.stderr
     assert "Traceback" not in r.stderr, r.stderr
+
+
+
+def test_mooncakes_benign_start_up_lines_show_only_at_debug():
+    """Mooncake logs through glog at warning and error level on every healthy TCP start;
+    the launcher shows those lines at --log-level debug only, and any other glog line in
+    the launcher's shape, with its level."""
+    from tandem.launch.procs import native_line
+
+    benign = ["WARNING: Logging before InitGoogleLogging() is written to STDERR",
+              "W1125 17:33:10.823345 28818 topology.cpp:201] No RDMA devices found, check "
+              "your device installation",
+              "E1125 17:33:10.823823 28818 transfer_metadata.cpp:1098] Local segment "
+              "descriptor not found"]
+    assert [native_line(ln, "info") for ln in benign] == [None] * 3
+    assert all(native_line(ln, "debug").startswith("mooncake DEBUG") for ln in benign)
+    other = "E1125 17:33:11.000001 28818 transfer_engine.cpp:77] connection refused by peer"
+    assert native_line(other, "info") == ("mooncake ERROR transfer_engine.cpp:77 connection "
+                                          "refused by peer")
+    assert native_line("2026-11-25 17:33:11,000 INFO tandem.language ready", "info") == (
+        "2026-11-25 17:33:11,000 INFO tandem.language ready")

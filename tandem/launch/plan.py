@@ -263,7 +263,8 @@ def plan(args: argparse.Namespace, model: str, pki: PKIPaths | None = None
             argv = instance_argv(kind, model, args.host, port, ranges.pop(),
                                  ["--log-level", args.log_level, *extra, *own])
             child = Child(f"{kind}-{i}", argv, f"{args.host}:{port}",
-                          nice=args.encoder_nice if kind == "encoder" else 0)
+                          nice=args.encoder_nice if kind == "encoder" else 0,
+                          log_level=args.log_level)
             child.metrics_url = f"http://{args.host}:{metrics}/metrics"
             child.env_extra.update(tls_env(pki, kind))
             child.probe_tls = operator_tls(pki)

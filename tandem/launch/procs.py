@@ -14,6 +14,7 @@ import ctypes
 import functools
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -108,6 +109,31 @@ def _child_setup(nice: int):
     return setup
 
 
+# Mooncake's transfer engine logs through glog, straight to the tier's stderr: a line like
+# "W1125 17:33:10.823 28818 topology.cpp:201] No RDMA devices found". On every healthy start
+# over TCP it prints these, at warning and even error level; they say nothing is wrong.
+_GLOG = re.compile(r"^([IWEF])\d{4} [\d:.]+\s+\d+ ([\w.]+:\d+)\] (.*)$")
+_GLOG_LEVEL = {"I": "INFO", "W": "WARNING", "E": "ERROR", "F": "CRITICAL"}
+BENIGN_NATIVE = (
+    "WARNING: Logging before InitGoogleLogging() is written to STDERR",
+    "Using default malloc/free for protocol: tcp",  # the protocol asked for
+    "No RDMA devices found",  # TCP needs none
+    "Local segment descriptor not found",  # looked up once before it is registered
+)
+
+
+def native_line(line: str, log_level: str) -> str | None:
+    """A child's output line as the launcher shows it: Mooncake's glog lines in our shape
+    ("mooncake WARNING topology.cpp:201 ..."), its benign start-up lines only at debug
+    (None: not shown); every other line as it is."""
+    if any(b in line for b in BENIGN_NATIVE):
+        return f"mooncake DEBUG {line}" if log_level == "debug" else None
+    m = _GLOG.match(line)
+    if m is None:
+        return line
+    return f"mooncake {_GLOG_LEVEL[m.group(1)]} {m.group(2)} {m.group(3)}"
+
+
 @dataclass
 class Child:
     """One service process. `health_service` is the grpc.health.v1 service name whose
@@ -121,6 +147,7 @@ class Child:
     metrics_url: str = ""  # its Prometheus endpoint, printed with its ready line
     nice: int = 0  # scheduling priority below the launcher's (`tandem up --encoder-nice`)
     probe_tls: object | None = None  # InternalTLS (role operator) for a tier under mTLS
+    log_level: str = "info"  # its --log-level: Mooncake's benign start-up lines below debug
     proc: subprocess.Popen | None = None
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=40))
     started_at: float = 0.0
@@ -146,7 +173,9 @@ class Child:
         for raw in iter(self.proc.stdout.readline, b""):
             line = raw.decode(errors="replace").rstrip()
             self.tail.append(line)
-            say(f"{self.name:<{width}}| {line}")
+            shown = native_line(line, self.log_level)
+            if shown is not None:
+                say(f"{self.name:<{width}}| {shown}")
 
     @property
     def alive(self) -> bool:
