@@ -19,11 +19,12 @@ every CPU (tests/test_cpu_kernels.py checks it against forced builds); `isa()` s
 path a build runs. TANDEM_KERNEL_ISA forces one: `native` (default: what -march=native
 gives), `avx2` (AVX-512 disabled: an AVX-512 host proves the AVX2 path) or `generic`.
 
-The build is keyed by the sources, the torch version, this CPU's flags (it is compiled
-with -march=native), the forced path and the Python environment, and cached in
+The build is keyed by the sources, the compiler flags, the torch version, this CPU's flags
+(it is compiled with -march=native), the forced path and the Python environment (not by
+this file: editing a log line rebuilds nothing), and cached in
 $TANDEM_KERNEL_DIR (default ~/.cache/tandem/kernels): `make setup` builds it ahead
-(`python -m tandem.cpu_kernels`, ~60 s on two cores), so no request ever waits for the
-compiler. Where it cannot be built (no compiler, no ninja), `kernels()` returns None once
+(`python -m tandem.cpu_kernels`, 1-8 minutes on two cores: a line at least every 10 s
+says how far it got), so no request ever waits for the compiler. Where it cannot be built (no compiler, no ninja), `kernels()` returns None once
 with a warning and the runner keeps torch's ops (gather + SDPA, F.linear): slower, same
 results within float32 rounding.
 """
@@ -37,6 +38,8 @@ import logging
 import os
 import sys
 import sysconfig
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -57,6 +60,11 @@ ISA_FLAGS = {
     "avx2": ["-mno-avx512f"],  # x86-64 with AVX2+FMA: AVX-512 (and its subsets) off
     "generic": ["-DTANDEM_FORCE_GENERIC"],  # the plain C++ path
 }
+# NOTE: no contraction of a * b + c into one FMA where the source does not ask for it (the
+# pointwise steps round as torch does); intrinsics still FMA.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
+LDFLAGS = ["-fopenmp"]
+PROGRESS_S = 10.0  # a compile says how far it got at least this often
 
 
 def requested_isa() -> str:
@@ -110,7 +118,8 @@ def kernels():
     path = requested_isa()  # a bad request is an error, not a fallback
     try:  # no source (an install without it), no compiler, no ninja: keep torch's ops
         key = hashlib.sha256(
-            b"".join(p.read_bytes() for p in SOURCES + HEADERS) + Path(__file__).read_bytes()
+            b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+            + " ".join(CFLAGS + ISA_FLAGS[path] + LDFLAGS).encode()
             + torch.__version__.encode() + os.uname().machine.encode()
             + " ".join(sorted(cpu_flags())).encode() + path.encode()
             # NOTE: and the environment: the build embeds its torch/Python include paths, so
@@ -142,17 +151,10 @@ def kernels():
                     sources.append(str(copy))
             from torch.utils.cpp_extension import load
 
-            mod = load(
-                name=name,
-                sources=sources,
-                build_directory=str(build),
-                # NOTE: no contraction of a * b + c into one FMA where the source does not
-                # ask for it (the pointwise steps round as torch does); intrinsics still FMA.
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno",
-                              "-ffp-contract=off", *ISA_FLAGS[path]],
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
+            with _progress(build, name, [Path(s).stem for s in sources], path):
+                mod = load(name=name, sources=sources, build_directory=str(build),
+                           extra_cflags=CFLAGS + ISA_FLAGS[path], extra_ldflags=LDFLAGS,
+                           verbose=False)
     except Exception as e:
         log.warning("CPU kernels unavailable (%s); using torch's ops (gather + SDPA, F.linear)", e)
         return None
@@ -161,6 +163,46 @@ def kernels():
                     "nor NEON): backend 'auto' keeps torch's ops; 'packed_cpu'/'paged_cpu' "
                     "run the generic C++ path (slower)", os.uname().machine)
     return mod
+
+
+class _progress:
+    """While a build compiles (its module not built yet in `build`), a line at least every
+    PROGRESS_S seconds: each source once it compiled, with the time it took, else how long
+    the build has run. Nothing when the build is already there (a load)."""
+
+    def __init__(self, build: Path, name: str, stems: list[str], path: str) -> None:
+        self.build, self.stems, self.path = build, stems, path
+        self.active = not (build / f"{name}.so").exists()
+        self.done = threading.Event()
+
+    def __enter__(self):
+        if self.active:
+            self.t0 = time.monotonic()
+            log.info("CPU kernels: compiling %d sources for the %s path (once per machine "
+                     "and environment; minutes on a few cores)", len(self.stems), self.path)
+            threading.Thread(target=self._report, name="kernel-build", daemon=True).start()
+        return self
+
+    def _report(self) -> None:
+        seen: set[str] = set()
+        while not self.done.wait(1.0):
+            now = time.monotonic() - self.t0
+            fresh = [s for s in self.stems if s not in seen and (self.build / f"{s}.o").exists()]
+            for s in fresh:
+                seen.add(s)
+                log.info("CPU kernels: %s compiled (%.0f s, %d of %d)", s, now, len(seen),
+                         len(self.stems))
+            if fresh:
+                self.last = now
+            elif now - getattr(self, "last", 0.0) >= PROGRESS_S:
+                self.last = now
+                log.info("CPU kernels: still compiling (%.0f s, %d of %d sources done)",
+                         now, len(seen), len(self.stems))
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        if self.active and exc[0] is None:
+            log.info("CPU kernels: built in %.0f s", time.monotonic() - self.t0)
 
 
 def _auto_uses(mod) -> bool:
@@ -268,6 +310,7 @@ def linear_kernels(backend: str, device: torch.device, dtype: torch.dtype):
 
 
 if __name__ == "__main__":  # `make setup`: build ahead of the first request
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     mod = kernels()
     print("CPU kernels:", f"built, path {mod.isa()} ({requested_isa()} build on {cpu_model()})"
           if mod is not None else "UNAVAILABLE")

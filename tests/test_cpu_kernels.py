@@ -439,3 +439,28 @@ def test_auto_keeps_torch_ops_where_only_the_generic_path_builds(monkeypatch):
     assert cpu_kernels.decode_attention_op("auto", cpu) is None
     assert cpu_kernels.linear_kernels("packed_cpu", cpu, torch.float32) is fake
     assert cpu_kernels.decode_attention_op("paged_cpu", cpu) == fake.paged_decode_attention
+
+
+def test_a_compile_reports_each_source_it_finishes(tmp_path, caplog):
+    """`make setup` and a tier's first start say how far the kernels' compile got: a line
+    per source as its object appears (and one at least every PROGRESS_S seconds); nothing
+    when the module is already built."""
+    import logging
+
+    from waiting import wait_until
+
+    from tandem.cpu_kernels import _progress
+
+    caplog.set_level(logging.INFO, logger="tandem.language.kernels")
+    with _progress(tmp_path, "mod", ["linear", "pointwise"], "avx2") as p:
+        assert p.active
+        (tmp_path / "linear.o").write_bytes(b"")
+        wait_until(lambda: "linear compiled" in caplog.text, timeout_s=30,
+                   what="the compiled-source line", state=lambda: caplog.text)
+    assert "compiling 2 sources for the avx2 path" in caplog.text
+    assert "built in" in caplog.text
+    (tmp_path / "mod.so").write_bytes(b"")
+    caplog.clear()
+    with _progress(tmp_path, "mod", ["linear"], "avx2") as p:
+        assert not p.active
+    assert caplog.text == ""
