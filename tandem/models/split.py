@@ -32,14 +32,19 @@ Normalized text names (`TextWeights.tensors`), whatever the checkpoint's layout:
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from tandem.models.checkpoint import CheckpointError, ModelSpec, read_spec, resolve_model_path
+
+log = logging.getLogger("tandem.models")
+PROGRESS_S = 10.0  # reading a checkpoint says how far it got at least this often
 
 _TEXT_NAME = re.compile(r"^(embed_tokens\.weight|norm\.weight|layers\.\d+\.(?!.*rotary_emb).+)$")
 
@@ -61,9 +66,15 @@ def read_tensors(spec: ModelSpec, names, dtype: torch.dtype, device, plan=None
     if missing:
         raise CheckpointError(f"{spec.path}: missing tensors {missing[:5]}")
     out: dict[str, torch.Tensor] = {}
-    for file, group in spec.files(names).items():
+    files = spec.files(names)
+    t0 = last = time.monotonic()
+    for k, (file, group) in enumerate(files.items(), 1):
         with safe_open(str(spec.path / file), framework="pt", device=str(device)) as f:
-            for name in group:
+            for j, name in enumerate(group, 1):
+                if time.monotonic() - last >= PROGRESS_S:  # a big file: say how far it is
+                    last = time.monotonic()
+                    log.info("weights: reading %s (%d of %d tensors, %.0f s)", file, j,
+                             len(group), last - t0)
                 how = None
                 if plan is not None:
                     stored = f.get_slice(name)
@@ -73,6 +84,9 @@ def read_tensors(spec: ModelSpec, names, dtype: torch.dtype, device, plan=None
                 else:
                     parts = [stored[idx].to(dtype) for idx in how.parts]
                     out[name] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=how.dim)
+        last = time.monotonic()
+        log.info("weights: read %s (%d tensors; file %d of %d, %.0f s)", file, len(group), k,
+                 len(files), last - t0)
     return out
 
 
