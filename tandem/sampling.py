@@ -16,7 +16,7 @@ So a new knob is a field in common.proto, a row here, and its use in the sampler
 stop token ids, logit bias, the output grammar) are spelled out below, once.
 
 Absent and zero: a knob whose zero is not its default (`top_p`, `repetition_penalty`,
-`max_tokens`, `seed`) is `optional` in the proto, so absence travels as absence; any value
+`max_tokens`, `seed`, `skip_special_tokens`) is `optional` in the proto, so absence travels as absence; any value
 that is present is checked, zero included (top_p=0 is an error, not "off").
 
 Light on purpose: the client SDK imports it (protobuf only; no pydantic, no torch).
@@ -108,6 +108,11 @@ KNOBS: tuple[Knob, ...] = (
     Knob("ignore_eos", bool, False, "Keep generating past EOS (benchmarks)."),
     Knob("include_stop_str_in_output", bool, False, "Keep the matched stop string at the "
          "end of the output."),
+    Knob("skip_special_tokens", bool, True, "Leave the tokenizer's special tokens out of "
+         "the output text (the token ids keep them)."),
+    Knob("spaces_between_special_tokens", bool, True, "With special tokens in the text: "
+         "false joins each added token's own text to its neighbours without a separator "
+         "(the same text for byte-level tokenizers such as Qwen's)."),
     Knob("max_tokens", int, None, "Most tokens to generate; absent: the service's default "
          "(shortened to what the context leaves).", 1, MAX_TOKENS, openai=False),
     Knob("logprobs", bool, False, "Return each chosen token's log-probability.",
@@ -218,8 +223,9 @@ def from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
 
 
 def _optional(k: Knob) -> bool:
-    """Whether the proto field has presence (`optional`): a default that is not zero."""
-    return k.default is None or (k.type is not bool and k.default != 0)
+    """Whether the proto field has presence (`optional`): a default that is not zero
+    (a bool whose default is true included)."""
+    return k.default is None or k.default != 0
 
 
 def to_proto(**values) -> common_pb2.SamplingParams:

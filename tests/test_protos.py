@@ -109,7 +109,7 @@ def test_sampling_knobs_are_the_protos_scalars_with_presence_where_zero_is_not_d
     assert {k.name for k in KNOBS} == scalars
     for k in KNOBS:
         zero_is_default = k.default is not None and k.default == 0
-        assert fields[k.name].has_presence == (not zero_is_default and k.type is not bool), k
+        assert fields[k.name].has_presence == (not zero_is_default), k
     # absent knobs come back as their defaults; present ones as given
     assert from_proto(common_pb2.SamplingParams()) == SamplingParams()
     given = to_proto(top_p=0.5, repetition_penalty=1.25, max_tokens=7, seed=0)

@@ -33,7 +33,7 @@ HTTP_KNOBS = [k for k in sampling.KNOBS if k.openai]
 def inside(k: sampling.Knob):
     """A value in range that is not the default (so it must travel)."""
     if k.type is bool:
-        return True
+        return not k.default
     lo = k.lo if k.lo is not None else 0
     hi = k.hi if k.hi is not None else lo + 8
     if k.type is int:

@@ -205,8 +205,10 @@ class Engine:
                 return
             match event:
                 case Submit(req, sink):
-                    detok = IncrementalDetokenizer(self.tokenizer, req.sampling.stop,
-                                                   req.sampling.include_stop_str_in_output)
+                    sp = req.sampling
+                    detok = IncrementalDetokenizer(
+                        self.tokenizer, sp.stop, sp.include_stop_str_in_output,
+                        sp.skip_special_tokens, sp.spaces_between_special_tokens)
                     live = self._live[req.room] = Live(req, sink, detok)
                     if req.sampler.grammar_future is not None:  # joins the queue once compiled
                         req.status = RequestStatus.WAITING_FOR_GRAMMAR

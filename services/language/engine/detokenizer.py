@@ -13,6 +13,12 @@ Stop strings: text is streamed only up to a point no stop string can still begin
 A suffix that is a prefix of some stop string is held back until it either completes
 the stop string (generation ends, everything after the match is dropped, and the match
 too unless `include_stop`) or stops matching (it is released). The held text is released on a non-stop finish.
+
+Special tokens (vLLM's options of the same names): `skip_special_tokens` leaves them out of
+the text (the default); kept, `spaces_between_special_tokens=False` renders each added
+token as its own text, joined to the text around it without a separator, where true (the
+default) lets the tokenizer decode the whole window, as vLLM's fast detokenizer does. For a
+byte-level tokenizer (Qwen's) the two are the same text: its decoder never adds spaces.
 """
 
 from __future__ import annotations
@@ -26,10 +32,21 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
+def added_tokens(tokenizer) -> dict[int, str]:
+    """The tokenizer's added tokens (special or not): id -> its text."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return {i: getattr(t, "content", str(t)) for i, t in decoder.items()}
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None,
-                 include_stop: bool = False) -> None:
+                 include_stop: bool = False, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special = skip_special_tokens
+        # kept special tokens joined without the decoder's separators: id -> text
+        self.added = ({} if skip_special_tokens or spaces_between_special_tokens
+                      else added_tokens(tokenizer))
         self.stop = [s for s in (stop or []) if s]
         self.include_stop = include_stop  # keep the matched stop string in the text
         self.ids: list[int] = []
@@ -40,7 +57,20 @@ class IncrementalDetokenizer:
         self.stopped = False  # a stop string matched
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        if not self.added:
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+        pieces, run = [], []
+        for t in ids:
+            if t in self.added:
+                if run:
+                    pieces.append(self.tokenizer.decode(run, skip_special_tokens=False))
+                    run = []
+                pieces.append(self.added[t])
+            else:
+                run.append(t)
+        if run:
+            pieces.append(self.tokenizer.decode(run, skip_special_tokens=False))
+        return "".join(pieces)
 
     def _advance(self, final: bool) -> None:
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
