@@ -10,9 +10,11 @@ caller what to fix.
 
 from __future__ import annotations
 
+import codecs
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from tandem.errors import ServiceError
 
@@ -99,6 +101,106 @@ class Limits:
     max_images: int = 0
 
 
+# chat_template_kwargs: a JSON object of the template's own variables, bounded in size and
+# nesting. The names below are the server's to give (the chat, its tools, the generation
+# prompt) or transformers' (the call's options, the tokenizer's special tokens, the
+# template's helpers): a client setting one is refused by name, never let through.
+MAX_TEMPLATE_KWARGS_BYTES = 16 << 10
+MAX_TEMPLATE_KWARGS_DEPTH = 8
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "chat_template", "tokenize", "return_dict", "return_tensors", "processor_kwargs",
+    "return_assistant_tokens_mask", "sanitize_control_tokens", "load_audio_from_video",
+    "raise_exception", "strftime_now", "bos_token", "eos_token", "unk_token", "sep_token",
+    "pad_token", "cls_token", "mask_token", "additional_special_tokens", "image_token",
+    "video_token"})
+
+
+@dataclass(frozen=True)
+class TemplateOptions:
+    """How the chat template renders one chat (vLLM's request extras of these names).
+
+    kwargs: the template's own variables (`chat_template_kwargs`, checked by
+    `template_kwargs`). add_generation_prompt: None = unless the chat ends with an
+    assistant message or continues its last one. continue_final_message: leave the last
+    message open (the model continues it)."""
+
+    kwargs: dict = field(default_factory=dict)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+
+    def generation_prompt(self, messages: list[Message]) -> bool:
+        if self.add_generation_prompt is not None:
+            return self.add_generation_prompt
+        return messages[-1].role != "assistant" and not self.continue_final_message
+
+
+def _depth(value, level: int = 1) -> int:
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list):
+        return max((_depth(v, level + 1) for v in value), default=level)
+    return level - 1
+
+
+def template_kwargs(text: str, where: str = "chat_template_kwargs") -> dict:
+    """`chat_template_kwargs` from its JSON text ("" = none): an object of at most
+    MAX_TEMPLATE_KWARGS_BYTES, nested at most MAX_TEMPLATE_KWARGS_DEPTH deep, whose keys
+    are identifiers the server does not give the template itself (ChatError names them)."""
+    if not text:
+        return {}
+    if len(text.encode()) > MAX_TEMPLATE_KWARGS_BYTES:
+        raise invalid(where, f"at most {MAX_TEMPLATE_KWARGS_BYTES} bytes of JSON")
+    try:
+        kwargs = json.loads(text)
+    except (ValueError, RecursionError):
+        raise invalid(where, "not valid JSON") from None
+    if not isinstance(kwargs, dict):
+        raise invalid(where, "must be a JSON object (the chat template's variables by name)")
+    if _depth(kwargs) > MAX_TEMPLATE_KWARGS_DEPTH:
+        raise invalid(where, f"nested more than {MAX_TEMPLATE_KWARGS_DEPTH} deep")
+    for key in kwargs:
+        if not key.isidentifier():
+            raise invalid(f"{where}.{key}", "a template variable's name is an identifier")
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise invalid(f"{where}.{key}", "set by the server itself, not by a request"
+                          + (f" (use the request's {key} field)"
+                             if key in ("tools", "add_generation_prompt",
+                                        "continue_final_message") else ""))
+    return kwargs
+
+
+def template_options_from_proto(opts) -> TemplateOptions:
+    """The wire's ChatTemplateOptions, checked (ChatError names the field as vLLM does)."""
+    add = opts.add_generation_prompt if opts.HasField("add_generation_prompt") else None
+    if add and opts.continue_final_message:
+        raise invalid("continue_final_message", "cannot go with add_generation_prompt: "
+                      "the last message is either continued or followed by a new turn")
+    return TemplateOptions(template_kwargs(opts.kwargs_json), add, opts.continue_final_message)
+
+
+def load_chat_template(value: str) -> str | None:
+    """A deployment's chat template (`--chat-template`, as vLLM takes it): a file's path,
+    or the template itself ("\\n" escapes allowed, for one line); "" = the checkpoint's.
+    ValueError when it is neither a readable file nor a template."""
+    if not value:
+        return None
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:
+        pass
+    if not any(c in value for c in "{}\n"):
+        raise ValueError(f"{value!r} is neither a readable file nor a template")
+    if "\n" in value or "\\" not in value:  # a whole template, or one without escapes
+        return value
+    try:
+        return codecs.decode(value, "unicode_escape")
+    except UnicodeError:
+        return value
+
+
 def messages_from_proto(msgs) -> list[Message]:
     """`repeated ChatMessage` -> `[Message]`; refuses unknown roles and empty parts."""
     if not msgs:
@@ -172,8 +274,11 @@ class ChatTemplate:
     """The checkpoint's chat template and tokenizer (from its processor): chat -> prompt
     token ids, each image placeholder expanded to its image's token count. Thread-safe."""
 
-    def __init__(self, processor) -> None:
+    def __init__(self, processor, chat_template: str | None = None) -> None:
+        """`chat_template`: the deployment's own template (`load_chat_template`); None:
+        the checkpoint's."""
         self.processor = processor
+        self.chat_template = chat_template
         self.image_token: str = processor.image_token
         self.image_token_id: int = processor.image_token_id
         added = getattr(processor.tokenizer, "added_tokens_decoder", {}).values()
@@ -211,17 +316,53 @@ class ChatTemplate:
         probe = [{"type": "function", "function": {"name": "tandem_probe_fn", "parameters": {}}}]
         text = self.processor.apply_chat_template(
             [{"role": "user", "content": [{"type": "text", "text": "x"}]}], tools=probe,
-            tokenize=False, add_generation_prompt=True)
+            chat_template=self.chat_template, tokenize=False, add_generation_prompt=True)
         return "tandem_probe_fn" in text
+
+    @functools.cached_property
+    def variables(self) -> frozenset[str]:
+        """The variables the template reads (its undeclared names): the only
+        chat_template_kwargs passed on, as transformers itself splits them."""
+        from transformers.utils.chat_template_utils import _get_template_variables
+
+        source = self.chat_template or self.processor.chat_template
+        if isinstance(source, dict):  # several named templates: the default one renders
+            source = source.get("default")
+        return _get_template_variables(source)
+
+    def render_kwargs(self, options: TemplateOptions) -> dict:
+        """The request's chat_template_kwargs the template reads (a key it does not read
+        has no effect, as in vLLM); a special token's name or a string spelling a reserved
+        token is refused (ChatError), as in a message's text."""
+        special = set(getattr(self.processor.tokenizer, "special_tokens_map", {}) or {})
+        out = {}
+        for key, value in options.kwargs.items():
+            where = f"chat_template_kwargs.{key}"
+            if key in special:
+                raise invalid(where, "set by the server itself, not by a request")
+            text = json.dumps(value, ensure_ascii=False)
+            for tok in self.reserved:
+                if tok in text:
+                    raise invalid(where, f"contains reserved token {tok}")
+            if key in self.variables:
+                out[key] = value
+        return out
 
     def token_ids(self, messages: list[Message], hf_messages: list[dict],
                   image_tokens: list[int], max_prompt_tokens: int,
-                  tools: list[dict] | None = None) -> list[int]:
+                  tools: list[dict] | None = None,
+                  options: TemplateOptions | None = None) -> list[int]:
         """The prompt's ids: the template rendered (with the generation prompt unless the
-        chat ends with an assistant turn, and `tools` when given), image i's placeholder
-        repeated image_tokens[i] times; refuses a prompt over `max_prompt_tokens`."""
+        chat ends with an assistant turn or `options` say otherwise, `tools` when given,
+        the options' kwargs), image i's placeholder repeated image_tokens[i] times;
+        refuses a prompt over `max_prompt_tokens`."""
+        options = options or TemplateOptions()
         if tools and not self.renders_tools:
             raise invalid("tools", "this model's chat template does not render tools")
+        kwargs = self.render_kwargs(options)
+        if options.continue_final_message and not any(
+                isinstance(p, str) and p.strip() for p in messages[-1].parts):
+            raise invalid("continue_final_message", "the last message has no text to continue")
         texts = [p for m in messages for p in m.parts if isinstance(p, str)]
         chars = sum(len(p) for p in texts)
         if chars > max_prompt_tokens * MAX_CHARS_PER_TOKEN:  # NOTE: before the costly render
@@ -231,10 +372,16 @@ class ChatTemplate:
         if words > max_prompt_tokens:
             raise invalid("messages", f"the chat's text is {words} words, more than a prompt "
                           f"of at most {max_prompt_tokens} tokens can hold")
-        text = self.processor.apply_chat_template(
-            hf_messages, tools=tools or None, tokenize=False,
-            add_generation_prompt=messages[-1].role != "assistant",
-        )
+        try:
+            text = self.processor.apply_chat_template(
+                hf_messages, chat_template=self.chat_template, tools=tools or None,
+                tokenize=False, add_generation_prompt=options.generation_prompt(messages),
+                continue_final_message=options.continue_final_message, **kwargs)
+        except ValueError as e:  # transformers: the template dropped the continued message
+            if not options.continue_final_message:
+                raise
+            raise invalid("continue_final_message", f"the chat template cannot continue the "
+                          f"last message: {str(e).splitlines()[0]}") from None
         parts = text.split(self.image_token)
         if len(parts) != len(image_tokens) + 1:  # the template dropped or duplicated an image
             raise invalid("messages", "the chat template does not place every image")
@@ -289,9 +436,10 @@ class ChatTemplate:
         return ids
 
     def text_only_ids(self, messages: list[Message], max_prompt_tokens: int,
-                      tools: list[dict] | None = None) -> list[int]:
+                      tools: list[dict] | None = None,
+                      options: TemplateOptions | None = None) -> list[int]:
         """A chat without images -> its prompt ids (an image is refused)."""
         hf_messages, images = self.split(messages)
         if images:
             raise invalid(images[0][0], "this path takes text-only chats")
-        return self.token_ids(messages, hf_messages, [], max_prompt_tokens, tools)
+        return self.token_ids(messages, hf_messages, [], max_prompt_tokens, tools, options)

@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Literal, TypeVar
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, SettingsConfigDict
 
 S = TypeVar("S", bound=BaseSettings)
@@ -117,6 +117,18 @@ class ModelServiceSettings(ServiceSettings):
     health_port: int = Field(
         0, ge=0, le=65535, description="Also serve grpc.health.v1 alone, plaintext, on this "
         "port (Kubernetes probes cannot present the internal client certificate); 0: off.")
+    chat_template: str = Field(
+        "", description="The chat template every chat is rendered with, as vLLM's "
+        "--chat-template: a file's path or the template itself; empty = the checkpoint's. "
+        "Give the encoder and the language tier the same one.")
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template(cls, value: str) -> str:
+        from tandem.chat import load_chat_template
+
+        load_chat_template(value)  # a missing file stops the process here, by name
+        return value
 
 
 def format_validation_error(prog: str, err: ValidationError) -> str:

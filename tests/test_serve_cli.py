@@ -37,7 +37,10 @@ def settings(argv: list[str], model: str) -> dict[str, object]:
 def test_every_mapped_vllm_flag_reaches_the_tier_that_honours_it(tmp_path):
     model = tmp_path / "Qwen2.5-VL-7B-Instruct"
     model.mkdir()
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     got = settings([str(model), "--host", "0.0.0.0", "--port", "9001",
+                    "--chat-template", str(template),
                     "--served-model-name", "qwen-vl", "--tensor-parallel-size", "2",
                     "--max-model-len", "4096", "--dtype", "bfloat16",
                     "--gpu-memory-utilization", "0.8", "--max-num-seqs", "48",
@@ -54,8 +57,24 @@ def test_every_mapped_vllm_flag_reaches_the_tier_that_honours_it(tmp_path):
         48, 2048, False)
     assert lang.kv_pages == 64  # the caller's own --language-args still apply
     assert (enc.dtype, enc.max_images_per_request) == ("bfloat16", 3)
+    assert enc.chat_template == lang.chat_template == str(template)
     assert {enc.log_level, lang.log_level, router.log_level} == {"warning"}
     assert settings([str(model), "--enable-prefix-caching"], str(model))["language"].prefix_cache
+
+
+def test_chat_template_is_a_file_or_the_template_itself_on_both_tiers(tmp_path):
+    """vLLM's --chat-template: a file's path, or the template on one line (escapes as
+    vLLM reads them); a path that names no file stops the tier at start, by name."""
+    from tandem.chat import load_chat_template
+
+    model = tmp_path / "m"
+    model.mkdir()
+    inline = "{% for m in messages %}{{ m['content'] }}\\n{% endfor %}"
+    got = settings([str(model), "--chat-template", inline], str(model))
+    assert got["encoder"].chat_template == got["language"].chat_template == inline
+    assert load_chat_template(inline) == inline.replace("\\n", "\n")
+    with pytest.raises(SystemExit):
+        settings([str(model), "--chat-template", str(tmp_path / "missing.jinja")], str(model))
 
 
 def test_the_served_name_is_the_checkpoint_directory_or_the_hub_id(tmp_path):

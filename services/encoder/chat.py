@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.chat import Limits, Message, messages_from_proto, tools_from_json
+from tandem.chat import (
+    Limits,
+    Message,
+    TemplateOptions,
+    messages_from_proto,
+    template_options_from_proto,
+    tools_from_json,
+)
 
 
 @dataclass
@@ -18,6 +25,8 @@ class EncodeJob:
     deadline_unix_ms: int = 0
     tools: list[dict] | None = None  # OpenAI's `tools`, rendered by the chat template
     client_id: str = ""  # the caller's key for the fair share of preprocessing ("" = own)
+    # how the chat template renders the chat (chat_template_kwargs, generation prompt)
+    template: TemplateOptions = field(default_factory=TemplateOptions)
 
 
 def job_from_proto(req) -> EncodeJob:
@@ -33,4 +42,5 @@ def job_from_proto(req) -> EncodeJob:
         deadline_unix_ms=req.deadline_unix_ms,
         tools=tools_from_json(req.tools_json),
         client_id=req.client_id,
+        template=template_options_from_proto(req.template_options),
     )

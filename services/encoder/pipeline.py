@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.chat import Limits, Message
+from tandem.chat import Limits, Message, TemplateOptions, load_chat_template
 from tandem.devices import resolve_device, resolve_dtype
 from tandem.services.encoder.cache import EmbeddingCache
 from tandem.services.encoder.fair_pool import FairPool
@@ -69,10 +69,11 @@ class EncodePipeline:
         workers: int = 2,
         metrics=None,
         client_share: int = 0,
+        chat_template: str | None = None,
     ) -> None:
         self.spec = spec
         self.embed_tokens = embed_tokens
-        self.preprocessor = Preprocessor(processor, pre_limits)
+        self.preprocessor = Preprocessor(processor, pre_limits, chat_template)
         self.cache = EmbeddingCache(cache_bytes)
         self.metrics = metrics
         self.scheduler = EncoderScheduler(runners, self.cache, patch_budget, metrics)
@@ -125,6 +126,7 @@ class EncodePipeline:
             cfg.preprocess_workers,
             metrics,
             cfg.preprocess_client_share,
+            load_chat_template(cfg.chat_template),
         )
 
     def start(self) -> None:
@@ -143,24 +145,27 @@ class EncodePipeline:
         tools: list[dict] | None = None,
         client: str = "",
         deadline: float | None = None,
+        template: TemplateOptions | None = None,
     ) -> EncodeResult:
         """`on_state(EncodeState)` is called as the request moves from stage to stage;
         `announce(info)` returns the leading tokens the language side already holds.
         `client` is the caller's key for the fair share of the worker threads ("" = a
-        client of its own); `deadline` (Unix seconds) bounds the preprocessing."""
+        client of its own); `deadline` (Unix seconds) bounds the preprocessing;
+        `template`: how the chat template renders the chat."""
         left = math.inf if deadline is None else deadline - time.time()
         budget = Budget(time.monotonic() + left)
         try:
             return await self._encode(messages, limits, on_state, announce, tools, client,
-                                      budget)  # fmt: skip
+                                      budget, template)  # fmt: skip
         finally:
             budget.stop.set()  # NOTE: a worker still on this request stops at its next check
 
     async def _encode(self, messages, limits, on_state, announce, tools, client,
-                      budget: Budget) -> EncodeResult:  # fmt: skip
+                      budget: Budget, template: TemplateOptions | None) -> EncodeResult:  # fmt: skip
         step = on_state or (lambda _s: None)
         step(EncodeState.PREPROCESSING)
-        prep = await self.pool.run(client, self.preprocessor, messages, limits, tools, budget)
+        prep = await self.pool.run(client, self.preprocessor, messages, limits, tools, budget,
+                                   template)
         if self.metrics:
             self.metrics.preprocess_seconds.observe(prep.preprocess_s)
         spans = image_spans(prep.input_ids, [im.num_tokens for im in prep.images],

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tandem.chat import ChatTemplate, ImageInput, Limits, Message, invalid
+from tandem.chat import ChatTemplate, ImageInput, Limits, Message, TemplateOptions, invalid
 from tandem.services.encoder.images import Budget, ImageLimits, decode_image, image_bytes
 
 
@@ -60,16 +60,19 @@ class PreprocessLimits:
 class Preprocessor:
     """Turns a chat into `Prepared` with the checkpoint's processor. Thread-safe."""
 
-    def __init__(self, processor, limits: PreprocessLimits) -> None:
+    def __init__(self, processor, limits: PreprocessLimits,
+                 chat_template: str | None = None) -> None:
         self.processor = processor
         self.limits = limits
-        self.template = ChatTemplate(processor)
+        self.template = ChatTemplate(processor, chat_template)
         self.merge = int(processor.image_processor.merge_size)
 
     def __call__(self, messages: list[Message], req: Limits | None = None,
-                 tools: list[dict] | None = None, budget: Budget | None = None) -> Prepared:
+                 tools: list[dict] | None = None, budget: Budget | None = None,
+                 options: TemplateOptions | None = None) -> Prepared:
         """`budget`: the request's deadline and stop flag, checked before each image and
-        before tokenizing (TimeoutError once it has ended)."""
+        before tokenizing (TimeoutError once it has ended); `options`: how the chat
+        template renders the chat."""
         t0 = time.perf_counter()
         req = req or Limits()
         budget = budget or Budget()
@@ -86,7 +89,8 @@ class Preprocessor:
         images = [self._image(where, p, budget) for where, p in image_parts]
         budget.check()
         ids = self.template.token_ids(
-            messages, hf_messages, [im.num_tokens for im in images], max_prompt_tokens, tools
+            messages, hf_messages, [im.num_tokens for im in images], max_prompt_tokens, tools,
+            options,
         )
         types = self.processor.create_mm_token_type_ids([ids])[0]
         return Prepared(

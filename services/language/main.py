@@ -110,14 +110,15 @@ def start_tensor_parallel(cfg: LanguageConfig, spec, device, dtype, settings):
     return start_ranks(args, device, shard)
 
 
-def chat_template(path):
-    """The checkpoint's chat template, for text-only chats taken without an encoder."""
+def chat_template(path, template: str = ""):
+    """The chat template (the checkpoint's, or the deployment's `--chat-template`), for
+    text-only chats taken without an encoder."""
     from transformers import AutoProcessor
 
     import tandem  # noqa: F401  (registers the image-only processors)
-    from tandem.chat import ChatTemplate
+    from tandem.chat import ChatTemplate, load_chat_template
 
-    return ChatTemplate(AutoProcessor.from_pretrained(path))
+    return ChatTemplate(AutoProcessor.from_pretrained(path), load_chat_template(template))
 
 
 async def run(
@@ -159,7 +160,7 @@ async def run(
     limits = ServiceLimits(cfg.request_timeout_s, cfg.model,
                            max_prompt_tokens=engine.cfg.max_model_len - 1)
     servicer = LanguageServicer(engine, receiver, allocator, limits, metrics,
-                                template=chat_template(spec.path))
+                                template=chat_template(spec.path, cfg.chat_template))
     language_pb2_grpc.add_LanguageServicer_to_server(servicer, server)
     if cfg.metrics_port:
         serve_metrics(cfg.metrics_port, cfg.host, registry)

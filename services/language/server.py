@@ -25,7 +25,13 @@ from dataclasses import dataclass
 
 import grpc
 
-from tandem.chat import ChatError, ChatTemplate, messages_from_proto, tools_from_json
+from tandem.chat import (
+    ChatError,
+    ChatTemplate,
+    messages_from_proto,
+    template_options_from_proto,
+    tools_from_json,
+)
 from tandem.sampling import SamplingError
 from tandem.sampling import from_proto as sampling_from_proto
 from tandem.services.language.engine.core import Engine
@@ -217,7 +223,8 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             return await run(None, self.template.raw_ids, request.prompt, limit)
         messages = messages_from_proto(request.messages)
         tools = tools_from_json(getattr(request, "tools_json", ""))
-        return await run(None, self.template.text_only_ids, messages, limit, tools)
+        options = template_options_from_proto(request.template_options)
+        return await run(None, self.template.text_only_ids, messages, limit, tools, options)
 
     async def Tokenize(self, request, context):  # noqa: N802
         try:

@@ -15,6 +15,7 @@ import grpc
 from pydantic import TypeAdapter, ValidationError
 
 from tandem import sampling
+from tandem.chat import ChatError, template_options_from_proto
 from tandem.errors import FIELD_METADATA
 from tandem.services.router.admission import check_api_key, client_id
 from tandem.services.router.choices import choice_requests, merged
@@ -61,6 +62,10 @@ def _validate(request: router_pb2.RouterGenerateRequest, cfg: RouterConfig) -> C
         sampling.from_proto(s)  # the language tier's own check, before routing
     except sampling.SamplingError as e:
         raise RouterError("INVALID_ARGUMENT", str(e), f"sampling.{e.field}") from None
+    try:  # the tiers' own check of the template options, before routing
+        template_options_from_proto(request.template_options)
+    except ChatError as e:
+        raise RouterError("INVALID_ARGUMENT", e.detail, e.field) from None
     return ChatRequest(
         messages=list(request.messages),
         sampling=s,
@@ -68,6 +73,7 @@ def _validate(request: router_pb2.RouterGenerateRequest, cfg: RouterConfig) -> C
         timeout_s=request.timeout_ms / 1000 if request.timeout_ms else cfg.request_timeout_s,
         request_id=request.request_id or f"req-{uuid.uuid4().hex[:24]}",
         priority=request.priority,
+        template_options=request.template_options,
     )
 
 

@@ -35,6 +35,9 @@ class ChatRequest:
     # Who sent it (admission.client_id): the encoders share their preprocessing threads
     # fairly among these keys (EncodeRequest.client_id). "" = a client of its own.
     client_id: str = ""
+    # How the chat template renders the chat (checked; unset = the template's defaults)
+    template_options: common_pb2.ChatTemplateOptions = field(
+        default_factory=common_pb2.ChatTemplateOptions)
 
 
 @dataclass

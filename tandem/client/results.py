@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from tandem.chat import ChatError, template_options_from_proto
 from tandem.client.content import to_messages
 from tandem.client.errors import InvalidRequestError, error_from_code
 from tandem.finish_reasons import TO_OPENAI
@@ -77,12 +78,18 @@ def build_request(
     timeout: float | None = None,
     request_id: str = "",
     priority: int = 0,
+    chat_template_kwargs: dict | None = None,
+    add_generation_prompt: bool | None = None,
+    continue_final_message: bool = False,
     **knobs,
 ) -> router_pb2.RouterGenerateRequest:
     """`knobs` are the sampling parameters of `tandem.sampling.KNOBS` by name (max_tokens,
-    temperature, top_p, top_k, min_p, seed, presence_penalty, ...; an unknown name is a
-    TypeError); each means what it means in the HTTP API (docs/sdk.md). Left out, a knob
-    takes the service's default: temperature 0 (greedy decoding), top_p 1, ..."""
+    temperature, top_p, top_k, min_p, seed, presence_penalty, skip_special_tokens, ...;
+    an unknown name is a TypeError); each means what it means in the HTTP API
+    (docs/sdk.md). Left out, a knob takes the service's default: temperature 0 (greedy
+    decoding), top_p 1, ... `chat_template_kwargs`, `add_generation_prompt` (None: unless
+    the chat ends with an assistant message) and `continue_final_message`: how the
+    model's chat template renders the chat, as vLLM's request fields of these names."""
     try:  # refused here as the router would refuse it, without a round trip
         sampling = to_proto(**knobs)
     except SamplingError as e:
@@ -105,7 +112,16 @@ def build_request(
         so.choice.choices.extend(choice)
     elif grammar:
         so.ebnf = grammar
+    template = common_pb2.ChatTemplateOptions(
+        kwargs_json=json.dumps(chat_template_kwargs) if chat_template_kwargs is not None else "",
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message)
+    try:  # refused here as the router would refuse it, without a round trip
+        template_options_from_proto(template)
+    except ChatError as e:
+        raise InvalidRequestError("INVALID_ARGUMENT", e.detail, e.field) from None
     return router_pb2.RouterGenerateRequest(
+        template_options=template,
         tools_json=json.dumps(tools) if tools else "",
         n=n,
         tool_choice=tool_choice or "",

@@ -12,6 +12,8 @@ a bare "unrecognized arguments"); `tandem up`'s own flags pass through as they a
     --tensor-parallel-size, -tp N     language --tp N
     --max-model-len N                 language --max-model-len N
     --dtype D                         encoder and language --dtype D (auto|float32|...)
+    --chat-template T                 encoder and language --chat-template T (a file or
+                                      the template itself)
     --gpu-memory-utilization F        language --kv-memory-fraction F
     --max-num-seqs N                  language --max-running-requests N
     --max-num-batched-tokens N        language --max-prefill-tokens N
@@ -59,6 +61,7 @@ MAPPED: dict[str, Mapped] = {
     "-tp": Mapped("language", "--tp"),
     "--max-model-len": Mapped("language", "--max-model-len"),
     "--dtype": Mapped("tiers", "--dtype"),
+    "--chat-template": Mapped("tiers", "--chat-template"),
     "--gpu-memory-utilization": Mapped("language", "--kv-memory-fraction"),
     "--max-num-seqs": Mapped("language", "--max-running-requests"),
     "--max-num-batched-tokens": Mapped("language", "--max-prefill-tokens"),
@@ -70,8 +73,6 @@ SWITCHES: dict[str, tuple[str, str]] = {  # a flag without a value -> (tier, its
 }
 # vLLM flags with no Tandem equivalent, and what to do instead.
 HINTS: dict[str, str] = {
-    "--chat-template": "the checkpoint's own chat template is used; put another one in "
-    "the checkpoint's chat_template.jinja",
     "--seed": "seeds are per request here (the `seed` field); the same seed and input "
     "give the same output on any instance",
     "--pipeline-parallel-size": "only tensor parallelism is served "

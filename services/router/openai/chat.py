@@ -2,8 +2,14 @@
 shares with the completions API are `sampling.py`) and its conversion to the wire
 protos. Nothing is silently dropped: every field is honoured, hint-only (`user`,
 `parallel_tool_calls`, an image's `detail`: OpenAI treats them as hints too), or refused
-with a 400 naming it (`param`): unknown fields by `extra="forbid"`, and values we cannot
-serve (n > 16) by their bounds. docs/sdk.md lists them."""
+with a 400 naming it (`param`): unknown fields by `extra="forbid"` (vLLM's extras that
+are not served with their reason, `sampling.VLLM_REFUSED`), and values we cannot serve
+(n > 16) by their bounds. docs/sdk.md lists them.
+
+vLLM's chat extras honoured here: chat_template_kwargs, add_generation_prompt and
+continue_final_message (how the tiers' chat template renders the chat: the wire's
+ChatTemplateOptions), echo (the reply after the last message's text: format.ChatShape),
+mm_processor_kwargs (min_pixels / max_pixels: every image's resize bounds)."""
 
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tandem.chat import ChatError, template_options_from_proto
 from tandem.services.router.config import RouterConfig
 from tandem.services.router.errors import RouterError
 from tandem.services.router.openai.sampling import SamplingFields, _Model, _utf8, sampling_params
@@ -94,7 +101,31 @@ class NamedToolChoice(_Model):
     function: NamedFunction
 
 
-class ChatCompletionRequest(SamplingFields):
+class TemplateFields(_Model):
+    """vLLM's extras on how the chat template renders a chat (chat and /tokenize)."""
+
+    chat_template_kwargs: dict | None = None  # the template's own variables
+    add_generation_prompt: bool | None = None  # None: unless the chat ends with assistant
+    continue_final_message: bool = False
+
+    def template_options(self) -> common_pb2.ChatTemplateOptions:
+        """The wire's ChatTemplateOptions, checked as the tiers check them (a 400 naming
+        the field: chat_template_kwargs.<key>, continue_final_message)."""
+        opts = common_pb2.ChatTemplateOptions(
+            continue_final_message=self.continue_final_message)
+        if self.add_generation_prompt is not None:
+            opts.add_generation_prompt = self.add_generation_prompt
+        if self.chat_template_kwargs is not None:
+            opts.kwargs_json = _utf8(json.dumps(self.chat_template_kwargs, ensure_ascii=False),
+                                     "chat_template_kwargs")
+        try:
+            template_options_from_proto(opts)
+        except ChatError as e:
+            raise RouterError("INVALID_ARGUMENT", e.detail, e.field) from None
+        return opts
+
+
+class ChatCompletionRequest(SamplingFields, TemplateFields):
     messages: list[Message] = Field(min_length=1, max_length=4096)
     max_completion_tokens: int | None = None  # max_tokens' new name (bounds: tandem.sampling)
     logprobs: bool = False
@@ -103,6 +134,9 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     # Hint only (accepted, no effect), as documented in docs/sdk.md.
     parallel_tool_calls: bool | None = None  # a forced call is one call
+    # vLLM extensions
+    echo: bool = False  # the reply after the last message's text, when it continues it
+    mm_processor_kwargs: dict | None = None  # min_pixels / max_pixels of every image
 
 
 def _image_part(url: str, param: str, max_bytes: int) -> common_pb2.ImagePart:
@@ -148,8 +182,9 @@ def tool_setup_of(tools_in: list[Tool] | None,
     return tool_setup(tools, choice)
 
 
-class TokenizeBody(_Model):
-    """vLLM's /tokenize: a raw `prompt` or text-only `messages` (rendered as for a chat)."""
+class TokenizeBody(TemplateFields):
+    """vLLM's /tokenize: a raw `prompt` or text-only `messages` (rendered as for a chat,
+    with the same template options)."""
 
     model: str = ""
     prompt: str | None = None
@@ -170,7 +205,7 @@ def to_tokenize_request(body: TokenizeBody, cfg: RouterConfig) -> language_pb2.T
     msgs = chat_messages(body.messages, cfg)
     if any(p.WhichOneof("part") == "image" for m in msgs for p in m.content):
         raise RouterError("INVALID_ARGUMENT", "/tokenize takes text-only messages", "messages")
-    return language_pb2.TokenizeRequest(messages=msgs)
+    return language_pb2.TokenizeRequest(messages=msgs, template_options=body.template_options())
 
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -225,10 +260,53 @@ def chat_messages(body_messages: list[Message], cfg: RouterConfig) -> list[commo
     return messages
 
 
+# mm_processor_kwargs: the processor's options a request may set, and their bounds
+MM_PROCESSOR_KWARGS = ("min_pixels", "max_pixels")
+
+
+def apply_mm_processor_kwargs(kwargs: dict | None,
+                              messages: list[common_pb2.ChatMessage]) -> None:
+    """vLLM's mm_processor_kwargs onto every image: min_pixels / max_pixels become each
+    image's resize bounds (the encoder clamps them into its own: tighter, never looser);
+    any other key is refused by name."""
+    for key, value in (kwargs or {}).items():
+        param = f"mm_processor_kwargs.{key}"
+        if key not in MM_PROCESSOR_KWARGS:
+            raise RouterError("INVALID_ARGUMENT", f"{param} is not supported: only "
+                              "min_pixels and max_pixels (the images' resize bounds) are "
+                              "honoured", param)  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 1 << 31:
+            raise RouterError("INVALID_ARGUMENT", f"{param} must be an integer in [1, 2^31)",
+                              param)  # fmt: skip
+    lo, hi = ((kwargs or {}).get(k, 0) for k in MM_PROCESSOR_KWARGS)
+    if lo and hi and lo > hi:
+        raise RouterError("INVALID_ARGUMENT", f"min_pixels {lo} is more than max_pixels {hi}",
+                          "mm_processor_kwargs.min_pixels")  # fmt: skip
+    for m in messages:
+        for part in m.content:
+            if part.WhichOneof("part") == "image":
+                part.image.min_pixels, part.image.max_pixels = lo, hi
+
+
+def echo_text(body: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the last message's text, which the reply continues when it is
+    an assistant message or no generation prompt opens a new turn ("" otherwise)."""
+    last = body.messages[-1]
+    continued = (last.role == "assistant" or body.add_generation_prompt is False
+                 or body.continue_final_message)
+    if not body.echo or not continued:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(p.text for p in last.content or [] if isinstance(p, TextPart))
+
+
 def to_chat_request(body: ChatCompletionRequest, cfg: RouterConfig, request_id: str) -> ChatRequest:
     """Validated body -> front-end-independent request (raises RouterError on bad input);
     `request_id` (request_id_from_header) becomes the response id's suffix."""
     messages = chat_messages(body.messages, cfg)
+    apply_mm_processor_kwargs(body.mm_processor_kwargs, messages)
+    template = body.template_options()
     newer = body.max_completion_tokens is not None
     tools = tool_setup_of(body.tools, body.tool_choice)
     sampling = sampling_params(
@@ -243,4 +321,5 @@ def to_chat_request(body: ChatCompletionRequest, cfg: RouterConfig, request_id: 
         request_id=f"chatcmpl-{request_id}",
         priority=body.priority,
         tools=tools,
+        template_options=template,
     )
