@@ -385,3 +385,83 @@ def test_n_choices_through_the_sdk(cluster):
     import asyncio
 
     assert [r.token_ids for r in asyncio.run(run())] == [r.token_ids for r in singles[:2]]
+
+
+def test_vllm_extras_end_to_end(cluster, ckpt):
+    """vLLM's request extras through both tiers, each against transformers: the template's
+    own kwarg and per-request resize bounds on an image chat (the encoder's render), a
+    continued final message with echo on a text chat (the language tier's), special tokens
+    kept in the text, usage on every streamed chunk, logprob tokens as ids, and the SDK's
+    keywords over gRPC."""
+    from tandem.client import Client
+
+    model, processor = load(ckpt)
+    tok = processor.tokenizer
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list | tuple) else [eos])
+    client = openai_client(cluster)
+    # an image chat: add_vision_id (the checkpoint's template reads it) and max_pixels
+    lo = processor.image_processor.size["shortest_edge"]
+    hf = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]}]
+    prompt = processor.apply_chat_template(hf, tokenize=False, add_generation_prompt=True,
+                                           add_vision_id=True)
+    inputs = dict(processor(text=[prompt], images=[make_image(31, (112, 112))],
+                            size={"shortest_edge": lo, "longest_edge": 2 * lo},
+                            return_tensors="pt"))
+    want, _ = generate(model, inputs, 6)
+    r = client.chat.completions.create(
+        model="", max_tokens=6, temperature=0, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(png(31, (112, 112)))}},
+            {"type": "text", "text": "What?"}]}],
+        extra_body={"chat_template_kwargs": {"add_vision_id": True},
+                    "mm_processor_kwargs": {"max_pixels": 2 * lo}})
+    assert r.usage.prompt_tokens == inputs["input_ids"].shape[1]
+    assert r.choices[0].message.content == tok.decode(strip_eos(want, eos),
+                                                      skip_special_tokens=True)
+    # a text chat whose last message the model continues, echoed before the reply
+    prefilled = [{"role": "user", "content": "Name a colour."},
+                 {"role": "assistant", "content": "The colour is"}]
+    ids = processor.apply_chat_template(
+        [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]}
+         for m in prefilled], tokenize=True, continue_final_message=True)
+    ids = list(ids[0] if isinstance(ids[0], list) else ids)
+    want, _ = generate(model, {"input_ids": torch.tensor([ids]),
+                               "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}, 6)
+    extras = {"continue_final_message": True}
+    r = client.chat.completions.create(model="", messages=prefilled, max_tokens=6,
+                                       temperature=0, extra_body={**extras, "echo": True})
+    assert r.usage.prompt_tokens == len(ids)
+    text = tok.decode(strip_eos(want, eos), skip_special_tokens=True)
+    assert r.choices[0].message.content == "The colour is" + text
+    http = httpx.Client(base_url=cluster.http_url, timeout=30)
+    assert http.post("/tokenize", json={"messages": prefilled, **extras}).json()["tokens"] == ids
+    # special tokens kept in the text when asked (forced, past EOS)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    force = {"logit_bias": {str(end): 100}, "ignore_eos": True, "max_tokens": 3, "temperature": 0}
+    kept = http.post("/v1/chat/completions", json={
+        "model": "", "messages": prefilled[:1], "skip_special_tokens": False, **force}).json()
+    assert kept["choices"][0]["message"]["content"] == "<|im_end|>" * 3
+    dropped = http.post("/v1/chat/completions", json={
+        "model": "", "messages": prefilled[:1], **force}).json()
+    assert dropped["choices"][0]["message"]["content"] == ""
+    # usage on every chunk, logprob tokens as ids
+    chunks = list(client.chat.completions.create(
+        model="", messages=prefilled[:1], max_tokens=5, temperature=0, stream=True,
+        logprobs=True, top_logprobs=2,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"return_tokens_as_token_ids": True}))
+    assert all(c.usage is not None for c in chunks)
+    assert chunks[-1].usage.completion_tokens == 5
+    assert [c.usage.completion_tokens for c in chunks] == sorted(
+        c.usage.completion_tokens for c in chunks)
+    tokens = [lp.token for c in chunks if c.choices and c.choices[0].logprobs
+              for lp in c.choices[0].logprobs.content]
+    assert len(tokens) == 5 and all(re.fullmatch(r"token_id:\d+", t) for t in tokens)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert tok.decode([int(t.split(":")[1]) for t in tokens], skip_special_tokens=True) == streamed
+    # the SDK: the same continued message over gRPC
+    with Client(cluster.grpc_address) as sdk:
+        got = sdk.chat(prefilled, max_tokens=6, continue_final_message=True)
+        assert got.text == text and got.usage.prompt_tokens == len(ids)
+        assert sdk.chat(prefilled[:1], skip_special_tokens=False, ignore_eos=True, max_tokens=3,
+                        logit_bias={end: 100}).text == "<|im_end|>" * 3

@@ -63,6 +63,8 @@ def delta_to_proto(
                 for a, b in top])
             for t, lp, top in zip(d.token_ids, d.logprobs, tops, strict=True)
         )
+    if d.finish_reason is None and d.prompt_tokens:  # for usage on every streamed chunk
+        out.usage.prompt_tokens = d.prompt_tokens
     if d.finish_reason is not None:
         out.finish_reason = FINISH_REASONS[d.finish_reason]
         out.usage.CopyFrom(common_pb2.Usage(

@@ -302,7 +302,7 @@ class Engine:
             req.times.first_token = now
             self.metrics.ttft.observe(now - req.times.created)
         req.times.last_token = now
-        delta = StreamDelta(token_ids=[token])
+        delta = StreamDelta(token_ids=[token], prompt_tokens=req.prompt_len)
         if req.sampler.matcher is not None and not req.sampler.matcher.accept_token(token):
             self._finish(live, RequestStatus.FINISHED_ERROR,
                          f"token {token} breaks the request's grammar", "INTERNAL", delta)

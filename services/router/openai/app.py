@@ -29,6 +29,7 @@ from tandem.services.router.openai.chat import (
     ChatCompletionRequest,
     DetokenizeBody,
     TokenizeBody,
+    echo_text,
     request_id_from_header,
     to_chat_request,
     to_tokenize_request,
@@ -40,6 +41,7 @@ from tandem.services.router.openai.completions import (
 )
 from tandem.services.router.openai.guard import Guard, error_response
 from tandem.services.router.openai.openapi import ERROR_RESPONSES, document
+from tandem.services.router.openai.sampling import VLLM_REFUSED
 from tandem.services.router.request import Output
 from tandem.services.router.tools import ToolMode
 from tandem.v1 import language_pb2
@@ -65,7 +67,9 @@ def build_app(core: RouterCore) -> FastAPI:
     async def _validation(_req, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         param = None if first.get("type") == "json_invalid" else (_loc(first.get("loc", ())) or None)
-        if first.get("type") == "extra_forbidden":  # a field we do not honour: say so
+        if first.get("type") == "extra_forbidden" and param in VLLM_REFUSED:
+            msg = f"{param} is not supported: {VLLM_REFUSED[param]}"  # and why
+        elif first.get("type") == "extra_forbidden":  # a field we do not honour: say so
             msg = f"{param}: not supported by this server (refused, never silently ignored)"
         else:
             msg = f"{param}: {first['msg']}" if param else first["msg"]
@@ -128,7 +132,9 @@ def build_app(core: RouterCore) -> FastAPI:
         req.client_id = request.state.client_id  # set by guard.Guard
         if body.n > 1 and req.tools.mode is not ToolMode.NONE:
             raise RouterError("INVALID_ARGUMENT", "n > 1 with tools is not served", "n")
-        shape = fmt.ChatShape(req.request_id, body.model or core.model_name(), req.tools)
+        shape = fmt.ChatShape(req.request_id, body.model or core.model_name(), req.tools,
+                              echo_text(body), _continuous_usage(body),
+                              body.return_tokens_as_token_ids)
         return await _serve(core, req, body, shape, rid, request)
 
     @app.post("/v1/completions", responses=ERROR_RESPONSES)
@@ -138,7 +144,8 @@ def build_app(core: RouterCore) -> FastAPI:
         req = to_completion_request(body, cfg, rid)
         req.client_id = request.state.client_id  # set by guard.Guard
         shape = CompletionShape(req.request_id, body.model or core.model_name(),
-                                req.prompt if body.echo else "")
+                                req.prompt if body.echo else "", _continuous_usage(body),
+                                body.return_tokens_as_token_ids)
         return await _serve(core, req, body, shape, rid, request)
 
     @app.post("/tokenize", responses=ERROR_RESPONSES)
@@ -158,6 +165,19 @@ def build_app(core: RouterCore) -> FastAPI:
 
     document(app)  # the statuses each route answers, in /openapi.json
     return app
+
+
+def _continuous_usage(body) -> bool:
+    """stream_options.continuous_usage_stats: usage on every chunk, with include_usage (as
+    vLLM streams it); alone it is refused by name rather than ignored."""
+    opts = body.stream_options
+    if opts is None or not opts.continuous_usage_stats:
+        return False
+    if not opts.include_usage:
+        raise RouterError("INVALID_ARGUMENT", "continuous_usage_stats needs include_usage "
+                          "(usage is streamed only when included, as in vLLM)",
+                          "stream_options.continuous_usage_stats")  # fmt: skip
+    return True
 
 
 async def _serve(core: RouterCore, req, body, shape, rid: str, request: Request):
@@ -259,7 +279,7 @@ async def _sse(agen, first: tuple[int, Output], shape, include_usage, release, e
         while True:
             if index not in started:
                 started.add(index)
-                yield shape.start(index)
+                yield shape.start(index, output)
             if output.text or output.token_ids:
                 yield shape.output(index, output)
             if output.finished:

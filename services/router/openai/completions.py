@@ -16,7 +16,13 @@ from pydantic import Field
 from tandem.services.router.choices import total_usage
 from tandem.services.router.config import RouterConfig
 from tandem.services.router.errors import RouterError
-from tandem.services.router.openai.format import extension, finish_reason, sse
+from tandem.services.router.openai.format import (
+    ChunkUsage,
+    extension,
+    finish_reason,
+    sse,
+    token_text,
+)
 from tandem.services.router.openai.sampling import SamplingFields, _utf8, sampling_params
 from tandem.services.router.request import ChatRequest, Output
 
@@ -60,26 +66,31 @@ def to_completion_request(body: CompletionRequest, cfg: RouterConfig,
     )
 
 
-def legacy_logprobs(outputs: list[Output], offset: int) -> dict | None:
+def legacy_logprobs(outputs: list[Output], offset: int, as_ids: bool = False) -> dict | None:
     """OpenAI's completions logprobs: tokens, token_logprobs, top_logprobs, text_offset
-    (an Output's text goes to its first token, as in the chat shape)."""
+    (an Output's text goes to its first token, as in the chat shape; with `as_ids`, each
+    token is spelled "token_id:N" and the offsets still count the text)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for o in outputs:
         for k, lp in enumerate(o.logprobs):
             tok = o.text if k == 0 else ""
-            out["tokens"].append(tok)
+            out["tokens"].append(token_text(tok, lp.token_id, as_ids))
             out["token_logprobs"].append(lp.logprob)
-            out["top_logprobs"].append({t.text: t.logprob for t in lp.top})
+            out["top_logprobs"].append({token_text(t.text, t.token_id, as_ids): t.logprob
+                                        for t in lp.top})
             out["text_offset"].append(offset)
             offset += len(tok)
     return out if out["tokens"] else None
 
 
 class CompletionShape:
-    """The completions API's response shapes for one request (streamed or whole)."""
+    """The completions API's response shapes for one request (streamed or whole); as
+    format.ChatShape for `continuous_usage` and `as_ids`."""
 
-    def __init__(self, request_id: str, model: str, echo: str) -> None:
-        self.request_id, self.model, self.echo = request_id, model, echo
+    def __init__(self, request_id: str, model: str, echo: str,
+                 continuous_usage: bool = False, as_ids: bool = False) -> None:
+        self.request_id, self.model, self.echo, self.as_ids = request_id, model, echo, as_ids
+        self.chunk_usage = ChunkUsage(continuous_usage)
         self.created = int(time.time())
         self.offsets: dict[int, int] = {}
 
@@ -89,18 +100,20 @@ class CompletionShape:
                     "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                  "finish_reason": finish}], **extra})
 
-    def start(self, index: int) -> bytes:
+    def start(self, index: int, first: Output | None = None) -> bytes:
         self.offsets[index] = len(self.echo)
-        return self._chunk(index, self.echo)
+        return self._chunk(index, self.echo, **self.chunk_usage(index, first))
 
     def output(self, index: int, output: Output) -> bytes:
-        lps = legacy_logprobs([output], self.offsets[index])
+        lps = legacy_logprobs([output], self.offsets[index], self.as_ids)
         self.offsets[index] += len(output.text)
-        return self._chunk(index, output.text, lps)
+        return self._chunk(index, output.text, lps,
+                           **self.chunk_usage(index, output, count=True))
 
     def finish(self, index: int, output: Output) -> bytes:
         return self._chunk(index, "", finish=finish_reason(output),
-                           tandem=extension(output, self.request_id))
+                           tandem=extension(output, self.request_id),
+                           **self.chunk_usage(index, output))
 
     def usage(self, last: list[Output]) -> bytes:
         return sse({"id": self.request_id, "object": "text_completion",
@@ -109,7 +122,7 @@ class CompletionShape:
 
     def complete(self, choices: list[list[Output]]) -> dict:
         out = [{"index": i, "text": self.echo + "".join(o.text for o in outputs),
-                "logprobs": legacy_logprobs(outputs, len(self.echo)),
+                "logprobs": legacy_logprobs(outputs, len(self.echo), self.as_ids),
                 "finish_reason": finish_reason(outputs[-1])}
                for i, outputs in enumerate(choices)]
         return {"id": self.request_id, "object": "text_completion", "created": self.created,

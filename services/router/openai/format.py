@@ -1,6 +1,11 @@
 """OpenAI chat-completion response shapes: full responses, SSE chunks, usage, logprobs,
 finish reasons, tool calls, and Tandem's `tandem` extension object. The router's Outputs
-carry the wire's types; these shapes are made here (and in completions.py) only."""
+carry the wire's types; these shapes are made here (and in completions.py) only.
+
+vLLM's extras that shape a response (both APIs unless said): `echo` in chat (the reply
+after the last message's text), `stream_options.continuous_usage_stats` (usage on every
+streamed chunk: `ChunkUsage`), `return_tokens_as_token_ids` (logprobs' tokens spelled
+"token_id:N": `token_text`)."""
 
 from __future__ import annotations
 
@@ -25,16 +30,48 @@ def tool_call(call: common_pb2.ToolCall) -> dict:
             "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def logprobs(output: Output) -> dict | None:
+def token_text(text: str, token_id: int, as_ids: bool) -> str:
+    """A logprob's token as the response spells it: its text, or "token_id:N" when the
+    request asked for ids (vLLM's return_tokens_as_token_ids)."""
+    return f"token_id:{token_id}" if as_ids else text
+
+
+class ChunkUsage:
+    """vLLM's stream_options.continuous_usage_stats: the usage of each streamed chunk, the
+    prompt's tokens (every message of the language tier carries them) and the tokens of
+    the chunk's choice so far ({} when the request did not ask for it)."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+        self.prompt = 0
+        self.tokens: dict[int, int] = {}
+
+    def __call__(self, index: int, output: Output | None = None, count: bool = False) -> dict:
+        if not self.on:
+            return {}
+        if output is not None:
+            if output.usage is not None:  # the last one: the request's own figures
+                self.prompt = output.usage.prompt_tokens
+                self.tokens[index] = output.usage.completion_tokens
+            else:
+                self.prompt = output.response.usage.prompt_tokens or self.prompt
+                if count:
+                    self.tokens[index] = self.tokens.get(index, 0) + len(output.token_ids)
+        done = self.tokens.get(index, 0)
+        return {"usage": {"prompt_tokens": self.prompt, "completion_tokens": done,
+                          "total_tokens": self.prompt + done}}
+
+
+def logprobs(output: Output, as_ids: bool = False) -> dict | None:
     if not output.logprobs:
         return None
     # NOTE: the language tier detokenizes incrementally; an Output usually holds one token,
     # and its text is that token's text. When it holds several, the text goes to the first.
     content = []
     for k, lp in enumerate(output.logprobs):
-        tok = output.text if k == 0 else ""
-        top = [{"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode())}
-               for t in lp.top]
+        tok = token_text(output.text if k == 0 else "", lp.token_id, as_ids)
+        top = [{"token": (t_tok := token_text(t.text, t.token_id, as_ids)),
+                "logprob": t.logprob, "bytes": list(t_tok.encode())} for t in lp.top]
         content.append(
             {"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode()), "top_logprobs": top}
         )
@@ -50,11 +87,13 @@ def extension(output: Output, request_id: str) -> dict:
     }
 
 
-def answer(outputs: list[Output], tools: ToolSetup) -> tuple[dict, str]:
-    """(the assistant message, finish_reason) of a whole output: content, and tool calls
-    when the request had tools and the model made any (finish_reason "tool_calls")."""
+def answer(outputs: list[Output], tools: ToolSetup, echo: str = "") -> tuple[dict, str]:
+    """(the assistant message, finish_reason) of a whole output: content (after `echo`),
+    and tool calls when the request had tools and the model made any (finish_reason
+    "tool_calls")."""
     out = parse_output("".join(o.text for o in outputs), tools)
-    message: dict = {"role": "assistant", "content": out.content}
+    content = echo + out.content if echo else out.content
+    message: dict = {"role": "assistant", "content": content}
     if out.tool_calls:
         message["tool_calls"] = [tool_call(c) for c in out.tool_calls]
         return message, TO_OPENAI[common_pb2.FINISH_REASON_TOOL_CALLS]
@@ -62,12 +101,13 @@ def answer(outputs: list[Output], tools: ToolSetup) -> tuple[dict, str]:
 
 
 def completion(choices: list[list[Output]], request_id: str, model: str,
-               tools: ToolSetup) -> dict:
-    """A whole response: one entry per choice (each the Outputs of one sample)."""
+               tools: ToolSetup, echo: str = "", as_ids: bool = False) -> dict:
+    """A whole response: one entry per choice (each the Outputs of one sample), each
+    message's content after `echo`."""
     out = []
     for i, outputs in enumerate(choices):
-        lps = [c for o in outputs for c in (logprobs(o) or {"content": []})["content"]]
-        message, finish = answer(outputs, tools)
+        lps = [c for o in outputs for c in (logprobs(o, as_ids) or {"content": []})["content"]]
+        message, finish = answer(outputs, tools, echo)
         out.append({"index": i, "message": message,
                     "logprobs": {"content": lps} if lps else None, "finish_reason": finish})
     last = choices[0][-1]
@@ -96,26 +136,39 @@ def sse(body: dict) -> bytes:
 
 
 class ChatShape:
-    """The chat-completions API's response shapes for one request (streamed or whole)."""
+    """The chat-completions API's response shapes for one request (streamed or whole).
+    `echo`: the text before the reply (vLLM's echo); `continuous_usage`: usage on every
+    streamed chunk; `as_ids`: logprobs' tokens as "token_id:N"."""
 
     object_chunk = "chat.completion.chunk"
 
-    def __init__(self, request_id: str, model: str, tools: ToolSetup) -> None:
+    def __init__(self, request_id: str, model: str, tools: ToolSetup, echo: str = "",
+                 continuous_usage: bool = False, as_ids: bool = False) -> None:
         self.request_id, self.model, self.tools = request_id, model, tools
+        self.echo, self.as_ids = echo, as_ids
+        self.chunk_usage = ChunkUsage(continuous_usage)
         self.created = int(time.time())
 
-    def start(self, index: int) -> bytes:
-        return chunk(self.request_id, self.model, self.created,
-                     {"role": "assistant", "content": ""}, index=index)
+    def start(self, index: int, first: Output | None = None) -> bytes:
+        """The role chunk (and the echoed text) of a choice, before its `first` Output."""
+        usage = self.chunk_usage(index, first)
+        out = chunk(self.request_id, self.model, self.created,
+                    {"role": "assistant", "content": ""}, index=index, **usage)
+        if self.echo:
+            out += chunk(self.request_id, self.model, self.created, {"content": self.echo},
+                         index=index, **usage)
+        return out
 
     def output(self, index: int, output: Output) -> bytes:
         return chunk(self.request_id, self.model, self.created, {"content": output.text},
-                     index=index, logprobs=logprobs(output))
+                     index=index, logprobs=logprobs(output, self.as_ids),
+                     **self.chunk_usage(index, output, count=True))
 
     def finish(self, index: int, output: Output) -> bytes:
         return chunk(self.request_id, self.model, self.created, {}, index=index,
                      finish_reason=finish_reason(output),
-                     tandem=extension(output, self.request_id))
+                     tandem=extension(output, self.request_id),
+                     **self.chunk_usage(index, output))
 
     def usage(self, last: list[Output]) -> bytes:
         return sse({"id": self.request_id, "object": self.object_chunk,
@@ -123,20 +176,25 @@ class ChatShape:
                     "usage": total_usage(last), "tandem": extension(last[0], self.request_id)})
 
     def complete(self, choices: list[list[Output]]) -> dict:
-        return completion(choices, self.request_id, self.model, self.tools)
+        return completion(choices, self.request_id, self.model, self.tools, self.echo,
+                          self.as_ids)
 
     def tool_stream(self, outputs: list[Output], include_usage: bool):
         """The SSE events of a whole output with tools: role, content, each call as one
-        tool-call delta (id, name, all its arguments), the finish chunk, usage, [DONE]."""
-        message, finish = answer(outputs, self.tools)
-        yield self.start(0)
+        tool-call delta (id, name, all its arguments), the finish chunk, usage, [DONE]
+        (with continuous usage, every chunk carries the whole output's)."""
+        message, finish = answer(outputs, self.tools, self.echo)
+        usage = self.chunk_usage(0, outputs[-1])
+        yield chunk(self.request_id, self.model, self.created,
+                    {"role": "assistant", "content": ""}, **usage)
         if message["content"]:
-            yield chunk(self.request_id, self.model, self.created, {"content": message["content"]})
+            yield chunk(self.request_id, self.model, self.created,
+                        {"content": message["content"]}, **usage)
         for k, call in enumerate(message.get("tool_calls", [])):
             yield chunk(self.request_id, self.model, self.created,
-                        {"tool_calls": [{"index": k, **call}]})
+                        {"tool_calls": [{"index": k, **call}]}, **usage)
         yield chunk(self.request_id, self.model, self.created, {}, finish_reason=finish,
-                    tandem=extension(outputs[-1], self.request_id))
+                    tandem=extension(outputs[-1], self.request_id), **usage)
         if include_usage:
             yield self.usage(outputs[-1:])
         yield b"data: [DONE]\n\n"

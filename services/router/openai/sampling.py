@@ -27,6 +27,8 @@ class _Model(BaseModel):
 
 class StreamOptions(_Model):
     include_usage: bool = False
+    # vLLM: with include_usage, usage on every streamed chunk too (the tokens so far)
+    continuous_usage_stats: bool = False
 
 
 class JSONSchemaFormat(_Model):
@@ -73,9 +75,68 @@ class _SamplingFields(_Model):
     guided_grammar: str | None = Field(None, min_length=1, max_length=1 << 20)
     timeout_ms: int | None = Field(None, ge=1, le=MAX_TIMEOUT_MS)  # extension: per-request deadline
     priority: int = Field(0, ge=-(1 << 31), lt=1 << 31)  # extension
+    # vLLM: logprobs' tokens spelled "token_id:N" (tokens that are not valid UTF-8 alone)
+    return_tokens_as_token_ids: bool = False
     # Hint only (accepted, no effect), as documented in docs/sdk.md.
     user: str | None = Field(None, max_length=256)
 
+
+# vLLM's request extras that are refused, by name, and why (docs/sdk.md lists them): the
+# 400 names the field and gives the reason, never a bare "extra fields not permitted". An
+# extra either API honours is a field of its body instead.
+VLLM_REFUSED = {
+    "use_beam_search": "beam search is not served; n gives independent samples",
+    "length_penalty": "it applies to beam search, which is not served",
+    "best_of": "best_of is served by /v1/completions only; use n",
+    "watermarking": "output watermarking is not served",
+    "truncate_prompt_tokens": "prompts are never truncated: one over the limit is a 400",
+    "truncation_side": "prompts are never truncated: one over the limit is a 400",
+    "prompt_logprobs": "the prompt's logprobs are not computed (prefill keeps the last "
+    "position's logits only)",
+    "logprob_token_ids": "logprobs of chosen token ids are not served; use top_logprobs",
+    "allowed_token_ids": "constrain the output with structured_outputs (choice, regex, "
+    "grammar) instead",
+    "bad_words": "ban tokens with logit_bias (-100) instead",
+    "add_special_tokens": "the prompt's special tokens come from the chat template (or, "
+    "for /v1/completions, the tokenizer's defaults)",
+    "documents": "the served models' chat templates render no documents",
+    "chat_template": "a request cannot bring its own template (a template is code the "
+    "server runs); set one per deployment with --chat-template",
+    "media_io_kwargs": "images are decoded with the encoder's settings; resize bounds go "
+    "in mm_processor_kwargs (min_pixels, max_pixels)",
+    "request_id": "send the X-Request-Id header: it names the request in every tier's log",
+    "session_id": "language affinity follows the conversation itself (its system and "
+    "first user message)",
+    "return_token_ids": "the prompt's token ids do not reach the router; POST /tokenize "
+    "gives them, and the SDK returns the output's",
+    "return_token_offsets": "there is no render endpoint",
+    "return_prompt_text": "there is no render endpoint; POST /tokenize gives the prompt's "
+    "token ids",
+    "return_mm_kwargs": "there is no render endpoint",
+    "routed_experts_prompt_start": "expert routing data is not returned",
+    "cache_salt": "the prefix cache is not salted per request",
+    "kv_transfer_params": "Tandem's own tiers move the prompt; vLLM's KV connectors are "
+    "not served",
+    "ec_transfer_params": "Tandem's own tiers move the encoder's output; vLLM's connectors "
+    "are not served",
+    "vllm_xargs": "no custom extension runs per request",
+    "logits_processors": "no custom code runs per request",
+    "repetition_detection": "not served; repetition_penalty and frequency_penalty shape "
+    "repeats instead",
+    "stream_interval": "each token is streamed as it is produced (coalesced while the "
+    "client reads slower)",
+    "reasoning_effort": "there is no reasoning parser; pass the template's own switch in "
+    "chat_template_kwargs (e.g. enable_thinking)",
+    "thinking_token_budget": "there is no reasoning parser (the output is not split into "
+    "reasoning and content)",
+    "include_reasoning": "there is no reasoning parser (the output is not split into "
+    "reasoning and content)",
+    "structural_tag": "use structured_outputs (json, regex, choice, grammar)",
+    "guided_decoding_backend": "xgrammar is the one grammar backend",
+    "guided_whitespace_pattern": "JSON is generated compactly (no free whitespace)",
+    "guided_json_object": "use response_format {\"type\": \"json_object\"}",
+    "prompt_embeds": "prompts are text; embeddings are not accepted",
+}
 
 # ... and one field per knob of tandem.sampling.KNOBS (temperature, top_p, top_k, min_p,
 # the penalties, min_tokens, seed, ignore_eos, include_stop_str_in_output, ...).
