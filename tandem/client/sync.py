@@ -62,8 +62,9 @@ class Client(RouterChannel):
         include_stop_str_in_output, min_tokens, presence_penalty, frequency_penalty,
         repetition_penalty, logit_bias, logprobs, top_logprobs, structured output (one of
         json_schema, json_object, regex, choice, grammar), tools and tool_choice (the
-        calls come back in ChatResult.tool_calls), request_id, priority
-        (`build_request`)."""
+        calls come back in ChatResult.tool_calls), skip_special_tokens,
+        spaces_between_special_tokens, chat_template_kwargs, add_generation_prompt,
+        continue_final_message, request_id, priority (`build_request`)."""
         if kw.get("n", 1) != 1:
             raise ValueError("n > 1 returns several results: use chat_choices(messages, n)")
         result = ChatResult()
