@@ -85,6 +85,14 @@ def test_the_served_name_is_the_checkpoint_directory_or_the_hub_id(tmp_path):
                        "Qwen/Qwen2.5-VL-3B-Instruct") == "Qwen/Qwen2.5-VL-3B-Instruct"
 
 
+def test_a_flag_neither_vllm_nor_tandem_up_knows_is_answered_with_where_to_look(capsys):
+    assert serve.main(["m", "--disable-frontend-multiprocessing"]) == 2
+    err = capsys.readouterr().err
+    assert "--disable-frontend-multiprocessing" in err and "tandem serve --help" in err
+    assert serve.main(["m", "--encoders", "2", "--demo", "--dry-run"]) == 0  # up's own pass
+    assert "--encoders 2 --demo" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("flag", sorted(serve.HINTS))
 def test_a_vllm_flag_without_an_equivalent_gets_a_hint(flag, capsys):
     assert serve.main(["m", flag, "x"]) == 2

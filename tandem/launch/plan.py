@@ -81,8 +81,8 @@ def _glue_tier_args(argv: list[str]) -> list[str]:
     return out
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    """The cluster flags; `tandem up --ray` takes its own flags out first, then calls this."""
+def parser() -> argparse.ArgumentParser:
+    """`tandem up`'s own flags (`--ray` and its sizing flags are ray_up.py's)."""
     p = argparse.ArgumentParser(
         prog="tandem up",
         description="A whole local cluster: N encoders, M language instances, one router.",
@@ -130,6 +130,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ready-timeout", type=float, default=300.0, help="Seconds to get ready.")
     p.add_argument("--stop-timeout", type=float, default=15.0,
                    help="Seconds each child gets to drain before it is killed.")
+    return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The cluster flags; `tandem up --ray` takes its own flags out first, then calls this."""
+    p = parser()
     args = p.parse_args(_glue_tier_args(argv))
     if args.encoders < 1 or args.languages < 1:
         p.error("--encoders and --languages must be >= 1")

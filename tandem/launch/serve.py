@@ -102,6 +102,13 @@ HINTS: dict[str, str] = {
 }
 
 
+def _up_flags() -> set[str]:
+    """Every option string `tandem up`'s own parser takes."""
+    from tandem.launch.plan import parser
+
+    return {s for a in parser()._actions for s in a.option_strings}
+
+
 def usage() -> str:
     return ("usage: tandem serve MODEL [vLLM flags] [tandem up flags] [--dry-run]\n\n"
             + __doc__.split("\n\n", 2)[2].rstrip() + "\n\nAny `tandem up` flag passes "
@@ -121,6 +128,7 @@ def translate(argv: list[str]) -> list[str]:
     tier: dict[str, list[str]] = {"encoder": [], "language": []}
     given: dict[str, list[str]] = {"encoder": [], "language": []}  # --<tier>-args: last wins
     rest = list(argv[1:])
+    ray = any(a == "--ray" or a.startswith("--ray=") for a in rest)  # ray_up.py judges its own
     while rest:
         arg = rest.pop(0)
         name, eq, inline = arg.partition("=")
@@ -137,6 +145,11 @@ def translate(argv: list[str]) -> list[str]:
         if name in HINTS:
             raise ServeError(f"{name} (vLLM) has no equivalent here: {HINTS[name]}")
         if name not in MAPPED:
+            if name.startswith("-") and name not in _up_flags() and not ray:
+                raise ServeError(f"{name} is neither a vLLM flag mapped here nor a `tandem up` "
+                                 "flag: `tandem serve --help` lists the vLLM flags, `tandem up "
+                                 "--help` the rest; a tier's own flag goes through "
+                                 "--encoder-args/--language-args/--router-args")
             up.append(arg)  # a `tandem up` flag, or its value; `tandem up` judges it
             continue
         if not eq and not rest:
