@@ -62,8 +62,10 @@ ISA_FLAGS = {
 }
 # NOTE: no contraction of a * b + c into one FMA where the source does not ask for it (the
 # pointwise steps round as torch does); intrinsics still FMA.
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
-LDFLAGS = ["-fopenmp"]
+# Tuples: torch's builder appends to the lists it is given, and a flag appended here would
+# change the next key computed in this process (another build directory, a second compile).
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")
+LDFLAGS = ("-fopenmp",)
 PROGRESS_S = 10.0  # a compile says how far it got at least this often
 
 
@@ -119,7 +121,7 @@ def kernels():
     try:  # no source (an install without it), no compiler, no ninja: keep torch's ops
         key = hashlib.sha256(
             b"".join(p.read_bytes() for p in SOURCES + HEADERS)
-            + " ".join(CFLAGS + ISA_FLAGS[path] + LDFLAGS).encode()
+            + " ".join((*CFLAGS, *ISA_FLAGS[path], *LDFLAGS)).encode()
             + torch.__version__.encode() + os.uname().machine.encode()
             + " ".join(sorted(cpu_flags())).encode() + path.encode()
             # NOTE: and the environment: the build embeds its torch/Python include paths, so
@@ -153,7 +155,7 @@ def kernels():
 
             with _progress(build, name, [Path(s).stem for s in sources], path):
                 mod = load(name=name, sources=sources, build_directory=str(build),
-                           extra_cflags=CFLAGS + ISA_FLAGS[path], extra_ldflags=LDFLAGS,
+                           extra_cflags=[*CFLAGS, *ISA_FLAGS[path]], extra_ldflags=[*LDFLAGS],
                            verbose=False)
     except Exception as e:
         log.warning("CPU kernels unavailable (%s); using torch's ops (gather + SDPA, F.linear)", e)

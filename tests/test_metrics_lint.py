@@ -208,13 +208,18 @@ def test_kv_gauges_and_usage_ratio(cluster):
 
 
 def test_every_tier_names_its_model_once(cluster):
-    names = set()
+    """The tiers name the checkpoint they loaded; the router the name the API serves it
+    under (`tandem up --served-model-name`, by default the checkpoint directory's name)."""
+    names = {}
     for tier in TIERS:
         info = [dict(ls) for (n, ls), v in samples(page(cluster, tier)).items()
                 if n == "tandem_model_info" and v == 1]
         assert len(info) == 1 and info[0]["tier"] == tier, (tier, info)
-        names.add(info[0]["model_name"])
-    assert names == {cluster.model}
+        names[tier] = info[0]["model_name"]
+    from pathlib import PurePath
+
+    assert names == {"encoder": cluster.model, "language": cluster.model,
+                     "router": PurePath(cluster.model).name}
 
 
 def test_encoder_counts_cache_evictions_with_a_counter(cluster):
@@ -285,7 +290,7 @@ def test_a_stream_is_counted_once_by_how_it_ended():
     from tandem.v1 import common_pb2, language_pb2
 
     class Shape:  # the four chunk kinds of a real shape, as bytes
-        def start(self, i):
+        def start(self, i, o):
             return b"s"
 
         def output(self, i, o):
