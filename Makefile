@@ -37,14 +37,22 @@ $(PY):
 # The grammar engine without its triton dependency (GPU kernels only; see pyproject.toml).
 XGRAMMAR_SPEC := xgrammar>=0.2.8,<0.3
 
+# $(call step,WHAT,COMMAND): a setup step that may be silent for minutes (pip -q), with a
+# line every 10 s while it works, so a first run never looks stuck.
+define step
+@echo "setup: $(1)"; ( $(2) ) & pid=$$!; s=0; \
+while kill -0 $$pid 2>/dev/null; do sleep 1; s=$$((s + 1)); \
+  [ $$((s % 10)) -ne 0 ] || echo "setup: $(1): still at work ($$s s)"; done; wait $$pid
+endef
+
 # torch first, from the pinned build, so nothing later can pull a CUDA wheel.
 $(STAMPS)/deps: pyproject.toml setup.py constraints.txt | $(PY)
 	@mkdir -p $(STAMPS)
-	$(PIP) install -q "$(TORCH_SPEC)"
+	$(call step,installing $(TORCH_SPEC),$(PIP) install -q "$(TORCH_SPEC)")
 	@# the distribution was called `tandem` before (a name PyPI gives another project)
 	@$(PIP) uninstall -q -y tandem 2>/dev/null || true
-	PIP_CONSTRAINT=constraints.txt $(PIP) install -q -e '.[dev]'
-	$(PIP) install -q --no-deps "$(XGRAMMAR_SPEC)"
+	$(call step,installing the package and its dependencies,PIP_CONSTRAINT=constraints.txt $(PIP) install -q -e '.[dev]')
+	$(call step,installing the grammar engine,$(PIP) install -q --no-deps "$(XGRAMMAR_SPEC)")
 	@touch $@
 
 # Stubs are generated into tandem/v1 (package tandem.v1 mirrors protos/tandem/v1).
