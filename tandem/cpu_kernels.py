@@ -187,6 +187,7 @@ class _progress:
 
     def _report(self) -> None:
         seen: set[str] = set()
+        last = 0.0  # seconds into the build of the last line
         while not self.done.wait(1.0):
             now = time.monotonic() - self.t0
             fresh = [s for s in self.stems if s not in seen and (self.build / f"{s}.o").exists()]
@@ -195,9 +196,9 @@ class _progress:
                 log.info("CPU kernels: %s compiled (%.0f s, %d of %d)", s, now, len(seen),
                          len(self.stems))
             if fresh:
-                self.last = now
-            elif now - getattr(self, "last", 0.0) >= PROGRESS_S:
-                self.last = now
+                last = now
+            elif now - last >= PROGRESS_S:
+                last = now
                 log.info("CPU kernels: still compiling (%.0f s, %d of %d sources done)",
                          now, len(seen), len(self.stems))
 

@@ -126,10 +126,7 @@ def build_app(core: RouterCore) -> FastAPI:
 
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request):
-        core.check_model(body.model)
-        rid = request_id_from_header(request.headers.get("x-request-id"))
-        req = to_chat_request(body, cfg, rid)
-        req.client_id = request.state.client_id  # set by guard.Guard
+        req, rid = _admitted(core, body, request, to_chat_request)
         if body.n > 1 and req.tools.mode is not ToolMode.NONE:
             raise RouterError("INVALID_ARGUMENT", "n > 1 with tools is not served", "n")
         shape = fmt.ChatShape(req.request_id, body.model or core.model_name(), req.tools,
@@ -139,10 +136,7 @@ def build_app(core: RouterCore) -> FastAPI:
 
     @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
-        core.check_model(body.model)
-        rid = request_id_from_header(request.headers.get("x-request-id"))
-        req = to_completion_request(body, cfg, rid)
-        req.client_id = request.state.client_id  # set by guard.Guard
+        req, rid = _admitted(core, body, request, to_completion_request)
         shape = CompletionShape(req.request_id, body.model or core.model_name(),
                                 req.prompt if body.echo else "", _continuous_usage(body),
                                 body.return_tokens_as_token_ids)
@@ -165,6 +159,17 @@ def build_app(core: RouterCore) -> FastAPI:
 
     document(app)  # the statuses each route answers, in /openapi.json
     return app
+
+
+def _admitted(core: RouterCore, body, request: Request, convert):
+    """(the front-end-independent request, its request id) of a generation body: the model
+    checked, the body converted by `convert(body, cfg, rid)` (RouterError on bad input),
+    the client's key attached (set by guard.Guard)."""
+    core.check_model(body.model)
+    rid = request_id_from_header(request.headers.get("x-request-id"))
+    req = convert(body, core.cfg, rid)
+    req.client_id = request.state.client_id
+    return req, rid
 
 
 def _continuous_usage(body) -> bool:
