@@ -208,6 +208,27 @@ def test_pack_linears_swaps_every_linear_and_keeps_results():
     torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
 
 
+def test_claim_pool_protocol_runs_every_task_once_inside_its_job():
+    """The pool's protocol over many back-to-back jobs of alternating sizes (its own
+    selftest in csrc/strip_pool.cpp): every task runs exactly once and only inside its job.
+    Before the counter was sealed at a job's end, a helper that read the job's generation
+    late could read the next, larger job's size and run a task past the end of the
+    finished job (tens of such tasks per 200,000 jobs on a 2-core host; in serving, a
+    strip written past a linear's output — CI saw a segfault)."""
+    k = kernels()
+    if k is None:
+        pytest.skip("CPU kernels unavailable")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for spin_us in (0, 1000):
+            k.set_pool_helpers(1, spin_us)
+            assert k.pool_selftest(100_000) == 0
+    finally:
+        k.set_pool_helpers(0)
+        torch.set_num_threads(before)
+
+
 def test_claim_pool_linears_equal_one_thread_bit_for_bit():
     """A one-thread step's linears on the claim-based pool (csrc/strip_pool.cpp): every
     strip is computed whole by one thread, so the result is bit-identical to one thread

@@ -15,6 +15,7 @@ torch::Tensor silu_mul(torch::Tensor gu);
 namespace strip_pool {
 void set_helpers(int64_t count, int64_t spin_us);
 int64_t helpers();
+int64_t selftest(int64_t jobs);
 }
 std::vector<torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                                    int64_t H, int64_t Hkv);
@@ -37,6 +38,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "helper threads of the claim-based pool for one-thread steps' linears (0: none), "
         "and how long each spins after a job before it sleeps");
   m.def("pool_helpers", &strip_pool::helpers, "helper threads of the claim-based pool");
+  m.def("pool_selftest", &strip_pool::selftest, NoGil(), py::arg("jobs"),
+        "the pool protocol's own check over back-to-back jobs: tasks run outside their job "
+        "or other than once (0 when it holds)");
   m.def("isa", [] { return std::string(v16::kPath); },
         "the vector path this build runs: avx512, avx2, neon or generic (vec16.h)");
   m.def("rope_qk", &rope_qk, NoGil(), "q, k with rotary applied, split out of a fused qkv output");

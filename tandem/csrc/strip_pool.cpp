@@ -12,13 +12,21 @@
 //
 // Protocol (one caller at a time: `busy`; another caller falls back to running alone):
 //   caller: job fn/n stored; counter = (gen+1, 0); gen = gen+1 (wake sleepers);
-//           claim tasks until none is left; wait until done == n.
+//           claim tasks until none is left; wait until done == n; seal: counter =
+//           (gen, kSealed), so no task of this generation can be claimed any more.
 //   helper: sees gen change (spinning for kSpinNs after its last job, then asleep on a futex);
 //           reads fn/n; claims by CAS on counter, which fails once the counter's
 //           generation is not the one it read, so a helper that woke late never runs a
 //           task of a job that is over or of the next one; runs it; done += 1.
 // Every task a helper claims belongs to the current job, and the caller does not publish
 // another job before done == n, so no increment of `done` crosses jobs.
+// Why the seal: a helper reads gen, then fn, then n, each on its own. Without the seal, a
+// helper that read gen == g late could read the *next* job's n (stored before the next
+// counter and gen) while the counter still said (g, n_g); with n_next > n_g its claim
+// succeeded and it ran task n_g of job g's finished fn: a strip past the end of job g's
+// output, written through a dangling std::function (CI saw it as a segfault). Sealed, a
+// counter of generation g has no claimable task once job g is over, whatever n a late
+// helper read, and the next job's fn and n are stored only after the seal.
 #include <torch/extension.h>
 
 #include <atomic>
@@ -67,6 +75,9 @@ void futex_wake_all(std::atomic<uint32_t>* word) {
 #endif
 }
 static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "futex needs a plain word");
+
+// The counter's task field once a job is over: no total reaches it (run() refuses 2^32).
+constexpr uint64_t kSealed = 0xffffffffu;
 
 struct Pool {
   std::atomic<uint32_t> gen{0};
@@ -183,8 +194,42 @@ bool run(int64_t total, const Task& task) {
   int64_t mine = 0;
   for (int64_t i; (i = p.claim(g, total)) >= 0; ++mine) task(i);
   while (p.done.load() + mine < total) POOL_PAUSE();
+  p.counter.store((static_cast<uint64_t>(g) << 32) | kSealed);
   p.busy.clear();
   return true;
+}
+
+// The protocol's own check: `jobs` back-to-back jobs of alternating sizes with tasks too
+// small to hide a race, every job's task and tally kept alive to the end (so a task run
+// outside its job is counted instead of crashing). Returns how many tasks ran with an
+// index outside their job or how many indices ran other than once: 0 when the protocol
+// holds. Needs helpers (set_helpers); a job the pool refuses (busy) is run alone.
+int64_t selftest(int64_t jobs) {
+  TORCH_CHECK(!pool().helpers.empty(), "selftest needs helpers (set_pool_helpers)");
+  TORCH_CHECK(jobs > 0 && jobs <= 1'000'000, "jobs must be in [1, 1e6]");
+  static constexpr int64_t kSizes[] = {2, 67, 3, 130, 5, 33, 2, 9};
+  std::vector<std::vector<std::atomic<int>>> tallies;
+  std::vector<Task> tasks;
+  std::atomic<int64_t> outside{0};
+  tallies.reserve(jobs);
+  tasks.reserve(jobs);
+  for (int64_t j = 0; j < jobs; ++j) {
+    const int64_t total = kSizes[j % 8];
+    tallies.emplace_back(total);
+    auto* tally = &tallies.back();
+    tasks.emplace_back([tally, total, &outside](int64_t i) {
+      if (i < 0 || i >= total)
+        outside.fetch_add(1);
+      else
+        (*tally)[i].fetch_add(1);
+    });
+    if (!run(total, tasks.back()))
+      for (int64_t i = 0; i < total; ++i) tasks.back()(i);
+  }
+  int64_t bad = outside.load();
+  for (auto& tally : tallies)
+    for (auto& n : tally) bad += n.load() != 1;
+  return bad;
 }
 
 }  // namespace strip_pool
