@@ -143,6 +143,32 @@ def test_seeded_sampling_is_independent_of_batch_composition(checkpoint):
         engine.stop()
 
 
+def test_the_engine_seed_replays_unseeded_requests_and_yields_to_a_request_seed(checkpoint):
+    """EngineConfig.seed (vLLM's --seed): the n-th unseeded request after a start draws the
+    same seed on every start with that seed, so a replayed sequence gives the same tokens;
+    another seed gives others; a request's own seed wins over the engine's."""
+    case = _cases.get("qwen2_5_vl") or Case(checkpoint("qwen2_5_vl"))
+    runner = ModelRunner(case.weights, RunnerSettings(page_size=4), num_pages=256)
+    params = dict(temperature=1.0, max_tokens=10, ignore_eos=True)
+
+    def replay(engine_seed, request_seed=None) -> list[list[int]]:
+        engine = Engine(runner, case.tokenizer, EngineConfig(seed=engine_seed)).start()
+        try:
+            out = []
+            for i in range(3):  # one after another: the engine's draw order is the arrival order
+                req = Request(i, SamplingParams(seed=request_seed, **params), case.payloads[i])
+                out.append([t for d in collect(engine, [req])[i] for t in d.token_ids])
+            assert engine.pool.num_free == engine.pool.num_total
+            return out
+        finally:
+            engine.stop()
+
+    first = replay(11)
+    assert replay(11) == first
+    assert replay(12) != first
+    assert replay(11, request_seed=5) == replay(None, request_seed=5)
+
+
 def test_stop_string_stop_token_and_eos(checkpoint):
     case = _cases.get("qwen2_5_vl") or Case(checkpoint("qwen2_5_vl"))
     engine = case.engine(num_pages=256)

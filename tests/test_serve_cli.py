@@ -46,7 +46,8 @@ def test_every_mapped_vllm_flag_reaches_the_tier_that_honours_it(tmp_path):
                     "--gpu-memory-utilization", "0.8", "--max-num-seqs", "48",
                     "--max-num-batched-tokens", "2048", "--no-enable-prefix-caching",
                     "--limit-mm-per-prompt", '{"image": 3}', "--api-key", "k",
-                    "--uvicorn-log-level", "warning", "--language-args", "--kv-pages 64"],
+                    "--uvicorn-log-level", "warning", "--seed", "7",
+                    "--language-args", "--kv-pages 64"],
                    str(model))
     up, enc, lang, router = got["up"], got["encoder"], got["language"], got["router"]
     assert (up.host, up.http_port, up.api_key) == ("0.0.0.0", 9001, "k")
@@ -56,6 +57,7 @@ def test_every_mapped_vllm_flag_reaches_the_tier_that_honours_it(tmp_path):
     assert (lang.max_running_requests, lang.max_prefill_tokens, lang.prefix_cache) == (
         48, 2048, False)
     assert lang.kv_pages == 64  # the caller's own --language-args still apply
+    assert lang.seed == 7
     assert (enc.dtype, enc.max_images_per_request) == ("bfloat16", 3)
     assert enc.chat_template == lang.chat_template == str(template)
     assert {enc.log_level, lang.log_level, router.log_level} == {"warning"}

@@ -69,6 +69,13 @@ class LanguageConfig(ModelServiceSettings):
         "(keys chain token ids and image hashes); the encoder then skips what is cached. "
         "--no-prefix-cache turns it off.",
     )
+    seed: int | None = Field(
+        None, ge=0, lt=2**63,
+        description="Seed of the seeds drawn for requests that give none (vLLM's --seed): "
+        "the n-th unseeded request to reach the engine after a start always draws the same "
+        "seed, so a replayed sequence of requests gives the same tokens. Unset: each "
+        "unseeded request draws from the OS's randomness. A request's own `seed` wins.",
+    )  # fmt: skip
     init_new_token_ratio: float = Field(
         0.7, gt=0, le=1.0,
         description="Share of a request's max_tokens reserved in KV pages at admission; "

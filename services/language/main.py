@@ -67,6 +67,7 @@ def build_engine(cfg: LanguageConfig, metrics: LanguageMetrics):
             default_max_tokens=cfg.default_max_tokens,
             init_new_token_ratio=cfg.init_new_token_ratio,
             prefix_cache=cfg.prefix_cache,
+            seed=cfg.seed,
         ),
         eos_token_ids=tuple(spec.eos_token_ids),
         metrics=metrics,

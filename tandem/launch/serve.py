@@ -20,6 +20,8 @@ a bare "unrecognized arguments"); `tandem up`'s own flags pass through as they a
     --[no-]enable-prefix-caching      language --[no-]prefix-cache
     --limit-mm-per-prompt '{"image": N}'  encoder --max-images-per-request N
     --uvicorn-log-level L             tandem up --log-level L
+    --seed N                          language --seed N (the seeds of requests that give
+                                      none; a request's own `seed` wins)
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ MAPPED: dict[str, Mapped] = {
     "--max-num-seqs": Mapped("language", "--max-running-requests"),
     "--max-num-batched-tokens": Mapped("language", "--max-prefill-tokens"),
     "--limit-mm-per-prompt": Mapped("encoder", "--max-images-per-request", _images),
+    "--seed": Mapped("language", "--seed"),
 }
 SWITCHES: dict[str, tuple[str, str]] = {  # a flag without a value -> (tier, its flag)
     "--enable-prefix-caching": ("language", "--prefix-cache"),
@@ -73,8 +76,6 @@ SWITCHES: dict[str, tuple[str, str]] = {  # a flag without a value -> (tier, its
 }
 # vLLM flags with no Tandem equivalent, and what to do instead.
 HINTS: dict[str, str] = {
-    "--seed": "seeds are per request here (the `seed` field); the same seed and input "
-    "give the same output on any instance",
     "--pipeline-parallel-size": "only tensor parallelism is served "
     "(--tensor-parallel-size)",
     "--quantization": "checkpoints are served in --dtype (float32, bfloat16, float16); "

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import random
 import threading
 import time
 
@@ -61,6 +62,8 @@ class Engine:
         self.metrics = metrics or LanguageMetrics(CollectorRegistry())  # a registry of its own
         self.pool = PrefixCache(KVPagePool(runner.num_pages, runner.page_size), cfg.prefix_cache)
         self.grammars = Grammars(tokenizer, runner.vocab_size, tuple(self.eos))
+        # unseeded requests' seeds, in submit order (under _known_lock); None: the OS's
+        self._seeds = random.Random(cfg.seed) if cfg.seed is not None else None
         self._compiling: list[Live] = []  # WAITING_FOR_GRAMMAR (engine thread only)
         self.scheduler = Scheduler(
             self.pool,
@@ -138,6 +141,8 @@ class Engine:
             if req.room in self._known:
                 raise AdmissionError(f"request {req.room} is already running")
             self._known.add(req.room)
+            if self._seeds is not None and req.sampling.seed is None:
+                req.sampler.seed = self._seeds.getrandbits(63)
         start = req.prompt.start
         try:
             pages = self.pool.take_pin(req.room, start)

@@ -138,6 +138,7 @@ class SamplingState:
     (generator, prompt ids) and by the engine thread (the grammar's future and matcher)."""
 
     generator: torch.Generator | None = None  # made on first use
+    seed: int | None = None  # the engine's seed for a request without one (EngineConfig.seed)
     prompt_ids_tensor: torch.Tensor | None = None  # the repetition penalty's, made once
     grammar_future: Future | None = None  # the compiling grammar (sampling.grammar)
     matcher: object | None = None  # its grammar matcher, once compiled

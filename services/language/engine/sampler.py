@@ -1,7 +1,8 @@
 """Token sampling: greedy, temperature, top-k, top-p, per-request seeded generators.
 
 Reproducibility: a request's draws come only from its own `torch.Generator` (seeded from
-its `seed`, or randomly when it has none), one draw per generated token, and each row is
+its `seed`; when it has none, from the engine's seeded sequence (`--seed`) or the OS's
+randomness), one draw per generated token, and each row is
 processed on its own. So the same seed gives the same tokens whatever else shares the
 batch, and a retraction (which never re-samples a token) does not change them either.
 
@@ -126,7 +127,9 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 def _generator(req: Request, device: torch.device) -> torch.Generator:
     if req.sampler.generator is None or req.sampler.generator.device != device:
-        seed = req.sampling.seed if req.sampling.seed is not None else secrets.randbits(63)
+        seed = next((s for s in (req.sampling.seed, req.sampler.seed) if s is not None), None)
+        if seed is None:
+            seed = secrets.randbits(63)
         g = torch.Generator(device=device)
         g.manual_seed(seed & ((1 << 63) - 1))
         req.sampler.generator = g

@@ -21,6 +21,7 @@ class EngineConfig:
     default_max_tokens: int = 256  # a request's max_tokens when it gives none
     init_new_token_ratio: float = 0.7  # share of max_tokens reserved at admission (decays)
     prefix_cache: bool = True  # share whole KV pages between requests with equal prefixes
+    seed: int | None = None  # seeds the seeds of requests that give none (vLLM's --seed)
 
 
 @dataclass
