@@ -106,8 +106,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("seed", int, None, "Seed of the request's random generator; absent: a random "
          "one.", -(1 << 63), (1 << 63) - 1),
     Knob("ignore_eos", bool, False, "Keep generating past EOS (benchmarks)."),
-    Knob("include_stop_str_in_output", bool, False, "Keep the matched stop string at the "
-         "end of the output."),
+    Knob("include_stop_str_in_output", bool, False, "Keep the matched stop string, or the "
+         "text of the EOS or stop token that ended the output, at its end (vLLM's rule)."),
     Knob("skip_special_tokens", bool, True, "Leave the tokenizer's special tokens out of "
          "the output text (the token ids keep them)."),
     Knob("spaces_between_special_tokens", bool, True, "With special tokens in the text: "

@@ -196,9 +196,19 @@ def test_stop_string_stop_token_and_eos(checkpoint):
         eos_engine = Engine(engine.runner, case.tokenizer, EngineConfig(), eos_token_ids=(ref[1],))
         engine.stop()
         engine = eos_engine.start()
-        out = collect(engine, [Request(3, SamplingParams(max_tokens=len(ref)), case.payloads[3])])
-        assert [t for d in out[3] for t in d.token_ids] == ref[: ref.index(ref[1]) + 1]
-        assert out[3][-1].finish_reason is RequestStatus.FINISHED_STOP
+        out = collect(engine, [
+            Request(3, SamplingParams(max_tokens=len(ref)), case.payloads[3]),
+            Request(4, SamplingParams(max_tokens=len(ref), include_stop_str_in_output=True,
+                                      skip_special_tokens=False), case.payloads[3]),
+        ])  # fmt: skip
+        upto = ref[: ref.index(ref[1]) + 1]
+        for room in (3, 4):
+            assert [t for d in out[room] for t in d.token_ids] == upto
+            assert out[room][-1].finish_reason is RequestStatus.FINISHED_STOP
+        # the ending token's text is left out unless include_stop_str_in_output (vLLM's rule
+        # for EOS and stop_token_ids alike)
+        assert "".join(d.text for d in out[3]) == case.tokenizer.decode(upto[:-1])
+        assert "".join(d.text for d in out[4]) == case.tokenizer.decode(upto)
         assert engine.pool.num_free == engine.pool.num_total
     finally:
         engine.stop()

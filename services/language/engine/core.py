@@ -317,6 +317,10 @@ class Engine:
             delta.logprobs = [logprob]
             delta.top_logprobs = [top]
         if (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids:
+            # the ending token's text only with include_stop_str_in_output (as vLLM): then
+            # an EOS shows as its text where skip_special_tokens is false
+            if p.include_stop_str_in_output:
+                delta.text = live.detok.add([token])
             self._finish(live, RequestStatus.FINISHED_STOP, delta=delta)
             return
         delta.text = live.detok.add([token])
