@@ -104,7 +104,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+# The tiers that load Mooncake, whose glog lines go through the launcher's filter.
+NATIVE_LOGGING = ("encoder", "language")
+
+
+def _log_level(argv: list[str]) -> str:
+    """The --log-level a tier's argv (or its TANDEM_LOG_LEVEL) gives; the tier judges it."""
+    import os
+
+    for i, arg in enumerate(argv):
+        if arg == "--log-level" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--log-level="):
+            return arg.split("=", 1)[1]
+    return os.environ.get("TANDEM_LOG_LEVEL", "info")
+
+
 def _dispatch(cmd: str, rest: list[str]) -> int:
+    if cmd in NATIVE_LOGGING and not {"-h", "--help"} & set(rest):
+        import os
+
+        from tandem.launch.procs import FILTERED_ENV, filtered
+
+        if os.environ.get(FILTERED_ENV) != "1":  # on its own (a pod): filter its stderr
+            return filtered([sys.executable, "-m", "tandem.cli", cmd, *rest], _log_level(rest))
     if cmd in SERVICES:
         return _run_service(cmd, rest)
     if cmd == "serve":

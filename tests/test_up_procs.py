@@ -261,3 +261,56 @@ def test_mooncakes_benign_start_up_lines_show_only_at_debug():
                                           "refused by peer")
     assert native_line("2026-11-25 17:33:11,000 INFO tandem.language ready", "info") == (
         "2026-11-25 17:33:11,000 INFO tandem.language ready")
+
+
+@pytest.mark.parametrize("kind", ["encoder", "language"])
+def test_a_tier_on_its_own_logs_as_under_tandem_up(kind, checkpoint, tmp_path):
+    """A tier started on its own (a pod's `tandem encoder ...`) runs under the launcher's
+    log filter: a healthy start prints no WARNING or ERROR line (Mooncake's benign glog
+    lines hidden), SIGTERM reaches the tier, which drains and exits 0, and nothing is left
+    running. Under `tandem up` the tier runs directly (its launcher filters already)."""
+    import signal
+
+    from waiting import wait_until
+
+    from tandem.launch.procs import FILTERED_ENV, free_port
+
+    pki = make_pki(tmp_path / "pki")
+    err = tmp_path / "stderr"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    argv = [sys.executable, "-m", "tandem.cli", kind, "--model", str(checkpoint("qwen2_5_vl")),
+            "--port", str(free_port()), "--internal-tls.ca", str(pki.ca),
+            "--internal-tls.cert", str(pki.cert(kind)), "--internal-tls.key", str(pki.key(kind))]
+    if kind == "language":
+        argv += ["--kv-pages", "64"]
+    with err.open("wb") as sink:
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=sink, env=env)
+    try:
+        wait_until(lambda: f"{kind} ready on" in err.read_text() or proc.poll() is not None,
+                   timeout_s=120,
+                   what=f"the {kind}'s ready line", state=err.read_text)
+        assert proc.poll() is None, err.read_text()
+        tier = psutil.Process(proc.pid).children()
+        assert len(tier) == 1 and tier[0].environ().get(FILTERED_ENV) == "1"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+    assert not tier[0].is_running()
+    text = err.read_text()
+    assert f"{kind} stopped" in text, text
+    loud = [ln for ln in text.splitlines() if " WARNING " in ln or " ERROR " in ln
+            or ln[:1] in ("W", "E")]
+    assert loud == [], text
+
+
+def test_a_cpu_language_tier_without_kv_pages_stops_with_one_line(checkpoint):
+    """kv_pages 0 sizes the pool from free GPU memory: on CPU that is one clear line before
+    the weights load, not a traceback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    r = subprocess.run([sys.executable, "-m", "tandem.cli", "language", "--model",
+                        str(checkpoint("qwen2_5_vl")), "--insecure-internal"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 1
+    assert "--kv-pages is needed on cpu" in r.stderr.splitlines()[-1], r.stderr
+    assert "Traceback" not in r.stderr, r.stderr

@@ -44,6 +44,9 @@ def build_engine(cfg: LanguageConfig, metrics: LanguageMetrics):
     from tandem.services.language.runner.model_runner import ModelRunner
 
     device = resolve_device(cfg.device)
+    if cfg.kv_pages == 0 and device.type != "cuda":  # before the weights load: say it at once
+        raise SystemExit(f"tandem language: --kv-pages is needed on {device.type} (kv_pages 0 "
+                         "sizes the pool from free GPU memory only; `tandem up` sets one)")
     dtype = resolve_dtype(cfg.dtype, device)
     spec = read_spec(resolve_model_path(cfg.model))
     max_len = cfg.max_model_len or spec.max_position_embeddings

@@ -92,9 +92,9 @@ _PR_SET_PDEATHSIG = 1
 _SIGTERM = int(signal.SIGTERM)
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _die_with_parent(sig: int = _SIGTERM) -> None:  # runs in the child between fork and exec
     if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, _SIGTERM)
+        _PRCTL(_PR_SET_PDEATHSIG, sig)
 
 
 def _child_setup(nice: int):
@@ -134,6 +134,40 @@ def native_line(line: str, log_level: str) -> str | None:
     return f"mooncake {_GLOG_LEVEL[m.group(1)]} {m.group(2)} {m.group(3)}"
 
 
+# Set in a tier's environment by whatever already filters its output (`tandem up`, or
+# `filtered` below around a tier started on its own): the tier then runs as it is.
+FILTERED_ENV = "TANDEM_NATIVE_LOG_FILTERED"
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+              signal.SIGUSR2)
+
+
+def filtered(argv: list[str], log_level: str) -> int:
+    """Run a tier started on its own (a pod's `tandem encoder ...`) as a child whose stderr
+    goes through `native_line`, so its log shows what `tandem up` shows: no benign Mooncake
+    start-up line below debug, other glog lines in our shape. Returns the child's exit
+    code (128 + N after signal N).
+
+    This process stays until the child's stderr closes, so the child's last words (a
+    traceback, a fatal glog line) are forwarded too. The child runs in a session of its
+    own, so a terminal's Ctrl-C reaches it once, forwarded from here with every other
+    stop signal; if this process is killed outright, the child is SIGKILLed with it
+    (PR_SET_PDEATHSIG), as a pod's whole container would be. The child's stdout is this
+    process's own."""
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, env={**os.environ, FILTERED_ENV: "1"},
+                            start_new_session=True,
+                            preexec_fn=functools.partial(_die_with_parent, int(signal.SIGKILL)))
+    for sig in _FORWARDED:
+        signal.signal(sig, lambda s, _frame: proc.send_signal(s))
+    err = sys.stderr
+    for raw in iter(proc.stderr.readline, b""):
+        shown = native_line(raw.decode(errors="replace").rstrip("\n"), log_level)
+        if shown is not None:
+            err.write(shown + "\n")
+            err.flush()
+    code = proc.wait()
+    return code if code >= 0 else 128 - code
+
+
 @dataclass
 class Child:
     """One service process. `health_service` is the grpc.health.v1 service name whose
@@ -161,7 +195,8 @@ class Child:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**(os.environ if env is None else env), **self.env_extra},
+            # its output is filtered here (_forward): the tier need not filter it again
+            env={**(os.environ if env is None else env), **self.env_extra, FILTERED_ENV: "1"},
             start_new_session=True,
             preexec_fn=_child_setup(self.nice),
         )
