@@ -108,16 +108,18 @@ def main(argv: list[str] | None = None) -> int:
 NATIVE_LOGGING = ("encoder", "language")
 
 
-def _log_level(argv: list[str]) -> str:
-    """The --log-level a tier's argv (or its TANDEM_LOG_LEVEL) gives; the tier judges it."""
+def _logging_flag(argv: list[str], name: str, default: str) -> str:
+    """The value a tier's argv (or its TANDEM_<NAME> variable) gives its --<name> flag, for
+    the log filter around it; the tier itself judges the value."""
     import os
 
+    flag = "--" + name.replace("_", "-")
     for i, arg in enumerate(argv):
-        if arg == "--log-level" and i + 1 < len(argv):
+        if arg == flag and i + 1 < len(argv):
             return argv[i + 1]
-        if arg.startswith("--log-level="):
+        if arg.startswith(flag + "="):
             return arg.split("=", 1)[1]
-    return os.environ.get("TANDEM_LOG_LEVEL", "info")
+    return os.environ.get(f"TANDEM_{name.upper()}", default)
 
 
 def _dispatch(cmd: str, rest: list[str]) -> int:
@@ -127,7 +129,9 @@ def _dispatch(cmd: str, rest: list[str]) -> int:
         from tandem.launch.procs import FILTERED_ENV, filtered
 
         if os.environ.get(FILTERED_ENV) != "1":  # on its own (a pod): filter its stderr
-            return filtered([sys.executable, "-m", "tandem.cli", cmd, *rest], _log_level(rest))
+            return filtered([sys.executable, "-m", "tandem.cli", cmd, *rest],
+                            _logging_flag(rest, "log_level", "info"),
+                            _logging_flag(rest, "log_format", "text"))
     if cmd in SERVICES:
         return _run_service(cmd, rest)
     if cmd == "serve":

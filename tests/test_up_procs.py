@@ -263,12 +263,14 @@ def test_mooncakes_benign_start_up_lines_show_only_at_debug():
         "2026-11-25 17:33:11,000 INFO tandem.language ready")
 
 
-@pytest.mark.parametrize("kind", ["encoder", "language"])
-def test_a_tier_on_its_own_logs_as_under_tandem_up(kind, checkpoint, tmp_path):
+@pytest.mark.parametrize("kind,fmt", [("encoder", "text"), ("language", "json")])
+def test_a_tier_on_its_own_logs_as_under_tandem_up(kind, fmt, checkpoint, tmp_path):
     """A tier started on its own (a pod's `tandem encoder ...`) runs under the launcher's
-    log filter: a healthy start prints no WARNING or ERROR line (Mooncake's benign glog
-    lines hidden), SIGTERM reaches the tier, which drains and exits 0, and nothing is left
-    running. Under `tandem up` the tier runs directly (its launcher filters already)."""
+    log filter: Mooncake's glog lines become records of logger `mooncake` in the tier's
+    --log-format, its benign start-up lines at DEBUG, so a healthy start prints no
+    WARNING or ERROR line; SIGTERM reaches the tier, which drains and exits 0, and nothing
+    is left running. Under `tandem up` the tier runs directly (its launcher filters)."""
+    import json
     import signal
 
     from waiting import wait_until
@@ -283,6 +285,8 @@ def test_a_tier_on_its_own_logs_as_under_tandem_up(kind, checkpoint, tmp_path):
             "--internal-tls.cert", str(pki.cert(kind)), "--internal-tls.key", str(pki.key(kind))]
     if kind == "language":
         argv += ["--kv-pages", "64"]
+    if fmt == "json":
+        argv += ["--log-format", "json", "--log-level", "debug"]
     with err.open("wb") as sink:
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=sink, env=env)
     try:
@@ -299,9 +303,15 @@ def test_a_tier_on_its_own_logs_as_under_tandem_up(kind, checkpoint, tmp_path):
     assert not tier[0].is_running()
     text = err.read_text()
     assert f"{kind} stopped" in text, text
-    loud = [ln for ln in text.splitlines() if " WARNING " in ln or " ERROR " in ln
-            or ln[:1] in ("W", "E")]
-    assert loud == [], text
+    if fmt == "text":
+        loud = [ln for ln in text.splitlines() if " WARNING " in ln or " ERROR " in ln
+                or ln[:1] in ("W", "E")]
+        assert loud == [], text
+        return
+    records = [json.loads(ln) for ln in text.splitlines()]  # every line a JSON record
+    assert not [r for r in records if r["level"] in ("WARNING", "ERROR", "CRITICAL")], text
+    benign = [r["msg"] for r in records if r["logger"] == "mooncake" and r["level"] == "DEBUG"]
+    assert any("Local segment descriptor not found" in m for m in benign), text
 
 
 def test_a_cpu_language_tier_without_kv_pages_stops_with_one_line(checkpoint):

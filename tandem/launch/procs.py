@@ -122,16 +122,34 @@ BENIGN_NATIVE = (
 )
 
 
+@dataclass(frozen=True)
+class NativeRecord:
+    """A Mooncake glog line as a log record: its level (logging's names) and its text."""
+
+    level: str  # "DEBUG" for a benign start-up line, else glog's own level
+    text: str  # "topology.cpp:201 No RDMA devices found, ..." (a benign line as written)
+
+
+def native_record(line: str) -> NativeRecord | None:
+    """The record of a Mooncake glog line; None for any other line."""
+    if any(b in line for b in BENIGN_NATIVE):
+        return NativeRecord("DEBUG", line)
+    m = _GLOG.match(line)
+    if m is None:
+        return None
+    return NativeRecord(_GLOG_LEVEL[m.group(1)], f"{m.group(2)} {m.group(3)}")
+
+
 def native_line(line: str, log_level: str) -> str | None:
     """A child's output line as the launcher shows it: Mooncake's glog lines in our shape
     ("mooncake WARNING topology.cpp:201 ..."), its benign start-up lines only at debug
     (None: not shown); every other line as it is."""
-    if any(b in line for b in BENIGN_NATIVE):
-        return f"mooncake DEBUG {line}" if log_level == "debug" else None
-    m = _GLOG.match(line)
-    if m is None:
+    rec = native_record(line)
+    if rec is None:
         return line
-    return f"mooncake {_GLOG_LEVEL[m.group(1)]} {m.group(2)} {m.group(3)}"
+    if rec.level == "DEBUG" and log_level != "debug":
+        return None
+    return f"mooncake {rec.level} {rec.text}"
 
 
 # Set in a tier's environment by whatever already filters its output (`tandem up`, or
@@ -141,11 +159,12 @@ _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, sign
               signal.SIGUSR2)
 
 
-def filtered(argv: list[str], log_level: str) -> int:
-    """Run a tier started on its own (a pod's `tandem encoder ...`) as a child whose stderr
-    goes through `native_line`, so its log shows what `tandem up` shows: no benign Mooncake
-    start-up line below debug, other glog lines in our shape. Returns the child's exit
-    code (128 + N after signal N).
+def filtered(argv: list[str], log_level: str, log_format: str) -> int:
+    """Run a tier started on its own (a pod's `tandem encoder ...`) as a child whose
+    Mooncake glog lines on stderr become log records of logger `mooncake`, in the tier's
+    own --log-format (text or JSON) and filtered by its --log-level: a benign start-up
+    line is a DEBUG record, so a healthy start prints no WARNING or ERROR. Every other
+    line passes as it is. Returns the child's exit code (128 + N after signal N).
 
     This process stays until the child's stderr closes, so the child's last words (a
     traceback, a fatal glog line) are forwarded too. The child runs in a session of its
@@ -158,12 +177,20 @@ def filtered(argv: list[str], log_level: str) -> int:
                             preexec_fn=functools.partial(_die_with_parent, int(signal.SIGKILL)))
     for sig in _FORWARDED:
         signal.signal(sig, lambda s, _frame: proc.send_signal(s))
-    err = sys.stderr
+    import logging
+
+    from tandem.logs import configure_logging
+
+    configure_logging(log_format, getattr(logging, log_level.upper(), logging.INFO))
+    native = logging.getLogger("mooncake")
     for raw in iter(proc.stderr.readline, b""):
-        shown = native_line(raw.decode(errors="replace").rstrip("\n"), log_level)
-        if shown is not None:
-            err.write(shown + "\n")
-            err.flush()
+        line = raw.decode(errors="replace").rstrip("\n")
+        rec = native_record(line)
+        if rec is None:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+        else:
+            native.log(getattr(logging, rec.level), "%s", rec.text)
     code = proc.wait()
     return code if code >= 0 else 128 - code
 
