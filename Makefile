@@ -15,8 +15,9 @@ PYTEST_ARGS ?=
 MODEL ?=
 HELM := .tools/helm
 PROMTOOL := .tools/promtool
+ORACLE_VENV ?= .oracle-venv
 
-.PHONY: setup test run lint proto bench bench-peer clean helm check-neon
+.PHONY: setup test run lint proto bench bench-peer clean helm check-neon oracle-venv
 
 setup: $(STAMPS)/sysdeps $(STAMPS)/deps tandem/v1/__init__.py $(STAMPS)/kernels
 
@@ -55,6 +56,24 @@ $(STAMPS)/deps: pyproject.toml setup.py constraints.txt | $(PY)
 	$(call step,installing the grammar engine,$(PIP) install -q --no-deps "$(XGRAMMAR_SPEC)")
 	@touch $@
 
+# The oracle environment (tests/oracle/): transformers' video processors need torchvision,
+# which never goes into the project's venv (transformers would switch processors over to it).
+# PyPI's torchvision is built for CUDA torch; the release paired with the project's CPU build
+# (0.28.0 for torch 2.13.0) is installed without dependencies (so no CUDA torch comes along)
+# and its C++ detection ops stay unloaded (tests/oracle/video_oracle.py says how it imports).
+# transformers, tokenizers, av, numpy and pillow at the project venv's versions: the same
+# decoder, conversions and processor code on both sides. Made once (~30 s, mostly torch's
+# wheel from the local disk); remade when the project's dependencies change.
+ORACLE_TORCHVISION_SPEC ?= torchvision==0.28.0
+ORACLE_SAME := transformers tokenizers huggingface_hub safetensors av numpy pillow
+$(STAMPS)/oracle: $(STAMPS)/deps
+	@rm -rf $(ORACLE_VENV) && $(PYTHON) -m venv $(ORACLE_VENV)
+	$(call step,oracle venv: installing $(TORCH_SPEC) and $(ORACLE_TORCHVISION_SPEC),$(ORACLE_VENV)/bin/pip install -q "$(TORCH_SPEC)" && $(ORACLE_VENV)/bin/pip install -q --no-deps "$(ORACLE_TORCHVISION_SPEC)")
+	$(call step,oracle venv: installing $(ORACLE_SAME) at the project's versions,PIP_CONSTRAINT=constraints.txt $(ORACLE_VENV)/bin/pip install -q $$($(PY) -c "import importlib.metadata as m; print(' '.join(p + '==' + m.version(p) for p in '$(ORACLE_SAME)'.split()))"))
+	@touch $@
+
+oracle-venv: $(STAMPS)/oracle
+
 # Stubs are generated into tandem/v1 (package tandem.v1 mirrors protos/tandem/v1).
 tandem/v1/__init__.py: $(PROTOS) $(STAMPS)/deps
 	@mkdir -p tandem/v1
@@ -85,7 +104,7 @@ $(PROMTOOL):
 	dpkg -x .tools/promtool.d/prometheus_*.deb .tools/promtool.d/x
 	cp .tools/promtool.d/x/usr/bin/promtool $@ && rm -rf .tools/promtool.d
 
-test: setup $(if $(wildcard deploy/scripts/install-helm.sh),$(HELM)) $(PROMTOOL)
+test: setup $(STAMPS)/oracle $(if $(wildcard deploy/scripts/install-helm.sh),$(HELM)) $(PROMTOOL)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The aarch64 NEON path of the kernels' vector type (csrc/vec16.h), on an x86 host: built by
@@ -120,5 +139,5 @@ bench-peer: setup
 	$(PY) bench/peer.py $(PEER_ARGS)
 
 clean:
-	rm -rf $(VENV) $(STAMPS) .tools tandem/v1 build dist *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(ORACLE_VENV) $(STAMPS) .tools tandem/v1 build dist *.egg-info .pytest_cache .ruff_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
