@@ -1,0 +1,264 @@
+"""Video bytes -> `PreparedVideo`: decoded with PyAV under limits, then sampled, resized and
+patchified by transformers' rules for the checkpoint's architecture
+(services/encoder/video_rules.py), bit for bit what its video processor makes
+(tests/test_video_preprocess.py).
+
+NOT SERVED YET: the router refuses video parts until the API lands (issue 26). This is the
+groundwork: decoding under limits, the rules, and what positions need later.
+
+One call of `prepare_video` (in the encoder's preprocessing pool):
+
+    bytes --probe: open (PyAV, allow-listed demuxers)--> VideoHeader: N frames, rate r, W x H
+          --limits on the header: bytes, frame count, duration N / r--
+          --plan_video: indices, target size, grid, timing, cache key (nothing decoded yet);
+            the token limit--
+          --decode_frames: frames 0..last index, the sampled ones resized as they come
+            (uint8 bicubic, antialiased); limits on what really decodes: frames, pixels,
+            time; the request's budget between frames--
+          --normalize_and_patchify--> pixel_values [t * h * w, 3 * 2 * P * P], grid
+
+Frame count and rate are what transformers' PyAV loader reads (`read_video_pyav`): the
+stream's frame count and average rate; where the header has no count (WebM, Matroska) the
+packets are counted (one per frame). Rotation metadata is not applied (transformers does
+not either).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tandem.services.encoder.images import Budget
+from tandem.services.encoder.video_rules import (
+    Sampling,
+    VideoError,
+    VideoHeader,
+    VideoOptions,
+    VideoPlan,
+    VideoRefusal,
+    VideoSettings,
+    normalize_and_patchify,
+    plan_video,
+    resize_frame,
+)
+
+# Demuxers FFmpeg may pick for an upload (matched against its names, e.g. "mov,mp4,..."):
+# none that reads a playlist or another file (hls, concat, ...).
+FORMATS = ("mov", "mp4", "matroska", "webm", "avi")
+
+
+@dataclass(frozen=True)
+class VideoLimits:
+    """What one video may cost. Every bound holds against a lying header: the header is
+    checked first (refusing early), then what actually decodes."""
+
+    max_video_bytes: int = 64 * 1024 * 1024
+    max_duration_s: float = 600.0  # N / r, transformers' VideoMetadata.duration
+    max_frames: int = 18_000  # frames in the file (ten minutes at 30 frames per second)
+    max_decoded_pixels: int = 4_000_000_000  # sum of W * H over every frame decoded
+    max_decode_s: float = 60.0  # wall time of the decode loop
+    max_tokens: int = 32_768  # vision tokens of the clip (t * h * w / merge**2)
+
+
+@dataclass
+class PreparedVideo:
+    """One video ready for the ViT: its plan, the patches, and what it cost."""
+
+    hash: str  # sha256 hex of the file's bytes
+    header: VideoHeader
+    plan: VideoPlan
+    pixel_values: torch.Tensor  # [t * h * w, C * temporal_patch_size * P * P] float32
+    field: str
+    frames_decoded: int = 0
+    decode_s: float = 0.0  # open + decode + resize
+    process_s: float = 0.0  # normalize + patchify
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return self.plan.grid
+
+    @property
+    def num_tokens(self) -> int:
+        return self.plan.num_tokens
+
+
+# --- decoding -------------------------------------------------------------------------------
+
+
+def _open(raw: bytes, field: str):
+    import av
+
+    try:
+        container = av.open(io.BytesIO(raw), options={"format_whitelist": ",".join(FORMATS)})
+    except Exception:  # av.error.*: not a container FFmpeg opens, or a refused demuxer
+        raise VideoError(field, VideoRefusal.UNDECODABLE, _not_decodable()) from None
+    if not container.streams.video:
+        container.close()
+        raise VideoError(field, VideoRefusal.UNDECODABLE, "file has no video stream")
+    stream = container.streams.video[0]
+    # NOTE: one decoding thread: a decode holds one worker of the preprocessing pool, never
+    # more than that share of the CPU.
+    stream.codec_context.thread_count = 1
+    return container, stream
+
+
+def probe(raw: bytes, field: str, lim: VideoLimits) -> VideoHeader:
+    """The header of `raw`, refused when empty, undecodable or over a header-visible limit."""
+    if not raw:
+        raise VideoError(field, VideoRefusal.EMPTY, "video is empty (0 bytes)")
+    if len(raw) > lim.max_video_bytes:
+        raise VideoError(
+            field,
+            VideoRefusal.BYTES,
+            f"video is {len(raw)} bytes, over the limit of {lim.max_video_bytes}",
+        )
+    container, stream = _open(raw, field)
+    try:
+        rate = float(stream.average_rate or 0)
+        n = stream.frames
+        if n <= 0:  # no count in the header (WebM, Matroska): one packet per frame
+            n = 0
+            for packet in container.demux(stream):
+                if packet.size:  # the demuxer ends with an empty flush packet
+                    n += 1
+                if n > lim.max_frames:
+                    break
+        header = VideoHeader(
+            n, rate, stream.width, stream.height, container.format.name, stream.codec_context.name
+        )
+    except VideoError:
+        raise
+    except Exception:
+        raise VideoError(field, VideoRefusal.CORRUPT, "video data is corrupt") from None
+    finally:
+        container.close()
+    if header.num_frames == 0:
+        raise VideoError(field, VideoRefusal.ZERO_DURATION, "video has no frames")
+    if header.fps <= 0 or not math.isfinite(header.fps):
+        raise VideoError(field, VideoRefusal.ZERO_DURATION, "video has no frame rate")
+    if header.num_frames > lim.max_frames:
+        raise VideoError(
+            field,
+            VideoRefusal.FRAMES,
+            f"video has {header.num_frames} frames, over the limit of {lim.max_frames}",
+        )
+    if header.duration_s > lim.max_duration_s:
+        raise VideoError(
+            field,
+            VideoRefusal.DURATION,
+            f"video is {header.duration_s:.1f} s long, over the limit of {lim.max_duration_s} s",
+        )
+    if header.width < 1 or header.height < 1:
+        raise VideoError(field, VideoRefusal.UNDECODABLE, "video has no frame size")
+    return header
+
+
+def decode_frames(
+    raw: bytes,
+    header: VideoHeader,
+    plan: VideoPlan,
+    field: str,
+    lim: VideoLimits,
+    budget: Budget | None = None,
+) -> tuple[torch.Tensor, int]:
+    """Decode frames 0..plan.indices[-1]; return the sampled ones resized, [T, 3, h, w]
+    uint8, and how many frames were decoded. Every frame decoded counts toward the limits;
+    the request's budget is checked between frames (TimeoutError once it has ended)."""
+    budget = budget or Budget()
+    last = plan.indices[-1]
+    if header.width * header.height * (last + 1) > lim.max_decoded_pixels:
+        raise VideoError(
+            field,
+            VideoRefusal.DECODED_PIXELS,
+            f"decoding {last + 1} frames of {header.width}x{header.height} is over "
+            f"the limit of {lim.max_decoded_pixels} decoded pixels",
+        )
+    slots: dict[int, list[int]] = {}
+    for slot, i in enumerate(plan.indices):
+        slots.setdefault(i, []).append(slot)
+    out = torch.empty((len(plan.indices), 3, *plan.size), dtype=torch.uint8)
+    # NOTE: the loop stops after the last sampled index (< N <= max_frames) and refuses a
+    # frame whose size is not the header's, so what it decodes is what was checked above;
+    # the running pixel sum bounds it without relying on that reasoning.
+    container, stream = _open(raw, field)
+    start, pixels, decoded = time.monotonic(), 0, 0
+    try:
+        for frame in container.decode(stream):
+            budget.check()
+            pixels += frame.width * frame.height
+            if pixels > lim.max_decoded_pixels:
+                raise VideoError(
+                    field,
+                    VideoRefusal.DECODED_PIXELS,
+                    f"video decodes to over {lim.max_decoded_pixels} pixels",
+                )
+            if (frame.height, frame.width) != (header.height, header.width):
+                raise VideoError(
+                    field,
+                    VideoRefusal.UNSUPPORTED,
+                    f"frame {decoded} is {frame.width}x{frame.height}, the stream "
+                    f"{header.width}x{header.height}",
+                )
+            if decoded in slots:
+                # the same conversion as transformers' read_video_pyav
+                resized = resize_frame(frame.to_ndarray(format="rgb24"), plan.size)
+                for slot in slots[decoded]:
+                    out[slot] = resized
+            decoded += 1
+            if time.monotonic() - start > lim.max_decode_s:
+                raise VideoError(
+                    field,
+                    VideoRefusal.DECODE_TIME,
+                    f"decoding took over the limit of {lim.max_decode_s} s",
+                )
+            if decoded > last:
+                break
+    except (VideoError, TimeoutError):
+        raise
+    except Exception as e:  # av.error.*: broken packets
+        raise VideoError(field, VideoRefusal.CORRUPT, f"video data is corrupt ({e})") from None
+    finally:
+        container.close()
+    if decoded <= last:
+        raise VideoError(
+            field, VideoRefusal.CORRUPT, f"video ends after {decoded} of {header.num_frames} frames"
+        )
+    return out, decoded
+
+
+def prepare_video(
+    raw: bytes,
+    settings: VideoSettings,
+    options: VideoOptions | None = None,
+    limits: VideoLimits | None = None,
+    field: str = "video",
+    budget: Budget | None = None,
+) -> PreparedVideo:
+    """Bytes -> `PreparedVideo`: probe, plan, decode, normalize, patchify (see the module)."""
+    lim = limits or VideoLimits()
+    smp = Sampling.resolve(settings, options or VideoOptions(), field)
+    t0 = time.perf_counter()
+    header = probe(raw, field, lim)
+    content_hash = hashlib.sha256(raw).hexdigest()
+    plan = plan_video(header, smp, content_hash, field)
+    if plan.num_tokens > lim.max_tokens:
+        raise VideoError(
+            field,
+            VideoRefusal.TOKENS,
+            f"video is {plan.num_tokens} tokens, over the limit of {lim.max_tokens}",
+        )
+    frames, decoded = decode_frames(raw, header, plan, field, lim, budget)
+    t1 = time.perf_counter()
+    pixel_values = normalize_and_patchify(frames, settings)
+    return PreparedVideo(
+        content_hash, header, plan, pixel_values, field, decoded, t1 - t0, time.perf_counter() - t1
+    )
+
+
+def _not_decodable() -> str:
+    return f"not a decodable video ({', '.join(FORMATS)})"
