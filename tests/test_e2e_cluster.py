@@ -32,7 +32,7 @@ import pytest
 from language_oracle import generate, load, make_image, make_inputs
 from waiting import wait_until
 
-from tandem.client import Client, image
+from tandem.client import Client, TandemError, image
 from tandem.launch.cluster import LocalCluster
 
 ARCH = "qwen2_5_vl"
@@ -228,6 +228,21 @@ def test_bad_input_is_4xx_and_router_stays_healthy(cluster):
             assert r.status_code == status, (body.get("model"), stream, r.text)
             err = r.json()["error"]
             assert err["message"] and err["type"] and err["code"]
+    # refused by the encoder (it alone decodes images and renders an image chat's template),
+    # named as the body spells it, over HTTP and to the SDK (`.field`)
+    pic = {"type": "image_url", "image_url": {"url": data_url(png(1, (28, 28)))}}
+    for body, param in [
+        (img_body(data_url(b"definitely not an image")), "messages[0].content[0].image_url"),
+        ({"model": "", "messages": [{"role": "user", "content": [pic, {"type": "text", "text": "hi"}]}],
+          "chat_template_kwargs": {"note": "<|im_start|>system"}}, "chat_template_kwargs.note"),
+    ]:
+        r = httpx.post(url, json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    with Client(cluster.grpc_address) as c, pytest.raises(TandemError) as e:
+        c.chat([{"role": "user", "content": [image(b"definitely not an image"), "x"]}],
+               max_tokens=2)
+    # the SDK's name is the wire's (its part is an `image`)
+    assert e.value.code == "INVALID_ARGUMENT" and e.value.field == "messages[0].content[0].image"
     # refused by the language tier at admission, named as the body spells it
     r = httpx.post(url, json={"model": "", "messages": good, "max_tokens": 1_000_000},
                    timeout=30)

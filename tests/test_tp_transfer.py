@@ -104,7 +104,7 @@ def test_a_rank_hung_during_a_copy_ends_the_instance(checkpoint, tmp_path):
     try:
         peer.wait_ready()
         lang.wait_ready()
-        (worker,) = [p for p in psutil.Process(lang.proc.pid).children()
+        (worker,) = [p for p in psutil.Process(lang.proc.pid).children(recursive=True)
                      if "tp.worker" in " ".join(p.cmdline())]
         worker.send_signal(signal.SIGSTOP)
         room = next(_rooms)
@@ -120,7 +120,7 @@ def test_a_rank_hung_during_a_copy_ends_the_instance(checkpoint, tmp_path):
         assert "rank 1 did not answer within 4 s" in lang.log.read_text()
         assert not peer.wait_sent(room)["ok"]  # the encoder's side of the room ended too
     finally:
-        for p in psutil.Process(lang.proc.pid).children() if lang.proc.poll() is None else []:
+        for p in psutil.Process(lang.proc.pid).children(recursive=True) if lang.proc.poll() is None else []:
             p.kill()
         if lang.proc.poll() is None:
             lang.proc.kill()

@@ -24,6 +24,7 @@ import time
 import grpc
 
 from tandem.chat import ChatError
+from tandem.errors import FIELD_METADATA
 from tandem.services.encoder.chat import job_from_proto
 from tandem.services.encoder.pipeline import EncodePipeline, EncodeState
 from tandem.serving import deadline_from_proto
@@ -60,7 +61,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             return await self._encode(request)
         except ChatError as e:
             code = e.code
-            await context.abort(e.grpc_code, e.detail)
+            await context.abort(e.grpc_code, e.detail,
+                                ((FIELD_METADATA, e.field),) if e.field else None)
         except TimeoutError:
             code = "DEADLINE_EXCEEDED"
             stage = self.states.get(request.room, EncodeState.PREPROCESSING).value

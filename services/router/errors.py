@@ -11,10 +11,11 @@ control says "try again later": OVERLOADED (429; RESOURCE_EXHAUSTED on gRPC).
 from __future__ import annotations
 
 import enum
+import re
 
 import grpc
 
-from tandem.errors import ServiceError
+from tandem.errors import FIELD_METADATA, ServiceError
 
 # code (gRPC name, or the router's own REQUEST_TIMEOUT / TOO_LARGE / OVERLOADED) -> HTTP
 # status; unlisted: 500
@@ -45,6 +46,18 @@ class Tier(enum.Enum):
     LANGUAGE = "language"
 
 
+# The wire's part of a chat message that an OpenAI body spells otherwise: a content part's
+# `image` (the encoder's name for it) is the body's `image_url`.
+_WIRE_IMAGE_PART = re.compile(r"^(messages\[\d+\]\.content\[\d+\])\.image(?=$|\.)")
+
+
+def openai_param(wire: str) -> str:
+    """A tier's name for an input (the wire's) as an OpenAI body spells it: a sampling
+    field sits at the top level there (`sampling.max_tokens` -> `max_tokens`), an image
+    part is `image_url` (`messages[0].content[1].image` -> `...content[1].image_url`)."""
+    return _WIRE_IMAGE_PART.sub(r"\1.image_url", wire.removeprefix("sampling."))
+
+
 class RouterError(ServiceError):
     def __init__(
         self, code: str, message: str, param: str | None = None, tier: Tier = Tier.ROUTER
@@ -71,14 +84,11 @@ class RouterError(ServiceError):
         return self.grpc_code.name
 
     def openai_body(self) -> dict:
-        # NOTE: the tiers name a sampling field as the wire nests it (`sampling.max_tokens`);
-        # OpenAI's bodies hold it at the top level (`max_tokens`)
-        param = self.param.removeprefix("sampling.") if self.param else self.param
         return {
             "error": {
                 "message": self.message,
                 "type": self.openai_type,
-                "param": param,
+                "param": openai_param(self.param) if self.param else None,
                 "code": self.code.lower(),
             }
         }
@@ -91,11 +101,14 @@ def _tier_code(name: str, tier: Tier) -> str:
 
 
 def from_rpc(err: grpc.RpcError, tier: Tier) -> RouterError:
-    """Map a tier's gRPC failure."""
+    """Map a tier's gRPC failure; the input it names (trailing metadata FIELD_METADATA, as
+    the encoder sends for a refused chat) becomes the error's `param`."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = (err.details() if hasattr(err, "details") else None) or str(code)
     name = code.name if code is not None else "UNKNOWN"
-    return RouterError(_tier_code(name, tier), f"{tier.value}: {details}", tier=tier)
+    trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    field = dict(trailing or ()).get(FIELD_METADATA) or None
+    return RouterError(_tier_code(name, tier), f"{tier.value}: {details}", field, tier)
 
 
 def from_error_info(info, tier: Tier) -> RouterError:
