@@ -261,6 +261,10 @@ def test_bad_input_is_rejected_before_queueing(checkpoint):
         with pytest.raises(AdmissionError, match="needs"):
             big = Engine(engine.runner, case.tokenizer, EngineConfig())
             big.submit(Request(2, SamplingParams(), case.payloads[15]), print)
+        with pytest.raises(AdmissionError, match="outside the vocabulary") as e:
+            big.submit(Request(3, SamplingParams(logit_bias={1_000_000_000: 5.0}),
+                               case.payloads[0]), print)
+        assert e.value.field == "sampling.logit_bias"
         assert engine.num_active == 0
     finally:
         engine.stop()

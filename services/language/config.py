@@ -45,6 +45,36 @@ class LanguageConfig(ModelServiceSettings):
     schedule_policy: str = Field(
         "fcfs", pattern="^(fcfs|priority)$", description="Waiting-queue order."
     )
+    # -- structured output: what one spec may ask of the grammar compiler (a spec over a
+    # limit, or one that does not compile in time, is a 400 naming response_format) --
+    grammar_compile_timeout_s: float = Field(
+        10.0, gt=0, le=600,
+        description="A grammar still compiling after this long is refused (its compile "
+        "process killed); the same spec is then refused at once.",
+    )  # fmt: skip
+    grammar_workers: int = Field(
+        1, ge=1, le=64,
+        description="Grammar compiles run at once, each in its own process; queued "
+        "compiles are taken one client at a time, in turn.",
+    )  # fmt: skip
+    grammar_max_spec_bytes: int = Field(
+        256 << 10, ge=1024, description="Largest JSON schema, regex or grammar accepted."
+    )
+    grammar_max_enum_values: int = Field(
+        4096, ge=1, description="Enum values (all of a schema's enums together), or choices."
+    )
+    grammar_max_count: int = Field(
+        4096, ge=1,
+        description="Largest count a grammar unrolls: a schema's maxLength/minLength/"
+        "maxItems/minItems/maxProperties/minProperties, a regex's or pattern's {n,m}.",
+    )  # fmt: skip
+    grammar_max_properties: int = Field(
+        4096, ge=1, description="Properties of all of a JSON schema's objects together."
+    )
+    grammar_max_depth: int = Field(32, ge=1, le=1024, description="Deepest JSON-schema nesting.")
+    grammar_cache_bytes: int = Field(
+        256 << 20, ge=0, description="Memory of compiled grammars kept for reuse."
+    )
     cuda_graph_max_bs: int = Field(
         32, ge=0, le=1024, description="Largest decode batch captured in a CUDA graph; 0 = off."
     )

@@ -21,6 +21,7 @@ from tandem.devices import resolve_device, resolve_dtype
 from tandem.metrics import metric_set, serve_metrics, service_registry
 from tandem.services.language.config import LanguageConfig
 from tandem.services.language.engine.core import Engine
+from tandem.services.language.engine.grammar import GrammarLimits
 from tandem.services.language.engine.types import EngineConfig
 from tandem.services.language.metrics import LanguageMetrics
 from tandem.services.language.server import LanguageServicer, ServiceLimits
@@ -71,6 +72,12 @@ def build_engine(cfg: LanguageConfig, metrics: LanguageMetrics):
             init_new_token_ratio=cfg.init_new_token_ratio,
             prefix_cache=cfg.prefix_cache,
             seed=cfg.seed,
+            grammar=GrammarLimits(
+                compile_timeout_s=cfg.grammar_compile_timeout_s, workers=cfg.grammar_workers,
+                max_spec_bytes=cfg.grammar_max_spec_bytes,
+                max_enum_values=cfg.grammar_max_enum_values, max_count=cfg.grammar_max_count,
+                max_properties=cfg.grammar_max_properties, max_depth=cfg.grammar_max_depth,
+                cache_bytes=cfg.grammar_cache_bytes),
         ),
         eos_token_ids=tuple(spec.eos_token_ids),
         metrics=metrics,
@@ -160,7 +167,11 @@ async def run(
         on_prompt=engine.pin_prefix,  # the prefix cache answers what it holds (pinned)
     )  # fmt: skip
 
-    server = serving.grpc_server(tls, max_send_message_length=16 << 20)
+    # NOTE: a request as large as the router accepts (64 MiB) reaches the tier, whose own
+    # checks name what is too large (`messages`: more text than max_prompt_tokens can hold);
+    # gRPC's default 4 MiB would refuse it first, with a message about the wire
+    server = serving.grpc_server(tls, max_send_message_length=16 << 20,
+                                 max_receive_message_length=64 << 20)
     limits = ServiceLimits(cfg.request_timeout_s, cfg.model,
                            max_prompt_tokens=engine.cfg.max_model_len - 1)
     servicer = LanguageServicer(engine, receiver, allocator, limits, metrics,

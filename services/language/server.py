@@ -32,6 +32,7 @@ from tandem.chat import (
     template_options_from_proto,
     tools_from_json,
 )
+from tandem.errors import FIELD_METADATA
 from tandem.sampling import SamplingError
 from tandem.sampling import from_proto as sampling_from_proto
 from tandem.services.language.engine.core import Engine
@@ -139,10 +140,12 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         self.streams.add(room)
         outcome = "cancelled"  # NOTE: one log line per request (its id greps across tiers)
         t0 = time.monotonic()
+        # NOTE: the grammar compiles while the prompt is on its way; until the engine has the
+        # request, this call owns its interest in the compile (abandoned below if it ends)
+        grammar = (self.engine.grammars.compile(sampling.grammar, request.client_id)
+                   if sampling.grammar is not None else None)
+        submitted = False
         try:
-            # NOTE: the grammar compiles while the prompt is on its way
-            grammar = (self.engine.grammars.compile(sampling.grammar)
-                       if sampling.grammar is not None else None)
             # -- 1. the prompt: tokenized here (text-only chat) or through the room --
             if request.messages or request.prompt:
                 try:
@@ -181,6 +184,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
 
             try:
                 self.engine.submit(req, sink)
+                submitted = True
             except AdmissionError as e:
                 self.engine.unpin(room)
                 self.receiver.release(prompt)  # never reached a step
@@ -205,6 +209,8 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                 if not finished:  # client gone or handler cancelled: free its pages now
                     self.engine.abort(room, "client cancelled", "CANCELLED")
         finally:
+            if grammar is not None and not submitted:  # the engine never owned its interest
+                self.engine.grammars.abandon(grammar)
             self.engine.unpin(room)  # NOTE: a no-op once submitted (the request took the pin)
             self.streams.discard(room)
             log.info("%s room %d: %s", request.request_id or "-", room, outcome)
@@ -231,8 +237,9 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
     async def Tokenize(self, request, context):  # noqa: N802
         try:
             ids = await self._tokenize(request)
-        except ChatError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.detail)
+        except ChatError as e:  # the input it names travels as FIELD_METADATA (-> `param`)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.detail,
+                                ((FIELD_METADATA, e.field),) if e.field else None)
         return language_pb2.TokenizeResponse(token_ids=ids,
                                              max_model_len=self.engine.cfg.max_model_len)
 

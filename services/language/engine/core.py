@@ -28,6 +28,7 @@ import queue
 import random
 import threading
 import time
+from concurrent.futures import CancelledError
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -61,7 +62,7 @@ class Engine:
         self.eos = frozenset(eos_token_ids or getattr(runner, "eos_token_ids", ()))
         self.metrics = metrics or LanguageMetrics(CollectorRegistry())  # a registry of its own
         self.pool = PrefixCache(KVPagePool(runner.num_pages, runner.page_size), cfg.prefix_cache)
-        self.grammars = Grammars(tokenizer, runner.vocab_size, tuple(self.eos))
+        self.grammars = Grammars(tokenizer, runner.vocab_size, tuple(self.eos), cfg.grammar)
         # unseeded requests' seeds, in submit order (under _known_lock); None: the OS's
         self._seeds = random.Random(cfg.seed) if cfg.seed is not None else None
         self._compiling: list[Live] = []  # WAITING_FOR_GRAMMAR (engine thread only)
@@ -120,6 +121,11 @@ class Engine:
         A prompt that starts after a pinned prefix (`prompt.start` > 0) takes the pin. A
         structured-output request's grammar starts compiling here unless the caller
         started it earlier (`req.sampler.grammar_future = engine.grammars.compile(spec)`)."""
+        vocab = self.runner.vocab_size
+        outside = sorted(t for t in req.sampling.logit_bias if t >= vocab)
+        if outside:  # as vLLM: a bias on no token is a mistake, not a no-op
+            raise AdmissionError(f"logit_bias names token ids outside the vocabulary "
+                                 f"[0, {vocab}): {outside[:8]}", field="sampling.logit_bias")
         self.scheduler.check(req)
         if req.sampling.grammar is not None and req.sampler.grammar_future is None:
             req.sampler.grammar_future = self.grammars.compile(req.sampling.grammar)
@@ -238,6 +244,10 @@ class Engine:
                 continue
             try:
                 live.req.sampler.matcher = matcher(live.req.sampler.grammar_future.result())
+            except CancelledError:  # the compiler was closed under it: the engine is stopping
+                self._finish(live, RequestStatus.FINISHED_ABORT, "the instance is stopping",
+                             "UNAVAILABLE")
+                continue
             except GrammarError as e:
                 self._finish(live, RequestStatus.FINISHED_ERROR, e.message, e.code,
                              StreamDelta(error_field=e.field))
@@ -341,8 +351,9 @@ class Engine:
     ) -> None:
         req = live.req
         self.scheduler.finish(req, status)  # frees its pages (idempotent)
-        if live in self._compiling:
+        if live in self._compiling:  # ended while its grammar compiles: it wants it no more
             self._compiling.remove(live)
+            self.grammars.abandon(req.sampler.grammar_future)
         req.status = status
         self._live.pop(req.room, None)
         with self._known_lock:

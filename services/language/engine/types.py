@@ -4,9 +4,10 @@ and a live request's record on the engine thread."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tandem.services.language.engine.detokenizer import IncrementalDetokenizer
+from tandem.services.language.engine.grammar import GrammarLimits
 from tandem.services.language.engine.request import Request, StreamDelta
 
 Sink = Callable[[StreamDelta], None]
@@ -22,6 +23,7 @@ class EngineConfig:
     init_new_token_ratio: float = 0.7  # share of max_tokens reserved at admission (decays)
     prefix_cache: bool = True  # share whole KV pages between requests with equal prefixes
     seed: int | None = None  # seeds the seeds of requests that give none (vLLM's --seed)
+    grammar: GrammarLimits = field(default_factory=GrammarLimits)  # structured output's bounds
 
 
 @dataclass

@@ -1,0 +1,150 @@
+"""Structured output cannot stall an instance: a spec over a size limit is refused at once,
+a compile past its deadline is refused and its process killed while other clients are
+served, a compile nobody waits for any more stops, clients' compiles take turns, a schema
+that admits no output is a 400 (not a 500 when its first token is masked out), and a
+stopping engine never waits for a compile.
+
+The slow spec is an enum of 20,000 values (seconds of xgrammar work on the tiny vocabulary,
+over a limit raised for the test); the deadline is a tenth of that or less."""
+
+from __future__ import annotations
+
+import json
+
+import psutil
+import pytest
+from test_language_engine import collect
+from test_structured_output import Setup, _setups, structured
+from waiting import wait_until
+
+from tandem.sampling import GrammarKind, GrammarSpec
+from tandem.services.language.engine.grammar import GrammarError, GrammarLimits, Grammars
+from tandem.services.language.engine.request import RequestStatus
+
+SLOW = GrammarSpec(GrammarKind.JSON_SCHEMA,
+                   json.dumps({"enum": [f"v{i}" for i in range(20_000)]}))
+ROOMY = dict(max_enum_values=100_000, max_spec_bytes=1 << 20)  # lets SLOW past the size checks
+CHOICE = GrammarSpec(GrammarKind.CHOICE, json.dumps(["yes", "no"]))
+
+
+@pytest.fixture
+def setup(checkpoint):
+    if "qwen2_5_vl" not in _setups:
+        _setups["qwen2_5_vl"] = Setup(checkpoint("qwen2_5_vl"))
+    return _setups["qwen2_5_vl"]
+
+
+def grammars(setup, **limits) -> Grammars:
+    return Grammars(setup.tokenizer, len(setup.tokenizer), (), GrammarLimits(**limits))
+
+
+def schema(s) -> GrammarSpec:
+    return GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(s))
+
+
+def nested(depth: int) -> dict:
+    s: dict = {"type": "integer"}
+    for _ in range(depth):
+        s = {"type": "array", "items": s}
+    return s
+
+
+@pytest.mark.parametrize("spec,limit", [
+    (schema({"enum": list(range(30_000))}), "grammar_max_enum_values"),
+    (schema({"type": "string", "maxLength": 100_000}), "grammar_max_count"),
+    (schema({"type": "array", "items": {"type": "string"}, "minItems": 10_000}),
+     "grammar_max_count"),
+    (schema({"type": "string", "pattern": "^a{1,100000}$"}), "grammar_max_count"),
+    (GrammarSpec(GrammarKind.REGEX, "[a-z]{50000}"), "grammar_max_count"),
+    (GrammarSpec(GrammarKind.EBNF, 'root ::= "a"{0,99999}'), "grammar_max_count"),
+    (schema(nested(40)), "grammar_max_depth"),
+    (schema({"type": "object", "properties": {f"p{i}": {"type": "integer"}
+                                              for i in range(5000)}}),
+     "grammar_max_properties"),
+    (GrammarSpec(GrammarKind.CHOICE, json.dumps([str(i) for i in range(5000)])),
+     "grammar_max_enum_values"),
+    (schema({"description": "x" * (300 << 10)}), "grammar_max_spec_bytes"),
+])  # fmt: skip
+def test_a_spec_over_a_limit_is_refused_at_once(setup, spec, limit):
+    g = grammars(setup)
+    try:
+        fut = g.compile(spec)
+        assert fut.done()  # never queued: no process, no wait
+        e = fut.exception()
+        assert isinstance(e, GrammarError) and e.field == "response_format" and limit in str(e)
+        assert g.worker_pids() == []
+    finally:
+        g.close()
+
+
+def test_a_compile_past_its_deadline_is_refused_killed_and_others_are_served(setup):
+    engine = setup.engine(grammar=GrammarLimits(compile_timeout_s=0.3, **ROOMY))
+    try:
+        slow, choice = structured(1, setup, SLOW, 0), structured(2, setup, CHOICE, 0)
+        streams = collect(engine, [slow, choice])
+        last = streams[1][-1]
+        assert last.finish_reason is RequestStatus.FINISHED_ERROR
+        assert last.error_code == "INVALID_ARGUMENT" and last.error_field == "response_format"
+        assert "grammar_compile_timeout_s" in last.error
+        assert "".join(d.text for d in streams[2]) in ("yes", "no")
+        assert engine.grammars.timed_out == 1
+        # the same spec again is refused at once (cached), with no second compile
+        again = collect(engine, [structured(3, setup, SLOW, 0)])[3][-1]
+        assert again.finish_reason is RequestStatus.FINISHED_ERROR and engine.grammars.timed_out == 1
+        assert engine.pool.num_free == engine.pool.num_total
+    finally:
+        engine.stop()
+    assert engine.grammars.worker_pids() == []
+
+
+def test_a_compile_nobody_waits_for_stops_and_stop_never_waits(setup):
+    engine = setup.engine(grammar=GrammarLimits(compile_timeout_s=120, **ROOMY))
+    try:
+        engine.submit(structured(1, setup, SLOW, 0), lambda d: None)
+        (pid,) = wait_until(engine.grammars.worker_pids, timeout_s=60,
+                            what="a compile process for the slow spec")
+        engine.abort(1)
+        wait_until(lambda: not psutil.pid_exists(pid) or
+                   psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+                   timeout_s=60, what="the abandoned compile's process to end")
+        assert engine.grammars.abandoned == 1
+        # a stopping engine kills a compile in progress rather than waiting for it
+        engine.submit(structured(2, setup, SLOW, 0), lambda d: None)
+        (pid,) = wait_until(engine.grammars.worker_pids, timeout_s=60,
+                            what="a compile process for the slow spec")
+    finally:
+        engine.stop()
+    assert engine.grammars.worker_pids() == []
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert engine.pool.num_free == engine.pool.num_total
+
+
+def test_clients_compiles_take_turns(setup):
+    g = grammars(setup, **ROOMY)
+    try:
+        order: list[str] = []
+
+        def ask(name, spec, client):
+            g.compile(spec, client).add_done_callback(lambda _f: order.append(name))
+
+        ask("a1", SLOW, "a")
+        for i in (2, 3):
+            ask(f"a{i}", GrammarSpec(GrammarKind.REGEX, f"[a-z]{{{i}}}"), "a")
+        ask("b1", GrammarSpec(GrammarKind.REGEX, "[0-9]{4}"), "b")
+        wait_until(lambda: len(order) == 4, timeout_s=120, what="four compiles")
+        assert order.index("b1") < order.index("a3"), order
+    finally:
+        g.close()
+
+
+def test_a_schema_that_admits_no_output_is_refused_by_name(setup):
+    engine = setup.engine()
+    try:
+        loop = schema({"$defs": {"n": {"$ref": "#/$defs/n"}}, "$ref": "#/$defs/n"})
+        last = collect(engine, [structured(1, setup, loop, 0)])[1][-1]
+        assert last.finish_reason is RequestStatus.FINISHED_ERROR
+        assert last.error_code == "INVALID_ARGUMENT" and last.error_field == "response_format"
+        assert "admits no output" in last.error
+        assert engine.pool.num_free == engine.pool.num_total
+    finally:
+        engine.stop()
