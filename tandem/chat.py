@@ -13,6 +13,7 @@ from __future__ import annotations
 import codecs
 import functools
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +62,57 @@ class ImageInput:
 
 
 @dataclass(frozen=True)
+class VideoOptions:
+    """A request's frame sampling controls for one video; None = the checkpoint's video
+    processor setting. Each maps onto transformers' video processor kwargs (the encoder's
+    `video_rules.Sampling.processor_kwargs`):
+
+    fps          frames sampled per second of video (`fps`)
+    num_frames   sample exactly this many frames instead (`num_frames`; not with fps).
+                 qwen2_vl rounds it to the temporal patch size; qwen3_vl takes it as is
+    min_frames,  bounds on the count that fps gives (`min_frames` / `max_frames`); a
+    max_frames   request may lower max_frames, never raise it
+    min_pixels   `size["shortest_edge"]`: the floor of a frame's area (qwen2_vl) or of
+                 t * h * w (qwen3_vl)
+    max_pixels   `size["longest_edge"]`: the cap on a frame's area (qwen2_vl) or on
+                 t * h * w (qwen3_vl); never above the checkpoint's
+    total_pixels the pixel budget of the whole clip. qwen2_vl: turns its per-frame cap on
+                 (`cap_pixels_per_frame`: each frame's cap is max(min(max_pixels,
+                 budget * 2 // T), int(1.05 * min_pixels))) with the budget in whole
+                 tokens, `max_video_tokens` = floor(total_pixels / (0.9 * factor**2)), as
+                 transformers derives the budget (int(max_video_tokens * factor**2 * 0.9));
+                 never above the checkpoint's where its cap is on. qwen3_vl: the same knob
+                 as max_pixels (the smaller of the two wins)
+
+    Values are checked where the rules apply them (the encoder: a refusal names the part).
+    """
+
+    fps: float | None = None
+    num_frames: int | None = None
+    min_frames: int | None = None
+    max_frames: int | None = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    total_pixels: int | None = None
+
+
+@dataclass(frozen=True)
+class VideoInput:
+    """One video as the client gave it: exactly one of `data` (the file's bytes) and `url`
+    (a data: or http(s) URL) is set; `options` are its sampling controls."""
+
+    data: bytes | None = None
+    url: str | None = None
+    options: VideoOptions = field(default_factory=VideoOptions)
+
+
+# A content part of a chat message: text, an image or a video.
+Part = str | ImageInput | VideoInput
+# A chat's image or video, as the template places it.
+Media = ImageInput | VideoInput
+
+
+@dataclass(frozen=True)
 class ToolCall:
     """A function call an assistant message made; `arguments` is a JSON object as text."""
 
@@ -71,11 +123,12 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class Message:
-    """One chat message; `parts` holds text (`str`) and images (`ImageInput`) in order; an
-    assistant message may carry the calls it made, a tool message the call it answers."""
+    """One chat message; `parts` holds text (`str`), images (`ImageInput`) and videos
+    (`VideoInput`) in order; an assistant message may carry the calls it made, a tool
+    message the call it answers."""
 
     role: str
-    parts: tuple[str | ImageInput, ...]
+    parts: tuple[Part, ...]
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str = ""
 
@@ -209,7 +262,7 @@ def messages_from_proto(msgs) -> list[Message]:
     for i, m in enumerate(msgs):
         if m.role not in ROLES:
             raise invalid(f"messages[{i}].role", f"role {m.role!r} is not one of {ROLES}")
-        parts: list[str | ImageInput] = []
+        parts: list[Part] = []
         for j, p in enumerate(m.content):
             kind = p.WhichOneof("part")
             where = f"messages[{i}].content[{j}]"
@@ -230,8 +283,10 @@ def messages_from_proto(msgs) -> list[Message]:
                         max_pixels=img.max_pixels,
                     )
                 )
+            elif kind == "video":
+                parts.append(_video_from_proto(p.video, f"{where}.video"))
             else:
-                raise invalid(where, "content part is empty (neither text nor image)")
+                raise invalid(where, "content part is empty (neither text, image nor video)")
         calls = []
         for j, c in enumerate(m.tool_calls):
             try:
@@ -245,6 +300,20 @@ def messages_from_proto(msgs) -> list[Message]:
         out.append(Message(role=m.role, parts=tuple(parts), tool_calls=tuple(calls),
                            tool_call_id=m.tool_call_id))
     return out
+
+
+# VideoPart's sampling controls, by name; 0 on the wire is None here (the checkpoint's).
+VIDEO_CONTROLS = ("fps", "num_frames", "min_frames", "max_frames", "min_pixels", "max_pixels",
+                  "total_pixels")
+
+
+def _video_from_proto(v, where: str) -> VideoInput:
+    src = v.WhichOneof("source")
+    if src is None:
+        raise invalid(where, "video has neither data nor url")
+    options = VideoOptions(**{k: getattr(v, k) or None for k in VIDEO_CONTROLS})
+    return VideoInput(data=v.data if src == "data" else None, url=v.url if src == "url" else None,
+                      options=options)
 
 
 # Tokens a client's text may not spell. NOTE: control tokens come only from the chat
@@ -270,9 +339,21 @@ def words_in(text: str) -> int:
     return len(text.split())
 
 
+@dataclass(frozen=True)
+class Placeholder:
+    """What one image's or video's placeholder becomes in the prompt's text: `token` is the
+    placeholder the template writes for it (the processor's image or video token), `text`
+    what the processor expands it to (the image's pad tokens; a video's pads, and for
+    Qwen3-VL its frames' timestamps and vision start/end tokens)."""
+
+    token: str
+    text: str
+
+
 class ChatTemplate:
     """The checkpoint's chat template and tokenizer (from its processor): chat -> prompt
-    token ids, each image placeholder expanded to its image's token count. Thread-safe."""
+    token ids, each image or video placeholder expanded as the processor expands it.
+    Thread-safe."""
 
     def __init__(self, processor, chat_template: str | None = None) -> None:
         """`chat_template`: the deployment's own template (`load_chat_template`); None:
@@ -281,20 +362,26 @@ class ChatTemplate:
         self.chat_template = chat_template
         self.image_token: str = processor.image_token
         self.image_token_id: int = processor.image_token_id
+        self.video_token: str = processor.video_token
+        self._placeholder = re.compile(
+            "|".join(re.escape(t) for t in (self.image_token, self.video_token)))
         added = getattr(processor.tokenizer, "added_tokens_decoder", {}).values()
         self.reserved = tuple(sorted(set(_RESERVED) | {t.content for t in added if t.special}))
 
-    def split(self, messages: list[Message]) -> tuple[list[dict], list[tuple[str, ImageInput]]]:
-        """(the chat as the template's message dicts, its images with their field names);
-        refuses text that spells a reserved token."""
-        hf_messages, images = [], []
+    def split(self, messages: list[Message]) -> tuple[list[dict], list[tuple[str, Media]]]:
+        """(the chat as the template's message dicts, its images and videos in order with
+        their field names); refuses text that spells a reserved token."""
+        hf_messages, media = [], []
         for i, m in enumerate(messages):
             content = []
             for j, p in enumerate(m.parts):
                 where = f"messages[{i}].content[{j}]"
                 if isinstance(p, ImageInput):
-                    images.append((f"{where}.image", p))
+                    media.append((f"{where}.image", p))
                     content.append({"type": "image"})
+                elif isinstance(p, VideoInput):
+                    media.append((f"{where}.video", p))
+                    content.append({"type": "video"})
                 else:
                     for tok in self.reserved:
                         if tok in p:
@@ -307,7 +394,7 @@ class ChatTemplate:
             if m.tool_call_id:
                 msg["tool_call_id"] = m.tool_call_id
             hf_messages.append(msg)
-        return hf_messages, images
+        return hf_messages, media
 
     @functools.cached_property
     def renders_tools(self) -> bool:
@@ -348,14 +435,20 @@ class ChatTemplate:
                 out[key] = value
         return out
 
+    def image_placeholder(self, num_tokens: int) -> Placeholder:
+        """An image's placeholder: its pad token repeated `num_tokens` times."""
+        return Placeholder(self.image_token, self.image_token * num_tokens)
+
     def token_ids(self, messages: list[Message], hf_messages: list[dict],
-                  image_tokens: list[int], max_prompt_tokens: int,
+                  placeholders: list[Placeholder], max_prompt_tokens: int,
                   tools: list[dict] | None = None,
                   options: TemplateOptions | None = None) -> list[int]:
         """The prompt's ids: the template rendered (with the generation prompt unless the
         chat ends with an assistant turn or `options` say otherwise, `tools` when given,
-        the options' kwargs), image i's placeholder repeated image_tokens[i] times;
-        refuses a prompt over `max_prompt_tokens`."""
+        the options' kwargs), the i-th image or video placeholder replaced by
+        placeholders[i].text (transformers' `get_text_with_replacements`); refuses a
+        template that does not place the chat's images and videos in order, and a prompt
+        over `max_prompt_tokens`."""
         options = options or TemplateOptions()
         if tools and not self.renders_tools:
             raise invalid("tools", "this model's chat template does not render tools")
@@ -382,12 +475,13 @@ class ChatTemplate:
                 raise
             raise invalid("continue_final_message", f"the chat template cannot continue the "
                           f"last message: {str(e).splitlines()[0]}") from None
-        parts = text.split(self.image_token)
-        if len(parts) != len(image_tokens) + 1:  # the template dropped or duplicated an image
-            raise invalid("messages", "the chat template does not place every image")
-        expanded = parts[0]
-        for n, part in zip(image_tokens, parts[1:], strict=True):
-            expanded += self.image_token * n + part
+        found = self._placeholder.findall(text)
+        if found != [p.token for p in placeholders]:  # dropped, duplicated or reordered
+            raise invalid("messages", "the chat template does not place every image and "
+                          "video in order")
+        parts = self._placeholder.split(text)
+        expanded = parts[0] + "".join(
+            p.text + part for p, part in zip(placeholders, parts[1:], strict=True))
         if self._certainly_over(expanded, max_prompt_tokens):
             raise invalid("messages", f"the prompt is over the limit of {max_prompt_tokens} tokens")
         ids = self.processor.tokenizer(expanded)["input_ids"]
@@ -438,8 +532,8 @@ class ChatTemplate:
     def text_only_ids(self, messages: list[Message], max_prompt_tokens: int,
                       tools: list[dict] | None = None,
                       options: TemplateOptions | None = None) -> list[int]:
-        """A chat without images -> its prompt ids (an image is refused)."""
-        hf_messages, images = self.split(messages)
-        if images:
-            raise invalid(images[0][0], "this path takes text-only chats")
+        """A chat without images or videos -> its prompt ids (either is refused)."""
+        hf_messages, media = self.split(messages)
+        if media:
+            raise invalid(media[0][0], "this path takes text-only chats")
         return self.token_ids(messages, hf_messages, [], max_prompt_tokens, tools, options)

@@ -1,4 +1,5 @@
-"""A frozen encoder (SIGSTOP) under load must not stall the cluster (issue 16, finding 2).
+"""A frozen encoder or language instance (SIGSTOP) under load must not stall the cluster
+(issue 16, finding 2; issue 31, finding 4).
 
 `tandem up` with 2 encoders + 2 language instances at their default sizes (64 embedding
 blocks, 8 per room: 8 rooms per language instance), 120 concurrent image chats; encoder-0
@@ -9,6 +10,14 @@ router ejects it, and then each of its requests must move to the healthy encoder
 healthy encoder starve for blocks.
 
 Target (the issue's): no request fails, not even those the frozen encoder held.
+
+The same for a language instance (60 concurrent image chats; language-0 frozen once it
+holds work, thawed 25 s later): the router ejects it when its load polls go unanswered,
+and every request that has no output yet moves to language-1 (a whole-request retry)
+instead of waiting for the instance; a request already decoding there waits and finishes
+once it wakes. Before, such requests got 504 "language: Deadline Exceeded": an encoder's
+transfer to the frozen instance timed out, the retry's Reattach to it timed out too, and
+that internal call's own 5 s timeout was reported as the request's deadline.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from tandem.launch.cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(300)
 CONCURRENCY = 120
+FROZEN_LANGUAGE_S = 25  # past ejection (three unanswered polls) and a transfer timeout + Reattach
 
 
 @pytest.fixture(scope="module")
@@ -61,4 +71,37 @@ def test_sigstop_of_one_encoder_under_load_fails_no_request(cluster):
     print("\n".join(moved[:8]))
     assert outcomes["ok"] == CONCURRENCY, dict(outcomes)
     # Thawed, the frozen encoder finds its rooms gone; everything is returned everywhere.
+    assert wait_idle(cluster)["idle"]
+
+
+def test_sigstop_of_one_language_instance_under_load_fails_no_request(cluster):
+    victim = cluster.instances["language-0"]
+    n = 60
+
+    async def freeze_while_it_works(tasks):
+        for _ in range(500):
+            load = (await asyncio.to_thread(cluster.loads, "language")).get(victim.address)
+            if load is not None and load.transferring + load.waiting + load.running > 0:
+                break
+            await asyncio.sleep(0.01)
+        os.kill(victim.pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(FROZEN_LANGUAGE_S)
+        finally:
+            os.kill(victim.pid, signal.SIGCONT)
+
+    try:
+        results = asyncio.run(_many(cluster, n, timeout_ms=120_000,
+                                    on_progress=freeze_while_it_works, stagger_s=0.05,
+                                    distinct_images=True))
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+    outcomes = collections.Counter(
+        "ok" if not isinstance(r, BaseException) and _ok(r)
+        else repr(r)[:160] if isinstance(r, BaseException) else f"{r[0]}: {r[1][:160]}"
+        for r in results)
+    moved = [ln for ln in cluster.lines if "stopped answering" in ln or "did not answer" in ln]
+    print("SIGSTOP outcomes:", dict(outcomes))
+    print("\n".join(moved[:8]))
+    assert outcomes["ok"] == n, dict(outcomes)
     assert wait_idle(cluster)["idle"]

@@ -281,7 +281,9 @@ def settings(checkpoint) -> VideoSettings:
 def _refused(raw: bytes, settings: VideoSettings, **limits) -> VideoError:
     with pytest.raises(VideoError) as e:
         prepare_video(raw, settings, limits=VideoLimits(**limits), field="v")
-    assert e.value.code == "INVALID_ARGUMENT" and e.value.field == "v"
+    too_big = e.value.reason == VideoRefusal.BYTES  # the router's 413
+    assert e.value.code == ("RESOURCE_EXHAUSTED" if too_big else "INVALID_ARGUMENT")
+    assert e.value.field == "v"
     return e.value
 
 
@@ -289,24 +291,26 @@ def _refused(raw: bytes, settings: VideoSettings, **limits) -> VideoError:
     "limits, reason",
     [
         ({"max_video_bytes": 1024}, VideoRefusal.BYTES),
-        ({"max_duration_s": 2.0}, VideoRefusal.DURATION),
-        ({"max_frames": 16}, VideoRefusal.FRAMES),
-        ({"max_decoded_pixels": 64 * 48 * 16}, VideoRefusal.DECODED_PIXELS),
-        ({"max_decode_s": 1e-9}, VideoRefusal.DECODE_TIME),
-        ({"max_tokens": 7}, VideoRefusal.TOKENS),
+        ({"max_video_duration_s": 2.0}, VideoRefusal.DURATION),
+        ({"max_video_frames": 16}, VideoRefusal.FRAMES),
+        ({"max_video_decoded_pixels": 64 * 48 * 16}, VideoRefusal.DECODED_PIXELS),
+        ({"max_video_decode_s": 1e-9}, VideoRefusal.DECODE_TIME),
+        ({"max_video_tokens": 7}, VideoRefusal.TOKENS),
     ],
     ids=lambda v: v.name if isinstance(v, VideoRefusal) else None,
 )
 def test_each_limit_is_refused_by_name(small, settings, limits, reason):
     assert prepare_video(small, settings, limits=VideoLimits(**{k: 10**12 for k in limits}))
-    assert _refused(small, settings, **limits).reason == reason
+    err = _refused(small, settings, **limits)
+    assert err.reason == reason
     assert reason.value == next(iter(limits))  # the reason names the limit's field
+    assert reason.value in err.message  # and so does what the client reads
 
 
 def test_limits_hold_against_a_lying_header(small, settings):
     """The decode loop counts what really decodes: a header claiming 1x1 frames passes the
     up-front pixel check, and the loop still stops at the limit (then at the size)."""
-    lim = VideoLimits(max_decoded_pixels=1000)
+    lim = VideoLimits(max_video_decoded_pixels=1000)
     header = dataclasses.replace(probe(small, "v", lim), width=1, height=1)
     plan = plan_video(header, Sampling.resolve(settings, VideoOptions()), "h")
     with pytest.raises(VideoError) as e:

@@ -1,7 +1,7 @@
-"""Embedding cache: image features by content hash, LRU under a byte budget.
+"""Embedding cache: image and video features by cache key, LRU under a byte budget.
 
-An entry holds one image's merged features and (Qwen3-VL) its deepstack features, on the
-CPU in the model dtype. Invariant: `bytes_used <= capacity` at every moment — an entry
+An entry holds one image's (or video's) merged features and (Qwen3-VL) its deepstack
+features, on the CPU in the model dtype. Invariant: `bytes_used <= capacity` at every moment — an entry
 larger than the whole budget is never stored, and room is made by evicting the least
 recently used entries before an insert. Hits move an entry to the most-recent end.
 Single-threaded: only the event loop touches it.
@@ -49,6 +49,11 @@ class EmbeddingCache:
         self.entries.move_to_end(key)
         self.hits += 1
         return entry
+
+    def peek(self, key: str) -> CachedFeatures | None:
+        """The entry, neither counted nor made most recent (a second look at a key whose
+        lookup was counted already)."""
+        return self.entries.get(key)
 
     def put(self, key: str, value: CachedFeatures) -> bool:
         """Store `value`; False when it cannot fit the budget at all (nothing evicted then)."""

@@ -36,15 +36,42 @@ class EncoderConfig(ModelServiceSettings):
     max_prompt_tokens: int = Field(
         32768, ge=16, description="Largest prompt (text + image tokens) accepted."
     )
+    max_videos_per_request: int = Field(
+        4, ge=0, le=64, description="Videos per request (0 refuses video parts)."
+    )
+    max_video_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024,
+        description="Largest video file accepted (bytes; inline, data URL or download).",
+    )
+    max_video_duration_s: float = Field(
+        600.0, gt=0, description="Longest video accepted: frames / frame rate, as its header "
+        "says (seconds).",
+    )  # fmt: skip
+    max_video_frames: int = Field(
+        18_000, ge=2, description="Most frames a video file may hold (header, or counted).",
+    )
+    max_video_decoded_pixels: int = Field(
+        4_000_000_000, ge=1,
+        description="Most pixels (width * height, summed over every frame decoded up to the "
+        "last one sampled) one video may decode.",
+    )  # fmt: skip
+    max_video_decode_s: float = Field(
+        60.0, gt=0, le=3600, description="Longest one video's decode may run (seconds).",
+    )
+    max_video_tokens: int = Field(
+        32_768, ge=1, description="Most vision tokens one video may become after sampling and "
+        "resizing (refused before it is decoded).",
+    )  # fmt: skip
     allowed_url_hosts: list[str] = Field(
         default_factory=list,
-        description="Hosts whose http(s) image URLs may be fetched; empty refuses all URLs.",
+        description="Hosts whose http(s) image and video URLs may be fetched; empty refuses "
+        "all URLs.",
     )
     allow_private_urls: bool = Field(
         False, description="Allow URLs resolving to private/loopback addresses."
     )
-    url_timeout_s: float = Field(5.0, gt=0, le=120, description="Total time of one image fetch (each read and the whole "
-        "download: a slow trickle is cut off too).")
+    url_timeout_s: float = Field(5.0, gt=0, le=120, description="Total time of one image or "
+        "video fetch (each read and the whole download: a slow trickle is cut off too).")
     patch_budget: int = Field(
         16384, ge=64, description="Max vision patches in one batched ViT call."
     )

@@ -1,9 +1,10 @@
 """Image sources -> decoded RGB images, with the encoder's input limits.
 
-Sources: raw bytes, `data:image/...;base64,` URLs, and http(s) URLs whose host is on the
-allow-list (`allowed_url_hosts`), fetched with a timeout and a byte cap, refused when the
-host resolves to a private, loopback, link-local or reserved address unless
-`allow_private_urls`. Every refusal is an INVALID_ARGUMENT naming the content part.
+Sources (of images, and of videos: `source_bytes`): raw bytes, `data:<mime>;base64,` URLs,
+and http(s) URLs whose host is on the allow-list (`allowed_url_hosts`), fetched with a
+timeout and a byte cap, refused when the host resolves to a private, loopback, link-local
+or reserved address unless `allow_private_urls`. Every refusal is a ChatError naming the
+content part (INVALID_ARGUMENT; a video over its byte cap is a VideoError).
 
 A fetch also stops when its request's `Budget` ends (deadline passed, or the request
 gone): TimeoutError, which the servicer reports as DEADLINE_EXCEEDED.
@@ -22,11 +23,12 @@ import threading
 import time
 import urllib.parse
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from PIL import Image
 
-from tandem.chat import ImageInput, invalid
+from tandem.chat import ChatError, ImageInput, invalid
 
 # Formats the encoder decodes; others (TIFF, ICO, PSD, EPS, ...) are refused by name.
 SUPPORTED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
@@ -56,20 +58,23 @@ class Budget:
             raise TimeoutError("the request ended while preprocessing")
 
 
+@dataclass(frozen=True)
+class SourceRules:
+    """How one kind of input (an image, a video) is read from its source: the word its
+    refusals use, its byte cap, the type a data URL must declare ("" = any), and the
+    refusal of a file over the cap (a ChatError naming the field)."""
+
+    noun: str
+    max_bytes: int
+    mime: str = ""
+    oversize: Callable[[str, str], ChatError] = invalid
+
+
 def image_bytes(img: ImageInput, field: str, lim: ImageLimits,
                 budget: Budget | None = None) -> bytes:
     """The encoded image file of one part (decoding base64 or fetching a URL)."""
-    if img.data is not None:
-        raw = img.data
-    else:
-        url = img.url or ""
-        if url.startswith("data:"):
-            raw = _data_url(url, field, lim)
-        elif url.startswith(("http://", "https://")):
-            raw = _fetch(url, field, lim, budget or Budget())
-        else:
-            scheme = url.split(":", 1)[0] if ":" in url else url[:16]
-            raise invalid(field, f"unsupported image url scheme {scheme!r} (data:, http(s):)")
+    raw = source_bytes(img.data, img.url, field, lim, SourceRules("image", lim.max_image_bytes),
+                       budget)
     if not raw:
         raise invalid(field, "image is empty (0 bytes)")
     if len(raw) > lim.max_image_bytes:
@@ -77,13 +82,32 @@ def image_bytes(img: ImageInput, field: str, lim: ImageLimits,
     return raw
 
 
-def _data_url(url: str, field: str, lim: ImageLimits) -> bytes:
+def source_bytes(data: bytes | None, url: str | None, field: str, lim: ImageLimits,
+                 rules: SourceRules, budget: Budget | None = None) -> bytes:
+    """The file of one part: `data` as given, a data URL decoded, an http(s) URL fetched
+    (allow-list, private addresses, time and byte caps: `lim`). A data URL or a download
+    over `rules.max_bytes` is refused without being held whole; `data` given as bytes is
+    returned as is (the caller checks its size)."""
+    if data is not None:
+        return data
+    url = url or ""
+    if url.startswith("data:"):
+        return _data_url(url, field, rules)
+    if url.startswith(("http://", "https://")):
+        return _fetch(url, field, lim, rules, budget or Budget())
+    scheme = url.split(":", 1)[0] if ":" in url else url[:16]
+    raise invalid(field, f"unsupported {rules.noun} url scheme {scheme!r} (data:, http(s):)")
+
+
+def _data_url(url: str, field: str, rules: SourceRules) -> bytes:
     head, sep, body = url.partition(",")
     if not sep or not head.endswith(";base64"):
         raise invalid(field, "data url must be data:<mime>;base64,<data>")
+    if rules.mime and not head.startswith(f"data:{rules.mime}"):
+        raise invalid(field, f"a {rules.noun} data url must have a {rules.mime}* type")
     # NOTE: check the size before decoding so a huge string is never materialised twice.
-    if len(body) * 3 // 4 > lim.max_image_bytes + 3:
-        raise invalid(field, f"image is over the limit of {lim.max_image_bytes} bytes")
+    if len(body) * 3 // 4 > rules.max_bytes + 3:
+        raise rules.oversize(field, f"{rules.noun} is over the limit of {rules.max_bytes} bytes")
     try:
         return base64.b64decode(body, validate=True)
     except (binascii.Error, ValueError):
@@ -105,7 +129,7 @@ def _check_host(host: str, port: int, field: str, lim: ImageLimits) -> None:
             raise invalid(field, f"url host {host!r} resolves to non-public address {ip}")
 
 
-def _fetch(url: str, field: str, lim: ImageLimits, budget: Budget) -> bytes:
+def _fetch(url: str, field: str, lim: ImageLimits, rules: SourceRules, budget: Budget) -> bytes:
     import httpx
 
     parts = urllib.parse.urlsplit(url)
@@ -118,25 +142,27 @@ def _fetch(url: str, field: str, lim: ImageLimits, budget: Budget) -> bytes:
     start = time.monotonic()
     end = start + lim.url_timeout_s
     timeout = max(0.001, min(end, budget.deadline) - start)
+    noun = rules.noun
     try:
         # NOTE: redirects are not followed: a redirect could leave the allow-list.
         with httpx.stream("GET", url, timeout=timeout, follow_redirects=False) as r:
             if r.status_code != 200:
-                raise invalid(field, f"fetching the image url gave HTTP {r.status_code}")
+                raise invalid(field, f"fetching the {noun} url gave HTTP {r.status_code}")
             for chunk in r.iter_bytes():
                 buf += chunk
-                if len(buf) > lim.max_image_bytes:
-                    raise invalid(field, f"image is over the limit of {lim.max_image_bytes} bytes")
+                if len(buf) > rules.max_bytes:
+                    raise rules.oversize(field, f"{noun} is over the limit of {rules.max_bytes} "
+                                         "bytes")
                 budget.check()
                 if time.monotonic() > end:
                     raise httpx.ReadTimeout("total fetch time exceeded")
     except httpx.TimeoutException:
         budget.check()  # the request's own end, not the url's slowness: TimeoutError
         raise invalid(
-            field, f"fetching the image url timed out after {lim.url_timeout_s}s"
+            field, f"fetching the {noun} url timed out after {lim.url_timeout_s}s"
         ) from None
     except httpx.HTTPError as e:
-        raise invalid(field, f"fetching the image url failed: {e}") from None
+        raise invalid(field, f"fetching the {noun} url failed: {e}") from None
     return bytes(buf)
 
 

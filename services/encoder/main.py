@@ -42,7 +42,8 @@ def serve(cfg: EncoderConfig) -> int:
 
 
 def _message_limit(cfg: EncoderConfig) -> int:
-    per_request = cfg.max_image_bytes * max(1, cfg.max_images_per_request) * 4 // 3
+    per_request = (cfg.max_image_bytes * max(1, cfg.max_images_per_request)
+                   + cfg.max_video_bytes * cfg.max_videos_per_request) * 4 // 3
     return min(2**31 - 1, per_request + (4 << 20))
 
 

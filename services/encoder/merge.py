@@ -1,20 +1,26 @@
-"""Text embeddings + image features -> the prompt payload (embeddings, ids, MRoPE positions).
+"""Text embeddings + image and video features -> the prompt payload (embeddings, ids, MRoPE
+positions).
 
 Layout of `input_embeds` ([L, hidden * (1 + num_deepstack)]):
 
-    columns  [0, H)          text embeddings, image features at image-pad tokens
-             [H, 2H)         deepstack layer 0 features at image-pad tokens, zeros elsewhere
+    columns  [0, H)          text embeddings, image/video features at their pad tokens
+             [H, 2H)         deepstack layer 0 features at image/video pads, zeros elsewhere
              ...             (Qwen3-VL only; Qwen2.5-VL has width H)
 
-MRoPE positions follow transformers' `get_rope_index` for images: text runs count up by
-one; an image of grid (t, h, w) patches covers (t, h/m, w/m) tokens placed at
-(start + t_i, start + h_i, start + w_i); the next run starts at start + max(h, w) / m.
+MRoPE positions follow transformers' `get_rope_index`: text runs count up by one; an image
+(or a video) of grid (t, h, w) patches covers (t, h/m, w/m) tokens placed at
+(start + t_i * interval, start + h_i, start + w_i); the next run starts at
+start + max(h, w) / m. The interval is 1, except for a Qwen2.5-VL video:
+tokens_per_second * second_per_grid_t (float32, truncated). Qwen3-VL writes each temporal
+group of a video as a run of its own between timestamp texts: each is a (1, h, w) grid.
 The delta is max(position) + 1 - L, so decode token i sits at i + delta.
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
+from dataclasses import dataclass
 
 import torch
 
@@ -22,32 +28,90 @@ from tandem.services.encoder.cache import CachedFeatures
 from tandem.transfer.payload import PromptPayload
 
 
+class MediaKind(enum.IntEnum):
+    """A pad token's kind: transformers' `mm_token_type_ids` values."""
+
+    IMAGE = 1
+    VIDEO = 2
+
+
+@dataclass(frozen=True)
+class VisionGrid:
+    """One image's or video's place in the MRoPE layout: its kind, its grid (t, h, w) in
+    patches, and for a Qwen2.5-VL video the seconds per temporal patch (the processor's
+    `second_per_grid_ts` entry)."""
+
+    kind: MediaKind
+    grid: tuple[int, int, int]
+    second_per_grid_t: float = 1.0
+
+    def num_tokens(self, merge: int) -> int:
+        t, h, w = self.grid
+        return t * h * w // (merge * merge)
+
+
+@dataclass(frozen=True)
+class RopeRule:
+    """How an architecture lays videos out. `timestamps`: Qwen3-VL (its temporal groups are
+    runs of their own); otherwise Qwen2.5-VL's time axis, scaled by `tokens_per_second`."""
+
+    merge: int
+    timestamps: bool = False
+    tokens_per_second: int = 1
+
+
+def _runs(items: list[VisionGrid], rule: RopeRule) -> list[VisionGrid]:
+    """Each run of pad tokens the prompt holds, in order."""
+    out: list[VisionGrid] = []
+    for it in items:
+        t, h, w = it.grid
+        if it.kind is MediaKind.VIDEO and rule.timestamps:
+            out += [VisionGrid(it.kind, (1, h, w))] * t
+        else:
+            out.append(it)
+    return out
+
+
+def _interval(run: VisionGrid, rule: RopeRule) -> torch.Tensor | int:
+    """The temporal position step of a run's patches."""
+    if run.kind is MediaKind.VIDEO and not rule.timestamps:
+        # NOTE: float32, as transformers multiplies the processor's float32 tensor.
+        return rule.tokens_per_second * torch.tensor(run.second_per_grid_t, dtype=torch.float32)
+    return 1
+
+
 def rope_index(
-    mm_token_type_ids: torch.Tensor, grids: list[tuple[int, int, int]], merge: int
+    mm_token_type_ids: torch.Tensor, items: list[VisionGrid], rule: RopeRule
 ) -> tuple[torch.Tensor, int]:
-    """MRoPE positions [3, L] (int64) and the position delta of one prompt (images only)."""
+    """MRoPE positions [3, L] (int64) and the position delta of one prompt."""
     types = mm_token_type_ids.tolist()
-    n = len(types)
-    pieces, cur, it = [], 0, iter(grids)
+    n, merge = len(types), rule.merge
+    pieces, cur, runs = [], 0, iter(_runs(items, rule))
     for kind, group in itertools.groupby(types):
         length = sum(1 for _ in group)
         if kind == 0:
             pieces.append(torch.arange(length).view(1, -1).expand(3, -1) + cur)
             cur += length
             continue
-        if kind != 1:
-            raise ValueError(f"token type {kind} (video/audio) is not supported by the encoder")
-        t, h, w = next(it)
+        run = next(runs, None)
+        if run is None or run.kind != kind:
+            raise ValueError(f"a run of token type {kind} where the media give "
+                             f"{run.kind if run else 'none'}")  # fmt: skip
+        t, h, w = run.grid
         gt, gh, gw = t, h // merge, w // merge
         if gt * gh * gw != length:
-            raise ValueError(f"image run of {length} tokens does not match grid {(t, h, w)}")
+            raise ValueError(f"a run of {length} pad tokens does not match grid {(t, h, w)}")
         tt, hh, ww = torch.meshgrid(
-            torch.arange(gt), torch.arange(gh) + cur, torch.arange(gw) + cur, indexing="ij"
+            (torch.arange(gt) * _interval(run, rule)).long(), torch.arange(gh) + cur,
+            torch.arange(gw) + cur,
+            indexing="ij",
         )
         pos = torch.stack([tt, hh, ww]).reshape(3, -1)
         pos[0] += cur
         pieces.append(pos)
         cur += max(h, w) // merge
+    if next(runs, None) is not None:
+        raise ValueError("more media than pad runs in the prompt")
     positions = torch.cat(pieces, dim=1) if pieces else torch.zeros(3, 0, dtype=torch.long)
     delta = int(positions.max()) + 1 - n if n else 0
     return positions, delta
@@ -58,41 +122,43 @@ def build_payload(
     input_ids: torch.Tensor,
     mm_token_type_ids: torch.Tensor,
     features: list[CachedFeatures | None],
-    grids: list[tuple[int, int, int]],
+    items: list[VisionGrid],
     *,
     image_token_id: int,
-    merge: int,
+    video_token_id: int,
+    rule: RopeRule,
     num_deepstack: int,
 ) -> PromptPayload:
-    """Splice each image's features into the prompt's text embeddings, in image order.
+    """Splice each image's and video's features into the prompt's text embeddings: images
+    in order at the image pads, videos in order at the video pads (transformers'
+    `masked_scatter` of each kind).
 
-    A None entry is an image whose features are not needed (it lies wholly inside the
+    A None entry is a medium whose features are not needed (it lies wholly inside the
     prefix the language side already holds, which is cut off after): zeros stand in."""
     dev = embed_tokens.weight.device
     with torch.inference_mode():
         text = embed_tokens(input_ids.to(dev)).cpu()
-    mask = input_ids == image_token_id
-    n_img = int(mask.sum())
     hidden = text.shape[1]
     feats = [
         f if f is not None else CachedFeatures(
             torch.zeros(n, hidden), tuple(torch.zeros(n, hidden) for _ in range(num_deepstack)))
-        for f, n in zip(features, [g[0] * g[1] * g[2] // (merge * merge) for g in grids],
-                        strict=True)
+        for f, n in zip(features, [it.num_tokens(rule.merge) for it in items], strict=True)
     ]
-    have = sum(int(f.embeds.shape[0]) for f in feats)
-    if n_img != have:
-        raise ValueError(f"{n_img} image tokens but {have} image feature rows")
-    cols = [text]
-    if feats:
-        img = torch.cat([f.embeds for f in feats]).to(text.dtype)
-        cols[0] = text.masked_scatter(mask[:, None], img)
-    for k in range(num_deepstack):
-        z = torch.zeros_like(text)
-        if feats:
-            z[mask] = torch.cat([f.deepstack[k] for f in feats]).to(text.dtype)
-        cols.append(z)
-    positions, delta = rope_index(mm_token_type_ids, grids, merge)
+    cols = [text] + [torch.zeros_like(text) for _ in range(num_deepstack)]
+    for kind, token_id in ((MediaKind.IMAGE, image_token_id), (MediaKind.VIDEO, video_token_id)):
+        mask = input_ids == token_id
+        mine = [f for f, it in zip(feats, items, strict=True) if it.kind is kind]
+        have = sum(int(f.embeds.shape[0]) for f in mine)
+        if int(mask.sum()) != have:
+            raise ValueError(f"{int(mask.sum())} {kind.name.lower()} tokens but {have} "
+                             "feature rows")  # fmt: skip
+        if not mine:
+            continue
+        cols[0] = cols[0].masked_scatter(mask[:, None],
+                                         torch.cat([f.embeds for f in mine]).to(text.dtype))
+        for k in range(num_deepstack):
+            cols[k + 1][mask] = torch.cat([f.deepstack[k] for f in mine]).to(text.dtype)
+    positions, delta = rope_index(mm_token_type_ids, items, rule)
     return PromptPayload(
         input_embeds=torch.cat(cols, dim=1) if len(cols) > 1 else cols[0],
         fill_ids=input_ids.to(torch.int32),

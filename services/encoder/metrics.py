@@ -9,6 +9,9 @@ tandem_encoder_cache_bytes              bytes held by the embedding cache
 tandem_encoder_queue_patches            patches waiting for the ViT
 tandem_encoder_queued_requests          requests accepted and not yet answered
 tandem_encoder_batch_images             images per ViT batch (histogram)
+tandem_encoder_videos_decoded_total     videos decoded (a cached or held one is not)
+tandem_encoder_video_frames_decoded_total  frames decoded from them
+tandem_encoder_video_decode_seconds     one video's decode + patchify time (histogram)
 tandem_encoder_requests_total{code}     finished Encode calls by gRPC code name
 tandem_model_info{model_name,tier}      the served model (`tandem.metrics.ModelInfo`)
 """
@@ -48,12 +51,23 @@ class EncoderMetrics:
             **kw,
         )
         self.requests = Counter(p + "requests", "Finished Encode calls.", ["code"], **kw)
+        self.videos_decoded = Counter(p + "videos_decoded", "Videos decoded.", **kw)
+        self.video_frames_decoded = Counter(
+            p + "video_frames_decoded", "Frames decoded from videos.", **kw)
+        self.video_decode_seconds = Histogram(
+            p + "video_decode_seconds", "One video's decode and patchify time.",
+            buckets=_SECONDS + (30, 60), **kw)
 
     def serving(self, model_name: str) -> None:
         model_info(self.registry, "encoder", model_name)
 
     def cache(self, hit: bool) -> None:
         (self.cache_hits if hit else self.cache_misses).inc()
+
+    def video_decoded(self, frames: int, seconds: float) -> None:
+        self.videos_decoded.inc()
+        self.video_frames_decoded.inc(frames)
+        self.video_decode_seconds.observe(seconds)
 
     def batch(self, images: int, patches: int, seconds: float) -> None:
         self.images.inc(images)

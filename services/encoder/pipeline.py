@@ -1,24 +1,28 @@
 """The encode path without the wire: chat -> preprocess -> cache / ViT -> merged payload.
 
     EncodePipeline.encode(messages, limits, announce, client, deadline)
-        preprocess (worker threads shared fairly among clients: fair_pool.py)
+        preprocess (worker threads shared fairly among clients: fair_pool.py): images
+           ready for the ViT, videos probed and planned (not decoded)
         -> announce(PromptInfo): the language side answers how many leading tokens it
            already holds (cache-aware transfer; 0 without `announce`)
-        -> scheduler.features (cache hits, batched ViT for the rest; images wholly inside
-           the held prefix are skipped)
+        -> for each image and video not wholly inside the held prefix: the embedding
+           cache (by key); a video that misses is decoded now (one job of the same pool
+           each, the same client's share), so a cached or held video is never decoded
+        -> scheduler.encode: batched ViT for the misses
         -> merge.build_payload (same threads, same client), rows from the held prefix's end on
-        -> EncodeResult(payload, hashes, cached tokens, timings)
+        -> EncodeResult(payload, keys, cached tokens, timings)
 
 The gRPC servicer adds delivery (transfer) and status mapping on top.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import math
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,9 +31,11 @@ from tandem.devices import resolve_device, resolve_dtype
 from tandem.services.encoder.cache import EmbeddingCache
 from tandem.services.encoder.fair_pool import FairPool
 from tandem.services.encoder.images import Budget, ImageLimits
-from tandem.services.encoder.merge import build_payload
-from tandem.services.encoder.preprocess import PreprocessLimits, Preprocessor
+from tandem.services.encoder.merge import MediaKind, RopeRule, VisionGrid, build_payload
+from tandem.services.encoder.preprocess import PreparedImage, PreprocessLimits, Preprocessor
 from tandem.services.encoder.scheduler import EncoderScheduler
+from tandem.services.encoder.video import PlannedVideo, PreparedVideo, VideoLimits
+from tandem.services.encoder.video_rules import ARCH_RULES, VideoSettings
 from tandem.services.encoder.vit_runner import VisionRunner
 from tandem.transfer.payload import ImageSpan, PromptInfo, PromptPayload
 
@@ -39,6 +45,7 @@ class EncodeState(enum.Enum):
 
     PREPROCESSING = "preprocessing"
     ANNOUNCING = "asking the language instance what it holds"
+    DECODING = "decoding video frames"
     ENCODING = "waiting for the ViT"
     MERGING = "merging"
     SENDING = "delivering to the language instance"
@@ -50,10 +57,12 @@ class EncodeState(enum.Enum):
 class EncodeResult:
     payload: PromptPayload  # rows from payload.start (the language side's cached prefix)
     image_hashes: list[str]
-    cached_image_tokens: int
-    preprocess_ms: float
+    cached_image_tokens: int  # image and video tokens whose features came from the cache
+    preprocess_ms: float  # preprocessing and video decoding
     vit_ms: float
-    skipped_images: int = 0  # wholly inside the cached prefix: no ViT
+    skipped_images: int = 0  # images and videos wholly inside the cached prefix: no ViT
+    video_keys: list[str] = field(default_factory=list)
+    decoded_videos: int = 0  # videos decoded (the others were cached or held)
 
 
 class EncodePipeline:
@@ -70,10 +79,13 @@ class EncodePipeline:
         metrics=None,
         client_share: int = 0,
         chat_template: str | None = None,
+        video: VideoSettings | None = None,
     ) -> None:
         self.spec = spec
         self.embed_tokens = embed_tokens
-        self.preprocessor = Preprocessor(processor, pre_limits, chat_template)
+        self.preprocessor = Preprocessor(processor, pre_limits, chat_template, video)
+        self.rope = RopeRule(int(spec.spatial_merge_size), spec.arch in ("qwen3_vl", "qwen3_vl_moe"),
+                             int(spec.tokens_per_second))
         self.cache = EmbeddingCache(cache_bytes)
         self.metrics = metrics
         self.scheduler = EncoderScheduler(runners, self.cache, patch_budget, metrics)
@@ -114,7 +126,17 @@ class EncodePipeline:
                 allow_private_urls=cfg.allow_private_urls,
                 url_timeout_s=cfg.url_timeout_s,
             ),
+            max_videos=cfg.max_videos_per_request,
+            video=VideoLimits(
+                max_video_bytes=cfg.max_video_bytes,
+                max_video_duration_s=cfg.max_video_duration_s,
+                max_video_frames=cfg.max_video_frames,
+                max_video_decoded_pixels=cfg.max_video_decoded_pixels,
+                max_video_decode_s=cfg.max_video_decode_s,
+                max_video_tokens=cfg.max_video_tokens,
+            ),
         )
+        video = VideoSettings.from_checkpoint(path) if parts[0].spec.arch in ARCH_RULES else None
         return cls(
             processor,
             parts[0].embed_tokens,
@@ -127,6 +149,7 @@ class EncodePipeline:
             metrics,
             cfg.preprocess_client_share,
             load_chat_template(cfg.chat_template),
+            video,
         )
 
     def start(self) -> None:
@@ -168,19 +191,40 @@ class EncodePipeline:
                                    template)
         if self.metrics:
             self.metrics.preprocess_seconds.observe(prep.preprocess_s)
-        spans = image_spans(prep.input_ids, [im.num_tokens for im in prep.images],
-                            [im.hash for im in prep.images], self.spec.image_token_id)
+        spans = media_spans(prep.input_ids, prep.media, self.spec.image_token_id,
+                            self.spec.video_token_id)
         cached = 0
         if announce is not None:
             step(EncodeState.ANNOUNCING)
             cached = await announce(PromptInfo(prep.input_ids.tolist(), spans))
         need = [i for i, sp in enumerate(spans) if sp.start + sp.length > cached]
-        step(EncodeState.ENCODING)
-        got = await self.scheduler.features([prep.images[i] for i in need])
+        # Each needed medium is looked up once (a counted hit or miss); only then are the
+        # missing videos decoded, so a cached video costs no decode.
         feats: list = [None] * len(spans)
-        for i, f in zip(need, got.features, strict=True):
+        cached_tokens, misses = 0, []
+        for i in need:
+            hit = self.scheduler.lookup(prep.media[i].key)
+            if hit is not None:
+                feats[i] = hit
+                cached_tokens += prep.media[i].num_tokens
+            else:
+                misses.append(i)
+        to_decode = [i for i in misses if isinstance(prep.media[i], PlannedVideo)]
+        t0 = time.perf_counter()
+        decoded: dict[int, PreparedVideo] = {}
+        if to_decode:
+            step(EncodeState.DECODING)
+            videos = await self._decode([prep.media[i] for i in to_decode], client, budget)
+            decoded = dict(zip(to_decode, videos, strict=True))
+        decode_s = time.perf_counter() - t0
+        step(EncodeState.ENCODING)
+        got = await self.scheduler.encode([decoded.get(i, prep.media[i]) for i in misses])
+        for i, f in zip(misses, got.features, strict=True):
             feats[i] = f
         step(EncodeState.MERGING)
+        items = [VisionGrid(MediaKind.IMAGE, m.grid) if isinstance(m, PreparedImage)
+                 else VisionGrid(MediaKind.VIDEO, m.grid, m.plan.second_per_grid_t)
+                 for m in prep.media]  # fmt: skip
         payload = await self.pool.run(
             client,
             lambda: build_payload(
@@ -188,9 +232,10 @@ class EncodePipeline:
                 prep.input_ids,
                 prep.mm_token_type_ids,
                 feats,
-                [im.grid for im in prep.images],
+                items,
                 image_token_id=self.spec.image_token_id,
-                merge=self.spec.spatial_merge_size,
+                video_token_id=self.spec.video_token_id,
+                rule=self.rope,
                 num_deepstack=self.num_deepstack,
             ).rows_from(cached),
         )
@@ -201,11 +246,30 @@ class EncodePipeline:
         return EncodeResult(
             payload=payload,
             image_hashes=[im.hash for im in prep.images],
-            cached_image_tokens=got.cached_tokens,
-            preprocess_ms=prep.preprocess_s * 1e3,
+            cached_image_tokens=cached_tokens,
+            preprocess_ms=(prep.preprocess_s + decode_s) * 1e3,
             vit_ms=got.vit_s * 1e3,
             skipped_images=len(spans) - len(need),
+            video_keys=[v.key for v in prep.videos],
+            decoded_videos=len(to_decode),
         )
+
+    async def _decode(self, videos: list[PlannedVideo], client: str,
+                      budget: Budget) -> list[PreparedVideo]:
+        """Decode `videos` at once, each a job in `client`'s share of the pool; the first
+        failure cancels the jobs not started (started ones stop at their budget's end)."""
+        jobs = [asyncio.ensure_future(self.pool.run(client, self.preprocessor.decode, v, budget))
+                for v in videos]  # fmt: skip
+        try:
+            out = await asyncio.gather(*jobs)
+        except BaseException:
+            for j in jobs:
+                j.cancel()
+            raise
+        if self.metrics:
+            for v in out:
+                self.metrics.video_decoded(v.frames_decoded, v.decode_s + v.process_s)
+        return out
 
     def load_figures(self) -> dict:
         return {
@@ -215,19 +279,26 @@ class EncodePipeline:
         }
 
 
-def image_spans(
-    input_ids: torch.Tensor, lengths: list[int], hashes: list[str], image_token_id: int
-) -> list[ImageSpan]:
-    """Each image's run of pad tokens, in order (the preprocessor expands each image's
-    placeholder into `length` consecutive pads)."""
-    pads = (input_ids == image_token_id).nonzero().flatten().tolist()
+def media_spans(input_ids: torch.Tensor, media: list[PreparedImage | PlannedVideo],
+                image_token_id: int, video_token_id: int) -> list[ImageSpan]:
+    """Each image's and video's tokens, in prompt order, named by its cache key: from its
+    first pad to its last. The preprocessor expands an image's placeholder into
+    `num_tokens` consecutive pads, a video's into its pads (for Qwen3-VL with each temporal
+    group's timestamp text and vision start/end tokens between them)."""
+    ids = input_ids.tolist()
+    pads = [i for i, t in enumerate(ids) if t in (image_token_id, video_token_id)]
     out, k = [], 0
-    for n, h in zip(lengths, hashes, strict=True):
-        start = pads[k]
-        if pads[k + n - 1] != start + n - 1:
+    for m in media:
+        image = isinstance(m, PreparedImage)
+        mine = pads[k : k + m.num_tokens]
+        if len(mine) < m.num_tokens or any(
+                ids[p] != (image_token_id if image else video_token_id) for p in mine):
+            raise ValueError(f"medium {len(out)}'s pad tokens are not where the media put them")
+        start, end = mine[0], mine[-1] + 1
+        if image and end - start != m.num_tokens:
             raise ValueError(f"image {len(out)}'s pad tokens are not contiguous")
-        out.append(ImageSpan(start, n, h))
-        k += n
+        out.append(ImageSpan(start, end - start, m.key))
+        k += m.num_tokens
     if k != len(pads):
-        raise ValueError(f"{len(pads)} image pad tokens for {k} image tokens")
+        raise ValueError(f"{len(pads)} pad tokens for {k} image and video tokens")
     return out

@@ -2,11 +2,16 @@
 
 Runs in a worker thread (the server's pool), never on the event loop. Each image goes
 through the processor's image processor on its own, so per-image min/max pixel overrides
-apply (Qwen `smart_resize`); the chat template is rendered with one image placeholder per
-image, each placeholder expanded to the image's token count, and the text tokenized — the
-same steps `processor(text=..., images=...)` takes, checked against it in the tests.
+apply (Qwen `smart_resize`). Each video is read and probed and its frames planned
+(services/encoder/video.py: indices, size, grid, timing) but not decoded: that is
+`decode`, a later job of the same pool, run only for the videos whose features no cache
+holds. The chat template is rendered with one placeholder per image and video, each
+expanded as the processor expands it (an image's pads; a video's pads, and for Qwen3-VL
+its frames' timestamps), and the text tokenized — the same steps `processor(text=...,
+images=..., videos=...)` takes, checked against it in the tests.
 
-An image's identity (its cache key) is the sha256 of its processed patches and grid: equal
+Identities (cache keys): an image's is the sha256 of its processed patches and grid; a
+video's is `VideoPlan.cache_key` (its file, sampled frames, size and normalization). Equal
 keys mean bit-identical ViT input.
 """
 
@@ -19,9 +24,38 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tandem.chat import ChatTemplate, ImageInput, Limits, Message, TemplateOptions, invalid
-from tandem.services.encoder.images import Budget, ImageLimits, decode_image, image_bytes
-
+from tandem.chat import (
+    ChatTemplate,
+    ImageInput,
+    Limits,
+    Message,
+    Placeholder,
+    TemplateOptions,
+    VideoInput,
+    invalid,
+)
+from tandem.services.encoder.images import (
+    Budget,
+    ImageLimits,
+    SourceRules,
+    decode_image,
+    image_bytes,
+    source_bytes,
+)
+from tandem.services.encoder.video import (
+    PlannedVideo,
+    PreparedVideo,
+    VideoLimits,
+    decode,
+    plan_source,
+)
+from tandem.services.encoder.video_rules import (
+    VideoError,
+    VideoRefusal,
+    VideoSettings,
+    VideoTokens,
+    placeholder_text,
+)
 
 @dataclass
 class PreparedImage:
@@ -34,18 +68,32 @@ class PreparedImage:
     field: str
 
     @property
+    def key(self) -> str:
+        """The embedding cache key: the content hash."""
+        return self.hash
+
+    @property
     def num_patches(self) -> int:
         return self.grid[0] * self.grid[1] * self.grid[2]
 
 
 @dataclass
 class Prepared:
-    """A preprocessed chat."""
+    """A preprocessed chat: `media` are its images (ready for the ViT) and videos (planned,
+    not decoded), in prompt order."""
 
     input_ids: torch.Tensor  # [L] int64
-    mm_token_type_ids: torch.Tensor  # [L] int32 (0 text, 1 image)
-    images: list[PreparedImage] = field(default_factory=list)
+    mm_token_type_ids: torch.Tensor  # [L] int32 (0 text, 1 image, 2 video)
+    media: list[PreparedImage | PlannedVideo] = field(default_factory=list)
     preprocess_s: float = 0.0
+
+    @property
+    def images(self) -> list[PreparedImage]:
+        return [m for m in self.media if isinstance(m, PreparedImage)]
+
+    @property
+    def videos(self) -> list[PlannedVideo]:
+        return [m for m in self.media if isinstance(m, PlannedVideo)]
 
 
 @dataclass(frozen=True)
@@ -55,24 +103,34 @@ class PreprocessLimits:
     max_images: int
     max_prompt_tokens: int
     image: ImageLimits
+    max_videos: int = 0
+    video: VideoLimits = field(default_factory=VideoLimits)
 
 
 class Preprocessor:
-    """Turns a chat into `Prepared` with the checkpoint's processor. Thread-safe."""
+    """Turns a chat into `Prepared` with the checkpoint's processor. Thread-safe.
+
+    `video`: the checkpoint's video processor settings (None: the model takes no video)."""
 
     def __init__(self, processor, limits: PreprocessLimits,
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None, video: VideoSettings | None = None) -> None:
         self.processor = processor
         self.limits = limits
         self.template = ChatTemplate(processor, chat_template)
         self.merge = int(processor.image_processor.merge_size)
+        self.video = video
+        self.video_tokens = VideoTokens(
+            processor.video_token,
+            getattr(processor, "vision_start_token", "<|vision_start|>"),
+            getattr(processor, "vision_end_token", "<|vision_end|>"),
+        )
 
     def __call__(self, messages: list[Message], req: Limits | None = None,
                  tools: list[dict] | None = None, budget: Budget | None = None,
                  options: TemplateOptions | None = None) -> Prepared:
         """`budget`: the request's deadline and stop flag, checked before each image and
-        before tokenizing (TimeoutError once it has ended); `options`: how the chat
-        template renders the chat."""
+        video and before tokenizing (TimeoutError once it has ended); `options`: how the
+        chat template renders the chat."""
         t0 = time.perf_counter()
         req = req or Limits()
         budget = budget or Budget()
@@ -80,25 +138,38 @@ class Preprocessor:
         max_images = min(lim.max_images, req.max_images or lim.max_images)
         max_prompt_tokens = min(lim.max_prompt_tokens,
                                 req.max_prompt_tokens or lim.max_prompt_tokens)
-        hf_messages, image_parts = self.template.split(messages)
-        if len(image_parts) > max_images:
-            raise invalid(
-                "messages",
-                f"the chat has {len(image_parts)} images, over the limit of {max_images}",
-            )
-        images = [self._image(where, p, budget) for where, p in image_parts]
+        hf_messages, parts = self.template.split(messages)
+        n_images = sum(isinstance(p, ImageInput) for _, p in parts)
+        if n_images > max_images:
+            raise invalid("messages", f"the chat has {n_images} images, over the limit of "
+                          f"{max_images}")
+        if len(parts) - n_images > lim.max_videos:
+            raise invalid("messages", f"the chat has {len(parts) - n_images} videos, over the "
+                          f"limit of {lim.max_videos} (the encoder's max_videos_per_request)")
+        media = [self._image(where, p, budget) if isinstance(p, ImageInput)
+                 else self._video(where, p, budget) for where, p in parts]  # fmt: skip
         budget.check()
         ids = self.template.token_ids(
-            messages, hf_messages, [im.num_tokens for im in images], max_prompt_tokens, tools,
-            options,
+            messages, hf_messages, [self._placeholder(m) for m in media], max_prompt_tokens,
+            tools, options,
         )
         types = self.processor.create_mm_token_type_ids([ids])[0]
         return Prepared(
             input_ids=torch.tensor(ids, dtype=torch.long),
             mm_token_type_ids=torch.tensor(np.asarray(types), dtype=torch.int32),
-            images=images,
+            media=media,
             preprocess_s=time.perf_counter() - t0,
         )
+
+    def decode(self, video: PlannedVideo, budget: Budget | None = None) -> PreparedVideo:
+        """A planned video's frames, decoded and patchified (a pool job of its own)."""
+        return decode(video, self.limits.video, budget)
+
+    def _placeholder(self, m: PreparedImage | PlannedVideo) -> Placeholder:
+        if isinstance(m, PreparedImage):
+            return self.template.image_placeholder(m.num_tokens)
+        return Placeholder(self.video_tokens.pad,
+                           placeholder_text(m.plan, m.settings, self.video_tokens))
 
     def _image(self, where: str, part: ImageInput, budget: Budget) -> PreparedImage:
         lim = self.limits
@@ -123,3 +194,16 @@ class Preprocessor:
             num_tokens=grid[0] * grid[1] * grid[2] // (self.merge * self.merge),
             field=where,
         )
+
+    def _video(self, where: str, part: VideoInput, budget: Budget) -> PlannedVideo:
+        lim = self.limits
+        budget.check()
+        if self.video is None:
+            raise invalid(where, "this model takes no video")
+        rules = SourceRules("video", lim.video.max_video_bytes, "video/", _video_oversize)
+        raw = source_bytes(part.data, part.url, where, lim.image, rules, budget)
+        return plan_source(raw, self.video, part.options, lim.video, where)
+
+
+def _video_oversize(where: str, message: str) -> VideoError:
+    return VideoError(where, VideoRefusal.BYTES, f"{message} (max_video_bytes)")

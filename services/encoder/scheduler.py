@@ -1,14 +1,20 @@
-"""Encoder scheduler: images from many requests -> batched ViT calls under a patch budget.
+"""Encoder scheduler: images and videos from many requests -> batched ViT calls under a
+patch budget.
 
     request A ─┐  cache hit ─────────────────────────────▶ features
                ├─ miss ─▶ ImageJob ─┐
-    request B ─┘  same hash in flight: shares the job    ├─▶ FIFO queue ─▶ batch (<= budget)
+    request B ─┘  same key in flight: shares the job     ├─▶ FIFO queue ─▶ batch (<= budget)
                                                           │     ─▶ lb_assign over devices
     request C ─── miss ─▶ ImageJob ─┘                     │     ─▶ runner threads ─▶ cache
 
-A request awaits only its own images' jobs, so it leaves as soon as they are done, never
-behind a slower request. Identical images in flight are encoded once. A job whose every
-waiter went away (cancelled, deadline) before its batch started is dropped.
+A ViT input is an image or a whole video (its frames are segments of their own in the
+tower, as an image is one); an input over the budget runs alone. A request awaits only its
+own inputs' jobs, so it leaves as soon as they are done, never behind a slower request.
+Identical inputs (one cache key) in flight are encoded once. A job whose every waiter went
+away (cancelled, deadline) before its batch started is dropped.
+
+`features` = `lookup` (the cache, counted) + `encode` (the ViT for the misses). The
+pipeline calls the two apart for videos: a hit must be known before a video is decoded.
 """
 
 from __future__ import annotations
@@ -18,12 +24,30 @@ import collections
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from tandem.services.encoder.cache import CachedFeatures, EmbeddingCache
-from tandem.services.encoder.preprocess import PreparedImage
 from tandem.services.encoder.vit_runner import VisionRunner
+
+
+class VisionInput(Protocol):
+    """One ViT input: an image (`PreparedImage`) or a decoded video (`PreparedVideo`)."""
+
+    pixel_values: torch.Tensor  # [num_patches, C * T * P * P]
+
+    @property
+    def key(self) -> str: ...  # the embedding cache key
+
+    @property
+    def grid(self) -> tuple[int, int, int]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_patches(self) -> int: ...
 
 
 def lb_assign(patches: list[int], num_devices: int) -> list[list[int]]:
@@ -44,7 +68,7 @@ def lb_assign(patches: list[int], num_devices: int) -> list[list[int]]:
 @dataclass
 class ImageJob:
     key: str
-    image: PreparedImage
+    image: VisionInput
     future: asyncio.Future
     waiters: int = 1
     started: bool = False
@@ -90,25 +114,47 @@ class EncoderScheduler:
         for p in self._pools:
             p.shutdown(wait=True)
 
-    async def features(self, images: list[PreparedImage]) -> FeatureResult:
-        """Features of each image in order, from the cache or the ViT."""
+    def lookup(self, key: str) -> CachedFeatures | None:
+        """The cache's entry for `key`, counted as a hit or a miss."""
+        hit = self.cache.get(key)
+        if self.metrics:
+            self.metrics.cache(hit is not None)
+        return hit
+
+    async def features(self, images: list[VisionInput]) -> FeatureResult:
+        """Features of each input in order, from the cache or the ViT."""
         res = FeatureResult(features=[None] * len(images))  # type: ignore[list-item]
-        waits: list[tuple[int, ImageJob]] = []
+        misses = []
         for i, img in enumerate(images):
-            hit = self.cache.get(img.hash)
-            if self.metrics:
-                self.metrics.cache(hit is not None)
+            hit = self.lookup(img.key)
             res.hits.append(hit is not None)
             if hit is not None:
                 res.features[i] = hit
                 res.cached_tokens += img.num_tokens
+            else:
+                misses.append(i)
+        got = await self.encode([images[i] for i in misses])
+        for i, f in zip(misses, got.features, strict=True):
+            res.features[i] = f
+        res.vit_s = got.vit_s
+        return res
+
+    async def encode(self, images: list[VisionInput]) -> FeatureResult:
+        """Features of each input in order from the ViT (inputs looked up and missed: an
+        entry cached since is taken, uncounted, rather than computed again)."""
+        res = FeatureResult(features=[None] * len(images))  # type: ignore[list-item]
+        waits: list[tuple[int, ImageJob]] = []
+        for i, img in enumerate(images):
+            cached = self.cache.peek(img.key)
+            if cached is not None:
+                res.features[i] = cached
                 continue
-            job = self.inflight.get(img.hash)
+            job = self.inflight.get(img.key)
             if job is not None:
                 job.waiters += 1
             else:
-                job = ImageJob(img.hash, img, asyncio.get_running_loop().create_future())
-                self.inflight[img.hash] = job
+                job = ImageJob(img.key, img, asyncio.get_running_loop().create_future())
+                self.inflight[img.key] = job
                 self.queue.append(job)
                 self.queued_patches += img.num_patches
                 self._wake.set()
@@ -192,8 +238,8 @@ class EncoderScheduler:
         if self.metrics:
             self.metrics.queue_patches.set(self.queued_patches)
 
-    def _run(self, device: int, images: list[PreparedImage]) -> list[CachedFeatures]:
-        """On runner `device`'s thread: one ViT call over `images`, split per image."""
+    def _run(self, device: int, images: list[VisionInput]) -> list[CachedFeatures]:
+        """On runner `device`'s thread: one ViT call over `images`, split per input."""
         runner = self.runners[device]
         pixels = torch.cat([im.pixel_values for im in images])
         out = runner.run(pixels, [im.grid for im in images])

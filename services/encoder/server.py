@@ -132,6 +132,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             ),
             cached_prompt_tokens=res.payload.start,
             skipped_images=res.skipped_images,
+            num_videos=len(res.video_keys),
+            video_keys=res.video_keys,
         )
 
     async def Attach(self, request_iterator, context):  # noqa: N802

@@ -3,24 +3,23 @@ patchified by transformers' rules for the checkpoint's architecture
 (services/encoder/video_rules.py), bit for bit what its video processor makes
 (tests/test_video_preprocess.py).
 
-NOT SERVED YET: the router refuses video parts until the API lands (issue 26). This is the
-groundwork: decoding under limits, the rules, and what positions need later.
+Two steps, both in the encoder's preprocessing pool, so that a video whose features the
+encoder's cache (or the language side's prefix cache) already holds is never decoded:
 
-One call of `prepare_video` (in the encoder's preprocessing pool):
+    plan_source: bytes --probe: open (PyAV, allow-listed demuxers)--> VideoHeader: N frames,
+                 rate r, W x H --limits on the header: bytes, frame count, duration N / r--
+                 --plan_video: indices, target size, grid, timing, cache key (nothing
+                 decoded yet); the token limit--> PlannedVideo
+    decode:      PlannedVideo --decode_frames: frames 0..last index, the sampled ones resized
+                 as they come (uint8 bicubic, antialiased); limits on what really decodes:
+                 frames, pixels, time; the request's budget between frames--
+                 --normalize_and_patchify--> PreparedVideo: pixel_values [t * h * w,
+                 3 * 2 * P * P], grid
 
-    bytes --probe: open (PyAV, allow-listed demuxers)--> VideoHeader: N frames, rate r, W x H
-          --limits on the header: bytes, frame count, duration N / r--
-          --plan_video: indices, target size, grid, timing, cache key (nothing decoded yet);
-            the token limit--
-          --decode_frames: frames 0..last index, the sampled ones resized as they come
-            (uint8 bicubic, antialiased); limits on what really decodes: frames, pixels,
-            time; the request's budget between frames--
-          --normalize_and_patchify--> pixel_values [t * h * w, 3 * 2 * P * P], grid
-
-Frame count and rate are what transformers' PyAV loader reads (`read_video_pyav`): the
-stream's frame count and average rate; where the header has no count (WebM, Matroska) the
-packets are counted (one per frame). Rotation metadata is not applied (transformers does
-not either).
+`prepare_video` runs both. Frame count and rate are what transformers' PyAV loader reads
+(`read_video_pyav`): the stream's frame count and average rate; where the header has no
+count (WebM, Matroska) the packets are counted (one per frame). Rotation metadata is not
+applied (transformers does not either).
 """
 
 from __future__ import annotations
@@ -33,12 +32,12 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.chat import VideoOptions
 from tandem.services.encoder.images import Budget
 from tandem.services.encoder.video_rules import (
     Sampling,
     VideoError,
     VideoHeader,
-    VideoOptions,
     VideoPlan,
     VideoRefusal,
     VideoSettings,
@@ -54,15 +53,41 @@ FORMATS = ("mov", "mp4", "matroska", "webm", "avi")
 
 @dataclass(frozen=True)
 class VideoLimits:
-    """What one video may cost. Every bound holds against a lying header: the header is
-    checked first (refusing early), then what actually decodes."""
+    """What one video may cost; each field is the encoder config field of the same name.
+    Every bound holds against a lying header: the header is checked first (refusing
+    early), then what actually decodes."""
 
     max_video_bytes: int = 64 * 1024 * 1024
-    max_duration_s: float = 600.0  # N / r, transformers' VideoMetadata.duration
-    max_frames: int = 18_000  # frames in the file (ten minutes at 30 frames per second)
-    max_decoded_pixels: int = 4_000_000_000  # sum of W * H over every frame decoded
-    max_decode_s: float = 60.0  # wall time of the decode loop
-    max_tokens: int = 32_768  # vision tokens of the clip (t * h * w / merge**2)
+    max_video_duration_s: float = 600.0  # N / r, transformers' VideoMetadata.duration
+    max_video_frames: int = 18_000  # frames in the file (ten minutes at 30 per second)
+    max_video_decoded_pixels: int = 4_000_000_000  # sum of W * H over every frame decoded
+    max_video_decode_s: float = 60.0  # wall time of the decode loop
+    max_video_tokens: int = 32_768  # vision tokens of the clip (t * h * w / merge**2)
+
+
+@dataclass
+class PlannedVideo:
+    """One probed video, not decoded: its file, what it will be, and under which rules.
+    `key` is its embedding cache identity (equal keys: bit-identical pixel_values)."""
+
+    raw: bytes
+    header: VideoHeader
+    plan: VideoPlan
+    settings: VideoSettings
+    field: str
+    plan_s: float = 0.0  # probe + plan
+
+    @property
+    def key(self) -> str:
+        return self.plan.cache_key
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return self.plan.grid
+
+    @property
+    def num_tokens(self) -> int:
+        return self.plan.num_tokens
 
 
 @dataclass
@@ -79,12 +104,27 @@ class PreparedVideo:
     process_s: float = 0.0  # normalize + patchify
 
     @property
+    def key(self) -> str:
+        """The embedding cache key (`VideoPlan.cache_key`)."""
+        return self.plan.cache_key
+
+    @property
     def grid(self) -> tuple[int, int, int]:
         return self.plan.grid
 
     @property
     def num_tokens(self) -> int:
         return self.plan.num_tokens
+
+    @property
+    def num_patches(self) -> int:
+        t, h, w = self.plan.grid
+        return t * h * w
+
+
+def over(field: str, reason: VideoRefusal, what: str, limit) -> VideoError:
+    """The refusal of a video over limit `reason`, naming the limit and its value."""
+    return VideoError(field, reason, f"{what}, over the encoder's {reason.value} = {limit}")
 
 
 # --- decoding -------------------------------------------------------------------------------
@@ -112,11 +152,7 @@ def probe(raw: bytes, field: str, lim: VideoLimits) -> VideoHeader:
     if not raw:
         raise VideoError(field, VideoRefusal.EMPTY, "video is empty (0 bytes)")
     if len(raw) > lim.max_video_bytes:
-        raise VideoError(
-            field,
-            VideoRefusal.BYTES,
-            f"video is {len(raw)} bytes, over the limit of {lim.max_video_bytes}",
-        )
+        raise over(field, VideoRefusal.BYTES, f"video is {len(raw)} bytes", lim.max_video_bytes)
     container, stream = _open(raw, field)
     try:
         rate = float(stream.average_rate or 0)
@@ -126,7 +162,7 @@ def probe(raw: bytes, field: str, lim: VideoLimits) -> VideoHeader:
             for packet in container.demux(stream):
                 if packet.size:  # the demuxer ends with an empty flush packet
                     n += 1
-                if n > lim.max_frames:
+                if n > lim.max_video_frames:
                     break
         header = VideoHeader(
             n, rate, stream.width, stream.height, container.format.name, stream.codec_context.name
@@ -141,17 +177,19 @@ def probe(raw: bytes, field: str, lim: VideoLimits) -> VideoHeader:
         raise VideoError(field, VideoRefusal.ZERO_DURATION, "video has no frames")
     if header.fps <= 0 or not math.isfinite(header.fps):
         raise VideoError(field, VideoRefusal.ZERO_DURATION, "video has no frame rate")
-    if header.num_frames > lim.max_frames:
-        raise VideoError(
+    if header.num_frames > lim.max_video_frames:
+        raise over(
             field,
             VideoRefusal.FRAMES,
-            f"video has {header.num_frames} frames, over the limit of {lim.max_frames}",
+            f"video has {header.num_frames} frames",
+            lim.max_video_frames,
         )
-    if header.duration_s > lim.max_duration_s:
-        raise VideoError(
+    if header.duration_s > lim.max_video_duration_s:
+        raise over(
             field,
             VideoRefusal.DURATION,
-            f"video is {header.duration_s:.1f} s long, over the limit of {lim.max_duration_s} s",
+            f"video is {header.duration_s:.1f} s long",
+            lim.max_video_duration_s,
         )
     if header.width < 1 or header.height < 1:
         raise VideoError(field, VideoRefusal.UNDECODABLE, "video has no frame size")
@@ -171,12 +209,12 @@ def decode_frames(
     the request's budget is checked between frames (TimeoutError once it has ended)."""
     budget = budget or Budget()
     last = plan.indices[-1]
-    if header.width * header.height * (last + 1) > lim.max_decoded_pixels:
-        raise VideoError(
+    if header.width * header.height * (last + 1) > lim.max_video_decoded_pixels:
+        raise over(
             field,
             VideoRefusal.DECODED_PIXELS,
-            f"decoding {last + 1} frames of {header.width}x{header.height} is over "
-            f"the limit of {lim.max_decoded_pixels} decoded pixels",
+            f"decoding {last + 1} frames of {header.width}x{header.height} pixels",
+            lim.max_video_decoded_pixels,
         )
     slots: dict[int, list[int]] = {}
     for slot, i in enumerate(plan.indices):
@@ -191,11 +229,12 @@ def decode_frames(
         for frame in container.decode(stream):
             budget.check()
             pixels += frame.width * frame.height
-            if pixels > lim.max_decoded_pixels:
-                raise VideoError(
+            if pixels > lim.max_video_decoded_pixels:
+                raise over(
                     field,
                     VideoRefusal.DECODED_PIXELS,
-                    f"video decodes to over {lim.max_decoded_pixels} pixels",
+                    f"video decodes to {pixels} pixels or more",
+                    lim.max_video_decoded_pixels,
                 )
             if (frame.height, frame.width) != (header.height, header.width):
                 raise VideoError(
@@ -210,11 +249,9 @@ def decode_frames(
                 for slot in slots[decoded]:
                     out[slot] = resized
             decoded += 1
-            if time.monotonic() - start > lim.max_decode_s:
-                raise VideoError(
-                    field,
-                    VideoRefusal.DECODE_TIME,
-                    f"decoding took over the limit of {lim.max_decode_s} s",
+            if time.monotonic() - start > lim.max_video_decode_s:
+                raise over(
+                    field, VideoRefusal.DECODE_TIME, "decoding took longer", lim.max_video_decode_s
                 )
             if decoded > last:
                 break
@@ -231,6 +268,40 @@ def decode_frames(
     return out, decoded
 
 
+def plan_source(
+    raw: bytes,
+    settings: VideoSettings,
+    options: VideoOptions | None = None,
+    limits: VideoLimits | None = None,
+    field: str = "video",
+) -> PlannedVideo:
+    """Bytes -> `PlannedVideo`: probe, plan, the token limit; nothing decoded."""
+    lim = limits or VideoLimits()
+    smp = Sampling.resolve(settings, options or VideoOptions(), field)
+    t0 = time.perf_counter()
+    header = probe(raw, field, lim)
+    plan = plan_video(header, smp, hashlib.sha256(raw).hexdigest(), field)
+    if plan.num_tokens > lim.max_video_tokens:
+        raise over(
+            field, VideoRefusal.TOKENS, f"video is {plan.num_tokens} tokens", lim.max_video_tokens
+        )
+    return PlannedVideo(raw, header, plan, settings, field, time.perf_counter() - t0)
+
+
+def decode(
+    video: PlannedVideo, limits: VideoLimits | None = None, budget: Budget | None = None
+) -> PreparedVideo:
+    """`PlannedVideo` -> `PreparedVideo`: decode the sampled frames, normalize, patchify."""
+    lim = limits or VideoLimits()
+    t0 = time.perf_counter()
+    frames, decoded = decode_frames(video.raw, video.header, video.plan, video.field, lim, budget)
+    t1 = time.perf_counter()
+    pixel_values = normalize_and_patchify(frames, video.settings)
+    return PreparedVideo(hashlib.sha256(video.raw).hexdigest(), video.header, video.plan,
+                         pixel_values, video.field, decoded, video.plan_s + t1 - t0,
+                         time.perf_counter() - t1)  # fmt: skip
+
+
 def prepare_video(
     raw: bytes,
     settings: VideoSettings,
@@ -240,24 +311,7 @@ def prepare_video(
     budget: Budget | None = None,
 ) -> PreparedVideo:
     """Bytes -> `PreparedVideo`: probe, plan, decode, normalize, patchify (see the module)."""
-    lim = limits or VideoLimits()
-    smp = Sampling.resolve(settings, options or VideoOptions(), field)
-    t0 = time.perf_counter()
-    header = probe(raw, field, lim)
-    content_hash = hashlib.sha256(raw).hexdigest()
-    plan = plan_video(header, smp, content_hash, field)
-    if plan.num_tokens > lim.max_tokens:
-        raise VideoError(
-            field,
-            VideoRefusal.TOKENS,
-            f"video is {plan.num_tokens} tokens, over the limit of {lim.max_tokens}",
-        )
-    frames, decoded = decode_frames(raw, header, plan, field, lim, budget)
-    t1 = time.perf_counter()
-    pixel_values = normalize_and_patchify(frames, settings)
-    return PreparedVideo(
-        content_hash, header, plan, pixel_values, field, decoded, t1 - t0, time.perf_counter() - t1
-    )
+    return decode(plan_source(raw, settings, options, limits, field), limits, budget)
 
 
 def _not_decodable() -> str:

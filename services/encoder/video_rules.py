@@ -14,9 +14,10 @@ normalization and patch order of `pixel_values_videos`. Pure arithmetic over a
       -> VideoPlan:      grid (ceil(n / 2), h / patch, w / patch), token count, Qwen2.5-VL's
                          second_per_grid_t, Qwen3-VL's per-group timestamps, cache key
     frames [n, 3, h, w] uint8 -> normalize_and_patchify -> [t * h * w, 3 * 2 * P * P] float32
+    VideoPlan -> placeholder_text: what the processor writes for the video in the prompt
 
-Every refusal of a video is a `VideoError` (a ChatError, INVALID_ARGUMENT) whose `reason`
-names the rule or limit; callers decide on `reason`, never on the message.
+Every refusal of a video is a `VideoError` (a ChatError) whose `reason` names the rule or
+limit; callers decide on `reason`, never on the message.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tandem.chat import ChatError
+from tandem.chat import ChatError, VideoOptions
 
 RULES = ("qwen2_vl", "qwen3_vl")  # the video processor classes whose rules are built here
 ARCH_RULES = {"qwen2_5_vl": "qwen2_vl", "qwen2_vl": "qwen2_vl", "qwen3_vl": "qwen3_vl",
@@ -43,14 +44,15 @@ DEFAULT_FPS = 2.0
 
 
 class VideoRefusal(str, enum.Enum):
-    """Why a video was refused. A limit's value is its `VideoLimits` field name."""
+    """Why a video was refused. A limit's value is its name: the field of `VideoLimits` and
+    of the encoder's config."""
 
     BYTES = "max_video_bytes"
-    DURATION = "max_duration_s"
-    FRAMES = "max_frames"
-    DECODED_PIXELS = "max_decoded_pixels"
-    DECODE_TIME = "max_decode_s"
-    TOKENS = "max_tokens"
+    DURATION = "max_video_duration_s"
+    FRAMES = "max_video_frames"
+    DECODED_PIXELS = "max_video_decoded_pixels"
+    DECODE_TIME = "max_video_decode_s"
+    TOKENS = "max_video_tokens"
     EMPTY = "empty"  # 0 bytes
     ZERO_DURATION = "zero_duration"  # a video stream without frames or without a frame rate
     TOO_SHORT = "too_short"  # fewer frames than the rules sample (a still, not a clip)
@@ -61,10 +63,13 @@ class VideoRefusal(str, enum.Enum):
 
 
 class VideoError(ChatError):
-    """A refused video (INVALID_ARGUMENT): `reason` says which rule or limit."""
+    """A refused video: `reason` says which rule or limit. INVALID_ARGUMENT, except a file
+    over max_video_bytes: RESOURCE_EXHAUSTED (the router's 413, as for a body too large)."""
 
     def __init__(self, field: str, reason: VideoRefusal, message: str) -> None:
-        super().__init__(message, field)
+        super().__init__(
+            message, field, "RESOURCE_EXHAUSTED" if reason is VideoRefusal.BYTES else None
+        )
         self.reason = reason
 
 
@@ -150,38 +155,6 @@ class VideoSettings:
     @property
     def factor(self) -> int:
         return self.patch_size * self.merge_size
-
-
-@dataclass(frozen=True)
-class VideoOptions:
-    """A request's sampling controls; None = the checkpoint's. Each maps onto transformers'
-    processor kwargs (`Sampling.processor_kwargs`):
-
-    fps          frames sampled per second of video (`fps`)
-    num_frames   sample exactly this many frames instead (`num_frames`; not with fps).
-                 qwen2_vl rounds it to the temporal patch size; qwen3_vl takes it as is
-    min_frames,  bounds on the count that fps gives (`min_frames` / `max_frames`); a
-    max_frames   request may lower max_frames, never raise it
-    min_pixels   `size["shortest_edge"]`: the floor of a frame's area (qwen2_vl) or of
-                 t * h * w (qwen3_vl)
-    max_pixels   `size["longest_edge"]`: the cap on a frame's area (qwen2_vl) or on
-                 t * h * w (qwen3_vl); never above the checkpoint's
-    total_pixels the pixel budget of the whole clip. qwen2_vl: turns its per-frame cap on
-                 (`cap_pixels_per_frame`: each frame's cap is max(min(max_pixels,
-                 budget * 2 // T), int(1.05 * min_pixels))) with the budget in whole
-                 tokens, `max_video_tokens` = floor(total_pixels / (0.9 * factor**2)), as
-                 transformers derives the budget (int(max_video_tokens * factor**2 * 0.9));
-                 never above the checkpoint's where its cap is on. qwen3_vl: the same knob
-                 as max_pixels (the smaller of the two wins)
-    """
-
-    fps: float | None = None
-    num_frames: int | None = None
-    min_frames: int | None = None
-    max_frames: int | None = None
-    min_pixels: int | None = None
-    max_pixels: int | None = None
-    total_pixels: int | None = None
 
 
 @dataclass(frozen=True)
@@ -410,8 +383,12 @@ def plan_video(
     tps = s.temporal_patch_size
     indices = sample_indices(s.rules, header.num_frames, header.fps, smp)
     if not indices:
-        raise VideoError(field, VideoRefusal.TOO_SHORT,
-                         f"video has too few frames ({header.num_frames}) to sample")  # fmt: skip
+        asked = f" {smp.num_frames} (num_frames)" if smp.num_frames is not None else ""
+        raise VideoError(
+            field,
+            VideoRefusal.TOO_SHORT,
+            f"video has {header.num_frames} frames, too few to sample{asked}",
+        )
     try:
         size = target_size(smp, len(indices), header.height, header.width)
     except ValueError as e:
@@ -427,6 +404,27 @@ def plan_video(
     key = hashlib.sha256(repr((content_hash, indices, size, smp.key())).encode()).hexdigest()
     return VideoPlan(tuple(indices), size, grid, grid[0] * grid[1] * grid[2] // s.merge_size**2,
                      tps / sampled_fps, stamps, key)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class VideoTokens:
+    """The processor's video pad and vision start/end tokens (text)."""
+
+    pad: str
+    vision_start: str
+    vision_end: str
+
+
+def placeholder_text(plan: VideoPlan, s: VideoSettings, tokens: VideoTokens) -> str:
+    """What the processor writes in place of the chat template's video token
+    (`replace_video_token`). Qwen2.5-VL: the pad token once per vision token. Qwen3-VL: per
+    temporal group its timestamp text, then the vision start token, the group's pads and
+    the vision end token (inside the template's own vision start/end pair)."""
+    if s.rules == "qwen2_vl":
+        return tokens.pad * plan.num_tokens
+    per_group = plan.grid[1] * plan.grid[2] // s.merge_size**2
+    return "".join(f"{stamp}{tokens.vision_start}{tokens.pad * per_group}{tokens.vision_end}"
+                   for stamp in plan.timestamp_text())  # fmt: skip
 
 
 def normalize_and_patchify(frames: torch.Tensor, s: VideoSettings) -> torch.Tensor:

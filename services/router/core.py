@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import PurePath
 
@@ -13,7 +14,7 @@ from tandem.services.router.config import RouterConfig
 from tandem.services.router.dispatch.dispatcher import Dispatcher
 from tandem.services.router.dispatch.registry import Registry
 from tandem.services.router.dispatch.selection import Selector
-from tandem.services.router.errors import RouterError, Tier, from_rpc
+from tandem.services.router.errors import RouterError, Tier, internal_call_error
 from tandem.services.router.metrics import RouterMetrics
 from tandem.services.router.refusals import RefusalBudget
 
@@ -59,8 +60,8 @@ class RouterCore:
         lang = self.dispatcher.pick_language()
         try:
             return await getattr(lang.stub, method)(msg, timeout=timeout_s)
-        except grpc.RpcError as e:
-            raise from_rpc(e, Tier.LANGUAGE) from None
+        except grpc.RpcError as e:  # its own timeout passing: the instance is stuck (503)
+            raise internal_call_error(e, Tier.LANGUAGE, lang.address, math.inf) from None
 
     def admit(self) -> Callable[[], None]:
         """Admit one request, the only way either front end does: refused while draining

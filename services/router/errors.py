@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import re
+import time
 
 import grpc
 
@@ -46,16 +47,18 @@ class Tier(enum.Enum):
     LANGUAGE = "language"
 
 
-# The wire's part of a chat message that an OpenAI body spells otherwise: a content part's
-# `image` (the encoder's name for it) is the body's `image_url`.
-_WIRE_IMAGE_PART = re.compile(r"^(messages\[\d+\]\.content\[\d+\])\.image(?=$|\.)")
+# The wire's parts of a chat message that an OpenAI body spells otherwise: a content
+# part's `image` / `video` (the encoder's names for them) is the body's `image_url` /
+# `video_url`.
+_WIRE_MEDIA_PART = re.compile(r"^(messages\[\d+\]\.content\[\d+\])\.(image|video)(?=$|\.)")
 
 
 def openai_param(wire: str) -> str:
     """A tier's name for an input (the wire's) as an OpenAI body spells it: a sampling
     field sits at the top level there (`sampling.max_tokens` -> `max_tokens`), an image
-    part is `image_url` (`messages[0].content[1].image` -> `...content[1].image_url`)."""
-    return _WIRE_IMAGE_PART.sub(r"\1.image_url", wire.removeprefix("sampling."))
+    part is `image_url` (`messages[0].content[1].image` -> `...content[1].image_url`), a
+    video part `video_url`."""
+    return _WIRE_MEDIA_PART.sub(r"\1.\2_url", wire.removeprefix("sampling."))
 
 
 class RouterError(ServiceError):
@@ -109,6 +112,18 @@ def from_rpc(err: grpc.RpcError, tier: Tier) -> RouterError:
     trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
     field = dict(trailing or ()).get(FIELD_METADATA) or None
     return RouterError(_tier_code(name, tier), f"{tier.value}: {details}", field, tier)
+
+
+def internal_call_error(err: grpc.RpcError, tier: Tier, address: str,
+                        deadline: float) -> RouterError:
+    """A tier's failure on an internal call with a timeout of its own (shorter than the
+    request's): running out of that timeout means the instance is stuck, UNAVAILABLE (the
+    request may be retried elsewhere), never the request's DEADLINE_EXCEEDED, unless the
+    request's own deadline (unix seconds) has passed too."""
+    if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.time() < deadline:
+        return RouterError("UNAVAILABLE", f"{tier.value} {address} did not answer in time",
+                           tier=tier)
+    return from_rpc(err, tier)
 
 
 def from_error_info(info, tier: Tier) -> RouterError:

@@ -39,6 +39,7 @@ from tandem.services.router.errors import (
     Tier,
     from_error_info,
     from_rpc,
+    internal_call_error,
 )
 from tandem.services.router.metrics import RouterMetrics
 from tandem.services.router.request import (
@@ -55,6 +56,8 @@ from tandem.services.router.request import (
 from tandem.v1 import common_pb2, encoder_pb2, language_pb2
 
 log = logging.getLogger("tandem.router")
+
+REATTACH_TIMEOUT_S = 5.0  # a Reattach is bookkeeping: an instance silent this long is stuck
 
 class _Ejected(Exception):
     """The instance a call waited on was ejected while the call was in flight."""
@@ -166,10 +169,10 @@ class Dispatcher:
             try:
                 r = await lang.stub.Reattach(
                     language_pb2.ReattachRequest(room=room, encoder_address=enc.address),
-                    timeout=max(0.001, min(5.0, deadline - time.time())),
+                    timeout=max(0.001, min(REATTACH_TIMEOUT_S, deadline - time.time())),
                 )
             except grpc.RpcError as e2:
-                raise from_rpc(e2, Tier.LANGUAGE) from None
+                raise internal_call_error(e2, Tier.LANGUAGE, lang.address, deadline) from None
             if not r.accepted:
                 return None
         raise AssertionError("unreachable")
@@ -276,15 +279,26 @@ class Dispatcher:
         stream = gen_call.__aiter__()
         finished = False
         first = True
+        # NOTE: a frozen language instance answers with silence; once the router ejects it
+        # (its load polls go unanswered), a request that has no output yet moves to another
+        # instance (RouterError UNAVAILABLE: `_generate` retries it). One with output keeps
+        # waiting: its caller has seen tokens, and the instance may wake.
+        ejected = asyncio.ensure_future(lang.ejected.wait())
         try:
             while True:
                 next_msg = asyncio.ensure_future(stream.__anext__())
                 try:
                     while not next_msg.done():
                         waits = {next_msg} if encode_task.done() else {next_msg, encode_task}
+                        if first:
+                            waits.add(ejected)
                         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                         if encode_task.done() and encode_task.exception() is not None:
                             raise encode_task.exception()
+                        if first and ejected.done() and not next_msg.done():
+                            raise RouterError(
+                                "UNAVAILABLE", f"language {lang.address} stopped answering "
+                                "before any output", tier=Tier.LANGUAGE)
                 finally:
                     if not next_msg.done():
                         next_msg.cancel()
@@ -321,6 +335,7 @@ class Dispatcher:
                     yield output
         finally:
             lang.outstanding -= 1
+            ejected.cancel()
             if not encode_task.done():
                 encode_task.cancel()
             elif not encode_task.cancelled():

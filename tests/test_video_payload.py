@@ -1,0 +1,154 @@
+"""The encoder's prompt payload for chats with videos equals what transformers computes from
+its own video processor (tests/oracle/video_generate.py in `.oracle-venv`), bit for bit:
+token ids (Qwen3-VL's timestamps included), every embedding row (video and image features,
+Qwen3-VL's deepstack columns) with torch's linears in the vision tower, and
+`get_rope_index`'s positions and delta (Qwen2.5-VL's time axis scaled by
+second_per_grid_ts, Qwen3-VL's per-group runs) — for Qwen2.5-VL, Qwen3-VL and
+Qwen3-VL-MoE, videos alone and mixed with images and text, odd frame counts and sides,
+2-10 s clips, fps and frame-count controls.
+
+Then the caches: a repeated video is a counted embedding-cache hit with an identical payload
+and is not decoded again; the same video at another rate that samples other frames is a
+miss; a video wholly inside the prefix the language side holds is neither decoded nor run
+through the ViT, and its span keys the prefix cache by its cache key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+from video_chats import Image, Video, VideoChat, oracle_results, write_clips
+
+from tandem.chat import VideoOptions
+from tandem.services.encoder.config import EncoderConfig
+from tandem.services.encoder.pipeline import EncodePipeline
+
+ARCHS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+CHATS = {
+    "alone": VideoChat((Video("small"), "What happens in the clip?")),
+    "mixed": VideoChat(("Compare", Image(3, (64, 48)), "with", Video("avi"), "please.")),
+    "two_fps": VideoChat((Video("mid"), Video("webm"), "Which is longer?"),
+                         VideoOptions(fps=1.5)),  # qwen3_vl: 7 and 3 frames, odd counts
+    "frames": VideoChat((Video("odd444"), "Describe."), VideoOptions(num_frames=6)),
+}
+CASES = {f"{arch}-{name}": (arch, chat) for arch in ARCHS for name, chat in CHATS.items()}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # NOTE: float32 rows are batch-invariant on CPU with one intra-op thread; the oracle
+    # runs with one thread too, so the ViT's sums are taken in the same order.
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory):
+    return write_clips(tmp_path_factory.mktemp("clips"))
+
+
+@pytest.fixture(scope="module")
+def oracle(clips, checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("oracle")
+    return out, oracle_results(CASES, checkpoint, clips[1], out, max_new_tokens=1, payload=True)
+
+
+_pipes: dict = {}
+
+
+def pipeline(checkpoint, arch) -> EncodePipeline:
+    if arch not in _pipes:  # torch's linears: the same operations as transformers'
+        cfg = EncoderConfig(model=str(checkpoint(arch)), device="cpu", dtype="float32",
+                            linear_backend="torch")
+        _pipes[arch] = EncodePipeline.from_config(cfg)
+    return _pipes[arch]
+
+
+def run(pipe: EncodePipeline, coro_fn):
+    async def main():
+        pipe.start()
+        try:
+            return await coro_fn()
+        finally:
+            await pipe.scheduler.stop()
+            pipe.scheduler.__init__(pipe.scheduler.runners, pipe.cache, pipe.scheduler.patch_budget,
+                                    None)  # fmt: skip
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_payload_equals_transformers(case_id, clips, oracle, checkpoint):
+    arch, chat = CASES[case_id]
+    out, results = oracle
+    ref = results[case_id]
+    pipe = pipeline(checkpoint, arch)
+    res = run(pipe, lambda: pipe.encode(chat.messages(clips[0])))
+    p = res.payload
+    assert p.fill_ids.tolist() == ref["input_ids"]
+    assert p.mrope_positions.tolist() == ref["positions"]
+    assert p.mrope_delta == ref["delta"]
+    want = torch.from_numpy(np.load(out / f"{case_id}.npy"))
+    assert p.input_embeds.shape == want.shape
+    assert torch.equal(p.input_embeds, want), "embedding rows differ"
+    prep = pipe.preprocessor(chat.messages(clips[0]))
+    assert [list(v.grid) for v in prep.videos] == ref["video_grid_thw"]
+    if "second_per_grid_ts" in ref:
+        got = [np.float32(v.plan.second_per_grid_t) for v in prep.videos]
+        assert got == [np.float32(x) for x in ref["second_per_grid_ts"]]
+    assert len(res.video_keys) == len(prep.videos) == res.decoded_videos
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_repeated_video_is_a_cache_hit_and_another_rate_is_not(arch, clips, checkpoint):
+    pipe = pipeline(checkpoint, arch)
+    chat = VideoChat((Video("mid"), "What happens?"), VideoOptions(fps=1.0))
+    other = VideoChat((Video("mid"), "What happens?"), VideoOptions(fps=2.0))
+
+    async def go():
+        pipe.cache.entries.clear()
+        pipe.cache.bytes_used = 0
+        return [await pipe.encode(c.messages(clips[0])) for c in (chat, chat, other)]
+
+    hits, misses = pipe.cache.hits, pipe.cache.misses
+    first, again, other_rate = run(pipe, go)
+    tokens = pipe.preprocessor(chat.messages(clips[0])).videos[0].num_tokens
+    assert (first.decoded_videos, first.cached_image_tokens) == (1, 0)
+    assert (again.decoded_videos, again.cached_image_tokens) == (0, tokens)  # not decoded
+    assert torch.equal(again.payload.input_embeds, first.payload.input_embeds)
+    assert torch.equal(again.payload.mrope_positions, first.payload.mrope_positions)
+    assert other_rate.video_keys != first.video_keys
+    assert (other_rate.decoded_videos, other_rate.cached_image_tokens) == (1, 0)
+    assert (pipe.cache.hits - hits, pipe.cache.misses - misses) == (1, 2)
+
+
+def test_a_video_the_language_side_holds_is_not_decoded(clips, checkpoint):
+    pipe = pipeline(checkpoint, "qwen3_vl")
+    chat = VideoChat((Video("small"), "Then", Image(5, (64, 64)), "what?"))
+    seen = []
+
+    async def holds_through_the_video(info):
+        seen.append(info)
+        return info.images[0].start + info.images[0].length + 1
+
+    async def go():
+        pipe.cache.entries.clear()
+        pipe.cache.bytes_used = 0
+        return await pipe.encode(chat.messages(clips[0]), announce=holds_through_the_video)
+
+    res = run(pipe, go)
+    (info,) = seen
+    video, image = info.images
+    assert info.check() == ""
+    assert video.hash == res.video_keys[0] and image.hash == res.image_hashes[0]
+    # a Qwen3-VL video's span runs from its first pad to its last, timestamps between
+    ids = info.token_ids[video.start : video.start + video.length]
+    pad = pipe.spec.video_token_id
+    assert ids[0] == ids[-1] == pad and ids.count(pad) < len(ids)
+    assert (res.decoded_videos, res.skipped_images) == (0, 1)
+    assert res.payload.start == video.start + video.length + 1
