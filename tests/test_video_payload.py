@@ -30,8 +30,9 @@ ARCHS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 CHATS = {
     "alone": VideoChat((Video("small"), "What happens in the clip?")),
     "mixed": VideoChat(("Compare", Image(3, (64, 48)), "with", Video("avi"), "please.")),
-    "two_fps": VideoChat((Video("mid"), Video("webm"), "Which is longer?"),
-                         VideoOptions(fps=1.5)),  # qwen3_vl: 7 and 3 frames, odd counts
+    "two_fps": VideoChat(
+        (Video("mid"), Video("webm"), "Which is longer?"), VideoOptions(fps=1.5)
+    ),  # qwen3_vl: 7 and 3 frames, odd counts
     "frames": VideoChat((Video("odd444"), "Describe."), VideoOptions(num_frames=6)),
 }
 CASES = {f"{arch}-{name}": (arch, chat) for arch in ARCHS for name, chat in CHATS.items()}
@@ -63,8 +64,9 @@ _pipes: dict = {}
 
 def pipeline(checkpoint, arch) -> EncodePipeline:
     if arch not in _pipes:  # torch's linears: the same operations as transformers'
-        cfg = EncoderConfig(model=str(checkpoint(arch)), device="cpu", dtype="float32",
-                            linear_backend="torch")
+        cfg = EncoderConfig(
+            model=str(checkpoint(arch)), device="cpu", dtype="float32", linear_backend="torch"
+        )
         _pipes[arch] = EncodePipeline.from_config(cfg)
     return _pipes[arch]
 

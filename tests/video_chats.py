@@ -77,8 +77,10 @@ class VideoChat:
                 content.append({"type": "image", "path": str(path)})
             else:
                 content.append({"type": "video", "path": str(files[p.clip])})
-        return [{"role": "system", "content": [{"type": "text", "text": self.system}]},
-                {"role": "user", "content": content}]
+        return [
+            {"role": "system", "content": [{"type": "text", "text": self.system}]},
+            {"role": "user", "content": content},
+        ]
 
 
 def write_clips(tmp: Path) -> tuple[dict[str, bytes], dict[str, Path]]:
@@ -90,16 +92,24 @@ def write_clips(tmp: Path) -> tuple[dict[str, bytes], dict[str, Path]]:
     return raw, files
 
 
-def oracle_results(cases: dict[str, tuple[str, VideoChat]], checkpoint, files: dict[str, Path],
-                   tmp: Path, max_new_tokens: int, payload: bool = False) -> dict:
+def oracle_results(
+    cases: dict[str, tuple[str, VideoChat]],
+    checkpoint,
+    files: dict[str, Path],
+    tmp: Path,
+    max_new_tokens: int,
+    payload: bool = False,
+) -> dict:
     """transformers' results for {case id: (arch, chat)} (tests/oracle/video_generate.py):
     {id: {"input_ids", "positions", "delta", "tokens", ...}}; with `payload` the prompt
     embeddings in tmp/<id>.npy. A case transformers refuses fails the calling test."""
     from tandem.services.encoder.video_rules import Sampling, VideoSettings
 
     if not ORACLE_PY.exists():
-        raise AssertionError(f"{ORACLE_PY.relative_to(ROOT)} is missing: `make test` builds "
-                             "it (or `make oracle-venv` alone)")
+        raise AssertionError(
+            f"{ORACLE_PY.relative_to(ROOT)} is missing: `make test` builds "
+            "it (or `make oracle-venv` alone)"
+        )
     jobs = []
     for case_id, (arch, chat) in cases.items():
         settings = VideoSettings.from_checkpoint(checkpoint(arch))

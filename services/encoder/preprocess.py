@@ -57,6 +57,7 @@ from tandem.services.encoder.video_rules import (
     placeholder_text,
 )
 
+
 @dataclass
 class PreparedImage:
     """One image ready for the ViT."""
