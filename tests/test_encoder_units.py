@@ -120,6 +120,19 @@ def test_per_image_pixel_bounds_are_clamped(tiny_pipe):
     assert small.images[0].hash != base.hash  # identity is the processed pixels
 
 
+@pytest.mark.parametrize("size", [(2000, 8), (5, 1200)])
+def test_an_image_too_narrow_for_the_processor_is_a_refusal_naming_it(tiny_pipe, size):
+    """transformers' smart_resize refuses an aspect ratio over 200 with a ValueError (once
+    a 500); the encoder refuses it first, naming the image."""
+    chat = [Message("user", ("Look:", ImageInput(data=png(*size, 3))))]
+    with pytest.raises(ChatError) as e:
+        tiny_pipe.preprocessor(chat)
+    assert (e.value.code, e.value.field) == ("INVALID_ARGUMENT", "messages[0].content[1].image")
+    assert "aspect ratio" in e.value.message
+    at_the_limit = [Message("user", (ImageInput(data=png(2000, 10, 3)),))]  # 200: served
+    assert tiny_pipe.preprocessor(at_the_limit).images[0].num_tokens > 0
+
+
 # /endless.png?<key>: how each such fetch went, seen from the server; a callable in
 # _ON_FIRST_BYTE[key] runs once its first byte is out
 _ENDLESS: dict[str, dict] = {}

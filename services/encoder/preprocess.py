@@ -57,6 +57,9 @@ from tandem.services.encoder.video_rules import (
     placeholder_text,
 )
 
+# transformers' smart_resize refuses an image whose sides' ratio is over this
+MAX_ASPECT_RATIO = 200
+
 
 @dataclass
 class PreparedImage:
@@ -177,6 +180,10 @@ class Preprocessor:
         budget.check()
         raw = image_bytes(part, where, lim.image, budget)
         pil = decode_image(raw, where, lim.image)
+        w, h = pil.size
+        if max(w, h) / min(w, h) > MAX_ASPECT_RATIO:  # NOTE: transformers' ValueError, as a 400
+            raise invalid(where, f"image is {w}x{h}: its aspect ratio is over "
+                          f"{MAX_ASPECT_RATIO}, which the model's processor refuses")
         # Overrides are clamped into the server's bounds: a client may tighten, never loosen.
         lo = min(max(part.min_pixels or lim.min_pixels, lim.min_pixels), lim.max_pixels)
         hi = max(min(part.max_pixels or lim.max_pixels, lim.max_pixels), lo)
