@@ -1,4 +1,4 @@
-"""SDK plumbing on plain data: message forms -> protos, image helpers, typed errors,
+"""SDK plumbing on plain data: message forms -> protos, image and video helpers, typed errors,
 stream folding. (The SDK against a live router: test_router_live.py and the e2e tests.)"""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from tandem.client import (
     image,
     image_from_pil,
     to_messages,
+    video,
 )
 from tandem.client.channel import backoff_s
 from tandem.client.errors import error_from_code
@@ -70,6 +71,39 @@ def test_message_forms(tmp_path):
 def test_bad_message_forms_raise(bad):
     with pytest.raises((ValueError, TypeError)):
         to_messages(bad)
+
+
+def test_video_forms(tmp_path):
+    clip = b"\0\0\0\x18ftypmp42 not really a clip"
+    path = tmp_path / "a.mp4"
+    path.write_bytes(clip)
+    url = "data:video/mp4;base64," + base64.b64encode(clip).decode()
+    msgs = to_messages([{"role": "user", "content": [
+        video(str(path)), video(path, fps=1.5), video(clip, num_frames=8), video(url),
+        {"type": "video_url", "video_url": {"url": url, "max_pixels": 50176}},
+        {"type": "video", "video": path, "total_pixels": 1 << 33, "max_frames": 12},
+        "what happens?"]}])
+    parts = msgs[0].content
+    assert [p.WhichOneof("part") for p in parts] == ["video"] * 6 + ["text"]
+    assert all(p.video.data == clip for p in parts[:6])
+    assert (parts[1].video.fps, parts[2].video.num_frames, parts[4].video.max_pixels) == (
+        1.5, 8, 50176)
+    assert (parts[5].video.total_pixels, parts[5].video.max_frames) == (1 << 33, 12)
+    remote = video("https://example.com/v.webm", min_frames=4).video
+    assert remote.url == "https://example.com/v.webm" and remote.min_frames == 4
+
+
+@pytest.mark.parametrize("call", [
+    lambda: video(b""),
+    lambda: video(b"x", fps=1, num_frames=4),  # a rate or a count, not both
+    lambda: video(b"x", fps=0),  # 0 on the wire is "the model's": never sent
+    lambda: video(b"x", max_pixels=-5),
+    lambda: video("data:image/png;base64,aGk="),
+    lambda: video(3.5),
+])
+def test_bad_videos_raise(call):
+    with pytest.raises((ValueError, TypeError)):
+        call()
 
 
 def test_build_request_defaults_to_greedy():

@@ -41,6 +41,12 @@ def img_msg(url: str) -> list:
     ]
 
 
+def vid_msg(url: str, **controls) -> list:
+    return [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": url, **controls}},
+        {"type": "text", "text": "what happens?"}]}]
+
+
 def assert_openai_error(r, status: int, code: str, param=None):
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -71,9 +77,20 @@ def assert_openai_error(r, status: int, code: str, param=None):
         (chat(stop_token_ids=[-1]), "stop_token_ids"),
         (chat(stop=["a"] * 17), "stop"),
         (chat(messages=[{"role": "wizard", "content": "x"}]), None),
-        (chat(messages=[{"role": "user", "content": [
-            {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}]}]),
+        (chat(messages=[{"role": "user", "content": [{"type": "video", "video": "v.mp4"}]}]),
          "messages[0].content[0]"),
+        (chat(messages=vid_msg("data:image/png;base64,aGk=")), "messages[0].content[0].video_url"),
+        (chat(messages=vid_msg("data:video/mp4,rawbytes")), "messages[0].content[0].video_url"),
+        (chat(messages=vid_msg("data:video/mp4;base64,@@")), "messages[0].content[0].video_url"),
+        (chat(messages=vid_msg("file:///etc/passwd")), "messages[0].content[0].video_url"),
+        (chat(messages=vid_msg("https://example.com/v.mp4", fps=2, num_frames=8)),
+         "messages[0].content[0].video_url"),
+        (chat(messages=vid_msg("https://example.com/v.mp4", fps=-1)),
+         "messages[0].content[0].video_url.fps"),
+        (chat(messages=vid_msg("https://example.com/v.mp4", num_frames=1)),
+         "messages[0].content[0].video_url.num_frames"),
+        (chat(messages=vid_msg("https://example.com/v.mp4", nframes=4)),
+         "messages[0].content[0].video_url.nframes"),
         (
             chat(messages=img_msg("data:image/png;base64,@@notbase64@@")),
             "messages[0].content[0].image_url",
@@ -102,6 +119,39 @@ def test_oversized_image_is_413():
     url = "data:image/png;base64," + base64.b64encode(b"\x89PNG" + b"\0" * 4096).decode()
     r = c.post("/v1/chat/completions", json=chat(messages=img_msg(url)))
     assert_openai_error(r, 413, "too_large", "messages[0].content[0].image_url")
+
+
+def test_oversized_video_is_413():
+    _, c = make(max_video_bytes=2048)
+    url = "data:video/mp4;base64," + base64.b64encode(b"\0" * 4096).decode()
+    r = c.post("/v1/chat/completions", json=chat(messages=vid_msg(url)))
+    assert_openai_error(r, 413, "too_large", "messages[0].content[0].video_url")
+    assert "max_video_bytes" in r.json()["error"]["message"]
+
+
+def test_video_parts_become_the_wire_s_video_parts():
+    from tandem.services.router.openai.chat import ChatCompletionRequest, to_chat_request
+
+    clip = b"\0\0\0\x18ftypmp42"
+    url = "data:video/webm;base64," + base64.b64encode(clip).decode()
+    body = chat(messages=[{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": url, "fps": 1.5, "max_pixels": 50176}},
+        {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4",
+                                            "num_frames": 8, "total_pixels": 1 << 40}},
+        {"type": "text", "text": "compare"}]}])
+    req = to_chat_request(ChatCompletionRequest.model_validate(body), RouterConfig(), "x")
+    a, b, _ = req.messages[0].content
+    assert (a.video.data, a.video.fps, a.video.max_pixels, a.video.num_frames) == (
+        clip, 1.5, 50176, 0)
+    assert (b.video.url, b.video.num_frames, b.video.total_pixels) == (
+        "https://example.com/v.mp4", 8, 1 << 40)
+
+
+def test_an_encoder_refusal_of_a_video_names_the_body_s_part():
+    from tandem.services.router.errors import RouterError
+
+    err = RouterError("INVALID_ARGUMENT", "too long", "messages[2].content[1].video")
+    assert err.openai_body()["error"]["param"] == "messages[2].content[1].video_url"
 
 
 def test_oversized_body_is_413():

@@ -8,7 +8,9 @@ rule, or refused by name with its reason.
 - skip_special_tokens, spaces_between_special_tokens: the language tier's detokenizer.
 - echo (chat), stream_options.continuous_usage_stats, return_tokens_as_token_ids: the
   router's response shapes.
-- mm_processor_kwargs: min_pixels / max_pixels onto every image, any other key refused.
+- mm_processor_kwargs: min_pixels / max_pixels onto every image and video, fps,
+  num_frames, min_frames, max_frames, total_pixels onto every video (a part's own control
+  wins), any other key refused.
 - every other vLLM extra: a 400 naming it, with the reason.
 """
 
@@ -257,7 +259,11 @@ def test_template_options_reach_the_wire():
     ({"chat_template_kwargs": "enable_thinking"}, "chat_template_kwargs"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools"),
     ({"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
-    ({"mm_processor_kwargs": {"fps": 2}}, "mm_processor_kwargs.fps"),
+    ({"mm_processor_kwargs": {"nframes": 2}}, "mm_processor_kwargs.nframes"),
+    ({"mm_processor_kwargs": {"fps": 0}}, "mm_processor_kwargs.fps"),
+    ({"mm_processor_kwargs": {"fps": True}}, "mm_processor_kwargs.fps"),
+    ({"mm_processor_kwargs": {"num_frames": 1}}, "mm_processor_kwargs.num_frames"),
+    ({"mm_processor_kwargs": {"fps": 2, "num_frames": 4}}, "mm_processor_kwargs.num_frames"),
     ({"mm_processor_kwargs": {"max_pixels": "big"}}, "mm_processor_kwargs.max_pixels"),
     ({"mm_processor_kwargs": {"min_pixels": 5000, "max_pixels": 4000}},
      "mm_processor_kwargs.min_pixels"),
@@ -279,6 +285,22 @@ def test_mm_processor_kwargs_bound_every_image():
         mm_processor_kwargs={"min_pixels": 3136, "max_pixels": 200704})), CFG, "x")
     images = [p.image for p in req.messages[0].content if p.WhichOneof("part") == "image"]
     assert [(i.min_pixels, i.max_pixels) for i in images] == [(3136, 200704)] * 2
+
+
+def test_mm_processor_kwargs_sample_every_video_unless_its_part_says_otherwise():
+    url = "https://example.com/v.mp4"
+    parts = [{"type": "video_url", "video_url": {"url": url}},
+             {"type": "video_url", "video_url": {"url": url, "num_frames": 6, "max_pixels": 9999}},
+             {"type": "video_url", "video_url": {"url": url, "fps": 0.5}}]
+    req = to_chat_request(ChatCompletionRequest.model_validate(body(
+        messages=[{"role": "user", "content": parts}],
+        mm_processor_kwargs={"fps": 1.5, "max_frames": 12, "max_pixels": 50176,
+                             "total_pixels": 10**9})), CFG, "x")
+    got = [(p.video.fps, p.video.num_frames, p.video.max_frames, p.video.max_pixels,
+            p.video.total_pixels) for p in req.messages[0].content]
+    # a part's own control wins; a part that picks a rate or a count takes neither
+    assert got == [(1.5, 0, 12, 50176, 10**9), (0, 6, 12, 9999, 10**9),
+                   (0.5, 0, 12, 50176, 10**9)]
 
 
 # vLLM's chat-completions request extras (vllm/entrypoints/openai/.../protocol.py,

@@ -84,6 +84,11 @@ class RouterConfig(ServiceSettings):
     max_image_bytes: int = Field(
         20 * 1024 * 1024, ge=1024, description="Largest inline image accepted (bytes); 413 above."
     )
+    max_video_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024,
+        description="Largest inline video accepted (bytes); 413 above. A data URL is also "
+        "bounded by max_request_bytes; the encoders' own max_video_bytes applies after.",
+    )  # fmt: skip
     max_request_bytes: int = Field(
         64 * 1024 * 1024, ge=1024, description="Largest HTTP/gRPC request body (bytes); 413 above."
     )

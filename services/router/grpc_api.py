@@ -50,6 +50,10 @@ def _validate(request: router_pb2.RouterGenerateRequest, cfg: RouterConfig) -> C
                     f"image larger than {cfg.max_image_bytes} bytes",
                     f"messages[{i}].content[{j}].image",
                 )
+            if part.WhichOneof("part") == "video" and len(part.video.data) > cfg.max_video_bytes:
+                raise RouterError("TOO_LARGE", f"video larger than {cfg.max_video_bytes} bytes "
+                                  "(the router's max_video_bytes)",
+                                  f"messages[{i}].content[{j}].video")  # fmt: skip
     tools = _tools(request)
     if tools.grammar is not None:
         if s.HasField("structured_output"):

@@ -144,12 +144,14 @@ def prompt_key(prompt: str) -> str:
 
 
 def image_hashes(messages: list[common_pb2.ChatMessage]) -> list[str]:
-    """sha256 of each image's raw bytes (or of its URL) in order: the affinity keys."""
+    """sha256 of each image's and video's raw bytes (or of its URL) in order: the encoder
+    affinity keys (a chat without any goes straight to a language instance)."""
     out = []
     for m in messages:
         for part in m.content:
-            if part.WhichOneof("part") == "image":
-                img = part.image
-                raw = img.data if img.WhichOneof("source") == "data" else img.url.encode()
+            kind = part.WhichOneof("part")
+            if kind in ("image", "video"):
+                src = part.image if kind == "image" else part.video
+                raw = src.data if src.WhichOneof("source") == "data" else src.url.encode()
                 out.append(hashlib.sha256(raw).hexdigest())
     return out

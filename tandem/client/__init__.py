@@ -1,8 +1,9 @@
 """Tandem's gRPC SDK. Light: imports grpc and the generated protos, never torch.
 
-    from tandem.client import Client, image
+    from tandem.client import Client, image, video
     with Client("127.0.0.1:50051") as c:
         r = c.chat([{"role": "user", "content": [image("cat.png"), "What is this?"]}])
+        r = c.chat([{"role": "user", "content": [video("clip.mp4", fps=1), "What happens?"]}])
         print(r.text, r.usage, r.finish_reason, r.timings)
 """
 
@@ -15,6 +16,7 @@ from tandem.client.content import (
     image_from_url,
     text,
     to_messages,
+    video,
 )
 from tandem.client.errors import (
     AuthenticationError,
@@ -36,5 +38,5 @@ __all__ = [
     "ResourceExhaustedError", "StageTimings", "TandemError", "ToolCall", "UnavailableError",
     "Usage",
     "image", "image_from_bytes", "image_from_path", "image_from_pil", "image_from_url", "text",
-    "to_messages",
+    "to_messages", "video",
 ]

@@ -1,10 +1,13 @@
-"""Building chat messages: text and images from a path, bytes or a PIL image.
+"""Building chat messages: text, images from a path, bytes or a PIL image, and videos from a
+path, bytes or a URL.
 
 `messages` passed to the client may be a plain string (one user turn), or a list of
 OpenAI-style dicts whose `content` is a string or a list of parts. A part is a string, a
 `ContentPart` from the helpers below, `{"type": "text", "text": ...}`,
-`{"type": "image_url", "image_url": {"url": ...}}`, or `{"type": "image", "image": X}`
-where X is a path, bytes or a PIL image. PIL is imported only when a PIL image is given.
+`{"type": "image_url", "image_url": {"url": ...}}`, `{"type": "image", "image": X}`
+where X is a path, bytes or a PIL image, `{"type": "video_url", "video_url": {"url": ...,
+"fps": ..., ...}}`, or `{"type": "video", "video": X, "fps": ..., ...}` where X is a path,
+bytes or a URL. PIL is imported only when a PIL image is given.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from tandem.chat import VIDEO_CONTROLS
 from tandem.v1 import common_pb2
 
 
@@ -68,6 +72,40 @@ def image(source, **kw) -> common_pb2.ContentPart:
     raise TypeError(f"cannot make an image from {type(source).__name__}")
 
 
+def video(source, *, fps: float | None = None, num_frames: int | None = None,
+          min_frames: int | None = None, max_frames: int | None = None,
+          min_pixels: int | None = None, max_pixels: int | None = None,
+          total_pixels: int | None = None) -> common_pb2.ContentPart:
+    """A video part from a path, `bytes` (the file: MP4, WebM, ...), or a `data:video/...`
+    or http(s) URL string, with its frame sampling controls: `fps` (frames per second of
+    video) or `num_frames` (a count), `min_frames` / `max_frames` (bounds on what fps
+    gives), `min_pixels` / `max_pixels` / `total_pixels` (resize bounds). An unset control
+    is the model's; a request may tighten the model's bounds, never loosen them."""
+    given = (fps, num_frames, min_frames, max_frames, min_pixels, max_pixels, total_pixels)
+    controls = {k: v for k, v in zip(VIDEO_CONTROLS, given, strict=True) if v is not None}
+    if fps is not None and num_frames is not None:
+        raise ValueError("fps and num_frames cannot go together: sample at a rate or a count")
+    for k, v in controls.items():  # NOTE: 0 on the wire means "the model's": never send it
+        if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
+            raise ValueError(f"{k} must be a positive number, got {v!r}")
+    if isinstance(source, bytes | bytearray | memoryview):
+        data = bytes(source)
+    elif isinstance(source, str) and source.startswith("data:"):
+        header, _, payload = source.partition(",")
+        if ";base64" not in header or not header.startswith("data:video/"):
+            raise ValueError("a video data URL must be data:video/<type>;base64,...")
+        data = base64.b64decode(payload, validate=True)
+    elif isinstance(source, str) and source.startswith(("http://", "https://")):
+        return common_pb2.ContentPart(video=common_pb2.VideoPart(url=source, **controls))
+    elif isinstance(source, str | os.PathLike):
+        data = Path(source).read_bytes()
+    else:
+        raise TypeError(f"cannot make a video from {type(source).__name__}")
+    if not data:
+        raise ValueError("video bytes must be a non-empty bytes object")
+    return common_pb2.ContentPart(video=common_pb2.VideoPart(data=data, **controls))
+
+
 def _part(p) -> common_pb2.ContentPart:
     if isinstance(p, common_pb2.ContentPart):
         return p
@@ -82,6 +120,12 @@ def _part(p) -> common_pb2.ContentPart:
             return image_from_url(ref["url"] if isinstance(ref, dict) else ref)
         if kind == "image":
             return image(p["image"])
+        if kind == "video_url":
+            ref = dict(p["video_url"]) if isinstance(p["video_url"], dict) else {
+                "url": p["video_url"]}
+            return video(ref.pop("url"), **ref)
+        if kind == "video":
+            return video(p["video"], **{k: p[k] for k in VIDEO_CONTROLS if k in p})
         raise ValueError(f"unknown content part type {kind!r}")
     return image(p)  # a Path, bytes or PIL image given bare
 

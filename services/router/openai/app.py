@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -46,9 +47,18 @@ from tandem.services.router.request import Output
 from tandem.services.router.tools import ToolMode
 from tandem.v1 import language_pb2
 
+# Names pydantic puts into an error's location for the member of a union it tried (the
+# `str` of `str | list[Part]`, `list[tagged-union[...]]`): not a place in the body.
+_UNION_MEMBER = re.compile(r"^(str|[\w-]+\[.*\])$")
+
 
 def _loc(loc) -> str:
+    """An error's location as the body spells it: `messages[0].content[1].video_url.fps`.
+    Union members are left out, and so is a tagged union's tag (the part's `type`, which
+    pydantic repeats before the field of the same name)."""
     parts = [str(p) for p in loc if p != "body"]
+    parts = [p for i, p in enumerate(parts) if not _UNION_MEMBER.match(p)
+             and not (i + 1 < len(parts) and parts[i + 1] == p)]
     out = ""
     for p in parts:
         out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
@@ -65,7 +75,10 @@ def build_app(core: RouterCore) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_req, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        # the deepest error: where a union's members all failed, the one that got furthest
+        # (a content list's bad part, rather than "content is not a string")
+        first = (max(exc.errors(), key=lambda e: len(e.get("loc", ()))) if exc.errors()
+                 else {"loc": (), "msg": "invalid request"})
         param = None if first.get("type") == "json_invalid" else (_loc(first.get("loc", ())) or None)
         if first.get("type") == "extra_forbidden" and param in VLLM_REFUSED:
             msg = f"{param} is not supported: {VLLM_REFUSED[param]}"  # and why

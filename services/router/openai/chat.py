@@ -1,15 +1,17 @@
 """OpenAI chat-completions request schema (pydantic, with bounds; the sampling fields it
 shares with the completions API are `sampling.py`) and its conversion to the wire
-protos. Nothing is silently dropped: every field is honoured, hint-only (`user`,
-`parallel_tool_calls`, an image's `detail`: OpenAI treats them as hints too), or refused
-with a 400 naming it (`param`): unknown fields by `extra="forbid"` (vLLM's extras that
-are not served with their reason, `sampling.VLLM_REFUSED`), and values we cannot serve
-(n > 16) by their bounds. docs/sdk.md lists them.
+protos (text, image_url and video_url parts). Nothing is silently dropped: every field is
+honoured, hint-only (`user`, `parallel_tool_calls`, an image's `detail`: OpenAI treats them
+as hints too), or refused with a 400 naming it (`param`): unknown fields by
+`extra="forbid"` (vLLM's extras that are not served with their reason,
+`sampling.VLLM_REFUSED`), and values we cannot serve (n > 16) by their bounds. docs/sdk.md
+lists them.
 
 vLLM's chat extras honoured here: chat_template_kwargs, add_generation_prompt and
 continue_final_message (how the tiers' chat template renders the chat: the wire's
 ChatTemplateOptions), echo (the reply after the last message's text: format.ChatShape),
-mm_processor_kwargs (min_pixels / max_pixels: every image's resize bounds)."""
+mm_processor_kwargs (min_pixels / max_pixels: every image's and video's resize bounds;
+fps, num_frames, min_frames, max_frames, total_pixels: every video's frame sampling)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tandem.chat import ChatError, template_options_from_proto
+from tandem.chat import VIDEO_CONTROLS, ChatError, template_options_from_proto
 from tandem.services.router.config import RouterConfig
 from tandem.services.router.errors import RouterError
 from tandem.services.router.openai.sampling import SamplingFields, _Model, _utf8, sampling_params
@@ -46,20 +48,41 @@ class ImageURLPart(_Model):
     image_url: ImageURL
 
 
+class VideoURL(_Model):
+    """A video and its frame sampling controls (docs/video.md; absent = the checkpoint's,
+    a request may tighten its bounds, never loosen them)."""
+
+    url: str = Field(min_length=1)
+    fps: float | None = Field(None, gt=0, le=1000)
+    num_frames: int | None = Field(None, ge=2, lt=1 << 31)
+    min_frames: int | None = Field(None, ge=1, lt=1 << 31)
+    max_frames: int | None = Field(None, ge=1, lt=1 << 31)
+    min_pixels: int | None = Field(None, ge=1, lt=1 << 31)
+    max_pixels: int | None = Field(None, ge=1, lt=1 << 31)
+    total_pixels: int | None = Field(None, ge=1, lt=1 << 63)
+
+
+class VideoURLPart(_Model):
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
 class UnservedPart(BaseModel):
-    """A content part OpenAI or vLLM define that is not served here (video, audio, files):
-    parsed only so that it is refused by name (`chat_messages`), not as a schema error."""
+    """A content part OpenAI or vLLM define that is not served here (audio, files, the
+    bare `video` part): parsed only so that it is refused by name (`chat_messages`), not as
+    a schema error."""
 
     model_config = ConfigDict(extra="allow")
-    type: Literal["video_url", "video", "input_audio", "audio_url", "file"]
+    type: Literal["video", "input_audio", "audio_url", "file"]
 
 
-UNSERVED = {"video_url": "video input is not supported yet",
-            "video": "video input is not supported yet",
+UNSERVED = {"video": "a video is a video_url part ({\"type\": \"video_url\", \"video_url\": "
+                     "{\"url\": ...}})",
             "input_audio": "audio input is not supported",
             "audio_url": "audio input is not supported",
             "file": "file inputs are not supported"}
-Part = Annotated[TextPart | ImageURLPart | UnservedPart, Field(discriminator="type")]
+Part = Annotated[TextPart | ImageURLPart | VideoURLPart | UnservedPart,
+                 Field(discriminator="type")]
 
 
 class FunctionCall(_Model):
@@ -136,7 +159,7 @@ class ChatCompletionRequest(SamplingFields, TemplateFields):
     parallel_tool_calls: bool | None = None  # a forced call is one call
     # vLLM extensions
     echo: bool = False  # the reply after the last message's text, when it continues it
-    mm_processor_kwargs: dict | None = None  # min_pixels / max_pixels of every image
+    mm_processor_kwargs: dict | None = None  # images' resize bounds, videos' sampling
 
 
 def _image_part(url: str, param: str, max_bytes: int) -> common_pb2.ImagePart:
@@ -161,6 +184,36 @@ def _image_part(url: str, param: str, max_bytes: int) -> common_pb2.ImagePart:
     if url.startswith(("http://", "https://")):
         return common_pb2.ImagePart(url=url)
     raise RouterError("INVALID_ARGUMENT", "image_url must be a data: or http(s) URL", param)
+
+
+def _video_part(v: VideoURL, param: str, max_bytes: int) -> common_pb2.VideoPart:
+    """As `_image_part`, for a video (a data URL must be video/*); its sampling controls go
+    along as given (the encoder checks them against the checkpoint's rules)."""
+    if v.fps is not None and v.num_frames is not None:
+        raise RouterError("INVALID_ARGUMENT", "fps and num_frames cannot go together: "
+                          "sample at a rate or a count", param)  # fmt: skip
+    controls = {k: getattr(v, k) for k in VIDEO_CONTROLS if getattr(v, k) is not None}
+    url = v.url
+    if url.startswith("data:"):
+        header, sep, payload = url.partition(",")
+        if not sep or ";base64" not in header:
+            raise RouterError("INVALID_ARGUMENT", "video data URL must be base64-encoded", param)
+        if not header.startswith("data:video/"):  # e.g. data:image/png: not a video
+            raise RouterError("INVALID_ARGUMENT", "video data URL must have a video/* type "
+                              "(video/mp4, video/webm, ...)", param)  # fmt: skip
+        if len(payload) * 3 // 4 > max_bytes:
+            raise RouterError("TOO_LARGE", f"video larger than {max_bytes} bytes "
+                              "(the router's max_video_bytes)", param)  # fmt: skip
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise RouterError("INVALID_ARGUMENT", "video data URL is not valid base64", param) from None
+        if not data:
+            raise RouterError("INVALID_ARGUMENT", "video data URL is empty", param)
+        return common_pb2.VideoPart(data=data, **controls)
+    if url.startswith(("http://", "https://")):
+        return common_pb2.VideoPart(url=url, **controls)
+    raise RouterError("INVALID_ARGUMENT", "video_url must be a data: or http(s) URL", param)
 
 
 def tool_setup_of(tools_in: list[Tool] | None,
@@ -203,7 +256,7 @@ def to_tokenize_request(body: TokenizeBody, cfg: RouterConfig) -> language_pb2.T
     if body.prompt is not None:
         return language_pb2.TokenizeRequest(prompt=_utf8(body.prompt, "prompt"))
     msgs = chat_messages(body.messages, cfg)
-    if any(p.WhichOneof("part") == "image" for m in msgs for p in m.content):
+    if any(p.WhichOneof("part") in ("image", "video") for m in msgs for p in m.content):
         raise RouterError("INVALID_ARGUMENT", "/tokenize takes text-only messages", "messages")
     return language_pb2.TokenizeRequest(messages=msgs, template_options=body.template_options())
 
@@ -253,6 +306,10 @@ def chat_messages(body_messages: list[Message], cfg: RouterConfig) -> list[commo
                 elif isinstance(part, UnservedPart):
                     raise RouterError("INVALID_ARGUMENT", UNSERVED[part.type],
                                       f"messages[{i}].content[{j}]")
+                elif isinstance(part, VideoURLPart):
+                    param = f"messages[{i}].content[{j}].video_url"
+                    msg.content.add(video=_video_part(part.video_url, param,
+                                                      cfg.max_video_bytes))
                 else:
                     param = f"messages[{i}].content[{j}].image_url"
                     msg.content.add(image=_image_part(part.image_url.url, param, cfg.max_image_bytes))
@@ -260,32 +317,63 @@ def chat_messages(body_messages: list[Message], cfg: RouterConfig) -> list[commo
     return messages
 
 
-# mm_processor_kwargs: the processor's options a request may set, and their bounds
-MM_PROCESSOR_KWARGS = ("min_pixels", "max_pixels")
+# mm_processor_kwargs: the processor's options a request may set. min_pixels / max_pixels
+# bound every image's and video's resize (as transformers' processor applies them to both);
+# the others are videos' sampling controls (docs/video.md).
+MM_IMAGE_KWARGS = ("min_pixels", "max_pixels")
+MM_PROCESSOR_KWARGS = VIDEO_CONTROLS
+
+
+def _mm_kwarg(key: str, value) -> None:
+    param = f"mm_processor_kwargs.{key}"
+    if key not in MM_PROCESSOR_KWARGS:
+        raise RouterError("INVALID_ARGUMENT", f"{param} is not supported: only "
+                          f"{', '.join(MM_PROCESSOR_KWARGS)} (the images' and videos' resize "
+                          "bounds, the videos' frame sampling) are honoured", param)  # fmt: skip
+    if key == "fps":
+        if (isinstance(value, bool) or not isinstance(value, int | float)
+                or not 0 < value <= 1000):
+            raise RouterError("INVALID_ARGUMENT", f"{param} must be a number in (0, 1000]",
+                              param)  # fmt: skip
+        return
+    top = 1 << 63 if key == "total_pixels" else 1 << 31
+    low = 2 if key == "num_frames" else 1
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < top:
+        raise RouterError("INVALID_ARGUMENT", f"{param} must be an integer in [{low}, "
+                          f"2^{top.bit_length() - 1})", param)  # fmt: skip
 
 
 def apply_mm_processor_kwargs(kwargs: dict | None,
                               messages: list[common_pb2.ChatMessage]) -> None:
-    """vLLM's mm_processor_kwargs onto every image: min_pixels / max_pixels become each
-    image's resize bounds (the encoder clamps them into its own: tighter, never looser);
-    any other key is refused by name."""
-    for key, value in (kwargs or {}).items():
-        param = f"mm_processor_kwargs.{key}"
-        if key not in MM_PROCESSOR_KWARGS:
-            raise RouterError("INVALID_ARGUMENT", f"{param} is not supported: only "
-                              "min_pixels and max_pixels (the images' resize bounds) are "
-                              "honoured", param)  # fmt: skip
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 1 << 31:
-            raise RouterError("INVALID_ARGUMENT", f"{param} must be an integer in [1, 2^31)",
-                              param)  # fmt: skip
-    lo, hi = ((kwargs or {}).get(k, 0) for k in MM_PROCESSOR_KWARGS)
+    """vLLM's mm_processor_kwargs onto every image and video: min_pixels / max_pixels
+    become each image's resize bounds (the encoder clamps them into its own: tighter, never
+    looser) and each video's; fps, num_frames, min_frames, max_frames and total_pixels each
+    video's sampling controls. A part's own control wins over the kwarg of its name; a
+    part that sets fps or num_frames takes neither from the kwargs (they exclude each
+    other). Any other key is refused by name."""
+    kwargs = kwargs or {}
+    for key, value in kwargs.items():
+        _mm_kwarg(key, value)
+    if "fps" in kwargs and "num_frames" in kwargs:
+        raise RouterError("INVALID_ARGUMENT", "fps and num_frames cannot go together: sample "
+                          "at a rate or a count", "mm_processor_kwargs.num_frames")  # fmt: skip
+    lo, hi = (kwargs.get(k, 0) for k in MM_IMAGE_KWARGS)
     if lo and hi and lo > hi:
         raise RouterError("INVALID_ARGUMENT", f"min_pixels {lo} is more than max_pixels {hi}",
                           "mm_processor_kwargs.min_pixels")  # fmt: skip
     for m in messages:
         for part in m.content:
-            if part.WhichOneof("part") == "image":
+            kind = part.WhichOneof("part")
+            if kind == "image":
                 part.image.min_pixels, part.image.max_pixels = lo, hi
+            elif kind == "video":
+                v = part.video
+                rate_set = bool(v.fps or v.num_frames)
+                for key, value in kwargs.items():
+                    if key in ("fps", "num_frames") and rate_set:
+                        continue
+                    if not getattr(v, key):  # 0: the part leaves it to the kwargs
+                        setattr(v, key, value)
 
 
 def echo_text(body: ChatCompletionRequest) -> str:
