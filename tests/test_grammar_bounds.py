@@ -35,7 +35,8 @@ def setup(checkpoint):
 
 
 def grammars(setup, **limits) -> Grammars:
-    return Grammars(setup.tokenizer, len(setup.tokenizer), (), GrammarLimits(**limits))
+    return Grammars(setup.tokenizer, len(setup.tokenizer), (setup.tokenizer.eos_token_id,),
+                    GrammarLimits(**limits))
 
 
 def schema(s) -> GrammarSpec:
@@ -119,20 +120,28 @@ def test_a_compile_nobody_waits_for_stops_and_stop_never_waits(setup):
     assert engine.pool.num_free == engine.pool.num_total
 
 
-def test_clients_compiles_take_turns(setup):
-    g = grammars(setup, **ROOMY)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_clients_take_turns_and_one_holds_at_most_its_share(setup, workers):
+    """One slot: clients' queued compiles alternate. Two slots: a client compiling a slow
+    spec holds one, and another client's compile runs beside it, not after."""
+    g = grammars(setup, workers=workers, **ROOMY)
     try:
         order: list[str] = []
+        futures = []
 
         def ask(name, spec, client):
-            g.compile(spec, client).add_done_callback(lambda _f: order.append(name))
+            futures.append(g.compile(spec, client))
+            futures[-1].add_done_callback(lambda _f: order.append(name))
 
         ask("a1", SLOW, "a")
         for i in (2, 3):
             ask(f"a{i}", GrammarSpec(GrammarKind.REGEX, f"[a-z]{{{i}}}"), "a")
         ask("b1", GrammarSpec(GrammarKind.REGEX, "[0-9]{4}"), "b")
         wait_until(lambda: len(order) == 4, timeout_s=120, what="four compiles")
+        assert [f.exception() for f in futures] == [None] * 4  # each compiled
         assert order.index("b1") < order.index("a3"), order
+        if workers == 2:  # a1 holds a's share: a2 and a3 wait for it, b1 does not
+            assert order[0] == "b1" and order[1] == "a1", order
     finally:
         g.close()
 

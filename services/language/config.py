@@ -53,9 +53,10 @@ class LanguageConfig(ModelServiceSettings):
         "process killed); the same spec is then refused at once.",
     )  # fmt: skip
     grammar_workers: int = Field(
-        1, ge=1, le=64,
-        description="Grammar compiles run at once, each in its own process; queued "
-        "compiles are taken one client at a time, in turn.",
+        2, ge=1, le=64,
+        description="Grammar compiles run at once, each in its own process (at a lower "
+        "priority than decoding); queued compiles are taken one client at a time, in turn, "
+        "and one client holds at most half of them (at least one).",
     )  # fmt: skip
     grammar_max_spec_bytes: int = Field(
         256 << 10, ge=1024, description="Largest JSON schema, regex or grammar accepted."

@@ -77,7 +77,7 @@ class GrammarLimits:
     grammar_* fields document each)."""
 
     compile_timeout_s: float = 10.0
-    workers: int = 1
+    workers: int = 2
     max_spec_bytes: int = 256 << 10
     max_enum_values: int = 4096
     max_count: int = 4096
@@ -187,8 +187,11 @@ def _why(e: Exception) -> str:
 def _worker_main(conn, tokenizer_info_json: str) -> None:
     """A worker process: compile each spec received, answer with a _Checked, until the
     pipe closes. Killed from outside when a compile runs too long or is abandoned."""
+    import os
+
     import xgrammar as xgr
 
+    os.nice(10)  # below the engine's decode steps: a slow compile takes idle time first
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     conn.send(_Checked())  # ready: a spec's deadline starts only now
@@ -292,6 +295,7 @@ class Grammars:
         self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()  # compiled or compiling
         self._jobs: dict[Future, _Job] = {}  # not yet done
         self._queues: OrderedDict[str, collections.deque[_Job]] = OrderedDict()  # per client
+        self._running: collections.Counter[str] = collections.Counter()  # compiles per client
         self._closed = False
         self._info = None  # xgrammar.TokenizerInfo, made on first use
         self._info_json = ""  # ... serialized, for the workers
@@ -402,17 +406,30 @@ class Grammars:
             self._slots.append(t)
             t.start()
 
+    def _share(self) -> int:
+        """Slots one client may hold at once: half of them (at least one), so a client
+        flooding with slow specs always leaves a slot for everyone else."""
+        return max(1, self.limits.workers // 2)
+
     def _next_job(self) -> _Job | None:  # lock held: the next client's oldest job
         while not self._closed:
-            if self._queues:
-                client, q = next(iter(self._queues.items()))
+            for client, q in self._queues.items():  # in turn, from the longest waiting
+                if self._running[client] >= self._share():
+                    continue  # it holds its share: the next client's job goes first
                 job = q.popleft()
                 del self._queues[client]
                 if q:
                     self._queues[client] = q  # to the back: clients take turns
+                self._running[client] += 1
                 return job
             self._work.wait()
         return None
+
+    def _done_running(self, job: _Job) -> None:  # lock held
+        self._running[job.client] -= 1
+        if not self._running[job.client]:
+            del self._running[job.client]
+        self._work.notify_all()  # a client under its share again may have jobs waiting
 
     def _tokenizer_info(self):
         with self._info_lock:
@@ -431,6 +448,10 @@ class Grammars:
 
     def _slot(self) -> None:
         """One compile at a time on this slot's worker, until close()."""
+        import os
+
+        if hasattr(os, "setpriority"):  # NOTE: on Linux a thread's nice value is its own
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # as the workers'
         worker = None
         try:
             while True:
@@ -438,9 +459,9 @@ class Grammars:
                     job = self._next_job()
                 if job is None:
                     return
-                if job.stop.is_set():
-                    continue
                 try:
+                    if job.stop.is_set():
+                        continue
                     self._tokenizer_info()
                     if worker is None:
                         worker = _Worker(self._info_json)
@@ -453,6 +474,9 @@ class Grammars:
                         self._forget(job)
                     if job.future.set_running_or_notify_cancel():
                         job.future.set_exception(e)
+                finally:
+                    with self._lock:
+                        self._done_running(job)
         finally:
             if worker is not None:
                 worker.kill()
