@@ -58,6 +58,17 @@ class TransferConfig(BaseModel):
     timeout_s: float = Field(
         10.0, gt=0, le=600, description="Room timeout: max seconds without Init or data."
     )
+    protect: Literal["none", "mac", "encrypt"] = Field(
+        "mac",
+        description="Protection of the rows on the data plane, which any process reaching "
+        "the transfer ports can read and write. 'mac': each written range carries Poly1305 "
+        "tags under a per-room key sent on the authenticated Attach stream; the language "
+        "side verifies its private copy before a prefill (a tampered or foreign write fails "
+        "the room with DATA_LOSS). 'encrypt': mac, and the rows travel and land "
+        "ChaCha20-encrypted (unreadable in flight). 'none': the aux fence only. The language "
+        "side asks for its setting; an encoder refuses a room that asks for less than its "
+        "own (FAILED_PRECONDITION).",
+    )
 
 
 class InternalTLSConfig(BaseModel):

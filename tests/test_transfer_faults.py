@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from waiting import async_wait_until  # noqa: E402
 
 from tandem.transfer import ReceiverState, SenderState, TransferError  # noqa: E402
+from tandem.transfer.buffers import RowProtection  # noqa: E402
 from tandem.v1 import encoder_pb2, encoder_pb2_grpc  # noqa: E402
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -256,7 +257,8 @@ async def test_bad_block_ids_rejected(shared_enc):
             call = encoder_pb2_grpc.EncoderStub(ch).Attach()
             await call.write(encoder_pb2.AttachRequest(init=encoder_pb2.AttachInit(
                 room=9, session_id=engine.session_id, layout=rx.buffers.layout().to_proto(),
-                block_ids=[0, 99], allocated_tokens=32)))
+                block_ids=[0, 99], allocated_tokens=32,
+                **RowProtection.new(cfg.protect).init_fields())))
             enc.send(op="send", room=9, tokens=20, seed=1)
             msg = await asyncio.wait_for(call.read(), HANG_GUARD_S)
             assert msg.failed.error.code == "INVALID_ARGUMENT"

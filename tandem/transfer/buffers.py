@@ -13,13 +13,25 @@ the room's reservation (one per Attach attempt) and its piece, so a gather can p
 block holds this attempt's data: a stale write (an encoder frozen mid-write that wakes after
 its room moved to another encoder, or ended) or a misdirected one fails the room with
 DATA_LOSS instead of feeding another request's, or another attempt's, data to the model.
+
+The aux fence stops stale writes of honest encoders, not a hostile peer: Mooncake serves
+reads and writes of registered memory to any process that reaches its ports. So the rows
+are protected (`RowProtection`, below): the encoder sends keyed tags over the rows of each
+range it reports, on the authenticated Attach stream, and the language side verifies them
+over its private copy, after the copy-out and before the payload exists.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import struct
 from dataclasses import dataclass
 
 import torch
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from tandem.devices import DTYPES
 from tandem.transfer.errors import TransferError
@@ -159,14 +171,20 @@ class EmbeddingBuffers:
             num_blocks=self.num_blocks,
         )
 
+    def aux_rows(self, block_ids: list[int], n_tokens: int) -> torch.Tensor:
+        """A private copy of the aux rows of the blocks holding `n_tokens` tokens."""
+        nb = ceil_div(n_tokens, self.block_size)
+        return self.aux[torch.tensor(block_ids[:nb], dtype=torch.long)]  # (a gather: a copy)
+
     def check_piece(
         self, block_ids: list[int], room: int, generation: int, total: int, start: int,
         piece_tokens: int, n_tokens: int, first_index: int = 0,
+        rows: torch.Tensor | None = None,
     ) -> None:
         """Raise DATA_LOSS unless the blocks holding `n_tokens` tokens (from block
-        `first_index` of the piece starting at token `start`) carry this piece's aux row."""
-        nb = ceil_div(n_tokens, self.block_size)
-        aux = self.aux[torch.tensor(block_ids[:nb], dtype=torch.long)]
+        `first_index` of the piece starting at token `start`) carry this piece's aux row
+        (in `rows`, a private copy from `aux_rows`, when given; else read now)."""
+        aux = rows if rows is not None else self.aux_rows(block_ids, n_tokens)
         lo, hi = room_words(room)
         for i, row in enumerate(aux.tolist()):
             want = {AUX_TOTAL: total, AUX_PIECE_START: start, AUX_PIECE_TOKENS: piece_tokens,
@@ -208,3 +226,201 @@ class EmbeddingBuffers:
                 rows = self.mrope_positions[b0:b1].view(j - i, 3, bs).permute(1, 0, 2)
                 out_mrope[:, a : a + n].copy_(rows.reshape(3, -1)[:, :n])
             i = j
+
+
+# ---- row protection -------------------------------------------------------------------
+# Keys: the language side picks a fresh 32-byte secret for each Attach attempt and sends it
+# in the Init (the internal mTLS stream: never on the data plane). Every range the encoder
+# reports (tokens [previous report, sent) of the payload; a few thousand tokens, one chunk)
+# gets keys of its own, derived with keyed BLAKE2b over (label, room, generation, start,
+# end). Poly1305 keys must never serve two messages: each token is written once per attempt,
+# so an attempt never reports one range twice.
+#
+# The bytes each tag covers (native byte order; every supported platform is little-endian):
+#   embeds  embedding rows [n, embed_dim], model dtype, row-major
+#   rows    token ids [n] int32 | positions t[n] | h[n] | w[n] int32 | aux rows [nb, 16]
+#           int32 of the range's blocks (nb = ceil(n / block_size); a range starts a block)
+# The tags are over plaintext: the encoder computes them over its private payload (never
+# over its staging copy, which is registered memory too), the language side over its
+# private copy after decrypting. `encrypt` adds ChaCha20 under the range's cipher key, one
+# nonce per part (embeddings, token ids, each position axis); aux rows stay in the clear
+# (no prompt content).
+PROTECT_MODES = ("none", "mac", "encrypt")  # in increasing strength
+_MODE_PROTO = {"none": encoder_pb2.ROW_PROTECTION_UNSPECIFIED, "mac": encoder_pb2.ROW_PROTECTION_MAC,
+               "encrypt": encoder_pb2.ROW_PROTECTION_ENCRYPT}
+KEY_BYTES, TAG_BYTES = 32, 16
+PART_EMBEDS, PART_FILL, PART_MROPE = 0, 1, 2  # cipher nonces; positions axis k uses 2 + k
+
+
+def _mem(t: torch.Tensor):
+    """The bytes of `t` in row-major order, as a flat uint8 array: a view of a contiguous
+    CPU tensor's own memory (no copy), else a private host copy."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.contiguous().view(torch.uint8).reshape(-1).numpy()
+
+
+def _tamper(what: str) -> TransferError:
+    return TransferError(f"{what}: the rows do not carry the encoder's tag (written by "
+                         f"another process, or changed after the encoder wrote them)",
+                         "DATA_LOSS")
+
+
+@dataclass(frozen=True)
+class RangeTag:
+    """Plain-data mirror of the `RangeTag` proto: Poly1305 tags of one reported range."""
+
+    embeds: bytes
+    rows: bytes
+
+    def to_proto(self) -> encoder_pb2.RangeTag:
+        return encoder_pb2.RangeTag(embeds=self.embeds, rows=self.rows)
+
+    @classmethod
+    def from_proto(cls, p: encoder_pb2.RangeTag) -> RangeTag | None:
+        """The tags, or None unless both have a tag's length (absent or malformed)."""
+        if len(p.embeds) != TAG_BYTES or len(p.rows) != TAG_BYTES:
+            return None
+        return cls(bytes(p.embeds), bytes(p.rows))
+
+
+@dataclass(frozen=True)
+class RangeSeal:
+    """The keys of one reported range, payload tokens [start, end) of one attempt.
+    `mac_rows` is empty on a tensor-parallel rank > 0 (it holds embeddings only), `cipher`
+    unless the rows are encrypted."""
+
+    start: int
+    end: int
+    mac_embeds: bytes
+    mac_rows: bytes = b""
+    cipher: bytes = b""
+
+    def tag(self, embeds: torch.Tensor, fill: torch.Tensor, mrope: torch.Tensor,
+            aux: torch.Tensor) -> RangeTag:
+        """Tags over plaintext rows: embeds [n, D], fill [n], mrope [3, n], aux [nb, 16]."""
+        e = Poly1305(self.mac_embeds)
+        e.update(_mem(embeds))
+        return RangeTag(e.finalize(), self._rows_mac(fill, mrope, aux).finalize())
+
+    def _rows_mac(self, fill: torch.Tensor, mrope: torch.Tensor, aux: torch.Tensor) -> Poly1305:
+        m = Poly1305(self.mac_rows)
+        for part in (fill, mrope[0], mrope[1], mrope[2], aux):  # each a contiguous row
+            m.update(_mem(part))
+        return m
+
+    def verify(self, tag: RangeTag, embeds: torch.Tensor, fill: torch.Tensor | None = None,
+               mrope: torch.Tensor | None = None, aux: torch.Tensor | None = None,
+               where: str = "") -> None:
+        """Raise DATA_LOSS unless the private rows carry `tag` (the embeddings alone when
+        `fill` is None: a rank > 0). Constant-time comparisons."""
+        what = f"{where}tokens [{self.start}, {self.end})"
+        e = Poly1305(self.mac_embeds)
+        e.update(_mem(embeds))
+        try:
+            e.verify(tag.embeds)
+            if fill is not None:
+                self._rows_mac(fill, mrope, aux).verify(tag.rows)
+        except InvalidSignature:
+            raise _tamper(what) from None
+
+    def _cipher(self, part: int):
+        nonce = struct.pack("<IIQ", 0, part, 0)  # block counter 0, then the part
+        return Cipher(algorithms.ChaCha20(self.cipher, nonce), mode=None).encryptor()
+
+    def encrypt_into(self, part: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """dst = encrypted src (same bytes count); `dst` a contiguous CPU tensor (staging),
+        so plaintext never lands in it."""
+        if dst.device.type != "cpu" or not dst.is_contiguous():
+            raise ValueError("encrypt_into writes a contiguous CPU tensor")
+        self._cipher(part).update_into(_mem(src), _mem(dst))
+
+    def decrypt_(self, part: int, t: torch.Tensor) -> None:
+        """Decrypt `t` in place (a contiguous private tensor)."""
+        if t.device.type == "cpu" and t.is_contiguous():
+            buf = _mem(t)
+            self._cipher(part).update_into(buf, buf)
+        else:  # NOTE: e.g. CUDA rows: through a host copy
+            host = t.cpu().contiguous()
+            self.decrypt_(part, host)
+            t.copy_(host)
+
+    def for_rank(self, tag: RangeTag) -> dict:
+        """What a tensor-parallel rank > 0 needs to open its copy of the range's embeddings
+        (JSON-able; sent over the instance's own socket, never the data plane)."""
+        return {"start": self.start, "end": self.end, "mac": self.mac_embeds.hex(),
+                "cipher": self.cipher.hex(), "tag": tag.embeds.hex()}
+
+    @classmethod
+    def of_rank(cls, d: dict) -> tuple[RangeSeal, RangeTag]:
+        return (cls(d["start"], d["end"], bytes.fromhex(d["mac"]), b"",
+                    bytes.fromhex(d["cipher"])), RangeTag(bytes.fromhex(d["tag"]), b""))
+
+
+@dataclass(frozen=True)
+class RowProtection:
+    """One Attach attempt's protection: the mode and the secret (AttachInit.protection,
+    .protection_key)."""
+
+    mode: str = "none"
+    key: bytes = b""
+
+    @classmethod
+    def new(cls, mode: str) -> RowProtection:
+        """A fresh secret for one attempt (the language side, at each Init)."""
+        if mode not in PROTECT_MODES:
+            raise ValueError(f"unknown protection {mode!r} (one of {PROTECT_MODES})")
+        return cls(mode, os.urandom(KEY_BYTES) if mode != "none" else b"")
+
+    @classmethod
+    def of_init(cls, init: encoder_pb2.AttachInit) -> RowProtection:
+        mode = next((m for m, v in _MODE_PROTO.items() if v == init.protection), None)
+        if mode is None or (mode != "none") != (len(init.protection_key) == KEY_BYTES):
+            raise TransferError(f"room {init.room}: bad protection {init.protection} with a "
+                                f"{len(init.protection_key)}-byte key", "INVALID_ARGUMENT")
+        return cls(mode, bytes(init.protection_key))
+
+    def init_fields(self) -> dict:
+        return {"protection": _MODE_PROTO[self.mode], "protection_key": self.key}
+
+    @property
+    def on(self) -> bool:
+        return self.mode != "none"
+
+    def at_least(self, mode: str) -> bool:
+        return PROTECT_MODES.index(self.mode) >= PROTECT_MODES.index(mode)
+
+    def seal(self, room: int, generation: int, start: int, end: int) -> RangeSeal | None:
+        """The keys of payload tokens [start, end) of this attempt (None: unprotected)."""
+        if not self.on:
+            return None
+        header = struct.pack("<QIqq", room, generation, start, end)
+
+        def derive(label: bytes) -> bytes:
+            return hashlib.blake2b(label + header, key=self.key, digest_size=KEY_BYTES,
+                                   person=b"tandem-rows-v1").digest()
+
+        return RangeSeal(start, end, derive(b"mac-embeds"), derive(b"mac-rows"),
+                         derive(b"cipher") if self.mode == "encrypt" else b"")
+
+
+def open_range(seal: RangeSeal, tag: RangeTag, embeds: torch.Tensor,
+               fill: torch.Tensor | None = None, mrope: torch.Tensor | None = None,
+               aux: torch.Tensor | None = None, where: str = "") -> None:
+    """Decrypt (when encrypted) and verify the private copy of the range's rows: tokens
+    [seal.start, seal.end) of `embeds` [L, D], `fill` [L] and `mrope` [3, L] (payload
+    token order; fill and mrope None on a rank > 0) and `aux`, the range's blocks' aux rows.
+    Raises DATA_LOSS. NOTE: only private memory is read: a write into the registered blocks
+    after this cannot reach a prefill."""
+    a, b = seal.start, seal.end
+    e = embeds[a:b]
+    f = fill[a:b] if fill is not None else None
+    m = mrope[:, a:b] if mrope is not None else None
+    if seal.cipher:
+        seal.decrypt_(PART_EMBEDS, e)
+        if f is not None:
+            seal.decrypt_(PART_FILL, f)
+            for k in range(3):
+                seal.decrypt_(PART_MROPE + k, m[k])
+    seal.verify(tag, e, f, m, aux, where)

@@ -40,6 +40,12 @@ room timed out can, if it ever resumes, land a stale write in reused blocks; eve
 carries an aux row (room, piece, index) checked before it is copied out, so such a write is
 reported as DATA_LOSS instead of reaching the model when it hits the aux rows.
 
+Protection (`config.protect`, buffers.py RowProtection): every Init carries a fresh secret;
+each Progress/Done carries the encoder's tags over the range it reports. A copy-out gathers
+the rows into the private `out` and opens them there (decrypts under `encrypt`, verifies
+the tags), so what reaches a prefill is exactly what the encoder wrote: any other process's
+write into the registered blocks fails the room with DATA_LOSS, before or after the check.
+
 One class, one module, on purpose: the answers to the encoder's messages (`_on_prompt`,
 `_on_progress`, `_on_partial`, `_on_done` and their `_announce` / `_copy_out`) are the
 receiver's side of the Attach protocol, not a second role. They read and advance the same
@@ -62,7 +68,14 @@ import torch
 
 from tandem.config import TransferConfig
 from tandem.transfer.allocator import BlockAllocator
-from tandem.transfer.buffers import AUX_MROPE_DELTA, EmbeddingBuffers
+from tandem.transfer.buffers import (
+    AUX_MROPE_DELTA,
+    EmbeddingBuffers,
+    RangeSeal,
+    RangeTag,
+    RowProtection,
+    open_range,
+)
 from tandem.transfer.channels import EncoderChannels
 from tandem.transfer.errors import TransferError, timed_out
 from tandem.transfer.metrics import transfer_metrics
@@ -78,6 +91,7 @@ from tandem.transfer.room import (
     StreamBroken,
     StreamMessage,
 )
+from tandem.units import ceil_div
 from tandem.v1 import encoder_pb2, encoder_pb2_grpc
 
 
@@ -218,7 +232,8 @@ class EmbeddingReceiver:
                     self._hang_up(r)
                     r.address = b.new_address or await self._await_reattach(r, b.reason, deadline)
                     r.attempt += 1
-                    r.sent = r.copied = r.cached = 0
+                    r.sent = r.copied = r.cached = r.reported = 0
+                    r.ranges = []
                     r.info = None
                     r.total, r.out, r.state = None, None, ReceiverState.BOOTSTRAPPING
         except TransferError as e:
@@ -287,10 +302,13 @@ class EmbeddingReceiver:
         stub = encoder_pb2_grpc.EncoderStub(self.channels.get(r.address))
         r.call = call = stub.Attach()
         r.reader = asyncio.create_task(self._read(r, call, r.attempt))
+        # NOTE: a fresh secret per attempt: the tags of an earlier attempt's encoder (one
+        # frozen mid-write that wakes) can never verify this attempt's rows
+        r.protection = RowProtection.new(self.config.protect)
         init = encoder_pb2.AttachInit(
             room=r.room, session_id=self.engine.session_id, layout=self._layout,
             block_ids=r.ids, allocated_tokens=r.allocated, generation=r.attempt + 1,
-            ranks=self._rank_dests)
+            ranks=self._rank_dests, **r.protection.init_fields())
         await self._write(r, encoder_pb2.AttachRequest(init=init))
         r.state = ReceiverState.WAITING_FOR_INPUT
         while True:
@@ -357,32 +375,76 @@ class EmbeddingReceiver:
                 r.ranks_key = next(self._keys)
         r.state = ReceiverState.TRANSFERRING
 
+    def _take_tags(self, r: ReceiverRoom, sent: int, tag: encoder_pb2.RangeTag) -> None:
+        """Keep the encoder's tags of the range it reports: tokens [r.reported, sent)."""
+        if not r.protection.on:
+            return
+        got = RangeTag.from_proto(tag)
+        if got is None or sent <= r.reported:
+            raise TransferError(f"room {r.room}: tokens [{r.reported}, {sent}) reported without "
+                                f"valid tags (the Init asked for {r.protection.mode!r})",
+                                "INVALID_ARGUMENT")
+        r.ranges.append((r.protection.seal(r.room, r.attempt + 1, r.reported, sent), got))
+        r.reported = sent
+
+    def _seals(self, r: ReceiverRoom, start: int, upto: int) -> list[tuple[RangeSeal, RangeTag]]:
+        """The reported ranges that tokens [r.copied, upto) of the piece at `start` consist
+        of, each starting a block (none when unprotected)."""
+        if not r.protection.on:
+            return []
+        take = []
+        while r.ranges and r.ranges[0][0].end <= upto:
+            take.append(r.ranges.pop(0))
+        bs = self.buffers.block_size
+        if (not take or take[0][0].start != r.copied or take[-1][0].end != upto
+                or any((s.start - start) % bs for s, _ in take)):
+            raise TransferError(f"room {r.room}: the encoder's reports do not cover tokens "
+                                f"[{r.copied}, {upto}) in whole blocks", "INVALID_ARGUMENT")
+        return take
+
     async def _copy_out(self, r: ReceiverRoom, ids: list[int], start: int, upto: int) -> None:
-        """Check and gather tokens [r.copied, upto) of the piece at `start` in `ids`."""
+        """Gather tokens [r.copied, upto) of the piece at `start` in `ids` into the private
+        `r.out` and prove them there: the aux fence, then (protected) decryption and the
+        encoder's tags. Every tensor-parallel rank does the same with its own copy."""
         a, bs = r.copied, self.buffers.block_size
         i0 = (a - start) // bs
         piece_tokens = min(r.total - start, len(ids) * bs)
         check = (ids[i0:], r.room, r.attempt + 1, r.total, start, piece_tokens, upto - a, i0)
-        self.buffers.check_piece(*check)
-        copy = functools.partial(self.buffers.gather_into, ids[i0:], upto - a, *r.out, a)
-        if self.ranks is not None:  # every rank copies its own blocks (and checks them)
+        seals = self._seals(r, start, upto)
+        self.buffers.check_piece(*check)  # early: a stale write is named as such
+        copy = functools.partial(self._gather, check, r.out, a, seals, f"room {r.room}: ")
+        if self.ranks is not None:  # every rank copies and proves its own blocks
             copy = functools.partial(
                 self.ranks.gather, r.ranks_key, ids[i0:], upto - a, a, r.total, r.room,
-                r.attempt + 1, start, piece_tokens, i0, local=copy)
+                r.attempt + 1, start, piece_tokens, i0, local=copy,
+                seals=[seal.for_rank(tag) for seal, tag in seals])
         await asyncio.get_running_loop().run_in_executor(None, copy)
-        # NOTE: and again after the copy: a stale write whose aux row lands while we copy is
-        # caught too (one landing wholly inside the copy, aux first, is what this narrows).
-        self.buffers.check_piece(*check)
         r.copied = upto
+
+    def _gather(self, check: tuple, out: tuple, at: int, seals: list, where: str) -> None:
+        """Executor side of `_copy_out` (rank 0's copy). NOTE: everything checked is the
+        private copy, taken after the rows were copied: a write into the registered blocks
+        after this point cannot reach a prefill, one during it is seen."""
+        b = self.buffers
+        ids, n = check[0], check[6]
+        b.gather_into(ids, n, *out, at)
+        aux = b.aux_rows(ids, n)
+        b.check_piece(*check, rows=aux)
+        for seal, tag in seals:
+            k = (seal.start - at) // b.block_size
+            open_range(seal, tag, *out, aux[k : k + ceil_div(seal.end - seal.start, b.block_size)],
+                       where=where)
 
     async def _on_progress(self, r: ReceiverRoom, p: encoder_pb2.AttachProgress) -> None:
         """A chunk of the current piece is written: copy it out while the rest flies."""
         self._announce(r, p.sent_tokens, p.total_tokens, final=False)
+        self._take_tags(r, p.sent_tokens, p.tag)
         if (p.sent_tokens - r.sent) % self.buffers.block_size == 0:
             await self._copy_out(r, r.ids, r.sent, p.sent_tokens)
 
     async def _on_partial(self, r: ReceiverRoom, p: encoder_pb2.AttachProgress, deadline) -> None:
         self._announce(r, p.sent_tokens, p.total_tokens, final=False)
+        self._take_tags(r, p.sent_tokens, p.tag)
         old_key, old_ids, start, sent = r.key, r.ids, r.sent, p.sent_tokens
         cap = self.allocator.num_total * self.allocator.block_size
         if self.resume_tokens:
@@ -410,6 +472,7 @@ class EmbeddingReceiver:
 
     async def _on_done(self, r: ReceiverRoom, d: encoder_pb2.AttachDone) -> PromptPayload:
         self._announce(r, d.total_tokens, d.total_tokens, final=True)
+        self._take_tags(r, d.total_tokens, d.tag)
         delta = int(self.buffers.aux[r.ids[0], AUX_MROPE_DELTA])
         if delta != d.mrope_position_delta:
             raise TransferError(f"room {r.room}: Done says mrope delta {d.mrope_position_delta}, "

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from tandem.transfer.allocator import BlockAllocator
+from tandem.transfer.buffers import RangeSeal, RangeTag, RowProtection
 from tandem.transfer.errors import TransferError
 from tandem.transfer.payload import PromptInfo
 from tandem.units import ceil_div
@@ -92,6 +93,10 @@ class ReceiverRoom:
     cached: int = 0  # leading tokens we hold: the payload starts there
     out: tuple | None = None  # (embeds, fill_ids, mrope) of the whole prompt
     ranks_key: int | None = None  # the other tensor-parallel ranks' name for `out`'s rows
+    protection: RowProtection = RowProtection()  # this attempt's (new at every Init)
+    reported: int = 0  # end of the last range the encoder reported (with its tags)
+    # reported ranges not yet copied out and verified: (its keys, the encoder's tags)
+    ranges: list[tuple[RangeSeal, RangeTag]] = field(default_factory=list)
     resumes: int = 0
     call: object | None = None
     reader: asyncio.Task | None = None

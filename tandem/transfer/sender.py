@@ -41,6 +41,12 @@ Progress(partial=True), the end as Done. A room with no Init (send waiting) or n
 flight (the write is not waited for; its staging slot is returned when Mooncake gives the
 thread back). `deadline` is Unix seconds. Failures are sent as AttachFailed and raised as
 TransferError(reason, code).
+
+Protection: the Init names it (buffers.py RowProtection); each chunk is one reported range,
+sealed in the writer thread under keys of its own (encrypted into the staging slot under
+`encrypt`), its tags computed over the private payload and sent with the range's Progress,
+partial Progress or Done. An Init asking for less than `config.protect` fails the room
+(FAILED_PRECONDITION): this encoder never sends rows less protected than it is set to.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from tandem.config import TransferConfig
+from tandem.transfer.buffers import RangeTag, RowProtection
 from tandem.transfer.errors import TransferError, TransferStuck, timed_out
 from tandem.transfer.metrics import transfer_metrics
 from tandem.transfer.payload import PromptInfo, PromptPayload
@@ -239,6 +246,13 @@ class EmbeddingSender:
         if r.init is None:
             await self._race(r, r.until(lambda: r.init is not None), deadline,
                              "waiting for the language side's Init")
+        r.protection = RowProtection.of_init(r.init)
+        if not r.protection.at_least(self.config.protect):
+            # NOTE: never send rows less protected than this encoder is configured for
+            raise TransferError(
+                f"room {r.room}: the language side asks for transfer protection "
+                f"{r.protection.mode!r}, this encoder requires at least "
+                f"{self.config.protect!r} (--transfer.protect)", "FAILED_PRECONDITION")
 
     async def _next(self, r: SenderRoom, kind: type, deadline: float | None, what: str):
         """The language side's next message on the room, which must be a `kind`."""
@@ -335,7 +349,7 @@ class EmbeddingSender:
                 break
             r.to(SenderState.WAITING_FOR_RESUME)
             r.outbox.put_nowait(encoder_pb2.AttachResponse(progress=encoder_pb2.AttachProgress(
-                sent_tokens=sent, total_tokens=total, partial=True)))
+                sent_tokens=sent, total_tokens=total, partial=True, tag=self._piece_tag(r, sent))))
             res = await self._next(r, encoder_pb2.AttachResume, deadline,
                                    f"waiting for Resume at token {sent}/{total}")
             if res.sent_tokens != sent:
@@ -346,11 +360,21 @@ class EmbeddingSender:
             r.to(SenderState.TRANSFERRING)
         r.to(SenderState.FINISHING)
         r.outbox.put_nowait(encoder_pb2.AttachResponse(done=encoder_pb2.AttachDone(
-            total_tokens=total, mrope_position_delta=payload.mrope_delta)))
+            total_tokens=total, mrope_position_delta=payload.mrope_delta,
+            tag=self._piece_tag(r, total))))
         await self._race(r, r.until(lambda: r.state is SenderState.DONE), deadline,
                          "sending Done")
         return SendStats(tokens=total, bytes=nbytes, resumes=resumes,
                          seconds=time.monotonic() - t0)
+
+    @staticmethod
+    def _piece_tag(r: SenderRoom, end: int) -> encoder_pb2.RangeTag | None:
+        """The tags of the piece's last chunk (which ends at `end`), for its report."""
+        got, r.piece_tag = r.piece_tag, None
+        if got is None or got[0] != end:
+            raise TransferError(f"room {r.room}: no tags for the chunk ending at {end}",
+                                "INTERNAL")
+        return got[1].to_proto() if got[1] is not None else None
 
     def _slot_done(self, slot: int, f) -> None:
         if isinstance(f.exception(), TransferStuck):
@@ -372,17 +396,26 @@ class EmbeddingSender:
         chunk = max(bs, min(step, self.chunk_tokens // bs * bs))
         end, nbytes = start + piece, 0
 
-        def progress(sent: int) -> None:
+        def reported(sent: int, tag: RangeTag | None) -> None:
+            """A chunk reached every destination: a Progress of its own, or (the piece's
+            last) the partial Progress or Done that `_deliver` sends, with its tags."""
+            if sent == end:
+                r.piece_tag = (sent, tag)
+                return
             r.outbox.put_nowait(encoder_pb2.AttachResponse(progress=encoder_pb2.AttachProgress(
-                sent_tokens=sent, total_tokens=payload.num_tokens, partial=False)))
+                sent_tokens=sent, total_tokens=payload.num_tokens, partial=False,
+                tag=tag.to_proto() if tag is not None else None)))
 
         for t0 in range(start, end, step):
             slot = await self._acquire_slot(r, deadline)
             job = WriteRound(
                 self.engine, self.staging, dests, slot, payload, r.room, r.init.generation,
                 ids, start, piece, t0, min(t0 + step, end), chunk, lambda: r.terminal,
-                on_chunk=lambda c_end: c_end < end and loop.call_soon_threadsafe(progress, c_end),
+                # NOTE: queued on the loop before the round's result: the piece's last tags
+                # are in `r.piece_tag` by the time this round's await returns
+                on_chunk=lambda c_end, tag: loop.call_soon_threadsafe(reported, c_end, tag),
                 on_fail=lambda err: loop.call_soon_threadsafe(self._fail, r, err),
+                protection=r.protection,
             )
             cf = self._pool.submit(write_round, job)
             # NOTE: the slot goes back only when the thread is done with it, even if the

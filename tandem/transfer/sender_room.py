@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tandem.transfer.buffers import BufferLayout
+from tandem.transfer.buffers import BufferLayout, RangeTag, RowProtection
 from tandem.transfer.errors import TransferError
 from tandem.transfer.payload import PromptPayload
 from tandem.transfer.staging import Destination, StagingArea
@@ -43,6 +43,9 @@ class SenderRoom:
     born: float = field(default_factory=time.monotonic)
     init: encoder_pb2.AttachInit | None = None  # set once, when the Attach stream opens
     cached: int = 0  # leading tokens the language holds (its AttachCached answer)
+    protection: RowProtection = RowProtection()  # what the Init asked for (of_init)
+    # the tags of the current piece's last chunk, reported by its partial Progress or Done
+    piece_tag: tuple[int, RangeTag | None] | None = None  # (end token, tags)
     error: TransferError | None = None
     inbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # AttachResume
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # AttachResponse | None

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from tandem.transfer import buffers as B
-from tandem.transfer.buffers import BufferLayout, dtype_name
+from tandem.transfer.buffers import BufferLayout, RangeSeal, RangeTag, RowProtection, dtype_name
 from tandem.transfer.errors import TransferError, TransferStuck
 from tandem.transfer.payload import PromptPayload
 from tandem.units import ceil_div
@@ -130,10 +130,13 @@ class StagingArea:
         t0: int,
         t1: int,
         at: int = 0,
-    ) -> tuple[list[int], list[int], list[int]]:
+        seal: RangeSeal | None = None,
+    ) -> tuple[tuple[list[int], list[int], list[int]], RangeTag | None]:
         """Copy payload tokens [t0, t1) of the piece into `slot` at token offset `at`;
         return the writes (srcs, dsts, lengths) into `layout`'s buffers (`writes` gives
-        those into any other rank's).
+        those into any other rank's) and, with a `seal` (the range's keys), the range's
+        tags. An encrypting seal puts ciphertext in the slot (plaintext never lands in
+        registered memory).
 
         The piece starts at token `piece_start` and lands in `block_ids` (token order);
         t0 - piece_start and `at` are multiples of the block size (whole blocks only).
@@ -145,16 +148,25 @@ class StagingArea:
             raise ValueError(f"staging range at {at} for {n} tokens does not fit the slot")
         self.used[slot] = max(self.used[slot], at + nb * bs)
         e, f = self.embeds[slot][at:], self.fill[slot][at:]
-        e[:n].copy_(payload.input_embeds[t0:t1])
-        f[:n].copy_(payload.fill_ids[t0:t1])
+        src_e, src_f = payload.input_embeds[t0:t1], payload.fill_ids[t0:t1]
+        src = src_m = payload.mrope_positions[:, t0:t1]
+        if seal is not None and seal.cipher:
+            seal.encrypt_into(B.PART_EMBEDS, src_e, e[:n])
+            seal.encrypt_into(B.PART_FILL, src_f, f[:n])
+            src = torch.empty((3, n), dtype=torch.int32)  # private, then laid out below
+            for k in range(3):
+                seal.encrypt_into(B.PART_MROPE + k, src_m[k], src[k])
+        else:
+            e[:n].copy_(src_e)
+            f[:n].copy_(src_f)
         m = self.mrope[slot][3 * at : 3 * at + nb * 3 * bs].view(nb, 3, bs)
-        src, full = payload.mrope_positions[:, t0:t1], n // bs
+        full = n // bs
         if full:
             m[:full].copy_(src[:, : full * bs].reshape(3, full, bs).permute(1, 0, 2))
         if n % bs:
             m[full, :, : n % bs].copy_(src[:, full * bs :])
-        a = self.aux[slot][at // bs : at // bs + nb]
-        a.zero_()
+        # NOTE: the aux rows are built in private memory, tagged from there, then staged.
+        a = torch.zeros((nb, B.AUX_WIDTH), dtype=torch.int32)
         lo, hi = B.room_words(room)
         total = payload.num_tokens
         a[:, B.AUX_TOTAL], a[:, B.AUX_MROPE_DELTA] = total, payload.mrope_delta
@@ -163,7 +175,9 @@ class StagingArea:
         a[:, B.AUX_BLOCK_TOKENS] = torch.clamp(n - torch.arange(nb, dtype=torch.int32) * bs, max=bs)
         a[:, B.AUX_ROOM_LO], a[:, B.AUX_ROOM_HI], a[:, B.AUX_EMBED_DIM] = lo, hi, d
         a[:, B.AUX_GENERATION] = generation
-        return self.writes(slot, layout, block_ids, i0, n, at)
+        self.aux[slot][at // bs : at // bs + nb].copy_(a)
+        tag = seal.tag(src_e, src_f, src_m, a) if seal is not None else None
+        return self.writes(slot, layout, block_ids, i0, n, at), tag
 
     def writes(self, slot: int, layout: BufferLayout, block_ids: list[int], i0: int, n: int,
                at: int) -> tuple[list[int], list[int], list[int]]:
@@ -236,22 +250,26 @@ class WriteRound:
     t1: int
     chunk: int  # tokens per staged chunk
     room_ended: Callable[[], bool]  # true once the room ended: submit nothing more
-    on_chunk: Callable[[int], object]  # end token of each completed chunk
+    on_chunk: Callable[[int, RangeTag | None], object]  # each completed chunk: end, tags
     on_fail: Callable[[TransferError], object]  # the first failure, before draining
+    # the attempt's protection (AttachInit.protection): each chunk is one reported range,
+    # sealed under keys of its own
+    protection: RowProtection = RowProtection()
 
 
 def write_round(w: WriteRound) -> int:
     """Thread side of one staging round, in chunks of `w.chunk` tokens, each staged once
     then submitted to every destination (one transfer per coalesced region), two deep
-    (chunk k+1 is copied while chunk k is on the wire). `on_chunk` runs as each chunk has
-    reached every destination; `on_fail` runs at the first failure, before the leftovers
+    (chunk k+1 is copied while chunk k is on the wire). `on_chunk(end, tags)` runs as each
+    chunk has reached every destination (a chunk is one reported range: its tags go with
+    its Progress, or the piece's partial Progress or Done); `on_fail` runs at the first failure, before the leftovers
     are drained, so the room ends at once. Stops submitting once the room ended. Returns
     the bytes written (all destinations); raises TransferStuck when writes from the slot
     never ended (the caller must retire it)."""
     engine, room, t0, t1 = w.engine, w.room, w.t0, w.t1
     first, bs = w.dests[0].layout, w.dests[0].layout.block_size
-    # (per destination: (peer, started transfers)), bytes, end token
-    pending: list[tuple[list[tuple[str, list]], int, int]] = []
+    # (per destination: (peer, started transfers)), bytes, end token, the chunk's tags
+    pending: list[tuple[list[tuple[str, list]], int, int, RangeTag | None]] = []
     leftovers: list[tuple[int, int]] = []
     written = 0
     try:
@@ -260,8 +278,10 @@ def write_round(w: WriteRound) -> int:
                 raise TransferError(f"room {room}: ended during the write", "ABORTED", room)
             c1 = min(c0 + w.chunk, t1)
             at = c0 - t0
-            plans = [w.staging.stage(w.slot, w.payload, room, w.generation, first, w.ids,
-                                     w.start, w.piece, c0, c1, at=at)]
+            seal = w.protection.seal(room, w.generation, c0, c1)
+            plan, tag = w.staging.stage(w.slot, w.payload, room, w.generation, first, w.ids,
+                                        w.start, w.piece, c0, c1, at=at, seal=seal)
+            plans = [plan]
             i0 = (c0 - w.start) // bs
             plans += [w.staging.writes(w.slot, d.layout, w.ids, i0, c1 - c0, at)
                       for d in w.dests[1:]]
@@ -272,9 +292,9 @@ def write_round(w: WriteRound) -> int:
             except TransferError as e:
                 leftovers += e.pending + [t for _, st in started_all for t in st]
                 raise
-            pending.append((started_all, sum(sum(p[2]) for p in plans), c1))
+            pending.append((started_all, sum(sum(p[2]) for p in plans), c1, tag))
             while len(pending) > 1 or (pending and c1 == t1):
-                started_all, n, c_end = pending[0]
+                started_all, n, c_end, c_tag = pending[0]
                 for k, (peer, started) in enumerate(started_all):
                     try:
                         engine.wait(peer, started)
@@ -284,13 +304,13 @@ def write_round(w: WriteRound) -> int:
                         raise
                 pending.pop(0)
                 written += n
-                w.on_chunk(c_end)
+                w.on_chunk(c_end, c_tag)
     except TransferError as e:
         w.on_fail(e.for_room(room))
         raise
     finally:
         # NOTE: never reuse the slot while a started write may still read from it.
-        rest = leftovers + [t for started_all, _, _ in pending for _, st in started_all
+        rest = leftovers + [t for started_all, _, _, _ in pending for _, st in started_all
                             for t in st]
         if rest and not engine.drain(rest):
             raise TransferStuck(f"room {room}: writes from staging slot {w.slot} never "

@@ -12,6 +12,10 @@ stdout {"event": "ready", "address": ...} then {"event": "sent", "room", "ok", .
 named in every destination (each tensor-parallel rank): what any process reaching the
 language instance's transfer ports could do once it learned the addresses.
 `--rank0-only` plays an encoder that ignores AttachInit.ranks (writes rank 0 only).
+`--hold` reports nothing of a room (no Progress, Done) until {"op": "go", "room": R}; each
+written chunk first emits {"event": "held", "room": R, "sessions": [every destination's
+transfer session]}: a test acts after the rows landed and before the language side copies
+them out.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import asyncio
 import json
 import os
 import sys
+import threading
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
@@ -94,6 +99,25 @@ async def main() -> None:
 
         honest = sender_module.write_round
         sender_module.write_round = lambda w: honest(dataclasses.replace(w, dests=w.dests[:1]))
+    released: dict[int, threading.Event] = {}  # --hold: room -> its `go`
+    if "--hold" in sys.argv:
+        import dataclasses
+
+        import tandem.transfer.sender as sender_module
+
+        honest_round = sender_module.write_round
+
+        def holding(w):
+            go = released.setdefault(w.room, threading.Event())
+
+            def on_chunk(end, tag, report=w.on_chunk):  # the writer thread: the rows landed
+                emit(event="held", room=w.room, sessions=[d.peer for d in w.dests])
+                go.wait()
+                report(end, tag)
+
+            return honest_round(dataclasses.replace(w, on_chunk=on_chunk))
+
+        sender_module.write_round = holding
     sink = torch.zeros(1 << 20, dtype=torch.uint8)
     engine.register(sink)
     sender = EmbeddingSender(engine, staging, cfg)
@@ -111,6 +135,9 @@ async def main() -> None:
         cmd = json.loads(line)
         if cmd["op"] == "exit":
             break
+        if cmd["op"] == "go":
+            released.setdefault(cmd["room"], threading.Event()).set()
+            continue
         if cmd["op"] == "read":
             nonzero, rcs = await asyncio.to_thread(
                 read_back, engine, sink, servicer.inits[cmd["room"]])

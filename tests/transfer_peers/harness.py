@@ -37,8 +37,8 @@ class Peer:
     @classmethod
     async def start(cls, role: str, tmp: Path, env: dict | None = None, **opts) -> Peer:
         args = [sys.executable, str(HERE / "peer.py"), role]
-        for k, v in opts.items():
-            args += [f"--{k.replace('_', '-')}", str(v)]
+        for k, v in opts.items():  # `flag=True` passes a bare --flag
+            args += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
         log = tmp / f"{role}-{os.urandom(3).hex()}.log"
         proc = await asyncio.create_subprocess_exec(
             *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,

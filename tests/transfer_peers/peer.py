@@ -9,9 +9,16 @@ language: an EmbeddingReceiver over its own buffers.
     abort {room}, reattach {room, address}
 both: stats -> stats {free, total, rooms}; exit
 reader: an outsider with its own Mooncake engine, reading others' registered memory.
-    read {session, addr, length}             -> read {rc, nonzero}
+    read {session, addr, length, hex?}       -> read {rc, nonzero, hex?: the bytes read}
+    tamper {session, length, byte}           -> tampered {addr, rc}: learns the address of
+        the segment's first registered buffer (a language instance's embeddings) from
+        Mooncake's own handshake and overwrites `length` bytes of it with `byte`
 A rogue encoder (`--rogue-generation-delta`, `--rogue-room-xor`) speaks the protocol but
 labels its writes with another generation or room, as a stale or misdirected writer does.
+`--hold`: the encoder reports nothing of a room (no Progress, Done) until `go {room}`;
+each written chunk first emits held {room, end, sessions} (every destination's session):
+a test acts between the write landing and the language side's copy-out, deterministically.
+`--protect`: both roles' TransferConfig.protect.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import asyncio
 import json
 import os
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -74,6 +82,8 @@ async def main() -> None:
     ap.add_argument("--grace", type=float, default=0.0)
     ap.add_argument("--rogue-generation-delta", type=int, default=0)
     ap.add_argument("--rogue-room-xor", type=int, default=0)
+    ap.add_argument("--hold", action="store_true")
+    ap.add_argument("--protect", default="mac")
     a = ap.parse_args()
     if a.rogue_generation_delta or a.rogue_room_xor:
         import dataclasses
@@ -83,7 +93,26 @@ async def main() -> None:
         honest = sender_module.write_round
         sender_module.write_round = lambda w: honest(dataclasses.replace(
             w, generation=w.generation + a.rogue_generation_delta, room=w.room ^ a.rogue_room_xor))
-    cfg = TransferConfig(timeout_s=a.timeout_s)
+    released: dict[int, threading.Event] = {}  # --hold: room -> its `go`
+    if a.hold:
+        import dataclasses
+
+        import tandem.transfer.sender as sender_module
+
+        honest_round = sender_module.write_round
+
+        def holding(w):
+            go = released.setdefault(w.room, threading.Event())
+
+            def on_chunk(end, tag, report=w.on_chunk):  # the writer thread: the rows landed
+                emit(event="held", room=w.room, end=end, sessions=[d.peer for d in w.dests])
+                go.wait()
+                report(end, tag)
+
+            return honest_round(dataclasses.replace(w, on_chunk=on_chunk))
+
+        sender_module.write_round = holding
+    cfg = TransferConfig(timeout_s=a.timeout_s, protect=a.protect)
     engine = MooncakeEngine(cfg)
     dtype = DTYPES[a.dtype]
     tasks: dict[int, asyncio.Task] = {}
@@ -154,7 +183,20 @@ async def main() -> None:
             sink[:n].fill_(0xAB)
             rc = await asyncio.to_thread(engine._te.transfer_sync_read, cmd["session"],
                                          sink.data_ptr(), cmd["addr"], n)
-            emit(event="read", rc=rc, nonzero=int(sink[:n].count_nonzero()))
+            extra = {"hex": sink[:n].numpy().tobytes().hex()} if cmd.get("hex") else {}
+            emit(event="read", rc=rc, nonzero=int(sink[:n].count_nonzero()), **extra)
+        elif op == "tamper":  # the handshake names the first registered buffer, then write
+            te, session = engine._te, cmd["session"]
+            addr = await asyncio.to_thread(te.get_first_buffer_address, session)
+            rc, step = 0, sink.numel()
+            sink.fill_(cmd["byte"])
+            for off in range(0, cmd["length"], step):
+                n = min(step, cmd["length"] - off)
+                rc = rc or await asyncio.to_thread(te.transfer_sync_write, session,
+                                                   sink.data_ptr(), addr + off, n)
+            emit(event="tampered", addr=addr, rc=rc)
+        elif op == "go":
+            released.setdefault(room, threading.Event()).set()
         elif op == "reattach":
             emit(event="reattached", room=room, ok=receiver.reattach(room, cmd["address"]))
         elif op == "stats":
