@@ -8,10 +8,13 @@ room (reservations, Progress, Resume, Done, the prefix cache); over one data soc
 rank (beside the step socket, see ranks.py) it tells the others what to do with their copy:
 
     rank 0 ─▶ rank r   gather {key, ids, n, at, total, room, generation, start,
-                               piece_tokens, first_index}
+                               piece_tokens, first_index, seals}
                        rank r checks its blocks' aux rows (the fence holds per rank),
                        copies the rows into its copy of payload `key` ([total, embed_dim])
-                       at row `at`, checks again          ─▶ {"ok": true} | {"error", "code"}
+                       at row `at`, checks again, and opens its copy of each reported
+                       range in `seals` (decrypts, verifies the encoder's embeddings tag:
+                       tandem/transfer/buffers.py RangeSeal.for_rank; none unprotected)
+                                                  ─▶ {"ok": true} | {"error", "code"}
     rank 0 ─▶ rank r   clear {ids}   zero the blocks: their room let them go ─▶ {"ok": true}
     rank 0 ─▶ rank r   drop {key}    the payload's request ended: forget its rows
 
@@ -34,7 +37,7 @@ import torch
 
 from tandem.services.language.tp import wire
 from tandem.transfer import EmbeddingBuffers, TransferError
-from tandem.transfer.buffers import BufferLayout
+from tandem.transfer.buffers import BufferLayout, RangeSeal, open_range
 from tandem.v1 import encoder_pb2
 
 log = logging.getLogger("tandem.language.tp")
@@ -86,13 +89,14 @@ class RankBuffers:
 
     def gather(self, key: int, ids: list[int], n: int, at: int, total: int, room: int,
                generation: int, start: int, piece_tokens: int, first_index: int,
-               local: Callable[[], None]) -> None:
+               local: Callable[[], None], seals: list[dict] = ()) -> None:
         """Every rank (rank 0 through `local`) checks and copies `n` tokens of blocks `ids`
-        into its rows of payload `key` at row `at`. Raises TransferError (DATA_LOSS)."""
+        into its rows of payload `key` at row `at`, and opens its copy of each range in
+        `seals` (`RangeSeal.for_rank`). Raises TransferError (DATA_LOSS)."""
         self._call({"op": "gather", "key": key, "ids": ids, "n": n, "at": at, "total": total,
                     "room": room, "generation": generation, "start": start,
-                    "piece_tokens": piece_tokens, "first_index": first_index},
-                   answer=True, local=local)
+                    "piece_tokens": piece_tokens, "first_index": first_index,
+                    "seals": list(seals)}, answer=True, local=local)
 
     def clear(self, ids: list[int]) -> None:
         if ids:
@@ -153,3 +157,5 @@ class WorkerBuffers:
                 out = self.rows[m["key"]] = torch.empty(m["total"], b.embed_dim, dtype=b.dtype)
         b.gather_into(m["ids"], m["n"], out, None, None, m["at"])
         b.check_piece(*check)  # NOTE: and after: a stale write landing during the copy
+        for d in m.get("seals", ()):  # NOTE: on the private copy: what this rank's steps use
+            open_range(*RangeSeal.of_rank(d), out)
