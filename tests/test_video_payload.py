@@ -2,8 +2,9 @@
 its own video processor (tests/oracle/video_generate.py in `.oracle-venv`), bit for bit:
 token ids (Qwen3-VL's timestamps included), every embedding row (video and image features,
 Qwen3-VL's deepstack columns) with torch's linears in the vision tower, and
-`get_rope_index`'s positions and delta (Qwen2.5-VL's time axis scaled by
-second_per_grid_ts, Qwen3-VL's per-group runs) — for Qwen2.5-VL, Qwen3-VL and
+`get_rope_index`'s positions (Qwen2.5-VL's time axis scaled by second_per_grid_ts,
+Qwen3-VL's per-group runs) and the decode positions generate() uses — for Qwen2.5-VL,
+Qwen3-VL and
 Qwen3-VL-MoE, videos alone and mixed with images and text, odd frame counts and sides,
 2-10 s clips, fps and frame-count controls.
 
@@ -56,7 +57,7 @@ def clips(tmp_path_factory):
 @pytest.fixture(scope="module")
 def oracle(clips, checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("oracle")
-    return out, oracle_results(CASES, checkpoint, clips[1], out, max_new_tokens=1, payload=True)
+    return out, oracle_results(CASES, checkpoint, clips[1], out, max_new_tokens=2, payload=True)
 
 
 _pipes: dict = {}
@@ -94,7 +95,11 @@ def test_payload_equals_transformers(case_id, clips, oracle, checkpoint):
     p = res.payload
     assert p.fill_ids.tolist() == ref["input_ids"]
     assert p.mrope_positions.tolist() == ref["positions"]
-    assert p.mrope_delta == ref["delta"]
+    # decode token i at i + delta, as generate() places it (one past the prompt's last
+    # position; get_rope_index's delta, max + 1 - L, where the two agree)
+    assert {tuple(d) for d in ref["decode_deltas"]} == {(p.mrope_delta,) * 3}
+    if max(map(max, ref["positions"])) == max(r[-1] for r in ref["positions"]):
+        assert p.mrope_delta == ref["delta"]
     want = torch.from_numpy(np.load(out / f"{case_id}.npy"))
     assert p.input_embeds.shape == want.shape
     assert torch.equal(p.input_embeds, want), "embedding rows differ"

@@ -13,7 +13,13 @@ MRoPE positions follow transformers' `get_rope_index`: text runs count up by one
 start + max(h, w) / m. The interval is 1, except for a Qwen2.5-VL video:
 tokens_per_second * second_per_grid_t (float32, truncated). Qwen3-VL writes each temporal
 group of a video as a run of its own between timestamp texts: each is a (1, h, w) grid.
-The delta is max(position) + 1 - L, so decode token i sits at i + delta.
+
+The delta puts decode token i at position i + delta, one past the prompt's last token
+(the last position + 1 - L): where transformers' generate() continues the positions, and
+where `get_rope_index` puts text that follows in a longer prompt, so a reply's KV pages are
+the next turn's prefix. NOTE: `get_rope_index`'s own delta is max(position) + 1 - L; the
+two differ only where a Qwen2.5-VL video's scaled time axis reaches past the text after it
+(the prompt always ends with text: the generation prompt, or a message's text).
 """
 
 from __future__ import annotations
@@ -113,7 +119,7 @@ def rope_index(
     if next(runs, None) is not None:
         raise ValueError("more media than pad runs in the prompt")
     positions = torch.cat(pieces, dim=1) if pieces else torch.zeros(3, 0, dtype=torch.long)
-    delta = int(positions.max()) + 1 - n if n else 0
+    delta = int(positions[:, -1].max()) + 1 - n if n else 0
     return positions, delta
 
 

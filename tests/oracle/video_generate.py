@@ -13,14 +13,16 @@ gets): `apply_chat_template` with {"type": "image"} / {"type": "video"} parts, t
 processor on the text, the images and every frame of each video as transformers' PyAV
 loader decodes it (video_oracle.decode), with `**call`; then greedy `generate()` on the
 checkpoint in float32. Written back, OUT_DIR/results.json: {id: {"input_ids",
-"positions" [3][L], "delta", "tokens", "video_grid_thw", "second_per_grid_ts"} or
-{"error"}}; with "payload": true also OUT_DIR/<id>.npy, the prompt's input embeddings as
+"positions" [3][L], "delta" (get_rope_index's), "tokens", "decode_deltas" (per decode
+step, the (t, h, w) position minus the token's index that generate() fed the model),
+"video_grid_thw", "second_per_grid_ts"} or {"error"}}; with "payload": true also OUT_DIR/<id>.npy, the prompt's input embeddings as
 the encoder must make them ([L, hidden * (1 + num_deepstack)], float32: image and video
 features spliced in, deepstack features at their positions, zeros elsewhere).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -62,6 +64,26 @@ def payload(model, inputs: dict) -> np.ndarray:
         for k in range(nd):
             extra[mask, k * hidden : (k + 1) * hidden] = torch.cat(out.deepstack_features[k])
     return torch.cat([embeds, extra], dim=1).numpy()
+
+
+@contextlib.contextmanager
+def decode_deltas(model):
+    """The MRoPE delta generate() decodes with: per decode step, each position row minus
+    the token's index ([4, batch, 1] position ids: the index, then the t, h, w rows)."""
+    lm = model.model.language_model
+    forward, out = lm.forward, []
+
+    def spy(*args, **kwargs):
+        pos = kwargs.get("position_ids")
+        if pos is not None and pos.dim() == 3 and pos.shape[0] == 4 and pos.shape[-1] == 1:
+            out.append([int(pos[r, 0, 0] - pos[0, 0, 0]) for r in (1, 2, 3)])
+        return forward(*args, **kwargs)
+
+    lm.forward = spy
+    try:
+        yield out
+    finally:
+        lm.forward = forward
 
 
 def run(case: dict, out: Path, models: dict) -> dict:
@@ -112,7 +134,7 @@ def run(case: dict, out: Path, models: dict) -> dict:
         video_grid_thw=inputs.get("video_grid_thw"),
         second_per_grid_ts=inputs.get("second_per_grid_ts"),
     )
-    with torch.inference_mode():
+    with torch.inference_mode(), decode_deltas(model) as deltas:
         seq = model.generate(**inputs, max_new_tokens=case["max_new_tokens"], do_sample=False)
     if case.get("payload"):
         np.save(out / f"{case['id']}.npy", payload(model, inputs))
@@ -121,6 +143,7 @@ def run(case: dict, out: Path, models: dict) -> dict:
         "positions": pos[:, 0].tolist(),
         "delta": int(delta.reshape(-1)[0]),
         "tokens": seq[0, inputs["input_ids"].shape[1] :].tolist(),
+        "decode_deltas": deltas,
     }
     if "video_grid_thw" in inputs:
         r["video_grid_thw"] = inputs["video_grid_thw"].tolist()
