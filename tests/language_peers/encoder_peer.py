@@ -14,8 +14,8 @@ language instance's transfer ports could do once it learned the addresses.
 `--rank0-only` plays an encoder that ignores AttachInit.ranks (writes rank 0 only).
 `--hold` reports nothing of a room (no Progress, Done) until {"op": "go", "room": R}; each
 written chunk first emits {"event": "held", "room": R, "sessions": [every destination's
-transfer session]}: a test acts after the rows landed and before the language side copies
-them out.
+transfer session], "lengths": [its embedding buffer's bytes]}: a test acts after the rows
+landed and before the language side copies them out.
 """
 
 from __future__ import annotations
@@ -111,7 +111,8 @@ async def main() -> None:
             go = released.setdefault(w.room, threading.Event())
 
             def on_chunk(end, tag, report=w.on_chunk):  # the writer thread: the rows landed
-                emit(event="held", room=w.room, sessions=[d.peer for d in w.dests])
+                emit(event="held", room=w.room, sessions=[d.peer for d in w.dests],
+                     lengths=[d.layout.num_blocks * d.layout.embed_row_bytes for d in w.dests])
                 go.wait()
                 report(end, tag)
 
