@@ -57,9 +57,19 @@ CACHE_CHATS = {
     "again": VideoChat(("Again:", Video("mid"), "what?"), VideoOptions(fps=1.0)),
     "other_rate": VideoChat(("Other:", Video("mid"), "what?"), VideoOptions(fps=2.0)),
 }
+# a video the language instance's prefix cache holds on the second send (the text after it
+# fills more than the last KV page, which is always computed)
+HELD = VideoChat(
+    (
+        Video("webm"),
+        "Describe every colour, shape and motion you can see in "
+        "this clip, frame by frame, from the first to the last, in detail.",
+    )
+)
 CACHE_ARCHS = ("qwen2_5_vl", "qwen3_vl")
 CASES = {f"{a}-{n}": (a, c) for a in ARCHS for n, c in CHATS.items()}
 CASES |= {f"{a}-{n}": (a, c) for a in CACHE_ARCHS for n, c in CACHE_CHATS.items()}
+CASES |= {f"{a}-held": (a, HELD) for a in CACHE_ARCHS}
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +185,19 @@ def test_repeated_video_is_an_encoder_cache_hit_and_another_rate_is_not(cluster,
     assert got["first"] == 0  # no earlier test sends this video at this rate
     assert got["again"] > 0  # the video's tokens, from the encoder's cache
     assert got["other_rate"] == 0  # other frames: another key
+
+
+def test_a_video_the_language_side_holds_is_skipped(cluster, clips, expected):
+    """Cache-aware transfer: the second send of a chat finds its pages, the video's too,
+    in the language instance's prefix cache; the encoder neither decodes nor encodes it."""
+    if cluster.arch not in CACHE_ARCHS:
+        pytest.skip("the prefix cache is the same code for every architecture")
+    with Client(cluster.grpc_address) as c:
+        first, again = (c.chat(sdk_messages(HELD, clips), max_tokens=MAX_NEW) for _ in "12")
+    want = expected[f"{cluster.arch}-held"]
+    assert without_eos(first.token_ids) == without_eos(again.token_ids) == want
+    assert (first.timings.skipped_images, again.timings.skipped_images) == (0, 1)
+    assert again.usage.cached_tokens > 0 and again.usage.cached_image_tokens == 0
 
 
 # ---- limits ------------------------------------------------------------------------
