@@ -13,8 +13,10 @@ import torch
 
 @dataclass(frozen=True)
 class ImageSpan:
-    """An image's pad tokens in a prompt: tokens [start, start + length), and its identity
-    (sha256 hex of its grid and processed patches)."""
+    """An image's pad tokens in a prompt, tokens [start, start + length), and its identity
+    (sha256 hex of its grid and processed patches). A video is one span too: from its first
+    pad to its last (for Qwen3-VL its frames' timestamp text between), named by its
+    `VideoPlan.cache_key` (its file, sampled frames, size and normalization)."""
 
     start: int
     length: int
@@ -23,8 +25,9 @@ class ImageSpan:
 
 @dataclass
 class PromptInfo:
-    """What the encoder knows of a prompt before the ViT runs: its token ids (image pads
-    included) and its images. The language side keys its prefix cache with it."""
+    """What the encoder knows of a prompt before the ViT runs: its token ids (image and
+    video pads included) and its images and videos, in prompt order. The language side
+    keys its prefix cache with it."""
 
     token_ids: list[int]
     images: list[ImageSpan] = field(default_factory=list)
