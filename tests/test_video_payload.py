@@ -159,3 +159,47 @@ def test_a_video_the_language_side_holds_is_not_decoded(clips, checkpoint):
     assert ids[0] == ids[-1] == pad and ids.count(pad) < len(ids)
     assert (res.decoded_videos, res.skipped_images) == (0, 1)
     assert res.payload.start == video.start + video.length + 1
+
+
+def _vit_inputs(pipe: EncodePipeline, clips) -> tuple[torch.Tensor, list]:
+    """An image and a decoded video, batched as the scheduler batches them."""
+    prep = pipe.preprocessor(CHATS["mixed"].messages(clips[0]))
+    video = pipe.preprocessor.decode(prep.videos[0])
+    image = prep.images[0]
+    return torch.cat([image.pixel_values, video.pixel_values]), [image.grid, video.grid]
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_the_static_vit_path_takes_videos_as_the_eager_one(clips, checkpoint, arch):
+    """The graph-safe block loop (CUDA graphs' path, run eagerly on the CPU) over a batch
+    holding a video: each frame is a segment of its own, as in transformers' tower."""
+    from tandem.services.encoder.vit_runner import VisionRunner
+
+    pipe = pipeline(checkpoint, arch)
+    pixels, grids = _vit_inputs(pipe, clips)
+    visual = pipe.scheduler.runners[0].visual
+    eager = VisionRunner(visual, mode="eager").run(pixels, grids)
+    static = VisionRunner(visual, mode="static").run(pixels, grids)
+    torch.testing.assert_close(static.embeds, eager.embeds, rtol=1e-5, atol=1e-5)
+    for s, e in zip(static.deepstack, eager.deepstack, strict=True):
+        torch.testing.assert_close(s, e, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_cuda_graphs_take_videos_as_eager(clips, checkpoint, arch, dtype):
+    from tandem.models.split import load_vision_part
+    from tandem.services.encoder.vit_runner import VisionRunner
+
+    pixels, grids = _vit_inputs(pipeline(checkpoint, arch), clips)
+    part = load_vision_part(checkpoint(arch), dtype, "cuda")
+    tol = 2e-3 if dtype == torch.float32 else 5e-2
+    graph = VisionRunner(part.visual, max_graphs=2, mode="graph")
+    eager = VisionRunner(part.visual, mode="eager")
+    for _ in range(2):  # capture, then replay
+        g, e = graph.run(pixels, grids), eager.run(pixels, grids)
+        torch.testing.assert_close(g.embeds, e.embeds, rtol=tol, atol=tol)
+        for a, b in zip(g.deepstack, e.deepstack, strict=True):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    assert graph.captures == 1
