@@ -106,6 +106,45 @@ def test_scheduler_budget_independence_and_cancel(tiny_pipe):
     asyncio.run(go())
 
 
+def test_the_scaling_signal_rises_with_queued_images_and_falls_to_zero_when_idle(tiny_pipe):
+    """tandem_encoder_pending_patches (the encoder tier's autoscaling signal) counts the
+    patches waiting for or in the ViT: all of them once the images are queued, fewer as
+    batches finish, 0 when idle."""
+    from prometheus_client import CollectorRegistry
+
+    from tandem.services.encoder.metrics import EncoderMetrics
+    from tandem.services.encoder.scheduler import EncoderScheduler
+
+    pipe = tiny_pipe
+    images = pipe.preprocessor(chat(4, seed=90)).images
+    metrics = EncoderMetrics(CollectorRegistry())
+    sched = EncoderScheduler(pipe.scheduler.runners, type(pipe.cache)(0),
+                             max(im.num_patches for im in images), metrics)  # one per batch
+
+    def signal() -> float:
+        return metrics.pending_patches._value.get()
+
+    seen = []
+
+    async def go():
+        sched.start()
+        try:
+            task = asyncio.ensure_future(sched.features(images))
+            await asyncio.sleep(0)  # queued: the first batch may have been taken already
+            seen.append(signal())
+            while not task.done():
+                seen.append(signal())
+                await asyncio.sleep(0.001)
+            await task
+        finally:
+            await sched.stop()
+
+    asyncio.run(go())
+    assert seen[0] == sum(im.num_patches for im in images)  # queued + in the ViT
+    assert seen == sorted(seen, reverse=True)  # it only falls while the batches run
+    assert signal() == 0
+
+
 def test_per_image_pixel_bounds_are_clamped(tiny_pipe):
     pre = tiny_pipe.preprocessor
     lim = pre.limits

@@ -19,6 +19,7 @@ import base64
 import copy
 import os
 import posixpath
+import re
 import shlex
 import subprocess
 import sys
@@ -924,3 +925,71 @@ def test_helm_test_hook_sends_one_chat_to_the_router(helm, tmp_path):
     path, auth, body = seen[0]
     assert path == "/v1/chat/completions" and auth == f"Bearer {key}"
     assert body["messages"] and body["max_tokens"] > 0
+
+
+# ---- autoscaling on each tier's own signal ---------------------------------------------------
+
+ADAPTER_RULES = ROOT / "deploy" / "k8s" / "prometheus-adapter-rules.yaml"
+
+
+def exported_metric_names() -> set[str]:
+    """Every metric family the three tiers export (their metric classes, fresh registries)."""
+    from prometheus_client import CollectorRegistry
+
+    from tandem.services.encoder.metrics import EncoderMetrics
+    from tandem.services.language.metrics import LanguageMetrics
+    from tandem.services.router.metrics import RouterMetrics
+    from tandem.transfer.metrics import BlockGauges, TransferMetrics
+
+    names = set()
+    for cls in (EncoderMetrics, LanguageMetrics, RouterMetrics, TransferMetrics, BlockGauges):
+        r = CollectorRegistry()
+        cls(r)
+        names |= {m.name for m in r.collect()}
+    return names
+
+
+def hpa_pod_metrics(objs: list[dict], tier: str) -> dict[str, str]:
+    spec = find(objs, "HorizontalPodAutoscaler", f"{RELEASE}-{tier}")["spec"]
+    assert {m["type"] for m in spec["metrics"]} == {"Pods"}, spec["metrics"]
+    return {m["pods"]["metric"]["name"]: m["pods"]["target"]["averageValue"]
+            for m in spec["metrics"]}
+
+
+def test_each_tier_scales_on_its_own_signal_served_by_the_adapter_rules(helm, rendered):
+    """`signal: load` (the default): the encoder on patches waiting for or in the ViT, the
+    language tier on KV use, waiting requests and embedding blocks, the router on requests
+    in flight. Every metric an HPA names has a prometheus-adapter rule, and every rule
+    reads series the tiers export (so no HPA waits on a metric that never exists)."""
+    prod = rendered["production"]
+    assert hpa_pod_metrics(prod, "encoder") == {"tandem_encoder_pending_patches": "32768"}
+    assert set(hpa_pod_metrics(prod, "language")) == {
+        "tandem_language_kv_cache_usage_ratio", "tandem_language_waiting_requests",
+        "tandem_language_embedding_blocks_used"}
+    assert set(hpa_pod_metrics(prod, "router")) == {"tandem_router_inflight"}
+    rules = yaml.safe_load(ADAPTER_RULES.read_text())["rules"]["custom"]
+    served = {r["name"]["as"] for r in rules}
+    named = set()
+    for tier in ("encoder", "language", "router"):
+        named |= set(hpa_pod_metrics(prod, tier))
+    on = [a for t in ("encoder", "language", "router")
+          for a in ("--set", f"{t}.autoscaling.enabled=true")]
+    default_on = render(helm, *on)
+    for tier in ("encoder", "language", "router"):
+        named |= set(hpa_pod_metrics(default_on, tier))
+    assert named <= served, named - served
+    exported = exported_metric_names()
+    for r in rules:
+        read = set(re.findall(r"\b(tandem_[a-z_]+)\b", r["seriesQuery"] + r["metricsQuery"]))
+        assert read and read <= exported, (r["name"]["as"], read - exported)
+
+
+def test_cpu_is_the_fallback_signal_and_a_wrong_one_is_refused(helm):
+    objs = render(helm, "--set", "encoder.autoscaling.enabled=true",
+                  "--set", "encoder.autoscaling.signal=cpu")
+    spec = find(objs, "HorizontalPodAutoscaler", f"{RELEASE}-encoder")["spec"]
+    assert spec["metrics"] == [{"type": "Resource", "resource": {
+        "name": "cpu", "target": {"type": "Utilization", "averageUtilization": 70}}}]
+    r = helm_run(helm, "template", RELEASE, str(CHART), "--set",
+                 "encoder.autoscaling.enabled=true", "--set", "encoder.autoscaling.signal=gpu")
+    assert r.returncode != 0 and "signal" in r.stderr

@@ -7,6 +7,8 @@ tandem_encoder_preprocess_seconds       per-request preprocessing time (histogra
 tandem_encoder_cache_hits_total / _cache_misses_total / _cache_evictions_total
 tandem_encoder_cache_bytes              bytes held by the embedding cache
 tandem_encoder_queue_patches            patches waiting for the ViT
+tandem_encoder_pending_patches          patches waiting for or in the ViT: the tier's scaling
+                                        signal (0 when idle; docs/deploy.md "Autoscaling")
 tandem_encoder_queued_requests          requests accepted and not yet answered
 tandem_encoder_batch_images             images per ViT batch (histogram)
 tandem_encoder_videos_decoded_total     videos decoded (a cached or held one is not)
@@ -43,6 +45,8 @@ class EncoderMetrics:
             Counter(p + "cache_evictions", "Embedding cache evictions.", **kw))
         self.cache_bytes = Gauge(p + "cache_bytes", "Bytes held by the embedding cache.", **kw)
         self.queue_patches = Gauge(p + "queue_patches", "Patches waiting for the ViT.", **kw)
+        self.pending_patches = Gauge(p + "pending_patches", "Patches waiting for or in the "
+                                     "ViT (the encoder tier's scaling signal).", **kw)
         self.queued_requests = Gauge(p + "queued_requests", "Requests in progress.", **kw)
         self.batch_images = Histogram(
             p + "batch_images",

@@ -93,6 +93,7 @@ class EncoderScheduler:
         self.queue: collections.deque[ImageJob] = collections.deque()
         self.inflight: dict[str, ImageJob] = {}
         self.queued_patches = 0
+        self.vit_patches = 0  # in the ViT now (the batch being run)
         self.batches = 0
         # One thread per device: a runner is driven by one thread at a time.
         self._pools = [
@@ -199,6 +200,7 @@ class EncoderScheduler:
         while True:
             await self._wake.wait()
             batch = self._take_batch()
+            self.vit_patches = sum(j.image.num_patches for j in batch)
             self._gauge()
             if not batch:
                 self._wake.clear()
@@ -220,8 +222,12 @@ class EncoderScheduler:
                     self.inflight.pop(job.key, None)
                     if not job.future.done():
                         job.future.set_exception(e)
+                self.vit_patches = 0
+                self._gauge()
                 continue
             vit_s = time.perf_counter() - t0
+            self.vit_patches = 0
+            self._gauge()
             self.batches += 1
             if self.metrics:
                 self.metrics.batch(len(batch), sum(j.image.num_patches for j in batch), vit_s)
@@ -237,6 +243,7 @@ class EncoderScheduler:
     def _gauge(self) -> None:
         if self.metrics:
             self.metrics.queue_patches.set(self.queued_patches)
+            self.metrics.pending_patches.set(self.queued_patches + self.vit_patches)
 
     def _run(self, device: int, images: list[VisionInput]) -> list[CachedFeatures]:
         """On runner `device`'s thread: one ViT call over `images`, split per input."""

@@ -1,8 +1,8 @@
 """Prometheus metrics of the language tier: one set per registry (`tandem.metrics`), the
 service's own, so several engines in one process (tests) never collide.
 
-Per step (the engine): batch size and tokens, prompt / generation token counters,
-retractions, queue and KV gauges. At a request's first token: time to first token. Per
+Per step (the engine): its time (busy_seconds), batch size and tokens, prompt / generation
+token counters, retractions, queue and KV gauges. At a request's first token: time to first token. Per
 finished request (`request_finished`, called by the engine's `_finish` from the request's
 timestamps): latency, time per output token and, as vLLM names them, queue time (queued ->
 first scheduled), prefill time (first scheduled -> first token), decode time (first token
@@ -76,6 +76,8 @@ class LanguageMetrics:
                                       buckets=(1, 8, 32, 128, 512, 1024, 2048, 4096, 8192),
                                       registry=r)  # fmt: skip
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens prefilled.", registry=r)
+        self.busy_seconds = Counter(p + "busy_seconds", "Time spent in forward steps (its "
+                                    "rate is the instance's busy fraction).", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated.",
                                          registry=r)  # fmt: skip
         self.tokens_per_s = Gauge(p + "generation_tokens_per_second",

@@ -305,6 +305,7 @@ class Engine:
             self._on_token(self._live[step.chunks[i].req.room], tokens[i], logprobs[i], tops[i],
                            now)
         kind = "decode" if step.batch.is_pure_decode else "mixed"
+        m.busy_seconds.inc(t2 - t0)
         self.profile[kind + "_s"] += t2 - t0
         self.profile[kind + "_steps"] += 1
         self.profile["host_s"] += time.perf_counter() - t2 + (t0 - t_sched)
