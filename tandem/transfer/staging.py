@@ -131,12 +131,12 @@ class StagingArea:
         t1: int,
         at: int = 0,
         seal: RangeSeal | None = None,
-    ) -> tuple[tuple[list[int], list[int], list[int]], RangeTag | None]:
+    ) -> tuple[tuple[list[int], list[int], list[int]], torch.Tensor]:
         """Copy payload tokens [t0, t1) of the piece into `slot` at token offset `at`;
         return the writes (srcs, dsts, lengths) into `layout`'s buffers (`writes` gives
-        those into any other rank's) and, with a `seal` (the range's keys), the range's
-        tags. An encrypting seal puts ciphertext in the slot (plaintext never lands in
-        registered memory).
+        those into any other rank's) and a private copy of the aux rows staged (what the
+        range's tags cover, `tag_range`). An encrypting `seal` (the range's keys) puts
+        ciphertext in the slot: plaintext never lands in registered memory.
 
         The piece starts at token `piece_start` and lands in `block_ids` (token order);
         t0 - piece_start and `at` are multiples of the block size (whole blocks only).
@@ -165,7 +165,7 @@ class StagingArea:
             m[:full].copy_(src[:, : full * bs].reshape(3, full, bs).permute(1, 0, 2))
         if n % bs:
             m[full, :, : n % bs].copy_(src[:, full * bs :])
-        # NOTE: the aux rows are built in private memory, tagged from there, then staged.
+        # NOTE: the aux rows are built in private memory (tagged from there), then staged.
         a = torch.zeros((nb, B.AUX_WIDTH), dtype=torch.int32)
         lo, hi = B.room_words(room)
         total = payload.num_tokens
@@ -176,8 +176,7 @@ class StagingArea:
         a[:, B.AUX_ROOM_LO], a[:, B.AUX_ROOM_HI], a[:, B.AUX_EMBED_DIM] = lo, hi, d
         a[:, B.AUX_GENERATION] = generation
         self.aux[slot][at // bs : at // bs + nb].copy_(a)
-        tag = seal.tag(src_e, src_f, src_m, a) if seal is not None else None
-        return self.writes(slot, layout, block_ids, i0, n, at), tag
+        return self.writes(slot, layout, block_ids, i0, n, at), a
 
     def writes(self, slot: int, layout: BufferLayout, block_ids: list[int], i0: int, n: int,
                at: int) -> tuple[list[int], list[int], list[int]]:
@@ -219,6 +218,15 @@ class StagingArea:
         if layout.num_blocks < 1:
             return f"num_blocks {layout.num_blocks} < 1"
         return None
+
+
+def tag_range(seal: RangeSeal, payload: PromptPayload, t0: int, t1: int,
+              aux: torch.Tensor) -> RangeTag:
+    """The tags of payload tokens [t0, t1), staged with the aux rows `aux`: over the
+    payload's own (private, plaintext) rows, never the staging slot (registered memory,
+    which another process could change between the copy and the tag)."""
+    return seal.tag(payload.input_embeds[t0:t1], payload.fill_ids[t0:t1],
+                    payload.mrope_positions[:, t0:t1], aux)
 
 
 @dataclass(frozen=True)
@@ -279,7 +287,7 @@ def write_round(w: WriteRound) -> int:
             c1 = min(c0 + w.chunk, t1)
             at = c0 - t0
             seal = w.protection.seal(room, w.generation, c0, c1)
-            plan, tag = w.staging.stage(w.slot, w.payload, room, w.generation, first, w.ids,
+            plan, aux = w.staging.stage(w.slot, w.payload, room, w.generation, first, w.ids,
                                         w.start, w.piece, c0, c1, at=at, seal=seal)
             plans = [plan]
             i0 = (c0 - w.start) // bs
@@ -292,6 +300,8 @@ def write_round(w: WriteRound) -> int:
             except TransferError as e:
                 leftovers += e.pending + [t for _, st in started_all for t in st]
                 raise
+            # NOTE: tagged while the chunk is on the wire (its tags go with its report)
+            tag = tag_range(seal, w.payload, c0, c1, aux) if seal is not None else None
             pending.append((started_all, sum(sum(p[2]) for p in plans), c1, tag))
             while len(pending) > 1 or (pending and c1 == t1):
                 started_all, n, c_end, c_tag = pending[0]
