@@ -45,20 +45,37 @@ def cluster(checkpoint):
     cl.stop()
 
 
-def test_sigstop_of_one_encoder_under_load_fails_no_request(cluster):
-    victim = cluster.instances["encoder-0"]
+def _busy(load, kind: str) -> bool:
+    """The instance holds work (so a freeze catches requests in flight)."""
+    if kind == "encoder":
+        return load.queued_requests + load.open_rooms > 0
+    return load.transferring + load.waiting + load.running > 0
+
+
+def freeze_under_load(cluster, victim_name: str, n: int, timeout_ms: int, stagger_s: float,
+                      thaw_after_s: float | None, log_words: tuple[str, ...]) -> None:
+    """n concurrent image chats; `victim_name` SIGSTOPped once it holds work (thawed after
+    `thaw_after_s`, else when every request has its answer); every request must succeed
+    and, afterwards, every page and block be free everywhere."""
+    victim = cluster.instances[victim_name]
+    kind = victim_name.split("-")[0]
 
     async def freeze_while_it_works(tasks):
         for _ in range(500):
-            load = (await asyncio.to_thread(cluster.loads, "encoder")).get(victim.address)
-            if load is not None and load.queued_requests + load.open_rooms > 0:
+            load = (await asyncio.to_thread(cluster.loads, kind)).get(victim.address)
+            if load is not None and _busy(load, kind):
                 break
             await asyncio.sleep(0.01)
         os.kill(victim.pid, signal.SIGSTOP)
+        if thaw_after_s is not None:
+            try:
+                await asyncio.sleep(thaw_after_s)
+            finally:
+                os.kill(victim.pid, signal.SIGCONT)
 
     try:
-        results = asyncio.run(_many(cluster, CONCURRENCY, timeout_ms=60_000,
-                                    on_progress=freeze_while_it_works, stagger_s=0.02,
+        results = asyncio.run(_many(cluster, n, timeout_ms=timeout_ms,
+                                    on_progress=freeze_while_it_works, stagger_s=stagger_s,
                                     distinct_images=True))
     finally:
         os.kill(victim.pid, signal.SIGCONT)
@@ -66,42 +83,20 @@ def test_sigstop_of_one_encoder_under_load_fails_no_request(cluster):
         "ok" if not isinstance(r, BaseException) and _ok(r)
         else repr(r)[:160] if isinstance(r, BaseException) else f"{r[0]}: {r[1][:160]}"
         for r in results)
-    moved = [ln for ln in cluster.lines if "ejected" in ln or "retrying" in ln]
-    print("SIGSTOP outcomes:", dict(outcomes))
-    print("\n".join(moved[:8]))
-    assert outcomes["ok"] == CONCURRENCY, dict(outcomes)
-    # Thawed, the frozen encoder finds its rooms gone; everything is returned everywhere.
-    assert wait_idle(cluster)["idle"]
-
-
-def test_sigstop_of_one_language_instance_under_load_fails_no_request(cluster):
-    victim = cluster.instances["language-0"]
-    n = 60
-
-    async def freeze_while_it_works(tasks):
-        for _ in range(500):
-            load = (await asyncio.to_thread(cluster.loads, "language")).get(victim.address)
-            if load is not None and load.transferring + load.waiting + load.running > 0:
-                break
-            await asyncio.sleep(0.01)
-        os.kill(victim.pid, signal.SIGSTOP)
-        try:
-            await asyncio.sleep(FROZEN_LANGUAGE_S)
-        finally:
-            os.kill(victim.pid, signal.SIGCONT)
-
-    try:
-        results = asyncio.run(_many(cluster, n, timeout_ms=120_000,
-                                    on_progress=freeze_while_it_works, stagger_s=0.05,
-                                    distinct_images=True))
-    finally:
-        os.kill(victim.pid, signal.SIGCONT)
-    outcomes = collections.Counter(
-        "ok" if not isinstance(r, BaseException) and _ok(r)
-        else repr(r)[:160] if isinstance(r, BaseException) else f"{r[0]}: {r[1][:160]}"
-        for r in results)
-    moved = [ln for ln in cluster.lines if "stopped answering" in ln or "did not answer" in ln]
+    moved = [ln for ln in cluster.lines if any(w in ln for w in log_words)]
     print("SIGSTOP outcomes:", dict(outcomes))
     print("\n".join(moved[:8]))
     assert outcomes["ok"] == n, dict(outcomes)
+    # Thawed, the frozen instance finds its rooms gone; everything is returned everywhere.
     assert wait_idle(cluster)["idle"]
+
+
+def test_sigstop_of_one_encoder_under_load_fails_no_request(cluster):
+    freeze_under_load(cluster, "encoder-0", CONCURRENCY, timeout_ms=60_000, stagger_s=0.02,
+                      thaw_after_s=None, log_words=("ejected", "retrying"))
+
+
+def test_sigstop_of_one_language_instance_under_load_fails_no_request(cluster):
+    freeze_under_load(cluster, "language-0", 60, timeout_ms=120_000, stagger_s=0.05,
+                      thaw_after_s=FROZEN_LANGUAGE_S,
+                      log_words=("stopped answering", "did not answer"))

@@ -102,9 +102,14 @@ def test_a_vllm_flag_without_an_equivalent_gets_a_hint(flag, capsys):
     assert flag in err and serve.HINTS[flag] in err
 
 
-def test_video_limits_and_missing_values_are_refused_by_name(capsys):
-    assert serve.main(["m", "--limit-mm-per-prompt", '{"video": 1}']) == 2
-    assert "video input is not supported yet" in capsys.readouterr().err
+def test_media_limits_map_and_bad_ones_and_missing_values_are_refused_by_name(capsys, tmp_path):
+    model = str(tmp_path)
+    for given in ('{"image": 3, "video": 2}', "image=3,video=2",
+                  '{"image": {"count": 3}, "video": 2}'):
+        enc = settings([model, "--limit-mm-per-prompt", given], model)["encoder"]
+        assert (enc.max_images_per_request, enc.max_videos_per_request) == (3, 2)
+    assert serve.main(["m", "--limit-mm-per-prompt", '{"audio": 1}']) == 2
+    assert "--limit-mm-per-prompt" in capsys.readouterr().err
     assert serve.main(["m", "--port"]) == 2
     assert "--port needs a value" in capsys.readouterr().err
     assert serve.main(["--port", "1"]) == 2

@@ -18,7 +18,9 @@ a bare "unrecognized arguments"); `tandem up`'s own flags pass through as they a
     --max-num-seqs N                  language --max-running-requests N
     --max-num-batched-tokens N        language --max-prefill-tokens N
     --[no-]enable-prefix-caching      language --[no-]prefix-cache
-    --limit-mm-per-prompt '{"image": N}'  encoder --max-images-per-request N
+    --limit-mm-per-prompt '{"image": N, "video": M}'
+                                      encoder --max-images-per-request N,
+                                      --max-videos-per-request M
     --uvicorn-log-level L             tandem up --log-level L
     --seed N                          language --seed N (the seeds of requests that give
                                       none; a request's own `seed` wins)
@@ -38,19 +40,30 @@ class Mapped:
     """Where a vLLM flag's value goes: the cluster (`up`) or a tier's extra flags."""
 
     to: str  # "up", "encoder", "language", "tiers" (encoder and language)
-    flag: str  # the Tandem flag
-    convert: object = str  # value -> the Tandem value (str)
+    flag: str  # the Tandem flag ("": `convert` returns the Tandem flags and values itself)
+    convert: object = str  # value -> the Tandem value (str), or the flags when `flag` is ""
 
 
-def _images(value: str) -> str:
+# vLLM's --limit-mm-per-prompt modality -> the encoder's limit
+_MM_LIMITS = {"image": "--max-images-per-request", "video": "--max-videos-per-request"}
+
+
+def _mm_limits(value: str) -> list[str]:
     try:
         limits = json.loads(value)
     except ValueError:  # vLLM's older `image=N,video=M` form
         limits = dict(kv.split("=", 1) for kv in value.split(",") if "=" in kv)
-    if not isinstance(limits, dict) or set(limits) - {"image"}:
-        raise ValueError(f"{value!r}: only an image limit is served ('{{\"image\": N}}'); "
-                         "video input is not supported yet")
-    return str(int(limits.get("image", 16)))
+    if not isinstance(limits, dict) or not limits or set(limits) - set(_MM_LIMITS):
+        raise ValueError(f"{value!r}: limits for {sorted(_MM_LIMITS)} are served "
+                         "('{\"image\": N, \"video\": M}')")
+    out = []
+    for kind, n in limits.items():
+        if isinstance(n, dict):  # vLLM's newer per-modality options: the count alone
+            n = n.get("count")
+        if not isinstance(n, int | str) or not str(n).isdigit():
+            raise ValueError(f"{value!r}: the {kind} limit must be a count")
+        out += [_MM_LIMITS[kind], str(int(n))]
+    return out
 
 
 MAPPED: dict[str, Mapped] = {
@@ -67,7 +80,7 @@ MAPPED: dict[str, Mapped] = {
     "--gpu-memory-utilization": Mapped("language", "--kv-memory-fraction"),
     "--max-num-seqs": Mapped("language", "--max-running-requests"),
     "--max-num-batched-tokens": Mapped("language", "--max-prefill-tokens"),
-    "--limit-mm-per-prompt": Mapped("encoder", "--max-images-per-request", _images),
+    "--limit-mm-per-prompt": Mapped("encoder", "", _mm_limits),
     "--seed": Mapped("language", "--seed"),
 }
 SWITCHES: dict[str, tuple[str, str]] = {  # a flag without a value -> (tier, its flag)
@@ -161,11 +174,12 @@ def translate(argv: list[str]) -> list[str]:
             value = m.convert(value)
         except ValueError as e:
             raise ServeError(f"{name}: {e}") from None
+        flags = value if not m.flag else [m.flag, value]
         if m.to == "up":
-            up += [m.flag, value]
+            up += flags
         for kind in ("encoder", "language"):
             if m.to in (kind, "tiers"):
-                tier[kind] += [m.flag, value]
+                tier[kind] += flags
     for kind, flags in tier.items():
         if flags or given[kind]:  # the caller's own tier flags after the mapped ones
             up.append(f"--{kind}-args={shlex.join(flags + given[kind])}")

@@ -102,8 +102,9 @@ VLLM_REFUSED = {
     "documents": "the served models' chat templates render no documents",
     "chat_template": "a request cannot bring its own template (a template is code the "
     "server runs); set one per deployment with --chat-template",
-    "media_io_kwargs": "images are decoded with the encoder's settings; resize bounds go "
-    "in mm_processor_kwargs (min_pixels, max_pixels)",
+    "media_io_kwargs": "images and videos are decoded with the encoder's settings; resize "
+    "bounds and a video's sampling go in mm_processor_kwargs (min_pixels, max_pixels, "
+    "total_pixels, fps, num_frames, min_frames, max_frames) or in the video part",
     "request_id": "send the X-Request-Id header: it names the request in every tier's log",
     "session_id": "language affinity follows the conversation itself (its system and "
     "first user message)",
