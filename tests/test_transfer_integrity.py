@@ -323,3 +323,20 @@ async def test_an_encoder_never_sends_rows_less_protected_than_its_setting(tmp_p
     finally:
         await enc.stop()
         await rx.close()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_what_a_mooncake_engine_listens_on(attacker):
+    """docs/deploy.md's table, kept true: an engine opens two TCP listeners (handshake RPC,
+    data), both inside the configured port range (what the NetworkPolicy opens) and both on
+    every interface though the engine was started on 127.0.0.1 (Mooncake 0.3.13 has no bind
+    option). A Mooncake that binds to the host makes this fail: update the docs then."""
+    import psutil
+
+    cfg = TransferConfig()
+    listening = [c.laddr for c in psutil.Process(attacker.proc.pid).net_connections("inet")
+                 if c.status == psutil.CONN_LISTEN]
+    session_port = int(attacker.ready["session"].rsplit(":", 1)[1])
+    assert len(listening) == 2 and session_port in {a.port for a in listening}, listening
+    assert all(cfg.min_port <= a.port <= cfg.max_port for a in listening), listening
+    assert sorted(a.ip for a in listening) == ["0.0.0.0", "::"], listening
