@@ -129,9 +129,13 @@ def test_a_foreign_write_in_flight_ends_the_request_with_data_loss(parts, tmp_pa
         _stop(lang)
 
 
-def test_each_tensor_parallel_rank_checks_its_own_copy(parts, tmp_path):
+@pytest.mark.parametrize("protect", ["mac", "encrypt"])
+def test_each_tensor_parallel_rank_checks_its_own_copy(parts, tmp_path, protect):
+    """Rank 1 opens its own copy (under `encrypt` it decrypts it too: the exact output
+    after the attack proves both ranks' rows were the prompt's)."""
     ckpt, enc, attacker, ref = parts
-    lang = Language(ckpt, tmp_path / "language.log", "--tp", "2", "--tp-timeout-s", "30")
+    lang = Language(ckpt, tmp_path / "language.log", "--tp", "2", "--tp-timeout-s", "30",
+                    "--transfer.protect", protect)
     try:
         lang.wait_ready()
         _attacked(lang, enc, attacker, rank=1)
