@@ -270,8 +270,8 @@ def write_round(w: WriteRound) -> int:
     then submitted to every destination (one transfer per coalesced region), two deep
     (chunk k+1 is copied while chunk k is on the wire). `on_chunk(end, tags)` runs as each
     chunk has reached every destination (a chunk is one reported range: its tags go with
-    its Progress, or the piece's partial Progress or Done); `on_fail` runs at the first failure, before the leftovers
-    are drained, so the room ends at once. Stops submitting once the room ended. Returns
+    its Progress, or the piece's partial Progress or Done); `on_fail` runs at the first
+    failure, before the leftovers are drained, so the room ends at once. Stops submitting once the room ended. Returns
     the bytes written (all destinations); raises TransferStuck when writes from the slot
     never ended (the caller must retire it)."""
     engine, room, t0, t1 = w.engine, w.room, w.t0, w.t1
@@ -300,9 +300,10 @@ def write_round(w: WriteRound) -> int:
             except TransferError as e:
                 leftovers += e.pending + [t for _, st in started_all for t in st]
                 raise
-            # NOTE: tagged while the chunk is on the wire (its tags go with its report)
-            tag = tag_range(seal, w.payload, c0, c1, aux) if seal is not None else None
-            pending.append((started_all, sum(sum(p[2]) for p in plans), c1, tag))
+            nbytes = sum(sum(p[2]) for p in plans)
+            pending.append((started_all, nbytes, c1, None))  # NOTE: now, for the drain
+            if seal is not None:  # tagged while the chunk is on the wire
+                pending[-1] = (started_all, nbytes, c1, tag_range(seal, w.payload, c0, c1, aux))
             while len(pending) > 1 or (pending and c1 == t1):
                 started_all, n, c_end, c_tag = pending[0]
                 for k, (peer, started) in enumerate(started_all):
