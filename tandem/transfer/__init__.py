@@ -2,11 +2,12 @@
 
 Encoder side:   MooncakeEngine, StagingArea, EmbeddingSender (serves Encoder.Attach)
 Language side:  MooncakeEngine, EmbeddingBuffers, BlockAllocator, EmbeddingReceiver
-Both:           PromptPayload, TransferError, transfer_metrics
+Both:           PromptPayload, RowProtection (--transfer.protect), TransferError,
+                transfer_metrics
 """
 
 from tandem.transfer.allocator import BlockAllocator
-from tandem.transfer.buffers import BufferLayout, EmbeddingBuffers
+from tandem.transfer.buffers import BufferLayout, EmbeddingBuffers, RowProtection
 from tandem.transfer.engine import MooncakeEngine
 from tandem.transfer.errors import TransferError
 from tandem.transfer.metrics import transfer_metrics
@@ -19,6 +20,6 @@ from tandem.transfer.staging import StagingArea
 
 __all__ = [
     "BlockAllocator", "BufferLayout", "EmbeddingBuffers", "EmbeddingReceiver", "EmbeddingSender",
-    "MooncakeEngine", "PromptPayload", "ReceiverState", "SendStats", "SenderState",
+    "MooncakeEngine", "PromptPayload", "ReceiverState", "RowProtection", "SendStats", "SenderState",
     "StagingArea", "TransferError", "transfer_metrics",
 ]
