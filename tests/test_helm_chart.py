@@ -360,6 +360,7 @@ def test_rendered_config_is_what_the_service_parses(rendered, variant, tier):
         assert cfg.port == port_of(c, "grpc") and cfg.metrics_port == port_of(c, "metrics")
         assert cfg.metrics_port > 0, "metrics must be served in the cluster"
         assert cfg.transfer.host == FAKE_POD_IP
+        assert cfg.transfer.protect == "mac"  # the chart's default reaches the tier
         assert cfg.health_port == (port_of(c, "health") if cfg.internal_tls.cert else 0)
     assert cfg.host == "0.0.0.0"
     # mTLS between the tiers unless the variant turns it off (then explicitly plaintext)
@@ -993,3 +994,11 @@ def test_cpu_is_the_fallback_signal_and_a_wrong_one_is_refused(helm):
     r = helm_run(helm, "template", RELEASE, str(CHART), "--set",
                  "encoder.autoscaling.enabled=true", "--set", "encoder.autoscaling.signal=gpu")
     assert r.returncode != 0 and "signal" in r.stderr
+
+
+def test_transfer_protection_reaches_both_tiers_and_a_bad_mode_is_refused(helm):
+    objs = render(helm, "--set", "transfer.protect=encrypt")
+    for tier in ("encoder", "language"):
+        assert service_config(objs, tier).transfer.protect == "encrypt"
+    r = helm_run(helm, "template", RELEASE, str(CHART), "--set", "transfer.protect=rot13")
+    assert r.returncode != 0 and "protect" in r.stderr

@@ -136,4 +136,6 @@ def from_error_info(info, tier: Tier) -> RouterError:
 RETRYABLE_ENCODER = {"UNAVAILABLE", "INTERNAL", "UNKNOWN", "ABORTED", "CANCELLED"}
 
 # Codes after which the whole request may be retried, if the caller has seen no output.
-RETRYABLE_REQUEST = {"UNAVAILABLE", "ABORTED", "INTERNAL", "UNKNOWN"}
+# DATA_LOSS: a language instance found its prompt's rows tampered with or stale (the
+# transfer's tags or fence): the input is fine, so the request goes to another instance.
+RETRYABLE_REQUEST = {"UNAVAILABLE", "ABORTED", "INTERNAL", "UNKNOWN", "DATA_LOSS"}

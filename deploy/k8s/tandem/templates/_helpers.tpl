@@ -123,6 +123,7 @@ TANDEM_TRANSFER__METADATA_SERVER: {{ $t.metadataServer | quote }}
 TANDEM_TRANSFER__MIN_PORT: {{ include "tandem.scalar" $t.minPort | quote }}
 TANDEM_TRANSFER__MAX_PORT: {{ include "tandem.scalar" $t.maxPort | quote }}
 TANDEM_TRANSFER__TIMEOUT_S: {{ include "tandem.scalar" $t.timeoutS | quote }}
+TANDEM_TRANSFER__PROTECT: {{ $t.protect | quote }}
 {{- end -}}
 
 {{- define "tandem.podSpread" -}}
