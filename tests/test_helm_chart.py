@@ -1002,3 +1002,13 @@ def test_transfer_protection_reaches_both_tiers_and_a_bad_mode_is_refused(helm):
         assert service_config(objs, tier).transfer.protect == "encrypt"
     r = helm_run(helm, "template", RELEASE, str(CHART), "--set", "transfer.protect=rot13")
     assert r.returncode != 0 and "protect" in r.stderr
+
+
+def test_a_tenants_secret_reaches_the_router_as_its_keys_file(helm):
+    objs = render(helm, "--set", "router.tenants.existingSecret=tandem-tenants")
+    cfg = service_config(objs, "router")
+    mount, vol = mount_holding(container(objs, "router"), pod_spec(objs, "router"),
+                               cfg.api_keys_file)
+    assert vol["secret"]["secretName"] == "tandem-tenants" and mount["readOnly"]
+    assert cfg.api_keys_file.endswith("/tenants.yaml")
+    assert service_config(render(helm), "router").api_keys_file == ""

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from tandem.services.router.admission import Admission, check_api_key
+from tandem.services.router.admission import Admission
 from tandem.services.router.dispatch.health import HealthTracker, InstanceState
 from tandem.services.router.dispatch.selection import (
     Candidate,
@@ -16,6 +16,7 @@ from tandem.services.router.dispatch.selection import (
     rendezvous_order,
 )
 from tandem.services.router.errors import RouterError
+from tandem.services.router.tenants import DEFAULT_TENANT, Tenants, cache_namespace
 
 
 def _h(i: int) -> str:
@@ -125,13 +126,47 @@ def test_admission_bound_and_release():
     assert a.inflight == 1
 
 
-def test_api_key_check():
-    check_api_key("", None)  # no key configured: open
-    check_api_key("s3cret", "Bearer s3cret")
-    for bad in (None, "", "Bearer nope", "Basic s3cret", "s3cret"):
+def test_api_keys_name_tenants(tmp_path):
+    assert Tenants().authenticate(None) == ""  # no key configured: open, tenant ""
+    one = Tenants(api_key="s3cret-key")
+    assert one.authenticate("Bearer s3cret-key") == DEFAULT_TENANT
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("tenants:\n  acme: {keys: [acme-key-1, acme-key-2], max_inflight: 1}\n"
+                    "  beta: {keys: [beta-key-1]}\n")
+    many = Tenants(api_key="s3cret-key", keys_file=str(keys))
+    assert [many.authenticate(f"Bearer {k}") for k in
+            ("acme-key-1", "acme-key-2", "beta-key-1", "s3cret-key")] == [
+                "acme", "acme", "beta", DEFAULT_TENANT]
+    for bad in (None, "", "Bearer nope", "Basic acme-key-1", "acme-key-1"):
         with pytest.raises(RouterError) as e:
-            check_api_key("s3cret", bad)
+            many.authenticate(bad)
         assert e.value.http_status == 401 and e.value.grpc_name == "UNAUTHENTICATED"
+    # a tenant's own bound on requests in flight, beside the router's
+    a = Admission(10, tenants=many)
+    a.acquire("acme")
+    with pytest.raises(RouterError) as e:
+        a.acquire("acme")
+    assert e.value.http_status == 429 and "acme" in e.value.message
+    a.acquire("beta")
+    a.release("acme")
+    a.acquire("acme")
+    # one key for two tenants, or a short key, is refused when the file is read
+    keys.write_text("tenants:\n  a: {keys: [same-key-1]}\n  b: {keys: [same-key-1]}\n")
+    with pytest.raises(ValueError, match="also a key"):
+        Tenants(keys_file=str(keys))
+    keys.write_text("tenants:\n  a: {keys: [short]}\n")
+    with pytest.raises(ValueError, match="8 characters"):
+        Tenants(keys_file=str(keys))
+
+
+def test_cache_namespaces_differ_per_tenant_and_salt():
+    assert cache_namespace("", None) == cache_namespace("", "") == ""  # the shared cache
+    spaces = {cache_namespace(t, s) for t in ("", "acme", "beta") for s in (None, "x", "y")}
+    assert len(spaces) == 9  # every (tenant, salt) pair its own namespace
+    assert cache_namespace("acme", None) == cache_namespace("acme", "")
+    with pytest.raises(RouterError) as e:
+        cache_namespace("acme", "s" * 300)
+    assert e.value.param == "cache_salt"
 
 
 def test_error_mapping():

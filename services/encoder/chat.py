@@ -27,6 +27,7 @@ class EncodeJob:
     client_id: str = ""  # the caller's key for the fair share of preprocessing ("" = own)
     # how the chat template renders the chat (chat_template_kwargs, generation prompt)
     template: TemplateOptions = field(default_factory=TemplateOptions)
+    cache_salt: str = ""  # the cache namespace its media keys live in ("" = shared)
 
 
 def job_from_proto(req) -> EncodeJob:
@@ -43,4 +44,5 @@ def job_from_proto(req) -> EncodeJob:
         tools=tools_from_json(req.tools_json),
         client_id=req.client_id,
         template=template_options_from_proto(req.template_options),
+        cache_salt=req.cache_salt,
     )

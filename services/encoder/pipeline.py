@@ -32,7 +32,12 @@ from tandem.services.encoder.cache import EmbeddingCache
 from tandem.services.encoder.fair_pool import FairPool
 from tandem.services.encoder.images import Budget, ImageLimits
 from tandem.services.encoder.merge import MediaKind, RopeRule, VisionGrid, build_payload
-from tandem.services.encoder.preprocess import PreparedImage, PreprocessLimits, Preprocessor
+from tandem.services.encoder.preprocess import (
+    PreparedImage,
+    PreprocessLimits,
+    Preprocessor,
+    in_namespace,
+)
 from tandem.services.encoder.scheduler import EncoderScheduler
 from tandem.services.encoder.video import PlannedVideo, PreparedVideo, VideoLimits
 from tandem.services.encoder.video_rules import ARCH_RULES, VideoSettings
@@ -169,26 +174,33 @@ class EncodePipeline:
         client: str = "",
         deadline: float | None = None,
         template: TemplateOptions | None = None,
+        cache_salt: str = "",
     ) -> EncodeResult:
         """`on_state(EncodeState)` is called as the request moves from stage to stage;
         `announce(info)` returns the leading tokens the language side already holds.
         `client` is the caller's key for the fair share of the worker threads ("" = a
         client of its own); `deadline` (Unix seconds) bounds the preprocessing;
-        `template`: how the chat template renders the chat."""
+        `template`: how the chat template renders the chat; `cache_salt`: the cache
+        namespace (the router's; "" = shared) every medium's key is taken in, for the
+        embedding cache and for the spans announced to the language side alike."""
         left = math.inf if deadline is None else deadline - time.time()
         budget = Budget(time.monotonic() + left)
         try:
             return await self._encode(messages, limits, on_state, announce, tools, client,
-                                      budget, template)  # fmt: skip
+                                      budget, template, cache_salt)  # fmt: skip
         finally:
             budget.stop.set()  # NOTE: a worker still on this request stops at its next check
 
     async def _encode(self, messages, limits, on_state, announce, tools, client,
-                      budget: Budget, template: TemplateOptions | None) -> EncodeResult:  # fmt: skip
+                      budget: Budget, template: TemplateOptions | None,
+                      cache_salt: str) -> EncodeResult:  # fmt: skip
         step = on_state or (lambda _s: None)
         step(EncodeState.PREPROCESSING)
         prep = await self.pool.run(client, self.preprocessor, messages, limits, tools, budget,
                                    template)
+        if cache_salt:
+            for m in prep.media:
+                in_namespace(m, cache_salt)
         if self.metrics:
             self.metrics.preprocess_seconds.observe(prep.preprocess_s)
         spans = media_spans(prep.input_ids, prep.media, self.spec.image_token_id,

@@ -12,11 +12,15 @@ images=..., videos=...)` takes, checked against it in the tests.
 
 Identities (cache keys): an image's is the sha256 of its processed patches and grid; a
 video's is `VideoPlan.cache_key` (its file, sampled frames, size and normalization). Equal
-keys mean bit-identical ViT input.
+keys mean bit-identical ViT input. A request in a cache namespace (the router's
+cache_salt: its tenant and salt) has its media's keys taken in that namespace
+(`in_namespace`), so equal keys also mean the same namespace: a cache hit, and the spans
+the language side keys its prefix cache by, never cross tenants.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from dataclasses import dataclass, field
@@ -109,6 +113,18 @@ class PreprocessLimits:
     image: ImageLimits
     max_videos: int = 0
     video: VideoLimits = field(default_factory=VideoLimits)
+
+
+def in_namespace(medium, cache_salt: str) -> None:
+    """Take `medium`'s cache key (an image's hash, a video's plan key) in namespace
+    `cache_salt` (non-empty), in place, before anything looks it up or announces it."""
+    def key(k: str) -> str:
+        return hashlib.sha256(f"namespace|{cache_salt}|{k}".encode()).hexdigest()
+
+    if isinstance(medium, PreparedImage):
+        medium.hash = key(medium.hash)
+    else:  # a planned video: its decoded form takes the plan, key included
+        medium.plan = dataclasses.replace(medium.plan, cache_key=key(medium.plan.cache_key))
 
 
 class Preprocessor:

@@ -113,7 +113,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                 job.messages, job.limits, on_state=mark,
                 announce=lambda info: self.sender.announce(job.room, info, deadline=deadline),
                 tools=job.tools, client=job.client_id, deadline=deadline,
-                template=job.template,
+                template=job.template, cache_salt=job.cache_salt,
             )  # fmt: skip
             mark(EncodeState.SENDING)
             t0 = time.perf_counter()

@@ -157,6 +157,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             else:
                 self.transferring.add(room)
                 self.metrics.transferring.set(len(self.transferring))
+                self.engine.expect_prompt(room, request.cache_salt)
                 try:
                     prompt = await self.receiver.receive(
                         room, request.encoder_address, deadline, client=request.client_id)
@@ -173,6 +174,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             # -- 2. the engine generates --
             req = Request(room, sampling, prompt, request_id=request.request_id,
                           priority=request.priority, grammar_future=grammar,
+                          cache_salt=request.cache_salt,
                           deadline=time.monotonic() + (deadline - now))  # fmt: skip
             q: asyncio.Queue[StreamDelta] = asyncio.Queue()
             loop = asyncio.get_running_loop()

@@ -55,7 +55,15 @@ class RouterConfig(ServiceSettings):
     request_retries: int = Field(
         1, ge=0, le=5, description="Whole-request retries when instances fail before any output."
     )
-    api_key: str = Field("", description="If set, required as Bearer token / gRPC metadata.")
+    api_key: str = Field("", description="If set, required as Bearer token / gRPC metadata "
+                         "(its callers are tenant 'default').")
+    api_keys_file: str = Field(
+        "",
+        description="A YAML (or .json) file of tenants and their API keys, `tenants: {name: "
+        "{keys: [...], max_inflight: N}}` (services/router/tenants.py): a request's key names "
+        "its tenant; caches (prefix, image embeddings) are shared only within a tenant and "
+        "its cache_salt, and a tenant's requests in flight are bounded by its max_inflight.",
+    )
     client_id_header: str = Field(
         "", pattern="^[A-Za-z0-9-]*$",
         description="Header (HTTP) / metadata key (gRPC) whose first address names the "

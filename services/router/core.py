@@ -17,6 +17,7 @@ from tandem.services.router.dispatch.selection import Selector
 from tandem.services.router.errors import RouterError, Tier, internal_call_error
 from tandem.services.router.metrics import RouterMetrics
 from tandem.services.router.refusals import RefusalBudget
+from tandem.services.router.tenants import Tenants
 
 
 class RouterCore:
@@ -30,7 +31,8 @@ class RouterCore:
             kind: Selector(cfg.policy, cfg.affinity_slack) for kind in ("encoder", "language")
         }
         self.dispatcher = Dispatcher(self.registry, self.selectors, cfg, self.metrics)
-        self.admission = Admission(cfg.max_inflight, self.metrics)
+        self.tenants = Tenants(cfg.api_key, cfg.api_keys_file)
+        self.admission = Admission(cfg.max_inflight, self.metrics, self.tenants)
         self.refusals = RefusalBudget(
             cfg.refusal_bytes_per_s, cfg.refusal_burst_bytes, cfg.refusal_max_hold_s,
             on_hold=lambda outcome: self.metrics.refusal_holds.labels(outcome).inc())
@@ -63,19 +65,20 @@ class RouterCore:
         except grpc.RpcError as e:  # its own timeout passing: the instance is stuck (503)
             raise internal_call_error(e, Tier.LANGUAGE, lang.address, math.inf) from None
 
-    def admit(self) -> Callable[[], None]:
-        """Admit one request, the only way either front end does: refused while draining
-        (UNAVAILABLE) or at capacity (OVERLOADED); returns the request's release, which is
-        idempotent so every exit path may call it."""
+    def admit(self, tenant: str = "") -> Callable[[], None]:
+        """Admit one request of `tenant`, the only way either front end does: refused while
+        draining (UNAVAILABLE) or at capacity, the router's or the tenant's (OVERLOADED);
+        returns the request's release, which is idempotent so every exit path may call it."""
         if self.draining:
             raise RouterError("UNAVAILABLE", "router is draining")
-        self.admission.acquire()
+        self.admission.acquire(tenant)
+        self.metrics.tenant_requests.labels(tenant or "-").inc()
         released = False
 
         def release() -> None:
             nonlocal released
             if not released:
                 released = True
-                self.admission.release()
+                self.admission.release(tenant)
 
         return release

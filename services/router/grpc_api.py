@@ -17,7 +17,7 @@ from pydantic import TypeAdapter, ValidationError
 from tandem import sampling
 from tandem.chat import ChatError, template_options_from_proto
 from tandem.errors import FIELD_METADATA
-from tandem.services.router.admission import check_api_key, client_id
+from tandem.services.router.admission import client_id
 from tandem.services.router.choices import choice_requests, merged
 from tandem.services.router.config import RouterConfig
 from tandem.services.router.core import RouterCore
@@ -25,6 +25,7 @@ from tandem.services.router.errors import RouterError
 from tandem.services.router.openai.chat import Tool, tool_setup_of
 from tandem.services.router.refusals import HeldTooLong, Ticket
 from tandem.services.router.request import MAX_TIMEOUT_MS, ChatRequest, Output
+from tandem.services.router.tenants import cache_namespace
 from tandem.services.router.tools import ToolMode, ToolSetup, parse_output
 from tandem.v1 import common_pb2, language_pb2, router_pb2, router_pb2_grpc
 
@@ -147,9 +148,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, core: RouterCore) -> None:
         self.core = core
 
-    def _auth(self, context: grpc.aio.ServicerContext) -> None:
+    def _auth(self, context: grpc.aio.ServicerContext) -> str:
+        """The caller's tenant (UNAUTHENTICATED without a valid key where keys are set)."""
         md = dict(context.invocation_metadata() or ())
-        check_api_key(self.core.cfg.api_key, md.get("authorization"))
+        return self.core.tenants.authenticate(md.get("authorization"))
 
     async def Generate(self, request, context):
         core = self.core
@@ -170,15 +172,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         sent = False
         request_id = request.request_id
         try:
-            self._auth(context)
+            tenant = self._auth(context)
             core.check_model(request.model)
             req = _validate(request, core.cfg)
-            req.client_id = who
+            req.client_id, req.tenant = who, tenant
+            req.cache_salt = cache_namespace(tenant, request.cache_salt)
             request_id = req.request_id
             n = request.n or 1
             if n > 1 and req.tools.mode is not ToolMode.NONE:
                 raise RouterError("INVALID_ARGUMENT", "n > 1 with tools is not served", "n")
-            release = core.admit()
+            release = core.admit(req.tenant)
             try:
                 agen = merged([core.dispatcher.generate(r) for r in choice_requests(req, n)])
                 try:

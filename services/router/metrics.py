@@ -41,6 +41,9 @@ class RouterMetrics:
             ["handler", "code"], registry=r,
         )
         self.inflight = Gauge("tandem_router_inflight", "Requests in flight.", registry=r)
+        # bounded: the tenants of the keys file, "default" (api_key) and "-" (open router)
+        self.tenant_requests = Counter("tandem_router_tenant_requests",
+                                       "Requests admitted, by tenant.", ["tenant"], registry=r)
         self.rejected = Counter(
             "tandem_router_rejected", "Requests refused by admission control (429).", registry=r
         )

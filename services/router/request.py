@@ -35,6 +35,9 @@ class ChatRequest:
     # Who sent it (admission.client_id): the encoders share their preprocessing threads
     # fairly among these keys (EncodeRequest.client_id). "" = a client of its own.
     client_id: str = ""
+    tenant: str = ""  # its API key's tenant (tenants.py); "" on an open router
+    # its cache namespace (tenants.cache_namespace; the wire's cache_salt): "" = shared
+    cache_salt: str = ""
     # How the chat template renders the chat (checked; unset = the template's defaults)
     template_options: common_pb2.ChatTemplateOptions = field(
         default_factory=common_pb2.ChatTemplateOptions)

@@ -81,6 +81,7 @@ def build_request(
     chat_template_kwargs: dict | None = None,
     add_generation_prompt: bool | None = None,
     continue_final_message: bool = False,
+    cache_salt: str = "",
     **knobs,
 ) -> router_pb2.RouterGenerateRequest:
     """`knobs` are the sampling parameters of `tandem.sampling.KNOBS` by name (max_tokens,
@@ -89,7 +90,9 @@ def build_request(
     (docs/sdk.md). Left out, a knob takes the service's default: temperature 0 (greedy
     decoding), top_p 1, ... `chat_template_kwargs`, `add_generation_prompt` (None: unless
     the chat ends with an assistant message) and `continue_final_message`: how the
-    model's chat template renders the chat, as vLLM's request fields of these names."""
+    model's chat template renders the chat, as vLLM's request fields of these names.
+    `cache_salt` (vLLM's): cached prompt pages and image embeddings are shared only with
+    requests of the same tenant (API key) and the same salt."""
     try:  # refused here as the router would refuse it, without a round trip
         sampling = to_proto(**knobs)
     except SamplingError as e:
@@ -131,6 +134,7 @@ def build_request(
         timeout_ms=int(timeout * 1000) if timeout else 0,
         request_id=request_id,
         priority=priority,
+        cache_salt=cache_salt,
     )
 
 

@@ -63,6 +63,7 @@ class Engine:
         self.metrics = metrics or LanguageMetrics(CollectorRegistry())  # a registry of its own
         self.pool = PrefixCache(KVPagePool(runner.num_pages, runner.page_size), cfg.prefix_cache)
         self.grammars = Grammars(tokenizer, runner.vocab_size, tuple(self.eos), cfg.grammar)
+        self._namespaces: dict[int, str] = {}  # rooms whose prompt is on its way -> namespace
         # unseeded requests' seeds, in submit order (under _known_lock); None: the OS's
         self._seeds = random.Random(cfg.seed) if cfg.seed is not None else None
         self._compiling: list[Live] = []  # WAITING_FOR_GRAMMAR (engine thread only)
@@ -105,15 +106,23 @@ class Engine:
             self._thread.join(timeout)
         self.grammars.close()
 
+    def expect_prompt(self, room: int, cache_salt: str) -> None:
+        """`room`'s prompt is on its way and belongs to cache namespace `cache_salt`: its
+        pin (`pin_prefix`) looks only there. Any thread; forgotten at `unpin`/`submit`."""
+        if cache_salt:
+            self._namespaces[room] = cache_salt
+
     def pin_prefix(self, room: int, info: PromptInfo) -> int:
-        """Pin the cached pages that start `info`'s prompt for `room` and return how
-        many leading tokens they hold: the encoder then sends only the rest, and `submit()`
-        hands the pages to the request. Any thread (the receiver's `on_prompt`).
+        """Pin the cached pages that start `info`'s prompt for `room` (in its namespace,
+        `expect_prompt`) and return how many leading tokens they hold: the encoder then
+        sends only the rest, and `submit()` hands the pages to the request. Any thread (the
+        receiver's `on_prompt`).
         NOTE: the caller must `unpin(room)` on every path where the request is not submitted."""
-        return self.pool.pin(room, info.token_ids, info.images)
+        return self.pool.pin(room, info.token_ids, info.images, self._namespaces.get(room, ""))
 
     def unpin(self, room: int) -> None:
         """Release `room`'s pin, if it still has one (no-op after `submit`). Any thread."""
+        self._namespaces.pop(room, None)
         self.pool.unpin(room)
 
     def submit(self, req: Request, sink: Sink) -> None:
@@ -150,6 +159,7 @@ class Engine:
             if self._seeds is not None and req.sampling.seed is None:
                 req.sampler.seed = self._seeds.getrandbits(63)
         start = req.prompt.start
+        self._namespaces.pop(req.room, None)
         try:
             pages = self.pool.take_pin(req.room, start)
         except ValueError as e:

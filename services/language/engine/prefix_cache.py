@@ -69,6 +69,14 @@ def page_keys(
     return keys
 
 
+def namespace_root(cache_salt: str) -> PageKey:
+    """The parent of a sequence's first page in the cache namespace `cache_salt` (the
+    router's, hex): b"" for the shared namespace, so keys there are what they always were."""
+    if not cache_salt:
+        return b""
+    return hashlib.blake2b(b"namespace|" + cache_salt.encode(), digest_size=16).digest()
+
+
 def shareable_pages(num_tokens: int, page_size: int) -> int:
     """Whole pages a sequence of `num_tokens` may take from the cache: all of them but the
     one holding its last token, which must be computed (its logits give the next token)."""
@@ -198,13 +206,15 @@ class PrefixCache:
 
     # ---- pins: a room's cached prefix, held while the rest of its prompt is on its way ---
 
-    def pin(self, room: int, token_ids: Sequence[int], images: Sequence[ImageSpan]) -> int:
-        """Reference the cached pages that start this prompt for `room` (replacing an
-        earlier pin of it) and return how many leading tokens they hold (at most up to
-        the page before the last token, which must be computed for its logits)."""
+    def pin(self, room: int, token_ids: Sequence[int], images: Sequence[ImageSpan],
+            cache_salt: str = "") -> int:
+        """Reference the cached pages that start this prompt in namespace `cache_salt` for
+        `room` (replacing an earlier pin of it) and return how many leading tokens they
+        hold (at most up to the page before the last token, which must be computed for its
+        logits)."""
         P = self.page_size
         limit = shareable_pages(len(token_ids), P)
-        keys = page_keys(token_ids[: limit * P], images, P)
+        keys = page_keys(token_ids[: limit * P], images, P, parent=namespace_root(cache_salt))
         with self.lock:
             self.unpin(room)
             pages = self.match(keys)

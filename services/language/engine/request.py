@@ -115,6 +115,9 @@ class RequestSpec:
     request_id: str = ""
     priority: int = 0
     deadline: float = float("inf")  # time.monotonic() seconds
+    # Its prefix-cache namespace (the router's cache_salt, hex; "" = the shared cache): the
+    # first page's key starts from it, so pages are shared only within it.
+    cache_salt: str = ""
 
 
 @dataclass
@@ -173,8 +176,9 @@ class Request:
 
     def __init__(self, room: int, sampling: SamplingParams, prompt: PromptPayload, *,
                  request_id: str = "", priority: int = 0, deadline: float = float("inf"),
-                 grammar_future: Future | None = None) -> None:
-        self.spec = RequestSpec(room, sampling, prompt, request_id, priority, deadline)
+                 grammar_future: Future | None = None, cache_salt: str = "") -> None:
+        self.spec = RequestSpec(room, sampling, prompt, request_id, priority, deadline,
+                                cache_salt)
         self.status = RequestStatus.NEW
         self.arrival = next(_arrival)  # FCFS order
         # Tokens it may generate: the spec's max_tokens when given; else the engine grants
@@ -194,6 +198,7 @@ class Request:
     request_id = property(lambda self: self.spec.request_id)
     priority = property(lambda self: self.spec.priority)
     deadline = property(lambda self: self.spec.deadline)
+    cache_salt = property(lambda self: self.spec.cache_salt)
 
     def __repr__(self) -> str:
         return f"Request(room={self.room}, status={self.status.name}, out={len(self.output_ids)})"

@@ -44,7 +44,12 @@ import torch
 
 from tandem.errors import ServiceError
 from tandem.services.language.engine.policy import NewTokenRatio, PrefillAdder, WaitingQueue
-from tandem.services.language.engine.prefix_cache import PrefixCache, page_keys, shareable_pages
+from tandem.services.language.engine.prefix_cache import (
+    PrefixCache,
+    namespace_root,
+    page_keys,
+    shareable_pages,
+)
 from tandem.services.language.engine.request import Request, RequestStatus
 from tandem.services.language.runner.forward_batch import ForwardBatch, SeqChunk, decode_positions
 from tandem.units import ceil_div
@@ -235,8 +240,9 @@ class Scheduler:
         if n_pages > have:
             ids, images = content
             seq = list(ids) + req.output_ids
+            parent = req.kv.page_keys[-1] if have else namespace_root(req.cache_salt)
             req.kv.page_keys += page_keys(seq[: n_pages * self.page_size], images, self.page_size,
-                                       first=have, parent=req.kv.page_keys[-1] if have else b"")
+                                       first=have, parent=parent)
         return req.kv.page_keys[:n_pages]
 
     def cached_pages(self, req: Request) -> list[int]:

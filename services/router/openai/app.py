@@ -44,6 +44,7 @@ from tandem.services.router.openai.guard import Guard, error_response
 from tandem.services.router.openai.openapi import ERROR_RESPONSES, document
 from tandem.services.router.openai.sampling import VLLM_REFUSED
 from tandem.services.router.request import Output
+from tandem.services.router.tenants import cache_namespace
 from tandem.services.router.tools import ToolMode
 from tandem.v1 import language_pb2
 
@@ -99,7 +100,7 @@ def build_app(core: RouterCore) -> FastAPI:
     # NOTE: a plain ASGI middleware, not `@app.middleware("http")`: Starlette's
     # BaseHTTPMiddleware hides the client's disconnect from `request.is_disconnected()`,
     # and a non-streaming request would then run to the end for a caller that is gone.
-    app.add_middleware(Guard, cfg=cfg, refusals=core.refusals)
+    app.add_middleware(Guard, cfg=cfg, refusals=core.refusals, tenants=core.tenants)
     # NOTE: added last, so outermost: it also counts the answers Guard gives (401, 413).
     app.add_middleware(HttpStatusCounter, metrics=core.metrics)
 
@@ -181,7 +182,8 @@ def _admitted(core: RouterCore, body, request: Request, convert):
     core.check_model(body.model)
     rid = request_id_from_header(request.headers.get("x-request-id"))
     req = convert(body, core.cfg, rid)
-    req.client_id = request.state.client_id
+    req.client_id, req.tenant = request.state.client_id, request.state.tenant
+    req.cache_salt = cache_namespace(req.tenant, body.cache_salt)
     return req, rid
 
 
@@ -203,7 +205,7 @@ async def _serve(core: RouterCore, req, body, shape, rid: str, request: Request)
     API's `shape` (`ChatShape`, `CompletionShape`)."""
     headers = {"X-Request-Id": rid}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    release = core.admit()
+    release = core.admit(req.tenant)
     try:
         agen = merged([core.dispatcher.generate(r) for r in choice_requests(req, body.n)])
         if body.stream and req.tools.mode is not ToolMode.NONE:

@@ -8,10 +8,11 @@ from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
 
-from tandem.services.router.admission import check_api_key, client_id
+from tandem.services.router.admission import client_id
 from tandem.services.router.config import RouterConfig
 from tandem.services.router.errors import RouterError
 from tandem.services.router.refusals import HeldTooLong, RefusalBudget
+from tandem.services.router.tenants import Tenants
 
 
 def error_response(err: RouterError, close: bool = False) -> JSONResponse:
@@ -43,10 +44,11 @@ class Guard:
     size. The client's key (admission.client_id) is computed here, once, and left in
     `request.state.client_id` for the handlers."""
 
-    def __init__(self, app, cfg: RouterConfig, refusals: RefusalBudget) -> None:
+    def __init__(self, app, cfg: RouterConfig, refusals: RefusalBudget, tenants: Tenants) -> None:
         self.app = app
         self.cfg = cfg
         self.refusals = refusals
+        self.tenants = tenants
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -57,7 +59,8 @@ class Guard:
         forwarded = headers.get(self.cfg.client_id_header.lower()) if self.cfg.client_id_header else None
         host = scope["client"][0] if scope.get("client") else None
         who = client_id(host, forwarded)
-        scope.setdefault("state", {})["client_id"] = who  # the handlers' `request.state`
+        state = scope.setdefault("state", {})  # the handlers' `request.state`
+        state["client_id"], state["tenant"] = who, ""
         try:
             ticket = await self.refusals.enter(who)
         except HeldTooLong as held:
@@ -81,8 +84,8 @@ class Guard:
         if length.isdigit() and int(length) > self.cfg.max_request_bytes:
             err = self._too_large()
         elif scope.get("path", "").startswith("/v1/"):
-            try:
-                check_api_key(self.cfg.api_key, headers.get("authorization"))
+            try:  # the handlers read the tenant from `request.state.tenant`
+                scope["state"]["tenant"] = self.tenants.authenticate(headers.get("authorization"))
             except RouterError as e:
                 err = e
         if err is not None:  # NOTE: the body is left unread: close the connection

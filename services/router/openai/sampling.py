@@ -75,6 +75,9 @@ class _SamplingFields(_Model):
     guided_grammar: str | None = Field(None, min_length=1, max_length=1 << 20)
     timeout_ms: int | None = Field(None, ge=1, le=MAX_TIMEOUT_MS)  # extension: per-request deadline
     priority: int = Field(0, ge=-(1 << 31), lt=1 << 31)  # extension
+    # vLLM: caches (prefix pages, image embeddings) shared only with requests of the same
+    # tenant giving the same salt (services/router/tenants.py; its length is checked there)
+    cache_salt: str | None = None
     # vLLM: logprobs' tokens spelled "token_id:N" (tokens that are not valid UTF-8 alone)
     return_tokens_as_token_ids: bool = False
     # Hint only (accepted, no effect), as documented in docs/sdk.md.
@@ -115,7 +118,6 @@ VLLM_REFUSED = {
     "token ids",
     "return_mm_kwargs": "there is no render endpoint",
     "routed_experts_prompt_start": "expert routing data is not returned",
-    "cache_salt": "the prefix cache is not salted per request",
     "kv_transfer_params": "Tandem's own tiers move the prompt; vLLM's KV connectors are "
     "not served",
     "ec_transfer_params": "Tandem's own tiers move the encoder's output; vLLM's connectors "
