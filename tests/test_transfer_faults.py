@@ -442,3 +442,29 @@ async def test_stale_and_foreign_writes_are_detected_before_use(tmp_path):
         for peer in (legit, stale, foreign):
             await peer.stop()
         await rx.close()
+
+
+async def test_an_encoder_still_preparing_the_payload_keeps_its_room_alive(tmp_path):
+    """A payload prepared for longer than the transfer timeout (a long video waiting for the
+    ViT) is work, not a stall: while `preparing`, the encoder's Attach stream carries
+    heartbeats (AttachWorking) every third of the timeout, so neither side gives the room
+    up, and the payload then arrives whole. Without them both sides time out after 1 s."""
+    engine, cfg = make_engine(timeout_s=1.0)
+    sender, server, address = await start_sender(engine, cfg, slots=2, slot_tokens=64)
+    lang = await Peer.start("language", tmp_path, blocks=8, block_size=16, reserve=64,
+                            timeout_s=1.0)
+    try:
+        sender.preparing(7, True)
+        lang.send(op="receive", room=7, address=address)
+        await until(lambda: sender.state(7) == SenderState.WAITING_FOR_PAYLOAD)
+        await asyncio.sleep(3.5)  # three and a half transfer timeouts of preparing
+        assert sender.state(7) == SenderState.WAITING_FOR_PAYLOAD
+        sender.preparing(7, False)
+        p = make_payload(100, 32, "float32", seed=7)
+        await asyncio.wait_for(sender.send(7, p), HANG_GUARD_S)
+        got = await lang.wait(lambda e: e["event"] == "received" and e["room"] == 7)
+        assert got["ok"] and got["digest"] == digest(p), got
+        assert not sender.rooms and sender.staging.num_free == 2
+    finally:
+        await lang.stop()
+        await server.stop(None)

@@ -109,12 +109,17 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             self.states[job.room] = state
 
         async with asyncio.timeout(deadline - now):
-            res = await self.pipeline.encode(
-                job.messages, job.limits, on_state=mark,
-                announce=lambda info: self.sender.announce(job.room, info, deadline=deadline),
-                tools=job.tools, client=job.client_id, deadline=deadline,
-                template=job.template, cache_salt=job.cache_salt,
-            )  # fmt: skip
+            self.sender.preparing(job.room, True)  # heartbeats on its Attach stream meanwhile
+            try:
+                res = await self.pipeline.encode(
+                    job.messages, job.limits, on_state=mark,
+                    announce=lambda info: self.sender.announce(job.room, info,
+                                                               deadline=deadline),
+                    tools=job.tools, client=job.client_id, deadline=deadline,
+                    template=job.template, cache_salt=job.cache_salt,
+                )  # fmt: skip
+            finally:
+                self.sender.preparing(job.room, False)
             mark(EncodeState.SENDING)
             t0 = time.perf_counter()
             stats = await self.sender.send(job.room, res.payload, deadline=deadline)

@@ -24,6 +24,7 @@ caller releases the pin if the room then fails), and the payload returned starts
 chunk, which is copied out while the encoder writes the next. On a partial Progress the
 piece is copied out, blocks for the rest (or `resume_tokens` of it) are reserved, waiting
 for free blocks up to `timeout_s` (ahead of every first reservation), and a Resume names them. No message within `timeout_s`
+(an encoder still preparing the payload sends AttachWorking every third of it)
 fails the room. When the Attach stream breaks before Done the room keeps its reservation
 for `reattach_grace_s` waiting for `reattach()`, then fails (0 fails at once). Every block
 is freed on every path: after the payload is gathered out, on failure, on abort and when
@@ -332,6 +333,8 @@ class EmbeddingReceiver:
                 await self._on_progress(r, msg.progress)
             elif which == "done":
                 return await self._on_done(r, msg.done)
+            elif which == "working":  # the encoder still prepares it: silence starts anew
+                continue
             else:
                 self._interrupt(r, ev)
 

@@ -88,6 +88,7 @@ class EmbeddingSender:
         # that arrives later is answered Failed at once. Bounded: the oldest are forgotten
         # (such an Init then waits out the payload timeout, as before).
         self._abandoned: collections.OrderedDict[int, str] = collections.OrderedDict()
+        self._preparing: set[int] = set()  # rooms whose payload the pipeline works on
         # NOTE: writes busy-poll inside Mooncake; a private pool keeps a frozen peer's
         # spinning thread from starving the loop's default executor.
         self._pool = ThreadPoolExecutor(staging.slots + 2, thread_name_prefix="tandem-send")
@@ -99,6 +100,16 @@ class EmbeddingSender:
     def state(self, room: int) -> SenderState | None:
         r = self.rooms.get(room)
         return r.state if r else None
+
+    def preparing(self, room: int, busy: bool) -> None:
+        """The pipeline is (busy) or is no longer preparing `room`'s payload. While it is,
+        the room's Attach stream carries a heartbeat (AttachWorking) every third of the
+        transfer timeout instead of timing out for want of a payload: a long preprocess or
+        ViT queue is work, not a stall. The caller clears it on every path."""
+        if busy:
+            self._preparing.add(room)
+        else:
+            self._preparing.discard(room)
 
     def abandon(self, room: int, reason: str) -> None:
         """The request ended before its payload was sent (its Encode failed: a client's bad
@@ -194,6 +205,7 @@ class EmbeddingSender:
             return
         r = self._room(room, SenderState.WAITING_FOR_PAYLOAD)
         r.init, r.born = first.init, time.monotonic()
+        beat = max(0.5, self.config.timeout_s / 3)
         r.notify()  # a send() waiting for Init goes on
         reader = asyncio.create_task(self._read(r, it))
         try:
@@ -201,11 +213,19 @@ class EmbeddingSender:
                 # Init is here; without send() the payload has timeout_s to come (from Init,
                 # or from the announce's answer). While announcing, re-check every second.
                 wait = 1.0 if r.state is SenderState.ANNOUNCING else None
+                preparing = room in self._preparing
                 if r.state is SenderState.WAITING_FOR_PAYLOAD:
-                    wait = max(0.0, r.born + self.config.timeout_s - time.monotonic())
+                    wait = (beat if preparing else
+                            max(0.0, r.born + self.config.timeout_s - time.monotonic()))
                 try:
                     msg = await asyncio.wait_for(r.outbox.get(), wait)
                 except asyncio.TimeoutError:
+                    if r.state is SenderState.WAITING_FOR_PAYLOAD and preparing:
+                        # the pipeline works on it: say so, and count silence from now
+                        r.born = time.monotonic()
+                        await context.write(encoder_pb2.AttachResponse(
+                            working=encoder_pb2.AttachWorking(room=room)))
+                        continue
                     late = time.monotonic() >= r.born + self.config.timeout_s
                     if r.state is SenderState.WAITING_FOR_PAYLOAD and late:
                         self._fail(r, timed_out(f"room {room}: no payload after Init",
