@@ -243,8 +243,11 @@ async def test_a_foreign_write_before_the_copy_out_fails_the_room(attacker, held
         assert ei.value.code == "DATA_LOSS", ei.value
         assert "do not carry the encoder's tag" in ei.value.reason  # the MAC, not the fence
         await _sent(held_enc, room)  # (its Done may have been written before the hang-up)
+        # NOTE: no claim that the freed blocks are still zero: the encoder, released by `go`,
+        # may land its next chunk after the room failed and its blocks were wiped (a stale
+        # write into free blocks, which the aux fence refuses on reuse:
+        # test_transfer_faults.py); CI saw exactly that once
         _assert_rx_clean(rx)
-        assert torch.count_nonzero(rx.buffers.fill_ids) == 0  # the room's blocks were wiped
     finally:
         await rx.close()
 
