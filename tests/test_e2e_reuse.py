@@ -317,7 +317,8 @@ def test_completions_tokenize_and_detokenize(cluster, ckpt):
     assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == prompt
     assert http.post("/tokenize", json={}).status_code == 400
     # over the gRPC default message size (4 MiB): the tier's own check answers, by name
-    huge = http.post("/tokenize", json={"messages": [{"role": "user", "content": "ab " * (3 << 20)}]})
+    huge = http.post("/tokenize", json={"messages": [{"role": "user",
+                                                      "content": "ab " * 1_500_000}]})
     assert huge.status_code == 400 and huge.json()["error"]["param"] == "messages", huge.text
     assert "characters" in huge.json()["error"]["message"]
     assert http.post("/detokenize", json={"tokens": [10 ** 9]}).status_code == 400
