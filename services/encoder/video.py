@@ -65,8 +65,28 @@ class VideoLimits:
     max_video_tokens: int = 32_768  # vision tokens of the clip (t * h * w / merge**2)
 
 
+class _FromPlan:
+    """What a video is to the ViT and the caches, read from its plan: the embedding cache
+    key (`VideoPlan.cache_key`), the grid and the token count; the same before and after
+    decoding."""
+
+    plan: VideoPlan
+
+    @property
+    def key(self) -> str:
+        return self.plan.cache_key
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return self.plan.grid
+
+    @property
+    def num_tokens(self) -> int:
+        return self.plan.num_tokens
+
+
 @dataclass
-class PlannedVideo:
+class PlannedVideo(_FromPlan):
     """One probed video, not decoded: its file, what it will be, and under which rules.
     `key` is its embedding cache identity (equal keys: bit-identical pixel_values)."""
 
@@ -77,21 +97,9 @@ class PlannedVideo:
     field: str
     plan_s: float = 0.0  # probe + plan
 
-    @property
-    def key(self) -> str:
-        return self.plan.cache_key
-
-    @property
-    def grid(self) -> tuple[int, int, int]:
-        return self.plan.grid
-
-    @property
-    def num_tokens(self) -> int:
-        return self.plan.num_tokens
-
 
 @dataclass
-class PreparedVideo:
+class PreparedVideo(_FromPlan):
     """One video ready for the ViT: its plan, the patches, and what it cost."""
 
     hash: str  # sha256 hex of the file's bytes
@@ -102,19 +110,6 @@ class PreparedVideo:
     frames_decoded: int = 0
     decode_s: float = 0.0  # open + decode + resize
     process_s: float = 0.0  # normalize + patchify
-
-    @property
-    def key(self) -> str:
-        """The embedding cache key (`VideoPlan.cache_key`)."""
-        return self.plan.cache_key
-
-    @property
-    def grid(self) -> tuple[int, int, int]:
-        return self.plan.grid
-
-    @property
-    def num_tokens(self) -> int:
-        return self.plan.num_tokens
 
     @property
     def num_patches(self) -> int:
