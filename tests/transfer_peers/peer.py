@@ -13,6 +13,8 @@ reader: an outsider with its own Mooncake engine, reading others' registered mem
     tamper {session, length, byte}           -> tampered {addr, rc}: learns the address of
         the segment's first registered buffer (a language instance's embeddings) from
         Mooncake's own handshake and overwrites `length` bytes of it with `byte`
+    tamper_loop {session, length, byte}      -> tampering: the same overwrite, again and
+        again, from a thread, until tamper_stop -> tamper_stopped {addr, passes, rc}
 A rogue encoder (`--rogue-generation-delta`, `--rogue-room-xor`) speaks the protocol but
 labels its writes with another generation or room, as a stale or misdirected writer does.
 `--hold`: the encoder reports nothing of a room (no Progress, Done) until `go {room}`;
@@ -195,6 +197,29 @@ async def main() -> None:
                 rc = rc or await asyncio.to_thread(te.transfer_sync_write, session,
                                                    sink.data_ptr(), addr + off, n)
             emit(event="tampered", addr=addr, rc=rc)
+        elif op == "tamper_loop":  # the same write, over and over, until tamper_stop
+            stop_tamper = threading.Event()
+
+            def overwrite_until_stopped(te=engine._te, session=cmd["session"],
+                                        length=cmd["length"], stop=stop_tamper) -> dict:
+                addr, passes, step = te.get_first_buffer_address(session), 0, sink.numel()
+                sink.fill_(cmd["byte"])
+                while not stop.is_set():
+                    for off in range(0, length, step):
+                        rc = te.transfer_sync_write(session, sink.data_ptr(), addr + off,
+                                                    min(step, length - off))
+                        if rc:
+                            return {"addr": addr, "passes": passes, "rc": rc}
+                    passes += 1
+                return {"addr": addr, "passes": passes, "rc": 0}
+
+            tamper_loop = (stop_tamper, asyncio.create_task(
+                asyncio.to_thread(overwrite_until_stopped)))
+            emit(event="tampering")
+        elif op == "tamper_stop":
+            stop_tamper, task = tamper_loop
+            stop_tamper.set()
+            emit(event="tamper_stopped", **await task)
         elif op == "go":
             released.setdefault(room, threading.Event()).set()
         elif op == "reattach":
