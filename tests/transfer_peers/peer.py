@@ -201,9 +201,10 @@ async def main() -> None:
             stop_tamper = threading.Event()
 
             def overwrite_until_stopped(te=engine._te, session=cmd["session"],
-                                        length=cmd["length"], stop=stop_tamper) -> dict:
+                                        length=cmd["length"], byte=cmd["byte"],
+                                        stop=stop_tamper) -> dict:
                 addr, passes, step = te.get_first_buffer_address(session), 0, sink.numel()
-                sink.fill_(cmd["byte"])
+                sink.fill_(byte)
                 while not stop.is_set():
                     for off in range(0, length, step):
                         rc = te.transfer_sync_write(session, sink.data_ptr(), addr + off,
