@@ -293,6 +293,12 @@ class Grammars:
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()  # compiled or compiling
+        # Bytes of each compiled grammar in the cache, read once as it is compiled
+        # (`memory_size_bytes` walks the grammar's token-mask cache: 60 ms for a 4,000-value
+        # enum; summed on every trim under the lock, it stalled every other request's compile
+        # call). Invariant: _cached_bytes == sum(_sizes.values()), keys a subset of _cache's.
+        self._sizes: dict[GrammarSpec, int] = {}
+        self._cached_bytes = 0
         self._jobs: dict[Future, _Job] = {}  # not yet done
         self._queues: OrderedDict[str, collections.deque[_Job]] = OrderedDict()  # per client
         self._running: collections.Counter[str] = collections.Counter()  # compiles per client
@@ -378,26 +384,26 @@ class Grammars:
     def _forget(self, job: _Job) -> None:  # lock held
         self._jobs.pop(job.future, None)
         if self._cache.get(job.spec) is job.future:
-            del self._cache[job.spec]
+            self._uncache(job.spec)
         q = self._queues.get(job.client)
         if q is not None and job in q:
             q.remove(job)
             if not q:
                 del self._queues[job.client]
 
+    def _uncache(self, spec: GrammarSpec) -> None:  # lock held
+        del self._cache[spec]
+        self._cached_bytes -= self._sizes.pop(spec, 0)
+
     def _trim_cache(self) -> None:  # lock held
         """Keep at most `cache_size` grammars and `cache_bytes` of compiled ones; the least
         recently asked go first (a compiling one is kept: requests wait on it)."""
-
-        def size() -> int:
-            return sum(f.result().memory_size_bytes for f in self._cache.values()
-                       if f.done() and not f.cancelled() and f.exception() is None)
-
         for spec in list(self._cache):
-            if len(self._cache) <= self.cache_size and size() <= self.limits.cache_bytes:
+            if (len(self._cache) <= self.cache_size
+                    and self._cached_bytes <= self.limits.cache_bytes):
                 return
             if self._cache[spec].done():
-                del self._cache[spec]
+                self._uncache(spec)
 
     def _start_slots(self) -> None:  # lock held
         while len(self._slots) < self.limits.workers:
@@ -500,6 +506,7 @@ class Grammars:
             error = None if _admits_output(compiled) else GrammarError(
                 f"the {job.spec.kind.value} admits no output at all (a reference without a "
                 "base case?)")
+            size = compiled.memory_size_bytes  # read here, off the lock (see _sizes)
         if not job.future.set_running_or_notify_cancel():
             return
         if error is not None:
@@ -507,6 +514,9 @@ class Grammars:
         else:
             job.future.set_result(compiled)
             with self._lock:
+                if self._cache.get(job.spec) is job.future:
+                    self._sizes[job.spec] = size
+                    self._cached_bytes += size
                 self._trim_cache()
 
 
