@@ -8,12 +8,18 @@
                                                      reason (`failure_reason`): alert on
                                                      reason="transfer"
     tandem_transfer_blocks_free / _blocks_capacity   embedding blocks (language side only)
+    tandem_transfer_room_stall_seconds               longest an open room has gone without
+                                                     progress (language side only; `RoomStall`)
 
 Several senders/receivers in one process (tests) share the collectors of their registry,
 so constructing a second instance never raises "Duplicated timeseries".
 """
 
 from __future__ import annotations
+
+import threading
+import time
+import weakref
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -53,6 +59,43 @@ class BlockGauges:
         self.capacity = Gauge("tandem_transfer_blocks_capacity", "All embedding blocks.", **kw)
 
 
+class RoomStall:
+    """`tandem_transfer_room_stall_seconds`: how long the most idle open room of the
+    language side has gone without progress, read at scrape time (0 with no room open).
+
+    Progress is what moves a room on: its Init (its blocks reserved, or a reattach) and
+    each announce, Progress or Done from its encoder. A heartbeat (AttachWorking: the
+    encoder still prepares the payload) is not progress, and a room still queued for its
+    first blocks has not started (that wait is queueing: `tandem_transfer_blocks_free`).
+    The receiver fails a room whose encoder stays silent for the transfer timeout, so a
+    room idle for several timeouts is stuck: its encoder keeps beating over a pipeline
+    that never delivers (a wedged preprocess or ViT), or the language process' event
+    loop no longer runs its timers (the gauge is computed on the metrics thread, so it
+    rises then too). The chart's TandemRoomStuck alert reads it.
+
+    Every receiver of the registry is watched (tests run several in one process)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._receivers: weakref.WeakSet = weakref.WeakSet()
+        self._lock = threading.Lock()  # watch() on the event loop, reads on the metrics thread
+        self.gauge = Gauge("tandem_transfer_room_stall_seconds",
+                           "Longest time an open room (language side) has gone without "
+                           "progress; 0 with no room open.", registry=registry)
+        self.gauge.set_function(self.longest)
+
+    def watch(self, receiver) -> None:
+        """Count `receiver`'s rooms (it has `progress_times()`: its open rooms' last
+        progress, `time.monotonic()` values)."""
+        with self._lock:
+            self._receivers.add(receiver)
+
+    def longest(self) -> float:
+        with self._lock:
+            receivers = list(self._receivers)
+        now = time.monotonic()
+        return max((now - t for rx in receivers for t in rx.progress_times()), default=0.0)
+
+
 class TransferMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
@@ -75,6 +118,10 @@ class TransferMetrics:
         g = self._blocks = self._blocks or metric_set(BlockGauges, self.registry)
         g.free.set(free)
         g.capacity.set(capacity)
+
+    def watch_rooms(self, receiver) -> None:
+        """Report `receiver`'s idlest room (`RoomStall`; the first call registers it)."""
+        metric_set(RoomStall, self.registry).watch(receiver)
 
 
 def transfer_metrics(registry: CollectorRegistry | None = None) -> TransferMetrics:

@@ -124,6 +124,7 @@ class EmbeddingReceiver:
         self.on_prompt = on_prompt
         self.metrics = transfer_metrics(registry)
         self.rooms: dict[int, ReceiverRoom] = {}
+        self.metrics.watch_rooms(self)  # tandem_transfer_room_stall_seconds
         self._layout = buffers.layout().to_proto()
         # bounded, one per address; mTLS with `tls` (tandem/internal_tls.py: its role is
         # "language", the one role an encoder's Attach admits)
@@ -140,6 +141,11 @@ class EmbeddingReceiver:
     def state(self, room: int) -> ReceiverState | None:
         r = self.rooms.get(room)
         return r.state if r else None
+
+    def progress_times(self) -> list[float]:
+        """The last progress (`time.monotonic()`) of each open room past its queueing
+        (metrics.py RoomStall; called on the metrics thread: the tuple is one atomic copy)."""
+        return [t for r in tuple(self.rooms.values()) if (t := r.progressed) is not None]
 
     def reattach(self, room: int, encoder_address: str) -> bool:
         """Point a room whose encoder failed before Done at another encoder."""
@@ -312,6 +318,7 @@ class EmbeddingReceiver:
             ranks=self._rank_dests, **r.protection.init_fields())
         await self._write(r, encoder_pb2.AttachRequest(init=init))
         r.state = ReceiverState.WAITING_FOR_INPUT
+        r.progressed = time.monotonic()
         while True:
             timeout = self._timeout(deadline)
             try:
@@ -325,6 +332,8 @@ class EmbeddingReceiver:
                 continue
             msg = ev.msg
             which = msg.WhichOneof("msg")
+            if which != "working":  # a heartbeat says the encoder lives, not that the room moved
+                r.progressed = time.monotonic()
             if which == "prompt":
                 await self._on_prompt(r, msg.prompt)
             elif which == "progress" and msg.progress.partial:

@@ -98,6 +98,9 @@ class ReceiverRoom:
     # reported ranges not yet copied out and verified: (its keys, the encoder's tags)
     ranges: list[tuple[RangeSeal, RangeTag]] = field(default_factory=list)
     resumes: int = 0
+    # time.monotonic() of its last progress (an Init, or a message from its encoder other
+    # than a heartbeat); None while queued for its first blocks (metrics.py RoomStall)
+    progressed: float | None = None
     call: object | None = None
     reader: asyncio.Task | None = None
 

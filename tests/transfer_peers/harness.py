@@ -113,12 +113,12 @@ def make_engine(timeout_s: float = 3.0) -> tuple[MooncakeEngine, TransferConfig]
 
 
 def make_receiver(engine, cfg, blocks=64, block_size=16, embed_dim=32, dtype="float32",
-                  reserve=64, grace=0.0) -> EmbeddingReceiver:
+                  reserve=64, grace=0.0, registry=None) -> EmbeddingReceiver:
     buffers = EmbeddingBuffers(blocks, block_size, embed_dim, DTYPES[dtype])
     buffers.register(engine)
     _REGISTERED.append(buffers)
     return EmbeddingReceiver(engine, buffers, BlockAllocator(blocks, block_size), cfg,
-                             reserve_tokens=reserve, reattach_grace_s=grace)
+                             reserve_tokens=reserve, reattach_grace_s=grace, registry=registry)
 
 
 async def start_sender(engine, cfg, slots=2, slot_tokens=256, embed_dim=32, dtype="float32",
