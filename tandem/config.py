@@ -14,6 +14,8 @@ from typing import Literal, TypeVar
 from pydantic import BaseModel, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, SettingsConfigDict
 
+from tandem.tracing import TracingConfig
+
 S = TypeVar("S", bound=BaseSettings)
 
 
@@ -107,6 +109,10 @@ class ServiceSettings(TandemSettings):
     insecure_internal: bool = Field(
         False, description="Plaintext between tiers, no mTLS: any process that reaches the "
         "tiers' ports can call them. Only for a network nothing else reaches; logs a warning.")
+    tracing: TracingConfig = Field(
+        default_factory=TracingConfig,
+        description="OpenTelemetry traces over OTLP/gRPC (tandem/tracing.py); off unless an "
+        "endpoint is set here or in OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT.")
 
 
 class ModelServiceSettings(ServiceSettings):
@@ -157,7 +163,8 @@ def format_validation_error(prog: str, err: ValidationError) -> str:
 # cache, a tensor-parallel worker's secret, benchmarks' and tests' knobs).
 NOT_CONFIG_ENV = ("TANDEM_CACHE_DIR", "TANDEM_KERNEL_DIR", "TANDEM_TP_AUTHKEY",
                   "TANDEM_NATIVE_LOG_FILTERED")  # launch/procs.py FILTERED_ENV
-NOT_CONFIG_ENV_PREFIXES = ("TANDEM_BENCH_", "TANDEM_SOAK_")
+# TANDEM_TEST_DEVICE: the device the exactness tests run on (tests/language_oracle.py)
+NOT_CONFIG_ENV_PREFIXES = ("TANDEM_BENCH_", "TANDEM_SOAK_", "TANDEM_TEST_")
 
 
 def env_names(cls: type[BaseSettings]) -> set[str]:

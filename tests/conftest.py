@@ -52,6 +52,26 @@ def pytest_report_header(config):
     return f"cpu kernels: path {isa() or 'unavailable (torch ops)'} on {cpu_model()}"
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--device", default=None,
+        help="run the exactness tests' runner on this device (cpu, cuda, cuda:N); "
+             "sets TANDEM_TEST_DEVICE (tests/language_oracle.py), which subprocesses inherit",
+    )  # fmt: skip
+
+
+def pytest_configure(config):
+    import language_oracle
+
+    device = config.getoption("--device")
+    if device is not None:
+        os.environ[language_oracle.DEVICE_ENV] = device
+    try:
+        language_oracle.test_device()
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None
+
+
 def pytest_collection_modifyitems(config, items):
     if _cuda():
         return

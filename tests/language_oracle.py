@@ -9,6 +9,7 @@ loader the language service uses.
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -16,6 +17,30 @@ import torch
 
 import tandem  # noqa: F401  (registers the image-only processors with AutoProcessor)
 from tandem.transfer.payload import PromptPayload
+
+# The device the exactness tests run our runner on (the oracle always runs on the CPU):
+# `pytest --device cuda` sets it (tests/conftest.py), `make gpu-check` runs the suite so.
+DEVICE_ENV = "TANDEM_TEST_DEVICE"
+
+
+def test_device() -> torch.device:
+    """The runner's device in the exactness tests: $TANDEM_TEST_DEVICE, default cpu; a
+    CUDA device that is not there is an error, never a silent CPU run."""
+    name = os.environ.get(DEVICE_ENV, "cpu").strip() or "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"{DEVICE_ENV}={name!r} is not a torch device") from e
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{DEVICE_ENV} must name cpu or cuda[:N], got {name!r}")
+    if device.type == "cuda" and (
+        not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()
+    ):
+        raise ValueError(f"{DEVICE_ENV}={name!r}: no such CUDA device here")
+    return device
+
+
+test_device.__test__ = False  # a helper, not a test (pytest collects test_* names)
 
 
 @lru_cache(maxsize=4)

@@ -46,7 +46,8 @@ class Case:
             self.refs.append(out[0] if isinstance(out, tuple) else out)
 
     def engine(self, num_pages: int, **cfg) -> Engine:
-        runner = ModelRunner(self.weights, RunnerSettings(page_size=4), num_pages=num_pages)
+        runner = ModelRunner(self.weights, RunnerSettings(page_size=4), num_pages=num_pages,
+                             device=oracle.test_device())
         return Engine(runner, self.tokenizer, EngineConfig(**cfg)).start()
 
 

@@ -4,6 +4,8 @@ What must hold: prompt logits within 1e-4 of transformers' forward on the same p
 and 2 images; deepstack for Qwen3-VL); chunked prefill and mixed batches (prompt chunks of
 some sequences beside decode tokens of others) give every sequence the logits it gets alone;
 greedy decoding equals `generate()` token for token; bad batches are refused clearly.
+The runner runs on `oracle.test_device()` (`pytest --device cuda`: float32 on the GPU, the
+same 1e-4), the oracle on the CPU; references move to the runner's device to be compared.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from tandem.units import ceil_div
 ARCHS = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 TOL = 1e-4
 PAGE = 4  # small pages: chunk boundaries fall mid-page
+DEVICE = oracle.test_device()
 
 
 class Seq:
@@ -68,13 +71,15 @@ def case(request, checkpoint):
             oracle.make_image(10 * n_img + i, (56 + 28 * i, 84 - 28 * i)) for i in range(n_img)
         ]
         inputs = oracle.make_inputs(proc, f"Describe picture {n_img} in a few words.", images)
-        prompts.append((inputs, oracle.payload(model, inputs), oracle.prompt_logits(model, inputs)))
+        ref = oracle.prompt_logits(model, inputs).to(DEVICE)
+        prompts.append((inputs, oracle.payload(model, inputs), ref))
     return request.param, model, oracle.text_weights(path), prompts
 
 
 def make_runner(weights, pages: int = 96) -> tuple[ModelRunner, KVPagePool]:
     """A runner and the pool of its KV pages (the engine's scheduler holds it in service)."""
-    return ModelRunner(weights, RunnerSettings(page_size=PAGE), num_pages=pages), KVPagePool(pages, PAGE)
+    runner = ModelRunner(weights, RunnerSettings(page_size=PAGE), num_pages=pages, device=DEVICE)
+    return runner, KVPagePool(pages, PAGE)
 
 
 def test_prompt_logits_match_transformers(case):
@@ -196,6 +201,7 @@ def test_greedy_decode_equals_generate(case):
         live = [s for s in live if s.generated[-1] not in eos and len(s.generated) < steps]
     for s, (inputs, _p, _r) in zip(seqs, prompts, strict=True):
         tokens, ref = oracle.generate(model, inputs, steps)
+        ref = ref.to(DEVICE)
         assert s.generated == tokens, s.id
         # Every decode step's logits, not just the argmax, agree with transformers'.
         assert (torch.stack(logits[s.id]) - ref).abs().max().item() < TOL, s.id
@@ -229,8 +235,9 @@ def test_small_checkpoint_prompt_logits_and_greedy(arch, checkpoint):
     path = checkpoint(arch, "small")
     model, proc = oracle.load(path)
     inputs = oracle.make_inputs(proc, "What is in this image?", [oracle.make_image(7, (112, 84))])
-    payload, ref = oracle.payload(model, inputs), oracle.prompt_logits(model, inputs)
-    runner = ModelRunner(oracle.text_weights(path), RunnerSettings(page_size=16), num_pages=16)
+    payload, ref = oracle.payload(model, inputs), oracle.prompt_logits(model, inputs).to(DEVICE)
+    runner = ModelRunner(oracle.text_weights(path), RunnerSettings(page_size=16), num_pages=16,
+                         device=DEVICE)
     s = Seq(0, payload, KVPagePool(16, 16))
     half = payload.num_tokens // 2
     got = torch.cat([runner.forward(ForwardBatch([s.prompt_chunk(n)])).prompt_logits[0]
