@@ -37,6 +37,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem.internal_tls import InternalTLS, RoleGate
+from tandem.tracing import TracingConfig, TracingError
+from tandem.tracing import setup as trace_setup
 
 log = logging.getLogger("tandem")
 
@@ -56,16 +58,25 @@ def grpc_server(internal: InternalTLS | None = None, **limits: int) -> grpc.aio.
 
 
 def run_service(prog: str, main: Coroutine[None, None, None], cpu_threads: int = 0,
-                log_format: str = "text", log_level: str = "info") -> int:
+                log_format: str = "text", log_level: str = "info",
+                tracing: TracingConfig | None = None) -> int:
     """The body of `tandem <service>`: log lines on stderr (a level on each; text or
-    JSON), torch's CPU threads (0 keeps torch's default), the event loop until `main`
-    returns. A start-up error (a checkpoint that cannot be used: exit code 2; bad TLS
-    material, a taken port: exit code 1) is one logged line naming the problem, in the
-    chosen format, not a traceback."""
+    JSON), traces (`tracing`: the service's settings; its spans are named for `prog`,
+    "tandem-encoder", unless configured otherwise; tandem/tracing.py), torch's CPU threads
+    (0 keeps torch's default), the event loop until `main` returns. A start-up error (a
+    tracing setting or a checkpoint that cannot be used: exit code 2; bad TLS material, a
+    taken port: exit code 1) is one logged line naming the problem, in the chosen format,
+    not a traceback."""
     from tandem.logs import configure_logging
     from tandem.models.checkpoint import CheckpointError
 
     configure_logging(log_format, getattr(logging, log_level.upper()))
+    try:
+        trace_setup(tracing or TracingConfig(), prog.replace(" ", "-"))
+    except TracingError as e:
+        main.close()  # never started
+        log.error("%s: invalid tracing setting: %s", prog, e)
+        return 2
     if cpu_threads:
         import torch
 

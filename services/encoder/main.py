@@ -38,7 +38,7 @@ SERVICE = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name
 def serve(cfg: EncoderConfig) -> int:
     # NOTE: with one CPU thread, float32 rows do not depend on the batch (see vit_runner).
     return serving.run_service("tandem encoder", run(cfg), cfg.cpu_threads, cfg.log_format,
-                               cfg.log_level)
+                               cfg.log_level, cfg.tracing)
 
 
 def _message_limit(cfg: EncoderConfig) -> int:

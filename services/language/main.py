@@ -33,7 +33,7 @@ SERVICE = language_pb2.DESCRIPTOR.services_by_name["Language"].full_name
 
 def serve(cfg: LanguageConfig) -> int:
     return serving.run_service("tandem language", run(cfg), cfg.cpu_threads, cfg.log_format,
-                               cfg.log_level)
+                               cfg.log_level, cfg.tracing)
 
 
 def build_engine(cfg: LanguageConfig, metrics: LanguageMetrics):

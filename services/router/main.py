@@ -122,4 +122,4 @@ def serve(cfg) -> int:
         await run_router(cfg, serving.stop_on_signals())
 
     return serving.run_service("tandem router", main(), log_format=cfg.log_format,
-                               log_level=cfg.log_level)
+                               log_level=cfg.log_level, tracing=cfg.tracing)
