@@ -44,14 +44,14 @@ test_device.__test__ = False  # a helper, not a test (pytest collects test_* nam
 
 
 @lru_cache(maxsize=4)
-def load(path: Path):
-    """(model, processor) in float32 eval mode."""
+def load(path: Path, dtype: torch.dtype = torch.float32):
+    """(model, processor) in `dtype` (float32 unless a test says otherwise), eval mode."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from tandem.models.processor import register
 
     register()  # NOTE: idempotent; covers a checkpoint built earlier in this process
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).eval()
     return model, AutoProcessor.from_pretrained(path)
 
 
@@ -84,7 +84,8 @@ def make_inputs(processor, text: str, images: list) -> dict:
 
 @torch.inference_mode()
 def payload(model, inputs: dict) -> PromptPayload:
-    """What the encoder sends for these inputs (float32)."""
+    """What the encoder sends for these inputs (in the model's dtype, as an encoder running
+    in that dtype would)."""
     ids = inputs["input_ids"]
     embeds = model.get_input_embeddings()(ids)[0]  # [L, hidden]
     hidden = embeds.shape[-1]
