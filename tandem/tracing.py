@@ -58,9 +58,9 @@ from pydantic import BaseModel, Field
 
 log = logging.getLogger("tandem.tracing")
 
-__all__ = ["OFF", "SpanKind", "Link", "TracingConfig", "TracingError", "setup", "shutdown",
-           "enabled", "start", "fail", "metadata", "carrier", "from_metadata", "from_headers",
-           "from_carrier", "exemplar", "wall_ns"]
+__all__ = ["OFF", "Span", "SpanKind", "Link", "TracingConfig", "TracingError", "setup",
+           "shutdown", "enabled", "start", "fail", "end", "append", "add", "metadata",
+           "carrier", "from_metadata", "from_headers", "from_carrier", "exemplar", "wall_ns"]
 
 # ---- attribute names (OpenTelemetry GenAI semantic conventions where they exist) ---------
 REQUEST_ID = "tandem.request_id"  # on every span
@@ -77,6 +77,7 @@ REQUEST_CHOICES = "gen_ai.request.choice.count"
 RESPONSE_ID = "gen_ai.response.id"
 RESPONSE_MODEL = "gen_ai.response.model"
 FINISH_REASONS = "gen_ai.response.finish_reasons"
+TIME_TO_FIRST_CHUNK = "gen_ai.response.time_to_first_chunk"  # seconds
 INPUT_TOKENS = "gen_ai.usage.input_tokens"
 OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 CACHED_INPUT_TOKENS = "gen_ai.usage.cache_read.input_tokens"  # the language prefix cache's
@@ -278,6 +279,24 @@ def fail(span: Span, code: str, message: str = "") -> None:
     if span.is_recording():
         span.set_attribute(ERROR_TYPE, code)
         span.set_status(Status(StatusCode.ERROR, f"{code}: {message}" if message else code))
+
+
+def end(span: Span, end_ns: int | None = None) -> None:
+    """End `span` unless it has ended already (a span some exits share)."""
+    if span.is_recording():
+        span.end(end_ns)
+
+
+def append(span: Span, key: str, value: str) -> None:
+    """Add `value` to the list attribute `key` of a recording span."""
+    if span.is_recording():
+        span.set_attribute(key, [*span.attributes.get(key, ()), value])
+
+
+def add(span: Span, key: str, n: int) -> None:
+    """Add `n` to the number attribute `key` of a recording span."""
+    if span.is_recording():
+        span.set_attribute(key, span.attributes.get(key, 0) + n)
 
 
 def wall_ns(monotonic_s: float) -> int:

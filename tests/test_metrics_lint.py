@@ -270,7 +270,7 @@ def test_http_status_counter_counts_every_answer():
     assert c.get("/v1/models", headers=key).status_code == 200
     assert c.get("/v1/models/m", headers=key).status_code == 200
     assert c.get("/nowhere").status_code == 404
-    text = core.metrics.render().decode()
+    text = core.metrics.render()[0].decode()
     for handler, code in ((url, "401"), (url, "413"), (url, "400"), (url, "404"), (url, "503"),
                           ("/v1/models", "200"), ("/v1/models/{model}", "200"),
                           ("other", "404")):

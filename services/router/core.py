@@ -7,7 +7,9 @@ from collections.abc import Callable
 from pathlib import PurePath
 
 import grpc
+from opentelemetry.context import Context
 
+from tandem import tracing
 from tandem.metrics import metric_set, service_registry
 from tandem.services.router.admission import Admission
 from tandem.services.router.config import RouterConfig
@@ -17,6 +19,7 @@ from tandem.services.router.dispatch.selection import Selector
 from tandem.services.router.errors import RouterError, Tier, internal_call_error
 from tandem.services.router.metrics import RouterMetrics
 from tandem.services.router.refusals import RefusalBudget
+from tandem.services.router.request import ChatRequest, image_hashes
 from tandem.services.router.tenants import Tenants
 
 
@@ -65,13 +68,44 @@ class RouterCore:
         except grpc.RpcError as e:  # its own timeout passing: the instance is stuck (503)
             raise internal_call_error(e, Tier.LANGUAGE, lang.address, math.inf) from None
 
-    def admit(self, tenant: str = "") -> Callable[[], None]:
+    def start_trace(self, req: ChatRequest, api: str, parent: Context | None, stream: bool,
+                    n: int) -> tracing.Span:
+        """The root span of `req` (OFF while tracing is off), a child of the caller's
+        traceparent (`parent`) when it sent one; named and described by the OpenTelemetry
+        GenAI conventions. The front end ends it when its answer has ended."""
+        if not tracing.enabled():
+            return tracing.OFF
+        op = "text_completion" if req.prompt else "chat"
+        model, s = self.model_name(), req.sampling
+        attrs = {tracing.REQUEST_ID: req.request_id, tracing.OPERATION: op,
+                 tracing.REQUEST_MODEL: model, tracing.REQUEST_STREAM: stream,
+                 tracing.REQUEST_CHOICES: n, tracing.REQUEST_TEMPERATURE: s.temperature,
+                 "tandem.api": api, "tandem.images": len(image_hashes(req.messages))}
+        for key, name in ((tracing.REQUEST_MAX_TOKENS, "max_tokens"),
+                          (tracing.REQUEST_TOP_P, "top_p"), (tracing.REQUEST_SEED, "seed")):
+            if s.HasField(name):
+                attrs[key] = getattr(s, name)
+        if s.top_k > 0:
+            attrs[tracing.REQUEST_TOP_K] = s.top_k
+        return tracing.start(f"{op} {model}", parent, kind=tracing.SpanKind.SERVER,
+                             attributes=attrs)
+
+    def admit(self, tenant: str = "", trace: tracing.Span = tracing.OFF) -> Callable[[], None]:
         """Admit one request of `tenant`, the only way either front end does: refused while
         draining (UNAVAILABLE) or at capacity, the router's or the tenant's (OVERLOADED);
-        returns the request's release, which is idempotent so every exit path may call it."""
-        if self.draining:
-            raise RouterError("UNAVAILABLE", "router is draining")
-        self.admission.acquire(tenant)
+        returns the request's release, which is idempotent so every exit path may call it.
+        `trace`: the request's root span (a `router.admission` span under it)."""
+        span = tracing.start("router.admission", trace, attributes={
+            "tandem.tenant": tenant or "-", "tandem.router.inflight": self.admission.inflight})
+        try:
+            if self.draining:
+                raise RouterError("UNAVAILABLE", "router is draining")
+            self.admission.acquire(tenant)
+        except RouterError as err:
+            tracing.fail(span, err.code, err.message)
+            raise
+        finally:
+            span.end()
         self.metrics.tenant_requests.labels(tenant or "-").inc()
         released = False
 

@@ -14,7 +14,7 @@ import uuid
 import grpc
 from pydantic import TypeAdapter, ValidationError
 
-from tandem import sampling
+from tandem import sampling, tracing
 from tandem.chat import ChatError, template_options_from_proto
 from tandem.errors import FIELD_METADATA
 from tandem.services.router.admission import client_id
@@ -171,6 +171,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         core = self.core
         sent = False
         request_id = request.request_id
+        root = tracing.OFF  # the request's root span once it is valid
         try:
             tenant = self._auth(context)
             core.check_model(request.model)
@@ -181,7 +182,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             n = request.n or 1
             if n > 1 and req.tools.mode is not ToolMode.NONE:
                 raise RouterError("INVALID_ARGUMENT", "n > 1 with tools is not served", "n")
-            release = core.admit(req.tenant)
+            req.trace = root = core.start_trace(
+                req, "grpc", tracing.from_metadata(context.invocation_metadata()), True, n)
+            release = core.admit(req.tenant, root)
             try:
                 agen = merged([core.dispatcher.generate(r) for r in choice_requests(req, n)])
                 try:
@@ -199,8 +202,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             finally:
                 release()
             core.metrics.requests.labels("grpc", "ok").inc()
+            root.end()
         except RouterError as err:
             core.metrics.requests.labels("grpc", err.code.lower()).inc()
+            tracing.fail(root, err.code, err.message)
+            tracing.end(root)
             if not sent:
                 ticket.answered(err.http_status, request.ByteSize())
                 await context.abort(err.grpc_code, err.message, _field_metadata(err))
@@ -211,6 +217,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 ),
                 request_id=request_id,
             )
+        except BaseException:  # the caller went away (its call cancelled)
+            tracing.fail(root, "CANCELLED")
+            tracing.end(root)
+            raise
 
     async def ListModels(self, request, context):
         try:

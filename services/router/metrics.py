@@ -1,6 +1,10 @@
 """Prometheus metrics of one router: one set per registry (`tandem.metrics`), the router's
 own, which its HTTP app renders on /metrics (so tests can build many routers).
 
+The latency histograms (ttft, request seconds) carry the request's trace id as an exemplar
+when it is traced and sampled (tandem/tracing.py); /metrics serves them in OpenMetrics to
+a scraper that asks for it.
+
 Every request is counted once, when its answer has ended:
 
     tandem_router_requests_total{api, outcome}     chat / completion requests that reached
@@ -16,7 +20,8 @@ from __future__ import annotations
 
 import asyncio
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import choose_encoder
 
 from tandem.metrics import model_info
 
@@ -86,8 +91,11 @@ class RouterMetrics:
     def serving(self, model_name: str) -> None:
         model_info(self.registry, "router", model_name)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, accept: str | None = None) -> tuple[bytes, str]:
+        """The page and its content type in the format `accept` (an Accept header) asks
+        for: OpenMetrics, which carries exemplars, or the Prometheus text format."""
+        encode, media_type = choose_encoder(accept)
+        return encode(self.registry), media_type
 
 
 def handler_of(path: str) -> str:

@@ -6,6 +6,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tandem import tracing
 from tandem.services.router.tools import ToolSetup
 from tandem.v1 import common_pb2, language_pb2
 
@@ -41,6 +42,8 @@ class ChatRequest:
     # How the chat template renders the chat (checked; unset = the template's defaults)
     template_options: common_pb2.ChatTemplateOptions = field(
         default_factory=common_pb2.ChatTemplateOptions)
+    # Its root span (RouterCore.start_trace; the n choices of one request share it)
+    trace: tracing.Span = tracing.OFF
 
 
 @dataclass

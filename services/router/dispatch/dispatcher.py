@@ -13,6 +13,12 @@
 A chat without an image (and `encoder_bypass` on) skips E: L.Generate(room, messages)
 and L tokenizes it itself.
 
+Traces (tandem/tracing.py; every span a no-op while tracing is off): under the request's
+root span (`req.trace`, the front end's) one `router.attempt` per whole-request attempt,
+and under it a `router.pick` per instance choice (with the reason), `router.language` (the
+Generate stream) and one `router.encode` per Encode call, `router.reattach` between them;
+each call carries its span to the next tier as W3C traceparent metadata.
+
 NOTE (leak hazard): every exit path — normal end, error, deadline, caller gone (the
 generator is closed or its task cancelled) — runs the `finally` below, which cancels
 whatever is still in flight and sends L.Abort(room) unless the stream ended normally, so
@@ -29,6 +35,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from tandem import tracing
 from tandem.services.router.config import RouterConfig
 from tandem.services.router.dispatch.registry import Instance, Registry
 from tandem.services.router.dispatch.selection import NoInstanceError, Selector
@@ -96,13 +103,21 @@ class Dispatcher:
         self.metrics = metrics
         self._background: set[asyncio.Task] = set()
 
-    def _pick(self, kind: str, hashes=(), exclude=frozenset()) -> Instance:
+    def _pick(self, kind: str, hashes=(), exclude=frozenset(),
+              trace: tracing.Span = tracing.OFF) -> Instance:
         pool = self.registry.pool(kind)
+        candidates = pool.candidates()
         try:
-            addr = self.selectors[kind].pick(pool.candidates(), hashes, exclude)
+            choice = self.selectors[kind].choose(candidates, hashes, exclude)
         except NoInstanceError:
             raise RouterError("UNAVAILABLE", f"no healthy {kind} instance") from None
-        return pool.instances[addr]
+        if trace.is_recording():
+            tracing.start("router.pick", trace, attributes={
+                "tandem.tier": kind, tracing.SERVER_ADDRESS: choice.address,
+                "tandem.pick.reason": choice.reason.value,
+                "tandem.pick.candidates": len(candidates), "tandem.pick.excluded": len(exclude),
+            }).end()
+        return pool.instances[choice.address]
 
     def pick_language(self) -> Instance:
         """A language instance for a call outside any request (least load)."""
@@ -113,19 +128,20 @@ class Dispatcher:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _abort(self, lang: Instance, room: int) -> None:
+    async def _abort(self, lang: Instance, room: int, trace: tracing.Span) -> None:
         try:
-            await lang.stub.Abort(language_pb2.AbortRequest(room=room), timeout=2.0)
+            await lang.stub.Abort(language_pb2.AbortRequest(room=room), timeout=2.0,
+                                  metadata=tracing.metadata(trace))
         except grpc.RpcError:
             pass
 
     async def _encode(
         self, req: ChatRequest, room: int, enc: Instance, lang: Instance, deadline: float,
-        route: Route,
+        route: Route, trace: tracing.Span,
     ) -> encoder_pb2.EncodeResponse | None:
         """Deliver the prompt, retrying on other encoders. None: the language side
         declined a Reattach (it already holds the prompt, or the room is gone) and its
-        stream tells which."""
+        stream tells which. `trace`: the attempt's span."""
         hashes = image_hashes(req.messages)
         tried: set[str] = set()
         for attempt in range(self.cfg.encoder_retries + 1):
@@ -133,6 +149,9 @@ class Dispatcher:
             route.encoder = enc.address
             route.encoder_attempts = attempt + 1
             enc.outstanding += 1
+            span = tracing.start("router.encode", trace, kind=tracing.SpanKind.CLIENT,
+                                 attributes={tracing.SERVER_ADDRESS: enc.address,
+                                             "tandem.encoder.attempt": attempt + 1})
             try:
                 resp = await _unless_ejected(enc, enc.stub.Encode(
                     encoder_pb2.EncodeRequest(
@@ -146,34 +165,47 @@ class Dispatcher:
                         cache_salt=req.cache_salt,
                     ),
                     timeout=max(0.001, deadline - time.time()),
-                    metadata=_id_metadata(req),
+                    metadata=_id_metadata(req, span),
                 ))
                 self.registry.encoders.record_success(enc.address)
                 route.resumes = resp.resumes
+                span.set_attribute("tandem.transfer.resumes", resp.resumes)
                 return resp
             except (grpc.RpcError, _Ejected) as e:
                 err = (RouterError("UNAVAILABLE", f"encoder {enc.address} ejected",
                                    tier=Tier.ENCODER)
                        if isinstance(e, _Ejected) else from_rpc(e, Tier.ENCODER))
+                tracing.fail(span, err.code, err.message)
                 if err.code not in RETRYABLE_ENCODER or attempt == self.cfg.encoder_retries:
                     raise err from None
                 if not isinstance(e, _Ejected):
                     self._spawn(self.registry.encoders.verify(enc.address))
+                span.set_attribute("tandem.retried", True)
                 log.warning("%s: encoder %s failed (%s); retrying", req.request_id, enc.address, err)
             finally:
                 enc.outstanding -= 1
+                span.end()
             try:
-                enc = self._pick("encoder", hashes, frozenset(tried))
+                enc = self._pick("encoder", hashes, frozenset(tried), trace)
             except RouterError:
                 raise err from None
             self.metrics.encoder_retries.inc()
+            span = tracing.start("router.reattach", trace, kind=tracing.SpanKind.CLIENT,
+                                 attributes={tracing.SERVER_ADDRESS: lang.address,
+                                             "tandem.encoder.address": enc.address})
             try:
                 r = await lang.stub.Reattach(
                     language_pb2.ReattachRequest(room=room, encoder_address=enc.address),
                     timeout=max(0.001, min(REATTACH_TIMEOUT_S, deadline - time.time())),
+                    metadata=_id_metadata(req, span),
                 )
+                span.set_attribute("tandem.reattach.accepted", r.accepted)
             except grpc.RpcError as e2:
-                raise internal_call_error(e2, Tier.LANGUAGE, lang.address, deadline) from None
+                err = internal_call_error(e2, Tier.LANGUAGE, lang.address, deadline)
+                tracing.fail(span, err.code, err.message)
+                raise err from None
+            finally:
+                span.end()
             if not r.accepted:
                 return None
         raise AssertionError("unreachable")
@@ -192,6 +224,7 @@ class Dispatcher:
                     reason = common_pb2.FinishReason.Name(output.finish_reason)
                     outcome = f"OK ({reason.removeprefix('FINISH_REASON_').lower()})"
                     detail = output.summary()
+                    _trace_finished(req.trace, output)
                 yield output
         except RouterError as err:
             outcome = f"{err.code}: {err.message}"
@@ -208,7 +241,9 @@ class Dispatcher:
         avoid: dict[str, set[str]] = {"encoder": set(), "language": set()}
         for attempt in range(self.cfg.request_retries + 1):
             route = Route(attempts=attempt + 1)
-            attempt_gen = self._attempt(req, start, deadline, avoid, route)
+            span = tracing.start("router.attempt", req.trace,
+                                 attributes={"tandem.attempt": attempt + 1})
+            attempt_gen = self._attempt(req, start, deadline, avoid, route, span)
             yielded = False
             try:
                 async for output in attempt_gen:
@@ -216,6 +251,7 @@ class Dispatcher:
                     yield output
                 return
             except RouterError as err:
+                tracing.fail(span, err.code, err.message)
                 if (
                     yielded
                     or err.code not in RETRYABLE_REQUEST
@@ -225,6 +261,7 @@ class Dispatcher:
                     raise
                 log.warning("%s: attempt %d failed (%s); retrying the request",
                             req.request_id, attempt + 1, err)
+                span.set_attribute("tandem.retried", True)
                 self.metrics.request_retries.inc()
                 avoid["encoder"].add(route.encoder)
                 if err.tier is Tier.LANGUAGE:
@@ -233,23 +270,28 @@ class Dispatcher:
                 # NOTE: close the attempt now (cancels its calls, aborts its room) rather
                 # than at garbage collection; it has no awaits in its own finally.
                 await attempt_gen.aclose()
+                span.end()
 
-    def _pick_avoiding(self, kind: str, hashes, avoid: set[str]) -> Instance:
+    def _pick_avoiding(self, kind: str, hashes, avoid: set[str], trace: tracing.Span) -> Instance:
         try:
-            return self._pick(kind, hashes, frozenset(avoid))
+            return self._pick(kind, hashes, frozenset(avoid), trace)
         except RouterError:
-            return self._pick(kind, hashes)  # nothing else healthy: try the same again
+            return self._pick(kind, hashes, trace=trace)  # nothing else healthy: the same again
 
     async def _attempt(
-        self, req: ChatRequest, start: float, deadline: float, avoid: dict, route: Route
+        self, req: ChatRequest, start: float, deadline: float, avoid: dict, route: Route,
+        trace: tracing.Span,
     ) -> AsyncIterator[Output]:
         hashes = image_hashes(req.messages)
         # NOTE: a raw prompt always goes straight to a language instance (no chat to encode)
         bypass = bool(req.prompt) or (self.cfg.encoder_bypass and not hashes)
         key = prompt_key(req.prompt) if req.prompt else conversation_key(req.messages)
-        lang = self._pick_avoiding("language", [key], avoid["language"])
-        enc = None if bypass else self._pick_avoiding("encoder", hashes, avoid["encoder"])
+        lang = self._pick_avoiding("language", [key], avoid["language"], trace)
+        enc = None if bypass else self._pick_avoiding("encoder", hashes, avoid["encoder"], trace)
         room = secrets.randbits(63)
+        trace.set_attribute(tracing.ROOM, room)
+        span = tracing.start("router.language", trace, kind=tracing.SpanKind.CLIENT,
+                             attributes={tracing.SERVER_ADDRESS: lang.address})
         lang.outstanding += 1
         gen_call = lang.stub.Generate(
             language_pb2.LanguageGenerateRequest(
@@ -267,13 +309,13 @@ class Dispatcher:
                 cache_salt=req.cache_salt,
             ),
             timeout=max(0.001, deadline - time.time()),
-            metadata=_id_metadata(req),
+            metadata=_id_metadata(req, span),
         )
         route.language = lang.address
         if enc is not None:
             route.encoder, route.encoder_attempts = enc.address, 1
             encode_task = asyncio.ensure_future(
-                self._encode(req, room, enc, lang, deadline, route))
+                self._encode(req, room, enc, lang, deadline, route, trace))
         else:  # nothing to deliver: an Encode that is already done, with no answer
             self.metrics.encoder_bypassed.inc()
             encode_task = asyncio.get_running_loop().create_future()
@@ -323,11 +365,14 @@ class Dispatcher:
                     output.route = route
                 if first and (output.token_ids or output.text or output.finished):
                     first = False
-                    self.metrics.ttft.observe(time.time() - start)
+                    ttft = time.time() - start
+                    self.metrics.ttft.observe(ttft, tracing.exemplar(trace))
+                    span.add_event("first_token")
+                    req.trace.set_attribute(tracing.TIME_TO_FIRST_CHUNK, ttft)
                 if output.finished:
                     finished = True
                     self.registry.languages.record_success(lang.address)
-                    self.metrics.latency.observe(time.time() - start)
+                    self.metrics.latency.observe(time.time() - start, tracing.exemplar(trace))
                     if output.usage:
                         self.metrics.cached_image_tokens.inc(output.usage.cached_image_tokens)
                         self.metrics.cached_prompt_tokens.inc(output.usage.cached_tokens)
@@ -335,7 +380,11 @@ class Dispatcher:
                     return
                 if output.token_ids or output.text:
                     yield output
+        except RouterError as err:
+            tracing.fail(span, err.code, err.message)
+            raise
         finally:
+            span.end()
             lang.outstanding -= 1
             ejected.cancel()
             if not encode_task.done():
@@ -344,7 +393,7 @@ class Dispatcher:
                 encode_task.exception()  # retrieved: no "never retrieved" warning
             if not finished:
                 gen_call.cancel()
-                self._spawn(self._abort(lang, room))
+                self._spawn(self._abort(lang, room, trace))
 
     async def _raise_encoder_error(self, encode_task: asyncio.Future, deadline: float) -> None:
         """When the language side fails before any token, the encoder's own error (bad
@@ -397,8 +446,23 @@ class Dispatcher:
         return output
 
 
-def _id_metadata(req: ChatRequest) -> tuple[tuple[str, str], ...]:
+def _id_metadata(req: ChatRequest, span: tracing.Span) -> tuple[tuple[str, str], ...]:
     """The request id as gRPC metadata too (x-request-id), beside the message's field, for
-    proxies and tracing that read only headers."""
-    return (("x-request-id", req.request_id),)
+    proxies and tracing that read only headers; and `span` as the call's W3C traceparent
+    (none while tracing is off)."""
+    return (("x-request-id", req.request_id), *tracing.metadata(span))
+
+
+def _trace_finished(root: tracing.Span, output: Output) -> None:
+    """A choice finished: its finish reason, usage and route on the request's root span
+    (several choices: reasons listed, output tokens summed)."""
+    if not root.is_recording():
+        return
+    reason = common_pb2.FinishReason.Name(output.finish_reason)
+    tracing.append(root, tracing.FINISH_REASONS, reason.removeprefix("FINISH_REASON_").lower())
+    if output.usage is not None:
+        root.set_attribute(tracing.INPUT_TOKENS, output.usage.prompt_tokens)
+        root.set_attribute(tracing.CACHED_INPUT_TOKENS, output.usage.cached_tokens)
+        root.set_attribute("tandem.cached_image_tokens", output.usage.cached_image_tokens)
+        tracing.add(root, tracing.OUTPUT_TOKENS, output.usage.completion_tokens)
 

@@ -15,6 +15,7 @@ next instance in the first key's ranking within the bound, else plain least-load
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import itertools
 import math
@@ -29,6 +30,22 @@ class Candidate:
 
     address: str
     load: float
+
+
+class PickReason(enum.Enum):
+    """Why the selector chose an instance (the router's trace names it on each choice)."""
+
+    ROUND_ROBIN = "round_robin"  # the round_robin policy's turn
+    LEAST_LOAD = "least_load"  # no affinity keys: the least loaded instance
+    AFFINITY = "affinity"  # the instance most of the request's keys prefer
+    AFFINITY_NEXT = "affinity_next"  # preferred ones over the bound: next in the first key's ranking
+    OVERLOADED = "least_load_overloaded"  # every affinity target over the bound: least load
+
+
+@dataclass(frozen=True)
+class Choice:
+    address: str
+    reason: PickReason
 
 
 class NoInstanceError(Exception):
@@ -69,17 +86,27 @@ class Selector:
     ) -> str:
         """Address of the chosen instance for affinity `keys`; `exclude` lists addresses
         already tried."""
+        return self.choose(candidates, keys, exclude).address
+
+    def choose(
+        self,
+        candidates: Sequence[Candidate],
+        keys: Sequence[str] = (),
+        exclude: frozenset[str] | set[str] = frozenset(),
+    ) -> Choice:
+        """`pick`, with the reason for the choice."""
         pool = [c for c in candidates if c.address not in exclude]
         if not pool:
             raise NoInstanceError("no healthy instance available")
         pool.sort(key=lambda c: c.address)  # deterministic tie-breaks
         if self.policy == "round_robin":
-            return pool[next(self._rr) % len(pool)].address
+            return Choice(pool[next(self._rr) % len(pool)].address, PickReason.ROUND_ROBIN)
         if keys:
             target = self._affinity(pool, keys)
             if target is not None:
                 return target
-        return self._least_load(pool)
+            return Choice(self._least_load(pool), PickReason.OVERLOADED)
+        return Choice(self._least_load(pool), PickReason.LEAST_LOAD)
 
     def _least_load(self, pool: Sequence[Candidate]) -> str:
         low = min(c.load for c in pool)
@@ -88,7 +115,7 @@ class Selector:
         # next load report does not all land on the first address.
         return tied[next(self._rr) % len(tied)].address
 
-    def _affinity(self, pool: Sequence[Candidate], keys: Sequence[str]) -> str | None:
+    def _affinity(self, pool: Sequence[Candidate], keys: Sequence[str]) -> Choice | None:
         loads = {c.address: c.load for c in pool}
         bound = load_bound(pool, self.affinity_slack)
         addresses = list(loads)
@@ -97,8 +124,8 @@ class Selector:
         first_rank = {a: i for i, a in enumerate(rendezvous_order(keys[0], addresses))}
         for addr in sorted(votes, key=lambda a: (-votes[a], first_rank[a])):
             if loads[addr] <= bound:
-                return addr
+                return Choice(addr, PickReason.AFFINITY)
         for addr in rendezvous_order(keys[0], addresses):
             if loads[addr] <= bound:
-                return addr
+                return Choice(addr, PickReason.AFFINITY_NEXT)
         return None

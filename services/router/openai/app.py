@@ -21,6 +21,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tandem
+from tandem import tracing
 from tandem.services.router.choices import choice_requests, merged
 from tandem.services.router.core import RouterCore
 from tandem.services.router.errors import RouterError
@@ -121,9 +122,12 @@ def build_app(core: RouterCore) -> FastAPI:
         return {"version": tandem.version()}
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
         core.refresh_gauges()
-        return Response(core.metrics.render(), media_type="text/plain; version=0.0.4")
+        # OpenMetrics (with the latency histograms' trace-id exemplars) when the scraper
+        # asks for it, Prometheus text otherwise: as the tiers' metrics servers answer
+        body, media_type = core.metrics.render(request.headers.get("accept"))
+        return Response(body, media_type=media_type)
 
     @app.get("/v1/models")
     async def models():
@@ -202,10 +206,18 @@ def _continuous_usage(body) -> bool:
 
 async def _serve(core: RouterCore, req, body, shape, rid: str, request: Request):
     """Admit, run the request's `n` choices, answer whole or as server-sent events in the
-    API's `shape` (`ChatShape`, `CompletionShape`)."""
+    API's `shape` (`ChatShape`, `CompletionShape`). The request's root span (a child of
+    the client's `traceparent` header, when it sent one) ends with the answer."""
     headers = {"X-Request-Id": rid}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    release = core.admit(req.tenant)
+    req.trace = root = core.start_trace(req, "http", tracing.from_headers(request.headers),
+                                        body.stream, body.n)
+    try:
+        release = core.admit(req.tenant, root)
+    except RouterError as err:
+        tracing.fail(root, err.code, err.message)
+        root.end()
+        raise
     try:
         agen = merged([core.dispatcher.generate(r) for r in choice_requests(req, body.n)])
         if body.stream and req.tools.mode is not ToolMode.NONE:
@@ -213,6 +225,7 @@ async def _serve(core: RouterCore, req, body, shape, rid: str, request: Request)
             outputs = [o for _, o in await _collect_or_disconnect(agen, request)]
             release()
             core.metrics.requests.labels("http", "ok").inc()
+            root.end()
             return StreamingResponse(
                 shape.tool_stream(outputs, include_usage),
                 media_type="text/event-stream", headers=headers)
@@ -221,6 +234,9 @@ async def _serve(core: RouterCore, req, body, shape, rid: str, request: Request)
             first = await _first_or_disconnect(agen, request)
             def ended(outcome: str) -> None:  # counted when the stream ends, by outcome
                 core.metrics.requests.labels("http", outcome).inc()
+                if outcome != "ok":
+                    tracing.fail(root, outcome.upper(), "the stream ended early")
+                tracing.end(root)
 
             stream = _sse(agen, first, shape, include_usage, release, ended)
             # NOTE: if the client is gone before the body starts, `stream` never runs its
@@ -228,6 +244,7 @@ async def _serve(core: RouterCore, req, body, shape, rid: str, request: Request)
 
             async def cleanup():
                 release()
+                tracing.end(root)  # NOTE: ended already unless the stream never started
                 await _close_quietly(agen)
 
             return StreamingResponse(
@@ -241,13 +258,18 @@ async def _serve(core: RouterCore, req, body, shape, rid: str, request: Request)
     except RouterError as err:
         core.metrics.requests.labels("http", err.code.lower()).inc()
         release()
+        tracing.fail(root, err.code, err.message)
+        tracing.end(root)
         raise
     except BaseException:
         release()
+        tracing.fail(root, "CANCELLED")
+        tracing.end(root)
         raise
     finally:
         if not body.stream:
             release()
+            tracing.end(root)
 
 
 async def _watch_disconnect(task: asyncio.Future, request: Request) -> None:
