@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from opentelemetry import trace
-from opentelemetry.context import Context
+from opentelemetry.context import Context, create_key, get_value, set_value
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from pydantic import BaseModel, Field
@@ -60,7 +60,7 @@ log = logging.getLogger("tandem.tracing")
 
 __all__ = ["OFF", "Span", "SpanKind", "Link", "TracingConfig", "TracingError", "setup",
            "shutdown", "enabled", "start", "fail", "end", "append", "add", "metadata",
-           "carrier", "from_metadata", "from_headers", "from_carrier", "exemplar", "wall_ns"]
+           "carrier", "from_metadata", "from_call", "from_headers", "from_carrier", "exemplar", "wall_ns"]
 
 # ---- attribute names (OpenTelemetry GenAI semantic conventions where they exist) ---------
 REQUEST_ID = "tandem.request_id"  # on every span
@@ -87,6 +87,8 @@ SERVER_ADDRESS = "server.address"
 
 _W3C = TraceContextTextMapPropagator()
 _ROOT = Context()  # the parent of a span that starts a trace
+_CALLER_RID = create_key("tandem.request_id")  # a remote parent's request id (x-request-id)
+REQUEST_ID_HEADER = "x-request-id"  # how every internal call names its request
 OFF: Span = trace.INVALID_SPAN  # the span every start() gives while tracing is off
 
 Sampler = Literal["", "always_on", "always_off", "traceidratio", "parentbased_always_on",
@@ -233,8 +235,9 @@ def shutdown() -> None:
 
 
 def _request_ids():
-    """A span processor: a span whose parent is a span of this process, and that has no
-    request id of its own, takes its parent's (so every span of a request carries it)."""
+    """A span processor: a span without a request id of its own takes its parent's (a span
+    of this process), else the one its remote parent's call named (`x-request-id`, kept by
+    `from_carrier`): so every span of a request carries it."""
     from opentelemetry.sdk.trace import SpanProcessor
 
     class RequestIds(SpanProcessor):
@@ -242,7 +245,8 @@ def _request_ids():
             if span.attributes.get(REQUEST_ID) is not None or parent_context is None:
                 return
             parent = trace.get_current_span(parent_context)
-            rid = getattr(parent, "attributes", None) and parent.attributes.get(REQUEST_ID)
+            rid = ((getattr(parent, "attributes", None) and parent.attributes.get(REQUEST_ID))
+                   or get_value(_CALLER_RID, parent_context))
             if rid:
                 span.set_attribute(REQUEST_ID, rid)
 
@@ -328,10 +332,17 @@ def metadata(span: Span) -> tuple[tuple[str, str], ...]:
 
 
 def from_carrier(values: Mapping[str, str]) -> Context | None:
-    """The remote parent in `values` (lower-case keys), or None (off, or none given)."""
+    """The remote parent in `values` (lower-case keys: traceparent, tracestate, and the
+    caller's `x-request-id`, which the spans started under it take), or None (off, or
+    no traceparent)."""
     if _tracer is None or "traceparent" not in values:
         return None
-    return _W3C.extract(values)
+    ctx = _W3C.extract(values)
+    rid = values.get(REQUEST_ID_HEADER)
+    return set_value(_CALLER_RID, rid, ctx) if rid else ctx
+
+
+_PROPAGATED = ("traceparent", "tracestate", REQUEST_ID_HEADER)
 
 
 def from_metadata(md: Iterable[tuple[str, str | bytes]] | None) -> Context | None:
@@ -339,7 +350,15 @@ def from_metadata(md: Iterable[tuple[str, str | bytes]] | None) -> Context | Non
     if _tracer is None or not md:
         return None
     return from_carrier({k.lower(): v for k, v in md
-                         if k.lower() in ("traceparent", "tracestate") and isinstance(v, str)})
+                         if k.lower() in _PROPAGATED and isinstance(v, str)})
+
+
+def from_call(context) -> Context | None:
+    """The remote parent of a gRPC server call (its `grpc.aio.ServicerContext`): None while
+    off (its metadata is not even read) or when the caller sent none."""
+    if _tracer is None:
+        return None
+    return from_metadata(context.invocation_metadata())
 
 
 def from_headers(headers: Mapping[str, str]) -> Context | None:

@@ -13,6 +13,13 @@
         -> EncodeResult(payload, keys, cached tokens, timings)
 
 The gRPC servicer adds delivery (transfer) and status mapping on top.
+
+Traces: under the caller's span (`trace`, the Encode's) one span per stage the request
+went through: encoder.queue (waiting for a worker thread), encoder.preprocess (and
+encoder.fetch, the time getting the media's bytes, summed), encoder.announce (the cached
+prefix), encoder.cache (hits and misses), encoder.video_decode, per ViT input
+encoder.vit_queue and encoder.vit_batch (the batch's size), encoder.merge. A stage that
+fails leaves no span of its own: the Encode's span carries the failure.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem import tracing
 from tandem.chat import Limits, Message, TemplateOptions, load_chat_template
 from tandem.devices import resolve_device, resolve_dtype
 from tandem.services.encoder.cache import EmbeddingCache
@@ -175,6 +183,7 @@ class EncodePipeline:
         deadline: float | None = None,
         template: TemplateOptions | None = None,
         cache_salt: str = "",
+        trace: tracing.Span = tracing.OFF,
     ) -> EncodeResult:
         """`on_state(EncodeState)` is called as the request moves from stage to stage;
         `announce(info)` returns the leading tokens the language side already holds.
@@ -182,33 +191,40 @@ class EncodePipeline:
         client of its own); `deadline` (Unix seconds) bounds the preprocessing;
         `template`: how the chat template renders the chat; `cache_salt`: the cache
         namespace (the router's; "" = shared) every medium's key is taken in, for the
-        embedding cache and for the spans announced to the language side alike."""
+        embedding cache and for the spans announced to the language side alike; `trace`:
+        the span the stages' spans go under."""
         left = math.inf if deadline is None else deadline - time.time()
         budget = Budget(time.monotonic() + left)
         try:
             return await self._encode(messages, limits, on_state, announce, tools, client,
-                                      budget, template, cache_salt)  # fmt: skip
+                                      budget, template, cache_salt, trace)  # fmt: skip
         finally:
             budget.stop.set()  # NOTE: a worker still on this request stops at its next check
 
     async def _encode(self, messages, limits, on_state, announce, tools, client,
                       budget: Budget, template: TemplateOptions | None,
-                      cache_salt: str) -> EncodeResult:  # fmt: skip
+                      cache_salt: str, trace: tracing.Span) -> EncodeResult:  # fmt: skip
         step = on_state or (lambda _s: None)
         step(EncodeState.PREPROCESSING)
+        queued_ns = time.time_ns()
         prep = await self.pool.run(client, self.preprocessor, messages, limits, tools, budget,
                                    template)
+        if trace.is_recording():
+            _trace_preprocess(trace, prep, queued_ns)
         if cache_salt:
             for m in prep.media:
                 in_namespace(m, cache_salt)
         if self.metrics:
-            self.metrics.preprocess_seconds.observe(prep.preprocess_s)
+            self.metrics.preprocess_seconds.observe(prep.preprocess_s, tracing.exemplar(trace))
         spans = media_spans(prep.input_ids, prep.media, self.spec.image_token_id,
                             self.spec.video_token_id)
         cached = 0
         if announce is not None:
             step(EncodeState.ANNOUNCING)
+            span = tracing.start("encoder.announce", trace)
             cached = await announce(PromptInfo(prep.input_ids.tolist(), spans))
+            span.set_attribute("tandem.cached_prefix_tokens", cached)
+            span.end()
         need = [i for i, sp in enumerate(spans) if sp.start + sp.length > cached]
         # Each needed medium is looked up once (a counted hit or miss); only then are the
         # missing videos decoded, so a cached video costs no decode.
@@ -221,19 +237,31 @@ class EncodePipeline:
                 cached_tokens += prep.media[i].num_tokens
             else:
                 misses.append(i)
+        if need and trace.is_recording():
+            tracing.start("encoder.cache", trace, attributes={
+                "tandem.cache.hits": len(need) - len(misses), "tandem.cache.misses": len(misses),
+                "tandem.cached_image_tokens": cached_tokens}).end()
         to_decode = [i for i in misses if isinstance(prep.media[i], PlannedVideo)]
         t0 = time.perf_counter()
         decoded: dict[int, PreparedVideo] = {}
         if to_decode:
             step(EncodeState.DECODING)
-            videos = await self._decode([prep.media[i] for i in to_decode], client, budget)
+            span = tracing.start("encoder.video_decode", trace,
+                                 attributes={"tandem.videos": len(to_decode)})
+            try:
+                videos = await self._decode([prep.media[i] for i in to_decode], client, budget)
+            finally:
+                span.end()
             decoded = dict(zip(to_decode, videos, strict=True))
         decode_s = time.perf_counter() - t0
         step(EncodeState.ENCODING)
         got = await self.scheduler.encode([decoded.get(i, prep.media[i]) for i in misses])
         for i, f in zip(misses, got.features, strict=True):
             feats[i] = f
+        if trace.is_recording():
+            _trace_vit(trace, [decoded.get(i, prep.media[i]) for i in misses], got.runs)
         step(EncodeState.MERGING)
+        merge = tracing.start("encoder.merge", trace)
         items = [VisionGrid(MediaKind.IMAGE, m.grid) if isinstance(m, PreparedImage)
                  else VisionGrid(MediaKind.VIDEO, m.grid, m.plan.second_per_grid_t)
                  for m in prep.media]  # fmt: skip
@@ -251,6 +279,7 @@ class EncodePipeline:
                 num_deepstack=self.num_deepstack,
             ).rows_from(cached),
         )
+        merge.end()
         if self.metrics:
             self.metrics.cache_bytes.set(self.cache.bytes_used)
             self.metrics.cache_evictions.set(self.cache.evictions)
@@ -289,6 +318,34 @@ class EncodePipeline:
             "cache_bytes": self.cache.bytes_used,
             "cache_capacity_bytes": self.cache.capacity,
         }
+
+
+def _trace_preprocess(trace: tracing.Span, prep, queued_ns: int) -> None:
+    """encoder.queue and encoder.preprocess (with encoder.fetch) from the preprocessing's
+    own clock: it ended now and lasted `prep.preprocess_s`."""
+    end = time.time_ns()
+    begin = max(queued_ns, end - int(prep.preprocess_s * 1e9))
+    tracing.start("encoder.queue", trace, start_ns=queued_ns).end(begin)
+    span = tracing.start("encoder.preprocess", trace, start_ns=begin, attributes={
+        "tandem.images": len(prep.images), "tandem.videos": len(prep.videos),
+        tracing.INPUT_TOKENS: int(prep.input_ids.numel())})
+    if prep.media:
+        tracing.start("encoder.fetch", span, start_ns=begin, attributes={
+            "tandem.media": len(prep.media)}).end(begin + int(prep.fetch_s * 1e9))
+    span.end(end)
+
+
+def _trace_vit(trace: tracing.Span, inputs: list, runs: list) -> None:
+    """Per ViT input: its wait for a batch and the batch it ran in (VitRun)."""
+    for m, run in zip(inputs, runs, strict=True):
+        if run is None:  # cached meanwhile: no ViT
+            continue
+        tracing.start("encoder.vit_queue", trace, start_ns=run.queued_ns).end(run.start_ns)
+        tracing.start("encoder.vit_batch", trace, start_ns=run.start_ns, attributes={
+            "tandem.vit.batch_inputs": run.batch_inputs,
+            "tandem.vit.batch_patches": run.batch_patches,
+            "tandem.vit.patches": m.num_patches, "tandem.vit.shared": run.shared,
+        }).end(run.end_ns)
 
 
 def media_spans(input_ids: torch.Tensor, media: list[PreparedImage | PlannedVideo],

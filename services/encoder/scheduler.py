@@ -15,12 +15,17 @@ away (cancelled, deadline) before its batch started is dropped.
 
 `features` = `lookup` (the cache, counted) + `encode` (the ViT for the misses). The
 pipeline calls the two apart for videos: a hit must be known before a video is decoded.
+
+For traces, each job records when it was queued and the batch it ran in (`VitRun`, Unix
+ns: two clock reads per batch); `encode` hands each input's run back and the request's
+own coroutine makes its spans from them (the batcher never touches a span).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -65,6 +70,19 @@ def lb_assign(patches: list[int], num_devices: int) -> list[list[int]]:
     return [sorted(ix) for ix in out]
 
 
+@dataclass(frozen=True)
+class VitRun:
+    """Where one input went through the ViT: queued, its batch's start and end (Unix ns),
+    the batch's size; `shared` when another request's identical input was its job."""
+
+    queued_ns: int
+    start_ns: int
+    end_ns: int
+    batch_inputs: int
+    batch_patches: int
+    shared: bool = False
+
+
 @dataclass
 class ImageJob:
     key: str
@@ -72,6 +90,8 @@ class ImageJob:
     future: asyncio.Future
     waiters: int = 1
     started: bool = False
+    queued_ns: int = field(default_factory=time.time_ns)
+    run: VitRun | None = None  # set by the batcher once its batch ran
 
 
 @dataclass
@@ -80,6 +100,7 @@ class FeatureResult:
     cached_tokens: int = 0
     vit_s: float = 0.0
     hits: list[bool] = field(default_factory=list)
+    runs: list[VitRun | None] = field(default_factory=list)  # `encode`: None = taken cached
 
 
 class EncoderScheduler:
@@ -144,7 +165,9 @@ class EncoderScheduler:
         """Features of each input in order from the ViT (inputs looked up and missed: an
         entry cached since is taken, uncounted, rather than computed again)."""
         res = FeatureResult(features=[None] * len(images))  # type: ignore[list-item]
+        res.runs = [None] * len(images)
         waits: list[tuple[int, ImageJob]] = []
+        shared: set[int] = set()
         for i, img in enumerate(images):
             cached = self.cache.peek(img.key)
             if cached is not None:
@@ -153,6 +176,7 @@ class EncoderScheduler:
             job = self.inflight.get(img.key)
             if job is not None:
                 job.waiters += 1
+                shared.add(i)
             else:
                 job = ImageJob(img.key, img, asyncio.get_running_loop().create_future())
                 self.inflight[img.key] = job
@@ -168,6 +192,10 @@ class EncoderScheduler:
                 feats, vit_s = await asyncio.shield(job.future)
                 res.features[i] = feats
                 res.vit_s = max(res.vit_s, vit_s)
+                if job.run is not None and i in shared:
+                    res.runs[i] = dataclasses.replace(job.run, shared=True)
+                else:
+                    res.runs[i] = job.run
                 pending.remove((i, job))
         finally:
             for _, job in pending:  # cancelled or failed: let go of what we still wait on
@@ -206,6 +234,7 @@ class EncoderScheduler:
                 self._wake.clear()
                 continue
             groups = lb_assign([j.image.num_patches for j in batch], len(self.runners))
+            start_ns = time.time_ns()
             t0 = time.perf_counter()
             try:
                 outs = await asyncio.gather(
@@ -226,6 +255,7 @@ class EncoderScheduler:
                 self._gauge()
                 continue
             vit_s = time.perf_counter() - t0
+            end_ns = time.time_ns()
             self.vit_patches = 0
             self._gauge()
             self.batches += 1
@@ -233,8 +263,10 @@ class EncoderScheduler:
                 self.metrics.batch(len(batch), sum(j.image.num_patches for j in batch), vit_s)
             done = [i for _, ix in ((d, ix) for d, ix in enumerate(groups) if ix) for i in ix]
             feats = [f for out in outs for f in out]
+            patches = sum(j.image.num_patches for j in batch)
             for i, f in zip(done, feats, strict=True):
                 job = batch[i]
+                job.run = VitRun(job.queued_ns, start_ns, end_ns, len(batch), patches)
                 self.cache.put(job.key, f)
                 self.inflight.pop(job.key, None)
                 if not job.future.done():

@@ -9,6 +9,10 @@
     Attach  ─▶ sender.attach (the transfer layer owns the room protocol)
     GetLoad ─▶ queue, cache and room figures
 
+Traces: an `encoder.encode` span per Encode (a child of the router's `router.encode`, from
+the call's traceparent), with the pipeline's stages and the transfer under it;
+`encoder.attach` per Attach stream (a child of the language side's `transfer.attach`).
+
 Status codes: INVALID_ARGUMENT for bad input and per-request limits (the message starts
 with the offending field, e.g. `messages[0].content[1].image: ...`), UNAVAILABLE while
 draining, DEADLINE_EXCEEDED past the deadline, and the transfer layer's code when the
@@ -23,6 +27,7 @@ import time
 
 import grpc
 
+from tandem import tracing
 from tandem.chat import ChatError
 from tandem.errors import FIELD_METADATA
 from tandem.services.encoder.chat import job_from_proto
@@ -57,8 +62,12 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         self.num_active += 1
         self._gauge()
         code = "OK"
+        span = tracing.start("encoder.encode", tracing.from_call(context),
+                             kind=tracing.SpanKind.SERVER,
+                             attributes={tracing.REQUEST_ID: request.request_id,
+                                         tracing.ROOM: request.room})
         try:
-            return await self._encode(request)
+            return await self._encode(request, span)
         except ChatError as e:
             code = e.code
             await context.abort(e.grpc_code, e.detail,
@@ -93,12 +102,16 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                          state.value if state else "starting")  # fmt: skip
             else:
                 log.info("%s room %d: delivered", rid, request.room)
+            if code != "OK":
+                tracing.fail(span, code, f"while {state.value if state else 'starting'}")
+            span.set_attribute(tracing.RPC_STATUS, code)
+            span.end()
             self.num_active -= 1
             self._gauge()
             if self.metrics:
                 self.metrics.requests.labels(code).inc()
 
-    async def _encode(self, request) -> encoder_pb2.EncodeResponse:
+    async def _encode(self, request, span: tracing.Span) -> encoder_pb2.EncodeResponse:
         now = time.time()
         deadline = deadline_from_proto(request.deadline_unix_ms, self.default_timeout_s, now)
         if deadline <= now:
@@ -116,14 +129,21 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                     announce=lambda info: self.sender.announce(job.room, info,
                                                                deadline=deadline),
                     tools=job.tools, client=job.client_id, deadline=deadline,
-                    template=job.template, cache_salt=job.cache_salt,
+                    template=job.template, cache_salt=job.cache_salt, trace=span,
                 )  # fmt: skip
             finally:
                 self.sender.preparing(job.room, False)
             mark(EncodeState.SENDING)
             t0 = time.perf_counter()
-            stats = await self.sender.send(job.room, res.payload, deadline=deadline)
+            stats = await self.sender.send(job.room, res.payload, deadline=deadline, trace=span)
             transfer_ms = (time.perf_counter() - t0) * 1e3
+        if span.is_recording():
+            span.set_attributes({
+                tracing.INPUT_TOKENS: res.payload.end, "tandem.images": len(res.image_hashes),
+                "tandem.videos": len(res.video_keys), "tandem.cached_prefix_tokens":
+                res.payload.start, "tandem.cached_image_tokens": res.cached_image_tokens,
+                "tandem.skipped_images": res.skipped_images, "tandem.transfer.resumes":
+                stats.resumes})  # fmt: skip
         return encoder_pb2.EncodeResponse(
             room=job.room,
             prompt_tokens=res.payload.end,
@@ -142,7 +162,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         )
 
     async def Attach(self, request_iterator, context):  # noqa: N802
-        await self.sender.attach(request_iterator, context)
+        await self.sender.attach(request_iterator, context,
+                                 tracing.from_call(context))
 
     async def GetLoad(self, request, context):  # noqa: N802
         f = self.pipeline.load_figures()

@@ -47,6 +47,11 @@ sealed in the writer thread under keys of its own (encrypted into the staging sl
 `encrypt`), its tags computed over the private payload and sent with the range's Progress,
 partial Progress or Done. An Init asking for less than `config.protect` fails the room
 (FAILED_PRECONDITION): this encoder never sends rows less protected than it is set to.
+
+Traces: `send(..., trace=span)` puts an `encoder.transfer` span under `span` (tokens,
+bytes, resumes), and under it `transfer.wait_init` (when the Init was not there yet), one
+`transfer.write` per staging round (its tokens and bytes) and one `transfer.resume_wait`
+per Resume; `attach(..., parent)` an `encoder.attach` span per Attach stream.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from tandem import tracing
 from tandem.config import TransferConfig
 from tandem.transfer.buffers import RangeTag, RowProtection
 from tandem.transfer.errors import TransferError, TransferStuck, timed_out
@@ -181,8 +187,9 @@ class EmbeddingSender:
         return t if deadline is None else max(0.0, min(t, deadline - time.time()))
 
     # ---- the Attach stream ------------------------------------------------------------
-    async def attach(self, request_iterator, context) -> None:
-        """Body of `Encoder.Attach` (grpc.aio): first message Init, then Resumes."""
+    async def attach(self, request_iterator, context, parent=None) -> None:
+        """Body of `Encoder.Attach` (grpc.aio): first message Init, then Resumes. `parent`:
+        the caller's trace context (tracing.from_call), for the stream's span."""
         it = request_iterator.__aiter__()
         try:
             first = await asyncio.wait_for(it.__anext__(), self.config.timeout_s)
@@ -208,6 +215,9 @@ class EmbeddingSender:
         beat = max(0.5, self.config.timeout_s / 3)
         r.notify()  # a send() waiting for Init goes on
         reader = asyncio.create_task(self._read(r, it))
+        span = tracing.start("encoder.attach", parent, kind=tracing.SpanKind.SERVER,
+                             attributes={tracing.ROOM: room,
+                                         "tandem.transfer.generation": first.init.generation})
         try:
             while True:
                 # Init is here; without send() the payload has timeout_s to come (from Init,
@@ -241,6 +251,9 @@ class EmbeddingSender:
             reader.cancel()
             self._fail(r, TransferError(f"room {room}: language closed the Attach stream",
                                         "UNAVAILABLE"))
+            if r.error is not None:
+                tracing.fail(span, r.error.code, r.error.reason)
+            span.end()
 
     async def _read(self, r: SenderRoom, it) -> None:
         try:
@@ -306,9 +319,10 @@ class EmbeddingSender:
             r.to(SenderState.WAITING_FOR_PAYLOAD)
             return r.cached
 
-    async def send(self, room: int, payload: PromptPayload, deadline: float | None = None
-                   ) -> SendStats:
-        """Deliver `payload` into the room's blocks; returns once Done is on the stream."""
+    async def send(self, room: int, payload: PromptPayload, deadline: float | None = None,
+                   trace: tracing.Span = tracing.OFF) -> SendStats:
+        """Deliver `payload` into the room's blocks; returns once Done is on the stream.
+        `trace`: the span the delivery's span goes under."""
         r = self.rooms.get(room)
         if r is None:
             r = self._room(room, SenderState.WAITING_FOR_INIT)
@@ -316,10 +330,18 @@ class EmbeddingSender:
             r.to(SenderState.TRANSFERRING)  # Init is here: sending starts now
         else:
             raise TransferError(f"room {room} is already being sent", "ALREADY_EXISTS")
+        r.trace = span = tracing.start("encoder.transfer", trace, attributes={
+            tracing.ROOM: room, "tandem.transfer.tokens": payload.num_tokens})
         try:
             with self._failing(r, "send"):
                 stats = await self._deliver(r, payload, deadline)
+            span.set_attributes({"tandem.transfer.bytes": stats.bytes,
+                                 "tandem.transfer.resumes": stats.resumes})
+        except TransferError as e:
+            tracing.fail(span, e.code, e.reason)
+            raise
         finally:
+            span.end()
             if self.rooms.get(room) is r:  # NOTE: send is the room's last user on every path
                 del self.rooms[room]
         m = self.metrics
@@ -349,7 +371,12 @@ class EmbeddingSender:
     async def _deliver(self, r: SenderRoom, payload: PromptPayload, deadline) -> SendStats:
         """The rounds of `send`: wait for Init, write each piece, Resume, Done."""
         room = r.room
-        await self._await_init(r, deadline)
+        if r.init is None:
+            span = tracing.start("transfer.wait_init", r.trace)
+            await self._await_init(r, deadline)
+            span.end()
+        else:
+            await self._await_init(r, deadline)
         init = r.init
         if payload.start != r.cached:
             raise TransferError(f"room {room}: payload starts at token {payload.start}, the "
@@ -370,8 +397,12 @@ class EmbeddingSender:
             r.to(SenderState.WAITING_FOR_RESUME)
             r.outbox.put_nowait(encoder_pb2.AttachResponse(progress=encoder_pb2.AttachProgress(
                 sent_tokens=sent, total_tokens=total, partial=True, tag=self._piece_tag(r, sent))))
+            span = tracing.start("transfer.resume_wait", r.trace,
+                                 attributes={"tandem.transfer.sent_tokens": sent})
             res = await self._next(r, encoder_pb2.AttachResume, deadline,
                                    f"waiting for Resume at token {sent}/{total}")
+            span.set_attribute("tandem.transfer.allocated_tokens", res.allocated_tokens)
+            span.end()
             if res.sent_tokens != sent:
                 raise TransferError(f"room {room}: Resume at token {res.sent_tokens}, "
                                     f"expected {sent}", "INVALID_ARGUMENT")
@@ -427,6 +458,9 @@ class EmbeddingSender:
                 tag=tag.to_proto() if tag is not None else None)))
 
         for t0 in range(start, end, step):
+            span = tracing.start("transfer.write", r.trace, attributes={
+                "tandem.transfer.first_token": t0,
+                "tandem.transfer.tokens": min(t0 + step, end) - t0})
             slot = await self._acquire_slot(r, deadline)
             job = WriteRound(
                 self.engine, self.staging, dests, slot, payload, r.room, r.init.generation,
@@ -444,6 +478,9 @@ class EmbeddingSender:
                 self._slot_done, s, f))
             inner = asyncio.wrap_future(cf)
             inner.add_done_callback(lambda f: f.cancelled() or f.exception())
-            nbytes += await self._race(r, asyncio.shield(inner), deadline,
-                                       f"writing tokens {t0}..{min(t0 + step, end)}")
+            wrote = await self._race(r, asyncio.shield(inner), deadline,
+                                     f"writing tokens {t0}..{min(t0 + step, end)}")
+            span.set_attribute("tandem.transfer.bytes", wrote)
+            span.end()
+            nbytes += wrote
         return nbytes

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tandem import tracing
 from tandem.transfer.buffers import BufferLayout, RangeTag, RowProtection
 from tandem.transfer.errors import TransferError
 from tandem.transfer.payload import PromptPayload
@@ -47,6 +48,7 @@ class SenderRoom:
     # the tags of the current piece's last chunk, reported by its partial Progress or Done
     piece_tag: tuple[int, RangeTag | None] | None = None  # (end token, tags)
     error: TransferError | None = None
+    trace: tracing.Span = tracing.OFF  # the delivery's span (send), parent of its rounds'
     inbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # AttachResume
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # AttachResponse | None
     # NOTE: the one wake-up: set (then replaced) at every transition, so a waiter re-checks
