@@ -817,57 +817,6 @@ def test_config_schema_is_generated_from_the_services_settings():
         assert set(props) == set(cls.model_fields) - nested, tier
 
 
-def _exported_metric_names() -> set[str]:
-    """Every series name the services export (each tier's metric set built in a registry of
-    its own): counters' _total, histograms' _bucket/_sum/_count, gauges."""
-    from prometheus_client import CollectorRegistry
-
-    from tandem.metrics import metric_set
-    from tandem.services.encoder.metrics import EncoderMetrics
-    from tandem.services.language.metrics import LanguageMetrics
-    from tandem.services.router.metrics import RouterMetrics
-    from tandem.transfer.metrics import transfer_metrics
-
-    names: set[str] = set()
-    for make in (lambda r: metric_set(EncoderMetrics, r), lambda r: metric_set(LanguageMetrics, r),
-                 lambda r: metric_set(RouterMetrics, r),
-                 lambda r: transfer_metrics(r).blocks(0, 1)):  # blocks: where a pool exists
-        reg = CollectorRegistry()
-        make(reg)
-        for fam in reg.collect():
-            names.add(fam.name)
-            names |= {f"{fam.name}{s}" for s in ("_total", "_bucket", "_sum", "_count")}
-    return names
-
-
-def test_alerts_and_dashboard_use_real_metrics_and_pass_promtool(helm, tmp_path):
-    """The PrometheusRule's rules pass `promtool check rules`; every metric its alerts and
-    the Grafana dashboard query is one the services export; the dashboard JSON parses."""
-    import json
-    import re
-    import shutil
-
-    objs = render(helm, "--set", "prometheusRule.enabled=true",
-                  "--set", "grafanaDashboard.enabled=true")
-    rule = find(objs, "PrometheusRule", RELEASE)
-    alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
-    assert {"TandemErrorRatioHigh", "TandemTTFTHigh", "TandemTransferFaults",
-            "TandemKVCacheFull", "TandemTierDown"} <= alerts
-    dash = json.loads(find(objs, "ConfigMap", f"{RELEASE}-dashboard")["data"]["tandem.json"])
-    exprs = [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]
-    exprs += [t["expr"] for p in dash["panels"] for t in p["targets"]]
-    used = {m for e in exprs for m in re.findall(r"tandem_[a-z_]+", e)}
-    assert used and used <= _exported_metric_names(), used - _exported_metric_names()
-    promtool = shutil.which("promtool") or str(ROOT / ".tools" / "promtool")
-    if not Path(promtool).exists():
-        pytest.skip("promtool not installed (`make test` fetches it)")
-    rules = tmp_path / "rules.yaml"
-    rules.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
-    r = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True,
-                       text=True, timeout=60)
-    assert r.returncode == 0, r.stdout + r.stderr
-
-
 def test_helm_test_hook_sends_one_chat_to_the_router(helm, tmp_path):
     """`helm test`: a hook pod, running the router's image, whose program (run here against
     a stand-in router) posts one chat to the router's Service URL with the router's own API
@@ -934,20 +883,10 @@ ADAPTER_RULES = ROOT / "deploy" / "k8s" / "prometheus-adapter-rules.yaml"
 
 
 def exported_metric_names() -> set[str]:
-    """Every metric family the three tiers export (their metric classes, fresh registries)."""
-    from prometheus_client import CollectorRegistry
+    """Every series name the three tiers export (tests/exported_series.py)."""
+    from exported_series import exported_series
 
-    from tandem.services.encoder.metrics import EncoderMetrics
-    from tandem.services.language.metrics import LanguageMetrics
-    from tandem.services.router.metrics import RouterMetrics
-    from tandem.transfer.metrics import BlockGauges, TransferMetrics
-
-    names = set()
-    for cls in (EncoderMetrics, LanguageMetrics, RouterMetrics, TransferMetrics, BlockGauges):
-        r = CollectorRegistry()
-        cls(r)
-        names |= {m.name for m in r.collect()}
-    return names
+    return set(exported_series())
 
 
 def hpa_pod_metrics(objs: list[dict], tier: str) -> dict[str, str]:
