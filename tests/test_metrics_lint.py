@@ -207,6 +207,31 @@ def test_kv_gauges_and_usage_ratio(cluster):
     assert "tandem_transfer_blocks" not in page(cluster, "encoder")
 
 
+def test_the_room_stall_gauge_is_on_the_language_page(cluster):
+    """`tandem_transfer_room_stall_seconds` (TandemRoomStuck's series) is on the language
+    tier's page, so promtool checks it there, and at rest no room is open: 0. The encoder
+    receives no rooms: not there."""
+    text = page(cluster, "language")
+    assert "# TYPE tandem_transfer_room_stall_seconds gauge" in text
+    assert total(text, "tandem_transfer_room_stall_seconds") == 0
+    assert "tandem_transfer_room_stall_seconds" not in page(cluster, "encoder")
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_openmetrics_page_parses(cluster, tier):
+    """What a Prometheus that stores exemplars scrapes (it asks for OpenMetrics, where the
+    latency histograms carry trace ids while tracing is on) parses under the format's own
+    strict parser, and has the series of the text page promtool checks."""
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as om
+
+    r = httpx.get(cluster.metrics_urls[tier], timeout=5,
+                  headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+    assert r.headers["content-type"].startswith("application/openmetrics-text"), r.headers
+    names = {s.name for f in om(r.text) for s in f.samples}
+    text_names = {n for n, _ in samples(page(cluster, tier))}
+    assert names == text_names, names ^ text_names
+
+
 def test_every_tier_names_its_model_once(cluster):
     """The tiers name the checkpoint they loaded; the router the name the API serves it
     under (`tandem up --served-model-name`, by default the checkpoint directory's name)."""
