@@ -46,7 +46,7 @@ class Case:
             self.refs.append(out[0] if isinstance(out, tuple) else out)
 
     def engine(self, num_pages: int, **cfg) -> Engine:
-        runner = ModelRunner(self.weights, RunnerSettings(page_size=4), num_pages=num_pages,
+        runner = ModelRunner(self.weights.copy(), RunnerSettings(page_size=4), num_pages=num_pages,
                              device=oracle.test_device())
         return Engine(runner, self.tokenizer, EngineConfig(**cfg)).start()
 
@@ -149,7 +149,7 @@ def test_the_engine_seed_replays_unseeded_requests_and_yields_to_a_request_seed(
     same seed on every start with that seed, so a replayed sequence gives the same tokens;
     another seed gives others; a request's own seed wins over the engine's."""
     case = _cases.get("qwen2_5_vl") or Case(checkpoint("qwen2_5_vl"))
-    runner = ModelRunner(case.weights, RunnerSettings(page_size=4), num_pages=256)
+    runner = ModelRunner(case.weights.copy(), RunnerSettings(page_size=4), num_pages=256)
     params = dict(temperature=1.0, max_tokens=10, ignore_eos=True)
 
     def replay(engine_seed, request_seed=None) -> list[list[int]]:

@@ -78,7 +78,7 @@ def case(request, checkpoint):
 
 def make_runner(weights, pages: int = 96) -> tuple[ModelRunner, KVPagePool]:
     """A runner and the pool of its KV pages (the engine's scheduler holds it in service)."""
-    runner = ModelRunner(weights, RunnerSettings(page_size=PAGE), num_pages=pages, device=DEVICE)
+    runner = ModelRunner(weights.copy(), RunnerSettings(page_size=PAGE), num_pages=pages, device=DEVICE)
     return runner, KVPagePool(pages, PAGE)
 
 

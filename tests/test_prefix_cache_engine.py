@@ -32,7 +32,7 @@ class Chat:
         self.weights = load_text_weights(ckpt)
 
     def engine(self, num_pages=512, **cfg) -> Engine:
-        runner = ModelRunner(self.weights, RunnerSettings(page_size=4), num_pages=num_pages)
+        runner = ModelRunner(self.weights.copy(), RunnerSettings(page_size=4), num_pages=num_pages)
         return Engine(runner, self.tokenizer, EngineConfig(**cfg)).start()
 
     def request(self, rid: int, messages, images, keys, max_tokens=8):

@@ -60,7 +60,7 @@ class Setup:
         self.ref, _ = oracle.generate(self.model, inputs, 12)
 
     def engine(self, **cfg) -> Engine:
-        runner = ModelRunner(self.weights, RunnerSettings(page_size=4), num_pages=1024)
+        runner = ModelRunner(self.weights.copy(), RunnerSettings(page_size=4), num_pages=1024)
         return Engine(runner, self.tokenizer, EngineConfig(**cfg)).start()
 
 

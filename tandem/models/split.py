@@ -154,6 +154,12 @@ class TextWeights:
     spec: ModelSpec
     tensors: dict[str, torch.Tensor]
 
+    def copy(self) -> TextWeights:
+        """Another dict over the same tensors: a `ModelRunner` consumes the dict it is
+        given (so no duplicate outlives loading), and a caller building several runners
+        from one load hands each its own."""
+        return TextWeights(self.spec, dict(self.tensors))
+
 
 def text_tensor_names(spec: ModelSpec) -> dict[str, str]:
     """Normalized name -> checkpoint name for every text-side tensor (no lm_head when tied)."""

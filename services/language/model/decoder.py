@@ -30,7 +30,11 @@ from torch import nn
 
 from tandem.services.language.model.attention import AttentionMetadata, paged_attention
 from tandem.services.language.model.config import DecoderConfig
-from tandem.services.language.model.linear import DenseLinear, fuse_checkpoint_tensors
+from tandem.services.language.model.linear import (
+    DenseLinear,
+    copies_transposes,
+    fuse_checkpoint_tensors,
+)
 from tandem.services.language.model.rope import MRope, apply_rotary
 
 
@@ -197,12 +201,16 @@ class QwenVLDecoder(nn.Module):
     ) -> QwenVLDecoder:
         """A decoder that adopts `tensors` (moved to device/dtype, fused and transposed as
         `linear.py` says): built on the meta device, so no throwaway random initialisation
-        and no second copy of the weights."""
+        and no second copy of the weights. Consumes `tensors` (emptied, one group at a
+        time: `fuse_checkpoint_tensors`): the caller's dict holds no original while its
+        fused copy is made, so loading peaks at the weights plus one layer's group."""
         tied = "lm_head.weight" not in tensors
         with torch.device("meta"):
             model = cls(cfg, device=device, tied_head=tied, reduce=reduce)
-        tensors = {k: t.to(device=device, dtype=dtype) for k, t in tensors.items()}
-        tensors = fuse_checkpoint_tensors(tensors, cfg.num_layers, cfg.moe_layers)
+        tensors = fuse_checkpoint_tensors(
+            tensors, cfg.num_layers, cfg.moe_layers,
+            place=lambda t: t.to(device=device, dtype=dtype),
+            copy_transposes=copies_transposes(device))  # fmt: skip
         missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
         if missing or unexpected:
             raise ValueError(

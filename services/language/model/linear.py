@@ -9,7 +9,9 @@ a checkpoint's separate ones.
 NOTE (why transposed): with MKL on this CPU (float32), `F.linear(x, W)` over a
 checkpoint's W [out, in] costs 1.7-4x more than `x @ Wt` over a contiguous [in, out]
 copy for 4-32 rows (decode batches), and the same for large prefill chunks; on CUDA both
-layouts are one cuBLAS call. The transposed copy replaces the original (no extra memory).
+layouts are one cuBLAS call. So (`copies_transposes`, the one rule) on the CPU weight_t is
+a contiguous [in, out] copy that replaces the original; elsewhere (CUDA) it is a
+transposed view of the checkpoint's [out, in] tensor: no copy is ever made.
 
 Fusions (one GEMM where the checkpoint has several with the same input):
 
@@ -48,35 +50,73 @@ class DenseLinear(nn.Module):
         return torch.addmm(self.bias, x, self.weight_t)
 
 
+def copies_transposes(device: torch.device) -> bool:
+    """Whether weight_t is a contiguous [in, out] copy (the CPU: MKL's fast layout) or a
+    transposed view of the checkpoint's tensor (CUDA and the rest: either layout is one
+    cuBLAS call, and a view costs no memory)."""
+    return torch.device(device).type == "cpu"
+
+
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def fuse_checkpoint_tensors(tensors: dict[str, torch.Tensor], num_layers: int,
-                            moe_layers: tuple[int, ...] = ()) -> dict:
+                            moe_layers: tuple[int, ...] = (), *, place=_keep,
+                            copy_transposes: bool = True) -> dict:
     """The decoder's parameter dict from the loader's normalized checkpoint names.
 
-    Every `*.weight` of a projection becomes `*.weight_t` (transposed, contiguous); q/k/v
-    become `qkv_proj`, gate/up become `gate_up_proj`; norms and embeddings pass through.
-    A sparse MoE layer's router becomes `router.weight_t` and its experts `w_gate_up`
-    [E, H, 2I] and `w_down` [E, I, H] (each expert's matrices transposed likewise).
-    Consumes `tensors` (entries are popped) so no two full copies are alive at once."""
+    Every `*.weight` of a projection becomes `*.weight_t` ([in, out]: a contiguous copy with
+    `copy_transposes`, else a transposed view); q/k/v become `qkv_proj`, gate/up become
+    `gate_up_proj`; norms and embeddings pass through. A sparse MoE layer's router becomes
+    `router.weight_t` and its experts `w_gate_up` [E, H, 2I] and `w_down` [E, I, H] (each
+    expert's matrices transposed likewise). A tied head (`lm_head.weight` is the embedding
+    tensor itself) reads the placed embedding.
+
+    Consumes `tensors` one group at a time: each tensor is popped, `place`d (moved to the
+    model's device and dtype) and fused or transposed, and the popped original is dropped
+    before the next group. So at most one group (a layer's q/k/v or gate/up, or one
+    transposed tensor) exists twice at any moment: loading peaks at the weights plus that
+    group, never at twice the projections (tests/test_language_loading.py)."""
+
+    def take(name: str) -> torch.Tensor:
+        return place(tensors.pop(name))
+
+    def transposed(w: torch.Tensor) -> torch.Tensor:  # [out, in] -> [in, out]
+        return w.t().contiguous() if copy_transposes else w.t()
+
+    def fused(names: list[str]) -> torch.Tensor:  # several [out_k, in] -> [in, sum out_k]
+        parts = [take(n) for n in names]
+        if copy_transposes:
+            return torch.cat([w.t() for w in parts], dim=1)  # (a new contiguous tensor)
+        return torch.cat(parts, dim=0).t()
+
     out: dict[str, torch.Tensor] = {}
     for i in range(num_layers):
         a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
-        qkv = [tensors.pop(f"{a}{p}_proj.weight") for p in "qkv"]
-        out[f"{a}qkv_proj.weight_t"] = torch.cat([w.t() for w in qkv], dim=1).contiguous()
+        out[f"{a}qkv_proj.weight_t"] = fused([f"{a}{p}_proj.weight" for p in "qkv"])
         if f"{a}q_proj.bias" in tensors:
-            out[f"{a}qkv_proj.bias"] = torch.cat([tensors.pop(f"{a}{p}_proj.bias") for p in "qkv"])
+            out[f"{a}qkv_proj.bias"] = torch.cat([take(f"{a}{p}_proj.bias") for p in "qkv"])
         if i in moe_layers:
-            out[f"{m}router.weight_t"] = tensors.pop(f"{m}gate.weight").t().contiguous()
-            out[f"{m}w_gate_up"] = tensors.pop(f"{m}experts.gate_up_proj").transpose(1, 2).contiguous()
-            out[f"{m}w_down"] = tensors.pop(f"{m}experts.down_proj").transpose(1, 2).contiguous()
+            out[f"{m}router.weight_t"] = transposed(take(f"{m}gate.weight"))
+            for name, key in (("w_gate_up", "gate_up_proj"), ("w_down", "down_proj")):
+                w = take(f"{m}experts.{key}").transpose(1, 2)
+                out[f"{m}{name}"] = w.contiguous() if copy_transposes else w
+                del w  # (with a copy, the original goes now)
         else:
-            gate_up = [tensors.pop(f"{m}{p}_proj.weight") for p in ("gate", "up")]
-            out[f"{m}gate_up_proj.weight_t"] = torch.cat([w.t() for w in gate_up], dim=1).contiguous()
-            out[f"{m}down_proj.weight_t"] = tensors.pop(f"{m}down_proj.weight").t().contiguous()
-        for name in (f"{a}o_proj",):
-            out[f"{name}.weight_t"] = tensors.pop(f"{name}.weight").t().contiguous()
-            if f"{name}.bias" in tensors:
-                out[f"{name}.bias"] = tensors.pop(f"{name}.bias")
+            out[f"{m}gate_up_proj.weight_t"] = fused([f"{m}gate_proj.weight", f"{m}up_proj.weight"])
+            out[f"{m}down_proj.weight_t"] = transposed(take(f"{m}down_proj.weight"))
+        out[f"{a}o_proj.weight_t"] = transposed(take(f"{a}o_proj.weight"))
+        if f"{a}o_proj.bias" in tensors:
+            out[f"{a}o_proj.bias"] = take(f"{a}o_proj.bias")
     if "lm_head.weight" in tensors:  # a tied head has none: it reads the embedding table
-        out["lm_head.weight_t"] = tensors.pop("lm_head.weight").t().contiguous()
-    out.update(tensors)  # norms, q/k norms, the embedding table
+        if tensors["lm_head.weight"] is tensors.get("embed_tokens.weight"):  # one tensor,
+            del tensors["lm_head.weight"]  # two names: placed once
+            head = out["embed_tokens.weight"] = take("embed_tokens.weight")
+        else:
+            head = take("lm_head.weight")
+        out["lm_head.weight_t"] = transposed(head)
+        del head
+    for name in list(tensors):  # norms, q/k norms, the embedding table
+        out[name] = take(name)
     return out
