@@ -98,12 +98,15 @@ class VideoOptions:
 
 @dataclass(frozen=True)
 class VideoInput:
-    """One video as the client gave it: exactly one of `data` (the file's bytes) and `url`
-    (a data: or http(s) URL) is set; `options` are its sampling controls."""
+    """One video as the client gave it: exactly one of `data` (the file's bytes), `url` (a
+    data: or http(s) URL) and `frames` (the video as its frames, each an image source:
+    every frame used, `options.fps` the rate they were taken at) is set; `options` are its
+    sampling controls."""
 
     data: bytes | None = None
     url: str | None = None
     options: VideoOptions = field(default_factory=VideoOptions)
+    frames: tuple[ImageInput, ...] = ()
 
 
 # A content part of a chat message: text, an image or a video.
@@ -310,10 +313,19 @@ VIDEO_CONTROLS = ("fps", "num_frames", "min_frames", "max_frames", "min_pixels",
 def _video_from_proto(v, where: str) -> VideoInput:
     src = v.WhichOneof("source")
     if src is None:
-        raise invalid(where, "video has neither data nor url")
+        raise invalid(where, "video has neither data, url nor frames")
     options = VideoOptions(**{k: getattr(v, k) or None for k in VIDEO_CONTROLS})
+    frames = []
+    for k, f in enumerate(v.frames.frames if src == "frames" else ()):
+        kind = f.WhichOneof("source")
+        if kind is None:
+            raise invalid(f"{where}.frames[{k}]", "frame has neither data nor url")
+        frames.append(ImageInput(data=f.data if kind == "data" else None,
+                                 url=f.url if kind == "url" else None))
+    if src == "frames" and not frames:
+        raise invalid(f"{where}.frames", "a video given as frames has no frame")
     return VideoInput(data=v.data if src == "data" else None, url=v.url if src == "url" else None,
-                      options=options)
+                      options=options, frames=tuple(frames))
 
 
 # Tokens a client's text may not spell. NOTE: control tokens come only from the chat

@@ -168,6 +168,17 @@ def _fetch(url: str, field: str, lim: ImageLimits, rules: SourceRules, budget: B
 
 def decode_image(raw: bytes, field: str, lim: ImageLimits) -> Image.Image:
     """Encoded bytes -> RGB image; refuses unknown, unsupported, oversized, truncated files."""
+    img = open_image(raw, field, lim)
+    try:
+        img.load()  # NOTE: PIL decodes lazily; truncation only shows here.
+        return img.convert("RGB")
+    except Exception as e:
+        raise invalid(field, f"image data is truncated or corrupt ({img.format}: {e})") from None
+
+
+def open_image(raw: bytes, field: str, lim: ImageLimits) -> Image.Image:
+    """Encoded bytes -> the image with its header read and checked (format, pixel count),
+    not decoded yet (PIL decodes on `load`)."""
     try:
         with warnings.catch_warnings():
             # NOTE: PIL's own bomb check is looser than ours; ours runs on the header below.
@@ -188,11 +199,7 @@ def decode_image(raw: bytes, field: str, lim: ImageLimits) -> Image.Image:
         raise invalid(
             field, f"image is {w}x{h} = {w * h} pixels, over the limit of {lim.max_source_pixels}"
         )
-    try:
-        img.load()  # NOTE: PIL decodes lazily; truncation only shows here.
-        return img.convert("RGB")
-    except Exception as e:
-        raise invalid(field, f"image data is truncated or corrupt ({img.format}: {e})") from None
+    return img
 
 
 def _not_decodable() -> str:

@@ -88,7 +88,9 @@ class _FromPlan:
 @dataclass
 class PlannedVideo(_FromPlan):
     """One probed video, not decoded: its file, what it will be, and under which rules.
-    `key` is its embedding cache identity (equal keys: bit-identical pixel_values)."""
+    `key` is its embedding cache identity (equal keys: bit-identical pixel_values).
+    A video given as frames (services/encoder/video_frames.py) has `frames`, each frame's
+    image file in order, and an empty `raw`."""
 
     raw: bytes
     header: VideoHeader
@@ -96,6 +98,7 @@ class PlannedVideo(_FromPlan):
     settings: VideoSettings
     field: str
     plan_s: float = 0.0  # probe + plan
+    frames: tuple[bytes, ...] = ()
 
 
 @dataclass

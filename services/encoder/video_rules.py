@@ -210,10 +210,33 @@ class Sampling:
         min_frames = min(o.min_frames or s.min_frames, max_frames)
         return cls(s, fps, num, min_frames, max_frames, min_pixels, max_pixels, cap, tokens)
 
-    def processor_kwargs(self) -> tuple[dict, dict]:
+    @classmethod
+    def resolve_frames(cls, s: VideoSettings, o: VideoOptions, field: str = "video") -> Sampling:
+        """The settings of a video given as frames. Nothing is sampled: every frame is used,
+        as transformers' processor with `do_sample_frames=False`, so the frame count
+        controls (num_frames, min_frames, max_frames) are refused. `fps`, the rate the
+        frames were taken at (transformers' `video_metadata.fps`), is required: without it
+        transformers times the frames at 24 per second and qwen-vl-utils at 2, and no
+        default is both. The pixel bounds apply as to a file."""
+        for k in ("num_frames", "min_frames", "max_frames"):
+            if getattr(o, k) is not None:
+                raise VideoError(field, VideoRefusal.OPTIONS, f"{k} does not apply to a video "
+                                 "given as frames: every frame is used, none sampled")
+        if o.fps is None:
+            raise VideoError(field, VideoRefusal.OPTIONS, "a video given as frames needs fps: "
+                             "the rate its frames were taken at (qwen-vl-utils' sample_fps)")
+        return cls.resolve(s, o, field)
+
+    def processor_kwargs(self, frames: bool = False) -> tuple[dict, dict]:
         """(from_pretrained overrides, call kwargs) that make transformers' video processor
         for these rules compute what `prepare_video` computes. NOTE: qwen3_vl's
-        `sample_frames` reads min_frames / max_frames from the processor, not the call."""
+        `sample_frames` reads min_frames / max_frames from the processor, not the call.
+        `frames`: for a video given as frames (`resolve_frames`), whose call samples
+        nothing; its `video_metadata` is {"total_num_frames": n, "fps": fps,
+        "frames_indices": range(n)} (`plan_frames`)."""
+        if frames:
+            init, _ = self.processor_kwargs()
+            return init, {"do_sample_frames": False}
         init: dict = {"min_frames": self.min_frames, "max_frames": self.max_frames,
                       "cap_pixels_per_frame": self.cap_pixels_per_frame,
                       "max_video_tokens": self.max_video_tokens}  # fmt: skip
@@ -379,9 +402,7 @@ def plan_video(
     header: VideoHeader, smp: Sampling, content_hash: str, field: str = "video"
 ) -> VideoPlan:
     """The plan for a probed video (no decoding): indices, size, grid, timing, cache key."""
-    s = smp.settings
-    tps = s.temporal_patch_size
-    indices = sample_indices(s.rules, header.num_frames, header.fps, smp)
+    indices = sample_indices(smp.settings.rules, header.num_frames, header.fps, smp)
     if not indices:
         asked = f" {smp.num_frames} (num_frames)" if smp.num_frames is not None else ""
         raise VideoError(
@@ -389,6 +410,36 @@ def plan_video(
             VideoRefusal.TOO_SHORT,
             f"video has {header.num_frames} frames, too few to sample{asked}",
         )
+    return _plan(header, smp, indices, (content_hash, indices), field)
+
+
+def plan_frames(
+    header: VideoHeader, smp: Sampling, content_hash: str, field: str = "video"
+) -> VideoPlan:
+    """The plan for a video given as frames (`Sampling.resolve_frames`): `header` holds
+    their count, the request's fps and their size. Every frame, in order: transformers'
+    processor with `do_sample_frames=False` and `video_metadata` {"total_num_frames": n,
+    "fps": fps, "frames_indices": range(n)}, so the timing is Qwen2.5-VL's
+    second_per_grid_t = temporal_patch_size / fps and Qwen3-VL's timestamps index / fps.
+    An odd count is padded by the last frame (patchify), as for a file. The cache key
+    holds the rate as well: the same frames at another fps are the same pixels but other
+    positions (Qwen2.5-VL's time axis, Qwen3-VL's timestamps), and the language side's
+    prefix cache keys pages by this key."""
+    s = smp.settings
+    least = s.temporal_patch_size if s.rules == "qwen3_vl" else 1  # Qwen3-VL's smart_resize
+    if header.num_frames < least:
+        raise VideoError(field, VideoRefusal.TOO_SHORT, f"video has {header.num_frames} "
+                         f"frames; these rules take at least {least}")
+    return _plan(header, smp, list(range(header.num_frames)),
+                 ("frames", content_hash, header.fps), field)
+
+
+def _plan(header: VideoHeader, smp: Sampling, indices: list[int], identity: tuple,
+          field: str) -> VideoPlan:
+    """Size, grid, timing and cache key of the frames `indices` of `header`; `identity`:
+    what, besides the size and normalization, decides the video's tokens."""
+    s = smp.settings
+    tps = s.temporal_patch_size
     try:
         size = target_size(smp, len(indices), header.height, header.width)
     except ValueError as e:
@@ -401,7 +452,7 @@ def plan_video(
     padded = indices + [indices[-1]] * (-len(indices) % tps)
     times = [i / header.fps for i in padded]
     stamps = tuple((times[i] + times[i + tps - 1]) / 2 for i in range(0, len(times), tps))
-    key = hashlib.sha256(repr((content_hash, indices, size, smp.key())).encode()).hexdigest()
+    key = hashlib.sha256(repr((*identity, size, smp.key())).encode()).hexdigest()
     return VideoPlan(tuple(indices), size, grid, grid[0] * grid[1] * grid[2] // s.merge_size**2,
                      tps / sampled_fps, stamps, key)  # fmt: skip
 

@@ -3,7 +3,11 @@ the suite: tests/test_video_preprocess.py runs it as a subprocess).
 
     .oracle-venv/bin/python tests/oracle/video_oracle.py JOB.json OUT_DIR
 
-JOB.json is a list of cases {"id", "clip", "arch", "checkpoint", "init", "call"}. Each clip is
+JOB.json is a list of cases {"id", "clip", "arch", "checkpoint", "init", "call"} (or, for a
+video given as frames, "frames": [image paths] and "fps" instead of "clip": the PIL images
+go to the processor as `videos=[[frame, ...]]` with `video_metadata` {"total_num_frames":
+n, "fps": fps, "frames_indices": range(n)}; `call` then holds do_sample_frames=False, as
+`Sampling.processor_kwargs(frames=True)` says). Each clip is
 decoded by transformers' PyAV loader (`load_video(..., backend="pyav")`, every frame) and
 goes through the stock processor of its architecture (Qwen2_5_VLProcessor with
 Qwen2VLVideoProcessor, Qwen3VLProcessor with Qwen3VLVideoProcessor) built from the
@@ -82,6 +86,18 @@ def decode(clip: str):
     return frames, md
 
 
+def given_frames(paths: list[str], fps: float):
+    """A video given as frames (image files): the PIL images as opened, and the metadata
+    that states their rate (`do_sample_frames=False` keeps every frame)."""
+    from PIL import Image
+
+    frames = [Image.open(p) for p in paths]
+    # NOTE: an array, as sampling makes it: Qwen3VLProcessor pads a list of indices in place
+    md = VideoMetadata(total_num_frames=len(frames), fps=fps,
+                       frames_indices=np.arange(len(frames)))  # fmt: skip
+    return frames, md
+
+
 def run(case: dict, out: Path) -> dict:
     vp_cls, proc_cls = CLASSES[case["arch"]]
     ckpt = case["checkpoint"]
@@ -91,8 +107,11 @@ def run(case: dict, out: Path) -> dict:
         tokenizer=AutoTokenizer.from_pretrained(ckpt),
         video_processor=vp,
     )
-    frames, md = decode(case["clip"])
-    md.frames_indices = None  # the processor's sampling sets it
+    if "frames" in case:  # a video given as frames: PIL images, their rate as metadata
+        frames, md = given_frames(case["frames"], case["fps"])
+    else:
+        frames, md = decode(case["clip"])
+        md.frames_indices = None  # the processor's sampling sets it
     res = proc(
         text=[PROMPT],
         videos=[frames],
