@@ -93,7 +93,20 @@ class RoomStall:
         with self._lock:
             receivers = list(self._receivers)
         now = time.monotonic()
-        return max((now - t for rx in receivers for t in rx.progress_times()), default=0.0)
+        return max((now - t for rx in receivers for t in _progress_times(rx)), default=0.0)
+
+
+def _progress_times(receiver, tries: int = 8) -> list[float]:
+    """`receiver.progress_times()` from the metrics thread. NOTE: its copy of the room table
+    runs without a thread switch unless a garbage collection during the copy runs Python
+    code; then the event loop may resize the table and the copy raises RuntimeError: take
+    it again (a scrape never fails for it)."""
+    for _ in range(tries):
+        try:
+            return receiver.progress_times()
+        except RuntimeError:
+            continue
+    return []
 
 
 class TransferMetrics:
