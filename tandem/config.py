@@ -71,6 +71,15 @@ class TransferConfig(BaseModel):
         "side asks for its setting; an encoder refuses a room that asks for less than its "
         "own (FAILED_PRECONDITION).",
     )
+    stream: bool = Field(
+        True,
+        description="Streamed rows (DESIGN 'Streamed rows'). Encoder: send a prompt's rows "
+        "in order as they become final (the text at once, each image's as soon as its ViT "
+        "features exist; a request's images then go through the ViT one at a time). "
+        "Language: hand a prompt to the engine at its first rows and prefill what has "
+        "arrived while the rest is on its way (the first token still comes after the whole "
+        "prompt). Either side may be off: the other then falls back to the whole prompt.",
+    )
 
 
 class InternalTLSConfig(BaseModel):

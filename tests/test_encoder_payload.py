@@ -146,3 +146,51 @@ def test_batched_equals_alone_and_cache_hits(checkpoint, arch):
     assert pipe.cache.hits == n_images  # the whole second pass
     assert pipe.cache.misses == n_images  # first pass: all missed (dupes shared jobs)
     assert pipe.scheduler.batches == 1  # hits never reach the ViT
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_streamed_payload_equals_whole(checkpoint, arch):
+    """Streamed rows (`on_payload`): the payload is handed on before any ViT with its text
+    rows, ids, positions and delta final, each image's rows fill in prompt order (one ViT
+    call each), and the watermark stops at each image's first pad until its features are
+    in; the finished payload equals the whole one bit for bit, also from a cached prefix
+    that ends inside an image (its rows before the prefix's end are cut)."""
+    path = checkpoint(arch)
+    c = chat(3, seed=40)
+    whole_pipe = pipeline(path)
+    whole = run(lambda: whole_pipe.encode(c), whole_pipe).payload
+    spans = whole.info.images
+    assert len(spans) == 3
+    for cached in (0, spans[1].start + 2):  # nothing held; a prefix ending inside image 1
+        pipe = pipeline(path)
+        seen, handed = [], []
+
+        def on_payload(p):
+            handed.append((p.arrived.rows, p.mrope_delta, p.fill_ids.clone(),
+                           p.mrope_positions.clone()))
+            p.arrived.on_advance = lambda p=p: seen.append(p.arrived.rows)
+
+        async def held(_info, cached=cached):
+            return cached
+
+        async def go():
+            return await pipe.encode(c, announce=held, on_payload=on_payload)
+
+        res = run(go, pipe)
+        ref = whole.rows_from(cached) if cached else whole
+        got = res.payload
+        assert got.start == cached and got.arrived.complete
+        for a, b in ((got.input_embeds, ref.input_embeds), (got.fill_ids, ref.fill_ids),
+                     (got.mrope_positions, ref.mrope_positions)):
+            assert torch.equal(a, b)
+        assert got.mrope_delta == ref.mrope_delta
+        # handed on before any ViT: the text before the first needed image, ids, positions
+        rows0, delta0, ids0, pos0 = handed[0]
+        first = next(sp for sp in spans if sp.start + sp.length > cached)
+        assert rows0 == max(first.start - cached, 0)
+        assert delta0 == ref.mrope_delta and torch.equal(ids0, ref.fill_ids)
+        assert torch.equal(pos0, ref.mrope_positions)
+        # the watermark then stops at each later image's first pad, and ends at the end
+        later = [sp.start - cached for sp in spans if sp.start > max(cached, first.start)]
+        assert seen == later + [ref.num_tokens]
+        assert pipe.scheduler.batches == sum(1 for sp in spans if sp.start + sp.length > cached)

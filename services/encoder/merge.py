@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.services.encoder.cache import CachedFeatures
-from tandem.transfer.payload import PromptPayload
+from tandem.transfer.payload import PromptPayload, RowWatermark
 
 
 class MediaKind(enum.IntEnum):
@@ -171,3 +171,80 @@ def build_payload(
         mrope_positions=positions.to(torch.int32),
         mrope_delta=delta,
     )
+
+
+def media_rows(input_ids: torch.Tensor, counts: list[int], image_token_id: int,
+               video_token_id: int) -> list[torch.Tensor]:
+    """Each medium's pad rows (int64 indices into the prompt), in prompt order: the pads of
+    both kinds, taken `counts[i]` at a time (pipeline.media_spans checked the layout)."""
+    pads = torch.nonzero((input_ids == image_token_id) | (input_ids == video_token_id))[:, 0]
+    if sum(counts) != int(pads.numel()):
+        raise ValueError(f"{int(pads.numel())} pad tokens for {sum(counts)} media tokens")
+    return list(pads.split(counts)) if counts else []
+
+
+class StreamedPayload:
+    """A prompt payload filled in as its media's features come (DESIGN "Streamed rows").
+
+    Built before any ViT runs: the text rows (token embeddings), every token id, the MRoPE
+    positions and the delta (from the grids alone), and zeros where features go. `place(i,
+    features)` splices medium i's features in (the same values `build_payload` puts there:
+    a streamed payload equals the whole one bit for bit) and raises the watermark to the
+    first pad of the first medium still missing: rows before it are final.
+
+    It holds tokens [start, L) of the prompt (the language side holds [0, start)); a medium
+    wholly before `start` is never needed, one that straddles it keeps only its rows past it.
+    """
+
+    def __init__(
+        self,
+        embed_tokens: torch.nn.Embedding,
+        input_ids: torch.Tensor,
+        mm_token_type_ids: torch.Tensor,
+        items: list[VisionGrid],
+        rows: list[torch.Tensor],
+        *,
+        start: int,
+        rule: RopeRule,
+        num_deepstack: int,
+    ) -> None:
+        dev = embed_tokens.weight.device
+        with torch.inference_mode():
+            text = embed_tokens(input_ids[start:].to(dev)).cpu()
+        self.hidden, self.start, self.num_deepstack = int(text.shape[1]), start, num_deepstack
+        positions, delta = rope_index(mm_token_type_ids, items, rule)
+        embeds = torch.zeros((text.shape[0], self.hidden * (1 + num_deepstack)), dtype=text.dtype)
+        embeds[:, : self.hidden] = text
+        n = int(input_ids.shape[0]) - start
+        self.payload = PromptPayload(
+            input_embeds=embeds,
+            fill_ids=input_ids[start:].to(torch.int32),
+            mrope_positions=positions[:, start:].to(torch.int32),
+            mrope_delta=delta,
+            start=start,
+            arrived=RowWatermark(n),
+        )
+        # each medium's rows in the payload (rows before `start` dropped), and which of them
+        # still wait for their features
+        self.rows = [r[r >= start] - start for r in rows]
+        self.missing = {i for i, r in enumerate(self.rows) if r.numel()}
+        self._raise()
+
+    def needs(self, i: int) -> bool:
+        return i in self.missing
+
+    def place(self, i: int, features: CachedFeatures) -> None:
+        """Medium i's features into its rows; the watermark moves past what is complete.
+        NOTE: call it on one thread at a time (the pipeline awaits each)."""
+        rows, h = self.rows[i], self.hidden
+        keep = features.embeds.shape[0] - rows.numel()  # rows of it before `start`: cut
+        e = self.payload.input_embeds
+        e[rows, :h] = features.embeds[keep:].to(e.dtype)
+        for k in range(self.num_deepstack):
+            e[rows, h * (k + 1) : h * (k + 2)] = features.deepstack[k][keep:].to(e.dtype)
+        self.missing.discard(i)
+        self._raise()
+
+    def _raise(self) -> None:
+        first = min((int(self.rows[i][0]) for i in self.missing), default=None)
+        self.payload.arrived.advance(self.payload.num_tokens if first is None else first)

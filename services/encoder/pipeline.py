@@ -12,7 +12,26 @@
         -> merge.build_payload (same threads, same client), rows from the held prefix's end on
         -> EncodeResult(payload, keys, cached tokens, timings)
 
-The gRPC servicer adds delivery (transfer) and status mapping on top.
+Streamed (`on_payload` given: `--transfer.stream`, DESIGN "Streamed rows"): after the
+cache lookups the payload is built at once without features (merge.StreamedPayload: text
+rows, ids, positions and delta from the grids) and handed to `on_payload` (the servicer
+starts sending it), the cache hits are spliced in, then each miss goes through the ViT
+alone, in prompt order, and its rows are spliced in as soon as its features exist; the
+payload's watermark (`arrived`) says how far its rows are final and the sender writes
+only those. So the language side prefills the text and the first images while the
+later images are still in the ViT.
+
+Where the time goes (an 8-image prompt, one encoder, without streaming): preprocess
+(decode, resize, patchify: a few ms per image, on the worker threads) -> ViT of all 8
+(one batch; the largest share: ViT time grows with patches, ~8x one image) -> merge ->
+transfer of every row (~0.5-1 GB/s on TCP here) -> the language side's whole prefill,
+which starts only after Done. TTFT = preprocess + 8 ViT + merge + transfer + prefill(all).
+Streamed: the transfer and prefill of image k's rows run while images k+1.. are in the
+ViT, so TTFT ~ preprocess + 8 ViT + transfer and prefill of the LAST image's rows (and
+the text after it): it saves up to 7/8 of the prefill and of the transfer. The ViT stays
+on the critical path: cutting it needs several encoders (issue 27 step 3, not built).
+ViT inputs of one streamed request run one at a time (batched with other requests'
+inputs, not with each other): a batch of all 8 would give no features before the last.
 
 Traces: under the caller's span (`trace`, the Encode's) one span per stage the request
 went through: encoder.queue (waiting for a worker thread), encoder.preprocess (and
@@ -39,14 +58,21 @@ from tandem.devices import resolve_device, resolve_dtype
 from tandem.services.encoder.cache import EmbeddingCache
 from tandem.services.encoder.fair_pool import FairPool
 from tandem.services.encoder.images import Budget, ImageLimits
-from tandem.services.encoder.merge import MediaKind, RopeRule, VisionGrid, build_payload
+from tandem.services.encoder.merge import (
+    MediaKind,
+    RopeRule,
+    StreamedPayload,
+    VisionGrid,
+    build_payload,
+    media_rows,
+)
 from tandem.services.encoder.preprocess import (
     PreparedImage,
     PreprocessLimits,
     Preprocessor,
     in_namespace,
 )
-from tandem.services.encoder.scheduler import EncoderScheduler
+from tandem.services.encoder.scheduler import EncoderScheduler, FeatureResult
 from tandem.services.encoder.video import PlannedVideo, PreparedVideo, VideoLimits
 from tandem.services.encoder.video_rules import ARCH_RULES, VideoSettings
 from tandem.services.encoder.vit_runner import VisionRunner
@@ -184,6 +210,7 @@ class EncodePipeline:
         template: TemplateOptions | None = None,
         cache_salt: str = "",
         trace: tracing.Span = tracing.OFF,
+        on_payload: Callable[[PromptPayload], None] | None = None,
     ) -> EncodeResult:
         """`on_state(EncodeState)` is called as the request moves from stage to stage;
         `announce(info)` returns the leading tokens the language side already holds.
@@ -192,18 +219,22 @@ class EncodePipeline:
         `template`: how the chat template renders the chat; `cache_salt`: the cache
         namespace (the router's; "" = shared) every medium's key is taken in, for the
         embedding cache and for the spans announced to the language side alike; `trace`:
-        the span the stages' spans go under."""
+        the span the stages' spans go under; `on_payload(payload)`: stream it (see the
+        module docstring), called once before the ViT runs with the payload whose rows
+        then fill in (its `arrived` watermark)."""
         left = math.inf if deadline is None else deadline - time.time()
         budget = Budget(time.monotonic() + left)
         try:
             return await self._encode(messages, limits, on_state, announce, tools, client,
-                                      budget, template, cache_salt, trace)  # fmt: skip
+                                      budget, template, cache_salt, trace,
+                                      on_payload)  # fmt: skip
         finally:
             budget.stop.set()  # NOTE: a worker still on this request stops at its next check
 
     async def _encode(self, messages, limits, on_state, announce, tools, client,
                       budget: Budget, template: TemplateOptions | None,
-                      cache_salt: str, trace: tracing.Span) -> EncodeResult:  # fmt: skip
+                      cache_salt: str, trace: tracing.Span,
+                      on_payload=None) -> EncodeResult:  # fmt: skip
         step = on_state or (lambda _s: None)
         step(EncodeState.PREPROCESSING)
         queued_ns = time.time_ns()
@@ -241,6 +272,10 @@ class EncodePipeline:
             tracing.start("encoder.cache", trace, attributes={
                 "tandem.cache.hits": len(need) - len(misses), "tandem.cache.misses": len(misses),
                 "tandem.cached_image_tokens": cached_tokens}).end()
+        stream = None
+        if on_payload is not None:  # built and handed on before any decode or ViT
+            stream = await self._start_stream(prep, spans, cached, feats, client)
+            on_payload(stream.payload)
         to_decode = [i for i in misses if isinstance(prep.media[i], PlannedVideo)]
         t0 = time.perf_counter()
         decoded: dict[int, PreparedVideo] = {}
@@ -255,17 +290,19 @@ class EncodePipeline:
             decoded = dict(zip(to_decode, videos, strict=True))
         decode_s = time.perf_counter() - t0
         step(EncodeState.ENCODING)
-        got = await self.scheduler.encode([decoded.get(i, prep.media[i]) for i in misses])
+        inputs = [decoded.get(i, prep.media[i]) for i in misses]
+        if stream is not None:
+            got = await self._stream_vit(stream, misses, inputs, client)
+        else:
+            got = await self.scheduler.encode(inputs)
         for i, f in zip(misses, got.features, strict=True):
             feats[i] = f
         if trace.is_recording():
-            _trace_vit(trace, [decoded.get(i, prep.media[i]) for i in misses], got.runs)
+            _trace_vit(trace, inputs, got.runs)
         step(EncodeState.MERGING)
         merge = tracing.start("encoder.merge", trace)
-        items = [VisionGrid(MediaKind.IMAGE, m.grid) if isinstance(m, PreparedImage)
-                 else VisionGrid(MediaKind.VIDEO, m.grid, m.plan.second_per_grid_t)
-                 for m in prep.media]  # fmt: skip
-        payload = await self.pool.run(
+        items = _grids(prep.media)
+        payload = stream.payload if stream is not None else await self.pool.run(
             client,
             lambda: build_payload(
                 self.embed_tokens,
@@ -295,6 +332,38 @@ class EncodePipeline:
             decoded_videos=len(to_decode),
         )
 
+    async def _start_stream(self, prep, spans: list[ImageSpan], cached: int, feats: list,
+                            client: str) -> StreamedPayload:
+        """The streamed payload of rows [cached, L) with the cache hits already in."""
+        rows = media_rows(prep.input_ids, [m.num_tokens for m in prep.media],
+                          self.spec.image_token_id, self.spec.video_token_id)
+
+        def build() -> StreamedPayload:
+            out = StreamedPayload(self.embed_tokens, prep.input_ids, prep.mm_token_type_ids,
+                                  _grids(prep.media), rows, start=cached, rule=self.rope,
+                                  num_deepstack=self.num_deepstack)
+            for i, f in enumerate(feats):
+                if f is not None and out.needs(i):
+                    out.place(i, f)
+            return out
+
+        stream = await self.pool.run(client, build)
+        stream.payload.info = PromptInfo(prep.input_ids.tolist(), spans)
+        return stream
+
+    async def _stream_vit(self, stream: StreamedPayload, misses: list[int], inputs: list,
+                          client: str) -> FeatureResult:
+        """The misses through the ViT one at a time in prompt order, each spliced into
+        the streamed payload (raising its watermark) as soon as its features exist."""
+        res = FeatureResult(features=[])
+        for i, m in zip(misses, inputs, strict=True):
+            got = await self.scheduler.encode([m])
+            res.features += got.features
+            res.runs += got.runs
+            res.vit_s += got.vit_s
+            await self.pool.run(client, stream.place, i, got.features[0])
+        return res
+
     async def _decode(self, videos: list[PlannedVideo], client: str,
                       budget: Budget) -> list[PreparedVideo]:
         """Decode `videos` at once, each a job in `client`'s share of the pool; the first
@@ -318,6 +387,13 @@ class EncodePipeline:
             "cache_bytes": self.cache.bytes_used,
             "cache_capacity_bytes": self.cache.capacity,
         }
+
+
+def _grids(media: list) -> list[VisionGrid]:
+    """Each medium's place in the MRoPE layout (known before any ViT: from its grid)."""
+    return [VisionGrid(MediaKind.IMAGE, m.grid) if isinstance(m, PreparedImage)
+            else VisionGrid(MediaKind.VIDEO, m.grid, m.plan.second_per_grid_t)
+            for m in media]  # fmt: skip
 
 
 def _trace_preprocess(trace: tracing.Span, prep, queued_ns: int) -> None:

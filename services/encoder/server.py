@@ -121,6 +121,13 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         def mark(state: EncodeState) -> None:
             self.states[job.room] = state
 
+        sending: asyncio.Task | None = None  # a streamed payload's delivery, under way
+
+        def stream(payload) -> None:  # the pipeline's payload, before its rows are all in
+            nonlocal sending
+            sending = asyncio.ensure_future(
+                self.sender.send(job.room, payload, deadline=deadline, trace=span))
+
         async with asyncio.timeout(deadline - now):
             self.sender.preparing(job.room, True)  # heartbeats on its Attach stream meanwhile
             try:
@@ -130,12 +137,21 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                                                                deadline=deadline),
                     tools=job.tools, client=job.client_id, deadline=deadline,
                     template=job.template, cache_salt=job.cache_salt, trace=span,
+                    on_payload=stream if self.sender.config.stream else None,
                 )  # fmt: skip
+            except BaseException:
+                if sending is not None:  # NOTE: fails the room (CANCELLED) on both sides
+                    sending.cancel()
+                    await asyncio.gather(sending, return_exceptions=True)
+                raise
             finally:
                 self.sender.preparing(job.room, False)
             mark(EncodeState.SENDING)
+            # transfer_ms: the delivery's time after the ViT (streamed: what the ViT did not
+            # hide; otherwise the whole delivery)
             t0 = time.perf_counter()
-            stats = await self.sender.send(job.room, res.payload, deadline=deadline, trace=span)
+            stats = await (sending if sending is not None else self.sender.send(
+                job.room, res.payload, deadline=deadline, trace=span))
             transfer_ms = (time.perf_counter() - t0) * 1e3
         if span.is_recording():
             span.set_attributes({

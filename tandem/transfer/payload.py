@@ -6,6 +6,9 @@ this same shape.
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +45,65 @@ class PromptInfo:
         return ""
 
 
+class RowWatermark:
+    """How many leading rows of a payload are final: a streamed prompt (DESIGN "Streamed
+    rows") is handed on before all its rows exist, and this count says how far it may be
+    read. It only grows; `rows == total` once every row is in.
+
+    Encoder side: the pipeline raises it as each image's features are spliced in (prompt
+    order); the sender writes only rows below it (`reach`, on the event loop). Language
+    side: the receiver raises it after each range is copied out and verified; the engine
+    thread reads `rows` (one attribute read) and prefills no further. `on_advance` runs on
+    the raising thread after each raise (the language side wakes its engine with it).
+
+    NOTE: the rows below the count are written before the count moves (the raise is the
+    last thing the writer does), so a reader that sees `rows` sees the rows."""
+
+    def __init__(self, total: int, on_advance: Callable[[], None] | None = None) -> None:
+        self.total = total
+        self.rows = 0
+        self.on_advance = on_advance
+        self._lock = threading.Lock()
+        self._waiters: list[tuple[int, asyncio.Future]] = []
+
+    @property
+    def complete(self) -> bool:
+        return self.rows >= self.total
+
+    def advance(self, rows: int) -> None:
+        """Rows [0, rows) are final (a smaller count than the current one is a no-op)."""
+        if rows > self.total:
+            raise ValueError(f"watermark {rows} past the payload's {self.total} rows")
+        with self._lock:
+            if rows <= self.rows:
+                return
+            self.rows = rows
+            ready = [f for n, f in self._waiters if n <= rows]
+            self._waiters = [(n, f) for n, f in self._waiters if n > rows]
+        for f in ready:
+            f.get_loop().call_soon_threadsafe(_resolve, f)
+        if self.on_advance is not None:
+            self.on_advance()
+
+    async def reach(self, rows: int) -> None:
+        """Return once rows [0, rows) are final."""
+        with self._lock:
+            if self.rows >= rows:
+                return
+            f = asyncio.get_running_loop().create_future()
+            self._waiters.append((rows, f))
+        try:
+            await f
+        finally:
+            with self._lock:
+                self._waiters = [(n, g) for n, g in self._waiters if g is not f]
+
+
+def _resolve(f: asyncio.Future) -> None:
+    if not f.done():
+        f.set_result(None)
+
+
 @dataclass
 class PromptPayload:
     """A prompt as the language model's input: its rows from token `start` on.
@@ -63,6 +125,11 @@ class PromptPayload:
     mrope_positions [3, L]  int32   MRoPE (temporal, height, width) positions.
     mrope_delta     int             decode position of token i is i + mrope_delta.
     (L rows: tokens [start, start + L) of the prompt.)
+
+    `arrived` (a streamed payload, DESIGN "Streamed rows"): only rows [0, arrived.rows)
+    are final yet; the tensors have every row's place, the rest fill in order. None: every
+    row is there. On the language side `mrope_delta` is set once the last row is in (it
+    is read only past the prompt).
     """
 
     input_embeds: torch.Tensor | None
@@ -75,6 +142,7 @@ class PromptPayload:
     # rows (the encoder wrote the prompt to every rank); None when they do not (rank 0 then
     # ships the rows with each step). Set by the receiver; never crosses a process.
     ranks_key: int | None = None
+    arrived: RowWatermark | None = None
 
     def __post_init__(self) -> None:
         if self.fill_ids.dim() != 1:
@@ -107,8 +175,17 @@ class PromptPayload:
         """Length of the whole prompt."""
         return self.start + self.num_tokens
 
+    @property
+    def ready_end(self) -> int:
+        """End of the prompt's final rows: tokens [0, ready_end) may be read (the whole
+        prompt unless it is streamed and still arriving)."""
+        return self.start + (self.arrived.rows if self.arrived is not None else self.num_tokens)
+
     def rows_from(self, start: int) -> PromptPayload:
-        """The same prompt holding only tokens [start, end) (views, no copy)."""
+        """The same prompt holding only tokens [start, end) (views, no copy). NOTE: not for
+        a streamed payload (its watermark counts rows from its own start)."""
+        if self.arrived is not None:
+            raise ValueError("rows_from of a streamed payload")
         k = start - self.start
         if not 0 <= k <= self.num_tokens:
             raise ValueError(f"rows_from({start}) outside [{self.start}, {self.end}]")

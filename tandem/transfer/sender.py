@@ -19,7 +19,14 @@ registered once at start-up):
     WAITING_FOR_INIT (send/announce first) ─┐
     WAITING_FOR_PAYLOAD (Init first) ───────┴▶ [ANNOUNCING ─▶ WAITING_FOR_PAYLOAD ─▶]
         TRANSFERRING ⇄ WAITING_FOR_RESUME ─▶ FINISHING ─▶ DONE
+              ⇅ WAITING_FOR_ROWS (a streamed payload: its next rows are still in the ViT)
     any state ─▶ FAILED (a timeout, a bad message, a broken or closed stream, a failed write)
+
+A streamed payload (`payload.arrived`, DESIGN "Streamed rows") may be sent before its rows
+exist: each staging round covers only rows below its watermark, in whole destination
+blocks (the last block of the prompt excepted), and waits (with AttachWorking heartbeats)
+while not one block is final. Every round's chunks are reported as usual, so the Progress
+messages are the language side's watermark: no message of its own.
 
 `announce` (cache-aware transfer) sends the prompt's token ids and image hashes as soon as
 Init is here and returns the language side's answer: how many leading tokens its prefix
@@ -457,14 +464,15 @@ class EmbeddingSender:
                 sent_tokens=sent, total_tokens=payload.num_tokens, partial=False,
                 tag=tag.to_proto() if tag is not None else None)))
 
-        for t0 in range(start, end, step):
+        t0 = start
+        while t0 < end:
+            t1 = await self._rows_for_round(r, payload, t0, min(t0 + step, end), bs, deadline)
             span = tracing.start("transfer.write", r.trace, attributes={
-                "tandem.transfer.first_token": t0,
-                "tandem.transfer.tokens": min(t0 + step, end) - t0})
+                "tandem.transfer.first_token": t0, "tandem.transfer.tokens": t1 - t0})
             slot = await self._acquire_slot(r, deadline)
             job = WriteRound(
                 self.engine, self.staging, dests, slot, payload, r.room, r.init.generation,
-                ids, start, piece, t0, min(t0 + step, end), chunk, lambda: r.terminal,
+                ids, start, piece, t0, t1, chunk, lambda: r.terminal,
                 # NOTE: queued on the loop before the round's result: the piece's last tags
                 # are in `r.piece_tag` by the time this round's await returns
                 on_chunk=lambda c_end, tag: loop.call_soon_threadsafe(reported, c_end, tag),
@@ -479,8 +487,47 @@ class EmbeddingSender:
             inner = asyncio.wrap_future(cf)
             inner.add_done_callback(lambda f: f.cancelled() or f.exception())
             wrote = await self._race(r, asyncio.shield(inner), deadline,
-                                     f"writing tokens {t0}..{min(t0 + step, end)}")
+                                     f"writing tokens {t0}..{t1}")
             span.set_attribute("tandem.transfer.bytes", wrote)
             span.end()
             nbytes += wrote
+            t0 = t1
         return nbytes
+
+    async def _rows_for_round(self, r: SenderRoom, payload: PromptPayload, t0: int, cap: int,
+                              bs: int, deadline) -> int:
+        """End of the next staging round from token `t0` (at most `cap`): `cap` when its
+        rows are final, else as many whole blocks as are (a streamed payload: the range's
+        tags and the receiver's copy-outs are per whole block; the last block of the
+        prompt may be short). Waits while not one block is final, with a heartbeat
+        (AttachWorking) every third of the transfer timeout: the rows are in the ViT, which
+        is work, not a stall; the request's deadline bounds the wait."""
+        arrived = payload.arrived
+        if arrived is None or arrived.rows >= cap:
+            return cap
+        if arrived.rows - t0 >= bs:
+            return t0 + (arrived.rows - t0) // bs * bs
+        want = min(t0 + bs, payload.num_tokens)
+        r.to(SenderState.WAITING_FOR_ROWS)
+        beat = max(0.5, self.config.timeout_s / 3)
+        while arrived.rows < want:
+            left = None if deadline is None else deadline - time.time()
+            if left is not None and left <= 0:
+                raise timed_out(f"room {r.room}: rows {t0}.. not ready by the deadline",
+                                0.0, deadline, r.room)
+            reach = asyncio.ensure_future(arrived.reach(want))
+            ended = asyncio.ensure_future(r.until(lambda: r.terminal))
+            try:
+                await asyncio.wait({reach, ended}, timeout=beat if left is None else min(beat, left),
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                reach.cancel()
+                ended.cancel()
+            if r.terminal:
+                raise r.error or TransferError(f"room {r.room}: Attach stream closed while "
+                                               "waiting for rows", "UNAVAILABLE")
+            if arrived.rows < want:  # still in the ViT: say so, the room is alive
+                r.outbox.put_nowait(encoder_pb2.AttachResponse(
+                    working=encoder_pb2.AttachWorking(room=r.room)))
+        r.to(SenderState.TRANSFERRING)
+        return cap if arrived.rows >= cap else t0 + (arrived.rows - t0) // bs * bs

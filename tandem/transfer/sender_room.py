@@ -23,6 +23,7 @@ class SenderState(enum.Enum):
     WAITING_FOR_PAYLOAD = "waiting_for_payload"  # Init here; send() not called yet
     ANNOUNCING = "announcing"  # AttachPrompt sent; waiting for the language's AttachCached
     TRANSFERRING = "transferring"
+    WAITING_FOR_ROWS = "waiting_for_rows"  # a streamed payload's next rows are not final yet
     WAITING_FOR_RESUME = "waiting_for_resume"
     FINISHING = "finishing"  # Done queued: a half-close from now on is normal
     DONE = "done"  # Done written on the stream
