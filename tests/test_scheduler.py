@@ -242,3 +242,148 @@ def test_abort_at_every_stage_frees_pages(stage):
         sched.finish(r, RequestStatus.FINISHED_ABORT)
     assert pool.num_free == pool.num_total
     assert sched.num_running == 0 and sched.num_waiting == 0
+
+
+# ---- streamed prompts (PromptPayload.arrived) ------------------------------------------
+
+
+def streamed(req: Request, first: int) -> Request:
+    """`req` with a streamed prompt of which only rows [0, first) have arrived."""
+    from tandem.transfer.payload import RowWatermark
+
+    req.prompt.arrived = RowWatermark(req.prompt.num_tokens)
+    req.prompt.arrived.advance(first)
+    return req
+
+
+def test_streamed_prompt_prefills_arrived_rows_waits_without_a_slot_then_resumes():
+    """Chunks end at the watermark (never sampling before the whole prompt); with every
+    arrived row computed the request is WAITING_FOR_ROWS: it keeps its pages, frees its
+    running slot (another request is admitted into it: max_running 1), takes no step
+    (schedule() is None while nothing else can run: no spinning), and goes on once rows
+    arrive. The tokens equal those of the same prompt given whole."""
+    ref_sched, _ = make_sched(budget=6)
+    ref = [make_request(22, max_tokens=3), make_request(9, max_tokens=2)]
+    for r in ref:
+        ref_sched.add(r)
+    run(ref_sched, ref)
+
+    sched, pool = make_sched(budget=6, max_running=1)
+    a, b = streamed(make_request(22, max_tokens=3), 5), make_request(9, max_tokens=2)
+    model, by_id = SlotModel(), {a.room: a, b.room: b}
+
+    def step():
+        s = sched.schedule()
+        if s is None:
+            return None
+        for c in s.chunks:  # nothing past the rows that have arrived, no early sample
+            if c.req is a and c.start < a.prompt_len:
+                assert c.start + c.num_tokens <= a.rows_end
+                assert not c.samples or a.prompt.arrived.complete
+        toks = model.forward(s.batch, by_id)
+        sched.commit(s, [t if c.samples else None for c, t in zip(s.chunks, toks, strict=True)])
+        for c in s.chunks:
+            if c.samples and len(c.req.output_ids) >= c.req.sampling.max_tokens:
+                sched.finish(c.req, RequestStatus.FINISHED_LENGTH)
+        return s
+
+    sched.add(a)
+    s = step()
+    assert [(c.req, c.start, c.num_tokens) for c in s.chunks] == [(a, 0, 5)]
+    assert sched.schedule() is None  # every arrived row computed, nothing else: no step
+    assert a.status is RequestStatus.WAITING_FOR_ROWS and a.kv.block_table
+    sched.add(b)  # the slot a does not hold goes to b
+    s = step()
+    assert [c.req for c in s.chunks] == [b] and b.status is RequestStatus.PREFILLING
+    a.prompt.arrived.advance(22)  # the rest arrives while b holds the only slot
+    while b.status is not RequestStatus.FINISHED_LENGTH:
+        s = step()
+        assert all(c.req is b for c in s.chunks)  # a waits for a slot, not for pages
+    while a.status is not RequestStatus.FINISHED_LENGTH:
+        assert step() is not None
+    assert a.kv.num_retractions == 0
+    assert [a.output_ids, b.output_ids] == [r.output_ids for r in ref]
+    assert pool.num_free == pool.num_total
+
+
+def test_streamed_prompts_trickling_in_under_retraction_keep_outputs_identical():
+    """Every prompt streamed, its rows arriving a few per step (chunk boundaries fall
+    anywhere in it), in a pool so small that requests are retracted: the same tokens as
+    whole prompts in a roomy pool, and every page free at the end."""
+    big, _ = make_sched(pages=512, budget=24)
+    ref = _workload()
+    for r in ref:
+        big.add(r)
+    run(big, ref)
+
+    small, pool = make_sched(pages=24, budget=24, ratio=NewTokenRatio(init=0.1))
+    reqs = [streamed(r, 1) for r in _workload()]
+    for r in reqs:
+        small.add(r)
+    def trickle(_step):
+        for r in reqs:
+            r.prompt.arrived.advance(min(r.prompt.arrived.rows + 3, r.prompt_len))
+
+    waits = []
+
+    def drive():
+        model, by_id = SlotModel(), {r.room: r for r in reqs}
+        for _ in range(4000):
+            s = small.schedule()
+            if s is None:
+                if all(r.status.finished for r in reqs):
+                    return
+                waits.append(len(waits))
+                trickle(None)  # nothing to run: the engine would sleep until rows come
+                continue
+            toks = model.forward(s.batch, by_id)
+            small.commit(s, [t if c.samples else None
+                             for c, t in zip(s.chunks, toks, strict=True)])
+            for c in s.chunks:
+                assert c.start + c.num_tokens <= c.req.rows_end or c.start >= c.req.prompt_len
+                if c.samples and len(c.req.output_ids) >= c.req.sampling.max_tokens:
+                    small.finish(c.req, RequestStatus.FINISHED_LENGTH)
+            trickle(s)
+        raise AssertionError("did not finish")
+
+    drive()
+    assert small.num_retractions > 0
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in ref]
+    assert pool.num_free == pool.num_total
+
+
+def test_a_partial_prompt_is_retracted_and_recomputed_from_its_rows():
+    """A decoding request outgrows a 12-page pool while a newer streamed prompt waits for
+    rows on 3 pages: the partial one is retracted (pages freed, back to the queue), later
+    readmitted on the rows it has and finished once the rest arrives, with the tokens of
+    a roomy run."""
+    ref_sched, _ = make_sched(pages=512, budget=8)
+    ref = [make_request(8, max_tokens=30), make_request(20, max_tokens=3)]
+    for r in ref:
+        ref_sched.add(r)
+    run(ref_sched, ref)
+
+    sched, pool = make_sched(pages=12, budget=8, ratio=NewTokenRatio(init=0.1))
+    a, b = make_request(8, max_tokens=30), streamed(make_request(20, max_tokens=3), 12)
+    by_id, model = {a.room: a, b.room: b}, SlotModel()
+    sched.add(a)
+    sched.add(b)
+    seen = set()
+    for _ in range(500):
+        s = sched.schedule()
+        if s is None:
+            assert b.status is RequestStatus.WAITING or b.rows_pending
+            b.prompt.arrived.advance(20)  # nothing runs until the rest arrives
+            continue
+        toks = model.forward(s.batch, by_id)
+        sched.commit(s, [t if c.samples else None for c, t in zip(s.chunks, toks, strict=True)])
+        for c in s.chunks:
+            if c.samples and len(c.req.output_ids) >= c.req.sampling.max_tokens:
+                sched.finish(c.req, RequestStatus.FINISHED_LENGTH)
+        seen.add((b.status, b.prompt.arrived.complete))
+        if a.status.finished and b.status.finished:
+            break
+    assert (RequestStatus.WAITING_FOR_ROWS, False) in seen  # it waited, partial, on pages
+    assert b.kv.num_retractions > 0 and (RequestStatus.WAITING, False) in seen
+    assert [a.output_ids, b.output_ids] == [r.output_ids for r in ref]
+    assert pool.num_free == pool.num_total

@@ -96,6 +96,19 @@ class LanguageMetrics:
         self.cache_evictions = Counter(p + "prefix_cache_evictions",
                                        "Idle cached KV pages evicted for new allocations.",
                                        registry=r)  # fmt: skip
+        # streamed rows (DESIGN "Streamed rows"): the prompt's first rows reach the engine
+        # before the rest, and the prefill of what arrived overlaps the encoder's ViT
+        self.first_row = hist("time_to_first_row_seconds", "Per encoded prompt: Generate to "
+                              "its first rows in place (copied out and verified; without "
+                              "streaming, to the whole prompt).", _LATENCY)
+        self.streamed_prompts = Counter(p + "streamed_prompts", "Encoded prompts handed to "
+                                        "the engine before all their rows arrived.", registry=r)
+        self.streamed_rows = Counter(p + "streamed_rows", "Rows of streamed prompts counted "
+                                     "in as they arrived (copied out and verified).",
+                                     registry=r)  # fmt: skip
+        self.early_prefill_tokens = Counter(
+            p + "early_prefill_tokens", "Prompt tokens prefilled while their prompt's later "
+            "rows were still on their way (the encode they overlapped).", registry=r)
         self._cache_seen = (0, 0, 0)
         self._window_start = time.monotonic()
         self._window_tokens = 0

@@ -125,8 +125,14 @@ class Engine:
         self._namespaces.pop(room, None)
         self.pool.unpin(room)
 
+    def wake(self) -> None:
+        """Something a waiting request needs arrived (a streamed prompt's rows). Any thread."""
+        self._wake.set()
+
     def submit(self, req: Request, sink: Sink) -> None:
-        """Queue a request whose prompt is complete; raises AdmissionError on bad input.
+        """Queue a request; raises AdmissionError on bad input. Its prompt is complete, or
+        streamed (`prompt.arrived`: the engine prefills the rows that have arrived and
+        waits for the rest; `prompt.arrived.on_advance` should call `wake`).
         A prompt that starts after a pinned prefix (`prompt.start` > 0) takes the pin. A
         structured-output request's grammar starts compiling here unless the caller
         started it earlier (`req.sampler.grammar_future = engine.grammars.compile(spec)`)."""
@@ -172,12 +178,14 @@ class Engine:
         self._inbox.put(Submit(req, sink))
         self._wake.set()
 
-    def abort(self, room: int, reason: str = "aborted", code: str = "CANCELLED") -> bool:
-        """Abort a submitted request at any stage; False when it is unknown or finished."""
+    def abort(self, room: int, reason: str = "aborted", code: str = "CANCELLED",
+              error: bool = False) -> bool:
+        """Abort a submitted request at any stage (`error`: end it as failed, not aborted);
+        False when it is unknown or finished."""
         with self._known_lock:
             if room not in self._known:
                 return False
-        self._inbox.put(Abort(room, reason, code))
+        self._inbox.put(Abort(room, reason, code, error))
         self._wake.set()
         return True
 
@@ -237,8 +245,9 @@ class Engine:
                         req.sampler.grammar_future.add_done_callback(lambda _f: self._wake.set())
                         continue
                     self._add(live)
-                case Abort(room, reason, code) if room in self._live:
-                    self._finish(self._live[room], RequestStatus.FINISHED_ABORT, reason, code)
+                case Abort(room, reason, code, error) if room in self._live:
+                    status = RequestStatus.FINISHED_ERROR if error else RequestStatus.FINISHED_ABORT
+                    self._finish(self._live[room], status, reason, code)
 
     def _add(self, live: Live) -> None:
         try:
@@ -293,9 +302,14 @@ class Engine:
         m.batch_tokens.observe(step.num_tokens)
         m.retractions.inc(self.scheduler.num_retractions - retractions)
         m.prompt_tokens.inc(sum(c.num_tokens for c in step.chunks if c.start < c.req.prompt_len))
+        early = sum(c.num_tokens for c in step.chunks if c.start < c.req.prompt_len
+                    and c.req.prompt.arrived is not None and not c.req.prompt.arrived.complete)
 
         t0 = time.perf_counter()
         out = self.runner.forward(step.batch)
+        # NOTE: counted after the forward, from the watermarks read before it: these rows
+        # were computed while later rows of their prompts were still on their way
+        m.early_prefill_tokens.inc(early)
         rows = [i for i, c in enumerate(step.chunks) if c.samples]
         tokens: list[int | None] = [None] * len(step.chunks)
         logprobs: list[float | None] = [None] * len(step.chunks)

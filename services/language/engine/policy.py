@@ -117,9 +117,11 @@ class PrefillAdder:
         self.nothing_scheduled = nothing_scheduled
 
     def chunk_len(self, req: Request) -> int:
+        """Its next chunk: to the end of its prompt's arrived rows (a streamed prompt), of
+        its prompt, or of its sequence, within the budget (0: nothing to compute yet)."""
         start = req.kv.num_computed_tokens
-        end = req.seq_len if start >= req.prompt_len else req.prompt_len
-        return min(end - start, self.budget)
+        end = req.seq_len if start >= req.prompt_len else min(req.prompt_len, req.rows_end)
+        return max(min(end - start, self.budget), 0)
 
     def _grow(self, req: Request, n_tokens: int) -> int:
         """Allocate pages for `n_tokens` more; shrink to what free pages allow."""

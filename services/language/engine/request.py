@@ -37,7 +37,8 @@ from tandem.v1 import common_pb2
 
 
 class RequestStatus(enum.IntEnum):
-    """Ordered: a request only moves forward, except a retraction (back to WAITING).
+    """Ordered: a request only moves forward, except a retraction (back to WAITING) and a
+    streamed prompt's pauses (PREFILLING <-> WAITING_FOR_ROWS).
 
     Everything after RUNNING is finished; `FINISH_REASONS` maps each finished status to
     the wire's FinishReason. Values start at 1 so that no status is falsy.
@@ -47,11 +48,14 @@ class RequestStatus(enum.IntEnum):
     WAITING_FOR_GRAMMAR = 2  # prompt complete; its structured-output grammar compiling
     WAITING = 3  # in the waiting queue (new, or retracted and to be recomputed)
     PREFILLING = 4  # admitted; pending range still longer than one token
-    RUNNING = 5  # decoding one token per step
-    FINISHED_STOP = 6  # EOS, stop token id or stop string
-    FINISHED_LENGTH = 7  # max_tokens reached
-    FINISHED_ABORT = 8  # client abort, deadline, drain
-    FINISHED_ERROR = 9  # server-side failure
+    # admitted, its prompt streamed (PromptPayload.arrived) and every arrived row computed:
+    # keeps its KV pages, takes no running slot and no step until more rows arrive
+    WAITING_FOR_ROWS = 5
+    RUNNING = 6  # decoding one token per step
+    FINISHED_STOP = 7  # EOS, stop token id or stop string
+    FINISHED_LENGTH = 8  # max_tokens reached
+    FINISHED_ABORT = 9  # client abort, deadline, drain
+    FINISHED_ERROR = 10  # server-side failure
 
     @property
     def finished(self) -> bool:
@@ -219,6 +223,18 @@ class Request:
         if self.prompt.info is None:
             return None
         return self.prompt.info.token_ids, self.prompt.info.images
+
+    @property
+    def rows_end(self) -> int:
+        """End of the prompt rows that may be computed now: the whole prompt, or where a
+        streamed prompt's arrived rows end (its watermark)."""
+        return self.prompt.ready_end
+
+    @property
+    def rows_pending(self) -> bool:
+        """Its prompt is streamed and the next row to compute has not arrived yet."""
+        start = self.kv.num_computed_tokens
+        return start < self.prompt_len and start >= self.rows_end
 
     @property
     def seq_len(self) -> int:

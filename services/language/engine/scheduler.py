@@ -9,6 +9,18 @@ engine thread. `schedule()` builds a mixed batch:
     3. admit   waiting requests in queue order while budget, slots and headroom allow
                (FCFS: the head blocks the queue; no skipping ahead)
 
+Streamed prompts (DESIGN "Streamed rows"; `PromptPayload.arrived`): a request may be
+submitted with only its first rows. Its chunks end at its rows (`Request.rows_end`), so it
+never samples before the whole prompt is in (a chunk samples only at the sequence's end).
+With every arrived row computed it becomes WAITING_FOR_ROWS: it keeps its KV pages (they
+count as committed), is not a running slot, takes no step, and goes back to PREFILLING
+(taking a slot) once rows have arrived. A waiting request whose next row has not arrived
+is skipped by admission without blocking the queue (it is not there yet, as it were), and
+takes cached pages only below its arrived rows. Nothing here waits: when every request
+waits for rows, `schedule()` returns None and the engine sleeps until the receiver's
+watermark wakes it. Retraction, pins, page keys and deadlines are the same for a partial
+prompt (its rows only grow; pages are keyed once computed, from verified rows).
+
 A retracted request frees its pages (all but its pinned prefix, see below) and goes back
 to the waiting queue with its generated tokens kept; when readmitted it recomputes its
 prompt (embeddings) and then its generated tokens (ids) before decoding on. Sampling state
@@ -169,7 +181,13 @@ class Scheduler:
         return len(self.running)
 
     def has_work(self) -> bool:
-        return bool(self.running) or bool(len(self.waiting))
+        """Something could run now if pages allowed (a request waiting for rows cannot)."""
+        return any(not (r.status is RequestStatus.WAITING_FOR_ROWS and r.rows_pending)
+                   for r in self.running) or any(not r.rows_pending for r in self.waiting)
+
+    def _slots_held(self) -> int:
+        """Running slots in use: a request waiting for rows holds none."""
+        return sum(r.status is not RequestStatus.WAITING_FOR_ROWS for r in self.running)
 
     # ---- one step ---------------------------------------------------------------------
 
@@ -190,7 +208,7 @@ class Scheduler:
             if self.running:
                 self._retract(self._newest())
             else:
-                head = next(iter(self.waiting))
+                head = next(r for r in self.waiting if not r.rows_pending)  # has_work()
                 need = ceil_div(head.seq_len + 1, self.page_size) - len(head.kv.block_table)
                 if need <= self.pool.num_free + self.pool.num_pinned_for_rooms:
                     break  # rooms in transfer hold the pages it needs: they come back soon
@@ -249,7 +267,8 @@ class Scheduler:
         """Cached pages extending what `req` holds (no reference taken): at most up to the
         page before its last token, which must be computed for its logits."""
         held = len(req.kv.block_table)
-        limit = shareable_pages(req.seq_len, self.page_size)
+        # NOTE: at least one arrived row is left to compute (a streamed prompt's rows)
+        limit = shareable_pages(min(req.seq_len, req.rows_end), self.page_size)
         if limit <= held:
             return []
         return self.pool.match(self._keys(req, limit)[held:])
@@ -300,21 +319,35 @@ class Scheduler:
             self.ratio.on_retract(self.running)
 
     def _schedule_prefill(self, chunks: dict[Request, int]) -> None:
+        for req in self.running:  # every arrived row computed: wait, holding no slot
+            if req.status is RequestStatus.PREFILLING and req.rows_pending:
+                req.status = RequestStatus.WAITING_FOR_ROWS
         adder = PrefillAdder(
             self.pool,
             self.page_size,
             token_budget=self.max_prefill_tokens,
             headroom_pages=self.pool.num_free - sum(self._committed(r) for r in self.running),
-            free_slots=self.max_running - len(self.running),
+            free_slots=self.max_running - self._slots_held(),
             nothing_scheduled=not self.running,
         )
         for req in sorted(self.running, key=lambda r: r.sort_key(self.by_priority)):
-            if req.status is RequestStatus.PREFILLING and req not in chunks:
+            if req in chunks:
+                continue
+            if req.status is RequestStatus.PREFILLING:
                 n = adder.add_continuing(req)
                 if n:
                     chunks[req] = n
+            elif (req.status is RequestStatus.WAITING_FOR_ROWS and not req.rows_pending
+                    and adder.free_slots > 0):  # rows arrived: on, in a slot again
+                n = adder.add_continuing(req)
+                if n:
+                    req.status = RequestStatus.PREFILLING
+                    adder.free_slots -= 1
+                    chunks[req] = n
         blocked = False
         for req in list(self.waiting):
+            if req.rows_pending:  # a streamed prompt whose next row has not arrived
+                continue
             if blocked and not (req.kv.num_pinned_pages and not chunks and not self.running):
                 continue
             cached = self.cached_pages(req)

@@ -36,11 +36,14 @@ class Submit:
 
 @dataclass
 class Abort:
-    """Inbox event: end `room`'s request with an error message and a gRPC code name."""
+    """Inbox event: end `room`'s request with an error message and a gRPC code name, as
+    aborted (its caller's doing) or failed (`error`: e.g. its streamed prompt's transfer
+    failed after it was submitted)."""
 
     room: int
     reason: str
     code: str
+    error: bool = False
 
 
 @dataclass
