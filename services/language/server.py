@@ -114,6 +114,8 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         self.transferring: set[int] = set()
         self.streams: set[int] = set()  # rooms with a Generate call in progress
         self.draining = False
+        # streamed rows (`--transfer.stream`): hand a prompt to the engine at its first rows
+        self.stream = receiver.config.stream
 
     @property
     def num_active(self) -> int:
@@ -140,6 +142,8 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         self.streams.add(room)
         outcome = "cancelled"  # NOTE: one log line per request (its id greps across tiers)
         t0 = time.monotonic()
+        recv: asyncio.Future | None = None  # the room's transfer (streamed: outlives submit)
+        opened: asyncio.Future = asyncio.get_running_loop().create_future()
         # NOTE: the grammar compiles while the prompt is on its way; until the engine has the
         # request, this call owns its interest in the compile (abandoned below if it ends)
         grammar = (self.engine.grammars.compile(sampling.grammar, request.client_id)
@@ -158,18 +162,28 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                 self.transferring.add(room)
                 self.metrics.transferring.set(len(self.transferring))
                 self.engine.expect_prompt(room, request.cache_salt)
+                recv = asyncio.ensure_future(self.receiver.receive(
+                    room, request.encoder_address, deadline, client=request.client_id,
+                    on_open=opened.set_result if self.stream else None))
+                recv.add_done_callback(lambda f, t0=t0: self._received(room, f, t0))
                 try:
-                    prompt = await self.receiver.receive(
-                        room, request.encoder_address, deadline, client=request.client_id)
+                    await asyncio.wait({recv, opened}, return_when=asyncio.FIRST_COMPLETED)
+                    if not opened.done() or (recv.done() and recv.exception() is not None):
+                        prompt = recv.result()  # not streamed, or failed before submit
+                    else:
+                        prompt = opened.result()
                 except TransferError as e:
                     self.engine.unpin(room)
+                    if opened.done():  # handed on, never submitted: no step names its rows
+                        self.receiver.release(opened.result())
                     abort = e.code in ("CANCELLED", "DEADLINE_EXCEEDED")
                     outcome = f"{e.code} in the transfer"
                     yield error_response(e.code, e.reason, abort=abort)
                     return
-                finally:
-                    self.transferring.discard(room)
-                    self.metrics.transferring.set(len(self.transferring))
+                if prompt.arrived is not None:  # streamed: the engine hears of each row
+                    prompt.arrived.on_advance = self.engine.wake
+                    self.metrics.streamed_prompts.inc()
+                    self.metrics.first_row.observe(time.monotonic() - t0)
             transfer_ms = (time.monotonic() - t0) * 1e3
             # -- 2. the engine generates --
             req = Request(room, sampling, prompt, request_id=request.request_id,
@@ -187,6 +201,8 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             try:
                 self.engine.submit(req, sink)
                 submitted = True
+                if recv is not None and not recv.done():  # streamed: its transfer goes on
+                    recv.add_done_callback(lambda f: self._fail_streamed(room, f))
             except AdmissionError as e:
                 self.engine.unpin(room)
                 self.receiver.release(prompt)  # never reached a step
@@ -211,11 +227,35 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                 if not finished:  # client gone or handler cancelled: free its pages now
                     self.engine.abort(room, "client cancelled", "CANCELLED")
         finally:
+            if recv is not None and not recv.done():  # NOTE: the room ends with the call
+                recv.cancel()
             if grammar is not None and not submitted:  # the engine never owned its interest
                 self.engine.grammars.abandon(grammar)
             self.engine.unpin(room)  # NOTE: a no-op once submitted (the request took the pin)
             self.streams.discard(room)
             log.info("%s room %d: %s", request.request_id or "-", room, outcome)
+
+    def _received(self, room: int, f: asyncio.Future, t0: float) -> None:
+        """The room's transfer ended (success or not; streamed or not)."""
+        self.transferring.discard(room)
+        self.metrics.transferring.set(len(self.transferring))
+        if f.cancelled() or f.exception() is not None:
+            return
+        prompt = f.result()
+        if prompt.arrived is not None:
+            self.metrics.streamed_rows.inc(prompt.arrived.rows)
+        else:  # the whole prompt at once: its first rows came with its last
+            self.metrics.first_row.observe(time.monotonic() - t0)
+
+    def _fail_streamed(self, room: int, f: asyncio.Future) -> None:
+        """A streamed prompt's transfer failed after its request was submitted: the request
+        ends with the transfer's error (the router may retry it: it has no output yet)."""
+        e = None if f.cancelled() else f.exception()
+        if isinstance(e, TransferError):
+            self.engine.abort(room, f"transfer: {e.reason}", e.code,
+                              error=e.code not in ("CANCELLED", "DEADLINE_EXCEEDED"))
+        elif e is not None:
+            self.engine.abort(room, f"transfer: {e!r}", "INTERNAL", error=True)
 
     def _token_text(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])

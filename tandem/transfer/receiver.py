@@ -80,7 +80,7 @@ from tandem.transfer.buffers import (
 from tandem.transfer.channels import EncoderChannels
 from tandem.transfer.errors import TransferError, timed_out
 from tandem.transfer.metrics import transfer_metrics
-from tandem.transfer.payload import ImageSpan, PromptInfo, PromptPayload
+from tandem.transfer.payload import ImageSpan, PromptInfo, PromptPayload, RowWatermark
 from tandem.transfer.room import (
     AbortRoom,
     AttachBroken,
@@ -152,6 +152,8 @@ class EmbeddingReceiver:
         r = self.rooms.get(room)
         if r is None or r.state in (ReceiverState.SUCCESS, ReceiverState.FAILED):
             return False
+        if r.payload is not None:  # streamed rows handed on: see `receive`
+            return False
         r.post(ReattachTo(encoder_address))
         return True
 
@@ -189,6 +191,8 @@ class EmbeddingReceiver:
                 return  # left over from an earlier Attach
             case AbortRoom():
                 raise TransferError(f"room {r.room}: aborted", "CANCELLED", r.room)
+            case StreamMessage(msg=msg) if msg.WhichOneof("msg") == "working":
+                return  # a heartbeat: the encoder lives
             case StreamBroken(reason=reason):
                 raise AttachBroken(reason)
             case ReattachTo(address=address):
@@ -214,12 +218,22 @@ class EmbeddingReceiver:
 
     # ---- the room ---------------------------------------------------------------------
     async def receive(self, room: int, encoder_address: str, deadline: float | None = None,
-                      client: str = "") -> PromptPayload:
+                      client: str = "",
+                      on_open: Callable[[PromptPayload], None] | None = None) -> PromptPayload:
         """Reserve, attach to `encoder_address`, and return the room's prompt payload.
-        `client` (the router's client key) bounds its rooms' share of the blocks."""
+        `client` (the router's client key) bounds its rooms' share of the blocks.
+
+        `on_open(payload)` (streamed rows): called once, on this loop, as soon as the first
+        rows are copied out and verified, with the payload that `receive` will return: its
+        tensors have every row's place, its `arrived` watermark counts the rows in (raised
+        after each copy-out; set `arrived.on_advance` in `on_open` to hear of it), its
+        `mrope_delta` is set just before the last rows are counted. From then on the room
+        is not reattached: its first rows may be in a prefill already, and a failure ends
+        it (the caller ends the request; the router retries it whole)."""
         if room in self.rooms:
             raise TransferError(f"room {room} is already receiving", "ALREADY_EXISTS")
-        r = self.rooms[room] = ReceiverRoom(room, encoder_address, client=client)
+        r = self.rooms[room] = ReceiverRoom(room, encoder_address, client=client,
+                                            on_open=on_open)
         t0 = time.monotonic()
         payload: PromptPayload | None = None
         try:
@@ -237,6 +251,10 @@ class EmbeddingReceiver:
                     break
                 except AttachBroken as b:
                     self._hang_up(r)
+                    if r.payload is not None:  # NOTE: its rows may be in a prefill already
+                        raise TransferError(f"room {room}: {b.reason} after its first rows "
+                                            f"were handed on (not reattached)", "UNAVAILABLE",
+                                            room) from None
                     r.address = b.new_address or await self._await_reattach(r, b.reason, deadline)
                     r.attempt += 1
                     r.sent = r.copied = r.cached = r.reported = 0
@@ -255,8 +273,8 @@ class EmbeddingReceiver:
             self._hang_up(r, graceful=r.state == ReceiverState.TRANSFERRING and r.sent == r.total)
             self.blocks.free_all(r)  # NOTE: every path ends here; no block outlives the room
             self.rooms.pop(room, None)
-            if payload is None:  # the room failed: the ranks' rows of it go too
-                self._drop_rows(r)
+            if payload is None and r.payload is None:  # failed: the ranks' rows go too
+                self._drop_rows(r)  # NOTE: an opened payload's go with its request (release)
         r.state = ReceiverState.SUCCESS
         payload.ranks_key = r.ranks_key
         m = self.metrics
@@ -431,7 +449,29 @@ class EmbeddingReceiver:
                 r.attempt + 1, start, piece_tokens, i0, local=copy,
                 seals=[seal.for_rank(tag) for seal, tag in seals])
         await asyncio.get_running_loop().run_in_executor(None, copy)
+        # NOTE: range by range, not at Done: streamed rows are prefilled (and their pages
+        # keyed by the announced ids) before Done
+        announced = r.info.token_ids[r.cached + a : r.cached + upto] if r.info else None
+        if announced is not None and r.out[1][a:upto].tolist() != announced:
+            raise TransferError(f"room {r.room}: the token ids written in [{a}, {upto}) "
+                                f"differ from the announced prompt's", "DATA_LOSS")
         r.copied = upto
+        self._publish(r)
+
+    def _publish(self, r: ReceiverRoom) -> None:
+        """Streamed rows: hand the payload on at its first rows (`on_open`), then raise its
+        watermark to what is copied out and verified (`receive`)."""
+        if r.on_open is None:
+            return
+        if r.payload is None:
+            e, f, m = r.out
+            r.payload = PromptPayload(e, f, m, r.mrope_delta or 0, start=r.cached, info=r.info,
+                                      arrived=RowWatermark(r.total))
+            r.payload.ranks_key = r.ranks_key
+            r.on_open(r.payload)
+        elif r.mrope_delta is not None:
+            r.payload.mrope_delta = r.mrope_delta  # NOTE: before the last rows count
+        r.payload.arrived.advance(r.copied)
 
     def _gather(self, check: tuple, out: tuple, at: int, seals: list, where: str) -> None:
         """Executor side of `_copy_out` (rank 0's copy). NOTE: everything checked is the
@@ -489,13 +529,13 @@ class EmbeddingReceiver:
         if delta != d.mrope_position_delta:
             raise TransferError(f"room {r.room}: Done says mrope delta {d.mrope_position_delta}, "
                                 f"blocks say {delta}", "DATA_LOSS")
+        r.mrope_delta = d.mrope_position_delta
         await self._copy_out(r, r.ids, r.sent, d.total_tokens)
         self.blocks.free(r, r.key)
         r.sent = d.total_tokens
+        if r.payload is not None:  # streamed: the payload handed on, now complete
+            return r.payload
         e, f, m = r.out
-        if r.info is not None and f.tolist() != r.info.token_ids[r.cached:]:
-            raise TransferError(f"room {r.room}: the token ids written differ from the "
-                                f"announced prompt's", "DATA_LOSS")
         return PromptPayload(input_embeds=e, fill_ids=f, mrope_positions=m,
                              mrope_delta=d.mrope_position_delta, start=r.cached, info=r.info)
 

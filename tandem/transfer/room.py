@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tandem.transfer.allocator import BlockAllocator
 from tandem.transfer.buffers import RangeSeal, RangeTag, RowProtection
 from tandem.transfer.errors import TransferError
-from tandem.transfer.payload import PromptInfo
+from tandem.transfer.payload import PromptInfo, PromptPayload
 from tandem.units import ceil_div
 from tandem.v1 import encoder_pb2
 
@@ -103,6 +104,11 @@ class ReceiverRoom:
     progressed: float | None = None
     call: object | None = None
     reader: asyncio.Task | None = None
+    # streamed rows (receiver.receive's `on_open`): the payload handed on at the first rows
+    # (then the room is never reattached), and the delta Done names (set before its rows)
+    on_open: Callable[[PromptPayload], None] | None = None
+    payload: PromptPayload | None = None
+    mrope_delta: int | None = None
 
     def post(self, event: RoomEvent) -> None:
         self.events.put_nowait(event)
