@@ -468,3 +468,56 @@ async def test_an_encoder_still_preparing_the_payload_keeps_its_room_alive(tmp_p
     finally:
         await lang.stop()
         await server.stop(None)
+
+
+# ---- streamed rows (issue 27) ------------------------------------------------------------
+
+
+async def test_streamed_rows_wait_for_the_vit_then_a_stalled_writer_fails_its_room(tmp_path):
+    """A streamed payload whose later rows are not final yet (still in the ViT): the room
+    is handed on at its first rows (`on_open`) and outlives several transfer timeouts
+    while the encoder waits for rows (its AttachWorking heartbeats: work, not a stall),
+    then completes with the payload sent, resumes included. Then an encoder frozen
+    (SIGSTOP) mid-stream after the first rows were handed on is cut by the room's
+    progress timeout (UNAVAILABLE, which the router retries), not reattached (its first
+    rows may be in a prefill already), and every block comes back."""
+    enc = await Peer.start("encoder", tmp_path, timeout_s=1.0)
+    engine, cfg = make_engine(timeout_s=1.0)
+    rx = make_receiver(engine, cfg, blocks=8, block_size=16, reserve=64, grace=5.0)
+    address = enc.ready["address"]
+    try:
+        # 1. rows held past three timeouts, then released: the room completes
+        opened: list = []
+        task = asyncio.create_task(rx.receive(1, address, on_open=opened.append))
+        await until(lambda: rx.state(1) == ReceiverState.WAITING_FOR_INPUT)
+        enc.send(op="stream_send", room=1, tokens=150, seed=3, first=40)
+        await until(lambda: opened and opened[0].arrived.rows == 32)  # whole blocks only
+        assert not opened[0].arrived.complete and rx.state(1) == ReceiverState.TRANSFERRING
+        stalls = rx.rooms[1].progressed
+        await asyncio.sleep(3.5)  # NOTE: not a speed claim: three timeouts must pass
+        assert rx.state(1) == ReceiverState.TRANSFERRING and not task.done()
+        assert rx.rooms[1].progressed == stalls  # heartbeats are not progress
+        enc.send(op="rows", room=1, rows=150)
+        got = await asyncio.wait_for(task, HANG_GUARD_S)
+        assert got is opened[0] and got.arrived.complete and len(opened) == 1
+        assert digest(got) == digest(make_payload(150, 32, "float32", 3))
+        sent = await enc.wait(lambda e: e["event"] == "sent" and e["room"] == 1, HANG_GUARD_S)
+        assert sent["ok"] and sent["resumes"] == 1, sent  # 64 reserved, then the rest
+        assert_rx_clean(rx)
+
+        # 2. the writer freezes after the first rows were handed on
+        opened.clear()
+        task = asyncio.create_task(rx.receive(2, address, on_open=opened.append))
+        await until(lambda: rx.state(2) == ReceiverState.WAITING_FOR_INPUT)
+        enc.send(op="stream_send", room=2, tokens=150, seed=4, first=20)
+        await until(lambda: opened and opened[0].arrived.rows == 16)
+        enc.signal(signal.SIGSTOP)
+        assert not rx.reattach(2, address)  # handed on: never reattached
+        err = await fails(task)
+        assert err.code == "UNAVAILABLE" and "no data from encoder" in err.reason, err
+        assert "transfer timeout" in err.reason, err
+        assert opened[0].arrived.rows == 16 and not opened[0].arrived.complete
+        assert_rx_clean(rx)
+    finally:
+        await enc.stop()
+        await rx.close()

@@ -3,6 +3,8 @@
 stdin  {"op": ...} commands; stdout {"event": ...} results. First line: {"event": "ready"}.
 encoder: hosts a grpc.aio server whose Encoder.Attach is an EmbeddingSender.
     send {room, tokens, seed, deadline_s?}   -> sent {room, ok, resumes|code, reason}
+    stream_send {room, tokens, seed, first}  -> sent ...: a streamed payload whose rows
+        [0, first) are final; rows {room, rows} makes more of them final
     cancel {room}
 language: an EmbeddingReceiver over its own buffers.
     receive {room, address, deadline_s?}     -> received {room, ok, digest, tokens|code, reason}
@@ -50,7 +52,7 @@ from tandem.transfer import (  # noqa: E402
     TransferError,
 )
 from tandem.transfer.buffers import DTYPES  # noqa: E402
-from tandem.transfer.payload import ImageSpan, PromptInfo  # noqa: E402
+from tandem.transfer.payload import ImageSpan, PromptInfo, RowWatermark  # noqa: E402
 from tandem.v1 import encoder_pb2_grpc  # noqa: E402
 
 
@@ -118,6 +120,7 @@ async def main() -> None:
     engine = MooncakeEngine(cfg)
     dtype = DTYPES[a.dtype]
     tasks: dict[int, asyncio.Task] = {}
+    streams: dict[int, RowWatermark] = {}  # streamed payloads' watermarks, by room
     loop = asyncio.get_running_loop()
     if a.role == "encoder":
         staging = StagingArea(a.slots, a.slot_tokens, a.embed_dim, dtype)
@@ -157,6 +160,15 @@ async def main() -> None:
             tasks[room] = asyncio.create_task(_report(
                 "sent", room, sender.send(room, p, _deadline(cmd)),
                 extra=lambda s: {"resumes": s.resumes, "bytes": s.bytes}))
+        elif op == "stream_send":  # streamed rows: [0, first) final now, the rest on "rows"
+            p = make_payload(cmd["tokens"], a.embed_dim, a.dtype, cmd["seed"])
+            p.arrived = streams[room] = RowWatermark(p.num_tokens)
+            p.arrived.advance(cmd["first"])
+            tasks[room] = asyncio.create_task(_report(
+                "sent", room, sender.send(room, p, _deadline(cmd)),
+                extra=lambda s: {"resumes": s.resumes, "bytes": s.bytes}))
+        elif op == "rows":  # more of a streamed payload's rows are final
+            streams[room].advance(cmd["rows"])
         elif op == "announce_send":  # cache-aware: announce, then send only the rest
             p = make_payload(cmd["tokens"], a.embed_dim, a.dtype, cmd["seed"])
             info = PromptInfo(p.fill_ids.tolist(), [ImageSpan(*im) for im in cmd["images"]])
