@@ -12,7 +12,7 @@ encoder) on the language side and Encode(room, chat) on the encoder, concurrentl
   language engine's `early_prefill_tokens` counter (moved after a forward over rows of a
   prompt whose later rows had not arrived) rises while it is held, and only then is it let
   go. Without streaming the counter never moves and the hang guard fails the test.
-- `--transfer.stream false` on the language side alone: the prompt is taken whole (no
+- `--no-transfer.stream` on the language side alone: the prompt is taken whole (no
   early prefill), with the same tokens.
 
 No test here bounds a duration: every wait is a hang guard (tests/waiting.py).

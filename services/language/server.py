@@ -5,6 +5,11 @@ Generate, per room:
     open the room (EmbeddingReceiver.receive: reserve blocks, Attach to the encoder,
     merge resumed pieces) ─▶ Engine.submit ─▶ stream StreamDeltas as responses
 
+With streamed rows (`--transfer.stream`, the default) the request is submitted at the
+room's first verified rows (`receive(on_open=...)`); the engine prefills what has arrived
+and waits for the rest (the payload's watermark wakes it); a room that fails after that
+ends the request with the transfer's error (`_fail_streamed`), before any token.
+
 or, for a text-only chat in the request (the router's encoder bypass): render and
 tokenize it here (`ChatTemplate`, in a worker thread) ─▶ Engine.submit ─▶ stream.
 
