@@ -57,10 +57,10 @@ def _tiny_model(argv: list[str]) -> int:
 
     try:
         resolve_arch(args.arch, args.size)
-        path = build_tiny_model(args.dir, arch=args.arch, size=args.size, seed=args.seed,
-                                dry_run=args.dry_run, device=args.device)  # fmt: skip
     except ValueError as e:
         p.error(str(e))
+    path = build_tiny_model(args.dir, arch=args.arch, size=args.size, seed=args.seed,
+                            dry_run=args.dry_run, device=args.device)  # fmt: skip
     if args.dry_run:
         plan = plan_tiny_model(args.arch, args.size)
         file_of = {n: f for f, names in plan.shards.items() for n in names}
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         "router": "run the router (OpenAI HTTP + gRPC)",
         "up": "run a whole local cluster (encoders, language instances, router)",
         "serve": "`vllm serve`'s command line (MODEL and its flags), run as `tandem up`",
-        "tiny-model": "write a random-weight checkpoint (tiny, small, or a real size: 7b, 8b, 30b-a3b)",
+        "tiny-model": "write a random-weight checkpoint (tiny, small; real sizes 7b, 8b, 30b-a3b)",
         "certs": "write a CA and per-tier certificates for mTLS between the tiers",
     }
     if argv and argv[0] in ("-V", "--version"):
