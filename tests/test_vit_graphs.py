@@ -428,6 +428,21 @@ def test_the_encoder_keeps_the_text_embedding_table_on_the_cpu(checkpoint, monke
                        pipe.preprocessor.limits, 0, 1024)  # fmt: skip
 
 
+# ------------------------------------------------------------------ make gpu-check
+def test_the_gpu_check_row_runs_dry(checkpoint):
+    """bench/vit_graphs.py's row (bench/gpu_check.py calls it) in its CPU dry run."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from vit_graphs import SKIPPED, check_vit_graphs
+
+    (row,) = check_vit_graphs(checkpoint("qwen2_5_vl"), "cpu", torch.float32, dry_run=True)
+    assert row["ok"], row
+    assert row["captured"] == row["keys"] == row["captured_after_mix"] and row["failed"] == 0
+    assert row["eager_batches"] == 1 and row["replay_equals_static"]
+    assert row["speedup"] == row["capture_mib"] == SKIPPED
+    with pytest.raises(ValueError, match="dry_run"):
+        check_vit_graphs(checkpoint("qwen2_5_vl"), "cpu", torch.float32, dry_run=False)
+
+
 # ------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -127,7 +127,7 @@ class GraphStats:
     failed: int = 0  # keys whose capture failed: their batches run eagerly
     replays: int = 0  # batches run through a recorded key
     eager: int = 0  # batches run eagerly: over the largest bucket, or in a failed key
-    capture_bytes: int = 0  # device memory reserved by the captures (CUDA)
+    capture_bytes: int = 0  # device memory reserved while capturing, warm-ups too (CUDA)
 
 
 @dataclass
