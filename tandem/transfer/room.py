@@ -12,6 +12,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from tandem.tracing import OFF, Span
 from tandem.transfer.allocator import BlockAllocator
 from tandem.transfer.buffers import RangeSeal, RangeTag, RowProtection
 from tandem.transfer.errors import TransferError
@@ -103,6 +104,9 @@ class ReceiverRoom:
     progressed: float | None = None
     call: object | None = None
     reader: asyncio.Task | None = None
+    request_id: str = ""  # its request's (x-request-id on the Attach calls)
+    trace: Span = OFF  # the room's span (receive), parent of each attempt's
+    attach_trace: Span = OFF  # the current attempt's span (its Attach call's traceparent)
 
     def post(self, event: RoomEvent) -> None:
         self.events.put_nowait(event)
