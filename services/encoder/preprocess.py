@@ -5,7 +5,8 @@ through the processor's image processor on its own, so per-image min/max pixel o
 apply (Qwen `smart_resize`). Each video is read and probed and its frames planned
 (services/encoder/video.py: indices, size, grid, timing) but not decoded: that is
 `decode`, a later job of the same pool, run only for the videos whose features no cache
-holds. The chat template is rendered with one placeholder per image and video, each
+holds (a video given as frames: services/encoder/video_frames.py, the same two steps).
+The chat template is rendered with one placeholder per image and video, each
 expanded as the processor expands it (an image's pads; a video's pads, and for Qwen3-VL
 its frames' timestamps), and the text tokenized — the same steps `processor(text=...,
 images=..., videos=...)` takes, checked against it in the tests.
@@ -53,6 +54,7 @@ from tandem.services.encoder.video import (
     decode,
     plan_source,
 )
+from tandem.services.encoder.video_frames import decode_frames, plan_frames_source
 from tandem.services.encoder.video_rules import (
     VideoError,
     VideoRefusal,
@@ -183,6 +185,8 @@ class Preprocessor:
 
     def decode(self, video: PlannedVideo, budget: Budget | None = None) -> PreparedVideo:
         """A planned video's frames, decoded and patchified (a pool job of its own)."""
+        if video.frames:
+            return decode_frames(video, self.limits.video, self.limits.image, budget)
         return decode(video, self.limits.video, budget)
 
     def _placeholder(self, m: PreparedImage | PlannedVideo) -> Placeholder:
@@ -224,6 +228,9 @@ class Preprocessor:
         budget.check()
         if self.video is None:
             raise invalid(where, "this model takes no video")
+        if part.frames:  # NOTE: refusals name the wire's field, `...video.frames[k]`
+            return plan_frames_source(part.frames, self.video, part.options, lim.video,
+                                      lim.image, f"{where}.frames", budget)  # fmt: skip
         rules = SourceRules("video", lim.video.max_video_bytes, "video/", _video_oversize)
         raw = source_bytes(part.data, part.url, where, lim.image, rules, budget)
         return plan_source(raw, self.video, part.options, lim.video, where)

@@ -55,6 +55,11 @@ def _validate(request: router_pb2.RouterGenerateRequest, cfg: RouterConfig) -> C
                 raise RouterError("TOO_LARGE", f"video larger than {cfg.max_video_bytes} bytes "
                                   "(the router's max_video_bytes)",
                                   f"messages[{i}].content[{j}].video")  # fmt: skip
+            if part.WhichOneof("part") == "video" and sum(
+                    len(f.data) for f in part.video.frames.frames) > cfg.max_video_bytes:
+                raise RouterError("TOO_LARGE", f"the frames are larger than {cfg.max_video_bytes}"
+                                  " bytes together (the router's max_video_bytes)",
+                                  f"messages[{i}].content[{j}].video.frames")  # fmt: skip
     tools = _tools(request)
     if tools.grammar is not None:
         if s.HasField("structured_output"):
