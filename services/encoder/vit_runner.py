@@ -10,8 +10,8 @@ The tower is split as in SGLang's ViTCudaGraphRunner:
 Three paths (`RunMode`):
 - `eager`: transformers' own block modules with their per-segment attention. Bit-exact with
   `get_image_features` in float32 (the serving path on CPU, and the fallback on CUDA).
-- `static`: a graph-safe block loop (`_step`) over static buffers, run eagerly on any
-  device: the CPU tests of the graph path, and on CUDA the reference a replay equals.
+- `static`: the block loop a graph records (`_step`), over static buffers, run eagerly on
+  any device: the CPU tests of the graph path, and on CUDA the reference a replay equals.
 - `graph`: the same step captured as one CUDA graph per `GraphKey`, all at start-up (in the
   constructor), then replayed. Nothing is captured, evicted or retried while serving.
 
@@ -28,6 +28,8 @@ Attention in the step (`StepAttention`, chosen per device and dtype):
   longest segment, known on the host from the grids (no sync): for full attention the
   longest frame, rounded up to a `longest_buckets` bound that is part of the key; for
   Qwen2.5-VL's window attention the patches of one window, a constant of the model.
+  NOTE: the cumulative lengths have one length per bucket (N / merge**2 + 1, the most
+  segments N patches can make); the unused tail is empty segments, whose blocks exit at once.
 - `masked`: one SDPA with a block-diagonal mask built on the device (CUDA otherwise).
 - `per_segment`: transformers' own attention module, one SDPA per segment (the CPU, where
   nothing is captured): not capturable (it reads the lengths on the host), and bit-exact
@@ -172,15 +174,20 @@ Outputs = tuple[torch.Tensor, list[torch.Tensor]]  # merged features, deepstack 
 
 
 class _Buffers:
-    """The static inputs of every key's step, sized for the largest bucket: key (N, _)
-    reads rows [:N] and cumulative lengths [:N // unit + 1] (views: fixed addresses)."""
+    """The static inputs and outputs of every key's step, sized for the largest bucket: key
+    (N, _) reads rows [:N] and cumulative lengths [:N // unit + 1] and writes merged rows
+    [:N // unit] (views: fixed addresses). NOTE: a graph keeps no output of its own: what it
+    leaves in the shared pool is scratch that any other graph's replay may overwrite."""
 
-    def __init__(self, n: int, d: int, hd: int, n_cu: int, device, dtype) -> None:
+    def __init__(self, n: int, d: int, hd: int, unit: int, out: int, deep: int, device,
+                 dtype) -> None:  # fmt: skip
         self.hidden = torch.zeros(n, d, device=device, dtype=dtype)
         self.cos = torch.zeros(n, hd, device=device, dtype=torch.float32)
         self.sin = torch.zeros(n, hd, device=device, dtype=torch.float32)
-        self.cu = torch.zeros(n_cu, device=device, dtype=torch.int32)
-        self.cu_window = torch.zeros(n_cu, device=device, dtype=torch.int32)
+        self.cu = torch.zeros(n // unit + 1, device=device, dtype=torch.int32)
+        self.cu_window = torch.zeros(n // unit + 1, device=device, dtype=torch.int32)
+        self.merged = torch.zeros(n // unit, out, device=device, dtype=dtype)
+        self.deep = [torch.zeros(n // unit, out, device=device, dtype=dtype) for _ in range(deep)]
 
 
 class _EagerRecorder:
@@ -307,8 +314,9 @@ class VisionRunner:
         self._replays: dict[GraphKey, Callable[[], Outputs]] = {}
         if self.keys:
             hd = self.cfg.hidden_size // self.cfg.num_heads
-            self._buf = _Buffers(self.buckets[-1], self.cfg.hidden_size, hd,
-                                 self._cu_len(self.buckets[-1]), self.device, self.dtype)
+            self._buf = _Buffers(self.buckets[-1], self.cfg.hidden_size, hd, self.unit,
+                                 self.cfg.out_hidden_size, len(self.deepstack_layers),
+                                 self.device, self.dtype)  # fmt: skip
             self._record_all(_CudaRecorder(self.device) if self.mode is RunMode.GRAPH
                              else _EagerRecorder())  # fmt: skip
 
@@ -327,7 +335,7 @@ class VisionRunner:
                 self._load(key, prep)
                 merged, deep = replay()
                 self.stats.replays += 1
-                # clone: a replay overwrites its outputs; rows past the real ones are padding
+                # clone: the next batch overwrites the buffers; rows past these are padding
                 rows = prep.hidden.shape[0] // self.unit
                 merged, deep = _rows(merged, rows).clone(), [_rows(d, rows).clone() for d in deep]
             if prep.reverse is not None:
@@ -461,8 +469,9 @@ class VisionRunner:
         return attn.proj(o.reshape(n, -1))
 
     def _step(self, key: GraphKey) -> Outputs:
-        """Features of rows [0, key.patches) of the buffers: what a graph records. Capture-
-        safe: fixed shapes and addresses, no host sync, no host tensor."""
+        """Features of rows [0, key.patches) of the buffers, into the output buffers: what a
+        graph records. Capture-safe: fixed shapes and addresses, no host sync, no host
+        tensor."""
         v, n, b = self.visual, key.patches, self._buf
         c = self._cu_len(n)
         h, cos, sin = _rows(b.hidden, n), _rows(b.cos, n), _rows(b.sin, n)
@@ -477,7 +486,11 @@ class VisionRunner:
             h = h + blk.mlp(blk.norm2(h))
             if i in self.deepstack_layers:
                 deep.append(v.deepstack_merger_list[self.deepstack_layers.index(i)](h))
-        return v.merger(h), deep
+        rows = n // self.unit
+        outs = [_rows(b.merged, rows)] + [_rows(d, rows) for d in b.deep]
+        for out, got in zip(outs, [v.merger(h), *deep], strict=True):
+            out.copy_(got)
+        return outs[0], outs[1:]
 
     # ----------------------------------------------------------------- capture
     @torch.inference_mode()
