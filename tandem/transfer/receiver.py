@@ -47,6 +47,12 @@ the rows into the private `out` and opens them there (decrypts under `encrypt`, 
 the tags), so what reaches a prefill is exactly what the encoder wrote: any other process's
 write into the registered blocks fails the room with DATA_LOSS, before or after the check.
 
+Traces: `receive(..., trace=span)` puts a `language.transfer` span under `span` (tokens,
+bytes, resumes, attempts, the cached prefix), and under it `language.room_wait` (the first
+reservation's wait), one `transfer.attach` per Attach attempt (its call carries that span
+as traceparent, and the request id) with a `transfer.resume` per Resume (its wait for
+blocks), and on a tensor-parallel instance each other rank's `tp.gather` of a range.
+
 One class, one module, on purpose: the answers to the encoder's messages (`_on_prompt`,
 `_on_progress`, `_on_partial`, `_on_done` and their `_announce` / `_copy_out`) are the
 receiver's side of the Attach protocol, not a second role. They read and advance the same
@@ -67,6 +73,7 @@ from collections.abc import Callable
 import grpc
 import torch
 
+from tandem import tracing
 from tandem.config import TransferConfig
 from tandem.transfer.allocator import BlockAllocator
 from tandem.transfer.buffers import (
@@ -214,28 +221,37 @@ class EmbeddingReceiver:
 
     # ---- the room ---------------------------------------------------------------------
     async def receive(self, room: int, encoder_address: str, deadline: float | None = None,
-                      client: str = "") -> PromptPayload:
+                      client: str = "", trace: tracing.Span = tracing.OFF,
+                      request_id: str = "") -> PromptPayload:
         """Reserve, attach to `encoder_address`, and return the room's prompt payload.
-        `client` (the router's client key) bounds its rooms' share of the blocks."""
+        `client` (the router's client key) bounds its rooms' share of the blocks; `trace`:
+        the span the room's span goes under; `request_id` names it on the Attach calls."""
         if room in self.rooms:
             raise TransferError(f"room {room} is already receiving", "ALREADY_EXISTS")
-        r = self.rooms[room] = ReceiverRoom(room, encoder_address, client=client)
+        r = self.rooms[room] = ReceiverRoom(room, encoder_address, client=client,
+                                            request_id=request_id)
+        r.trace = tracing.start("language.transfer", trace, attributes={tracing.ROOM: room})
         t0 = time.monotonic()
         payload: PromptPayload | None = None
         try:
             # NOTE: waiting for a first reservation is queueing behind rooms under way (each
             # bounded by the transfer timeout), not a stalled transfer: it may last until the
             # request's own deadline.
+            wait = tracing.start("language.room_wait", r.trace,
+                                 attributes={"tandem.transfer.reserve_tokens": self.reserve_tokens})
             r.key, r.ids = await self.blocks.alloc(
                 r, self.reserve_tokens, self._queue_timeout(deadline),
                 lambda ev: self._interrupt(r, ev),
                 timeout_code="UNAVAILABLE" if deadline is None else "DEADLINE_EXCEEDED")
+            wait.end()
             r.allocated = len(r.ids) * self.buffers.block_size
             while True:
                 try:
                     payload = await self._attempt(r, deadline)
                     break
                 except AttachBroken as b:
+                    tracing.fail(r.attach_trace, "UNAVAILABLE", b.reason)
+                    r.attach_trace.end()
                     self._hang_up(r)
                     r.address = b.new_address or await self._await_reattach(r, b.reason, deadline)
                     r.attempt += 1
@@ -246,10 +262,14 @@ class EmbeddingReceiver:
         except TransferError as e:
             r.state = ReceiverState.FAILED
             self.metrics.failures.labels("language", e.code).inc()
+            for span in (r.attach_trace, r.trace):
+                tracing.fail(span, e.code, e.reason)
             raise
         except asyncio.CancelledError:
             r.state = ReceiverState.FAILED
             self.metrics.failures.labels("language", "CANCELLED").inc()
+            for span in (r.attach_trace, r.trace):
+                tracing.fail(span, "CANCELLED")
             raise
         finally:
             self._hang_up(r, graceful=r.state == ReceiverState.TRANSFERRING and r.sent == r.total)
@@ -257,6 +277,12 @@ class EmbeddingReceiver:
             self.rooms.pop(room, None)
             if payload is None:  # the room failed: the ranks' rows of it go too
                 self._drop_rows(r)
+            r.attach_trace.end()
+            if r.trace.is_recording():
+                r.trace.set_attributes({"tandem.transfer.attempts": r.attempt + 1,
+                                        "tandem.transfer.resumes": r.resumes,
+                                        "tandem.cached_prefix_tokens": r.cached})
+            r.trace.end()
         r.state = ReceiverState.SUCCESS
         payload.ranks_key = r.ranks_key
         m = self.metrics
@@ -307,7 +333,11 @@ class EmbeddingReceiver:
 
     async def _attempt(self, r: ReceiverRoom, deadline: float | None) -> PromptPayload:
         stub = encoder_pb2_grpc.EncoderStub(self.channels.get(r.address))
-        r.call = call = stub.Attach()
+        r.attach_trace = tracing.start(
+            "transfer.attach", r.trace, kind=tracing.SpanKind.CLIENT,
+            attributes={tracing.SERVER_ADDRESS: r.address, "tandem.transfer.attempt": r.attempt + 1})
+        md = ((tracing.REQUEST_ID_HEADER, r.request_id),) if r.request_id else ()
+        r.call = call = stub.Attach(metadata=md + tracing.metadata(r.attach_trace))
         r.reader = asyncio.create_task(self._read(r, call, r.attempt))
         # NOTE: a fresh secret per attempt: the tags of an earlier attempt's encoder (one
         # frozen mid-write that wakes) can never verify this attempt's rows
@@ -316,7 +346,7 @@ class EmbeddingReceiver:
             room=r.room, session_id=self.engine.session_id, layout=self._layout,
             block_ids=r.ids, allocated_tokens=r.allocated, generation=r.attempt + 1,
             ranks=self._rank_dests, **r.protection.init_fields())
-        await self._write(r, encoder_pb2.AttachRequest(init=init))
+        await self._write_init(r, encoder_pb2.AttachRequest(init=init), deadline)
         r.state = ReceiverState.WAITING_FOR_INPUT
         r.progressed = time.monotonic()
         while True:
@@ -429,7 +459,8 @@ class EmbeddingReceiver:
             copy = functools.partial(
                 self.ranks.gather, r.ranks_key, ids[i0:], upto - a, a, r.total, r.room,
                 r.attempt + 1, start, piece_tokens, i0, local=copy,
-                seals=[seal.for_rank(tag) for seal, tag in seals])
+                seals=[seal.for_rank(tag) for seal, tag in seals],
+                trace=_rank_trace(r))
         await asyncio.get_running_loop().run_in_executor(None, copy)
         r.copied = upto
 
@@ -462,7 +493,10 @@ class EmbeddingReceiver:
         if self.resume_tokens:
             cap = min(cap, self.resume_tokens)
         want = min(p.total_tokens - sent, cap)
+        span = tracing.start("transfer.resume", r.attach_trace, attributes={
+            "tandem.transfer.sent_tokens": sent, "tandem.transfer.reserve_tokens": want})
         got = self.blocks.try_alloc(r, want)
+        span.set_attribute("tandem.transfer.waited_for_blocks", got is None)
         if got is None:  # pool busy: free this piece first, then wait for blocks
             await self._copy_out(r, old_ids, start, sent)
             self.blocks.free(r, old_key)
@@ -477,6 +511,7 @@ class EmbeddingReceiver:
         r.resumes += 1
         await self._write(r, encoder_pb2.AttachRequest(resume=encoder_pb2.AttachResume(
             room=r.room, block_ids=r.ids, sent_tokens=sent, allocated_tokens=r.allocated)))
+        span.end()
         if old_key in r.keys:  # NOTE: Resume first, so this copy overlaps the next write
             await self._copy_out(r, old_ids, start, sent)
             self.blocks.free(r, old_key)
@@ -493,6 +528,10 @@ class EmbeddingReceiver:
         self.blocks.free(r, r.key)
         r.sent = d.total_tokens
         e, f, m = r.out
+        if r.trace.is_recording():
+            r.trace.set_attributes({"tandem.transfer.tokens": d.total_tokens,
+                                    "tandem.transfer.bytes": sum(t.numel() * t.element_size()
+                                                                 for t in r.out)})
         if r.info is not None and f.tolist() != r.info.token_ids[r.cached:]:
             raise TransferError(f"room {r.room}: the token ids written differ from the "
                                 f"announced prompt's", "DATA_LOSS")
@@ -500,6 +539,32 @@ class EmbeddingReceiver:
                              mrope_delta=d.mrope_position_delta, start=r.cached, info=r.info)
 
     # ---- the stream -----------------------------------------------------------------------
+    async def _write_init(self, r: ReceiverRoom, req: encoder_pb2.AttachRequest,
+                          deadline: float | None) -> None:
+        """Write the Init while still answering the room's events. NOTE: a first Attach to
+        an encoder that froze before answering (no connection yet: the kernel accepts it,
+        nothing reads it) never completes the write; a Reattach or an Abort must still end
+        the attempt at once, and silence fails it at the transfer timeout, as anywhere."""
+        write = asyncio.ensure_future(self._write(r, req))
+        try:
+            timeout = self._timeout(deadline)
+            end = time.monotonic() + timeout
+            while not write.done():
+                ev = asyncio.ensure_future(r.events.get())
+                done, _ = await asyncio.wait({write, ev}, timeout=max(0.0, end - time.monotonic()),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if ev in done:
+                    self._interrupt(r, ev.result())  # raises for an Abort, a Reattach, a break
+                    continue
+                ev.cancel()
+                if not done:
+                    raise timed_out(f"room {r.room}: encoder {r.address} does not take the "
+                                    f"Attach stream's Init", timeout, deadline, r.room)
+            write.result()
+        finally:
+            if not write.done():
+                write.cancel()
+
     async def _write(self, r: ReceiverRoom, req: encoder_pb2.AttachRequest) -> None:
         try:
             await r.call.write(req)
@@ -520,3 +585,12 @@ class EmbeddingReceiver:
         except grpc.aio.AioRpcError as e:
             r.post(StreamBroken(attempt, f"Attach stream to encoder {r.address} broken: "
                                          f"{e.code().name}: {e.details()}"))
+
+
+def _rank_trace(r: ReceiverRoom) -> dict[str, str]:
+    """What the other tensor-parallel ranks need to put their copy's span in the room's
+    trace (empty while off): the attempt's traceparent and the request id."""
+    out = tracing.carrier(r.attach_trace)
+    if out and r.request_id:
+        out[tracing.REQUEST_ID_HEADER] = r.request_id
+    return out
