@@ -513,3 +513,36 @@ def test_a_huge_text_is_refused_after_tokenizing_about_a_legal_prompts_worth(tin
         assert ids == tok(text)["input_ids"]
     finally:
         template.processor.tokenizer = tok
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P", "RGB"])
+def test_transparency_is_composited_onto_white_as_transformers_does(mode):
+    """A transparent PNG: what lies under the transparent pixels must not show (it did: the
+    alpha band was dropped), the image is what transformers' processors see after their
+    `convert_to_rgb` (composited onto white)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+    from transformers.image_transforms import convert_to_rgb
+
+    from tandem.services.encoder.images import decode_image
+
+    rng = np.random.default_rng(7)
+    rgba = rng.integers(0, 256, (24, 40, 4), dtype=np.uint8)
+    rgba[:8, :, 3] = 0  # wholly transparent rows over random colours
+    img = Image.fromarray(rgba, "RGBA")
+    if mode == "LA":
+        img = img.convert("LA")
+    elif mode == "P":  # a palette image whose colour 0 is transparent
+        img = img.convert("RGB").quantize(16)
+        img.info["transparency"] = 0
+    elif mode == "RGB":
+        img = img.convert("RGB")
+    buf = io.BytesIO()
+    img.save(buf, "PNG", **({"transparency": 0} if mode == "P" else {}))
+    ours = decode_image(buf.getvalue(), "image", ImageLimits(1 << 20, 1 << 20))
+    want = convert_to_rgb(Image.open(io.BytesIO(buf.getvalue())), return_numpy=True)
+    assert ours.mode == "RGB" and np.array_equal(np.asarray(ours), want)
+    if mode in ("RGBA", "LA"):
+        assert (np.asarray(ours)[:8] == 255).all()
