@@ -289,7 +289,7 @@ class EmbeddingReceiver:
         m.tokens.labels("language").inc(payload.num_tokens)
         m.bytes.labels("language").inc(sum(t.numel() * t.element_size() for t in r.out))
         m.resumes.labels("language").inc(r.resumes)
-        m.seconds.labels("language").observe(time.monotonic() - t0)
+        m.seconds.labels("language").observe(time.monotonic() - t0, tracing.exemplar(r.trace))
         return payload
 
     def _hang_up(self, r: ReceiverRoom, graceful: bool = False) -> None:
