@@ -187,8 +187,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             n = request.n or 1
             if n > 1 and req.tools.mode is not ToolMode.NONE:
                 raise RouterError("INVALID_ARGUMENT", "n > 1 with tools is not served", "n")
-            req.trace = root = core.start_trace(
-                req, "grpc", tracing.from_metadata(context.invocation_metadata()), True, n)
+            req.trace = root = core.start_trace(req, "grpc", tracing.from_call(context), True, n)
             release = core.admit(req.tenant, root)
             try:
                 agen = merged([core.dispatcher.generate(r) for r in choice_requests(req, n)])
