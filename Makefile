@@ -17,7 +17,7 @@ HELM := .tools/helm
 PROMTOOL := .tools/promtool
 ORACLE_VENV ?= .oracle-venv
 
-.PHONY: setup test run lint proto bench bench-peer clean helm check-neon oracle-venv
+.PHONY: setup test run lint proto bench bench-peer clean helm check-neon oracle-venv gpu-check gpu-wheels
 
 setup: $(STAMPS)/sysdeps $(STAMPS)/deps tandem/v1/__init__.py $(STAMPS)/kernels
 
@@ -129,14 +129,46 @@ lint: setup
 	  $(VENV)/bin/buf breaking protos --against ".git#ref=$$ref,subdir=protos"; \
 	else echo "buf breaking: no earlier contract to compare"; fi
 
-# bench/peer.py runs only through `make bench-peer` (it installs the peer: several GB).
+# bench/peer.py runs only through `make bench-peer` (it installs the peer: several GB),
+# bench/gpu_check.py through `make gpu-check`.
 bench: setup
-	@for b in $(filter-out bench/peer.py,$(wildcard bench/*.py)); do echo "== $$b"; $(PY) $$b || exit 1; done
+	@for b in $(filter-out bench/peer.py bench/gpu_check.py,$(wildcard bench/*.py)); do echo "== $$b"; $(PY) $$b || exit 1; done
 
 # Tandem against vLLM's CPU build, side by side (installs the peer into .venv-peer once,
 # several GB; minutes per run). PEER_ARGS="--quick" for a smoke run; see bench/peer.py.
 bench-peer: setup
 	$(PY) bench/peer.py $(PEER_ARGS)
+
+# The one command for a lent GPU (bench/gpu_check.py): the `gpu` tests and the exactness suite
+# on CUDA (bfloat16 within bounds, float32 exact), decode graphs, long-context attention, ViT
+# graphs, the 7B-shaped model end to end, host syncs per decode step; within 30 minutes, the
+# table in bench/results/gpu.md. DRY_RUN=1: the same script on the CPU at tiny sizes (CUDA-only
+# checks marked skipped; table in .cache/gpu-check/gpu-dry-run.md), as CI runs it.
+# GPU_CHECK_ARGS="--only decode_graphs,e2e" picks checks. Where there is no venv (a bare CUDA
+# image with torch and transformers, no registry) it installs .whl/ (`make gpu-wheels`, made
+# where pip works, travels along) into GPU_SITE, makes the gRPC stubs, and runs from this tree.
+GPU_SITE ?= /tmp/tandem-gpu-site
+GPU_PY := PYTHONPATH=$(GPU_SITE):$(CURDIR) $(PYTHON)
+gpu-check:
+	@if [ -x $(PY) ]; then \
+	  $(PY) bench/gpu_check.py $(if $(DRY_RUN),--dry-run) $(GPU_CHECK_ARGS); \
+	else \
+	  [ -d .whl ] || { echo "gpu-check: no $(VENV) and no .whl/ here: run 'make gpu-wheels' where pip works and bring .whl/ along"; exit 2; }; \
+	  $(PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) .whl/*.whl || exit 2; \
+	  [ -e tandem/services ] || ln -s ../services tandem/services; \
+	  [ -f tandem/v1/__init__.py ] || { mkdir -p tandem/v1 && $(GPU_PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS) && touch tandem/v1/__init__.py; } || exit 2; \
+	  $(GPU_PY) bench/gpu_check.py $(if $(DRY_RUN),--dry-run) $(GPU_CHECK_ARGS); \
+	fi
+
+# Wheels of what a bare CUDA image lacks for `make gpu-check` (bench/gpu_check.py --wheel-specs:
+# the checks' imports at this venv's versions), for GPU_PYTHON on x86-64 Linux, into .whl/.
+GPU_PYTHON ?= 3.12
+gpu-wheels: setup
+	rm -rf .whl && mkdir -p .whl
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
+	  --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d .whl $$($(PY) bench/gpu_check.py --wheel-specs)
+	@du -sh .whl
 
 clean:
 	rm -rf $(VENV) $(ORACLE_VENV) $(STAMPS) .tools tandem/v1 build dist *.egg-info .pytest_cache .ruff_cache

@@ -1,11 +1,14 @@
 """Encoder throughput and cache benchmark (prints markdown tables).
 
     .venv/bin/python bench/encoder.py [--arch qwen2_5_vl] [--size small] [--runs 3]
+        [--device auto|cpu|cuda[:N]] [--dtype auto|float32|bfloat16|float16] [--model DIR]
 
 1. Images per second, each request one image of mixed sizes, for 1, 8 and 32 concurrent
    requests through `EncodePipeline.encode` (preprocess + batched ViT + merge; cache off),
    against transformers' `get_image_features` called one image at a time (with the same
-   image preprocessing) in the same run. Median of `--runs` rounds.
+   image preprocessing) in the same run, on the same device and dtype (`--device auto`: the
+   GPU where there is one; `--dtype auto`: bfloat16 there, float32 on the CPU). Median of
+   `--runs` rounds.
 2. Encode latency of a repeated image (cache hit) against its first sight (miss).
 """
 
@@ -34,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 from latency import checkpoint  # noqa: E402  (bench/, the script's own folder)
 
 from tandem.chat import ImageInput, Message  # noqa: E402
+from tandem.devices import DTYPES, resolve_device, resolve_dtype  # noqa: E402
 from tandem.services.encoder.config import EncoderConfig  # noqa: E402
 from tandem.services.encoder.pipeline import EncodePipeline  # noqa: E402
 
@@ -52,14 +56,16 @@ def request(data: bytes) -> list[Message]:
 
 
 class Baseline:
-    """transformers, one image at a time: image processor + get_image_features."""
+    """transformers, one image at a time: image processor + get_image_features, its
+    features copied to the host as the encoder's are (so a GPU's work is inside the time)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, device: torch.device, dtype: torch.dtype) -> None:
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
         import tandem  # noqa: F401
 
-        self.model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+        self.device, self.dtype = device, dtype
+        self.model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device)
         self.model.eval()
         self.proc = AutoProcessor.from_pretrained(path)
 
@@ -67,7 +73,10 @@ class Baseline:
     def one(self, data: bytes) -> None:
         pil = Image.open(io.BytesIO(data)).convert("RGB")
         x = self.proc.image_processor(images=[pil], return_tensors="pt")
-        self.model.model.get_image_features(x["pixel_values"], x["image_grid_thw"])
+        pixels = x["pixel_values"].to(self.device, self.dtype)
+        out = self.model.model.get_image_features(pixels, x["image_grid_thw"].to(self.device),
+                                                  return_dict=True)  # fmt: skip
+        torch.cat(out.pooler_output).cpu()
 
     def images_per_s(self, images: list[bytes]) -> float:
         t0 = time.perf_counter()
@@ -102,24 +111,32 @@ async def hit_vs_miss(pipe: EncodePipeline, runs: int) -> tuple[float, float]:
     return statistics.median(miss), statistics.median(hit)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
     ap.add_argument("--size", default="small")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--images", type=int, default=32, help="images per round")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (both sides)")
-    args = ap.parse_args()
+    ap.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda[:N]")
+    ap.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                    help="auto: bfloat16 on CUDA, float32 on the CPU (both sides)")
+    ap.add_argument("--model", help="checkpoint directory (default: a tiny-model --size one)")
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    path = checkpoint(args.arch, args.size)
+    device = resolve_device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: no CUDA device here")
+    dtype = resolve_dtype(args.dtype, device)
+    path = Path(args.model) if args.model else checkpoint(args.arch, args.size)
     images = [make_png(*SIZES[i % len(SIZES)], seed=i) for i in range(args.images)]
 
-    base_model = Baseline(path)
+    base_model = Baseline(path, device, dtype)
     base_model.one(images[0])  # warm-up
     cfg = EncoderConfig(
         model=str(path),
-        device="cpu",
-        dtype="float32",
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
         cache_bytes=0,
         cpu_threads=args.threads,
         preprocess_workers=2,
@@ -146,9 +163,10 @@ def main() -> None:
             await pipe.stop()
 
     miss, hit = asyncio.run(run_all())
-    dev = "CPU" if not torch.cuda.is_available() else torch.cuda.get_device_name()
+    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    what = args.model or f"{args.arch}, {args.size}"
     print(
-        f"\n### Encoder throughput ({args.arch}, {args.size}, {dev}, "
+        f"\n### Encoder throughput ({what}, {dev}, {str(dtype).removeprefix('torch.')}, "
         f"{args.threads} torch threads, {args.images} images of {len(SIZES)} sizes, "
         f"median of {args.runs})\n"
     )

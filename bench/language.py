@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     _, ref = timed(lambda: [hf_generate(hf, [w], pad)[0] for w in work[:4]], device)
     _, got = run_engine(engine, work[:4], payloads[:4], 4)
     same = sum(r == g for r, g in zip(ref, got, strict=True))
-    print(f"greedy check: {same}/4 requests identical to generate()", flush=True)
+    print(f"greedy check: {same}/{len(ref)} requests identical to generate()", flush=True)
 
     out_tokens = sum(n for _, n in work)
     res: dict[str, list[float]] = {}
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
         f"Model `{ckpt.name}` ({a.arch} {a.size}), {dtype}, on {hw}, engine at --tp {a.tp}; "
         f"{a.requests} requests, "
         f"prompts 64-512 tokens, outputs 16-128 tokens ({out_tokens} in all); median of "
-        f"{a.runs} runs (ratios: median of per-run ratios); greedy check {same}/4 identical "
+        f"{a.runs} runs (ratios: median of per-run ratios); greedy check {same}/{len(ref)} identical "
         "to generate().",
         "",
         "| concurrency | engine tok/s | HF one-at-a-time tok/s | HF padded batch tok/s "

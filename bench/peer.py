@@ -2,8 +2,14 @@
 
     .venv/bin/python bench/peer.py [--runs 3] [--concurrency 1,8,32] [--requests 32]
                                    [--only tandem|vllm] [--skip-peer-install] [--quick]
-                                   [--out bench/results/peer.md]
+                                   [--trace] [--out bench/results/peer.md]
     make bench-peer
+
+`--trace` adds a third system, Tandem with OpenTelemetry tracing on at 100% sampling
+(`OTEL_TRACES_SAMPLER=always_on`), exporting over OTLP/gRPC to a receiver in this process
+(tests/otlp_receiver.py, the protocol's own TraceService), run in turn with the others: its
+rows and its ratios to the untraced Tandem are the cost of tracing (`--only tandem --trace`
+compares the two alone).
 
 Installs the peer into its own venv when missing (.venv-peer; bench/peer_bench/systems.py
 says how), builds a `tandem tiny-model` checkpoint (qwen2_5_vl, `small`, seed 0) once under
@@ -24,6 +30,7 @@ ratios. Not part of `make test`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import statistics
@@ -37,7 +44,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import latency  # noqa: E402
 from peer_bench import load, systems  # noqa: E402
 
-NAMES = {"tandem": "Tandem", "vllm": "vLLM"}
+NAMES = {"tandem": "Tandem", "vllm": "vLLM", "tandem-traced": "Tandem, traced"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size", default="small", choices=["tiny", "small"])
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument("--trace", action="store_true",
+                   help="Also run Tandem with tracing on (100%% sampling) and show its cost.")
     p.add_argument("--out", default="", help="Also write the markdown here.")
     args = p.parse_args(argv)
     if args.quick:
@@ -71,6 +80,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.levels = [int(c) for c in args.concurrency.split(",")]
     args.kinds = args.workloads.split(",")
     args.systems = [args.only] if args.only else ["tandem", "vllm"]
+    if args.trace:
+        if args.only == "vllm":
+            p.error("--trace measures Tandem: not with --only vllm")
+        args.systems.append("tandem-traced")
     return args
 
 
@@ -78,6 +91,11 @@ def make_server(name: str, args, ckpt: Path, run: int) -> systems.Server:
     log = ROOT / ".cache" / "peer" / "logs" / f"{name}-run{run}.log"
     if name == "tandem":
         return systems.tandem_server(ckpt, args.dtype, log, args.tandem_language_args)
+    if name == "tandem-traced":  # every tier exports every request's spans to args.otlp
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": args.otlp.endpoint,
+               "OTEL_TRACES_SAMPLER": "always_on"}
+        return systems.tandem_server(ckpt, args.dtype, log, args.tandem_language_args, env,
+                                     name)
     return systems.vllm_server(Path(args.peer_venv), ckpt, args.dtype, args.kv_gib, log)
 
 
@@ -105,7 +123,7 @@ def run_system(name: str, args, ckpt: Path, run: int, prompts, expected) -> dict
                 systems.say(f"run {run}: {name} {kind} c={level}: {res['rps']:.2f} req/s, "
                             f"{res['failures']} failures {res['errors'] or ''}")
                 out["loads"][(kind, level)] = res
-        got = (load.ids_tandem(srv.grpc_address, prompts) if name == "tandem"
+        got = (load.ids_tandem(srv.grpc_address, prompts) if name.startswith("tandem")
                else load.ids_openai(srv.base_url, srv.model, prompts))
         out["agree"] = load.agreement(got, expected, load.eos_ids(ckpt))
         systems.say(f"run {run}: {name} greedy = generate() on {out['agree']['agree']}/"
@@ -159,18 +177,27 @@ def table(args, results: dict[str, list[dict]]) -> str:
                     f"| {kind} | {level} | {NAMES[s]} | {m['rps']:.2f} | {m['tok_s']:.1f} | "
                     f"{fmt(m['ttft50'])} | {fmt(m['ttft99'])} | {fmt(m['tpot50'], 1)} | "
                     f"{fmt(m['tpot99'], 1)} | {m['failures']} |")
-    if len(present) == 2:
-        lines += ["", "| workload | concurrency | Tandem / vLLM req/s | Tandem / vLLM TPOT p50 "
-                  "| per-run req/s ratios |", "|---|---:|---:|---:|---|"]
+    for a, b in (("tandem", "vllm"), ("tandem-traced", "tandem")):
+        if a not in present or b not in present:
+            continue
+        ratio = f"{NAMES[a]} / {NAMES[b]}"
+        lines += ["", f"| workload | concurrency | {ratio} req/s | {ratio} TTFT p50 "
+                  f"| {ratio} TPOT p50 | per-run req/s ratios |", "|---|---:|---:|---:|---:|---|"]
         for kind in args.kinds:
             for level in args.levels:
-                pairs = list(zip(results["tandem"], results["vllm"], strict=False))
-                rps = [t["loads"][(kind, level)]["rps"] / max(v["loads"][(kind, level)]["rps"],
-                                                             1e-9) for t, v in pairs]
-                tp = [latency.pct(t["loads"][(kind, level)]["tpot"], 0.5)
-                      / latency.pct(v["loads"][(kind, level)]["tpot"], 0.5) for t, v in pairs]
-                lines.append(f"| {kind} | {level} | **{med(rps):.2f}** | {med(tp):.2f} | "
-                             + ", ".join(f"{x:.2f}" for x in rps) + " |")
+                pairs = [(t["loads"][(kind, level)], v["loads"][(kind, level)])
+                         for t, v in zip(results[a], results[b], strict=False)]
+                rps = [t["rps"] / max(v["rps"], 1e-9) for t, v in pairs]
+                tf = [latency.pct(t["ttft"], 0.5) / latency.pct(v["ttft"], 0.5)
+                      for t, v in pairs]
+                tp = [latency.pct(t["tpot"], 0.5) / latency.pct(v["tpot"], 0.5)
+                      for t, v in pairs]
+                lines.append(f"| {kind} | {level} | **{med(rps):.2f}** | {med(tf):.2f} | "
+                             f"{med(tp):.2f} | " + ", ".join(f"{x:.2f}" for x in rps) + " |")
+    if "tandem-traced" in present:
+        lines += ["", f"Traced: every tier exported every request's spans over OTLP/gRPC to a "
+                  f"receiver in the benchmark's process ({args.spans_received} spans "
+                  "received); the untraced Tandem runs with tracing off (the default)."]
     lines += ["", "| system | start-up s | peak RSS of the server tree MiB "
               "| greedy token ids = generate() |",
               "|---|---:|---:|---|"]
@@ -203,10 +230,17 @@ def main(argv: list[str] | None = None) -> int:
     systems.say(f"greedy reference: transformers generate() on {len(prompts)} prompts")
     expected = load.oracle(ckpt, prompts)
     results: dict[str, list[dict]] = {s: [] for s in args.systems}
-    for run in range(args.runs):
-        order = args.systems if run % 2 == 0 else args.systems[::-1]
-        for name in order:
-            results[name].append(run_system(name, args, ckpt, run, prompts, expected))
+    with contextlib.ExitStack() as stack:
+        if args.trace:  # the traced Tandem's collector: the protocol's own receiver
+            sys.path.insert(0, str(ROOT / "tests"))
+            from otlp_receiver import OtlpReceiver
+
+            args.otlp = stack.enter_context(OtlpReceiver())
+        for run in range(args.runs):
+            order = args.systems if run % 2 == 0 else args.systems[::-1]
+            for name in order:
+                results[name].append(run_system(name, args, ckpt, run, prompts, expected))
+        args.spans_received = len(args.otlp.spans) if args.trace else 0
     text = table(args, results)
     print(text)
     if args.out:

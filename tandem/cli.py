@@ -30,20 +30,45 @@ def _run_service(name: str, argv: list[str]) -> int:
 
 def _tiny_model(argv: list[str]) -> int:
     from tandem.models.checkpoint import ARCHS
+    from tandem.models.tiny import ALL_SIZES, REAL_SIZES
 
+    real = ", ".join(f"{s} ({a})" for s, a in REAL_SIZES.items())
     p = argparse.ArgumentParser(
         prog="tandem tiny-model",
         description="Write a random-weight Hugging Face checkpoint (config, safetensors, "
-        "tokenizer, processor, chat template) for tests and benchmarks.",
+        "tokenizer, processor, chat template) for tests and benchmarks. tiny and small: "
+        f"float32, any arch. Real sizes, a released model's shapes in bfloat16: {real}; "
+        "their weights are streamed to disk tensor by tensor (about one 64 MB block in "
+        "memory), ~16 GB for 7b and 8b, ~62 GB for 30b-a3b.",
     )
     p.add_argument("dir", help="Output directory (created).")
-    p.add_argument("--arch", choices=list(ARCHS), default="qwen2_5_vl")
-    p.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    p.add_argument("--arch", choices=list(ARCHS), default=None,
+                   help="Default: qwen2_5_vl, or the real size's own (another is refused).")
+    p.add_argument("--size", choices=list(ALL_SIZES), default="tiny")
     p.add_argument("--seed", type=int, default=0, help="Same seed, identical weight files.")
+    p.add_argument("--dry-run", action="store_true",
+                   help="Write every file but the weight shards (the index names them) and "
+                   "list each tensor's name, shape and file.")
+    p.add_argument("--device", default="cpu",
+                   help="Where a streamed build (real sizes) generates its random values; "
+                   "cuda is much faster than the CPU. Values differ per kind of device.")
     args = p.parse_args(argv)
-    from tandem.models.tiny import build_tiny_model
+    from tandem.models.tiny import build_tiny_model, plan_tiny_model, resolve_arch
 
-    path = build_tiny_model(args.dir, arch=args.arch, size=args.size, seed=args.seed)
+    try:
+        resolve_arch(args.arch, args.size)
+    except ValueError as e:
+        p.error(str(e))
+    path = build_tiny_model(args.dir, arch=args.arch, size=args.size, seed=args.seed,
+                            dry_run=args.dry_run, device=args.device)  # fmt: skip
+    if args.dry_run:
+        plan = plan_tiny_model(args.arch, args.size)
+        file_of = {n: f for f, names in plan.shards.items() for n in names}
+        for t in plan.tensors:
+            print(f"{t.name}\t{list(t.shape)}\t{t.init.value}\t{file_of[t.name]}")
+        print(f"{len(plan.tensors)} tensors, {plan.num_parameters:,} parameters, "
+              f"{plan.total_bytes / 1e9:.2f} GB in {str(plan.dtype).removeprefix('torch.')}, "
+              f"{len(plan.shards)} shards (not written)")
     print(path)
     return 0
 
@@ -79,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         "router": "run the router (OpenAI HTTP + gRPC)",
         "up": "run a whole local cluster (encoders, language instances, router)",
         "serve": "`vllm serve`'s command line (MODEL and its flags), run as `tandem up`",
-        "tiny-model": "write a small random-weight checkpoint",
+        "tiny-model": "write a random-weight checkpoint (tiny, small; real sizes 7b, 8b, 30b-a3b)",
         "certs": "write a CA and per-tier certificates for mTLS between the tiers",
     }
     if argv and argv[0] in ("-V", "--version"):

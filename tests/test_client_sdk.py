@@ -93,7 +93,36 @@ def test_video_forms(tmp_path):
     assert remote.url == "https://example.com/v.webm" and remote.min_frames == 4
 
 
+def test_a_video_given_as_frames(tmp_path):
+    import numpy as np
+
+    path = tmp_path / "f.png"
+    Image.new("RGB", (4, 2), (9, 9, 9)).save(path)
+    raw = path.read_bytes()
+    url = "data:image/png;base64," + base64.b64encode(raw).decode()
+    pixels = np.full((2, 4, 3), 9, np.uint8)
+    v = video([path, str(path), raw, url, "https://example.com/f.png", Image.open(path), pixels],
+              fps=2, max_pixels=50176).video
+    assert v.WhichOneof("source") == "frames" and (v.fps, v.max_pixels) == (2, 50176)
+    kinds = [f.WhichOneof("source") for f in v.frames.frames]
+    assert kinds == ["data"] * 4 + ["url"] + ["data"] * 2
+    assert [f.data for f in v.frames.frames[:4]] == [raw] * 4
+    assert v.frames.frames[4].url == "https://example.com/f.png"
+    for f in v.frames.frames[5:]:  # pixels: PNG, lossless
+        assert np.array_equal(np.array(Image.open(io.BytesIO(f.data))), np.array(Image.open(path)))
+    # qwen-vl-utils' message form and its name for the rate
+    msgs = to_messages([{"role": "user", "content": [
+        {"type": "video", "video": [raw, raw], "sample_fps": 1.5}, "what?"]}])
+    assert msgs[0].content[0].video.fps == 1.5 and len(msgs[0].content[0].video.frames.frames) == 2
+
+
 @pytest.mark.parametrize("call", [
+    lambda: video([b"x"]),  # a video given as frames needs its rate
+    lambda: video([], fps=2),
+    lambda: video([b"x"], fps=2, num_frames=4),  # nothing is sampled from frames
+    lambda: video([b"x"], fps=2, max_frames=4),
+    lambda: to_messages([{"role": "user", "content": [
+        {"type": "video", "video": [b"x"], "fps": 2, "sample_fps": 3}]}]),
     lambda: video(b""),
     lambda: video(b"x", fps=1, num_frames=4),  # a rate or a count, not both
     lambda: video(b"x", fps=0),  # 0 on the wire is "the model's": never sent

@@ -6,7 +6,9 @@ transformers `generate()` fed by transformers' own video processor
 and text, several per chat, odd frame counts and sides, 2-10 s clips, fps and frame-count
 controls, over HTTP and the SDK, concurrently, and across resumed transfers (the language
 side reserves 48 tokens). A repeated video is a counted encoder-cache hit with the same
-answer; the same video at another rate is not.
+answer; the same video at another rate is not. A video given as frames (qwen-vl-utils'
+list of images) too: transformers fed the same PIL frames, a hit when repeated, none at
+another rate.
 
 Then the limits (one more Qwen2.5-VL cluster with tight ones): each is a 4xx naming the
 video part and the limit — oversize (413), too long, too many frames, too many tokens,
@@ -23,6 +25,7 @@ import asyncio
 import base64
 import dataclasses
 import http.server
+import io
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +34,7 @@ import httpx
 import pytest
 from encoder_peers.chats import png
 from test_video_preprocess import CLIPS, Clip, make_clip
-from video_chats import Image, Video, VideoChat, oracle_results, write_clips
+from video_chats import Frames, Image, Video, VideoChat, oracle_results, write_clips
 
 from tandem.chat import VideoOptions
 from tandem.client import AsyncClient, Client, InvalidRequestError, image, video
@@ -67,8 +70,18 @@ HELD = VideoChat(
     )
 )
 CACHE_ARCHS = ("qwen2_5_vl", "qwen3_vl")
+# a video given as frames (qwen-vl-utils' list of images): 7 PNG frames of odd sides taken
+# at 2 per second; then the same frames after other text (no prefix cache holds them), and
+# at another rate (the same pixels, other positions or timestamps)
+FRAMES = Frames(7, (45, 33), seed=5)
+FRAMES_CHATS = {
+    "frames": VideoChat(("Watch:", FRAMES, "what moves?"), VideoOptions(fps=2.0)),
+    "frames_again": VideoChat(("Again:", FRAMES, "what moves?"), VideoOptions(fps=2.0)),
+    "frames_rate": VideoChat(("Slower:", FRAMES, "what moves?"), VideoOptions(fps=0.5)),
+}
 CASES = {f"{a}-{n}": (a, c) for a in ARCHS for n, c in CHATS.items()}
 CASES |= {f"{a}-{n}": (a, c) for a in CACHE_ARCHS for n, c in CACHE_CHATS.items()}
+CASES |= {f"{a}-{n}": (a, c) for a in CACHE_ARCHS for n, c in FRAMES_CHATS.items()}
 CASES |= {f"{a}-held": (a, HELD) for a in CACHE_ARCHS}
 
 
@@ -101,6 +114,7 @@ def cluster(request, checkpoint):
 def sdk_parts(chat: VideoChat, clips) -> list:
     controls = {k: v for k, v in dataclasses.asdict(chat.options).items() if v is not None}
     return [p if isinstance(p, str) else image(p.png()) if isinstance(p, Image)
+            else video(p.files(), **controls) if isinstance(p, Frames)
             else video(clips[0][p.clip], **controls) for p in chat.parts]  # fmt: skip
 
 
@@ -187,6 +201,27 @@ def test_repeated_video_is_an_encoder_cache_hit_and_another_rate_is_not(cluster,
     assert got["other_rate"] == 0  # other frames: another key
 
 
+def test_a_video_given_as_frames_equals_transformers(cluster, clips, expected):
+    """qwen-vl-utils' list-of-images `video` over HTTP and the SDK: transformers' processor
+    fed the same PIL frames with their rate as video_metadata (do_sample_frames=False). The
+    same frames again are a counted encoder-cache hit; at another rate they are not (the
+    same pixels, but other positions)."""
+    if cluster.arch not in CACHE_ARCHS:
+        pytest.skip("a video given as frames is the same code for every architecture")
+    got = {}
+    for name, chat in FRAMES_CHATS.items():
+        want = expected[f"{cluster.arch}-{name}"]
+        r = post(cluster, chat.openai(clips[0]))
+        assert r.status_code == 200, r.text
+        assert without_eos(token_ids(r)) == want, name
+        got[name] = r.json()["tandem"]["cached_image_tokens"]
+        if name == "frames":
+            with Client(cluster.grpc_address) as c:
+                sdk = c.chat(sdk_messages(chat, clips), max_tokens=MAX_NEW)
+            assert without_eos(sdk.token_ids) == want
+    assert got["frames"] == 0 and got["frames_again"] > 0 and got["frames_rate"] == 0, got
+
+
 def test_a_video_the_language_side_holds_is_skipped(cluster, clips, expected):
     """Cache-aware transfer: the second send of a chat finds its pages, the video's too,
     in the language instance's prefix cache; the encoder neither decodes nor encodes it."""
@@ -260,6 +295,22 @@ def one_video(url: str, copies: int = 1, **controls) -> list:
     return [{"role": "user", "content": [part] * copies + [{"type": "text", "text": "What?"}]}]
 
 
+def frames_video(frames: list[bytes]) -> list:
+    """A user turn: a video given as frames (PNG data URLs, 2 per second), then a question."""
+    urls = ["data:image/png;base64," + base64.b64encode(f).decode() for f in frames]
+    part = {"type": "video", "video": urls, "fps": 2.0}
+    return [{"role": "user", "content": [part, {"type": "text", "text": "What?"}]}]
+
+
+def flat(w: int, h: int, shade: int) -> bytes:
+    """A one-colour PNG: many pixels in few bytes."""
+    from PIL import Image as PILImage
+
+    buf = io.BytesIO()
+    PILImage.new("RGB", (w, h), (shade, 2 * shade, 3 * shade)).save(buf, "PNG")
+    return buf.getvalue()
+
+
 def _cut(tmp_path) -> bytes:
     """A clip whose index is up front (faststart) and whose frames are cut off."""
     whole = make_clip(CLIPS["small"], tmp_path / "fs.mp4", movflags="faststart")
@@ -290,7 +341,16 @@ def test_each_limit_is_a_4xx_naming_it_and_others_are_served(
             400,
             "max_videos_per_request",
         ),
+        "frames_tokens": (frames_video([flat(320, 240, i) for i in range(3)]), 400,
+                          "max_video_tokens"),
+        "frames_sizes": (
+            frames_video([png(64, 48, 1), png(64, 48, 2), png(48, 64, 3)]),
+            400,
+            "one size",
+        ),
     }
+    params = {"too_many_videos": "messages", "frames_tokens": "messages[0].content[0].video",
+              "frames_sizes": "messages[0].content[0].video[2]"}
     good = CHATS["alone"]
     with ThreadPoolExecutor(len(cases) + 1) as pool:
         served = pool.submit(post, limited, good.openai(raw))
@@ -300,7 +360,7 @@ def test_each_limit_is_a_4xx_naming_it_and_others_are_served(
             r = refused[name].result()
             err = r.json()["error"]
             assert r.status_code == status, (name, r.text)
-            assert err["param"] == ("messages" if name == "too_many_videos" else part), name
+            assert err["param"] == params.get(name, part), name
             assert names in err["message"], (name, err)
         r = served.result()
     assert r.status_code == 200, r.text

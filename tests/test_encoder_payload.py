@@ -165,15 +165,15 @@ def test_streamed_payload_equals_whole(checkpoint, arch):
         pipe = pipeline(path)
         seen, handed = [], []
 
-        def on_payload(p):
+        def on_payload(p, handed=handed, seen=seen):
             handed.append((p.arrived.rows, p.mrope_delta, p.fill_ids.clone(),
                            p.mrope_positions.clone()))
-            p.arrived.on_advance = lambda p=p: seen.append(p.arrived.rows)
+            p.arrived.on_advance = lambda p=p, seen=seen: seen.append(p.arrived.rows)
 
         async def held(_info, cached=cached):
             return cached
 
-        async def go():
+        async def go(pipe=pipe, on_payload=on_payload, held=held):
             return await pipe.encode(c, announce=held, on_payload=on_payload)
 
         res = run(go, pipe)

@@ -58,6 +58,7 @@ TIERS = {
     "language": (LanguageConfig, language_pb2.DESCRIPTOR.services_by_name["Language"].full_name),
 }
 FAKE_POD_IP = "10.1.2.3"
+FAKE_POD_NAME = "tandem-pod-0"
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +171,8 @@ def env_of(objs: list[dict], c: dict) -> dict[str, str]:
         src = e["valueFrom"]
         if src.get("fieldRef", {}).get("fieldPath") == "status.podIP":
             env[e["name"]] = FAKE_POD_IP
+        elif src.get("fieldRef", {}).get("fieldPath") == "metadata.name":
+            env[e["name"]] = FAKE_POD_NAME
         elif "configMapKeyRef" in src:
             ref = src["configMapKeyRef"]
             env[e["name"]] = _data(objs, "ConfigMap", ref["name"])[ref["key"]]
@@ -256,6 +259,9 @@ def test_strict_validation_rejects_an_unknown_field(rendered):
         (["--set", "encoder.config.cache_byte=5"], "additional properties 'cache_byte'"),
         (["--set", "language.config.kv_memory_fraction=2"], "/language/config/kv_memory_fraction"),
         (["--set", "router.config.log_format=xml"], "/router/config/log_format"),
+        (["--set", "tracing.enabled=true"], "/tracing/endpoint"),
+        (["--set-json", "tracing.samplerArg=0.5"], "/tracing/sampler"),
+        (["--set", "tracing.sampler=traceidratio"], "/tracing/samplerArg"),
     ],
     ids=[
         "replicas-string",
@@ -269,6 +275,9 @@ def test_strict_validation_rejects_an_unknown_field(rendered):
         "misspelt-config-key",
         "config-out-of-range",
         "config-not-a-choice",
+        "tracing-no-endpoint",
+        "tracing-ratio-for-another-sampler",
+        "tracing-ratio-sampler-without-ratio",
     ],
 )
 def test_broken_values_are_rejected(helm, args, message):
@@ -813,7 +822,7 @@ def test_config_schema_is_generated_from_the_services_settings():
     for tier, cls in (("encoder", EncoderConfig), ("language", LanguageConfig),
                       ("router", RouterConfig)):
         props = mod.generated()["properties"][tier]["properties"]["config"]["properties"]
-        nested = {"transfer", "internal_tls"}
+        nested = {"transfer", "internal_tls", "tracing"}
         assert set(props) == set(cls.model_fields) - nested, tier
 
 
@@ -951,3 +960,29 @@ def test_a_tenants_secret_reaches_the_router_as_its_keys_file(helm):
     assert vol["secret"]["secretName"] == "tandem-tenants" and mount["readOnly"]
     assert cfg.api_keys_file.endswith("/tenants.yaml")
     assert service_config(render(helm), "router").api_keys_file == ""
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_tracing_values_reach_every_tier_as_the_standard_variables(rendered, variant):
+    """`tracing` (on in the production values) becomes the OTEL_* variables each tier
+    reads, and the tier's own resolution of them (tandem/tracing.py, with its parsed
+    config) exports to the collector with the chart's sampler under its own service name;
+    off (the default) sets none, so tracing stays off."""
+    from tandem.tracing import resolve
+
+    objs = rendered[variant]
+    for tier in ("encoder", "language", "router"):
+        env = _pod_env(objs, tier)
+        got = resolve(service_config(objs, tier).tracing, f"tandem-{tier}", env)
+        if variant != "production":
+            assert not [k for k in env if k.startswith("OTEL_")] and got is None
+            continue
+        assert (got.endpoint, got.service_name, got.sampler, got.sampler_arg) == (
+            "http://otel-collector.observability:4317", f"tandem-{tier}",
+            "parentbased_traceidratio", 0.05)
+        names = [e["name"] for e in container(objs, tier)["env"]]
+        # $(OTEL_POD_NAME) expands only from a variable defined before it
+        assert names.index("OTEL_POD_NAME") < names.index("OTEL_RESOURCE_ATTRIBUTES")
+        attrs = dict(kv.split("=", 1) for kv in env["OTEL_RESOURCE_ATTRIBUTES"].split(","))
+        assert attrs == {"k8s.pod.name": "$(OTEL_POD_NAME)", "k8s.namespace.name": NAMESPACE,
+                         "tandem.tier": tier}

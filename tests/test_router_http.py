@@ -47,6 +47,15 @@ def vid_msg(url: str, **controls) -> list:
         {"type": "text", "text": "what happens?"}]}]
 
 
+PNG_URL = "data:image/png;base64," + base64.b64encode(PNG_1PX).decode()
+
+
+def frames_msg(frames: list, **controls) -> list:
+    """qwen-vl-utils' video given as frames (image URLs)."""
+    return [{"role": "user", "content": [{"type": "video", "video": frames, **controls},
+                                         {"type": "text", "text": "what happens?"}]}]
+
+
 def assert_openai_error(r, status: int, code: str, param=None):
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -78,7 +87,21 @@ def assert_openai_error(r, status: int, code: str, param=None):
         (chat(stop=["a"] * 17), "stop"),
         (chat(messages=[{"role": "wizard", "content": "x"}]), None),
         (chat(messages=[{"role": "user", "content": [{"type": "video", "video": "v.mp4"}]}]),
-         "messages[0].content[0]"),
+         "messages[0].content[0].video"),
+        (chat(messages=frames_msg([PNG_URL, PNG_URL])), "messages[0].content[0].fps"),
+        (chat(messages=frames_msg([PNG_URL], fps=-1)), "messages[0].content[0].fps"),
+        (chat(messages=frames_msg([PNG_URL], fps=2, sample_fps=3)),
+         "messages[0].content[0].sample_fps"),
+        (chat(messages=frames_msg([PNG_URL], fps=2, num_frames=4)),
+         "messages[0].content[0].num_frames"),
+        (chat(messages=frames_msg([], fps=2)), "messages[0].content[0].video"),
+        (chat(messages=frames_msg([PNG_URL, 7], fps=2)), "messages[0].content[0].video[1]"),
+        (chat(messages=frames_msg([PNG_URL, "data:video/mp4;base64,aGk="], fps=2)),
+         "messages[0].content[0].video[1]"),
+        (chat(messages=frames_msg(["file:///etc/passwd"], fps=2)),
+         "messages[0].content[0].video[0]"),
+        (chat(messages=frames_msg([PNG_URL], fps=2), mm_processor_kwargs={"num_frames": 4}),
+         "mm_processor_kwargs.num_frames"),
         (chat(messages=vid_msg("data:image/png;base64,aGk=")), "messages[0].content[0].video_url"),
         (chat(messages=vid_msg("data:video/mp4,rawbytes")), "messages[0].content[0].video_url"),
         (chat(messages=vid_msg("data:video/mp4;base64,@@")), "messages[0].content[0].video_url"),
@@ -129,6 +152,30 @@ def test_oversized_video_is_413():
     assert "max_video_bytes" in r.json()["error"]["message"]
 
 
+def test_frames_over_the_router_s_video_bytes_are_413():
+    _, c = make(max_video_bytes=1024)  # the 1-pixel PNG is 70 bytes: 14 of them fit
+    r = c.post("/v1/chat/completions", json=chat(messages=frames_msg([PNG_URL] * 14, fps=2)))
+    assert r.status_code != 413, r.text  # (no tier behind this router: 503)
+    r = c.post("/v1/chat/completions", json=chat(messages=frames_msg([PNG_URL] * 15, fps=2)))
+    assert_openai_error(r, 413, "too_large", "messages[0].content[0].video")
+    assert "max_video_bytes" in r.json()["error"]["message"]
+
+
+def test_a_video_given_as_frames_becomes_the_wire_s_frames():
+    from tandem.services.router.openai.chat import ChatCompletionRequest, to_chat_request
+
+    body = chat(messages=frames_msg([PNG_URL, "https://example.com/f1.jpg"], sample_fps=2.5,
+                                    max_pixels=50176),
+                mm_processor_kwargs={"min_pixels": 3136})
+    req = to_chat_request(ChatCompletionRequest.model_validate(body), RouterConfig(), "x")
+    v = req.messages[0].content[0].video
+    assert v.WhichOneof("source") == "frames"
+    assert [f.WhichOneof("source") for f in v.frames.frames] == ["data", "url"]
+    assert (v.frames.frames[0].data, v.frames.frames[1].url) == (PNG_1PX,
+                                                                  "https://example.com/f1.jpg")
+    assert (v.fps, v.max_pixels, v.min_pixels, v.num_frames) == (2.5, 50176, 3136, 0)
+
+
 def test_video_parts_become_the_wire_s_video_parts():
     from tandem.services.router.openai.chat import ChatCompletionRequest, to_chat_request
 
@@ -152,6 +199,11 @@ def test_an_encoder_refusal_of_a_video_names_the_body_s_part():
 
     err = RouterError("INVALID_ARGUMENT", "too long", "messages[2].content[1].video")
     assert err.openai_body()["error"]["param"] == "messages[2].content[1].video_url"
+    # a video given as frames: the wire's `frames` list is the body's `video` list
+    err = RouterError("INVALID_ARGUMENT", "bad", "messages[2].content[1].video.frames[3]")
+    assert err.openai_body()["error"]["param"] == "messages[2].content[1].video[3]"
+    err = RouterError("INVALID_ARGUMENT", "bad", "messages[2].content[1].video.frames")
+    assert err.openai_body()["error"]["param"] == "messages[2].content[1].video"
 
 
 def test_oversized_body_is_413():

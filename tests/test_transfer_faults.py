@@ -521,3 +521,50 @@ async def test_streamed_rows_wait_for_the_vit_then_a_stalled_writer_fails_its_ro
     finally:
         await enc.stop()
         await rx.close()
+
+
+async def test_reattach_while_the_init_cannot_be_written():
+    """A first Attach to an encoder that never answers (a frozen process: its kernel
+    accepts the connection, nothing reads it) cannot even write its Init. A Reattach (the
+    router's retry on another encoder) must still move the room at once, and without one
+    the room fails at the transfer timeout, as after any silence."""
+    import socket
+    import threading
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    held = []  # connections accepted and never read, as by a process that froze
+
+    def hold():
+        while True:
+            try:
+                held.append(silent.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=hold, daemon=True).start()
+    frozen = f"127.0.0.1:{silent.getsockname()[1]}"
+    engine, cfg = make_engine(timeout_s=10)
+    sender, server, address2 = await start_sender(engine, cfg, slots=1, slot_tokens=64)
+    rx = make_receiver(engine, cfg, blocks=8, block_size=16, reserve=64)
+    quick_engine, quick = make_engine(timeout_s=1.0)
+    rx_quick = make_receiver(quick_engine, quick, blocks=8, block_size=16, reserve=64)
+    try:
+        room = asyncio.create_task(rx.receive(31, frozen))
+        await until(lambda: 31 in rx.rooms and rx.rooms[31].call is not None)
+        assert rx.reattach(31, address2)
+        p = make_payload(50, 32, "float32", 31)
+        await asyncio.wait_for(sender.send(31, p), HANG_GUARD_S)
+        assert digest(await asyncio.wait_for(room, HANG_GUARD_S)) == digest(p)
+        assert_rx_clean(rx)
+        err = await fails(asyncio.create_task(rx_quick.receive(32, frozen)))
+        assert err.code == "UNAVAILABLE" and "transfer timeout" in err.reason, err
+        assert_rx_clean(rx_quick)
+    finally:
+        silent.close()
+        for c in held:
+            c.close()
+        await server.stop(None)
+        await rx.close()
+        await rx_quick.close()

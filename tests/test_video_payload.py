@@ -179,10 +179,12 @@ def test_the_static_vit_path_takes_videos_as_the_eager_one(clips, checkpoint, ar
     pixels, grids = _vit_inputs(pipe, clips)
     visual = pipe.scheduler.runners[0].visual
     eager = VisionRunner(visual, mode="eager").run(pixels, grids)
-    static = VisionRunner(visual, mode="static").run(pixels, grids)
-    torch.testing.assert_close(static.embeds, eager.embeds, rtol=1e-5, atol=1e-5)
+    runner = VisionRunner(visual, max_patches=8192, mode="static")
+    static = runner.run(pixels, grids)
+    assert runner.stats.replays == 1  # the batch fits a bucket: the static step ran
+    assert torch.equal(static.embeds, eager.embeds)  # per segment on the CPU: bit-exact
     for s, e in zip(static.deepstack, eager.deepstack, strict=True):
-        torch.testing.assert_close(s, e, rtol=1e-5, atol=1e-5)
+        assert torch.equal(s, e)
 
 
 @pytest.mark.gpu
@@ -195,11 +197,11 @@ def test_cuda_graphs_take_videos_as_eager(clips, checkpoint, arch, dtype):
     pixels, grids = _vit_inputs(pipeline(checkpoint, arch), clips)
     part = load_vision_part(checkpoint(arch), dtype, "cuda")
     tol = 2e-3 if dtype == torch.float32 else 5e-2
-    graph = VisionRunner(part.visual, max_graphs=2, mode="graph")
+    graph = VisionRunner(part.visual, max_patches=8192, mode="graph")
     eager = VisionRunner(part.visual, mode="eager")
-    for _ in range(2):  # capture, then replay
+    for _ in range(2):  # replays of the graph captured at start-up
         g, e = graph.run(pixels, grids), eager.run(pixels, grids)
         torch.testing.assert_close(g.embeds, e.embeds, rtol=tol, atol=tol)
         for a, b in zip(g.deepstack, e.deepstack, strict=True):
             torch.testing.assert_close(a, b, rtol=tol, atol=tol)
-    assert graph.captures == 1
+    assert (graph.stats.captured, graph.stats.replays) == (len(graph.keys), 2)

@@ -1,7 +1,8 @@
 """Chats with videos, in every form the tests need, and transformers' answer to them.
 
 A `VideoChat` is one user turn of parts: text, images (a seed and a size) and videos (a
-clip of test_video_preprocess.CLIPS), all its videos under one `VideoOptions`. It becomes
+clip of test_video_preprocess.CLIPS, or `Frames`: a video given as frames), all its videos
+under one `VideoOptions`. It becomes
 the encoder's `Message`s, an OpenAI body's messages, or a case of
 tests/oracle/video_generate.py, which `oracle_results` runs in `.oracle-venv` (one
 subprocess for all cases): transformers' processor and greedy `generate()`.
@@ -39,14 +40,32 @@ class Video:
 
 
 @dataclasses.dataclass(frozen=True)
+class Frames:
+    """A video given as frames: `count` seeded noise images of `size`, PNG or JPEG."""
+
+    count: int
+    size: tuple[int, int]
+    seed: int = 0
+    fmt: str = "PNG"
+
+    def files(self) -> list[bytes]:
+        return [png(*self.size, self.seed * 1000 + i, self.fmt) for i in range(self.count)]
+
+
+@dataclasses.dataclass(frozen=True)
 class VideoChat:
-    parts: tuple[str | Image | Video, ...]
+    """All its videos under `options`; a chat with `Frames` holds no `Video` (transformers'
+    processor call samples every video of a chat alike)."""
+
+    parts: tuple[str | Image | Video | Frames, ...]
     options: VideoOptions = VideoOptions()
     system: str = "You are terse."
 
     def messages(self, clips: dict[str, bytes]) -> list[Message]:
         """The encoder's form."""
         parts = [p if isinstance(p, str) else ImageInput(data=p.png()) if isinstance(p, Image)
+                 else VideoInput(frames=tuple(ImageInput(data=f) for f in p.files()),
+                                 options=self.options) if isinstance(p, Frames)
                  else VideoInput(data=clips[p.clip], options=self.options)
                  for p in self.parts]  # fmt: skip
         return [Message("system", (self.system,)), Message("user", tuple(parts))]
@@ -61,6 +80,10 @@ class VideoChat:
             elif isinstance(p, Image):
                 url = "data:image/png;base64," + base64.b64encode(p.png()).decode()
                 parts.append({"type": "image_url", "image_url": {"url": url}})
+            elif isinstance(p, Frames):  # qwen-vl-utils' form: a list of image URLs
+                mime = f"data:image/{p.fmt.lower()};base64,"
+                urls = [mime + base64.b64encode(f).decode() for f in p.files()]
+                parts.append({"type": "video", "video": urls, **controls})
             else:
                 url = "data:video/mp4;base64," + base64.b64encode(clips[p.clip]).decode()
                 parts.append({"type": "video_url", "video_url": {"url": url, **controls}})
@@ -75,6 +98,13 @@ class VideoChat:
                 path = tmp / f"img-{p.seed}-{p.size[0]}x{p.size[1]}.png"
                 path.write_bytes(p.png())
                 content.append({"type": "image", "path": str(path)})
+            elif isinstance(p, Frames):
+                paths = []
+                for i, f in enumerate(p.files()):
+                    paths.append(str(tmp / f"frame-{p.seed}-{p.size[0]}x{p.size[1]}-{i}."
+                                     f"{p.fmt.lower()}"))  # fmt: skip
+                    Path(paths[-1]).write_bytes(f)
+                content.append({"type": "video", "frames": paths, "fps": self.options.fps})
             else:
                 content.append({"type": "video", "path": str(files[p.clip])})
         return [
@@ -113,7 +143,11 @@ def oracle_results(
     jobs = []
     for case_id, (arch, chat) in cases.items():
         settings = VideoSettings.from_checkpoint(checkpoint(arch))
-        init, call = Sampling.resolve(settings, chat.options).processor_kwargs()
+        if any(isinstance(p, Frames) for p in chat.parts):
+            assert not any(isinstance(p, Video) for p in chat.parts), case_id
+            init, call = Sampling.resolve_frames(settings, chat.options).processor_kwargs(True)
+        else:
+            init, call = Sampling.resolve(settings, chat.options).processor_kwargs()
         jobs.append({"id": case_id, "arch": arch, "checkpoint": str(checkpoint(arch)),
                      "messages": chat.oracle_messages(files, tmp), "init": init, "call": call,
                      "max_new_tokens": max_new_tokens, "payload": payload})  # fmt: skip

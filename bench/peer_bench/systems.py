@@ -195,22 +195,28 @@ class Server:
             pass
 
 
-def tandem_server(ckpt: Path, dtype: str, log: Path, language_args: str = "") -> Server:
+def tandem_server(ckpt: Path, dtype: str, log: Path, language_args: str = "",
+                  env: dict[str, str] | None = None, name: str = "tandem") -> Server:
+    """`tandem up` (1 encoder + 1 language); `env`: variables added to its environment
+    (the traced variant's OTEL_*), `name` the system's name in the tables."""
     port, grpc_port = free_port(), free_port()
     dt = f"--dtype {dtype}"
     argv = [str(BIN / "tandem"), "up", "--model", str(ckpt), "--host", "127.0.0.1",
             "--http-port", str(port), "--grpc-port", str(grpc_port), "--encoders", "1",
             "--languages", "1", "--encoder-args", dt,
             "--language-args", f"{dt} {language_args}".strip()]
-    srv = Server("tandem", argv, port, dict(os.environ, PYTHONUNBUFFERED="1"), log)
+    srv = Server(name, argv, port, dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})), log)
     srv.grpc_address = f"127.0.0.1:{grpc_port}"
     return srv
 
 
-def vllm_server(venv: Path, ckpt: Path, dtype: str, kv_gib: int, log: Path) -> Server:
+def vllm_server(venv: Path, ckpt: Path, dtype: str, kv_gib: int, log: Path,
+                videos: int = 0) -> Server:
+    """vLLM's OpenAI server: at most one image and `videos` videos per prompt (0: its video
+    path off, which spares the video encoder's start-up profiling)."""
     port = free_port()
     argv = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(ckpt), "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
-            "--limit-mm-per-prompt", json.dumps({"image": 1, "video": 0})]
+            "--limit-mm-per-prompt", json.dumps({"image": 1, "video": videos})]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_gib), PYTHONUNBUFFERED="1")
     return Server("vllm", argv, port, env, log)

@@ -7,7 +7,7 @@
 into the tier's ConfigMap). Its schema lists exactly the fields of that service's settings
 class with their types, ranges and choices, and nothing else (additionalProperties: false),
 so `helm install` refuses a misspelt key (`cache_byte`) before any pod starts. Nested models
-(`transfer`, `internal_tls`) have dedicated chart values and are not listed.
+(`transfer`, `internal_tls`, `tracing`) have dedicated chart values and are not listed.
 tests/test_helm_chart.py checks the committed file against this generator.
 """
 

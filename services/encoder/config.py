@@ -105,9 +105,14 @@ class EncoderConfig(ModelServiceSettings):
         "at ViT sizes on AMD CPUs), 'torch' with nn.Linear; 'auto' is packed_cpu where it "
         "applies and builds.",
     )
-    cuda_graph_max: int = Field(
-        16, ge=0, le=256, description="Max ViT CUDA graphs kept (0 disables graphs)."
-    )
+    cuda_graph_max_patches: int = Field(
+        16384, ge=0, le=1 << 20,
+        description="Largest ViT batch (patches) the CUDA graphs cover: one graph per bucket "
+        "(256, 384, 512, 768, ... up to this; with bf16/fp16 varlen attention also per bound "
+        "of the longest image, 256, 512, ... up to the bucket), all captured at start-up; a "
+        "batch is padded up to its bucket, a bigger one runs eagerly. 0 disables graphs; "
+        "CUDA only (the CPU runs eagerly).",
+    )  # fmt: skip
     staging_tokens: int = Field(
         4096, ge=16, description="Tokens per staging slot (>= the language block size)."
     )

@@ -171,9 +171,20 @@ def decode_image(raw: bytes, field: str, lim: ImageLimits) -> Image.Image:
     img = open_image(raw, field, lim)
     try:
         img.load()  # NOTE: PIL decodes lazily; truncation only shows here.
-        return img.convert("RGB")
+        return to_rgb(img)
     except Exception as e:
         raise invalid(field, f"image data is truncated or corrupt ({img.format}: {e})") from None
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """RGB as transformers' image processors make it (`image_transforms.convert_to_rgb`):
+    transparent pixels (an alpha band, or a palette/grey image's transparency colour) are
+    composited onto white, not dropped (dropping shows what lies under the transparency)."""
+    if "A" in img.getbands() or img.info.get("transparency") is not None:
+        rgba = img.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return img.convert("RGB")
 
 
 def open_image(raw: bytes, field: str, lim: ImageLimits) -> Image.Image:

@@ -140,10 +140,11 @@ def build_payload(
     `masked_scatter` of each kind).
 
     A None entry is a medium whose features are not needed (it lies wholly inside the
-    prefix the language side already holds, which is cut off after): zeros stand in."""
-    dev = embed_tokens.weight.device
+    prefix the language side already holds, which is cut off after): zeros stand in.
+    `embed_tokens` is on the CPU: this runs on the preprocessing threads, which run no GPU
+    work (EncodePipeline keeps the table there)."""
     with torch.inference_mode():
-        text = embed_tokens(input_ids.to(dev)).cpu()
+        text = embed_tokens(input_ids)
     hidden = text.shape[1]
     feats = [
         f if f is not None else CachedFeatures(

@@ -15,6 +15,9 @@ tandem_encoder_videos_decoded_total     videos decoded (a cached or held one is 
 tandem_encoder_video_frames_decoded_total  frames decoded from them
 tandem_encoder_video_decode_seconds     one video's decode + patchify time (histogram)
 tandem_encoder_requests_total{code}     finished Encode calls by gRPC code name
+tandem_encoder_vit_graphs               ViT CUDA graphs captured at start-up (all devices)
+tandem_encoder_vit_graph_capture_failures_total  captures that failed (those buckets run
+                                        eagerly; each is logged once)
 tandem_model_info{model_name,tier}      the served model (`tandem.metrics.ModelInfo`)
 """
 
@@ -61,6 +64,10 @@ class EncoderMetrics:
         self.video_decode_seconds = Histogram(
             p + "video_decode_seconds", "One video's decode and patchify time.",
             buckets=_SECONDS + (30, 60), **kw)
+        self.vit_graphs = Gauge(p + "vit_graphs", "ViT CUDA graphs captured at start-up.", **kw)
+        self.vit_graph_capture_failures = Counter(
+            p + "vit_graph_capture_failures",
+            "ViT CUDA graph captures that failed at start-up (their buckets run eagerly).", **kw)
 
     def serving(self, model_name: str) -> None:
         model_info(self.registry, "encoder", model_name)
@@ -72,6 +79,11 @@ class EncoderMetrics:
         self.videos_decoded.inc()
         self.video_frames_decoded.inc(frames)
         self.video_decode_seconds.observe(seconds)
+
+    def vit_graphs_recorded(self, stats: list) -> None:
+        """At start-up: the runners' `GraphStats` (captures are made once, never again)."""
+        self.vit_graphs.set(sum(s.captured for s in stats))
+        self.vit_graph_capture_failures.inc(sum(s.failed for s in stats))
 
     def batch(self, images: int, patches: int, seconds: float) -> None:
         self.images.inc(images)

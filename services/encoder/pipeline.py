@@ -121,6 +121,13 @@ class EncodePipeline:
         video: VideoSettings | None = None,
     ) -> None:
         self.spec = spec
+        # NOTE: the text embedding table lives on the CPU: its lookups run on the
+        # preprocessing threads (merge.build_payload), which must run no GPU work: a sync
+        # there could end a CUDA graph capture, and each lookup's copy back would wait on
+        # the ViT's stream. A lookup is a row copy; its result is host memory anyway.
+        if embed_tokens.weight.device.type != "cpu":
+            raise ValueError(f"the text embedding table must be on the CPU, not "
+                             f"{embed_tokens.weight.device} (see EncodePipeline.from_config)")
         self.embed_tokens = embed_tokens
         self.preprocessor = Preprocessor(processor, pre_limits, chat_template, video)
         self.rope = RopeRule(int(spec.spatial_merge_size), spec.arch in ("qwen3_vl", "qwen3_vl_moe"),
@@ -128,6 +135,8 @@ class EncodePipeline:
         self.cache = EmbeddingCache(cache_bytes)
         self.metrics = metrics
         self.scheduler = EncoderScheduler(runners, self.cache, patch_budget, metrics)
+        if metrics:
+            metrics.vit_graphs_recorded([r.stats for r in runners])
         self.pool = FairPool(workers, client_share)
         self.num_deepstack = int(spec.num_deepstack)
 
@@ -144,12 +153,15 @@ class EncodePipeline:
         path = resolve_model_path(cfg.model)
         processor = AutoProcessor.from_pretrained(path)
         devs = [resolve_device(d) for d in (cfg.devices or [cfg.device])]
-        parts = [load_vision_part(path, resolve_dtype(cfg.dtype, d), d) for d in devs]
+        parts = [load_vision_part(path, resolve_dtype(cfg.dtype, d), d, embed_device="cpu")
+                 for d in devs]  # the text table on the CPU: see __init__
         for p, d in zip(parts, devs, strict=True):  # float32 on CPU: our packed linears
             kernels = linear_kernels(cfg.linear_backend, d, resolve_dtype(cfg.dtype, d))
             if kernels is not None:
                 pack_linears(p.visual, kernels)
-        runners = [VisionRunner(p.visual, max_graphs=cfg.cuda_graph_max) for p in parts]
+        # NOTE: graph mode captures every graph here, at start-up, one runner at a time:
+        # no pool or device thread exists yet, so no other GPU work runs during a capture.
+        runners = [VisionRunner(p.visual, max_patches=cfg.cuda_graph_max_patches) for p in parts]
         size = processor.image_processor.size
         lo = cfg.min_pixels or int(size["shortest_edge"])
         hi = max(cfg.max_pixels or int(size["longest_edge"]), lo)

@@ -5,7 +5,8 @@ through the processor's image processor on its own, so per-image min/max pixel o
 apply (Qwen `smart_resize`). Each video is read and probed and its frames planned
 (services/encoder/video.py: indices, size, grid, timing) but not decoded: that is
 `decode`, a later job of the same pool, run only for the videos whose features no cache
-holds. The chat template is rendered with one placeholder per image and video, each
+holds (a video given as frames: services/encoder/video_frames.py, the same two steps).
+The chat template is rendered with one placeholder per image and video, each
 expanded as the processor expands it (an image's pads; a video's pads, and for Qwen3-VL
 its frames' timestamps), and the text tokenized — the same steps `processor(text=...,
 images=..., videos=...)` takes, checked against it in the tests.
@@ -53,6 +54,7 @@ from tandem.services.encoder.video import (
     decode,
     plan_source,
 )
+from tandem.services.encoder.video_frames import decode_frames, plan_frames_source
 from tandem.services.encoder.video_rules import (
     VideoError,
     VideoRefusal,
@@ -94,6 +96,7 @@ class Prepared:
     mm_token_type_ids: torch.Tensor  # [L] int32 (0 text, 1 image, 2 video)
     media: list[PreparedImage | PlannedVideo] = field(default_factory=list)
     preprocess_s: float = 0.0
+    fetch_s: float = 0.0  # of which getting the media's bytes (URLs fetched, data decoded)
 
     @property
     def images(self) -> list[PreparedImage]:
@@ -166,8 +169,9 @@ class Preprocessor:
         if len(parts) - n_images > lim.max_videos:
             raise invalid("messages", f"the chat has {len(parts) - n_images} videos, over the "
                           f"limit of {lim.max_videos} (the encoder's max_videos_per_request)")
-        media = [self._image(where, p, budget) if isinstance(p, ImageInput)
-                 else self._video(where, p, budget) for where, p in parts]  # fmt: skip
+        fetch = _Stopwatch()
+        media = [self._image(where, p, budget, fetch) if isinstance(p, ImageInput)
+                 else self._video(where, p, budget, fetch) for where, p in parts]  # fmt: skip
         budget.check()
         ids = self.template.token_ids(
             messages, hf_messages, [self._placeholder(m) for m in media], max_prompt_tokens,
@@ -179,10 +183,13 @@ class Preprocessor:
             mm_token_type_ids=torch.tensor(np.asarray(types), dtype=torch.int32),
             media=media,
             preprocess_s=time.perf_counter() - t0,
+            fetch_s=fetch.seconds,
         )
 
     def decode(self, video: PlannedVideo, budget: Budget | None = None) -> PreparedVideo:
         """A planned video's frames, decoded and patchified (a pool job of its own)."""
+        if video.frames:
+            return decode_frames(video, self.limits.video, self.limits.image, budget)
         return decode(video, self.limits.video, budget)
 
     def _placeholder(self, m: PreparedImage | PlannedVideo) -> Placeholder:
@@ -191,10 +198,12 @@ class Preprocessor:
         return Placeholder(self.video_tokens.pad,
                            placeholder_text(m.plan, m.settings, self.video_tokens))
 
-    def _image(self, where: str, part: ImageInput, budget: Budget) -> PreparedImage:
+    def _image(self, where: str, part: ImageInput, budget: Budget,
+               fetch: _Stopwatch) -> PreparedImage:
         lim = self.limits
         budget.check()
-        raw = image_bytes(part, where, lim.image, budget)
+        with fetch:
+            raw = image_bytes(part, where, lim.image, budget)
         pil = decode_image(raw, where, lim.image)
         w, h = pil.size
         if max(w, h) / min(w, h) > MAX_ASPECT_RATIO:  # NOTE: transformers' ValueError, as a 400
@@ -219,14 +228,33 @@ class Preprocessor:
             field=where,
         )
 
-    def _video(self, where: str, part: VideoInput, budget: Budget) -> PlannedVideo:
+    def _video(self, where: str, part: VideoInput, budget: Budget,
+               fetch: _Stopwatch) -> PlannedVideo:
         lim = self.limits
         budget.check()
         if self.video is None:
             raise invalid(where, "this model takes no video")
+        if part.frames:  # NOTE: refusals name the wire's field, `...video.frames[k]`
+            return plan_frames_source(part.frames, self.video, part.options, lim.video,
+                                      lim.image, f"{where}.frames", budget)  # fmt: skip
         rules = SourceRules("video", lim.video.max_video_bytes, "video/", _video_oversize)
-        raw = source_bytes(part.data, part.url, where, lim.image, rules, budget)
+        with fetch:
+            raw = source_bytes(part.data, part.url, where, lim.image, rules, budget)
         return plan_source(raw, self.video, part.options, lim.video, where)
+
+
+class _Stopwatch:
+    """Seconds spent inside its `with` blocks, summed (the time a chat's media took to
+    fetch, for its trace)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __enter__(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        self.seconds += time.perf_counter() - self._t0
 
 
 def _video_oversize(where: str, message: str) -> VideoError:

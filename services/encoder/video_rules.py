@@ -285,7 +285,8 @@ class VideoPlan:
                    time (index / r), the last group padded with its last frame
     cache_key      sha256 of the content hash, indices, size and normalization: equal keys
                    mean bit-identical pixel_values (another fps sampling the same frames
-                   hits)
+                   hits); a video given as frames: of their hash, size, normalization and
+                   fps (`plan_frames`)
     """
 
     indices: tuple[int, ...]

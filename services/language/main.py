@@ -116,6 +116,7 @@ def start_tensor_parallel(cfg: LanguageConfig, spec, device, dtype, settings):
         runner=asdict(settings), size=cfg.tp, dist_address=f"127.0.0.1:{free_port()}", control_address="",
         timeout_s=cfg.tp_timeout_s, threads=threads, transfer=cfg.transfer.model_dump(),
         embedding_blocks=cfg.embedding_blocks, embedding_block_size=cfg.embedding_block_size,
+        tracing=cfg.tracing.model_dump(),
     )  # fmt: skip
     log.info("starting %d tensor-parallel ranks", cfg.tp)
     return start_ranks(args, device, shard)

@@ -123,16 +123,19 @@ class LanguageMetrics:
     def request_finished(self, req, now: float) -> None:
         """Observe a finished `Request` (the engine's `_finish`, its one way out): latency,
         time per output token, its phases and sizes (a phase it never reached, e.g.
-        prefill of a request aborted while queued, is not observed)."""
-        self.e2e.observe(now - req.times.created)
+        prefill of a request aborted while queued, is not observed). A traced request's
+        observations carry its trace id as their exemplar."""
+        ex = req.trace.exemplar if req.trace is not None else None
+        self.e2e.observe(now - req.times.created, ex)
         if len(req.output_ids) > 1 and req.times.first_token:
             self.tpot.observe((req.times.last_token - req.times.first_token) / (len(req.output_ids) - 1))
         if req.times.queued and req.times.first_scheduled:
-            self.queue_time.observe(max(req.times.first_scheduled - req.times.queued, 0.0))
+            self.queue_time.observe(max(req.times.first_scheduled - req.times.queued, 0.0), ex)
         if req.times.first_scheduled and req.times.first_token:
-            self.prefill_time.observe(max(req.times.first_token - req.times.first_scheduled, 0.0))
+            self.prefill_time.observe(max(req.times.first_token - req.times.first_scheduled,
+                                          0.0), ex)
         if req.times.first_token and req.times.last_token:
-            self.decode_time.observe(max(req.times.last_token - req.times.first_token, 0.0))
+            self.decode_time.observe(max(req.times.last_token - req.times.first_token, 0.0), ex)
         self.request_prompt_tokens.observe(req.prompt_len)
         self.request_generation_tokens.observe(len(req.output_ids))
 

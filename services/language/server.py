@@ -16,6 +16,13 @@ tokenize it here (`ChatTemplate`, in a worker thread) ─▶ Engine.submit ─�
 Failures inside a started stream are reported in-stream (finish_reason ERROR or ABORT and
 an ErrorInfo with a gRPC code name), as the wire contract says for streams.
 
+Traces: a `language.generate` span per Generate (a child of the router's call, from its
+traceparent) with the room's transfer (receiver.py) or `language.tokenize` under it, and,
+once the request ended, its stages from the engine's records: `language.grammar` (the
+structured-output compile it waited for), `language.queue`, `language.prefill` with one
+`language.prefill_chunk` per step that ran a chunk of its prompt (the step's size), a
+`first_token` event, `language.decode`; finish reason and usage on the generate span.
+
 NOTE: a client that goes away cancels the handler; the `finally` blocks abort the room in
 the receiver (blocks freed) or in the engine (KV pages freed) at once. Deadlines are
 enforced by both: the receiver's wait and the engine's per-request deadline.
@@ -30,6 +37,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from tandem import tracing
 from tandem.chat import (
     ChatError,
     ChatTemplate,
@@ -44,6 +52,7 @@ from tandem.services.language.engine.core import Engine
 from tandem.services.language.engine.request import (
     FINISH_REASONS,
     Request,
+    StageTrace,
     StreamDelta,
 )
 from tandem.services.language.engine.scheduler import AdmissionError
@@ -146,6 +155,10 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             return
         self.streams.add(room)
         outcome = "cancelled"  # NOTE: one log line per request (its id greps across tiers)
+        span = tracing.start("language.generate", tracing.from_call(context),
+                             kind=tracing.SpanKind.SERVER,
+                             attributes={tracing.REQUEST_ID: request.request_id,
+                                         tracing.ROOM: room})
         t0 = time.monotonic()
         recv: asyncio.Future | None = None  # the room's transfer (streamed: outlives submit)
         opened: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -157,19 +170,24 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         try:
             # -- 1. the prompt: tokenized here (text-only chat) or through the room --
             if request.messages or request.prompt:
+                tokenize = tracing.start("language.tokenize", span)
                 try:
                     prompt = PromptPayload.of_token_ids(await self._tokenize(request))
                 except ChatError as e:
                     outcome = f"{e.code} in the chat: {e.detail}"
+                    tracing.fail(span, e.code, e.detail)
                     yield error_response(e.code, e.detail, field=e.field)
                     return
+                finally:
+                    tokenize.end()
             else:
                 self.transferring.add(room)
                 self.metrics.transferring.set(len(self.transferring))
                 self.engine.expect_prompt(room, request.cache_salt)
                 recv = asyncio.ensure_future(self.receiver.receive(
                     room, request.encoder_address, deadline, client=request.client_id,
-                    on_open=opened.set_result if self.stream else None))
+                    on_open=opened.set_result if self.stream else None, trace=span,
+                    request_id=request.request_id))
                 recv.add_done_callback(lambda f, t0=t0: self._received(room, f, t0))
                 try:
                     await asyncio.wait({recv, opened}, return_when=asyncio.FIRST_COMPLETED)
@@ -183,6 +201,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                         self.receiver.release(opened.result())
                     abort = e.code in ("CANCELLED", "DEADLINE_EXCEEDED")
                     outcome = f"{e.code} in the transfer"
+                    tracing.fail(span, e.code, e.reason)
                     yield error_response(e.code, e.reason, abort=abort)
                     return
                 if prompt.arrived is not None:  # streamed: the engine hears of each row
@@ -195,6 +214,8 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                           priority=request.priority, grammar_future=grammar,
                           cache_salt=request.cache_salt,
                           deadline=time.monotonic() + (deadline - now))  # fmt: skip
+            if span.is_recording():
+                req.trace = StageTrace(tracing.exemplar(span))
             q: asyncio.Queue[StreamDelta] = asyncio.Queue()
             loop = asyncio.get_running_loop()
 
@@ -212,6 +233,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                 self.engine.unpin(room)
                 self.receiver.release(prompt)  # never reached a step
                 outcome = f"{e.code} at admission: {e.message}"
+                tracing.fail(span, e.code, e.message)
                 yield error_response(e.code, e.message, field=e.field)
                 return
             finished = False
@@ -225,6 +247,8 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                     if finished:
                         outcome = (f"{d.finish_reason.label}, {d.prompt_tokens} prompt + "
                                    f"{d.completion_tokens} output tokens")
+                        if span.is_recording():  # NOTE: the engine is done with `req`
+                            _trace_stages(span, req, d)
                     yield delta_to_proto(d, transfer_ms,
                                          bypassed=bool(request.messages or request.prompt),
                                          token_text=self._token_text)
@@ -239,6 +263,9 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             self.engine.unpin(room)  # NOTE: a no-op once submitted (the request took the pin)
             self.streams.discard(room)
             log.info("%s room %d: %s", request.request_id or "-", room, outcome)
+            if outcome == "cancelled":
+                tracing.fail(span, "CANCELLED")
+            span.end()
 
     def _received(self, room: int, f: asyncio.Future, t0: float) -> None:
         """The room's transfer ended (success or not; streamed or not)."""
@@ -300,6 +327,10 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
 
     async def Reattach(self, request, context):  # noqa: N802
         ok = self.receiver.reattach(request.room, request.encoder_address)
+        tracing.start("language.reattach", tracing.from_call(context),
+                      kind=tracing.SpanKind.SERVER,
+                      attributes={tracing.ROOM: request.room, "tandem.reattach.accepted": ok,
+                                  "tandem.encoder.address": request.encoder_address}).end()
         return language_pb2.ReattachResponse(accepted=ok)
 
     async def Abort(self, request, context):  # noqa: N802
@@ -321,6 +352,38 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             draining=self.draining,
             model=self.limits.model,
         )
+
+
+def _trace_stages(span: tracing.Span, req: Request, d: StreamDelta) -> None:
+    """The engine's stages of a finished request, as spans under its generate `span`
+    (from the request's monotonic timestamps), and its outcome on `span`."""
+    t, wall = req.times, tracing.wall_ns
+    if req.sampling.grammar is not None and t.queued:
+        tracing.start("language.grammar", span, start_ns=wall(t.created)).end(wall(t.queued))
+    if t.queued and t.first_scheduled:
+        tracing.start("language.queue", span, start_ns=wall(t.queued)).end(
+            wall(t.first_scheduled))
+    if t.first_scheduled:
+        prefill = tracing.start("language.prefill", span, start_ns=wall(t.first_scheduled),
+                                attributes={"tandem.prefix_cache.hit_tokens": d.cached_tokens,
+                                            "tandem.retractions": req.kv.num_retractions})
+        for a, b, tokens, seqs, step_tokens in req.trace.chunks:
+            tracing.start("language.prefill_chunk", prefill, start_ns=wall(a), attributes={
+                "tandem.chunk.tokens": tokens, "tandem.batch.sequences": seqs,
+                "tandem.batch.tokens": step_tokens}).end(wall(b))
+        prefill.end(wall(t.first_token or time.monotonic()))
+    if t.first_token:
+        span.add_event("first_token", timestamp=wall(t.first_token))
+        tracing.start("language.decode", span, start_ns=wall(t.first_token), attributes={
+            tracing.OUTPUT_TOKENS: d.completion_tokens}).end(wall(t.last_token))
+    span.set_attributes({
+        tracing.INPUT_TOKENS: d.prompt_tokens, tracing.OUTPUT_TOKENS: d.completion_tokens,
+        tracing.CACHED_INPUT_TOKENS: d.cached_tokens,
+        tracing.FINISH_REASONS: [d.finish_reason.label.removeprefix("finished_")]})
+    if req.max_new_tokens is not None:
+        span.set_attribute(tracing.REQUEST_MAX_TOKENS, req.max_new_tokens)
+    if d.error:
+        tracing.fail(span, d.error_code or "INTERNAL", d.error)
 
 
 def _merge(a: StreamDelta, b: StreamDelta) -> StreamDelta:

@@ -49,16 +49,21 @@ class Tier(enum.Enum):
 
 # The wire's parts of a chat message that an OpenAI body spells otherwise: a content
 # part's `image` / `video` (the encoder's names for them) is the body's `image_url` /
-# `video_url`.
+# `video_url`; a video's `frames` (the frames form) is the body's `video` list.
 _WIRE_MEDIA_PART = re.compile(r"^(messages\[\d+\]\.content\[\d+\])\.(image|video)(?=$|\.)")
+_WIRE_FRAMES = re.compile(r"^(messages\[\d+\]\.content\[\d+\])\.video\.frames(?=$|[\[.])")
 
 
 def openai_param(wire: str) -> str:
     """A tier's name for an input (the wire's) as an OpenAI body spells it: a sampling
     field sits at the top level there (`sampling.max_tokens` -> `max_tokens`), an image
     part is `image_url` (`messages[0].content[1].image` -> `...content[1].image_url`), a
-    video part `video_url`."""
-    return _WIRE_MEDIA_PART.sub(r"\1.\2_url", wire.removeprefix("sampling."))
+    video part `video_url`, and a video given as frames the `video` list
+    (`...content[1].video.frames[2]` -> `...content[1].video[2]`)."""
+    wire = wire.removeprefix("sampling.")
+    if frames := _WIRE_FRAMES.match(wire):
+        return f"{frames.group(1)}.video{wire[frames.end():]}"
+    return _WIRE_MEDIA_PART.sub(r"\1.\2_url", wire)
 
 
 class RouterError(ServiceError):

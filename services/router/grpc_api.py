@@ -55,6 +55,11 @@ def _validate(request: router_pb2.RouterGenerateRequest, cfg: RouterConfig) -> C
                 raise RouterError("TOO_LARGE", f"video larger than {cfg.max_video_bytes} bytes "
                                   "(the router's max_video_bytes)",
                                   f"messages[{i}].content[{j}].video")  # fmt: skip
+            if part.WhichOneof("part") == "video" and sum(
+                    len(f.data) for f in part.video.frames.frames) > cfg.max_video_bytes:
+                raise RouterError("TOO_LARGE", f"the frames are larger than {cfg.max_video_bytes}"
+                                  " bytes together (the router's max_video_bytes)",
+                                  f"messages[{i}].content[{j}].video.frames")  # fmt: skip
     tools = _tools(request)
     if tools.grammar is not None:
         if s.HasField("structured_output"):
@@ -182,8 +187,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             n = request.n or 1
             if n > 1 and req.tools.mode is not ToolMode.NONE:
                 raise RouterError("INVALID_ARGUMENT", "n > 1 with tools is not served", "n")
-            req.trace = root = core.start_trace(
-                req, "grpc", tracing.from_metadata(context.invocation_metadata()), True, n)
+            req.trace = root = core.start_trace(req, "grpc", tracing.from_call(context), True, n)
             release = core.admit(req.tenant, root)
             try:
                 agen = merged([core.dispatcher.generate(r) for r in choice_requests(req, n)])

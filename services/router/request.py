@@ -158,6 +158,10 @@ def image_hashes(messages: list[common_pb2.ChatMessage]) -> list[str]:
             kind = part.WhichOneof("part")
             if kind in ("image", "video"):
                 src = part.image if kind == "image" else part.video
-                raw = src.data if src.WhichOneof("source") == "data" else src.url.encode()
+                if src.WhichOneof("source") == "frames":  # each frame's bytes or URL, in order
+                    raw = b"".join(hashlib.sha256(f.data or f.url.encode()).digest()
+                                   for f in src.frames.frames)  # fmt: skip
+                else:
+                    raw = src.data if src.WhichOneof("source") == "data" else src.url.encode()
                 out.append(hashlib.sha256(raw).hexdigest())
     return out

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from tandem.client.channel import RouterChannel, backoff_s, retryable
+from tandem.client.channel import RouterChannel, backoff_s, call_metadata, retryable
 from tandem.client.errors import error_from_rpc
 from tandem.client.results import ChatResult, add, build_request, check, collect
 from tandem.v1 import router_pb2
@@ -30,11 +30,12 @@ class AsyncClient(RouterChannel):
 
     async def _stream(self, messages, timeout, kw) -> AsyncIterator:
         timeout = timeout or self.timeout
+        metadata = call_metadata(self._metadata, kw.pop("traceparent", None))
         request = build_request(messages, timeout=timeout, **kw)
         attempt = 0
         while True:
             got_any = False
-            call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
+            call = self._stub.Generate(request, timeout=timeout, metadata=metadata)
             try:
                 async for msg in call:
                     got_any = True

@@ -40,6 +40,12 @@ class RouterChannel:
         self._stub = router_pb2_grpc.RouterStub(self._channel)
 
 
+def call_metadata(base: tuple, traceparent: str | None) -> tuple:
+    """A Generate call's metadata: the channel's (the API key) and, when given, the W3C
+    `traceparent` whose trace the request joins (the router's spans become its children)."""
+    return base + ((("traceparent", traceparent),) if traceparent else ())
+
+
 def backoff_s(attempt: int, base: float, cap: float = 5.0) -> float:
     """Exponential backoff with full jitter."""
     return random.uniform(0, min(cap, base * (2**attempt)))

@@ -7,7 +7,8 @@ OpenAI-style dicts whose `content` is a string or a list of parts. A part is a s
 `{"type": "image_url", "image_url": {"url": ...}}`, `{"type": "image", "image": X}`
 where X is a path, bytes or a PIL image, `{"type": "video_url", "video_url": {"url": ...,
 "fps": ..., ...}}`, or `{"type": "video", "video": X, "fps": ..., ...}` where X is a path,
-bytes or a URL. PIL is imported only when a PIL image is given.
+bytes, a URL, or a list of frames (images as `image` takes them; qwen-vl-utils' form, whose
+`sample_fps` is also read as `fps`). PIL is imported only when a PIL image is given.
 """
 
 from __future__ import annotations
@@ -80,7 +81,12 @@ def video(source, *, fps: float | None = None, num_frames: int | None = None,
     or http(s) URL string, with its frame sampling controls: `fps` (frames per second of
     video) or `num_frames` (a count), `min_frames` / `max_frames` (bounds on what fps
     gives), `min_pixels` / `max_pixels` / `total_pixels` (resize bounds). An unset control
-    is the model's; a request may tighten the model's bounds, never loosen them."""
+    is the model's; a request may tighten the model's bounds, never loosen them.
+
+    Or from a list of frames, each an image as `image` takes it (a path, bytes, a
+    `data:image/...` or http(s) URL, a PIL image, an [H, W, 3] uint8 array), all one size:
+    every frame is used, none sampled, so `fps` (the rate they were taken at) is required
+    and num_frames / min_frames / max_frames do not apply (docs/video.md)."""
     given = (fps, num_frames, min_frames, max_frames, min_pixels, max_pixels, total_pixels)
     controls = {k: v for k, v in zip(VIDEO_CONTROLS, given, strict=True) if v is not None}
     if fps is not None and num_frames is not None:
@@ -88,6 +94,8 @@ def video(source, *, fps: float | None = None, num_frames: int | None = None,
     for k, v in controls.items():  # NOTE: 0 on the wire means "the model's": never send it
         if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
             raise ValueError(f"{k} must be a positive number, got {v!r}")
+    if isinstance(source, list | tuple):
+        return _frames(source, controls)
     if isinstance(source, bytes | bytearray | memoryview):
         data = bytes(source)
     elif isinstance(source, str) and source.startswith("data:"):
@@ -104,6 +112,27 @@ def video(source, *, fps: float | None = None, num_frames: int | None = None,
     if not data:
         raise ValueError("video bytes must be a non-empty bytes object")
     return common_pb2.ContentPart(video=common_pb2.VideoPart(data=data, **controls))
+
+
+def _frames(frames, controls: dict) -> common_pb2.ContentPart:
+    """A video given as frames (see `video`)."""
+    if not frames:
+        raise ValueError("a video given as frames needs at least one frame")
+    if "fps" not in controls:
+        raise ValueError("a video given as frames needs fps: the rate its frames were taken at")
+    sampled = [k for k in ("num_frames", "min_frames", "max_frames") if k in controls]
+    if sampled:
+        raise ValueError(f"{sampled[0]} does not apply to a video given as frames: every "
+                         "frame is used")
+    out = common_pb2.VideoFrames()
+    for f in frames:
+        if hasattr(f, "__array_interface__") and not hasattr(f, "save"):  # an array of pixels
+            from PIL import Image
+
+            f = Image.fromarray(f)
+        img = image(f).image
+        out.frames.add(**{img.WhichOneof("source"): getattr(img, img.WhichOneof("source"))})
+    return common_pb2.ContentPart(video=common_pb2.VideoPart(frames=out, **controls))
 
 
 def _part(p) -> common_pb2.ContentPart:
@@ -125,7 +154,11 @@ def _part(p) -> common_pb2.ContentPart:
                 "url": p["video_url"]}
             return video(ref.pop("url"), **ref)
         if kind == "video":
-            return video(p["video"], **{k: p[k] for k in VIDEO_CONTROLS if k in p})
+            controls = {k: p[k] for k in VIDEO_CONTROLS if k in p}
+            if "sample_fps" in p:  # qwen-vl-utils' name for a list of frames' rate
+                if controls.setdefault("fps", p["sample_fps"]) != p["sample_fps"]:
+                    raise ValueError("fps and sample_fps name the same rate and differ")
+            return video(p["video"], **controls)
         raise ValueError(f"unknown content part type {kind!r}")
     return image(p)  # a Path, bytes or PIL image given bare
 

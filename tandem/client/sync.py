@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from tandem.client.channel import RouterChannel, backoff_s, retryable
+from tandem.client.channel import RouterChannel, backoff_s, call_metadata, retryable
 from tandem.client.errors import TandemError, error_from_rpc
 from tandem.client.results import ChatResult, add, build_request, check, collect
 from tandem.v1 import router_pb2
@@ -36,12 +36,13 @@ class Client(RouterChannel):
 
     def _stream(self, messages, timeout, kw) -> Iterator[router_pb2.RouterGenerateResponse]:
         timeout = timeout or self.timeout
+        metadata = call_metadata(self._metadata, kw.pop("traceparent", None))
         request = build_request(messages, timeout=timeout, **kw)
         attempt = 0
         while True:
             got_any = False
             try:
-                call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
+                call = self._stub.Generate(request, timeout=timeout, metadata=metadata)
                 try:
                     for msg in call:
                         got_any = True
@@ -64,7 +65,8 @@ class Client(RouterChannel):
         json_schema, json_object, regex, choice, grammar), tools and tool_choice (the
         calls come back in ChatResult.tool_calls), skip_special_tokens,
         spaces_between_special_tokens, chat_template_kwargs, add_generation_prompt,
-        continue_final_message, request_id, priority (`build_request`)."""
+        continue_final_message, request_id, priority (`build_request`); traceparent (a W3C
+        trace context the request's spans join, docs/deploy.md "Tracing")."""
         if kw.get("n", 1) != 1:
             raise ValueError("n > 1 returns several results: use chat_choices(messages, n)")
         result = ChatResult()

@@ -113,6 +113,10 @@ HINTS: dict[str, str] = {
     "--disable-log-requests": "one log line per request, at INFO: --log-level warning "
     "hides it",
     "--max-logprobs": "top_logprobs is bounded at 20",
+    "--otlp-traces-endpoint": "set OTEL_EXPORTER_OTLP_TRACES_ENDPOINT in the environment: "
+    "every tier reads it (docs/deploy.md, Tracing)",
+    "--collect-detailed-traces": "every stage of every tier is traced once tracing is on "
+    "(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; docs/deploy.md, Tracing)",
 }
 
 

@@ -104,7 +104,7 @@ class VisionPart:
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Merged image embeddings `[N, hidden]` for all images in order, and the deepstack
         features (one `[N, hidden]` tensor per deepstack layer; empty for Qwen2.5-VL)."""
-        pixel_values = pixel_values.to(self.embed_tokens.weight.device, self.visual.dtype)
+        pixel_values = pixel_values.to(next(self.visual.parameters()).device, self.visual.dtype)
         out = self.visual(pixel_values, grid_thw=grid_thw, return_dict=True)
         deepstack = list(getattr(out, "deepstack_features", None) or [])
         return out.pooler_output, deepstack
@@ -125,9 +125,12 @@ def _vision_class(arch: str):
 
 
 def load_vision_part(
-    model: str | os.PathLike | ModelSpec, dtype: torch.dtype = torch.float32, device="cpu"
+    model: str | os.PathLike | ModelSpec, dtype: torch.dtype = torch.float32, device="cpu",
+    embed_device=None,
 ) -> VisionPart:
-    """The vision tower (transformers' class) and the embedding table; no decoder weight is read."""
+    """The vision tower (transformers' class) on `device` and the embedding table on
+    `embed_device` (default: `device`; the encoder's stays on the CPU); no decoder weight is
+    read."""
     from transformers import AutoConfig
     from transformers.initialization import no_init_weights
 
@@ -135,7 +138,8 @@ def load_vision_part(
     vision_config = AutoConfig.from_pretrained(spec.path).vision_config
     names = [n for n in spec.weight_map if n.startswith(spec.visual_prefix)]
     embed_name = spec.text_prefix + "embed_tokens.weight"
-    tensors = read_tensors(spec, names + [embed_name], dtype, device)
+    tensors = read_tensors(spec, names, dtype, device)
+    table = read_tensors(spec, [embed_name], dtype, device if embed_device is None else embed_device)
 
     # NOTE: parameters are allocated empty (no init) and every one is overwritten below;
     # non-persistent buffers (rotary inv_freq) are computed by the constructors as usual.
@@ -143,7 +147,7 @@ def load_vision_part(
         visual = _vision_class(spec.arch)._from_config(vision_config, dtype=dtype)
     visual.load_state_dict({n[len(spec.visual_prefix) :]: tensors[n] for n in names}, strict=True)
     visual.eval().requires_grad_(False)
-    embed = nn.Embedding.from_pretrained(tensors[embed_name], freeze=True)
+    embed = nn.Embedding.from_pretrained(table[embed_name], freeze=True)
     return VisionPart(spec=spec, visual=visual, embed_tokens=embed)
 
 

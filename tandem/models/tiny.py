@@ -14,6 +14,15 @@ Sizes: `tiny` is a few hundred thousand parameters (unit tests); `small` is abou
 (benchmarks). The vision geometry is the real one (Qwen2.5-VL: patch 14, merge 2; Qwen3-VL:
 patch 16, merge 2), so `smart_resize` and token counts behave as in the released models.
 mrope_section sums to head_dim / 2, as the rotary embedding requires.
+
+Real sizes (REAL_SIZES) take a released model's text and vision shapes from its config.json,
+vocabulary size included: `7b` Qwen2.5-VL-7B, `8b` Qwen3-VL-8B, `30b-a3b` Qwen3-VL-30B-A3B
+(the size names the model, so it implies the arch). Their weights are random bfloat16,
+streamed to safetensors shards tensor by tensor (`random_weights.py`: about one block in
+memory, never the model), the config says dtype bfloat16, and the processor keeps the
+released pixel limits. Ids past the tokenizer's 1024 entries decode to nothing (a random
+model emits them; the released vocabularies have unused ids too). `dry_run` writes every
+file but the shards (the index names them), for checking shapes without the ~16-62 GB.
 """
 
 from __future__ import annotations
@@ -23,7 +32,9 @@ from pathlib import Path
 from tandem.models import tokenizer as tk
 
 ARCHS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
-SIZES = ("tiny", "small")
+SIZES = ("tiny", "small")  # transformers' own init, written by save_pretrained (float32)
+REAL_SIZES = {"7b": "qwen2_5_vl", "8b": "qwen3_vl", "30b-a3b": "qwen3_vl_moe"}  # size -> arch
+ALL_SIZES = SIZES + tuple(REAL_SIZES)
 
 _TEXT = {
     # hidden, intermediate, layers, heads, kv heads, head_dim
@@ -58,6 +69,37 @@ _VISION = {
 _TIED = {"qwen2_5_vl": False, "qwen3_vl": True, "qwen3_vl_moe": False}
 _PIXELS = {"tiny": (4, 256), "small": (4, 1024)}  # min / max merged tokens per image
 
+# The released models' shapes (their config.json); vision out_hidden_size = text hidden.
+_REAL = {
+    "7b": dict(  # Qwen/Qwen2.5-VL-7B-Instruct
+        text=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                  num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                  max_position_embeddings=128000, rms_norm_eps=1e-6),
+        vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                    fullatt_block_indexes=[7, 15, 23, 31]),
+        mrope=[16, 24, 24], pixels=(4, 16384),
+    ),
+    "8b": dict(  # Qwen/Qwen3-VL-8B-Instruct
+        text=dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                  num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                  vocab_size=151936, max_position_embeddings=262144, rms_norm_eps=1e-6),
+        vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                    deepstack_visual_indexes=[8, 16, 24]),
+        mrope=[24, 20, 20], pixels=(64, 16384),
+    ),
+    "30b-a3b": dict(  # Qwen/Qwen3-VL-30B-A3B-Instruct
+        text=dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                  num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                  vocab_size=151936, max_position_embeddings=262144, rms_norm_eps=1e-6,
+                  num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                  decoder_sparse_step=1, mlp_only_layers=[]),
+        vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                    deepstack_visual_indexes=[8, 16, 24]),
+        mrope=[24, 20, 20], pixels=(64, 16384),
+    ),
+}  # fmt: skip
+REAL_DTYPE = "bfloat16"  # as released
+
 
 def _init_std(size: str) -> float:
     # Wider than transformers' 0.02 so random models are not near-uniform: greedy outputs
@@ -65,53 +107,80 @@ def _init_std(size: str) -> float:
     return round(1.6 / _TEXT[size]["hidden_size"] ** 0.5, 4)
 
 
-def make_config(arch: str, size: str):
-    """The transformers config of a tiny/small model (no weights)."""
+def resolve_arch(arch: str | None, size: str) -> str:
+    """The arch a build makes: a real size's own (another one is refused), else `arch`
+    (default qwen2_5_vl)."""
+    if size not in ALL_SIZES:
+        raise ValueError(f"size must be one of {ALL_SIZES}, got {size!r}")
+    if size in REAL_SIZES:
+        if arch is not None and arch != REAL_SIZES[size]:
+            raise ValueError(f"size {size} is {REAL_SIZES[size]}'s shape, not {arch}'s")
+        return REAL_SIZES[size]
+    arch = arch or "qwen2_5_vl"
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
-    if size not in SIZES:
-        raise ValueError(f"size must be one of {SIZES}, got {size!r}")
-    text = dict(_TEXT[size], vocab_size=tk.VOCAB_SIZE, max_position_embeddings=32768,
-                bos_token_id=tk.ENDOFTEXT_ID, eos_token_id=tk.IM_END_ID,
-                tie_word_embeddings=_TIED[arch], initializer_range=_init_std(size))  # fmt: skip
-    mrope = _MROPE[(arch, text["head_dim"])]
-    vision = dict(_VISION[size], out_hidden_size=text["hidden_size"], spatial_merge_size=2,
-                  temporal_patch_size=2, initializer_range=_init_std(size))  # fmt: skip
+    return arch
+
+
+def make_config(arch: str, size: str):
+    """The transformers config of a model of this arch and size (no weights)."""
+    arch = resolve_arch(arch, size)
+    ids_text = dict(bos_token_id=tk.ENDOFTEXT_ID, eos_token_id=tk.IM_END_ID)
+    if size in REAL_SIZES:
+        real = _REAL[size]
+        text = dict(real["text"], **ids_text, tie_word_embeddings=False, initializer_range=0.02)
+        vision = dict(real["vision"], out_hidden_size=text["hidden_size"], spatial_merge_size=2,
+                      temporal_patch_size=2, initializer_range=0.02)  # fmt: skip
+        mrope = real["mrope"]
+    else:
+        text = dict(_TEXT[size], vocab_size=tk.VOCAB_SIZE, max_position_embeddings=32768,
+                    **ids_text, tie_word_embeddings=_TIED[arch],
+                    initializer_range=_init_std(size))  # fmt: skip
+        mrope = _MROPE[(arch, text["head_dim"])]
+        vision = dict(_VISION[size], out_hidden_size=text["hidden_size"], spatial_merge_size=2,
+                      temporal_patch_size=2, initializer_range=_init_std(size))  # fmt: skip
+        depth = vision["depth"]
+        if arch == "qwen2_5_vl":
+            vision["fullatt_block_indexes"] = (
+                [depth // 2 - 1, depth - 1] if depth > 2 else [depth - 1]
+            )
+        else:
+            # NOTE: the tiny ViT MLP is 1.5x wider for Qwen3-VL (as it has been built so far)
+            vision["intermediate_size"] = vision["intermediate_size"] * 3 // 2
+            vision["deepstack_visual_indexes"] = (
+                [0, 1] if depth == 2 else [depth // 3, 2 * depth // 3]
+            )
+            if arch == "qwen3_vl_moe":
+                text.update(_MOE[size])
     ids = dict(
         image_token_id=tk.IMAGE_PAD_ID,
         video_token_id=tk.VIDEO_PAD_ID,
         vision_start_token_id=tk.VISION_START_ID,
         vision_end_token_id=tk.VISION_END_ID,
-        tie_word_embeddings=_TIED[arch],
+        tie_word_embeddings=text["tie_word_embeddings"],
     )
     if arch == "qwen2_5_vl":
         from transformers import Qwen2_5_VLConfig
 
-        del text["head_dim"]  # derived from hidden / heads in Qwen2
+        text.pop("head_dim", None)  # derived from hidden / heads in Qwen2
         text["rope_parameters"] = {
             "rope_type": "default",
             "rope_theta": 1e6,
             "mrope_section": mrope,
         }
-        depth = vision["depth"]
-        vision.update(patch_size=14, window_size=112, tokens_per_second=2,
-                      fullatt_block_indexes=[depth // 2 - 1, depth - 1] if depth > 2 else [depth - 1])  # fmt: skip
+        vision.update(patch_size=14, window_size=112, tokens_per_second=2)
         return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
     from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
 
     text["rope_parameters"] = {
         "rope_type": "default", "rope_theta": 5e6, "mrope_section": mrope, "mrope_interleaved": True,
     }  # fmt: skip
-    depth = vision["depth"]
     vision.update(
         patch_size=16,
         hidden_act="gelu_pytorch_tanh",
-        intermediate_size=vision["intermediate_size"] * 3 // 2,
         num_position_embeddings=2304,  # a 48 x 48 learned grid, interpolated per image
-        deepstack_visual_indexes=[0, 1] if depth == 2 else [depth // 3, 2 * depth // 3],
     )
     if arch == "qwen3_vl_moe":
-        text.update(_MOE[size])
         return Qwen3VLMoeConfig(text_config=text, vision_config=vision, **ids)
     return Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
 
@@ -147,7 +216,7 @@ def make_processor(arch: str, size: str):
 
     patch = 14 if arch == "qwen2_5_vl" else 16
     factor = patch * 2
-    lo, hi = _PIXELS[size]
+    lo, hi = _REAL[size]["pixels"] if size in REAL_SIZES else _PIXELS[size]
     if arch == "qwen2_5_vl":
         mean, std = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
     else:
@@ -170,27 +239,74 @@ def make_processor(arch: str, size: str):
     )
 
 
-def build_tiny_model(out_dir, arch: str = "qwen2_5_vl", size: str = "tiny", seed: int = 0) -> Path:
-    """Write a complete random-weight checkpoint to `out_dir` (created) and return its path."""
-    import torch
-    from transformers import AutoModelForImageTextToText, GenerationConfig
+def _generation_config():
+    from transformers import GenerationConfig
 
-    config = make_config(arch, size)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-
-    # NOTE: the weights depend only on (config, seed): a private generator state, float32,
-    # CPU, and safetensors' fixed header (sorted names, metadata {"format": "pt"}).
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    model.generation_config = GenerationConfig(
+    return GenerationConfig(
         bos_token_id=tk.ENDOFTEXT_ID,
         eos_token_id=[tk.IM_END_ID, tk.ENDOFTEXT_ID],
         pad_token_id=tk.ENDOFTEXT_ID,
         do_sample=False,
     )
-    model.save_pretrained(out)
+
+
+def plan_tiny_model(arch: str | None, size: str):
+    """What a streamed build of (arch, size) writes: `random_weights.WeightPlan` (every
+    tensor's name, shape and start value; the dtype; the shards). No weight is made."""
+    import torch
+
+    from tandem.models.random_weights import plan_weights
+
+    arch = resolve_arch(arch, size)
+    dtype = getattr(torch, REAL_DTYPE) if size in REAL_SIZES else torch.float32
+    return plan_weights(make_config(arch, size), dtype)
+
+
+def build_tiny_model(
+    out_dir, arch: str | None = None, size: str = "tiny", seed: int = 0, *,
+    stream: bool | None = None, dry_run: bool = False, device: str = "cpu",
+) -> Path:
+    """Write a complete random-weight checkpoint to `out_dir` (created) and return its path.
+
+    `arch` None: the real size's own, else qwen2_5_vl. `stream` (default: real sizes only)
+    writes the weights tensor by tensor (`random_weights.py`), generated on `device`;
+    otherwise transformers builds the model and saves it (tiny and small: transformers' own
+    initialisation, float32, CPU). `dry_run` writes every file but the weight shards (the
+    index names them): the checkpoint's shapes without its size."""
+    import torch
+
+    arch = resolve_arch(arch, size)
+    stream = size in REAL_SIZES if stream is None else stream
+    if size in REAL_SIZES and not stream:
+        raise ValueError(f"size {size} is only written streamed (it would not fit in memory twice)")
+    if not stream and not dry_run and torch.device(device).type != "cpu":
+        raise ValueError("device: only a streamed build generates its weights off the CPU")
+    config = make_config(arch, size)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if stream or dry_run:
+        from tandem.models.random_weights import write_index, write_weights
+
+        plan = plan_tiny_model(arch, size)
+        for c in (config, config.text_config, config.vision_config):  # as save_pretrained
+            c.dtype = str(plan.dtype).removeprefix("torch.")
+        config.architectures = [plan.model_class]
+        config.save_pretrained(out)
+        _generation_config().save_pretrained(out)
+        if dry_run:
+            write_index(plan, out)
+        else:
+            write_weights(plan, out, seed=seed, device=device)
+    else:
+        from transformers import AutoModelForImageTextToText
+
+        # NOTE: the weights depend only on (config, seed): a private generator state, float32,
+        # CPU, and safetensors' fixed header (sorted names, metadata {"format": "pt"}).
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+        model.generation_config = _generation_config()
+        model.save_pretrained(out)
     make_processor(arch, size).save_pretrained(out)
     write_video_processor_config(out)
     return out
@@ -215,10 +331,12 @@ def write_video_processor_config(ckpt: Path) -> None:
     (ckpt / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
 
 
-def ensure_tiny_model(out_dir, arch: str = "qwen2_5_vl", size: str = "tiny", seed: int = 0) -> Path:
+def ensure_tiny_model(out_dir, arch: str | None = None, size: str = "tiny",
+                      seed: int = 0, device: str = "cpu") -> Path:
     """`out_dir` holding a complete tiny checkpoint, built on first use. Process-safe: built
     in a private temporary directory and renamed into place; `.complete` marks a whole one,
-    and a process that loses the race drops its copy."""
+    and a process that loses the race drops its copy. `device`: where a streamed (real
+    size) build generates its weights."""
     import os
     import shutil
 
@@ -227,7 +345,7 @@ def ensure_tiny_model(out_dir, arch: str = "qwen2_5_vl", size: str = "tiny", see
         return out
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    build_tiny_model(tmp, arch=arch, size=size, seed=seed)
+    build_tiny_model(tmp, arch=arch, size=size, seed=seed, device=device)
     (tmp / ".complete").touch()
     try:
         tmp.rename(out)

@@ -47,6 +47,12 @@ the rows into the private `out` and opens them there (decrypts under `encrypt`, 
 the tags), so what reaches a prefill is exactly what the encoder wrote: any other process's
 write into the registered blocks fails the room with DATA_LOSS, before or after the check.
 
+Traces: `receive(..., trace=span)` puts a `language.transfer` span under `span` (tokens,
+bytes, resumes, attempts, the cached prefix), and under it `language.room_wait` (the first
+reservation's wait), one `transfer.attach` per Attach attempt (its call carries that span
+as traceparent, and the request id) with a `transfer.resume` per Resume (its wait for
+blocks), and on a tensor-parallel instance each other rank's `tp.gather` of a range.
+
 One class, one module, on purpose: the answers to the encoder's messages (`_on_prompt`,
 `_on_progress`, `_on_partial`, `_on_done` and their `_announce` / `_copy_out`) are the
 receiver's side of the Attach protocol, not a second role. They read and advance the same
@@ -67,6 +73,7 @@ from collections.abc import Callable
 import grpc
 import torch
 
+from tandem import tracing
 from tandem.config import TransferConfig
 from tandem.transfer.allocator import BlockAllocator
 from tandem.transfer.buffers import (
@@ -218,10 +225,12 @@ class EmbeddingReceiver:
 
     # ---- the room ---------------------------------------------------------------------
     async def receive(self, room: int, encoder_address: str, deadline: float | None = None,
-                      client: str = "",
+                      client: str = "", trace: tracing.Span = tracing.OFF,
+                      request_id: str = "",
                       on_open: Callable[[PromptPayload], None] | None = None) -> PromptPayload:
         """Reserve, attach to `encoder_address`, and return the room's prompt payload.
-        `client` (the router's client key) bounds its rooms' share of the blocks.
+        `client` (the router's client key) bounds its rooms' share of the blocks; `trace`:
+        the span the room's span goes under; `request_id` names it on the Attach calls.
 
         `on_open(payload)` (streamed rows): called once, on this loop, as soon as the first
         rows are copied out and verified, with the payload that `receive` will return: its
@@ -233,23 +242,29 @@ class EmbeddingReceiver:
         if room in self.rooms:
             raise TransferError(f"room {room} is already receiving", "ALREADY_EXISTS")
         r = self.rooms[room] = ReceiverRoom(room, encoder_address, client=client,
-                                            on_open=on_open)
+                                            request_id=request_id, on_open=on_open)
+        r.trace = tracing.start("language.transfer", trace, attributes={tracing.ROOM: room})
         t0 = time.monotonic()
         payload: PromptPayload | None = None
         try:
             # NOTE: waiting for a first reservation is queueing behind rooms under way (each
             # bounded by the transfer timeout), not a stalled transfer: it may last until the
             # request's own deadline.
+            wait = tracing.start("language.room_wait", r.trace,
+                                 attributes={"tandem.transfer.reserve_tokens": self.reserve_tokens})
             r.key, r.ids = await self.blocks.alloc(
                 r, self.reserve_tokens, self._queue_timeout(deadline),
                 lambda ev: self._interrupt(r, ev),
                 timeout_code="UNAVAILABLE" if deadline is None else "DEADLINE_EXCEEDED")
+            wait.end()
             r.allocated = len(r.ids) * self.buffers.block_size
             while True:
                 try:
                     payload = await self._attempt(r, deadline)
                     break
                 except AttachBroken as b:
+                    tracing.fail(r.attach_trace, "UNAVAILABLE", b.reason)
+                    r.attach_trace.end()
                     self._hang_up(r)
                     if r.payload is not None:  # NOTE: its rows may be in a prefill already
                         raise TransferError(f"room {room}: {b.reason} after its first rows "
@@ -264,10 +279,14 @@ class EmbeddingReceiver:
         except TransferError as e:
             r.state = ReceiverState.FAILED
             self.metrics.failures.labels("language", e.code).inc()
+            for span in (r.attach_trace, r.trace):
+                tracing.fail(span, e.code, e.reason)
             raise
         except asyncio.CancelledError:
             r.state = ReceiverState.FAILED
             self.metrics.failures.labels("language", "CANCELLED").inc()
+            for span in (r.attach_trace, r.trace):
+                tracing.fail(span, "CANCELLED")
             raise
         finally:
             self._hang_up(r, graceful=r.state == ReceiverState.TRANSFERRING and r.sent == r.total)
@@ -275,13 +294,19 @@ class EmbeddingReceiver:
             self.rooms.pop(room, None)
             if payload is None and r.payload is None:  # failed: the ranks' rows go too
                 self._drop_rows(r)  # NOTE: an opened payload's go with its request (release)
+            r.attach_trace.end()
+            if r.trace.is_recording():
+                r.trace.set_attributes({"tandem.transfer.attempts": r.attempt + 1,
+                                        "tandem.transfer.resumes": r.resumes,
+                                        "tandem.cached_prefix_tokens": r.cached})
+            r.trace.end()
         r.state = ReceiverState.SUCCESS
         payload.ranks_key = r.ranks_key
         m = self.metrics
         m.tokens.labels("language").inc(payload.num_tokens)
         m.bytes.labels("language").inc(sum(t.numel() * t.element_size() for t in r.out))
         m.resumes.labels("language").inc(r.resumes)
-        m.seconds.labels("language").observe(time.monotonic() - t0)
+        m.seconds.labels("language").observe(time.monotonic() - t0, tracing.exemplar(r.trace))
         return payload
 
     def _hang_up(self, r: ReceiverRoom, graceful: bool = False) -> None:
@@ -325,7 +350,11 @@ class EmbeddingReceiver:
 
     async def _attempt(self, r: ReceiverRoom, deadline: float | None) -> PromptPayload:
         stub = encoder_pb2_grpc.EncoderStub(self.channels.get(r.address))
-        r.call = call = stub.Attach()
+        r.attach_trace = tracing.start(
+            "transfer.attach", r.trace, kind=tracing.SpanKind.CLIENT,
+            attributes={tracing.SERVER_ADDRESS: r.address, "tandem.transfer.attempt": r.attempt + 1})
+        md = ((tracing.REQUEST_ID_HEADER, r.request_id),) if r.request_id else ()
+        r.call = call = stub.Attach(metadata=md + tracing.metadata(r.attach_trace))
         r.reader = asyncio.create_task(self._read(r, call, r.attempt))
         # NOTE: a fresh secret per attempt: the tags of an earlier attempt's encoder (one
         # frozen mid-write that wakes) can never verify this attempt's rows
@@ -334,7 +363,7 @@ class EmbeddingReceiver:
             room=r.room, session_id=self.engine.session_id, layout=self._layout,
             block_ids=r.ids, allocated_tokens=r.allocated, generation=r.attempt + 1,
             ranks=self._rank_dests, **r.protection.init_fields())
-        await self._write(r, encoder_pb2.AttachRequest(init=init))
+        await self._write_init(r, encoder_pb2.AttachRequest(init=init), deadline)
         r.state = ReceiverState.WAITING_FOR_INPUT
         r.progressed = time.monotonic()
         while True:
@@ -447,7 +476,8 @@ class EmbeddingReceiver:
             copy = functools.partial(
                 self.ranks.gather, r.ranks_key, ids[i0:], upto - a, a, r.total, r.room,
                 r.attempt + 1, start, piece_tokens, i0, local=copy,
-                seals=[seal.for_rank(tag) for seal, tag in seals])
+                seals=[seal.for_rank(tag) for seal, tag in seals],
+                trace=_rank_trace(r))
         await asyncio.get_running_loop().run_in_executor(None, copy)
         # NOTE: range by range, not at Done: streamed rows are prefilled (and their pages
         # keyed by the announced ids) before Done
@@ -502,7 +532,10 @@ class EmbeddingReceiver:
         if self.resume_tokens:
             cap = min(cap, self.resume_tokens)
         want = min(p.total_tokens - sent, cap)
+        span = tracing.start("transfer.resume", r.attach_trace, attributes={
+            "tandem.transfer.sent_tokens": sent, "tandem.transfer.reserve_tokens": want})
         got = self.blocks.try_alloc(r, want)
+        span.set_attribute("tandem.transfer.waited_for_blocks", got is None)
         if got is None:  # pool busy: free this piece first, then wait for blocks
             await self._copy_out(r, old_ids, start, sent)
             self.blocks.free(r, old_key)
@@ -517,6 +550,7 @@ class EmbeddingReceiver:
         r.resumes += 1
         await self._write(r, encoder_pb2.AttachRequest(resume=encoder_pb2.AttachResume(
             room=r.room, block_ids=r.ids, sent_tokens=sent, allocated_tokens=r.allocated)))
+        span.end()
         if old_key in r.keys:  # NOTE: Resume first, so this copy overlaps the next write
             await self._copy_out(r, old_ids, start, sent)
             self.blocks.free(r, old_key)
@@ -533,6 +567,10 @@ class EmbeddingReceiver:
         await self._copy_out(r, r.ids, r.sent, d.total_tokens)
         self.blocks.free(r, r.key)
         r.sent = d.total_tokens
+        if r.trace.is_recording():
+            r.trace.set_attributes({"tandem.transfer.tokens": d.total_tokens,
+                                    "tandem.transfer.bytes": sum(t.numel() * t.element_size()
+                                                                 for t in r.out)})
         if r.payload is not None:  # streamed: the payload handed on, now complete
             return r.payload
         e, f, m = r.out
@@ -540,6 +578,32 @@ class EmbeddingReceiver:
                              mrope_delta=d.mrope_position_delta, start=r.cached, info=r.info)
 
     # ---- the stream -----------------------------------------------------------------------
+    async def _write_init(self, r: ReceiverRoom, req: encoder_pb2.AttachRequest,
+                          deadline: float | None) -> None:
+        """Write the Init while still answering the room's events. NOTE: a first Attach to
+        an encoder that froze before answering (no connection yet: the kernel accepts it,
+        nothing reads it) never completes the write; a Reattach or an Abort must still end
+        the attempt at once, and silence fails it at the transfer timeout, as anywhere."""
+        write = asyncio.ensure_future(self._write(r, req))
+        try:
+            timeout = self._timeout(deadline)
+            end = time.monotonic() + timeout
+            while not write.done():
+                ev = asyncio.ensure_future(r.events.get())
+                done, _ = await asyncio.wait({write, ev}, timeout=max(0.0, end - time.monotonic()),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if ev in done:
+                    self._interrupt(r, ev.result())  # raises for an Abort, a Reattach, a break
+                    continue
+                ev.cancel()
+                if not done:
+                    raise timed_out(f"room {r.room}: encoder {r.address} does not take the "
+                                    f"Attach stream's Init", timeout, deadline, r.room)
+            write.result()
+        finally:
+            if not write.done():
+                write.cancel()
+
     async def _write(self, r: ReceiverRoom, req: encoder_pb2.AttachRequest) -> None:
         try:
             await r.call.write(req)
@@ -560,3 +624,12 @@ class EmbeddingReceiver:
         except grpc.aio.AioRpcError as e:
             r.post(StreamBroken(attempt, f"Attach stream to encoder {r.address} broken: "
                                          f"{e.code().name}: {e.details()}"))
+
+
+def _rank_trace(r: ReceiverRoom) -> dict[str, str]:
+    """What the other tensor-parallel ranks need to put their copy's span in the room's
+    trace (empty while off): the attempt's traceparent and the request id."""
+    out = tracing.carrier(r.attach_trace)
+    if out and r.request_id:
+        out[tracing.REQUEST_ID_HEADER] = r.request_id
+    return out

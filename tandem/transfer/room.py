@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tandem.tracing import OFF, Span
 from tandem.transfer.allocator import BlockAllocator
 from tandem.transfer.buffers import RangeSeal, RangeTag, RowProtection
 from tandem.transfer.errors import TransferError
@@ -104,6 +105,9 @@ class ReceiverRoom:
     progressed: float | None = None
     call: object | None = None
     reader: asyncio.Task | None = None
+    request_id: str = ""  # its request's (x-request-id on the Attach calls)
+    trace: Span = OFF  # the room's span (receive), parent of each attempt's
+    attach_trace: Span = OFF  # the current attempt's span (its Attach call's traceparent)
     # streamed rows (receiver.receive's `on_open`): the payload handed on at the first rows
     # (then the room is never reattached), and the delta Done names (set before its rows)
     on_open: Callable[[PromptPayload], None] | None = None

@@ -355,7 +355,7 @@ class EmbeddingSender:
         m.bytes.labels("encoder").inc(stats.bytes)
         m.tokens.labels("encoder").inc(stats.tokens)
         m.resumes.labels("encoder").inc(stats.resumes)
-        m.seconds.labels("encoder").observe(stats.seconds)
+        m.seconds.labels("encoder").observe(stats.seconds, tracing.exemplar(span))
         return stats
 
     @contextlib.contextmanager

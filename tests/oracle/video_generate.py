@@ -5,7 +5,9 @@
 
 JOB.json is a list of cases {"id", "arch", "checkpoint", "messages", "init", "call",
 "max_new_tokens", "payload"}. `messages` are chat messages whose content parts are
-{"type": "text", "text"}, {"type": "image", "path"} (a PNG) or {"type": "video", "path"}.
+{"type": "text", "text"}, {"type": "image", "path"} (a PNG), {"type": "video", "path"} or
+{"type": "video", "frames": [image paths], "fps"} (a video given as frames:
+video_oracle.given_frames; its case's `call` has do_sample_frames=False).
 Each case goes through the stock processor of its architecture (video_oracle.CLASSES: the
 video processor built with `from_pretrained(checkpoint, **init)`, the image processor
 with transformers' PIL backend, which is what the project's venv, without torchvision,
@@ -31,7 +33,7 @@ import numpy as np
 import torch
 
 # NOTE: first: video_oracle declares torchvision's ops, which transformers' import needs
-from video_oracle import CLASSES, decode
+from video_oracle import CLASSES, decode, given_frames
 
 # isort: split
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
@@ -106,6 +108,11 @@ def run(case: dict, out: Path, models: dict) -> dict:
             elif p["type"] == "image":
                 images.append(Image.open(p["path"]).convert("RGB"))
                 content.append({"type": "image"})
+            elif "frames" in p:  # a video given as frames: PIL images and their rate
+                frames, md = given_frames(p["frames"], p["fps"])
+                videos.append(frames)
+                metadata.append(md)
+                content.append({"type": "video"})
             else:
                 frames, md = decode(p["path"])
                 md.frames_indices = None  # the processor's sampling sets it

@@ -19,6 +19,10 @@ prefix of a prompt still in transfer, which `submit()` hands to the request.
 NOTE: every way out of the engine for a request (finish, stop string, deadline, abort,
 runner failure, shutdown) goes through `_finish()`, which frees its KV pages and sends
 exactly one final delta.
+
+Traces: a traced request (`req.trace`, set by the server) gets each prefill chunk's step
+recorded on it (`StageTrace.chunks`); a step reads the clock for it only while some live
+request is traced (`_traced`, a count), so tracing off costs one integer test per step.
 """
 
 from __future__ import annotations
@@ -85,6 +89,7 @@ class Engine:
         self._known_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._traced = 0  # live requests with a StageTrace (engine thread only)
         self.num_steps = 0
         # where the engine thread's time goes: forward seconds of steps with prompt
         # tokens (prefill/mixed) and of pure decode steps, and the rest of the step
@@ -239,6 +244,8 @@ class Engine:
                         self.tokenizer, sp.stop, sp.include_stop_str_in_output,
                         sp.skip_special_tokens, sp.spaces_between_special_tokens)
                     live = self._live[req.room] = Live(req, sink, detok)
+                    if req.trace is not None:
+                        self._traced += 1
                     if req.sampler.grammar_future is not None:  # joins the queue once compiled
                         req.status = RequestStatus.WAITING_FOR_GRAMMAR
                         self._compiling.append(live)
@@ -306,6 +313,7 @@ class Engine:
                     and c.req.prompt.arrived is not None and not c.req.prompt.arrived.complete)
 
         t0 = time.perf_counter()
+        traced_at = time.monotonic() if self._traced else 0.0
         out = self.runner.forward(step.batch)
         # NOTE: counted after the forward, from the watermarks read before it: these rows
         # were computed while later rows of their prompts were still on their way
@@ -324,6 +332,11 @@ class Engine:
         self.scheduler.commit(step, tokens)
         now = time.monotonic()
         t2 = time.perf_counter()
+        if traced_at:
+            for c in step.chunks:
+                if c.req.trace is not None and c.start < c.req.prompt_len:
+                    c.req.trace.chunks.append((traced_at, now, c.num_tokens, len(step.chunks),
+                                               step.num_tokens))
         m.count_generated(len(rows))
         for i in rows:
             self._on_token(self._live[step.chunks[i].req.room], tokens[i], logprobs[i], tops[i],
@@ -340,7 +353,8 @@ class Engine:
         req, p = live.req, live.req.sampling
         if not req.times.first_token:
             req.times.first_token = now
-            self.metrics.ttft.observe(now - req.times.created)
+            self.metrics.ttft.observe(now - req.times.created,
+                                      req.trace.exemplar if req.trace is not None else None)
         req.times.last_token = now
         delta = StreamDelta(token_ids=[token], prompt_tokens=req.prompt_len)
         if req.sampler.matcher is not None and not req.sampler.matcher.accept_token(token):
@@ -381,6 +395,8 @@ class Engine:
             self.grammars.abandon(req.sampler.grammar_future)
         req.status = status
         self._live.pop(req.room, None)
+        if req.trace is not None:
+            self._traced -= 1
         with self._known_lock:
             self._known.discard(req.room)
         delta = delta or StreamDelta()

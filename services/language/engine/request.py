@@ -4,6 +4,7 @@
     kv       KVState: block table, computed tokens, pins, page keys       (scheduler)
     sampler  SamplingState: generator, prompt ids tensor, grammar         (sampler, grammar)
     times    Timings: when each stage began                               (engine)
+    trace    StageTrace: each prefill chunk's step, when traced (else None) (engine)
     and      status, output ids / logprobs, the token budget, the error   (engine)
 
 A request's sequence is its prompt followed by its generated tokens:
@@ -172,6 +173,17 @@ class Timings:
         }
 
 
+@dataclass
+class StageTrace:
+    """What the engine thread records for a traced request, beside `Timings`, for its
+    spans (made by the server once the request ended, never on the engine thread)."""
+
+    exemplar: dict[str, str] | None  # its trace id, for the latency histograms' exemplars
+    # each step that ran a chunk of its prompt: (time.monotonic() at the step's forward
+    # and after it, the chunk's tokens, the step's sequences, the step's tokens)
+    chunks: list[tuple[float, float, int, int, int]] = field(default_factory=list)
+
+
 class Request:
     """A request from submission to finish: its spec (read-only) and the state each owner
     writes — `kv` (scheduler), `sampler` (sampler and grammar), `times`; the rest (status,
@@ -194,6 +206,7 @@ class Request:
         self.kv = KVState()
         self.sampler = SamplingState(grammar_future=grammar_future)
         self.times = Timings()
+        self.trace: StageTrace | None = None  # set by the server when the request is traced
 
     # the spec's fields, read-only
     room = property(lambda self: self.spec.room)

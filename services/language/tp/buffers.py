@@ -28,6 +28,7 @@ run in executor threads, drops come from the engine thread).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from tandem import tracing
 from tandem.services.language.tp import wire
 from tandem.transfer import EmbeddingBuffers, TransferError
 from tandem.transfer.buffers import BufferLayout, RangeSeal, open_range
@@ -89,14 +91,16 @@ class RankBuffers:
 
     def gather(self, key: int, ids: list[int], n: int, at: int, total: int, room: int,
                generation: int, start: int, piece_tokens: int, first_index: int,
-               local: Callable[[], None], seals: list[dict] = ()) -> None:
+               local: Callable[[], None], seals: list[dict] = (),
+               trace: dict[str, str] | None = None) -> None:
         """Every rank (rank 0 through `local`) checks and copies `n` tokens of blocks `ids`
         into its rows of payload `key` at row `at`, and opens its copy of each range in
-        `seals` (`RangeSeal.for_rank`). Raises TransferError (DATA_LOSS)."""
+        `seals` (`RangeSeal.for_rank`). Raises TransferError (DATA_LOSS). `trace`: the
+        room's trace context (tracing.carrier), for each rank's `tp.gather` span."""
         self._call({"op": "gather", "key": key, "ids": ids, "n": n, "at": at, "total": total,
                     "room": room, "generation": generation, "start": start,
                     "piece_tokens": piece_tokens, "first_index": first_index,
-                    "seals": list(seals)}, answer=True, local=local)
+                    "seals": list(seals), "trace": trace or {}}, answer=True, local=local)
 
     def clear(self, ids: list[int]) -> None:
         if ids:
@@ -104,6 +108,24 @@ class RankBuffers:
 
     def drop(self, key: int) -> None:
         self._call({"op": "drop", "key": key}, answer=False)
+
+
+@contextlib.contextmanager
+def _rank_span(m: dict):
+    """This rank's `tp.gather` span of a gather rank 0 traces (none otherwise)."""
+    parent = tracing.from_carrier(m.get("trace") or {})
+    if parent is None:
+        yield
+        return
+    span = tracing.start("tp.gather", parent, attributes={
+        tracing.ROOM: m["room"], "tandem.transfer.tokens": m["n"]})
+    try:
+        yield
+    except TransferError as e:
+        tracing.fail(span, e.code, e.reason)
+        raise
+    finally:
+        span.end()
 
 
 class WorkerBuffers:
@@ -138,7 +160,8 @@ class WorkerBuffers:
                 continue
             try:
                 if op == "gather":
-                    self._gather(msg)
+                    with _rank_span(msg):
+                        self._gather(msg)
                 elif op == "clear":
                     self.buffers.clear(msg["ids"])
                 reply = {"ok": True}

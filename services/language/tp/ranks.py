@@ -71,6 +71,7 @@ class RankArgs:
     transfer: dict  # TransferConfig fields
     embedding_blocks: int
     embedding_block_size: int
+    tracing: dict | None = None  # TracingConfig fields: the ranks' spans (tp.gather)
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:

@@ -17,6 +17,7 @@ from multiprocessing.connection import Client
 
 import torch
 
+from tandem import tracing
 from tandem.config import TransferConfig
 from tandem.devices import DTYPES
 from tandem.models.checkpoint import read_spec, resolve_model_path
@@ -25,6 +26,7 @@ from tandem.services.language.model.shard import Shard
 from tandem.services.language.tp import wire
 from tandem.services.language.tp.buffers import WorkerBuffers
 from tandem.services.language.tp.ranks import RankArgs, TensorParallel, init_group, rank_device
+from tandem.tracing import TracingConfig
 from tandem.transfer import EmbeddingBuffers, MooncakeEngine
 
 log = logging.getLogger("tandem.language.tp")
@@ -36,6 +38,9 @@ def main(rank: int, args: RankArgs) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(args.threads)
+    # the rank's own spans (tp.gather) join rank 0's traces (tandem/tracing.py)
+    tracing.setup(TracingConfig(**(args.tracing or {})), "tandem-language",
+                  {"tandem.tp.rank": rank})
     device = rank_device(torch.device(args.device), rank)
     init_group(rank, args.size, args.dist_address, device, args.timeout_s)
     host, port = args.control_address.rsplit(":", 1)

@@ -24,7 +24,7 @@ import tandem
 from tandem import tracing
 from tandem.services.router.choices import choice_requests, merged
 from tandem.services.router.core import RouterCore
-from tandem.services.router.errors import RouterError
+from tandem.services.router.errors import RouterError, openai_param
 from tandem.services.router.metrics import HttpStatusCounter
 from tandem.services.router.openai import format as fmt
 from tandem.services.router.openai.chat import (
@@ -54,17 +54,26 @@ from tandem.v1 import language_pb2
 _UNION_MEMBER = re.compile(r"^(str|[\w-]+\[.*\])$")
 
 
+# A location in a video given as frames (the body's `video` list of a `video` part), as the
+# body spells it: errors.openai_param reads a param as the wire spells it, where that list
+# is `video.frames` (and a bare `video` is a video_url part).
+_BODY_FRAMES = re.compile(r"^(messages\[\d+\]\.content\[\d+\])\.video(?=$|\[)")
+
+
 def _loc(loc) -> str:
     """An error's location as the body spells it: `messages[0].content[1].video_url.fps`.
-    Union members are left out, and so is a tagged union's tag (the part's `type`, which
-    pydantic repeats before the field of the same name)."""
-    parts = [str(p) for p in loc if p != "body"]
-    parts = [p for i, p in enumerate(parts) if not _UNION_MEMBER.match(p)
-             and not (i + 1 < len(parts) and parts[i + 1] == p)]
+    Union members are left out, and so is a content part's tag (its `type`, which pydantic
+    puts before the part's fields); a frames `video` list is spelled as the wire spells it
+    (`...content[1].video.frames[2]`, which errors.openai_param turns back into the body's
+    `...content[1].video[2]`)."""
+    parts = [str(p) for p in loc if p != "body" and not _UNION_MEMBER.match(str(p))]
+    parts = [p for i, p in enumerate(parts)
+             if not (i >= 2 and parts[i - 2] == "content" and parts[i - 1].isdigit())
+             and not (i + 1 < len(parts) and parts[i + 1] == p)]  # fmt: skip
     out = ""
     for p in parts:
         out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
-    return out
+    return _BODY_FRAMES.sub(r"\1.video.frames", out)
 
 
 def build_app(core: RouterCore) -> FastAPI:
@@ -85,9 +94,10 @@ def build_app(core: RouterCore) -> FastAPI:
         if first.get("type") == "extra_forbidden" and param in VLLM_REFUSED:
             msg = f"{param} is not supported: {VLLM_REFUSED[param]}"  # and why
         elif first.get("type") == "extra_forbidden":  # a field we do not honour: say so
-            msg = f"{param}: not supported by this server (refused, never silently ignored)"
+            msg = (f"{openai_param(param)}: not supported by this server (refused, never "
+                   "silently ignored)")
         else:
-            msg = f"{param}: {first['msg']}" if param else first["msg"]
+            msg = f"{openai_param(param)}: {first['msg']}" if param else first["msg"]
         return error_response(RouterError("INVALID_ARGUMENT", msg, param))
 
     @app.exception_handler(StarletteHTTPException)

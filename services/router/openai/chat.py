@@ -1,7 +1,7 @@
 """OpenAI chat-completions request schema (pydantic, with bounds; the sampling fields it
 shares with the completions API are `sampling.py`) and its conversion to the wire
-protos (text, image_url and video_url parts). Nothing is silently dropped: every field is
-honoured, hint-only (`user`, `parallel_tool_calls`, an image's `detail`: OpenAI treats them
+protos (text, image_url and video_url parts, and qwen-vl-utils' `video` given as frames).
+Nothing is silently dropped: every field is honoured, hint-only (`user`, `parallel_tool_calls`, an image's `detail`: OpenAI treats them
 as hints too), or refused with a 400 naming it (`param`): unknown fields by
 `extra="forbid"` (vLLM's extras that are not served with their reason,
 `sampling.VLLM_REFUSED`), and values we cannot serve (n > 16) by their bounds. docs/sdk.md
@@ -67,21 +67,35 @@ class VideoURLPart(_Model):
     video_url: VideoURL
 
 
+class VideoFramesPart(_Model):
+    """qwen-vl-utils' `video` part given as its frames: image URLs in order (each as an
+    image_url's: a data:image/... URL or an allow-listed http(s) one), every frame used,
+    none sampled (docs/video.md, "A video given as frames"). `fps` (or qwen-vl-utils'
+    name for it, `sample_fps`) is the rate they were taken at, required; the resize
+    bounds are a video_url's. A `video` given as one string (a video file) is refused by
+    name: that is a video_url part."""
+
+    type: Literal["video"]
+    video: Annotated[list[str], Field(min_length=1, max_length=1 << 16)] | str
+    fps: float | None = Field(None, gt=0, le=1000)
+    sample_fps: float | None = Field(None, gt=0, le=1000)
+    min_pixels: int | None = Field(None, ge=1, lt=1 << 31)
+    max_pixels: int | None = Field(None, ge=1, lt=1 << 31)
+    total_pixels: int | None = Field(None, ge=1, lt=1 << 63)
+
+
 class UnservedPart(BaseModel):
-    """A content part OpenAI or vLLM define that is not served here (audio, files, the
-    bare `video` part): parsed only so that it is refused by name (`chat_messages`), not as
-    a schema error."""
+    """A content part OpenAI or vLLM define that is not served here (audio, files): parsed
+    only so that it is refused by name (`chat_messages`), not as a schema error."""
 
     model_config = ConfigDict(extra="allow")
-    type: Literal["video", "input_audio", "audio_url", "file"]
+    type: Literal["input_audio", "audio_url", "file"]
 
 
-UNSERVED = {"video": "a video is a video_url part ({\"type\": \"video_url\", \"video_url\": "
-                     "{\"url\": ...}})",
-            "input_audio": "audio input is not supported",
+UNSERVED = {"input_audio": "audio input is not supported",
             "audio_url": "audio input is not supported",
             "file": "file inputs are not supported"}
-Part = Annotated[TextPart | ImageURLPart | VideoURLPart | UnservedPart,
+Part = Annotated[TextPart | ImageURLPart | VideoURLPart | VideoFramesPart | UnservedPart,
                  Field(discriminator="type")]
 
 
@@ -216,6 +230,37 @@ def _video_part(v: VideoURL, param: str, max_bytes: int) -> common_pb2.VideoPart
     raise RouterError("INVALID_ARGUMENT", "video_url must be a data: or http(s) URL", param)
 
 
+def _frames_part(p: VideoFramesPart, where: str, cfg: RouterConfig) -> common_pb2.VideoPart:
+    """A video given as frames -> a VideoPart with `frames`: each frame an image URL, read
+    as an image_url's (`_image_part`: a data URL decoded here, under max_image_bytes;
+    http(s) for the encoder's allow-list), the frames' bytes together under the router's
+    max_video_bytes (413). Errors name the wire's fields (`...video.frames[k]`), which
+    the body spells `...video[k]` (errors.openai_param)."""
+    if isinstance(p.video, str):
+        raise RouterError("INVALID_ARGUMENT", "a `video` part is a list of frames (image "
+                          "URLs); a video file is a video_url part ({\"type\": \"video_url\", "
+                          "\"video_url\": {\"url\": ...}})", f"{where}.video.frames")  # fmt: skip
+    if None not in (p.fps, p.sample_fps) and p.fps != p.sample_fps:
+        raise RouterError("INVALID_ARGUMENT", "fps and sample_fps name the same rate and "
+                          "differ", f"{where}.sample_fps")  # fmt: skip
+    fps = p.fps if p.fps is not None else p.sample_fps
+    if fps is None:
+        raise RouterError("INVALID_ARGUMENT", "a video given as frames needs fps (or "
+                          "sample_fps): the rate its frames were taken at", f"{where}.fps")
+    frames, total = common_pb2.VideoFrames(), 0
+    for k, url in enumerate(p.video):
+        img = _image_part(url, f"{where}.video.frames[{k}]", cfg.max_image_bytes)
+        total += len(img.data)
+        if total > cfg.max_video_bytes:
+            raise RouterError("TOO_LARGE", f"the frames are larger than {cfg.max_video_bytes} "
+                              "bytes together (the router's max_video_bytes)",
+                              f"{where}.video.frames")  # fmt: skip
+        frames.frames.add(**{img.WhichOneof("source"): getattr(img, img.WhichOneof("source"))})
+    pixels = {k: getattr(p, k) for k in ("min_pixels", "max_pixels", "total_pixels")
+              if getattr(p, k) is not None}  # fmt: skip
+    return common_pb2.VideoPart(frames=frames, fps=fps, **pixels)
+
+
 def tool_setup_of(tools_in: list[Tool] | None,
                   choice: str | NamedToolChoice | None) -> ToolSetup:
     """Validated tools and tool_choice (HTTP or gRPC) -> ToolSetup (RouterError if bad)."""
@@ -310,6 +355,8 @@ def chat_messages(body_messages: list[Message], cfg: RouterConfig) -> list[commo
                     param = f"messages[{i}].content[{j}].video_url"
                     msg.content.add(video=_video_part(part.video_url, param,
                                                       cfg.max_video_bytes))
+                elif isinstance(part, VideoFramesPart):
+                    msg.content.add(video=_frames_part(part, f"messages[{i}].content[{j}]", cfg))
                 else:
                     param = f"messages[{i}].content[{j}].image_url"
                     msg.content.add(image=_image_part(part.image_url.url, param, cfg.max_image_bytes))
@@ -322,6 +369,8 @@ def chat_messages(body_messages: list[Message], cfg: RouterConfig) -> list[commo
 # the others are videos' sampling controls (docs/video.md).
 MM_IMAGE_KWARGS = ("min_pixels", "max_pixels")
 MM_PROCESSOR_KWARGS = VIDEO_CONTROLS
+# The kwargs that sample a video's frames: a video given as frames is not sampled.
+MM_SAMPLING_KWARGS = ("fps", "num_frames", "min_frames", "max_frames")
 
 
 def _mm_kwarg(key: str, value) -> None:
@@ -350,7 +399,9 @@ def apply_mm_processor_kwargs(kwargs: dict | None,
     looser) and each video's; fps, num_frames, min_frames, max_frames and total_pixels each
     video's sampling controls. A part's own control wins over the kwarg of its name; a
     part that sets fps or num_frames takes neither from the kwargs (they exclude each
-    other). Any other key is refused by name."""
+    other). A video given as frames takes the resize bounds only, and a chat holding one
+    refuses the sampling kwargs (its rate is the part's fps; nothing is sampled). Any
+    other key is refused by name."""
     kwargs = kwargs or {}
     for key, value in kwargs.items():
         _mm_kwarg(key, value)
@@ -366,6 +417,15 @@ def apply_mm_processor_kwargs(kwargs: dict | None,
             kind = part.WhichOneof("part")
             if kind == "image":
                 part.image.min_pixels, part.image.max_pixels = lo, hi
+            elif kind == "video" and part.video.WhichOneof("source") == "frames":
+                for key, value in kwargs.items():
+                    if key in MM_SAMPLING_KWARGS:
+                        raise RouterError("INVALID_ARGUMENT", f"{key} does not apply to a "
+                                          "video given as frames (the chat has one): every "
+                                          "frame is used, at the rate its part's fps states",
+                                          f"mm_processor_kwargs.{key}")  # fmt: skip
+                    if not getattr(part.video, key):
+                        setattr(part.video, key, value)
             elif kind == "video":
                 v = part.video
                 rate_set = bool(v.fps or v.num_frames)

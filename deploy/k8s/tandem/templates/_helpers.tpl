@@ -177,6 +177,31 @@ and mount below. Without internalTLS.enabled: --insecure-internal, via the envir
 {{- end }}
 {{- end }}
 
+{{/*
+OpenTelemetry traces (values `tracing`): the standard OTEL_* variables every tier reads
+(tandem/tracing.py; the service name stays the tier's own, tandem-<tier>). Call with
+(dict "root" $ "role" "encoder").
+*/}}
+{{- define "tandem.tracingEnv" -}}
+{{- $t := .root.Values.tracing }}
+{{- if $t.enabled -}}
+- name: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
+  value: {{ required "tracing.endpoint: the OTLP/gRPC collector (http://host:4317) is required when tracing.enabled" $t.endpoint | quote }}
+- name: OTEL_TRACES_SAMPLER
+  value: {{ $t.sampler | quote }}
+{{- if ne $t.samplerArg nil }}
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ $t.samplerArg | toString | quote }}
+{{- end }}
+- name: OTEL_POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: {{ printf "k8s.pod.name=$(OTEL_POD_NAME),k8s.namespace.name=%s,tandem.tier=%s%s" .root.Release.Namespace .role (ternary (printf ",%s" $t.resourceAttributes) "" (ne $t.resourceAttributes "")) | quote }}
+{{- end }}
+{{- end }}
+
 {{- define "tandem.internalTLSMount" -}}
 {{- if .root.Values.internalTLS.enabled }}
 - name: internal-tls

@@ -108,6 +108,7 @@ spec:
             - name: HOME
               value: /tmp
             {{- include "tandem.internalTLSEnv" (dict "root" $root "role" $tier) | nindent 12 }}
+            {{- include "tandem.tracingEnv" (dict "root" $root "role" $tier) | nindent 12 }}
             {{- if $root.Values.internalTLS.enabled }}
             - name: TANDEM_HEALTH_PORT
               value: {{ $root.Values.internalTLS.healthPort | quote }}
