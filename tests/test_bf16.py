@@ -252,13 +252,13 @@ def test_bf16_on_cpu_runs_torch_linears_and_a_bf16_kv_cache(checkpoint):
     from tandem.cpu_kernels import paged_decode_op
 
     weights = oracle.text_weights(checkpoint("qwen3_vl_moe"), BF16)
-    runner = ModelRunner(weights, RunnerSettings(page_size=PAGE), num_pages=8, dtype=BF16)
+    runner = ModelRunner(weights.copy(), RunnerSettings(page_size=PAGE), num_pages=8, dtype=BF16)
     assert runner.linear_kernels is None
     assert {p.dtype for p in runner.model.parameters()} == {BF16}
     assert {t.dtype for t in (*runner.kv.k, *runner.kv.v)} == {BF16}
     assert runner.decode_op is paged_decode_op()
     with pytest.raises(ValueError, match="float32"):
-        ModelRunner(weights, RunnerSettings(page_size=PAGE, linear_backend="packed_cpu"),
+        ModelRunner(weights.copy(), RunnerSettings(page_size=PAGE, linear_backend="packed_cpu"),
                     num_pages=8, dtype=BF16)  # fmt: skip
 
 
