@@ -230,7 +230,7 @@ def test_bf16_small_preset_within_bound(arch, checkpoint, record_property):
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="--tp 2 over gloo on the CPU (one GPU here)")
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl_moe"])  # sliced KV biases; MoE
 def test_bf16_tp2_within_bound_of_transformers(arch, checkpoint, record_property):
     path = checkpoint(arch)
     prompts = bf16_oracle(path, arch, "tiny")
