@@ -171,7 +171,6 @@ class AttentionPath:
             flex=flex,
         )
 
-
     def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, scale: float) -> None:
         """Flex: compile the kernels for this cache before the first request does. Decode
         rows x table width (2 x 2, 3 x 3: the sizes go dynamic; 1 x 3, 1 x 1: the sizes
@@ -253,7 +252,7 @@ def flex_block_mask(
     full = torch.minimum((first + 1) // ps, seen)
     # NOTE (CPU): inductor's CPU kernel wants the index rows to span the whole key sequence
     # (it asserts kv_len <= columns * block); the CUDA kernels read only the counted ones.
-    span = cache_pages if dev.type == "cpu" else width
+    span = max(cache_pages, width) if dev.type == "cpu" else width
     padded = F.pad(tables, (0, span - width)).to(torch.int32)
     full_idx = padded[:, None, :].expand(groups, blocks, span)
     cols = torch.arange(span, device=dev)
