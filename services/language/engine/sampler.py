@@ -138,20 +138,22 @@ def _penalty_news(j: int, req: Request, vocab: int, device: torch.device, eos: f
 
 
 def _apply_news(news: _PenaltyNews, t: dict[str, torch.Tensor]) -> None:
-    """Add a step's news (uploaded in `t`) to the row's state on the device."""
+    """Add a step's news (uploaded in `t`) to the row's state on the device. (What the
+    state keeps is its own copy: a slice would keep the step's whole upload alive.)"""
     st, j = news.state, news.row
     if news.first:
         if t[f"bias_ids{j}"].numel():
-            st.bias_ids, st.bias_values = t[f"bias_ids{j}"], t[f"bias_values{j}"]
+            st.bias_ids = t[f"bias_ids{j}"].clone()
+            st.bias_values = t[f"bias_values{j}"].clone()
         if t[f"ends{j}"].numel():
-            st.ends = t[f"ends{j}"]
+            st.ends = t[f"ends{j}"].clone()
     if news.seen:
         new = t[f"seen{j}"]
-        st.seen_ids = new if st.seen_ids is None else torch.cat([st.seen_ids, new])
+        st.seen_ids = new.clone() if st.seen_ids is None else torch.cat([st.seen_ids, new])
     if news.new_out:
         new = t[f"new_out{j}"]
         ones = torch.ones(new.shape[0], device=st.device)
-        st.out_ids = new if st.out_ids is None else torch.cat([st.out_ids, new])
+        st.out_ids = new.clone() if st.out_ids is None else torch.cat([st.out_ids, new])
         st.out_counts = ones if st.out_counts is None else torch.cat([st.out_counts, ones])
     if news.raised:
         st.out_counts.index_add_(0, t[f"raised{j}"],
@@ -197,8 +199,7 @@ def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Ten
 
 class _Staged:
     """This step's host values, uploaded as one int64 and one float32 copy and sliced into
-    named tensors on the device (`_upload`: no host sync). A slice that is kept across
-    steps keeps its (small) upload alive."""
+    named tensors on the device (`_upload`: no host sync)."""
 
     def __init__(self) -> None:
         self.ints: list[int] = []
