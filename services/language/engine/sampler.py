@@ -264,7 +264,7 @@ def _typical(x: torch.Tensor, mass: float) -> torch.Tensor:
     entropy = -(logp * logp.exp()).nansum()  # nansum: -inf * 0 of dropped tokens
     distance, order = torch.sort((-logp - entropy).abs())
     mass_upto = torch.softmax(x[order], dim=-1).cumsum(dim=-1)
-    last = (mass_upto < mass).sum().clamp(max=x.numel() - 1)
+    last = (mass_upto < mass).sum().clamp(max=x.numel() - 1)[None]  # (a 0-dim index: a read)
     drop_sorted = distance > distance[last]
     drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
     return x.masked_fill(drop, NEG_INF)
