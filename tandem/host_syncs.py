@@ -111,10 +111,11 @@ def _kind(func, args, kwargs) -> SyncKind | None:
         return SyncKind.READ if on_device else None
     if packet in _DATA_SHAPES or func is aten.where.default:  # where(cond): nonzero
         return SyncKind.DATA_SHAPE if on_device else None
-    if packet is aten.repeat_interleave and isinstance(first, torch.Tensor):
-        # repeats as a tensor: the output length is their sum, unless given
-        no_size = kwargs.get("output_size", args[3] if len(args) > 3 else None) is None
-        return SyncKind.DATA_SHAPE if on_device and no_size else None
+    if packet is aten.repeat_interleave:  # repeats as a tensor: the length is their sum
+        a = _bind(func, args, kwargs)
+        by_tensor = isinstance(a.get("repeats"), torch.Tensor)
+        return (SyncKind.DATA_SHAPE if on_device and by_tensor and a.get("output_size") is None
+                else None)
     if packet in _INDEXING:
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
         masks = any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
