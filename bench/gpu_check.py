@@ -451,12 +451,24 @@ def check_host_syncs(ctx: Ctx) -> list[Row]:
         case = f"{arch} {size}, batch 8, {'penalties + bias' if shaped else 'plain sampling'}"
         try:
             ckpt = cached_tiny_model(ROOT / ".cache" / "test-models", arch, size)
-            runner = ModelRunner(
-                load_text_weights(ckpt, dtype=ctx.torch_dtype, device=ctx.device),
-                RunnerSettings(page_size=16, cuda_graph_max_bs=8, max_seq_len=64), num_pages=64,
-                device=ctx.device, dtype=ctx.torch_dtype,
-            )  # fmt: skip
-            last = fn(runner, batch_size=8, shaped=shaped, steps=2)[-1]
+            settings = RunnerSettings(page_size=16, cuda_graph_max_bs=8, max_seq_len=64)
+            if ctx.device == "cuda":
+                runner = ModelRunner(
+                    load_text_weights(ckpt, dtype=ctx.torch_dtype, device=ctx.device),
+                    settings, num_pages=64, device=ctx.device, dtype=ctx.torch_dtype,
+                )  # fmt: skip
+                last = fn(runner, batch_size=8, shaped=shaped, steps=2)[-1]
+            else:  # on the CPU nothing is a device sync: count on a fake CUDA device, with
+                # the gather attention (compiled flex cannot lower for a device that is not)
+                from tandem.host_syncs import fake_cuda
+                from tandem.services.language.step_syncs import fake_cuda_runner
+
+                weights = load_text_weights(ckpt, dtype=ctx.torch_dtype, device="cpu")
+                with fake_cuda():
+                    runner = fake_cuda_runner(
+                        weights, dataclasses.replace(settings, attention_backend="gather"),
+                        ctx.torch_dtype)
+                    last = fn(runner, batch_size=8, shaped=shaped, steps=2)[-1]
         except NotBuilt:
             raise
         except Exception as e:  # this case only: the others still run
