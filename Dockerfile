@@ -104,13 +104,13 @@ RUN if [ "$VARIANT" = cuda ]; then \
  && /opt/venv/bin/python -c "import tandem.v1.encoder_pb2, tandem.services.encoder.config" \
  && rm -rf /wheels
 
-# The CPU variant carries a compiler: the language tier builds its CPU kernels (paged decode
-# attention, packed float32 linears: ~2x faster decode) for its node's CPU on first start
-# (~60 s, kept in TANDEM_KERNEL_DIR); without them it would serve with torch's slower ops.
-RUN if [ "$VARIANT" = cpu ]; then \
-      apt-get update && apt-get install -y --no-install-recommends g++ python3-dev \
-      && rm -rf /var/lib/apt/lists/*; \
-    fi
+# Both variants carry a compiler and Python's headers. CPU: the language tier builds its CPU
+# kernels (paged decode attention, packed float32 linears: ~2x faster decode) for its node's
+# CPU on first start (~60 s, kept in TANDEM_KERNEL_DIR); without them it would serve with
+# torch's slower ops. CUDA: attention is compiled flex_attention (Triton), whose kernel
+# launchers are C built on first use, as are xgrammar's Triton kernels.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ python3-dev \
+ && rm -rf /var/lib/apt/lists/*
 # Same uid as the Helm chart's podSecurityContext.runAsUser.
 RUN groupadd --gid 10001 tandem && useradd --uid 10001 --gid 10001 --create-home tandem \
  && mkdir -p /cache/huggingface /cache/kernels && chown -R tandem:tandem /cache

@@ -242,7 +242,7 @@ def check_exactness_bf16(ctx: Ctx) -> list[Row]:
         failed = any(child.tag in ("failure", "error") for child in case)
         rows.append(Row("exactness_bf16", props["bf16_case"], Status.FAIL if failed else Status.PASS,
                         f"{props['bf16_compared']}/{props['bf16_rows']} rows within the bound, "
-                        f"max |diff| {float(props['bf16_max_diff']):.4f}, greedy ids compared "
+                        f"max abs diff {float(props['bf16_max_diff']):.4f}, greedy ids compared "
                         f"{props['bf16_greedy_compared']}, near ties {props['bf16_near_ties']}, "
                         f"router near ties {props['bf16_routing_ties']}"))  # fmt: skip
     return rows
@@ -303,8 +303,9 @@ def _timed(fn, device, n: int) -> float:
 
 def check_decode_graphs(ctx: Ctx) -> list[Row]:
     """Decode graph replay against eager on the big model: equal within the dtype's bound
-    (float32: 1e-4; bfloat16: tests/test_bf16.py's 0.25) and the same greedy ids, at batch
-    sizes 1, 8, 32 and two padded ones (5, 17); eager / replay step time."""
+    (float32: 1e-4; bfloat16: tests/test_bf16.py's 0.25) and the same greedy ids wherever
+    the top-2 margin exceeds it, at batch sizes 1, 8, 32 and two padded ones (5, 17);
+    eager / replay step time."""
     import torch
 
     from tandem.models.split import load_text_weights
@@ -350,15 +351,19 @@ def check_decode_graphs(ctx: Ctx) -> list[Row]:
             eager = runner.forward_eager(batch).last_logits.float()
             graph = gr.run(batch).last_logits.float()
             diff = (eager - graph).abs().max().item()
-            same = int((eager.argmax(-1) == graph.argmax(-1)).sum())
+            top2 = eager.topk(2, dim=-1).values
+            clear = top2[:, 0] - top2[:, 1] > tol  # rows whose greedy id the bound decides
+            same = int((eager.argmax(-1) == graph.argmax(-1))[clear].sum())
+            n_clear = int(clear.sum())
             te = _timed(lambda b=batch: runner.forward_eager(b), device, steps)
             tg = _timed(lambda b=batch: gr.run(b), device, steps)
             target = ""
             if bs == 1 and device.type == "cuda":
                 target = f", target >= 2x {'met' if te / tg >= 2 else 'MISSED'}"
-            ok = diff <= tol and same == bs
+            ok = diff <= tol and same == n_clear
             rows.append(Row("decode_graphs", f"batch {bs}", Status.PASS if ok else Status.FAIL,
-                            f"max |diff| {diff:.3g} (bound {tol}), greedy ids equal {same}/{bs}, "
+                            f"max abs diff {diff:.3g} (bound {tol}), greedy ids equal {same}/"
+                            f"{n_clear} (rows with a top-2 margin over the bound), "
                             f"eager {te * 1e3:.2f} ms, replay {tg * 1e3:.2f} ms, "
                             f"speed-up {te / tg:.2f}x{target}, graphs {captured}"))  # fmt: skip
     return rows
@@ -446,12 +451,24 @@ def check_host_syncs(ctx: Ctx) -> list[Row]:
         case = f"{arch} {size}, batch 8, {'penalties + bias' if shaped else 'plain sampling'}"
         try:
             ckpt = cached_tiny_model(ROOT / ".cache" / "test-models", arch, size)
-            runner = ModelRunner(
-                load_text_weights(ckpt, dtype=ctx.torch_dtype, device=ctx.device),
-                RunnerSettings(page_size=16, cuda_graph_max_bs=8, max_seq_len=64), num_pages=64,
-                device=ctx.device, dtype=ctx.torch_dtype,
-            )  # fmt: skip
-            last = fn(runner, batch_size=8, shaped=shaped, steps=2)[-1]
+            settings = RunnerSettings(page_size=16, cuda_graph_max_bs=8, max_seq_len=64)
+            if ctx.device == "cuda":
+                runner = ModelRunner(
+                    load_text_weights(ckpt, dtype=ctx.torch_dtype, device=ctx.device),
+                    settings, num_pages=64, device=ctx.device, dtype=ctx.torch_dtype,
+                )  # fmt: skip
+                last = fn(runner, batch_size=8, shaped=shaped, steps=2)[-1]
+            else:  # on the CPU nothing is a device sync: count on a fake CUDA device, with
+                # the gather attention (compiled flex cannot lower for a device that is not)
+                from tandem.host_syncs import fake_cuda
+                from tandem.services.language.step_syncs import fake_cuda_runner
+
+                weights = load_text_weights(ckpt, dtype=ctx.torch_dtype, device="cpu")
+                with fake_cuda():
+                    runner = fake_cuda_runner(
+                        weights, dataclasses.replace(settings, attention_backend="gather"),
+                        ctx.torch_dtype)
+                    last = fn(runner, batch_size=8, shaped=shaped, steps=2)[-1]
         except NotBuilt:
             raise
         except Exception as e:  # this case only: the others still run

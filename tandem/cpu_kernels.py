@@ -104,19 +104,24 @@ def cpu_model() -> str:
     return os.uname().machine
 
 
-def _build_dir() -> Path:
+def build_dir() -> Path:
+    """Where compiled sources live, one keyed folder each (also tandem/host_syncs.py's)."""
     root = os.environ.get("TANDEM_KERNEL_DIR") or Path.home() / ".cache" / "tandem" / "kernels"
     return Path(root)
+
+
+def ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH; the venv's own (the `ninja` package) is not
+    on PATH when the interpreter is called by its full path."""
+    scripts = sysconfig.get_path("scripts")
+    if scripts and scripts not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
 
 
 @functools.cache
 def kernels():
     """The compiled module (its functions are listed above), or None where it cannot build."""
-    # NOTE: torch's builder runs `ninja` from PATH; the venv's own (the `ninja` package)
-    # is not on PATH when the interpreter is called by its full path.
-    scripts = sysconfig.get_path("scripts")
-    if scripts and scripts not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+    ninja_on_path()
     path = requested_isa()  # a bad request is an error, not a fallback
     try:  # no source (an install without it), no compiler, no ninja: keep torch's ops
         key = hashlib.sha256(
@@ -129,7 +134,7 @@ def kernels():
             + sys.prefix.encode()
         ).hexdigest()[:16]
         name = f"tandem_cpu_kernels_{key}"
-        build = _build_dir() / name
+        build = build_dir() / name
         (build / "src").mkdir(parents=True, exist_ok=True)
         # NOTE: one process builds or loads a key at a time, under an flock that the kernel
         # drops when its holder dies. torch's own `lock` file is not dropped: a process

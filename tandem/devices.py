@@ -6,6 +6,7 @@ a `torch.device` / `torch.dtype`:
     resolve_device("auto")             cuda if available, else cpu
     resolve_dtype("auto", device)      bfloat16 on CUDA, float32 elsewhere
     DTYPES["bfloat16"]                 the dtypes a payload or a model may have
+    host_empty(shape, dtype, device)   host rows uploaded to `device` (pinned for CUDA)
 """
 
 from __future__ import annotations
@@ -35,3 +36,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]
+
+
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype, for_device: torch.device | str
+               ) -> torch.Tensor:
+    """Host memory for rows that are uploaded to `for_device`: page-locked when that is a
+    CUDA device, so a `non_blocking` copy from it is asynchronous (from pageable memory
+    CUDA stages the copy and the host waits for the stream); pageable elsewhere (pinning
+    needs CUDA). NOTE: page-locked blocks come from torch's caching host allocator, which
+    keeps a freed block until the copies recorded on it are done."""
+    return torch.empty(shape, dtype=dtype, pin_memory=torch.device(for_device).type == "cuda")

@@ -230,7 +230,7 @@ def test_bf16_small_preset_within_bound(arch, checkpoint, record_property):
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="--tp 2 over gloo on the CPU (one GPU here)")
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl_moe"])  # sliced KV biases; MoE
 def test_bf16_tp2_within_bound_of_transformers(arch, checkpoint, record_property):
     path = checkpoint(arch)
     prompts = bf16_oracle(path, arch, "tiny")
@@ -252,11 +252,47 @@ def test_bf16_on_cpu_runs_torch_linears_and_a_bf16_kv_cache(checkpoint):
     from tandem.cpu_kernels import paged_decode_op
 
     weights = oracle.text_weights(checkpoint("qwen3_vl_moe"), BF16)
-    runner = ModelRunner(weights, RunnerSettings(page_size=PAGE), num_pages=8, dtype=BF16)
+    runner = ModelRunner(weights.copy(), RunnerSettings(page_size=PAGE), num_pages=8, dtype=BF16)
     assert runner.linear_kernels is None
     assert {p.dtype for p in runner.model.parameters()} == {BF16}
     assert {t.dtype for t in (*runner.kv.k, *runner.kv.v)} == {BF16}
     assert runner.decode_op is paged_decode_op()
     with pytest.raises(ValueError, match="float32"):
-        ModelRunner(weights, RunnerSettings(page_size=PAGE, linear_backend="packed_cpu"),
+        ModelRunner(weights.copy(), RunnerSettings(page_size=PAGE, linear_backend="packed_cpu"),
                     num_pages=8, dtype=BF16)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_on_cuda_within_bound_and_graph_replay_equals_eager(arch, checkpoint, record_property):
+    """On the GPU whatever --device says (a `gpu` test: `pytest -m gpu` runs it): the
+    bfloat16 runner against transformers as above, then its decode graphs in bfloat16,
+    captured and replayed for batches of 1-8 rows (padded sizes included), against the
+    eager step: within BF16_TOL and the same greedy ids outside near ties."""
+    from test_graph_runner import _decode_batch, _prefill
+
+    from tandem.units import ceil_div
+
+    path = checkpoint(arch)
+    prompts = bf16_oracle(path, arch, "tiny")
+    runner = ModelRunner(oracle.text_weights(path, BF16), RunnerSettings(page_size=PAGE),
+                         num_pages=64, device="cuda", dtype=BF16)  # fmt: skip
+    finish(run_case(runner, 64, prompts, f"{arch} tiny cuda"), record_property)
+
+    max_seq = 256
+    graphs = ModelRunner(
+        oracle.text_weights(path, BF16),
+        RunnerSettings(page_size=PAGE, cuda_graph_max_bs=8, max_seq_len=max_seq),
+        num_pages=10 * ceil_div(max_seq, PAGE), device="cuda", dtype=BF16,
+    )  # fmt: skip
+    gr = graphs.graph_runner
+    assert gr is not None and gr.use_graphs and gr.graphs
+    seqs = _prefill(graphs, KVPagePool(graphs.num_pages, PAGE), 8, seed=2)
+    for bs in (1, 3, 8):
+        batch = _decode_batch(seqs[:bs])
+        got = gr.run(batch).last_logits.float()
+        want = graphs.forward_eager(batch).last_logits.float()
+        assert (got - want).abs().max().item() <= BF16_TOL, bs
+        top2 = want.topk(2, dim=-1).values
+        clear = top2[:, 0] - top2[:, 1] > GREEDY_MARGIN  # near ties are not compared
+        assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear]), bs

@@ -52,10 +52,10 @@ def _decode_batch(seqs) -> ForwardBatch:
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def runner(checkpoint):
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_vl_moe"])  # MoE: graphed too
+def runner(request, checkpoint):
     r = ModelRunner(
-        oracle.text_weights(checkpoint("qwen3_vl")),
+        oracle.text_weights(checkpoint(request.param)),
         RunnerSettings(page_size=PAGE, cuda_graph_max_bs=MAX_BS, max_seq_len=MAX_SEQ),
         num_pages=40 * ceil_div(MAX_SEQ, PAGE),
     )  # fmt: skip

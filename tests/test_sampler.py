@@ -9,8 +9,14 @@ import pytest
 import torch
 
 from tandem.sampling import SamplingParams
+from tandem.services.language.engine import sampler
 from tandem.services.language.engine.request import Request
-from tandem.services.language.engine.sampler import filter_logits, sample, sampling_probs
+from tandem.services.language.engine.sampler import (
+    filter_logits,
+    sample,
+    sampling_probs,
+    shape_logits,
+)
 from tandem.transfer.payload import PromptPayload
 
 P = torch.tensor([0.1, 0.2, 0.3, 0.4])
@@ -121,3 +127,86 @@ def test_top_k_minus_one_and_zero_keep_every_token():
     plain = filter_logits(x, SamplingParams(temperature=1.0))
     for k in (-1, 0):
         assert torch.equal(filter_logits(x, SamplingParams(temperature=1.0, top_k=k)), plain)
+
+
+MIXED = [dict(temperature=0.0), dict(temperature=1.0, top_p=0.8, seed=None),
+         dict(temperature=0.7, top_k=10, min_p=0.1, logprobs=True, top_logprobs=2),
+         dict(temperature=1.0, repetition_penalty=1.5, logit_bias={5: 3.0}),
+         dict(temperature=1.3, typical_p=0.7)]
+
+
+@pytest.mark.parametrize("mine", [
+    dict(temperature=0.9, min_p=0.05, seed=7),
+    dict(temperature=1.2, typical_p=0.8, seed=7),
+    dict(temperature=0.8, top_p=0.9, top_k=30, repetition_penalty=1.3, presence_penalty=0.4,
+         frequency_penalty=0.2, logit_bias={3: 1.0}, min_tokens=3, stop_token_ids=[4], seed=7),
+    dict(temperature=0.0, repetition_penalty=1.2, frequency_penalty=0.5, logprobs=True,
+         top_logprobs=3),
+], ids=["min_p", "typical_p", "penalties", "greedy-penalties"])
+@pytest.mark.parametrize("pass_rows", [1, 64], ids=["cpu-pass", "whole-batch-pass"])
+def test_every_knob_keeps_a_seeds_tokens_whatever_shares_the_batch(mine, pass_rows,
+                                                                    monkeypatch):
+    """A row's tokens and logprobs depend on its own row only, over steps in which the
+    penalty state grows on the device (tokens appended as the engine does), whether the
+    rows are filtered and drawn one at a time (the CPU's pass) or all at once (CUDA's)."""
+    monkeypatch.setattr(sampler, "CPU_PASS_ROWS", pass_rows)
+    g = torch.Generator().manual_seed(2)
+    steps = [torch.randn(64, generator=g) * 2 for _ in range(12)]
+
+    def run(others: int, position: int) -> list:
+        me = req(1, **mine)
+        rest = [req(10 + i, **MIXED[i % len(MIXED)]) for i in range(others)]
+        noise = torch.Generator().manual_seed(others)
+        out = []
+        for row in steps:
+            batch = rest[:position] + [me] + rest[position:]
+            logits = torch.randn(len(batch), 64, generator=noise) * 2
+            logits[position] = row
+            res = sample(logits, batch, frozenset({2}))
+            for r, t in zip(batch, res.token_ids, strict=True):
+                r.output_ids.append(t)
+            out.append((res.token_ids[position], res.logprobs[position],
+                        res.top_logprobs[position]))
+        return out
+
+    alone = run(0, 0)
+    assert run(4, 2) == alone
+    assert run(7, 7) == alone
+
+
+def test_rows_pick_the_requests_rows_of_the_logits():
+    """The engine passes the step's logits and the rows that sample (prompt chunks that do
+    not are left out); each request reads its own row."""
+    logits = torch.randn(6, 30, generator=torch.Generator().manual_seed(4))
+    reqs = [req(1), req(2, temperature=0.8, seed=3, logprobs=True), req(3, logit_bias={7: 50.0})]
+    got = sample(logits, reqs, rows=[4, 1, 2])
+    want = sample(logits[[4, 1, 2]].clone(), [req(1), req(2, temperature=0.8, seed=3,
+                                                         logprobs=True),
+                                              req(3, logit_bias={7: 50.0})])
+    assert got == want and got.token_ids[0] == int(logits[4].argmax()) and got.token_ids[2] == 7
+
+
+def test_penalty_state_stays_on_the_device_and_grows_by_what_each_step_adds():
+    r = req(1, temperature=0.0, repetition_penalty=1.4, frequency_penalty=0.5,
+            presence_penalty=0.25)
+    r.output_ids = [9, 9]
+    g = torch.Generator().manual_seed(5)
+    first = None
+    for _ in range(8):
+        logits = torch.randn(1, 40, generator=g)
+        want = logits[0].clone()  # the formulas, from the host's ids
+        ids = sorted(set(r.prompt_token_ids() + r.output_ids))
+        v = want[ids]
+        want[ids] = torch.where(v > 0, v / 1.4, v * 1.4)
+        for t in set(r.output_ids):
+            want[t] -= r.output_ids.count(t) * 0.5 + 0.25
+        assert torch.equal(shape_logits(logits[0], r, frozenset()), want)
+        first = first or r.sampler.penalties
+        assert r.sampler.penalties is first  # kept across steps, never remade
+        t = sample(logits, [r]).token_ids[0]
+        assert t == int(want.argmax())
+        r.output_ids.append(t)
+    st = r.sampler.penalties
+    assert sorted(st.seen_ids.tolist()) == sorted(set(r.prompt_token_ids() + r.output_ids[:-1]))
+    counts = dict(zip(st.out_ids.tolist(), st.out_counts.tolist(), strict=True))
+    assert counts == {t: r.output_ids[:-1].count(t) for t in set(r.output_ids[:-1])}

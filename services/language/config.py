@@ -32,7 +32,10 @@ class LanguageConfig(ModelServiceSettings):
         0, ge=0, description="KV pages; 0 sizes the pool from kv_memory_fraction."
     )
     kv_memory_fraction: float = Field(
-        0.5, gt=0, le=0.95, description="Share of free device memory for the KV pool."
+        0.5, gt=0, le=0.95,
+        description="Share of the device memory free once the weights are loaded and the "
+        "largest step and the decode graphs (measured at start-up) are set aside, for the "
+        "KV pool (kv_pages 0, CUDA).",
     )
     max_running_requests: int = Field(64, ge=1, le=4096, description="Decode batch cap.")
     max_prefill_tokens: int = Field(
@@ -81,10 +84,13 @@ class LanguageConfig(ModelServiceSettings):
     )
     attention_backend: str = Field(
         "auto",
-        pattern="^(auto|gather|paged_cpu)$",
-        description="Decode attention: 'paged_cpu' reads KV pages in place (a kernel compiled "
-        "once per machine), 'gather' copies them into a workspace for SDPA; 'auto' is "
-        "paged_cpu on CPU where it builds, gather otherwise (CUDA).",
+        pattern="^(auto|gather|paged_cpu|flex)$",
+        description="Attention over the paged KV cache: 'paged_cpu' reads KV pages in place "
+        "for decode (a CPU kernel compiled once per machine), 'gather' copies them into a "
+        "workspace for SDPA (prefill chunks use SDPA in both); 'flex' runs decode and "
+        "prefill through compiled flex_attention over the page table (no copy, no mask "
+        "tensor; on CUDA the page size must be a power of two >= 16); 'auto' is paged_cpu "
+        "on CPU where it builds, else gather, and flex on CUDA.",
     )
     linear_backend: str = Field(
         "auto",

@@ -1,8 +1,11 @@
 """`tandem language`: load the decoder, start the engine thread and the gRPC server.
 
-Start-up order: text weights (split loader) -> model runner + KV pool -> engine thread ->
-Mooncake engine + registered embedding buffers -> metrics HTTP (the service's own
-registry) -> gRPC server (Language, health, reflection) -> "ready" log line.
+Start-up order: this process bound to its GPU -> tensor-parallel ranks started (--tp) ->
+text weights (split loader), handed to the model runner, which adopts them, measures the
+largest step, sizes the KV pool and captures the decode graphs, every rank in step
+(runner/kv_sizing.py) -> the other ranks ready -> structured output's mask kernel warmed
+-> engine thread -> Mooncake engine + registered embedding buffers -> metrics HTTP (the
+service's own registry) -> gRPC server (Language, health, reflection) -> "ready" log line.
 
 SIGTERM / SIGINT drain: health turns NOT_SERVING and new Generates are refused
 (UNAVAILABLE); rooms in transfer and requests in the engine get up to `drain_timeout_s`
@@ -21,7 +24,7 @@ from tandem.devices import resolve_device, resolve_dtype
 from tandem.metrics import metric_set, serve_metrics, service_registry
 from tandem.services.language.config import LanguageConfig
 from tandem.services.language.engine.core import Engine
-from tandem.services.language.engine.grammar import GrammarLimits
+from tandem.services.language.engine.grammar import GrammarLimits, warm_masks
 from tandem.services.language.engine.types import EngineConfig
 from tandem.services.language.metrics import LanguageMetrics
 from tandem.services.language.server import LanguageServicer, ServiceLimits
@@ -38,13 +41,17 @@ def serve(cfg: LanguageConfig) -> int:
 
 def build_engine(cfg: LanguageConfig, metrics: LanguageMetrics):
     """(engine, spec, tokenizer) for `cfg` (also used by the benchmark)."""
+    import torch
     from transformers import AutoTokenizer
 
     from tandem.models.checkpoint import read_spec, resolve_model_path
     from tandem.models.split import load_text_weights
     from tandem.services.language.runner.model_runner import ModelRunner
+    from tandem.services.language.tp.ranks import rank_device
 
-    device = resolve_device(cfg.device)
+    device = rank_device(resolve_device(cfg.device), 0)  # CUDA: with its index (cuda:0)
+    if device.type == "cuda":  # this process's GPU: graphs and streams default to it
+        torch.cuda.set_device(device)
     if cfg.kv_pages == 0 and device.type != "cuda":  # before the weights load: say it at once
         raise SystemExit(f"tandem language: --kv-pages is needed on {device.type} (kv_pages 0 "
                          "sizes the pool from free GPU memory only; `tandem up` sets one)")
@@ -53,12 +60,15 @@ def build_engine(cfg: LanguageConfig, metrics: LanguageMetrics):
     max_len = cfg.max_model_len or spec.max_position_embeddings
     settings = runner_settings(cfg, device, max_len)
     tp = start_tensor_parallel(cfg, spec, device, dtype, settings) if cfg.tp > 1 else None
-    weights = load_text_weights(spec, dtype=dtype, device=device, shard=tp.shard if tp else None)
-    runner = ModelRunner(weights, settings, num_pages=cfg.kv_pages,
-                         kv_memory_fraction=cfg.kv_memory_fraction, device=device, dtype=dtype,
-                         tp=tp)  # fmt: skip
-    if tp is not None:
-        tp.workers.start(runner.num_pages)
+    # NOTE: handed over, not kept: the runner consumes the tensors as the decoder adopts
+    # them, so no projection is alive twice while loading or while the KV pool is sized.
+    runner = ModelRunner(
+        load_text_weights(spec, dtype=dtype, device=device, shard=tp.shard if tp else None),
+        settings, num_pages=cfg.kv_pages, kv_memory_fraction=cfg.kv_memory_fraction,
+        device=device, dtype=dtype, tp=tp)  # fmt: skip
+    if tp is not None:  # the workers built theirs meanwhile, phase by phase with this one
+        tp.workers.wait_ready(runner.num_pages)
+    warm_masks(runner.device, runner.vocab_size)  # not on the first structured request
     tokenizer = AutoTokenizer.from_pretrained(spec.path)
     engine = Engine(
         runner,
@@ -91,6 +101,7 @@ def runner_settings(cfg: LanguageConfig, device, max_len: int):
 
     return RunnerSettings(
         page_size=cfg.kv_page_size, max_seq_len=max_len,
+        max_prefill_tokens=cfg.max_prefill_tokens, max_decode_rows=cfg.max_running_requests,
         cuda_graph_max_bs=cfg.cuda_graph_max_bs if device.type == "cuda" else 0,
         attention_backend=cfg.attention_backend, linear_backend=cfg.linear_backend,
         cpu_parallel_min_tokens=cfg.cpu_parallel_min_tokens,
@@ -113,7 +124,8 @@ def start_tensor_parallel(cfg: LanguageConfig, spec, device, dtype, settings):
         torch.set_num_threads(threads)
     args = RankArgs(
         model=str(spec.path), dtype=str(dtype).removeprefix("torch."), device=str(device),
-        runner=asdict(settings), size=cfg.tp, dist_address=f"127.0.0.1:{free_port()}", control_address="",
+        runner=asdict(settings), kv_pages=cfg.kv_pages, kv_memory_fraction=cfg.kv_memory_fraction,
+        size=cfg.tp, dist_address=f"127.0.0.1:{free_port()}", control_address="",
         timeout_s=cfg.tp_timeout_s, threads=threads, transfer=cfg.transfer.model_dump(),
         embedding_blocks=cfg.embedding_blocks, embedding_block_size=cfg.embedding_block_size,
         tracing=cfg.tracing.model_dump(),
@@ -149,9 +161,11 @@ async def run(
     engine.start()
     transfer = MooncakeEngine(cfg.transfer)
     # NOTE: embedding buffers live in host memory (the CPU Mooncake build registers host
-    # memory only); chunks are copied to the model's device when they run.
+    # memory only); chunks are copied to the model's device when they run, from each
+    # request's private rows, page-locked on CUDA so that upload is asynchronous.
     buffers = EmbeddingBuffers(
-        cfg.embedding_blocks, cfg.embedding_block_size, spec.embed_dim, engine.runner.dtype
+        cfg.embedding_blocks, cfg.embedding_block_size, spec.embed_dim, engine.runner.dtype,
+        upload_device=engine.runner.device,
     )
     buffers.register(transfer)
     allocator = BlockAllocator(cfg.embedding_blocks, cfg.embedding_block_size)

@@ -33,7 +33,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
-from tandem.devices import DTYPES
+from tandem.devices import DTYPES, host_empty
 from tandem.transfer.errors import TransferError
 from tandem.units import ceil_div
 from tandem.v1 import encoder_pb2
@@ -116,12 +116,16 @@ class EmbeddingBuffers:
         embed_dim: int,
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device = "cpu",
+        upload_device: str | torch.device = "cpu",
     ) -> None:
+        """`upload_device`: where the model runs, which the private rows (`private_embeds`)
+        are uploaded to; on CUDA they are page-locked, so the upload is asynchronous."""
         if dtype_name(dtype) not in DTYPES:
             raise ValueError(f"unsupported embedding dtype {dtype}")
         self.num_blocks, self.block_size, self.embed_dim, self.dtype = (
             num_blocks, block_size, embed_dim, dtype,
         )
+        self.upload_device = torch.device(upload_device)
         # NOTE: zero_() touches every page now; Mooncake writes into untouched pages run
         # several times slower (page faults on the receiving side).
         mk = lambda shape, dt: torch.empty(shape, dtype=dt, device=device).zero_()  # noqa: E731
@@ -133,6 +137,16 @@ class EmbeddingBuffers:
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.embeddings, self.fill_ids, self.mrope_positions, self.aux]
+
+    def private_embeds(self, total: int) -> torch.Tensor:
+        """A request's private embedding rows [total, embed_dim], which `gather_into` fills
+        and the model's prefill uploads: page-locked when the model runs on CUDA.
+        NOTE: the registered blocks stay pageable: they are only ever copied on the host
+        (into these rows), never uploaded."""
+        if self.embeddings.device.type != "cpu":
+            return torch.empty((total, self.embed_dim), dtype=self.dtype,
+                               device=self.embeddings.device)
+        return host_empty((total, self.embed_dim), self.dtype, self.upload_device)
 
     def clear(self, block_ids: list[int]) -> None:
         """Zero the blocks' rows in all four buffers. NOTE: called as a room lets its

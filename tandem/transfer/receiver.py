@@ -426,7 +426,7 @@ class EmbeddingReceiver:
         if r.out is None:
             r.total = total
             b, dev = self.buffers, self.buffers.embeddings.device
-            r.out = (torch.empty((total, b.embed_dim), dtype=b.dtype, device=dev),
+            r.out = (b.private_embeds(total),  # (page-locked for a CUDA model)
                      torch.empty(total, dtype=torch.int32, device=dev),
                      torch.empty((3, total), dtype=torch.int32, device=dev))
             if self.ranks is not None:  # a new attempt's rows: under a new name

@@ -34,7 +34,6 @@ import threading
 import time
 from concurrent.futures import CancelledError
 
-import torch
 from prometheus_client import CollectorRegistry
 
 from tandem.services.language.engine.detokenizer import IncrementalDetokenizer
@@ -323,9 +322,8 @@ class Engine:
         logprobs: list[float | None] = [None] * len(step.chunks)
         tops: list[list] = [[] for _ in step.chunks]
         if rows:
-            idx = torch.tensor(rows, device=out.last_logits.device)
-            res = sample(out.last_logits.index_select(0, idx),
-                         [step.chunks[i].req for i in rows], self.eos)
+            res = sample(out.last_logits, [step.chunks[i].req for i in rows], self.eos,
+                         rows=rows)  # (the sampler selects the rows: no host sync)
             for i, t, lp, top in zip(rows, res.token_ids, res.logprobs, res.top_logprobs,
                                      strict=True):
                 tokens[i], logprobs[i], tops[i] = t, lp, top

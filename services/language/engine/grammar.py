@@ -564,3 +564,22 @@ def apply_masks(logits: torch.Tensor, matchers: list) -> torch.Tensor:
     out = logits.float().clone()
     xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device), indices=rows)
     return out
+
+
+def warm_masks(device: torch.device, vocab_size: int) -> None:
+    """Run the mask kernel as `apply_masks` does, once per shape it specialises on, at
+    start-up: so its first-use cost is not paid by the first structured request, on the
+    engine thread, with every running stream waiting. On CUDA that is xgrammar's Triton
+    kernel, compiled per specialisation (a row count of 1, a multiple of 16, any other);
+    on the CPU the import of xgrammar (under a second) and its C++ kernel's first call."""
+    import xgrammar as xgr
+
+    t0 = time.monotonic()
+    logits = torch.zeros(16, vocab_size, dtype=torch.float32, device=device)
+    bitmask = xgr.allocate_token_bitmask(16, vocab_size).to(device)
+    for rows in (1, 2, 16):
+        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=list(range(rows)))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    log.info("structured output: mask kernel ready on %s (%.1f s)", device,
+             time.monotonic() - t0)

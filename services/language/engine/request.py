@@ -2,7 +2,7 @@
 
     spec     RequestSpec: room, sampling, prompt, id, priority, deadline  (frozen)
     kv       KVState: block table, computed tokens, pins, page keys       (scheduler)
-    sampler  SamplingState: generator, prompt ids tensor, grammar         (sampler, grammar)
+    sampler  SamplingState: generator, penalty state, grammar             (sampler, grammar)
     times    Timings: when each stage began                               (engine)
     trace    StageTrace: each prefill chunk's step, when traced (else None) (engine)
     and      status, output ids / logprobs, the token budget, the error   (engine)
@@ -143,11 +143,11 @@ class KVState:
 @dataclass
 class SamplingState:
     """What drawing the request's tokens needs across steps. Written by the sampler
-    (generator, prompt ids) and by the engine thread (the grammar's future and matcher)."""
+    (generator, penalty state) and by the engine thread (the grammar's future and matcher)."""
 
     generator: torch.Generator | None = None  # made on first use
     seed: int | None = None  # the engine's seed for a request without one (EngineConfig.seed)
-    prompt_ids_tensor: torch.Tensor | None = None  # the repetition penalty's, made once
+    penalties: object | None = None  # sampler.PenaltyState: bias/penalty inputs, on the device
     grammar_future: Future | None = None  # the compiling grammar (sampling.grammar)
     matcher: object | None = None  # its grammar matcher, once compiled
 

@@ -24,6 +24,8 @@ the top-k normalisation and the weighted sum stay as they are here.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -132,32 +134,107 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+@dataclass(frozen=True)
+class MoEDispatch:
+    """How `SparseMoE` runs its experts on a runner's device; chosen once (`for_device`).
+
+    grouped_sync_free: `F.grouped_mm` runs without a host read: on the CPU (its loop over
+        the groups reads host memory: no device to wait for) and on CUDA in bfloat16 on
+        sm90/sm100 (its kernel takes the group offsets on the device). On other CUDA
+        devices torch 2.13 loops over the groups with the offsets read on the host, and
+        its checks take bfloat16 only.
+    dense_max_tokens: where it is not sync-free, a step of at most this many tokens runs
+        every expert on every token (one batched GEMM each way; each token keeps its k
+        rows): the decode graphs' batches, which a graph captures only without a sync.
+        A longer step (prefill, eager) runs grouped in bfloat16 (one host read of the
+        offsets per call) and dense in other dtypes.
+    """
+
+    grouped_sync_free: bool = True
+    dense_max_tokens: int = 0
+
+    @classmethod
+    def for_device(cls, device: torch.device | str, dtype: torch.dtype,
+                   dense_max_tokens: int) -> MoEDispatch:
+        device = torch.device(device)
+        if device.type == "cpu":
+            return cls(grouped_sync_free=True)
+        fast = (device.type == "cuda" and dtype == torch.bfloat16
+                and torch.cuda.get_device_capability(device)[0] in (9, 10))
+        return cls(grouped_sync_free=fast, dense_max_tokens=dense_max_tokens)
+
+
 class SparseMoE(nn.Module):
     """Qwen3-VL-MoE's sparse block, as transformers computes it: router softmax (float32),
     top-k experts per token, weights renormalised over the k, each expert a SiLU-gated MLP;
-    the token's output is the weighted sum. Experts run one after another over the rows
-    routed to them (a data-dependent loop: no CUDA graph captures it)."""
+    the token's output is the weighted sum of its k experts' outputs, added in ascending
+    expert order (as transformers adds them; on the CPU the same bits as a loop over the
+    experts, which this replaced).
+
+    No host sync and shapes fixed by the token count, so a decode CUDA graph captures it
+    (`MoEDispatch` says which of the two ways runs):
+
+      grouped  the T*k (token, expert) rows sorted by expert (stable: tokens ascending
+               within an expert), the group ends found on the device (searchsorted), two
+               grouped GEMMs over the experts' row ranges (`F.grouped_mm`), rows put back
+      dense    every expert over every token (x @ w_gate_up as [E, T, 2I]), each token's
+               k rows picked: E/k times the FLOPs, each expert's weights read once; also
+               wherever a row of hidden or expert width is not a multiple of 16 bytes
+               (grouped GEMMs refuse it)
+    """
 
     def __init__(self, cfg: DecoderConfig, reduce=_no_reduce) -> None:
         super().__init__()
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.local_moe_intermediate
-        self.top_k, self.intermediate = cfg.num_experts_per_tok, i
+        self.num_experts, self.top_k, self.intermediate = e, cfg.num_experts_per_tok, i
         self.reduce = reduce
         self.router = DenseLinear(h, e, bias=False)
         self.w_gate_up = nn.Parameter(torch.empty(e, h, 2 * i))  # x @ w_gate_up[e]
         self.w_down = nn.Parameter(torch.empty(e, i, h))
+        self.dispatch: MoEDispatch | None = None  # the runner's; None: for x's device
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.router(x).float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
-        out = torch.zeros_like(x)
-        for e in torch.unique(experts).tolist():  # ascending, as transformers adds them
-            rows, slot = torch.where(experts == e)
-            gate, up = (x[rows] @ self.w_gate_up[e]).split(self.intermediate, dim=1)
-            y = (F.silu(gate) * up) @ self.w_down[e]
-            out.index_add_(0, rows, y * weights[rows, slot, None])
+        experts, ascending = experts.sort(dim=-1)  # each token's experts in adding order
+        weights = weights.gather(1, ascending)
+        y = self._dense(x, experts) if self._runs_dense(x) else self._grouped(x, experts)
+        y = y * weights[..., None]  # [T, k, H]
+        out = y[:, 0]
+        for j in range(1, self.top_k):
+            out = out + y[:, j]
         return self.reduce(out)
+
+    def _runs_dense(self, x: torch.Tensor) -> bool:
+        # NOTE: grouped GEMMs need rows of a multiple of 16 bytes (hidden and expert width:
+        # real models have them; a tiny test model's bfloat16 expert slice under TP may not)
+        row = x.element_size()
+        if (self.w_down.shape[1] * row) % 16 or (self.w_down.shape[2] * row) % 16:
+            return True
+        d = self.dispatch or MoEDispatch.for_device(x.device, x.dtype, 0)
+        if d.grouped_sync_free:
+            return False
+        return x.shape[0] <= d.dense_max_tokens or x.dtype != torch.bfloat16
+
+    def _grouped(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """[T, k, H]: row (t, j) is expert experts[t, j] applied to token t."""
+        t, k = experts.shape
+        by_expert, order = experts.flatten().sort(stable=True)
+        ids = torch.arange(self.num_experts, device=x.device, dtype=by_expert.dtype)
+        ends = torch.searchsorted(by_expert, ids, right=True).to(torch.int32)
+        rows = x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+        h = F.grouped_mm(rows, self.w_gate_up, offs=ends)
+        gate, up = h.split(self.intermediate, dim=1)
+        y = F.grouped_mm(F.silu(gate) * up, self.w_down, offs=ends)
+        return y.new_empty(y.shape).index_copy_(0, order, y).view(t, k, -1)
+
+    def _dense(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """As `_grouped`, by running every expert on every token."""
+        gate, up = torch.matmul(x, self.w_gate_up).split(self.intermediate, dim=-1)
+        y = torch.bmm(F.silu(gate) * up, self.w_down)  # [E, T, H]
+        tokens = torch.arange(x.shape[0], device=x.device)[:, None]
+        return y[experts, tokens]
 
 
 class DecoderLayer(nn.Module):
@@ -218,6 +295,12 @@ class QwenVLDecoder(nn.Module):
                 f"unexpected {sorted(unexpected)[:8]}"
             )
         return model.eval()
+
+    def set_moe_dispatch(self, dispatch: MoEDispatch) -> None:
+        """How every sparse MoE block runs its experts (`MoEDispatch`, the runner's)."""
+        for m in self.modules():
+            if isinstance(m, SparseMoE):
+                m.dispatch = dispatch
 
     def adopt_cpu_kernels(self, kernels) -> None:
         """Run on the CPU kernels (`cpu_kernels`, float32): every projection (and an untied

@@ -14,13 +14,24 @@ allocated once, and a graph exists per (batch bucket, KV width bucket):
     slot on the KV cache's dummy page, so they touch no real KV; their logits are sliced off.
     Tables, seq_lens and slots come from `forward_batch.decode_rows`, as in the eager path.
 
+The five are views of one int64 block (`InputLayout`). A step fills the block's host
+mirror (page-locked on CUDA) and uploads rows [0, bs) of every input with ONE asynchronous
+copy; the mirror is static, so nothing the copy reads is freed under it, and it is written
+again only after that copy has run (`UploadFence`).
+
 Batch buckets are [1, 2, 4, 8] + range(16, max_bs + 1, 16); width buckets double from 16
 pages up to max_pages (attention over a padded block table costs O(W), so a short batch
 does not pay for max_seq_len). Graphs are captured largest first into ONE memory pool.
-NOTE: graphs cover sequences up to min(max_seq_len, GRAPH_MAX_SEQ_LEN) tokens: the gathered
-K/V of the widest graph is max_bs * W * page_size rows per layer, captured in the pool;
-longer sequences run eagerly, which gathers only the width they need.
+Attention runs as the owner's eager steps do (`attention.AttentionPath.metadata`; on CUDA
+the flex path, whose block masks are built inside the graph from the static tables).
+NOTE: with the gather path graphs cover sequences up to min(max_seq_len, GRAPH_MAX_SEQ_LEN)
+tokens: the gathered K/V of the widest graph is max_bs * W * page_size rows per layer,
+captured in the pool; longer sequences run eagerly, which gathers only the width they
+need. The flex path copies no pages, so its graphs cover max_seq_len.
 
+Graphs are captured by `capture()`, which the owner calls last, once the KV cache is final
+(`kv_sizing.py`: the memory the pool will take was measured by `pool_bytes` and set aside
+before the cache was sized); with tensor parallelism every rank captures at the same point.
 On a machine without CUDA nothing is captured: `run` executes the very same `_step` over
 the same static buffers eagerly, so padding and slicing are tested everywhere.
 
@@ -32,11 +43,13 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from tandem.devices import host_empty
 from tandem.services.language.model import QwenVLDecoder
-from tandem.services.language.model.attention import AttentionMetadata
+from tandem.services.language.model.attention import AttentionBackend, AttentionPath
 from tandem.services.language.runner.forward_batch import (
     ChunkLimits,
     ForwardBatch,
@@ -47,6 +60,69 @@ from tandem.services.language.runner.kv_cache import KVCache
 from tandem.units import ceil_div
 
 GRAPH_MAX_SEQ_LEN = 8192
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Views of one flat int64 block: a graph's inputs (see the module doc for shapes)."""
+
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    seq_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+
+    def fill_padding(self, dummy_page: int, dummy_slot: int) -> None:
+        """Every row a padding row: token 0, position 0, seq_len 1, the dummy page/slot."""
+        self.token_ids.zero_()
+        self.positions.zero_()
+        self.seq_lens.fill_(1)
+        self.slot_mapping.fill_(dummy_slot)
+        self.block_tables.fill_(dummy_page)
+
+
+@dataclass(frozen=True)
+class InputLayout:
+    """The flat block of `n` rows: token_ids [n] | positions [3, n] | seq_lens [n] |
+    slot_mapping [n] | block_tables [n, width], so rows [0, bs) of every input lie in
+    its first `end(bs)` elements (one copy uploads a step)."""
+
+    n: int
+    width: int
+
+    @property
+    def size(self) -> int:
+        return 6 * self.n + self.n * self.width
+
+    def end(self, bs: int) -> int:
+        return 6 * self.n + bs * self.width
+
+    def views(self, flat: torch.Tensor) -> Inputs:
+        n = self.n
+        return Inputs(token_ids=flat[:n], positions=flat[n : 4 * n].view(3, n),
+                      seq_lens=flat[4 * n : 5 * n], slot_mapping=flat[5 * n : 6 * n],
+                      block_tables=flat[6 * n :].view(n, self.width))
+
+
+class UploadFence:
+    """Whether the host mirror may be written: on CUDA an event recorded behind the last
+    upload from it (waited on before the next write; by then the step's logits have been
+    read on the host, so the wait is over at once); on the CPU the copy is done when it
+    returns."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.event = torch.cuda.Event() if device.type == "cuda" else None
+        self.recorded = False
+
+    def record(self) -> None:
+        if self.event is not None:
+            self.event.record(torch.cuda.current_stream(self.device))
+            self.recorded = True
+
+    def wait(self) -> None:
+        if self.recorded:
+            self.event.synchronize()
 
 
 def batch_buckets(max_bs: int) -> list[int]:
@@ -71,40 +147,54 @@ class GraphRunner:
         device: torch.device,
         max_bs: int,
         max_seq_len: int,
+        attention: AttentionPath,
     ) -> None:
         if max_bs < 1 or max_seq_len < 1:
             raise ValueError(f"bad graph runner limits: max_bs={max_bs}, max_seq_len={max_seq_len}")
         self.model, self.kv, self.compute_logits, self.limits = model, kv, compute_logits, limits
         self.device = device
+        self.attention = attention  # the owner's path: graphs attend as eager steps do
         self.page_size = kv.page_size
         self.batch_sizes = batch_buckets(max_bs)
-        self.max_pages = ceil_div(min(max_seq_len, GRAPH_MAX_SEQ_LEN), self.page_size)
+        gathers = attention.backend is AttentionBackend.GATHER
+        covered = min(max_seq_len, GRAPH_MAX_SEQ_LEN) if gathers else max_seq_len
+        self.max_pages = ceil_div(covered, self.page_size)
         self.widths = width_buckets(self.max_pages)
         n, dev = self.batch_sizes[-1], self.device
         self.dummy_page = kv.dummy_page
         self.dummy_slot = self.dummy_page * self.page_size
-        self.token_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(3, n, dtype=torch.int64, device=dev)
-        self.block_tables = torch.full(
-            (n, self.max_pages), self.dummy_page, dtype=torch.int64, device=dev
-        )
-        self.seq_lens = torch.ones(n, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((n,), self.dummy_slot, dtype=torch.int64, device=dev)
+        # The static inputs: one int64 block on the device (the graphs read its views), and
+        # its mirror in host memory, page-locked on CUDA (`host_empty`), which each step
+        # fills and uploads with one asynchronous copy. NOTE: the mirror is written again
+        # only once the last upload from it has run (`_uploaded`): a non_blocking copy
+        # reads its source after the call returns.
+        self.layout = InputLayout(n, self.max_pages)
+        self._device_inputs = torch.empty(self.layout.size, dtype=torch.int64, device=dev)
+        self._host_inputs = host_empty((self.layout.size,), torch.int64, dev)
+        for flat in (self._device_inputs, self._host_inputs):
+            self.layout.views(flat).fill_padding(self.dummy_page, self.dummy_slot)
+        self.host = self.layout.views(self._host_inputs)
+        inputs = self.layout.views(self._device_inputs)
+        self.token_ids, self.positions = inputs.token_ids, inputs.positions
+        self.seq_lens, self.slot_mapping = inputs.seq_lens, inputs.slot_mapping
+        self.block_tables = inputs.block_tables
+        self._uploaded = UploadFence(dev)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        # Captured by `capture()`, which the owner calls once the KV cache is final (every
+        # tensor-parallel rank at the same point: the warm-up steps run collectives).
         self.use_graphs = self.device.type == "cuda"
-        if self.use_graphs:
-            self.capture()
 
     # -- the step a graph records -----------------------------------------------------
     def _step(self, bs: int, width: int) -> torch.Tensor:
         """Logits [bs, vocab] float32 for rows [0, bs) of the static buffers (capture-safe)."""
         model = self.model
-        meta = AttentionMetadata(
+        meta = self.attention.metadata(
             slot_mapping=self.slot_mapping[:bs],
-            num_single=bs,
-            single_block_tables=self.block_tables[:bs, :width],
-            single_seq_lens=self.seq_lens[:bs],
+            block_tables=self.block_tables[:bs, :width],
+            seq_lens=self.seq_lens[:bs],
+            page_size=self.page_size,
+            cache_pages=self.kv.k[0].shape[0],
         )
         hidden = model.embed_tokens(self.token_ids[:bs])
         out = model(hidden, self.positions[:, :bs], meta, self.kv.k, self.kv.v)
@@ -112,7 +202,16 @@ class GraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every (bs, width) graph, largest first, into one shared memory pool."""
+        """Capture every (bs, width) graph, largest first, into one shared memory pool, on
+        this runner's device (nothing to capture without CUDA: `run` steps eagerly)."""
+        if not self.use_graphs:
+            return
+        # NOTE: torch.cuda.graph synchronises and begins capture on the CURRENT device; a
+        # runner on cuda:1 (a tensor-parallel rank, --device cuda:1) must be that device.
+        with torch.cuda.device(self.device):
+            self._capture()
+
+    def _capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         for bs in reversed(self.batch_sizes):
@@ -129,6 +228,22 @@ class GraphRunner:
                 self.graphs[(bs, width)] = graph
                 self.outputs[(bs, width)] = out
         torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def pool_bytes(self, memory) -> int:
+        """What the graphs' memory pool will hold, measured before the KV cache is sized
+        (kv_sizing.py; `memory` a DeviceMemory): the peak of the largest bucket's step at
+        the widest width, every row over every page of it (page 0), plus each graph's
+        logits output, which stays in the pool."""
+        bs, width = self.batch_sizes[-1], self.widths[-1]
+        self.block_tables.fill_(0)
+        self.seq_lens.fill_(width * self.page_size)
+        self.slot_mapping.fill_(0)
+        out = self._step(bs, width)  # warm-up (lazy inits), as capture does
+        row = out[0].numel() * out.element_size()
+        del out
+        peak = memory.peak_of(lambda: self._step(bs, width))
+        return peak + row * sum(self.batch_sizes) * len(self.widths)
 
     # -- serving ---------------------------------------------------------------------------
     def can_run(self, batch: ForwardBatch) -> bool:
@@ -147,18 +262,20 @@ class GraphRunner:
         for c in batch.chunks:
             self.limits.check(c)
 
-        # Build the [bs]-row inputs on the host, padding rows included, then copy once.
-        ids = torch.zeros(bs, dtype=torch.int64)
-        pos = torch.zeros(3, bs, dtype=torch.int64)
-        for i, c in enumerate(batch.chunks):
-            ids[i] = c.token_ids[0]
-            pos[:, i] = c.positions[:, 0]
+        # Fill the host mirror's [bs] rows, padding rows included, then upload once.
         rows = decode_rows(batch.chunks, self.page_size, self.dummy_page, rows=bs, width=width)
-        self.token_ids[:bs].copy_(ids, non_blocking=True)
-        self.positions[:, :bs].copy_(pos, non_blocking=True)
-        self.block_tables[:bs, :width].copy_(rows.block_tables, non_blocking=True)
-        self.seq_lens[:bs].copy_(rows.seq_lens, non_blocking=True)
-        self.slot_mapping[:bs].copy_(rows.slot_mapping, non_blocking=True)
+        self._uploaded.wait()  # the last upload has read the mirror: it may change now
+        h = self.host
+        h.token_ids[:raw] = torch.cat([c.token_ids[:1] for c in batch.chunks])
+        h.token_ids[raw:bs] = 0
+        h.positions[:, :raw] = torch.cat([c.positions[:, :1] for c in batch.chunks], dim=1)
+        h.positions[:, raw:bs] = 0
+        h.block_tables[:bs, :width] = rows.block_tables
+        h.seq_lens[:bs] = rows.seq_lens
+        h.slot_mapping[:bs] = rows.slot_mapping
+        end = self.layout.end(bs)  # rows [0, bs) of every input (column `width` on: unread)
+        self._device_inputs[:end].copy_(self._host_inputs[:end], non_blocking=True)
+        self._uploaded.record()
 
         if self.use_graphs:
             self.graphs[(bs, width)].replay()

@@ -11,6 +11,9 @@ in slot (see `forward_batch.slot_of`)
 
     block_table[p // page_size] * page_size + p % page_size
 
+How many pages: `kv_pages`, or on CUDA as many as the memory left holds, sized after
+everything else on the device (`kv_sizing.py`).
+
 Tensor layout, one K and one V tensor per decoder layer:
 
     k[layer]  [num_pages + 1, page_size, num_kv_heads, head_dim]
@@ -21,8 +24,6 @@ Tensor layout, one K and one V tensor per decoder layer:
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -55,20 +56,3 @@ class KVCache:
     ) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * page_size * num_kv_heads * head_dim * elem
-
-    @staticmethod
-    def pages_for_memory(
-        fraction: float,
-        device: torch.device,
-        num_layers: int,
-        page_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-    ) -> int:
-        """Pages that fit in `fraction` of the device's free memory (CUDA only)."""
-        if device.type != "cuda":
-            raise ValueError("sizing the KV pool by memory fraction needs CUDA; set kv_pages")
-        free, _total = torch.cuda.mem_get_info(device)
-        per_page = KVCache.bytes_per_page(num_layers, page_size, num_kv_heads, head_dim, dtype)
-        return max(1, math.floor(free * fraction / per_page) - 1)  # -1: the dummy page

@@ -7,14 +7,21 @@ chunks; logits come back in the batch's chunk order.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.cpu_kernels import decode_attention_op, linear_kernels
+from tandem.cpu_kernels import linear_kernels
 from tandem.services.language.model import DecoderConfig, QwenVLDecoder
-from tandem.services.language.model.attention import AttentionMetadata, PrefillChunkMeta
+from tandem.services.language.model.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    PrefillChunkMeta,
+    select_attention,
+)
+from tandem.services.language.model.decoder import MoEDispatch
 from tandem.services.language.runner.forward_batch import (
     ChunkLimits,
     ForwardBatch,
@@ -25,12 +32,14 @@ from tandem.services.language.runner.forward_batch import (
 )
 from tandem.services.language.runner.graph_runner import GraphRunner
 from tandem.services.language.runner.kv_cache import KVCache
+from tandem.services.language.runner.kv_sizing import DeviceMemory, pages_for
 from tandem.units import ceil_div
 
 if TYPE_CHECKING:
     from tandem.models.split import TextWeights
     from tandem.services.language.tp.ranks import TensorParallel
 
+log = logging.getLogger("tandem.language")
 
 @dataclass(frozen=True)
 class RunnerSettings:
@@ -39,7 +48,11 @@ class RunnerSettings:
     config (`language/main.py`, runner_settings)."""
 
     page_size: int = 16  # tokens per KV page
-    max_seq_len: int = 4096  # the longest sequence a decode graph holds
+    max_seq_len: int = 4096  # the longest sequence (a decode graph holds this many)
+    # The largest step the engine schedules (its max_prefill_tokens, max_running_requests):
+    # what sizing the KV pool by free memory measures and sets aside (kv_sizing.py)
+    max_prefill_tokens: int = 4096
+    max_decode_rows: int = 64
     cuda_graph_max_bs: int = 0  # decode batch sizes captured as CUDA graphs (0: none)
     attention_backend: str = "auto"
     linear_backend: str = "auto"
@@ -72,7 +85,14 @@ class ModelRunner:
         tp: TensorParallel | None = None,
     ) -> None:
         """`num_pages` 0: as many as `kv_memory_fraction` of the device's free memory holds
-        (CUDA). `settings` is what every tensor-parallel rank runs with (rank 0's)."""
+        once the largest step and the graphs are set aside (CUDA; kv_sizing.py).
+        `settings` is what every tensor-parallel rank runs with (rank 0's).
+
+        Consumes `weights.tensors` (the decoder adopts them, and no duplicate may stay
+        alive while it does): a second runner over the same load takes `weights.copy()`."""
+        if not weights.tensors:
+            raise ValueError("these TextWeights were consumed by an earlier ModelRunner (it "
+                             "adopts the tensors): load them again, or pass weights.copy()")
         s = self.settings = settings
         page_size = s.page_size
         spec = weights.spec
@@ -86,25 +106,21 @@ class ModelRunner:
         self.eos_token_ids: tuple[int, ...] = tuple(int(t) for t in spec.eos_token_ids)
         extra = {"reduce": tp.all_reduce} if tp else {}
         self.model = QwenVLDecoder.build(self.cfg, weights.tensors, self.device, dtype, **extra)
+        # Sparse MoE blocks: a decode graph's batch (<= cuda_graph_max_bs rows) never syncs.
+        self.model.set_moe_dispatch(
+            MoEDispatch.for_device(self.device, dtype, settings.cuda_graph_max_bs))
         self.linear_kernels = linear_kernels(s.linear_backend, self.device, dtype)
         if self.linear_kernels is not None:
             self.model.adopt_cpu_kernels(self.linear_kernels)
 
         c = self.cfg
-        if num_pages <= 0:
-            num_pages = KVCache.pages_for_memory(
-                kv_memory_fraction, self.device, c.num_layers, page_size, c.local_kv_heads,
-                c.head_dim, dtype,
-            )  # fmt: skip
-        self.kv = KVCache(
-            c.num_layers, num_pages, page_size, c.local_kv_heads, c.head_dim, dtype, self.device
-        )
-        # What the engine, the scheduler and the limits read; fixed for the runner's life.
-        self.num_pages, self.page_size = num_pages, page_size
+        # What the engine, the scheduler and the limits read; fixed for the runner's life
+        # (num_pages, kv and limits once the KV cache exists, below).
+        self.page_size = page_size
         self.vocab_size, self.hidden_size, self.embed_dim = c.vocab_size, c.hidden_size, c.embed_dim
-        self.limits = ChunkLimits(c.vocab_size, c.embed_dim, c.hidden_size, num_pages, page_size)
-        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.decode_op = decode_attention_op(s.attention_backend, self.device)
+        # How attention runs (attention.py: paged_cpu / gather / flex), chosen once here.
+        self.attention = select_attention(s.attention_backend, self.device, page_size)
+        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None  # gather on CPU only
         # NOTE (CPU): a step of fewer tokens runs on one torch thread. On a host whose cores
         # the other tiers (router, encoder) and clients share, a small step's OpenMP regions
         # wait for a descheduled thread more than they gain from the second one (measured
@@ -118,13 +134,78 @@ class ModelRunner:
                 and self.linear_kernels is not None):
             self.linear_kernels.set_pool_helpers(self.max_threads - 1, s.cpu_pool_spin_us)
         self.graph_runner: GraphRunner | None = None
-        # NOTE: a sparse MoE layer routes with a data-dependent loop over experts, which a
-        # CUDA graph cannot capture: MoE models decode eagerly.
-        if s.cuda_graph_max_bs > 0 and not self.model.cfg.moe_layers:
-            self.graph_runner = GraphRunner(
-                self.model, self.kv, self.compute_logits, self.limits, self.device,
-                max_bs=s.cuda_graph_max_bs, max_seq_len=s.max_seq_len,
-            )  # fmt: skip
+        # The KV cache last, then the graphs (kv_sizing.py: the order, the same on every
+        # rank, so the collectives of the measured steps, the agreement and the captures
+        # meet). With kv_pages given every rank has the same count from rank 0's args.
+        if num_pages <= 0:
+            num_pages = self._pages_for_memory(kv_memory_fraction)
+            if tp is not None:
+                num_pages = tp.agree_min(num_pages)
+        self._allocate_kv(num_pages)
+        # Flex (CUDA): its kernels compile here, not in the first requests (attention.py).
+        self.attention.warm_up(self.kv.k[0], self.kv.v[0], c.local_heads, c.head_dim**-0.5)
+        if self._uses_graphs():
+            self.graph_runner = self._new_graph_runner()
+            self.graph_runner.capture()
+
+    # -- start-up: the KV cache and the graphs (kv_sizing.py) --------------------------
+    def _allocate_kv(self, num_pages: int) -> None:
+        c, ps = self.cfg, self.page_size
+        self.kv = None  # (a provisional cache goes before the next is allocated)
+        self.kv = KVCache(c.num_layers, num_pages, ps, c.local_kv_heads, c.head_dim, self.dtype,
+                          self.device)
+        self.num_pages = num_pages
+        self.limits = ChunkLimits(c.vocab_size, c.embed_dim, c.hidden_size, num_pages, ps)
+
+    def _uses_graphs(self) -> bool:
+        return self.settings.cuda_graph_max_bs > 0
+
+    def _new_graph_runner(self) -> GraphRunner:
+        s = self.settings
+        return GraphRunner(
+            self.model, self.kv, self.compute_logits, self.limits, self.device,
+            max_bs=s.cuda_graph_max_bs, max_seq_len=s.max_seq_len, attention=self.attention,
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def _pages_for_memory(self, fraction: float) -> int:
+        """KV pages from free CUDA memory, once the largest step and the graphs are measured
+        over a provisional one-page cache (kv_sizing.py)."""
+        memory = DeviceMemory.of(self.device)
+        c = self.cfg
+        self._allocate_kv(1)
+        worst = self._worst_step()
+        self.forward_eager(worst)  # grows the workspaces: allocated from here on
+        eager = memory.peak_of(lambda: self.forward_eager(worst))
+        graphs = 0
+        if self._uses_graphs():
+            gr = self._new_graph_runner()
+            graphs = gr.pool_bytes(memory)
+            del gr
+        self.kv = None
+        free = memory.free_bytes()
+        per_page = KVCache.bytes_per_page(c.num_layers, self.page_size, c.local_kv_heads,
+                                          c.head_dim, self.dtype)
+        pages = pages_for(fraction, free, eager + graphs, per_page)
+        log.info("KV pool: %d pages of %d tokens (%.2f GiB free after the weights; set aside "
+                 "%.2f GiB for the largest step, %.2f GiB for the decode graphs; fraction %g)",
+                 pages, self.page_size, free / 2**30, eager / 2**30, graphs / 2**30, fraction)
+        return pages
+
+    def _worst_step(self) -> ForwardBatch:
+        """The largest step the engine schedules, every row at max_seq_len of context, every
+        page id 0 (a one-page cache): a `max_prefill_tokens` prompt chunk (embedding rows,
+        deepstack included) and `max_decode_rows` decode rows."""
+        s, ps = self.settings, self.page_size
+        ctx = s.max_seq_len
+        n = min(s.max_prefill_tokens, ctx)
+        table = [0] * ceil_div(ctx, ps)
+        chunks = [SeqChunk(1 + i, ctx - 1, torch.full((3, 1), ctx - 1, dtype=torch.int64), table,
+                           token_ids=torch.zeros(1, dtype=torch.int64))
+                  for i in range(s.max_decode_rows)]
+        chunks.append(SeqChunk(0, ctx - n, torch.arange(ctx - n, ctx).expand(3, n), table,
+                               input_embeds=torch.zeros(n, self.embed_dim, dtype=self.dtype)))
+        return ForwardBatch(chunks)
 
     # -- forward -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -191,6 +272,11 @@ class ModelRunner:
         }
         return ForwardOutput(last_logits=last_logits, prompt_logits=prompt_logits)
 
+    @property
+    def decode_op(self):
+        """The in-place CPU decode kernel this runner attends with (paged_cpu), else None."""
+        return self.attention.decode_op
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.model.logits(hidden)
         return logits if self.tp is None else self.tp.gather_vocab(logits)
@@ -213,24 +299,33 @@ class ModelRunner:
             )
             slots.append(chunk_slots(c, ps))
         dev = self.device
-        meta = AttentionMetadata(
+        gather = self.attention.backend is AttentionBackend.GATHER and singles
+        meta = self.attention.metadata(
             slot_mapping=torch.cat(slots).to(dev),
-            num_single=len(singles),
-            single_block_tables=rows.block_tables.to(dev),
-            single_seq_lens=rows.seq_lens.to(dev),
+            block_tables=rows.block_tables.to(dev),
+            seq_lens=rows.seq_lens.to(dev),
+            page_size=ps,
+            cache_pages=self.kv.k[0].shape[0],
             prefill=prefill,
-            workspace=(
-                None if self.decode_op else self._gather_workspace(rows.block_tables.numel())
-            ),
-            decode_op=self.decode_op,
+            workspace=self._gather_workspace(rows.block_tables.numel()) if gather else None,
         )
         return meta, row_start
 
-    def _gather_workspace(self, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V gather buffers for `pages` pages, grown (never shrunk) and reused across steps."""
+    def _gather_workspace(self, pages: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """K/V gather buffers for `pages` pages, reused across steps (gather path only).
+
+        NOTE: they exist for the CPU, where a fresh multi-MB gather per layer costs more in
+        page faults than the copy; elsewhere the allocator reuses freed blocks (None:
+        `paged_attention` gathers into temporaries). They hold at most one layer's K/V
+        (`cache_pages` pages, 1/num_layers of the pool): a step that needs more (padded or
+        shared pages) gathers into temporaries freed with the step, so the extra memory
+        next to the pool is bounded by the pool, not by the largest step ever seen."""
+        cap = self.kv.k[0].shape[0]
+        if self.device.type != "cpu" or pages > cap:
+            return None
         if self._workspace is None or self._workspace[0].shape[0] < pages:
             k = self.kv.k[0]
-            grow = max(pages, 2 * (0 if self._workspace is None else self._workspace[0].shape[0]))
+            grow = min(cap, max(pages, 2 * (0 if self._workspace is None else self._workspace[0].shape[0])))
             shape = (grow, *k.shape[1:])
             self._workspace = (
                 torch.empty(shape, dtype=k.dtype, device=k.device),
@@ -252,7 +347,10 @@ class ModelRunner:
                 tok_rows.append(torch.arange(a, a + c.num_tokens))
                 tok_ids.append(c.token_ids)
                 continue
-            e = c.input_embeds.to(self.device, self.dtype)
+            # NOTE: asynchronous on CUDA: the rows are page-locked (EmbeddingBuffers.
+            # private_embeds) and the request holds them past the step (torch's host
+            # allocator also keeps a freed page-locked block until its copies are done)
+            e = c.input_embeds.to(self.device, self.dtype, non_blocking=True)
             hidden[a : a + c.num_tokens] = e[:, :hs]
             if deepstack is not None and e.shape[1] > hs:
                 deepstack[a : a + c.num_tokens] = e[:, hs:]

@@ -177,7 +177,7 @@ class WorkerBuffers:
         with self._lock:
             out = self.rows.get(m["key"])
             if out is None:
-                out = self.rows[m["key"]] = torch.empty(m["total"], b.embed_dim, dtype=b.dtype)
+                out = self.rows[m["key"]] = b.private_embeds(m["total"])
         b.gather_into(m["ids"], m["n"], out, None, None, m["at"])
         b.check_piece(*check)  # NOTE: and after: a stale write landing during the copy
         for d in m.get("seals", ()):  # NOTE: on the private copy: what this rank's steps use

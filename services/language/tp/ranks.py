@@ -5,11 +5,16 @@ transfer receiver, scheduler, sampling, detokenization); ranks 1..N-1 are worker
 it starts itself (`python -m tandem.services.language.tp.worker`), each holding its shard of the
 weights (shard.py) and of the KV cache (its KV heads, the same page ids as rank 0).
 
-    rank 0                                     rank r (worker.py)
-    start_ranks(): spawn workers ─────────────▶ init_process_group
-    init_process_group (gloo on CPU, NCCL) ◀──▶ connect to rank 0's control socket
-    load its shard, size the KV pool           load its shard
-    ranks.start(num_pages) ────("init")───────▶ build its runner ──("ready")──▶
+    rank 0 (cuda:b)                            rank r (cuda:b+r, rank_device)
+    start_ranks(): spawn workers ─────────────▶ set_device, init_process_group
+    set_device, init_process_group (gloo on    connect to rank 0's control socket
+      CPU, NCCL bound to the rank's device) ◀─▶
+    load its shard                             load its shard
+    ModelRunner(): the same phases on every rank, at once (runner/kv_sizing.py):
+      measured steps (collectives) ◀─────────▶ measured steps (collectives)
+      KV pages (kv_pages 0): the smallest ◀───▶ (all_reduce MIN)
+      KV cache, then the graphs captured ◀────▶ KV cache, graphs (collectives in warm-up)
+    ranks.wait_ready(num_pages) ◀──("ready")── its buffers registered; its page count
     every step: runner.forward(batch):
       send the ForwardBatch (plain data,        recv ─▶ runner.forward(batch)
       wire.py: JSON + safetensors, embeddings
@@ -43,13 +48,17 @@ import sys
 import threading
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection, Listener
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from tandem.services.language.model.shard import Shard
 from tandem.services.language.tp import wire
-from tandem.services.language.tp.buffers import RankBuffers
+
+if TYPE_CHECKING:  # NOTE: not imported at run time: a worker imports this module before
+    # it joins the process group, and rank 0 waits for that only tp_timeout_s
+    from tandem.services.language.model.shard import Shard
+    from tandem.services.language.tp.buffers import RankBuffers
 
 log = logging.getLogger("tandem.language.tp")
 
@@ -60,8 +69,10 @@ class RankArgs:
 
     model: str
     dtype: str  # torch dtype name
-    device: str  # rank 0's device; CUDA ranks take cuda:rank
+    device: str  # rank 0's device; CUDA rank r takes the r-th after it (rank_device)
     runner: dict  # RunnerSettings fields: rank 0's, the same on every rank
+    kv_pages: int  # 0: sized from free memory, agreed by the ranks (the smallest)
+    kv_memory_fraction: float
     size: int
     dist_address: str  # host:port of the process group's rendezvous
     control_address: str  # host:port of rank 0's control socket
@@ -75,7 +86,21 @@ class RankArgs:
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
-    return torch.device("cuda", rank) if device.type == "cuda" else device
+    """Rank `rank`'s device: on CUDA the rank-th GPU from rank 0's (`--device cuda:2
+    --tp 2`: cuda:2 and cuda:3), one GPU per rank; the CPU is shared."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def check_devices(device: torch.device, size: int) -> None:
+    """Refuse, before any rank starts, a --tp whose GPUs this host does not have."""
+    if device.type != "cuda":
+        return
+    last, have = rank_device(device, size - 1).index, torch.cuda.device_count()
+    if last >= have:
+        raise ValueError(f"--tp {size} from {rank_device(device, 0)} needs GPUs "
+                         f"{rank_device(device, 0).index}..{last}; this host has {have}")
 
 
 class TensorParallel:
@@ -84,6 +109,12 @@ class TensorParallel:
     def __init__(self, rank: int, shard: Shard, device: torch.device) -> None:
         self.rank, self.size, self.shard, self.device = rank, shard.size, shard, device
         self.workers: Ranks | None = None  # rank 0 only
+
+    def agree_min(self, n: int) -> int:
+        """The smallest `n` over the ranks (a collective: every rank calls it at once)."""
+        t = torch.tensor([n], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x)
@@ -102,9 +133,16 @@ class TensorParallel:
 
 
 def init_group(rank: int, size: int, address: str, device: torch.device, timeout_s: float) -> None:
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    """Join the process group from `device` (this rank's, `rank_device`). On CUDA the
+    process is bound to it first (set_device: torch.cuda.graph, streams and NCCL's own
+    calls use the current device) and NCCL gets it as `device_id` (its communicator is
+    made for that GPU, at once)."""
+    kw = {"timeout": datetime.timedelta(seconds=timeout_s)}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        kw["device_id"] = device
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            init_method=f"tcp://{address}", rank=rank, world_size=size, **kw)
 
 
 class Ranks:
@@ -113,20 +151,25 @@ class Ranks:
     def __init__(self, args: RankArgs, procs: list[subprocess.Popen], conns: list[Connection],
                  data_conns: list[Connection]) -> None:
         self.args, self.procs, self.conns, self.data_conns = args, procs, conns, data_conns
-        self.buffers: RankBuffers | None = None  # set by start()
+        self.buffers: RankBuffers | None = None  # set by wait_ready()
         self._stopping = False
         self._watch = threading.Thread(target=self._watch_procs, name="tp-watch", daemon=True)
         self._watch.start()
 
-    def start(self, num_pages: int) -> None:
-        """Every worker builds its runner with `num_pages` KV pages; returns once all have."""
-        for c in self.conns:
-            c.send_bytes(wire.encode_json({"num_pages": num_pages}))
+    def wait_ready(self, num_pages: int) -> None:
+        """Returns once every worker has built its runner (they build it while rank 0
+        builds its own: the phases meet in collectives) with rank 0's `num_pages`."""
         ready = []
         for r, c in enumerate(self.conns, start=1):
+            # NOTE: unbounded, as loading is (a worker that dies is seen by _watch_procs;
+            # the collectives on the way are bounded by tp_timeout_s)
             ready.append(wire.decode_json(c.recv_bytes()))
             if not ready[-1].get("ready"):
                 self.fail(f"rank {r} did not start")
+            if ready[-1]["num_pages"] != num_pages:
+                self.fail(f"rank {r} has {ready[-1]['num_pages']} KV pages, rank 0 {num_pages}")
+        from tandem.services.language.tp.buffers import RankBuffers
+
         self.buffers = RankBuffers(self.data_conns, ready, self.fail, self.args.timeout_s)
 
     def send_step(self, batch) -> None:
@@ -176,7 +219,9 @@ class Ranks:
 
 def start_ranks(args: RankArgs, device: torch.device, shard: Shard) -> TensorParallel:
     """Rank 0: spawn ranks 1..N-1, join the process group with them; the caller builds its
-    runner with the returned `TensorParallel` and then calls `tp.workers.start(num_pages)`."""
+    runner with the returned `TensorParallel` (the workers build theirs at the same time)
+    and then calls `tp.workers.wait_ready(runner.num_pages)`."""
+    check_devices(device, args.size)
     authkey = secrets.token_bytes(16)
     listener = Listener(("127.0.0.1", 0), authkey=authkey)
     host, port = listener.address

@@ -4,8 +4,9 @@ Rank 0 and its workers talk over one authenticated local socket per worker
 (`multiprocessing.connection`, used for framing only: every message is `send_bytes`):
 
     worker ─▶ rank 0   hello     {"rank": r, "channel": "step"}     (JSON)
-    rank 0 ─▶ worker   init      {"num_pages": n}                   (JSON)
-    worker ─▶ rank 0   ready     {"ready": true, "session_id": s, "layout": {BufferLayout}}
+    worker ─▶ rank 0   ready     {"ready": true, "num_pages": n, "session_id": s,
+                                  "layout": {BufferLayout}}   (its runner built: n KV
+                                 pages, agreed with rank 0 in the runners' start-up)
     rank 0 ─▶ worker   step      a ForwardBatch: safetensors bytes whose metadata holds
                                  the chunks' scalars, block tables and, for prompt rows
                                  the rank holds, their (embeds_key, embeds_row); tensors

@@ -1,8 +1,10 @@
 """A tensor-parallel rank other than 0: `python -m tandem.services.language.tp.worker RANK ARGS_JSON`.
 
-Started by rank 0 (`tandem.services.language.tp.ranks.start_ranks`), never by hand. It joins the process
-group, loads its shard, builds the same runner as rank 0 at its sizes, then runs every step
-rank 0 sends until told to stop or rank 0 is gone. See ranks.py for the whole protocol.
+Started by rank 0 (`tandem.services.language.tp.ranks.start_ranks`), never by hand. It binds to
+its device, joins the process group, loads its shard and builds the same runner as rank 0
+(at the same time as rank 0: the runner's start-up phases meet in collectives, the KV page
+count agreed among them), says it is ready, then runs every step rank 0 sends until told
+to stop or rank 0 is gone. See ranks.py for the whole protocol.
 """
 
 from __future__ import annotations
@@ -18,16 +20,9 @@ from multiprocessing.connection import Client
 import torch
 
 from tandem import tracing
-from tandem.config import TransferConfig
-from tandem.devices import DTYPES
-from tandem.models.checkpoint import read_spec, resolve_model_path
-from tandem.models.split import load_text_weights
-from tandem.services.language.model.shard import Shard
 from tandem.services.language.tp import wire
-from tandem.services.language.tp.buffers import WorkerBuffers
 from tandem.services.language.tp.ranks import RankArgs, TensorParallel, init_group, rank_device
 from tandem.tracing import TracingConfig
-from tandem.transfer import EmbeddingBuffers, MooncakeEngine
 
 log = logging.getLogger("tandem.language.tp")
 
@@ -49,26 +44,37 @@ def main(rank: int, args: RankArgs) -> int:
     conn.send_bytes(wire.encode_json({"rank": rank, "channel": "step"}))
     data_conn = Client((host, int(port)), authkey=authkey)
     data_conn.send_bytes(wire.encode_json({"rank": rank, "channel": "data"}))
+    # NOTE: imported once in the group: rank 0 waits for this rank to join only
+    # tp_timeout_s, and the model's modules take seconds to import on a loaded host
+    from tandem.config import TransferConfig
+    from tandem.devices import DTYPES
+    from tandem.models.checkpoint import read_spec, resolve_model_path
+    from tandem.models.split import load_text_weights
+    from tandem.services.language.model.shard import Shard
+    from tandem.services.language.runner.model_runner import ModelRunner, RunnerSettings
+    from tandem.services.language.tp.buffers import WorkerBuffers
+    from tandem.transfer import EmbeddingBuffers, MooncakeEngine
+
     spec = read_spec(resolve_model_path(args.model))
     shard = Shard.of(spec, rank, args.size)
-    weights = load_text_weights(spec, DTYPES[args.dtype], device, shard)
-    num_pages = wire.decode_json(conn.recv_bytes())["num_pages"]
 
-    from tandem.services.language.runner.model_runner import ModelRunner, RunnerSettings
-
-    runner = ModelRunner(weights, RunnerSettings(**args.runner), num_pages=num_pages,
-                         device=device, dtype=DTYPES[args.dtype],
-                         tp=TensorParallel(rank, shard, device))  # fmt: skip
+    # NOTE: handed over (the runner consumes the tensors); built now, while rank 0 builds
+    # its own: its phases (measured steps, the page count, graph capture) meet rank 0's.
+    runner = ModelRunner(load_text_weights(spec, DTYPES[args.dtype], device, shard),
+                         RunnerSettings(**args.runner), num_pages=args.kv_pages,
+                         kv_memory_fraction=args.kv_memory_fraction, device=device,
+                         dtype=DTYPES[args.dtype], tp=TensorParallel(rank, shard, device))
     # This rank's embedding buffers, a mirror of rank 0's pool: the encoder writes every
     # prompt here too (buffers.py). Host memory, as on rank 0.
     transfer = MooncakeEngine(TransferConfig(**args.transfer))
     buffers = EmbeddingBuffers(args.embedding_blocks, args.embedding_block_size, spec.embed_dim,
-                               DTYPES[args.dtype])
+                               DTYPES[args.dtype], upload_device=device)
     buffers.register(transfer)
     held = WorkerBuffers(data_conn, buffers)
     held.start()
-    conn.send_bytes(wire.encode_json({"ready": True, "session_id": transfer.session_id,
-                                         "layout": asdict(buffers.layout())}))
+    conn.send_bytes(wire.encode_json({"ready": True, "num_pages": runner.num_pages,
+                                      "session_id": transfer.session_id,
+                                      "layout": asdict(buffers.layout())}))
     while True:
         try:
             data = conn.recv_bytes()
