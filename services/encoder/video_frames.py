@@ -17,7 +17,7 @@ file's do (services/encoder/video.py), so a video a cache holds is never decoded
                  frames are (uint8 bicubic, antialiased), the decode-time limit and the
                  request's budget between frames --normalize_and_patchify--> PreparedVideo
 
-A frame is converted to RGB as an image part is (PIL's `convert("RGB")`): for RGB frames
+A frame is converted to RGB as an image part is (`images.to_rgb`): for RGB frames
 (JPEG, RGB PNG) that is the array transformers takes from the same PIL image.
 """
 
