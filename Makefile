@@ -104,8 +104,9 @@ $(PROMTOOL):
 	dpkg -x .tools/promtool.d/prometheus_*.deb .tools/promtool.d/x
 	cp .tools/promtool.d/x/usr/bin/promtool $@ && rm -rf .tools/promtool.d
 
+# --durations: the slowest calls at the end of every run, so CI's time is watched where it goes.
 test: setup $(STAMPS)/oracle $(if $(wildcard deploy/scripts/install-helm.sh),$(HELM)) $(PROMTOOL)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 # The aarch64 NEON path of the kernels' vector type (csrc/vec16.h), on an x86 host: built by
 # Debian's cross compiler and run under qemu-user, its bits compared with the native path's.
