@@ -17,7 +17,7 @@ HELM := .tools/helm
 PROMTOOL := .tools/promtool
 ORACLE_VENV ?= .oracle-venv
 
-.PHONY: setup test run lint proto bench bench-peer clean helm check-neon oracle-venv gpu-check gpu-wheels
+.PHONY: setup test test-slow run lint proto bench bench-peer clean helm check-neon oracle-venv gpu-check gpu-wheels
 
 setup: $(STAMPS)/sysdeps $(STAMPS)/deps tandem/v1/__init__.py $(STAMPS)/kernels
 
@@ -107,6 +107,10 @@ $(PROMTOOL):
 # --durations: the slowest calls at the end of every run, so CI's time is watched where it goes.
 test: setup $(STAMPS)/oracle $(if $(wildcard deploy/scripts/install-helm.sh),$(HELM)) $(PROMTOOL)
 	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
+
+# The tests marked `slow` (more cases of what CI's tests already show; minutes, not seconds).
+test-slow: setup $(STAMPS)/oracle
+	$(PY) -m pytest -q --run-slow -m slow $(PYTEST_ARGS)
 
 # The aarch64 NEON path of the kernels' vector type (csrc/vec16.h), on an x86 host: built by
 # Debian's cross compiler and run under qemu-user, its bits compared with the native path's.

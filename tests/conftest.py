@@ -54,6 +54,11 @@ def pytest_report_header(config):
 
 def pytest_addoption(parser):
     parser.addoption(
+        "--run-slow", action="store_true",
+        help="also run the tests marked `slow` (`make test-slow` runs only those): variants "
+             "that repeat what a faster test already shows, kept out of CI's time",
+    )
+    parser.addoption(
         "--device", default=None,
         help="run the exactness tests' runner on this device (cpu, cuda, cuda:N); "
              "sets TANDEM_TEST_DEVICE (tests/language_oracle.py), which subprocesses inherit",
@@ -73,9 +78,11 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    if _cuda():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA")
+    slow = None if config.getoption("--run-slow") else pytest.mark.skip(
+        reason="slow: run with --run-slow (make test-slow)")
+    gpu = None if _cuda() else pytest.mark.skip(reason="needs CUDA")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if slow is not None and "slow" in item.keywords:
+            item.add_marker(slow)
+        if gpu is not None and "gpu" in item.keywords:
+            item.add_marker(gpu)

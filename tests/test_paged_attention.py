@@ -169,8 +169,10 @@ ROWS = [(0, 1), (6, 1), (15, 1), (40, 1), (23, 1)]
 CHUNKS = [(0, 9), (13, 20), (32, FLEX_Q_BLOCK + 37), (50, 2)]
 CASES = [  # page size, heads, kv heads
     pytest.param(4, 6, 2, id="page4-gqa3"),
-    pytest.param(16, 4, 4, id="page16-mha"),
-    pytest.param(8, 8, 2, id="page8-gqa4"),
+    # NOTE: each geometry compiles anew (a cold compile is ~13 s of CI on this 2-core host):
+    # the first case runs in CI, the others with --run-slow
+    pytest.param(16, 4, 4, id="page16-mha", marks=pytest.mark.slow),
+    pytest.param(8, 8, 2, id="page8-gqa4", marks=pytest.mark.slow),
 ]
 
 
@@ -184,6 +186,7 @@ def test_flex_equals_dense_reference(page_size, heads, kv_heads):
     torch.testing.assert_close(got, step.run(GATHER), rtol=0, atol=2e-5)
 
 
+@pytest.mark.slow  # rows and chunks alone: test_flex_equals_dense_reference has them together
 def test_flex_rows_alone_chunks_alone_and_padded_tables():
     """Rows only (padded to the graph runner's wider tables and extra dummy rows), a single
     chunk without a prefix, a single chunk with one: each equals the reference."""
@@ -341,6 +344,7 @@ def test_flex_metadata_makes_no_host_sync():
     assert aten.syncs == 0
 
 
+@pytest.mark.slow  # 16 s of compiles; the runners' tests below would hit the limit too
 def test_flex_shapes_settle_without_hitting_the_recompile_limit():
     """Many batch sizes, widths and chunk lengths over one cache (a runner's life): the
     compiled kernels go dynamic after a recompile or two (hitting the limit would raise,
@@ -394,6 +398,7 @@ def _assert_same_steps(got: list, want: list, atol: float) -> None:
             torch.testing.assert_close(a.prompt_logits[sid].cpu(), logits, rtol=0, atol=atol)
 
 
+@pytest.mark.slow  # the flex runner against transformers (below) runs in CI
 def test_runner_flex_equals_the_cpu_path_for_chunks_rows_and_graph_steps(runners):
     """The five steps on a flex runner and on the CPU's default runner: the same logits
     within float32 rounding; the graph runner's step (run eagerly here over its static
