@@ -6,7 +6,7 @@
                                      [--out bench/results/stream.md]
 
 Two `tandem up` clusters on the same checkpoint (`--encoders` encoders, one language
-instance each), one with streamed rows (the default) and one with `--no-transfer.stream`
+instance each), one with `--transfer.stream` and one with `--no-transfer.stream` (the default)
 on both tiers, are up for the whole run; each cell (images per prompt x concurrency) sends
 `--requests` chats to each cluster, the order of the two alternating from run to run (so
 neither always goes first on a warm or a cold machine). Every image is fresh (no encoder
@@ -105,9 +105,10 @@ def main() -> int:
     images = [int(x) for x in args.images.split(",")]
     concs = [int(x) for x in args.concurrency.split(",")]
     model_dir = checkpoint(args.arch, args.size)
-    off = "--no-transfer.stream"
+    on, off = "--transfer.stream", "--no-transfer.stream"
     clusters = {
-        "on": LocalCluster(str(model_dir), encoders=args.encoders, languages=1),
+        "on": LocalCluster(str(model_dir), encoders=args.encoders, languages=1,
+                           encoder_args=on, language_args=on),
         "off": LocalCluster(str(model_dir), encoders=args.encoders, languages=1,
                             encoder_args=off, language_args=off),
     }

@@ -72,8 +72,9 @@ class TransferConfig(BaseModel):
         "own (FAILED_PRECONDITION).",
     )
     stream: bool = Field(
-        True,
-        description="Streamed rows (DESIGN 'Streamed rows'). Encoder: send a prompt's rows "
+        False,
+        description="Streamed rows (DESIGN 'Streamed rows'; off by default: on one host "
+        "whose cores both tiers share it bought no TTFT, docs/benchmarks.md). Encoder: send a prompt's rows "
         "in order as they become final (the text at once, each image's as soon as its ViT "
         "features exist; a request's images then go through the ViT one at a time). "
         "Language: hand a prompt to the engine at its first rows and prefill what has "

@@ -94,7 +94,7 @@ class Pair:
         self.enc_cfg = EncoderConfig(
             model=str(ckpt), device="cpu", dtype="float32", port=free_port(),
             insecure_internal=True, linear_backend="torch",
-            transfer=TransferConfig(timeout_s=20))
+            transfer=TransferConfig(timeout_s=20, stream=True))
         self.lang_metrics = free_port()
         self.lang_cfg = LanguageConfig(
             model=str(ckpt), device="cpu", dtype="float32", port=free_port(),
