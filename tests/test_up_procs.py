@@ -324,3 +324,21 @@ def test_a_cpu_language_tier_without_kv_pages_stops_with_one_line(checkpoint):
     assert r.returncode == 1
     assert "--kv-pages is needed on cpu" in r.stderr.splitlines()[-1], r.stderr
     assert "Traceback" not in r.stderr, r.stderr
+
+
+def test_no_instance_gets_the_routers_ports(monkeypatch):
+    """The router's --http-port and --grpc-port are free until the router binds them (after
+    the instances are up): an instance handed one of them left the router unable to listen
+    (seen in CI). Every random pick lands on the router's ports first here."""
+    import random
+
+    from tandem.launch import procs
+
+    args = parse_args(["--model", "/m", "--http-port", "24101", "--grpc-port", "24102"])
+    picks = iter([24102, 24101] * 8 + list(range(24200, 24300)))
+    monkeypatch.setattr(random, "randrange", lambda lo, hi: next(picks))
+    monkeypatch.setattr(procs, "_ephemeral_low", lambda: 60000)
+    encoders, languages, router = plan(args, "/m")
+    taken = {int(c.grpc_address.rsplit(":", 1)[1]) for c in encoders + languages}
+    taken |= {int(c.metrics_url.split(":")[-1].split("/")[0]) for c in encoders + languages}
+    assert not taken & {24101, 24102}, taken

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tandem.launch.procs import Child, free_port, port_bindable, say
+from tandem.launch.procs import Child, free_port, port_bindable, reserve_ports, say
 from tandem.models.checkpoint import ARCHS
 from tandem.pki import PKIPaths, make_pki
 
@@ -253,6 +253,9 @@ def plan(args: argparse.Namespace, model: str, pki: PKIPaths | None = None
     """(encoders, languages, router) as local processes on `args.host`, free ports each;
     each child gets its role's certificate from `pki` (plaintext when None)."""
     ranges = transfer_ranges(args.encoders + args.languages)
+    # NOTE: the router's ports are free until it binds them, after the instances are up: an
+    # instance must not be handed one (seen in CI: language-0 on the router's --grpc-port)
+    reserve_ports(args.http_port, args.grpc_port)
     language_extra = shlex.split(args.language_args)
     if _cpu_only():
         language_extra = cpu_language_args(language_extra)

@@ -61,6 +61,12 @@ def port_bindable(host: str, port: int) -> bool:
     return True
 
 
+def reserve_ports(*ports: int | None) -> None:
+    """Ports this process was told to use (flags): free_port never hands them out, so an
+    instance's port cannot land on the router's (they are free until the router binds)."""
+    _HANDED_OUT.update(p for p in ports if p)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free now, never handed out before by this process, and (where the kernel's
     ephemeral range allows) outside it, so no outgoing connection can take it before the
