@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import base64
 import io
-import json
 import random
 import sys
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from latency import checkpoint, machine, publish, summary  # noqa: E402  (bench/, the script's own folder)
+from latency import checkpoint, machine, publish, sse_events, summary  # noqa: E402  (bench/, the script's own folder)
 
 from tandem.launch.cluster import LocalCluster  # noqa: E402
 
@@ -103,10 +102,7 @@ async def run_http(url: str, reqs: list[Req], run: int, concurrency: int, max_to
                 if resp.status_code != 200:
                     failures += 1
                     return
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    ev = json.loads(line[6:])
+                async for ev in sse_events(resp):
                     if "error" in ev:
                         failures += 1
                         return

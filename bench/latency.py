@@ -4,6 +4,7 @@ cached tiny checkpoint."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
@@ -46,3 +47,11 @@ def publish(text: str, out: str) -> None:
     print(text)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(text)
+
+
+async def sse_events(resp):
+    """The JSON events of an OpenAI streaming response (`data: {...}` lines; `[DONE]` and
+    anything else skipped)."""
+    async for line in resp.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])

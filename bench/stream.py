@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import base64
 import io
-import json
 import random
 import statistics
 import sys
@@ -32,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from latency import checkpoint, machine, pct, publish  # noqa: E402  (bench/, the script's own folder)
+from latency import checkpoint, machine, pct, publish, sse_events  # noqa: E402  (bench/, the script's own folder)
 
 from tandem.launch.cluster import LocalCluster  # noqa: E402
 
@@ -71,10 +70,7 @@ async def ttfts(url: str, n_images: int, requests: int, concurrency: int, max_to
                 if resp.status_code != 200:
                     failures += 1
                     return
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    ev = json.loads(line[6:])
+                async for ev in sse_events(resp):
                     if "error" in ev:
                         failures += 1
                         return
