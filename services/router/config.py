@@ -103,6 +103,14 @@ class RouterConfig(ServiceSettings):
     affinity_slack: float = Field(
         0.25, ge=0, le=10, description="Image affinity yields once load exceeds mean*(1+slack)+1."
     )
+    split_encoders: int = Field(
+        1, ge=1, le=64,
+        description="Most encoders one prompt's media are split across: a prompt with at "
+        "least 2 images/videos (counted from the chat's parts) gets up to split_encoders-1 "
+        "helpers (EncodeRequest.helpers), the least loaded other healthy encoders serving "
+        "the same model, never more than its media count-1; the encoder it is sent to "
+        "decides the ranges. 1 = never split.",
+    )  # fmt: skip
     encoder_bypass: bool = Field(
         True, description="Send chats without an image straight to a language instance, "
         "which tokenizes them itself (no encoder, room or transfer); --no-encoder-bypass "

@@ -26,6 +26,7 @@ from prometheus_client.exposition import choose_encoder
 from tandem.metrics import model_info
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_HELPER_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32, 63)  # split_encoders <= 64
 
 # The `handler` label's values (bounded: any other path is "other").
 _HANDLERS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize",
@@ -71,6 +72,16 @@ class RouterMetrics:
             "tandem_router_cached_image_tokens", "Image tokens served from encoder caches.",
             registry=r,
         )
+        # issue 27: a prompt's media split across encoders (split_encoders > 1)
+        self.split_prompts = Counter(
+            "tandem_router_split_prompts", "Encodes sent with at least one helper encoder "
+            "(EncodeRequest.helpers; a failover's Encode counts again).", registry=r,
+        )  # fmt: skip
+        self.encode_helpers = Histogram(
+            "tandem_router_encode_helpers", "Helper encoders named per Encode of a prompt "
+            "that may be split (split_encoders > 1, at least 2 images/videos); 0: no other "
+            "encoder of its model was eligible.", buckets=_HELPER_BUCKETS, registry=r,
+        )  # fmt: skip
         self.encoder_bypassed = Counter(
             "tandem_router_encoder_bypassed", "Text-only chats sent straight to a language "
             "instance (no encoder).", registry=r,

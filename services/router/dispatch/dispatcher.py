@@ -4,8 +4,12 @@
     room = random 63-bit id
     L.Generate(room, E.address, sampling, deadline) ──▶ token stream ──▶ Output, Output, ...
     E.Encode(room, messages, deadline)  (concurrently; returns once the prompt is delivered)
+       └─ a prompt with >= 2 images/videos and `split_encoders` > 1 names helpers: the
+          least loaded other encoders of its model (selection.pick_helpers); E decides
+          which of its media each one encodes (EncodeRange), the router only offers them
        └─ E failed (UNAVAILABLE, broken) before delivery: E2 = another encoder,
-          L.Reattach(room, E2.address), E2.Encode(room, ...)   (up to `encoder_retries`)
+          L.Reattach(room, E2.address), E2.Encode(room, ...)   (up to `encoder_retries`;
+          its helpers picked afresh, never an encoder that failed the request)
        └─ E ejected by the registry while Encode is in flight (a frozen E only ever answers
           with silence): the call is cancelled at once and moves to E2 the same way, so
           the room's language blocks serve the request instead of waiting out a timeout
@@ -38,7 +42,12 @@ import grpc
 from tandem import tracing
 from tandem.services.router.config import RouterConfig
 from tandem.services.router.dispatch.registry import Instance, Registry
-from tandem.services.router.dispatch.selection import NoInstanceError, Selector
+from tandem.services.router.dispatch.selection import (
+    NoInstanceError,
+    Selector,
+    pick_helpers,
+    splittable,
+)
 from tandem.services.router.errors import (
     RETRYABLE_ENCODER,
     RETRYABLE_REQUEST,
@@ -135,23 +144,44 @@ class Dispatcher:
         except grpc.RpcError:
             pass
 
+    def _helpers(self, lead: Instance, media: int,
+                 exclude: frozenset[str] | set[str]) -> list[Instance]:
+        """The helper encoders the Encode on `lead` names (selection.pick_helpers' rule,
+        `split_encoders`), counted in the metrics."""
+        pool = self.registry.encoders
+        helpers = [pool.instances[a] for a in pick_helpers(
+            pool.states(), lead.address, media, self.cfg.split_encoders, exclude)]
+        if splittable(media, self.cfg.split_encoders):
+            self.metrics.encode_helpers.observe(len(helpers))
+            if helpers:
+                self.metrics.split_prompts.inc()
+        return helpers
+
     async def _encode(
         self, req: ChatRequest, room: int, enc: Instance, lang: Instance, deadline: float,
-        route: Route, trace: tracing.Span,
+        route: Route, trace: tracing.Span, avoid: frozenset[str] = frozenset(),
     ) -> encoder_pb2.EncodeResponse | None:
         """Deliver the prompt, retrying on other encoders. None: the language side
         declined a Reattach (it already holds the prompt, or the room is gone) and its
-        stream tells which. `trace`: the attempt's span."""
+        stream tells which. `trace`: the attempt's span; `avoid`: encoders that failed an
+        earlier attempt of the request (never named as helpers)."""
         hashes = image_hashes(req.messages)
         tried: set[str] = set()
         for attempt in range(self.cfg.encoder_retries + 1):
             tried.add(enc.address)
             route.encoder = enc.address
             route.encoder_attempts = attempt + 1
-            enc.outstanding += 1
+            # NOTE: recomputed on every attempt: a failover's lead is another encoder, and
+            # those that failed this request are no helpers.
+            helpers = self._helpers(enc, len(hashes), avoid | tried)
+            # A helper's range is this router's work on it too (counted at once, so a
+            # burst before the next load report spreads over the encoders).
+            for inst in (enc, *helpers):
+                inst.outstanding += 1
             span = tracing.start("router.encode", trace, kind=tracing.SpanKind.CLIENT,
                                  attributes={tracing.SERVER_ADDRESS: enc.address,
-                                             "tandem.encoder.attempt": attempt + 1})
+                                             "tandem.encoder.attempt": attempt + 1,
+                                             "tandem.encoder.helpers": len(helpers)})
             try:
                 resp = await _unless_ejected(enc, enc.stub.Encode(
                     encoder_pb2.EncodeRequest(
@@ -163,6 +193,7 @@ class Dispatcher:
                         client_id=req.client_id,
                         template_options=req.template_options,
                         cache_salt=req.cache_salt,
+                        helpers=[h.address for h in helpers],
                     ),
                     timeout=max(0.001, deadline - time.time()),
                     metadata=_id_metadata(req, span),
@@ -183,7 +214,8 @@ class Dispatcher:
                 span.set_attribute("tandem.retried", True)
                 log.warning("%s: encoder %s failed (%s); retrying", req.request_id, enc.address, err)
             finally:
-                enc.outstanding -= 1
+                for inst in (enc, *helpers):
+                    inst.outstanding -= 1
                 span.end()
             try:
                 enc = self._pick("encoder", hashes, frozenset(tried), trace)
@@ -315,7 +347,8 @@ class Dispatcher:
         if enc is not None:
             route.encoder, route.encoder_attempts = enc.address, 1
             encode_task = asyncio.ensure_future(
-                self._encode(req, room, enc, lang, deadline, route, trace))
+                self._encode(req, room, enc, lang, deadline, route, trace,
+                             frozenset(avoid["encoder"])))
         else:  # nothing to deliver: an Encode that is already done, with no answer
             self.metrics.encoder_bypassed.inc()
             encode_task = asyncio.get_running_loop().create_future()

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.internal_tls import InternalTLS, aio_channel, load_internal_tls
 from tandem.services.router.config import RouterConfig
 from tandem.services.router.dispatch.health import HealthTracker, InstanceState
-from tandem.services.router.dispatch.selection import Candidate
+from tandem.services.router.dispatch.selection import Candidate, EncoderState
 from tandem.v1 import encoder_pb2, encoder_pb2_grpc, language_pb2, language_pb2_grpc
 
 log = logging.getLogger("tandem.router")
@@ -54,6 +54,7 @@ class Instance:
     kv_used: float = 0.0
     draining: bool = False
     model: str = ""
+    queued_patches: int = 0  # an encoder's vision patches waiting for its ViT (GetLoad)
 
     @property
     def load(self) -> float:
@@ -112,6 +113,14 @@ class Pool:
             Candidate(i.address, i.load)
             for i in self.instances.values()
             if i.tracker.healthy and not i.draining
+        ]
+
+    def states(self) -> list[EncoderState]:
+        """Every instance as plain data, eligible or not (the helper rule filters)."""
+        return [
+            EncoderState(i.address, i.model, i.tracker.healthy, i.draining, i.load,
+                         i.queued_patches)
+            for i in self.instances.values()
         ]
 
     def healthy_count(self) -> int:
@@ -175,6 +184,8 @@ class Pool:
         inst.kv_used = kv_used
         inst.draining = r.draining
         inst.model = r.model
+        if self.kind == "encoder":
+            inst.queued_patches = r.queued_patches
         inst.tracker.record_success()
 
     async def poll(self) -> None:

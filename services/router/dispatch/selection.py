@@ -11,6 +11,9 @@ by rendezvous (highest-random-weight) score, so adding or removing an instance o
 the keys that hashed to it. The request goes to the instance most of its keys prefer,
 unless that instance's load exceeds `bound = ceil(mean_load * (1 + slack)) + 1`; then the
 next instance in the first key's ranking within the bound, else plain least-load.
+
+A prompt with several images or videos may also name helper encoders beside the one it
+goes to (`pick_helpers`, `split_encoders`): the least loaded other encoders of its model.
 """
 
 from __future__ import annotations
@@ -129,3 +132,50 @@ class Selector:
             if loads[addr] <= bound:
                 return Choice(addr, PickReason.AFFINITY_NEXT)
         return None
+
+
+@dataclass(frozen=True)
+class EncoderState:
+    """What the helper rule knows of one encoder: the registry's view, as plain data."""
+
+    address: str
+    model: str  # the model its last load report named ("" before its first report)
+    healthy: bool  # not ejected, and answered a load poll or a request since it was seen
+    draining: bool
+    load: float  # requests: this router's outstanding ones + other routers' (GetLoad)
+    queued_patches: int  # vision patches waiting for its ViT (its last GetLoad)
+
+
+def splittable(media: int, split_encoders: int) -> bool:
+    """Whether a prompt with `media` images and videos may be split across encoders."""
+    return split_encoders > 1 and media >= 2
+
+
+def pick_helpers(
+    encoders: Sequence[EncoderState],
+    lead: str,
+    media: int,
+    split_encoders: int,
+    exclude: frozenset[str] | set[str] = frozenset(),
+) -> list[str]:
+    """The helper encoders of a prompt whose Encode goes to `lead`, best first.
+
+    The rule (issue 27, a prompt split across encoders): a prompt with `media` >= 2 images
+    or videos gets up to min(split_encoders, media) - 1 helpers (each writer encodes at
+    least one of them, so more would idle), chosen among the encoders that are healthy, not
+    draining, serve the lead's model, and are neither the lead nor in `exclude` (encoders
+    that failed this request); least loaded first: by requests in flight (which include
+    this router's own, counted at once), then queued patches, then address. None when
+    split_encoders is 1, when the prompt has fewer than 2 media, or when the lead is not a
+    known encoder. They are candidates only: the lead decides which ranges, if any, each
+    one encodes."""
+    by_address = {e.address: e for e in encoders}
+    if not splittable(media, split_encoders) or lead not in by_address:
+        return []
+    limit = min(split_encoders, media) - 1
+    model = by_address[lead].model
+    pool = [e for e in encoders
+            if e.healthy and not e.draining and e.model == model
+            and e.address != lead and e.address not in exclude]  # fmt: skip
+    pool.sort(key=lambda e: (e.load, e.queued_patches, e.address))
+    return [e.address for e in pool[:limit]]

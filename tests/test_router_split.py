@@ -1,0 +1,280 @@
+"""The router's side of a prompt split across encoders (issue 27, `split_encoders`): which
+helper encoders an Encode names (selection.pick_helpers, on plain data), and what a real
+dispatcher sends over gRPC, a failover's Encode included.
+
+The dispatcher tests run the router's own Registry and Dispatcher against small gRPC
+servers that stand in for the tiers: they answer GetLoad with chosen figures (load, model,
+draining) and record each EncodeRequest, which is what the router decides; the encoders'
+own handling of `helpers` (EncodeRange) is tested with the encoder tier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from tandem.services.router.config import RouterConfig
+from tandem.services.router.dispatch.dispatcher import Dispatcher
+from tandem.services.router.dispatch.registry import Registry
+from tandem.services.router.dispatch.selection import (
+    EncoderState,
+    Selector,
+    pick_helpers,
+    rendezvous_order,
+)
+from tandem.services.router.metrics import RouterMetrics
+from tandem.services.router.request import ChatRequest, image_hashes
+from tandem.v1 import (
+    common_pb2,
+    encoder_pb2,
+    encoder_pb2_grpc,
+    language_pb2,
+    language_pb2_grpc,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def enc(address: str, load: float = 0, patches: int = 0, model: str = "m", healthy: bool = True,
+        draining: bool = False) -> EncoderState:
+    return EncoderState(address, model, healthy, draining, load, patches)
+
+
+# ---- the rule, on plain data --------------------------------------------------------------
+
+def test_helpers_are_the_least_loaded_others_up_to_split_encoders_minus_one():
+    pool = [enc("lead", load=0), enc("a", load=5), enc("b", load=1), enc("c", load=1, patches=9),
+            enc("d", load=1, patches=2), enc("e", load=0, patches=700)]
+    # requests first, then queued patches, then address; the lead is never its own helper
+    assert pick_helpers(pool, "lead", media=8, split_encoders=4) == ["e", "b", "d"]
+    assert pick_helpers(pool, "lead", media=8, split_encoders=2) == ["e"]
+    assert pick_helpers(pool, "lead", media=8, split_encoders=64) == ["e", "b", "d", "c", "a"]
+    # never more helpers than media - 1: each writer encodes at least one image or video
+    assert pick_helpers(pool, "lead", media=2, split_encoders=4) == ["e"]
+    assert pick_helpers(pool, "lead", media=3, split_encoders=4) == ["e", "b"]
+
+
+def test_helpers_exclude_unhealthy_draining_other_model_and_failed_encoders():
+    pool = [enc("lead"), enc("sick", healthy=False), enc("leaving", draining=True),
+            enc("other", model="x"), enc("unreported", model=""), enc("failed"),
+            enc("ok", load=7)]
+    assert pick_helpers(pool, "lead", 4, 8, exclude={"failed"}) == ["ok"]
+    assert pick_helpers(pool, "lead", 4, 8) == ["failed", "ok"]
+    # the model is the lead's, whatever it is
+    assert pick_helpers(pool + [enc("x2", model="x")], "other", 4, 8) == ["x2"]
+
+
+def test_no_helpers_for_fewer_than_two_media_or_split_encoders_one():
+    pool = [enc("lead"), enc("a"), enc("b")]
+    for media in (0, 1):
+        assert pick_helpers(pool, "lead", media, split_encoders=3) == []
+    assert pick_helpers(pool, "lead", 8, split_encoders=1) == []
+    assert pick_helpers(pool, "gone", 8, split_encoders=3) == []  # the lead unknown
+    assert pick_helpers([enc("lead")], "lead", 8, split_encoders=3) == []  # no other encoder
+
+
+def test_split_encoders_is_checked():
+    from pydantic import ValidationError
+
+    assert RouterConfig(insecure_internal=True).split_encoders == 1  # never split by default
+    with pytest.raises(ValidationError):
+        RouterConfig(insecure_internal=True, split_encoders=0)
+
+
+# ---- a real dispatcher --------------------------------------------------------------------
+
+class FakeEncoder(encoder_pb2_grpc.EncoderServicer):
+    """Answers GetLoad with its figures; records each Encode; fails the first `fail` ones
+    with UNAVAILABLE (an encoder that dies mid-prompt)."""
+
+    def __init__(self, load: int, patches: int = 0, model: str = "m", draining: bool = False,
+                 fail: int = 0) -> None:
+        self.load, self.patches, self.model, self.draining = load, patches, model, draining
+        self.fail = fail
+        self.encodes: list[encoder_pb2.EncodeRequest] = []
+        self.delivered = asyncio.Event()
+
+    async def GetLoad(self, request, context):  # noqa: N802
+        return encoder_pb2.EncoderGetLoadResponse(
+            queued_requests=self.load, queued_patches=self.patches, model=self.model,
+            draining=self.draining)
+
+    async def Encode(self, request, context):  # noqa: N802
+        self.encodes.append(request)
+        if len(self.encodes) <= self.fail:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "encoder died")
+        self.delivered.set()
+        return encoder_pb2.EncodeResponse(prompt_tokens=10)
+
+
+class FakeLanguage(language_pb2_grpc.LanguageServicer):
+    """Finishes each request once an encoder delivered its prompt; accepts every Reattach."""
+
+    def __init__(self, encoders: list[FakeEncoder]) -> None:
+        self.encoders = encoders
+        self.reattached: list[str] = []
+
+    async def GetLoad(self, request, context):  # noqa: N802
+        return language_pb2.LanguageGetLoadResponse(model="m", total_kv_pages=100,
+                                                    free_kv_pages=100)
+
+    async def Generate(self, request, context):  # noqa: N802
+        waits = [asyncio.ensure_future(e.delivered.wait()) for e in self.encoders]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        yield language_pb2.LanguageGenerateResponse(
+            token_ids=[1], text="x", finish_reason=common_pb2.FINISH_REASON_STOP)
+
+    async def Reattach(self, request, context):  # noqa: N802
+        self.reattached.append(request.encoder_address)
+        return language_pb2.ReattachResponse(accepted=True)
+
+    async def Abort(self, request, context):  # noqa: N802
+        return language_pb2.AbortResponse()
+
+
+@contextlib.asynccontextmanager
+async def serving(servicers: list, add):
+    """Each servicer on a gRPC server of its own; yields their addresses."""
+    servers, addresses = [], []
+    for s in servicers:
+        server = grpc.aio.server()
+        add(s, server)
+        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+        await server.start()
+        servers.append(server)
+    try:
+        yield addresses
+    finally:
+        await asyncio.gather(*(s.stop(None) for s in servers))
+
+
+@contextlib.asynccontextmanager
+async def router(encoders: dict[str, FakeEncoder], extra_encoders: list[str] = (), **cfg):
+    """A Registry (polled once) and Dispatcher over `encoders` (name -> servicer) and one
+    language instance; yields (dispatcher, {name: address}, metrics, language)."""
+    language = FakeLanguage(list(encoders.values()))
+    async with (
+        serving(list(encoders.values()), encoder_pb2_grpc.add_EncoderServicer_to_server) as eas,
+        serving([language], language_pb2_grpc.add_LanguageServicer_to_server) as las,
+    ):
+        config = RouterConfig(encoders=[*eas, *extra_encoders], languages=las,
+                              insecure_internal=True, **cfg)
+        registry = Registry(config)
+        await registry.refresh_membership()
+        await asyncio.gather(registry.encoders.poll(), registry.languages.poll())
+        metrics = RouterMetrics(CollectorRegistry())
+        selectors = {k: Selector(config.policy, config.affinity_slack)
+                     for k in ("encoder", "language")}  # fmt: skip
+        try:
+            yield (Dispatcher(registry, selectors, config, metrics),
+                   dict(zip(encoders, eas, strict=True)), metrics, language)
+        finally:
+            await registry.stop()
+
+
+def chat(urls: list[str]) -> ChatRequest:
+    parts = [common_pb2.ContentPart(image=common_pb2.ImagePart(url=u)) for u in urls]
+    parts.append(common_pb2.ContentPart(text="describe"))
+    return ChatRequest(messages=[common_pb2.ChatMessage(role="user", content=parts)],
+                       sampling=common_pb2.SamplingParams(max_tokens=1), timeout_s=60,
+                       request_id="split-test")
+
+
+def images_preferring(ranking: list[str], candidates: list[str], n: int) -> list[str]:
+    """n image URLs whose affinity ranking over `candidates` starts with `ranking` (so the
+    test knows which encoder leads, and which one a failover goes to)."""
+    out = []
+    for i in itertools.count():
+        url = f"https://example.com/{i}.png"
+        (key,) = image_hashes(chat([url]).messages)
+        if rendezvous_order(key, candidates)[:len(ranking)] == ranking:
+            out.append(url)
+            if len(out) == n:
+                return out
+
+
+async def run(dispatcher: Dispatcher, req: ChatRequest) -> None:
+    async for out in dispatcher.generate(req):
+        if out.finished:
+            return
+    raise AssertionError("no final output")
+
+
+def _sample(metrics: RouterMetrics, name: str) -> float:
+    return metrics.registry.get_sample_value(name) or 0.0
+
+
+def test_the_encode_names_the_least_loaded_eligible_encoders_and_a_failover_picks_afresh():
+    """The lead (picked by image affinity) gets the least loaded other healthy, non-draining
+    encoders of its model as helpers; when it dies, the Encode on the next encoder names
+    helpers picked again, without the failed lead (healthy and idle as it still looks)."""
+    fakes = {"lead": FakeEncoder(load=0, fail=1), "next": FakeEncoder(load=0, patches=500),
+             "busy": FakeEncoder(load=3), "light": FakeEncoder(load=1),
+             "draining": FakeEncoder(load=0, draining=True),
+             "other_model": FakeEncoder(load=0, model="x")}
+
+    async def go():
+        # an address nothing answers on: never healthy, never a helper
+        async with router(fakes, extra_encoders=["127.0.0.1:9"], split_encoders=3,
+                          encoder_retries=1) as (dispatcher, addr, metrics, language):
+            candidates = [c.address for c in dispatcher.registry.encoders.candidates()]
+            assert sorted(candidates) == sorted(addr[n] for n in fakes if n != "draining")
+            urls = images_preferring([addr["lead"], addr["next"]], candidates, 3)
+            await run(dispatcher, chat(urls))
+            assert language.reattached == [addr["next"]]
+            (first,) = fakes["lead"].encodes
+            assert list(first.helpers) == [addr["next"], addr["light"]]
+            (second,) = fakes["next"].encodes
+            assert list(second.helpers) == [addr["light"], addr["busy"]]
+            assert first.room == second.room
+            assert _sample(metrics, "tandem_router_split_prompts_total") == 2
+            assert _sample(metrics, "tandem_router_encode_helpers_count") == 2
+            assert _sample(metrics, "tandem_router_encode_helpers_sum") == 4
+            # every helper's count is back to nothing once the Encodes ended
+            assert all(i.outstanding == 0 for i in dispatcher.registry.encoders.instances.values())
+
+    asyncio.run(go())
+
+
+def test_the_failover_never_names_the_failed_lead():
+    """With room for every helper, the failed lead (still healthy and idle in the
+    registry's view: one failure does not eject it) is the one encoder left out."""
+    fakes = {"lead": FakeEncoder(load=0, fail=1), "next": FakeEncoder(load=0),
+             "a": FakeEncoder(load=1), "b": FakeEncoder(load=2)}
+
+    async def go():
+        async with router(fakes, split_encoders=8, encoder_retries=1) as (
+                dispatcher, addr, metrics, _):
+            candidates = [c.address for c in dispatcher.registry.encoders.candidates()]
+            urls = images_preferring([addr["lead"], addr["next"]], candidates, 6)
+            await run(dispatcher, chat(urls))
+            (first,) = fakes["lead"].encodes
+            assert list(first.helpers) == [addr["next"], addr["a"], addr["b"]]
+            (second,) = fakes["next"].encodes
+            assert list(second.helpers) == [addr["a"], addr["b"]]
+            assert dispatcher.registry.encoders.instances[addr["lead"]].tracker.healthy
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("images,split", [(1, 3), (3, 1)])
+def test_no_helpers_for_one_image_or_split_encoders_one(images, split):
+    fakes = {"lead": FakeEncoder(load=0), "a": FakeEncoder(load=0), "b": FakeEncoder(load=0)}
+
+    async def go():
+        async with router(fakes, split_encoders=split) as (dispatcher, addr, metrics, _):
+            candidates = [c.address for c in dispatcher.registry.encoders.candidates()]
+            await run(dispatcher, chat(images_preferring([addr["lead"]], candidates, images)))
+            (sent,) = fakes["lead"].encodes
+            assert list(sent.helpers) == []
+            assert _sample(metrics, "tandem_router_split_prompts_total") == 0
+            assert _sample(metrics, "tandem_router_encode_helpers_count") == 0
+
+    asyncio.run(go())
