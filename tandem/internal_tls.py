@@ -42,6 +42,7 @@ POLICY: dict[str, frozenset[str]] = {
     "/tandem.v1.Encoder/": frozenset({"router"}),
     "/tandem.v1.Encoder/GetLoad": frozenset({"router", "operator"}),
     "/tandem.v1.Encoder/Attach": frozenset({"language"}),
+    "/tandem.v1.Encoder/EncodeRange": frozenset({"encoder"}),  # a lead's split prompt
     "/grpc.health.v1.Health/": ANY_ROLE,
     "/grpc.reflection.v1alpha.ServerReflection/": ANY_ROLE,
     "/grpc.reflection.v1.ServerReflection/": ANY_ROLE,

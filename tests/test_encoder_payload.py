@@ -165,7 +165,8 @@ def test_streamed_payload_equals_whole(checkpoint, arch):
         pipe = pipeline(path)
         seen, handed = [], []
 
-        def on_payload(p, handed=handed, seen=seen):
+        def on_payload(p, remote, handed=handed, seen=seen):
+            assert remote == []  # no helpers: nothing written by another encoder
             handed.append((p.arrived.rows, p.mrope_delta, p.fill_ids.clone(),
                            p.mrope_positions.clone()))
             p.arrived.on_advance = lambda p=p, seen=seen: seen.append(p.arrived.rows)

@@ -50,6 +50,7 @@ def _message_limit(cfg: EncoderConfig) -> int:
 async def run(
     cfg: EncoderConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None
 ) -> None:
+    from tandem.transfer.channels import EncoderChannels
     from tandem.transfer.engine import MooncakeEngine
     from tandem.transfer.sender import EmbeddingSender
     from tandem.transfer.staging import StagingArea
@@ -73,7 +74,9 @@ async def run(
     limit = _message_limit(cfg)
     server = serving.grpc_server(tls, max_receive_message_length=limit,
                                  max_send_message_length=16 << 20)
-    servicer = EncoderServicer(pipeline, sender, cfg.model, cfg.request_timeout_s, metrics)
+    channels = EncoderChannels(grace_s=cfg.transfer.timeout_s, tls=tls)  # to helpers
+    servicer = EncoderServicer(pipeline, sender, cfg.model, cfg.request_timeout_s, metrics,
+                               channels)
     encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server)
     if cfg.metrics_port:
         serve_metrics(cfg.metrics_port, cfg.host, registry)
@@ -95,4 +98,5 @@ async def run(
     await serving.drain(servicer, health_servicer, cfg.drain_timeout_s, log)
     await server.stop(grace=1.0)
     await pipeline.stop()
+    await channels.close()
     log.info("encoder stopped")

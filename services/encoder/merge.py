@@ -208,7 +208,10 @@ class StreamedPayload:
         start: int,
         rule: RopeRule,
         num_deepstack: int,
+        only: set[int] | None = None,
     ) -> None:
+        """`only`: the media this writer fills (a helper's range of a split prompt); the
+        others' rows are another writer's, never waited for (left zero here)."""
         dev = embed_tokens.weight.device
         with torch.inference_mode():
             text = embed_tokens(input_ids[start:].to(dev)).cpu()
@@ -228,7 +231,8 @@ class StreamedPayload:
         # each medium's rows in the payload (rows before `start` dropped), and which of them
         # still wait for their features
         self.rows = [r[r >= start] - start for r in rows]
-        self.missing = {i for i, r in enumerate(self.rows) if r.numel()}
+        self.missing = {i for i, r in enumerate(self.rows)
+                        if r.numel() and (only is None or i in only)}
         self._raise()
 
     def needs(self, i: int) -> bool:

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -53,7 +54,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem import tracing
-from tandem.chat import Limits, Message, TemplateOptions, load_chat_template
+from tandem.chat import ChatError, Limits, Message, TemplateOptions, load_chat_template
 from tandem.devices import resolve_device, resolve_dtype
 from tandem.services.encoder.cache import EmbeddingCache
 from tandem.services.encoder.fair_pool import FairPool
@@ -73,10 +74,13 @@ from tandem.services.encoder.preprocess import (
     in_namespace,
 )
 from tandem.services.encoder.scheduler import EncoderScheduler, FeatureResult
+from tandem.services.encoder.split import HelperRange, Share, plan_split
 from tandem.services.encoder.video import PlannedVideo, PreparedVideo, VideoLimits
 from tandem.services.encoder.video_rules import ARCH_RULES, VideoSettings
+from tandem.services.encoder.vit_kernels import pack_vision_tower
 from tandem.services.encoder.vit_runner import VisionRunner
 from tandem.transfer.payload import ImageSpan, PromptInfo, PromptPayload
+from tandem.transfer.sender_room import RemoteRange
 
 
 class EncodeState(enum.Enum):
@@ -102,6 +106,23 @@ class EncodeResult:
     skipped_images: int = 0  # images and videos wholly inside the cached prefix: no ViT
     video_keys: list[str] = field(default_factory=list)
     decoded_videos: int = 0  # videos decoded (the others were cached or held)
+    # a split prompt (split.py): its writers in prompt order (the lead's share first), and
+    # the ranges other encoders write (the sender's `remote`)
+    shares: list[Share] = field(default_factory=list)
+    remote: list[RemoteRange] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class MediaPart:
+    """A helper's share of another encoder's prompt (EncodeRange): media [first_media,
+    end_media) into payload tokens [first_token, end_token), the payload starting at
+    prompt token `payload_start` (the language side's cached prefix)."""
+
+    payload_start: int
+    first_media: int
+    end_media: int
+    first_token: int
+    end_token: int
 
 
 class EncodePipeline:
@@ -146,7 +167,7 @@ class EncodePipeline:
         from transformers import AutoProcessor
 
         import tandem  # noqa: F401  (registers the image-only processors)
-        from tandem.cpu_kernels import linear_kernels, pack_linears
+        from tandem.cpu_kernels import linear_kernels
         from tandem.models.checkpoint import resolve_model_path
         from tandem.models.split import load_vision_part
 
@@ -155,10 +176,10 @@ class EncodePipeline:
         devs = [resolve_device(d) for d in (cfg.devices or [cfg.device])]
         parts = [load_vision_part(path, resolve_dtype(cfg.dtype, d), d, embed_device="cpu")
                  for d in devs]  # the text table on the CPU: see __init__
-        for p, d in zip(parts, devs, strict=True):  # float32 on CPU: our packed linears
+        for p, d in zip(parts, devs, strict=True):  # float32 on CPU: our packed linears,
             kernels = linear_kernels(cfg.linear_backend, d, resolve_dtype(cfg.dtype, d))
-            if kernels is not None:
-                pack_linears(p.visual, kernels)
+            if kernels is not None:  # and the tower's other steps on the same kernels
+                pack_vision_tower(p.visual, kernels)
         # NOTE: graph mode captures every graph here, at start-up, one runner at a time:
         # no pool or device thread exists yet, so no other GPU work runs during a capture.
         runners = [VisionRunner(p.visual, max_patches=cfg.cuda_graph_max_patches) for p in parts]
@@ -222,7 +243,10 @@ class EncodePipeline:
         template: TemplateOptions | None = None,
         cache_salt: str = "",
         trace: tracing.Span = tracing.OFF,
-        on_payload: Callable[[PromptPayload], None] | None = None,
+        on_payload: Callable[[PromptPayload, list[RemoteRange]], None] | None = None,
+        helpers: list[str] = (),
+        open_helper: Callable[[Share, int], HelperRange] | None = None,
+        part: MediaPart | None = None,
     ) -> EncodeResult:
         """`on_state(EncodeState)` is called as the request moves from stage to stage;
         `announce(info)` returns the leading tokens the language side already holds.
@@ -233,20 +257,26 @@ class EncodePipeline:
         embedding cache and for the spans announced to the language side alike; `trace`:
         the span the stages' spans go under; `on_payload(payload)`: stream it (see the
         module docstring), called once before the ViT runs with the payload whose rows
-        then fill in (its `arrived` watermark)."""
+        then fill in (its `arrived` watermark) and the ranges other encoders write;
+        `helpers`: encoders that may take ranges of the prompt (split.py), each opened
+        with `open_helper(share, payload_start)` (the servicer's; it starts the helper's
+        work at once); `part`: encode only this share of the chat (a helper's
+        EncodeRange: no announce, only these media, the payload's other rows left zero)."""
         left = math.inf if deadline is None else deadline - time.time()
         budget = Budget(time.monotonic() + left)
         try:
             return await self._encode(messages, limits, on_state, announce, tools, client,
                                       budget, template, cache_salt, trace,
-                                      on_payload)  # fmt: skip
+                                      on_payload, list(helpers), open_helper,
+                                      part)  # fmt: skip
         finally:
             budget.stop.set()  # NOTE: a worker still on this request stops at its next check
 
     async def _encode(self, messages, limits, on_state, announce, tools, client,
                       budget: Budget, template: TemplateOptions | None,
                       cache_salt: str, trace: tracing.Span,
-                      on_payload=None) -> EncodeResult:  # fmt: skip
+                      on_payload=None, helpers: list[str] = (), open_helper=None,
+                      part: MediaPart | None = None) -> EncodeResult:  # fmt: skip
         step = on_state or (lambda _s: None)
         step(EncodeState.PREPROCESSING)
         queued_ns = time.time_ns()
@@ -261,14 +291,17 @@ class EncodePipeline:
             self.metrics.preprocess_seconds.observe(prep.preprocess_s, tracing.exemplar(trace))
         spans = media_spans(prep.input_ids, prep.media, self.spec.image_token_id,
                             self.spec.video_token_id)
-        cached = 0
-        if announce is not None:
+        cached = 0 if part is None else part.payload_start
+        if part is not None:
+            _check_part(part, spans, int(prep.input_ids.numel()))
+        elif announce is not None:
             step(EncodeState.ANNOUNCING)
             span = tracing.start("encoder.announce", trace)
             cached = await announce(PromptInfo(prep.input_ids.tolist(), spans))
             span.set_attribute("tandem.cached_prefix_tokens", cached)
             span.end()
-        need = [i for i, sp in enumerate(spans) if sp.start + sp.length > cached]
+        need = [i for i, sp in enumerate(spans) if sp.start + sp.length > cached
+                and (part is None or part.first_media <= i < part.end_media)]
         # Each needed medium is looked up once (a counted hit or miss); only then are the
         # missing videos decoded, so a cached video costs no decode.
         feats: list = [None] * len(spans)
@@ -284,10 +317,26 @@ class EncodePipeline:
             tracing.start("encoder.cache", trace, attributes={
                 "tandem.cache.hits": len(need) - len(misses), "tandem.cache.misses": len(misses),
                 "tandem.cached_image_tokens": cached_tokens}).end()
+        shares: list[Share] = []
+        if helpers and open_helper is not None and part is None:
+            weights = [_patches(prep.media[i]) if i in misses else 0 for i in range(len(spans))]
+            shares = plan_split([sp.start for sp in spans], weights, cached,
+                                int(prep.input_ids.numel()) - cached, helpers)
+        remote: list[RemoteRange] = []
         stream = None
-        if on_payload is not None:  # built and handed on before any decode or ViT
-            stream = await self._start_stream(prep, spans, cached, feats, client)
-            on_payload(stream.payload)
+        if on_payload is not None or shares or part is not None:
+            # built before any decode or ViT (streamed, split or a helper's part)
+            only = None if part is None else set(range(part.first_media, part.end_media))
+            stream = await self._start_stream(prep, spans, cached, feats, client, only)
+            for sh in shares[1:]:  # each helper starts now, beside our own ViT
+                h = open_helper(sh, cached)
+                h.fall_back = functools.partial(self._fall_back, stream, prep, sh, client,
+                                                budget.deadline)
+                remote.append(h.remote())
+            if shares:
+                misses = [i for i in misses if shares[0].first_media <= i < shares[0].end_media]
+            if on_payload is not None:
+                on_payload(stream.payload, remote)
         to_decode = [i for i in misses if isinstance(prep.media[i], PlannedVideo)]
         t0 = time.perf_counter()
         decoded: dict[int, PreparedVideo] = {}
@@ -303,10 +352,12 @@ class EncodePipeline:
         decode_s = time.perf_counter() - t0
         step(EncodeState.ENCODING)
         inputs = [decoded.get(i, prep.media[i]) for i in misses]
-        if stream is not None:
+        if stream is not None and on_payload is not None:
             got = await self._stream_vit(stream, misses, inputs, client)
         else:
             got = await self.scheduler.encode(inputs)
+            if stream is not None:  # split or a part: whole, then placed
+                await self.pool.run(client, _place_all, stream, misses, got.features)
         for i, f in zip(misses, got.features, strict=True):
             feats[i] = f
         if trace.is_recording():
@@ -342,18 +393,21 @@ class EncodePipeline:
             skipped_images=len(spans) - len(need),
             video_keys=[v.key for v in prep.videos],
             decoded_videos=len(to_decode),
+            shares=shares,
+            remote=remote,
         )
 
     async def _start_stream(self, prep, spans: list[ImageSpan], cached: int, feats: list,
-                            client: str) -> StreamedPayload:
-        """The streamed payload of rows [cached, L) with the cache hits already in."""
+                            client: str, only: set[int] | None = None) -> StreamedPayload:
+        """The streamed payload of rows [cached, L) with the cache hits already in (of the
+        media `only`, when given: a helper's part)."""
         rows = media_rows(prep.input_ids, [m.num_tokens for m in prep.media],
                           self.spec.image_token_id, self.spec.video_token_id)
 
         def build() -> StreamedPayload:
             out = StreamedPayload(self.embed_tokens, prep.input_ids, prep.mm_token_type_ids,
                                   _grids(prep.media), rows, start=cached, rule=self.rope,
-                                  num_deepstack=self.num_deepstack)
+                                  num_deepstack=self.num_deepstack, only=only)
             for i, f in enumerate(feats):
                 if f is not None and out.needs(i):
                     out.place(i, f)
@@ -375,6 +429,28 @@ class EncodePipeline:
             res.vit_s += got.vit_s
             await self.pool.run(client, stream.place, i, got.features[0])
         return res
+
+    async def _fall_back(self, stream: StreamedPayload, prep, share: Share, client: str,
+                         deadline: float) -> None:
+        """A lost helper's media into the lead's own payload (cache, decode, ViT), so the
+        lead writes the rest of its range (split.py)."""
+        budget = Budget(deadline)
+        try:
+            todo = [i for i in range(share.first_media, share.end_media) if stream.needs(i)]
+            inputs = []
+            for i in todo:
+                hit = self.scheduler.lookup(prep.media[i].key)
+                if hit is not None:
+                    await self.pool.run(client, stream.place, i, hit)
+                else:
+                    inputs.append(i)
+            videos = [i for i in inputs if isinstance(prep.media[i], PlannedVideo)]
+            decoded = dict(zip(videos, await self._decode([prep.media[i] for i in videos],
+                                                          client, budget), strict=True))
+            got = await self.scheduler.encode([decoded.get(i, prep.media[i]) for i in inputs])
+            await self.pool.run(client, _place_all, stream, inputs, got.features)
+        finally:
+            budget.stop.set()
 
     async def _decode(self, videos: list[PlannedVideo], client: str,
                       budget: Budget) -> list[PreparedVideo]:
@@ -399,6 +475,31 @@ class EncodePipeline:
             "cache_bytes": self.cache.bytes_used,
             "cache_capacity_bytes": self.cache.capacity,
         }
+
+
+def _patches(m) -> int:
+    t, h, w = m.grid
+    return t * h * w
+
+
+def _place_all(stream: StreamedPayload, items: list[int], features: list) -> None:
+    for i, f in zip(items, features, strict=True):
+        stream.place(i, f)
+
+
+def _check_part(part: MediaPart, spans: list[ImageSpan], prompt_tokens: int) -> None:
+    """A helper's own rendering of the chat must put the lead's share where the lead said
+    (the same chat, template and processor: a mismatch is a misconfigured tier)."""
+    n, total = len(spans), prompt_tokens - part.payload_start
+    t0 = 0 if part.first_media == 0 else spans[part.first_media].start - part.payload_start \
+        if part.first_media < n else -1
+    t1 = total if part.end_media == n else spans[part.end_media].start - part.payload_start \
+        if part.end_media < n else -1
+    if not (0 <= part.first_media < part.end_media <= n) or (t0, t1) != (part.first_token,
+                                                                       part.end_token):
+        raise ChatError(f"range: media [{part.first_media}, {part.end_media}) at tokens "
+                        f"[{part.first_token}, {part.end_token}) of {total}, this encoder "
+                        f"renders {n} media, that range at [{t0}, {t1})", "range")
 
 
 def _grids(media: list) -> list[VisionGrid]:

@@ -6,6 +6,12 @@
                           holds) ─▶ cache / ViT ─▶ merge)
                        ─▶ sender.send(room, payload, deadline)   (waits for Attach Init)
                        ─▶ EncodeResponse once Done is on the Attach stream
+    Encode with helpers (a split prompt, split.py): the pipeline opens one EncodeRange
+                   stream per helper share it plans; the sender hands those ranges' pieces
+                   to them (and re-encodes the range of a helper that is lost)
+    EncodeRange (this encoder a helper): RangeStart ─▶ pipeline.encode(part=...) (its
+                   media only) ─▶ Ready ─▶ per RangeWrite: sender.write_range ─▶
+                   RangeWritten per chunk (AttachWorking meanwhile)
     Attach  ─▶ sender.attach (the transfer layer owns the room protocol)
     GetLoad ─▶ queue, cache and room figures
 
@@ -31,8 +37,10 @@ from tandem import tracing
 from tandem.chat import ChatError
 from tandem.errors import FIELD_METADATA
 from tandem.services.encoder.chat import job_from_proto
-from tandem.services.encoder.pipeline import EncodePipeline, EncodeState
+from tandem.services.encoder.pipeline import EncodePipeline, EncodeState, MediaPart
+from tandem.services.encoder.split import HelperRange, Share, heartbeat
 from tandem.serving import deadline_from_proto
+from tandem.transfer.channels import EncoderChannels
 from tandem.transfer.errors import TransferError
 from tandem.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 
@@ -47,8 +55,12 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         model_name: str,
         default_timeout_s: float,
         metrics=None,
+        channels: EncoderChannels | None = None,
     ) -> None:
+        """`channels`: to the helper encoders of split prompts (None: this encoder never
+        splits: an Encode naming helpers is refused)."""
         self.pipeline, self.sender, self.metrics = pipeline, sender, metrics
+        self.channels = channels
         self.model_name, self.default_timeout_s = model_name, default_timeout_s
         self.draining = False  # set once by the drain: new Encodes get UNAVAILABLE
         self.num_active = 0  # Encodes in progress (the drain waits for 0)
@@ -122,12 +134,38 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             self.states[job.room] = state
 
         sending: asyncio.Task | None = None  # a streamed payload's delivery, under way
+        helpers: list[HelperRange] = []  # a split prompt's (each closed on every path)
 
-        def stream(payload) -> None:  # the pipeline's payload, before its rows are all in
+        def stream(payload, remote) -> None:  # the payload, before its rows are all in
             nonlocal sending
-            sending = asyncio.ensure_future(
-                self.sender.send(job.room, payload, deadline=deadline, trace=span))
+            sending = asyncio.ensure_future(self.sender.send(
+                job.room, payload, deadline=deadline, trace=span, remote=remote))
 
+        def open_helper(share: Share, payload_start: int) -> HelperRange:
+            ask = encoder_pb2.EncodeRequest()
+            ask.CopyFrom(request)
+            del ask.helpers[:]  # NOTE: a helper never splits its share again
+            h = HelperRange(self.channels.get(share.helper), share, encoder_pb2.RangeStart(
+                request=ask, payload_start=payload_start, first_media=share.first_media,
+                media=share.end_media - share.first_media, first_token=share.first_token,
+                end_token=share.end_token), self.sender.config.timeout_s,
+                metadata=tracing.metadata(span) + ((tracing.REQUEST_ID_HEADER, request.request_id),))
+            helpers.append(h)
+            return h
+
+        if request.helpers and self.channels is None:
+            raise ChatError("this encoder cannot split prompts (no channels to helpers)",
+                            "helpers", "FAILED_PRECONDITION")
+        try:
+            return await self._encode_split(request, job, span, deadline, now, mark, stream,
+                                            open_helper, lambda: sending)
+        finally:
+            for h in helpers:
+                h.close()
+
+    async def _encode_split(self, request, job, span, deadline, now, mark, stream, open_helper,
+                            streaming) -> encoder_pb2.EncodeResponse:
+        sending = None
         async with asyncio.timeout(deadline - now):
             self.sender.preparing(job.room, True)  # heartbeats on its Attach stream meanwhile
             try:
@@ -138,8 +176,10 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                     tools=job.tools, client=job.client_id, deadline=deadline,
                     template=job.template, cache_salt=job.cache_salt, trace=span,
                     on_payload=stream if self.sender.config.stream else None,
+                    helpers=list(request.helpers), open_helper=open_helper,
                 )  # fmt: skip
             except BaseException:
+                sending = streaming()
                 if sending is not None:  # NOTE: fails the room (CANCELLED) on both sides
                     sending.cancel()
                     await asyncio.gather(sending, return_exceptions=True)
@@ -147,11 +187,12 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             finally:
                 self.sender.preparing(job.room, False)
             mark(EncodeState.SENDING)
+            sending = streaming()
             # transfer_ms: the delivery's time after the ViT (streamed: what the ViT did not
             # hide; otherwise the whole delivery)
             t0 = time.perf_counter()
             stats = await (sending if sending is not None else self.sender.send(
-                job.room, res.payload, deadline=deadline, trace=span))
+                job.room, res.payload, deadline=deadline, trace=span, remote=res.remote))
             transfer_ms = (time.perf_counter() - t0) * 1e3
         if span.is_recording():
             span.set_attributes({
@@ -175,7 +216,95 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             skipped_images=res.skipped_images,
             num_videos=len(res.video_keys),
             video_keys=res.video_keys,
+            ranges=_written_ranges(res),
         )
+
+    async def EncodeRange(self, request_iterator, context):  # noqa: N802
+        """This encoder as a helper of another's split prompt (split.py)."""
+        it = request_iterator.__aiter__()
+        try:
+            first = await asyncio.wait_for(it.__anext__(), self.sender.config.timeout_s)
+        except (StopAsyncIteration, asyncio.TimeoutError):
+            return
+        if self.draining or first.WhichOneof("msg") != "start":
+            err = ("UNAVAILABLE", "encoder is draining") if self.draining else (
+                "INVALID_ARGUMENT", "the first EncodeRange message must be start")
+            await context.write(_range_failed(*err))
+            return
+        start, beat = first.start, max(0.5, self.sender.config.timeout_s / 3)
+        room, rid = start.request.room, start.request.request_id or "-"
+        self.num_active += 1
+        self._gauge()
+        outbox: asyncio.Queue = asyncio.Queue()  # the one writer of the stream: `pump`
+
+        async def pump() -> None:
+            while True:
+                await context.write(await outbox.get())
+
+        pumping = asyncio.ensure_future(pump())
+        working = encoder_pb2.RangeResponse(working=encoder_pb2.AttachWorking(room=room))
+        code = "OK"
+        try:
+            now = time.time()
+            deadline = deadline_from_proto(start.request.deadline_unix_ms,
+                                           self.default_timeout_s, now)
+            job = job_from_proto(start.request)
+            part = MediaPart(start.payload_start, start.first_media,
+                             start.first_media + start.media, start.first_token, start.end_token)
+            beating = heartbeat(beat, lambda: outbox.put(working))
+            try:
+                async with asyncio.timeout(max(0.0, deadline - now)):
+                    res = await self.pipeline.encode(
+                        job.messages, job.limits, tools=job.tools, client=job.client_id,
+                        deadline=deadline, template=job.template, cache_salt=job.cache_salt,
+                        trace=tracing.start("encoder.range", tracing.from_call(context)),
+                        part=part)  # fmt: skip
+            finally:
+                beating.cancel()
+            outbox.put_nowait(encoder_pb2.RangeResponse(ready=encoder_pb2.RangeReady(
+                cached_image_tokens=res.cached_image_tokens, vit_ms=res.vit_ms,
+                preprocess_ms=res.preprocess_ms)))
+            payload = res.payload
+            async for req in it:
+                w = req.write if req.WhichOneof("msg") == "write" else None
+                if w is None or (w.total_tokens, w.mrope_position_delta) != (
+                        payload.num_tokens, payload.mrope_delta) or not (
+                        part.first_token <= w.piece_start
+                        and w.piece_start + w.piece_tokens <= part.end_token):
+                    raise TransferError(f"room {room}: a write outside this range "
+                                        f"[{part.first_token}, {part.end_token}) of "
+                                        f"{payload.num_tokens} tokens", "INVALID_ARGUMENT")
+                await self.sender.write_range(
+                    room, w.destination, payload, w.piece_start, w.piece_tokens, deadline,
+                    on_chunk=lambda end, tag, nbytes=0: outbox.put_nowait(encoder_pb2.RangeResponse(
+                        written=encoder_pb2.RangeWritten(
+                            sent_tokens=end, tag=tag.to_proto() if tag is not None else None))),
+                    on_working=lambda: outbox.put_nowait(working),
+                    ended=context.cancelled)
+            while not outbox.empty():
+                await asyncio.sleep(0.01)
+        except ChatError as e:
+            code = e.code
+            await _flush_failed(outbox, pumping, context, code, e.detail)
+        except (TimeoutError, asyncio.TimeoutError):
+            code = "DEADLINE_EXCEEDED"
+            await _flush_failed(outbox, pumping, context, code, f"room {room}: deadline passed")
+        except TransferError as e:
+            code = e.code
+            await _flush_failed(outbox, pumping, context, code, e.reason)
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        except Exception as e:  # a bug must not take the server down; it is reported
+            log.exception("room %d: range failed", room)
+            code = "INTERNAL"
+            await _flush_failed(outbox, pumping, context, code, f"internal error: {e!r}")
+        finally:
+            pumping.cancel()
+            log.info("%s room %d: range media [%d, %d): %s", rid, room, start.first_media,
+                     start.first_media + start.media, code)
+            self.num_active -= 1
+            self._gauge()
 
     async def Attach(self, request_iterator, context):  # noqa: N802
         await self.sender.attach(request_iterator, context,
@@ -197,6 +326,32 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         if self.metrics:
             self.metrics.queued_requests.set(self.num_active)
             self.metrics.queue_patches.set(self.pipeline.scheduler.queued_patches)
+
+
+def _range_failed(code: str, message: str) -> encoder_pb2.RangeResponse:
+    return encoder_pb2.RangeResponse(failed=encoder_pb2.AttachFailed(
+        error=common_pb2.ErrorInfo(code=code, message=message)))
+
+
+async def _flush_failed(outbox: asyncio.Queue, pumping: asyncio.Task, context, code: str,
+                        message: str) -> None:
+    """Everything queued, then AttachFailed, written in order by the stream's one writer."""
+    outbox.put_nowait(_range_failed(code, message))
+    while not outbox.empty() and not pumping.done():
+        await asyncio.sleep(0.01)
+
+
+def _written_ranges(res) -> list[encoder_pb2.WrittenRange]:
+    """Who wrote which rows (the lead alone without a split)."""
+    if not res.shares:
+        return [encoder_pb2.WrittenRange(first_token=0, tokens=res.payload.num_tokens,
+                                         first_media=0, media=len(res.image_hashes) +
+                                         len(res.video_keys))]
+    fell = {rr.start for rr in res.remote if rr.fell_back}
+    return [encoder_pb2.WrittenRange(
+        encoder=sh.helper, first_token=sh.first_token, tokens=sh.end_token - sh.first_token,
+        first_media=sh.first_media, media=sh.end_media - sh.first_media,
+        fell_back=sh.first_token in fell and bool(sh.helper)) for sh in res.shares]
 
 
 def _status(name: str) -> grpc.StatusCode:

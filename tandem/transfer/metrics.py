@@ -7,6 +7,10 @@
     tandem_transfer_failures_total{side,code,reason} failed rooms by gRPC code name and
                                                      reason (`failure_reason`): alert on
                                                      reason="transfer"
+    tandem_transfer_ranges_total{role}               payload ranges written for split prompts:
+                                                     role="lead" (pieces a lead handed to a
+                                                     helper), "helper" (pieces written for a lead)
+    tandem_transfer_range_fallbacks_total            helper ranges the lead re-encoded (helper lost)
     tandem_transfer_blocks_free / _blocks_capacity   embedding blocks (language side only)
     tandem_transfer_room_stall_seconds               longest an open room has gone without
                                                      progress (language side only; `RoomStall`)
@@ -124,6 +128,12 @@ class TransferMetrics:
             'Failed rooms by gRPC code; reason="transfer" for faults of the transfer, '
             '"request" when the request ended the room (cancelled, its deadline).',
             ["side", "code", "reason"], **kw))
+        self.ranges = Counter(
+            "tandem_transfer_ranges", "Pieces of split prompts: handed to a helper (role=lead) "
+            "or written for a lead (role=helper).", ["role"], **kw)
+        self.range_fallbacks = Counter(
+            "tandem_transfer_range_fallbacks",
+            "Helper ranges the lead re-encoded itself (the helper was lost).", **kw)
         self._blocks: BlockGauges | None = None
 
     def blocks(self, free: int, capacity: int) -> None:

@@ -77,6 +77,8 @@ from tandem.transfer.errors import TransferError, TransferStuck, timed_out
 from tandem.transfer.metrics import transfer_metrics
 from tandem.transfer.payload import PromptInfo, PromptPayload
 from tandem.transfer.sender_room import (
+    RangeLost,
+    RemoteRange,
     SenderRoom,
     SenderState,
     SendStats,
@@ -155,11 +157,14 @@ class EmbeddingSender:
         r.outbox.put_nowait(failed_msg(err))
         self.rooms.pop(r.room, None)
 
-    async def _race(self, r: SenderRoom, aw, deadline: float | None, what: str):
+    async def _race(self, r: SenderRoom, aw, deadline: float | None, what: str,
+                    stall: bool = True):
         """Await `aw`, unless the room ends or the transfer timeout (bounded by the request's
-        `deadline`) passes first (TransferError: `timed_out`).
-        NOTE: `aw` is cancelled on every other exit, including our own cancellation."""
-        timeout = self._timeout(deadline)
+        `deadline`; without `stall`, the deadline alone) passes first (TransferError:
+        `timed_out`). NOTE: `aw` is cancelled on every other exit, including our own
+        cancellation."""
+        timeout = self._timeout(deadline) if stall else (
+            None if deadline is None else max(0.0, deadline - time.time()))
         task = asyncio.ensure_future(aw)
         ended = asyncio.ensure_future(r.until(lambda: r.terminal))
         try:
@@ -327,9 +332,11 @@ class EmbeddingSender:
             return r.cached
 
     async def send(self, room: int, payload: PromptPayload, deadline: float | None = None,
-                   trace: tracing.Span = tracing.OFF) -> SendStats:
+                   trace: tracing.Span = tracing.OFF,
+                   remote: list[RemoteRange] | None = None) -> SendStats:
         """Deliver `payload` into the room's blocks; returns once Done is on the stream.
-        `trace`: the span the delivery's span goes under."""
+        `trace`: the span the delivery's span goes under; `remote`: payload ranges other
+        encoders write (in order, disjoint; `payload` need not hold their rows)."""
         r = self.rooms.get(room)
         if r is None:
             r = self._room(room, SenderState.WAITING_FOR_INIT)
@@ -341,7 +348,7 @@ class EmbeddingSender:
             tracing.ROOM: room, "tandem.transfer.tokens": payload.num_tokens})
         try:
             with self._failing(r, "send"):
-                stats = await self._deliver(r, payload, deadline)
+                stats = await self._deliver(r, payload, deadline, remote or [])
             span.set_attributes({"tandem.transfer.bytes": stats.bytes,
                                  "tandem.transfer.resumes": stats.resumes})
         except TransferError as e:
@@ -375,8 +382,11 @@ class EmbeddingSender:
             self._fail(r, err)
             raise err from e
 
-    async def _deliver(self, r: SenderRoom, payload: PromptPayload, deadline) -> SendStats:
-        """The rounds of `send`: wait for Init, write each piece, Resume, Done."""
+    async def _deliver(self, r: SenderRoom, payload: PromptPayload, deadline,
+                       remote: list[RemoteRange]) -> SendStats:
+        """The rounds of `send`: wait for Init, write each piece, Resume, Done. A piece
+        never crosses a remote range's edge: each range is a piece of its own (or several,
+        when the reservation is short), written by its encoder."""
         room = r.room
         if r.init is None:
             span = tracing.start("transfer.wait_init", r.trace)
@@ -394,10 +404,17 @@ class EmbeddingSender:
         t0 = time.monotonic()
         total, sent, resumes, nbytes = payload.num_tokens, 0, 0, 0
         ids, allocated = list(init.block_ids), init.allocated_tokens
+        edges = sorted({e for rr in remote for e in (rr.start, rr.end) if 0 < e < total})
         while True:
             layout.check_destination(room, ids, allocated)
-            piece = min(total - sent, allocated)
-            nbytes += await self._write_piece(r, payload, dests, ids, sent, piece, deadline)
+            piece = min(total - sent, allocated,
+                        next((e for e in edges if e > sent), total) - sent)
+            owner = next((rr for rr in remote if rr.start <= sent < rr.end), None)
+            if owner is None:
+                nbytes += await self._write_piece(r, payload, dests, ids, sent, piece, deadline)
+            else:
+                nbytes += await self._remote_piece(r, owner, payload, dests, ids, sent, piece,
+                                                   deadline)
             sent += piece
             if sent >= total:
                 break
@@ -434,6 +451,130 @@ class EmbeddingSender:
                                 "INTERNAL")
         return got[1].to_proto() if got[1] is not None else None
 
+    async def _remote_piece(self, r: SenderRoom, owner: RemoteRange, payload: PromptPayload,
+                            dests: list[Destination], ids: list[int], start: int, piece: int,
+                            deadline) -> int:
+        """Piece [start, start+piece) by the encoder that owns it: its chunks are reported
+        as ours (the language side sees one writer's stream); a helper that is gone
+        (RangeLost) leaves the rest of the piece, from its last reported chunk, to us."""
+        end, done = start + piece, start
+        r.to(SenderState.HELPER_WRITING)
+
+        def chunk(sent: int, tag: RangeTag | None) -> None:
+            nonlocal done
+            if not done < sent <= end:
+                raise TransferError(f"room {r.room}: helper {owner.address} reported token "
+                                    f"{sent} in piece [{start}, {end})", "INTERNAL")
+            done = sent
+            if sent == end:
+                r.piece_tag = (sent, tag)
+                return
+            r.outbox.put_nowait(encoder_pb2.AttachResponse(progress=encoder_pb2.AttachProgress(
+                sent_tokens=sent, total_tokens=payload.num_tokens, partial=False,
+                tag=tag.to_proto() if tag is not None else None)))
+
+        def working() -> None:  # the helper is in the ViT: so say we, the room is alive
+            r.outbox.put_nowait(encoder_pb2.AttachResponse(
+                working=encoder_pb2.AttachWorking(room=r.room)))
+
+        dest = encoder_pb2.AttachInit()
+        dest.CopyFrom(r.init)
+        del dest.block_ids[:]
+        dest.block_ids.extend(ids)
+        dest.allocated_tokens = len(ids) * dests[0].layout.block_size
+        span = tracing.start("transfer.helper_write", r.trace, attributes={
+            "tandem.transfer.helper": owner.address, "tandem.transfer.first_token": start,
+            "tandem.transfer.tokens": piece})
+        try:
+            if not owner.fell_back:
+                self.metrics.ranges.labels("lead").inc()
+                try:
+                    # NOTE: no transfer timeout around it: the helper's heartbeats (and
+                    # its own stall timeout) bound its silence; the deadline bounds it all
+                    wrote = await self._race(
+                        r, owner.write(dest, start, piece, payload.num_tokens,
+                                       payload.mrope_delta, chunk, working),
+                        deadline, f"helper {owner.address} writing tokens {start}..{end}",
+                        stall=False)
+                    if done != end:
+                        raise TransferError(f"room {r.room}: helper {owner.address} wrote "
+                                            f"to token {done} of {end}", "INTERNAL")
+                    return wrote
+                except RangeLost as e:
+                    log.warning("room %d: helper %s lost (%s): re-encoding tokens %d..%d here",
+                                r.room, owner.address, e, done, end)
+                    span.set_attribute("tandem.transfer.fell_back", True)
+                    owner.fell_back = True
+                    self.metrics.range_fallbacks.inc()
+                    await self._race(r, owner.fall_back(), deadline,
+                                     f"re-encoding tokens {owner.start}..{owner.end}",
+                                     stall=False)
+            r.to(SenderState.TRANSFERRING)
+            return await self._write_piece(r, payload, dests, ids, start, piece, deadline,
+                                           first=done)
+        finally:
+            span.end()
+
+    async def write_range(self, room: int, init: encoder_pb2.AttachInit,
+                          payload: PromptPayload, start: int, piece: int,
+                          deadline: float | None, on_chunk, on_working, ended) -> int:
+        """A helper's side of RemoteRange.write: tokens [start, start+piece) of `payload`
+        (its rows there final, or becoming so: its watermark) into the blocks `init` names,
+        for the lead's room. `on_chunk(end, tags)` per written chunk (the last ends at
+        start+piece), `on_working()` while the rows are not ready; `ended()` true once the
+        lead's stream is gone (the writes stop). Returns bytes written; raises
+        TransferError. The room is not one of ours (no Attach stream here): a record of
+        its own, never in `rooms`."""
+        r = SenderRoom(room, SenderState.TRANSFERRING, init=init)
+        r.protection = RowProtection.of_init(init)
+        if not r.protection.at_least(self.config.protect):
+            raise TransferError(
+                f"room {room}: the lead asks for transfer protection {r.protection.mode!r}, "
+                f"this encoder requires at least {self.config.protect!r}",
+                "FAILED_PRECONDITION")
+        dests = destinations(room, init, self.staging, payload)
+        dests[0].layout.check_destination(room, list(init.block_ids), init.allocated_tokens)
+        if piece > init.allocated_tokens:
+            raise TransferError(f"room {room}: piece of {piece} tokens into "
+                                f"{init.allocated_tokens} reserved", "INVALID_ARGUMENT")
+
+        async def relay() -> None:  # the write's own messages: chunks and heartbeats
+            while True:
+                msg = await r.outbox.get()
+                kind = msg.WhichOneof("msg")
+                if kind == "progress":
+                    on_chunk(msg.progress.sent_tokens, RangeTag.from_proto(msg.progress.tag)
+                             if msg.progress.HasField("tag") else None)
+                elif kind == "working":
+                    on_working()
+
+        async def watch() -> None:
+            while not ended():
+                await asyncio.sleep(0.2)
+            self._fail(r, TransferError(f"room {room}: the lead's stream ended",
+                                        "CANCELLED"))
+
+        self.metrics.ranges.labels("helper").inc()
+        relaying = asyncio.ensure_future(relay())
+        watching = asyncio.ensure_future(watch())
+        try:
+            with self._failing(r, "write_range"):
+                wrote = await self._write_piece(r, payload, dests, list(init.block_ids),
+                                                start, piece, deadline)
+            await asyncio.sleep(0)  # NOTE: the chunks queued before the round's result
+            while not r.outbox.empty():
+                await asyncio.sleep(0)
+            last = r.piece_tag
+            if last is None or last[0] != start + piece:
+                raise TransferError(f"room {room}: no tags for the piece's end", "INTERNAL")
+            on_chunk(last[0], last[1])
+            return wrote
+        finally:
+            relaying.cancel()
+            watching.cancel()
+            if r.error is None:  # NOTE: ends the write threads' room_ended() on every path
+                r.to(SenderState.DONE)
+
     def _slot_done(self, slot: int, f) -> None:
         if isinstance(f.exception(), TransferStuck):
             log.error("staging slot %d retired: its writes never finished", slot)
@@ -442,9 +583,10 @@ class EmbeddingSender:
             self.staging.release(slot)
 
     async def _write_piece(self, r: SenderRoom, payload: PromptPayload, dests: list[Destination],
-                           ids: list[int], start: int, piece: int, deadline) -> int:
-        """Write tokens [start, start+piece) into `ids` of every destination: per staging
-        round, chunks of
+                           ids: list[int], start: int, piece: int, deadline,
+                           first: int | None = None) -> int:
+        """Write tokens [first, start+piece) (`first`: `start` unless another writer wrote
+        the piece's head) into `ids` of every destination: per staging round, chunks of
         `chunk_tokens` are staged and submitted, two deep (chunk k+1 is copied while chunk
         k is on the wire); each finished chunk but the piece's last is announced with a
         non-partial Progress, so the language side copies it out early."""
@@ -453,6 +595,10 @@ class EmbeddingSender:
         step = self.staging.round_tokens(bs)
         chunk = max(bs, min(step, self.chunk_tokens // bs * bs))
         end, nbytes = start + piece, 0
+        # NOTE: the aux rows name the piece as the language side knows it: the tokens its
+        # blocks hold, or the rest of the prompt (a piece cut short at a remote range's edge
+        # is still that piece: the partial Progress at its end says where it stopped)
+        reserved = min(payload.num_tokens - start, len(ids) * bs)
 
         def reported(sent: int, tag: RangeTag | None) -> None:
             """A chunk reached every destination: a Progress of its own, or (the piece's
@@ -464,7 +610,7 @@ class EmbeddingSender:
                 sent_tokens=sent, total_tokens=payload.num_tokens, partial=False,
                 tag=tag.to_proto() if tag is not None else None)))
 
-        t0 = start
+        t0 = start if first is None else first
         while t0 < end:
             t1 = await self._rows_for_round(r, payload, t0, min(t0 + step, end), bs, deadline)
             span = tracing.start("transfer.write", r.trace, attributes={
@@ -472,7 +618,7 @@ class EmbeddingSender:
             slot = await self._acquire_slot(r, deadline)
             job = WriteRound(
                 self.engine, self.staging, dests, slot, payload, r.room, r.init.generation,
-                ids, start, piece, t0, t1, chunk, lambda: r.terminal,
+                ids, start, reserved, t0, t1, chunk, lambda: r.terminal,
                 # NOTE: queued on the loop before the round's result: the piece's last tags
                 # are in `r.piece_tag` by the time this round's await returns
                 on_chunk=lambda c_end, tag: loop.call_soon_threadsafe(reported, c_end, tag),

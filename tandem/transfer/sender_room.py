@@ -25,6 +25,7 @@ class SenderState(enum.Enum):
     TRANSFERRING = "transferring"
     WAITING_FOR_ROWS = "waiting_for_rows"  # a streamed payload's next rows are not final yet
     WAITING_FOR_RESUME = "waiting_for_resume"
+    HELPER_WRITING = "helper_writing"  # another encoder writes this piece (RemoteRange)
     FINISHING = "finishing"  # Done queued: a half-close from now on is normal
     DONE = "done"  # Done written on the stream
     FAILED = "failed"
@@ -75,6 +76,34 @@ class SenderRoom:
         """Return once `done()` holds (checked now and after every transition)."""
         while not done():
             await self._changed.wait()
+
+
+class RangeLost(Exception):
+    """A helper encoder is gone (its EncodeRange stream broke, or it answered a failure
+    that is its own, not the room's): the lead re-encodes the range itself."""
+
+
+@dataclass
+class RemoteRange:
+    """Payload tokens [start, end) of a room that another encoder writes (DESIGN "Streamed
+    rows", split across encoders). The lead's sender cuts its pieces at `start` and `end`
+    and hands every piece inside to `write`; when that raises RangeLost it awaits
+    `fall_back()` (which puts the range's rows into the lead's own payload) and writes
+    the rest of the piece itself. Implemented by services/encoder/split.py HelperRange.
+
+    write(init, start, piece, total, delta, on_chunk, on_working) -> bytes written:
+        write payload tokens [start, start + piece) into the blocks `init` names;
+        `on_chunk(end, tags)` as each chunk reached every destination (in order; the last
+        ends at start + piece), `on_working()` at each heartbeat of the helper's. Raises
+        RangeLost (the helper is gone), or TransferError (the room's failure: a stalled
+        helper, cut at the transfer timeout, is one)."""
+
+    start: int
+    end: int
+    address: str
+    write: Callable
+    fall_back: Callable
+    fell_back: bool = False
 
 
 MAX_RANKS = 64  # destinations one Init may name (tensor-parallel ranks of one instance)

@@ -1,0 +1,195 @@
+"""One prompt's media split across encoders (DESIGN "Streamed rows"; issue 27 step 3).
+
+The encoder the router sent `Encode` to is the room's *lead*: it owns the Attach stream
+(Init, Prompt/Cached, Progress, Resume, Done), renders and preprocesses the chat, and
+decides the split. The router names candidate *helpers* (EncodeRequest.helpers, by
+load); the lead gives each a contiguous run of the prompt's media and the payload rows
+from the first pad of that run up to the next run's (`plan_split`). A helper renders the
+same chat itself (the same token ids, grids and positions: they come from the chat
+alone), runs the ViT for its media only and writes its rows straight into the language
+instance's blocks; the lead's sender makes each range a piece of its own (services the
+language side cannot tell from a Resume: Progress, partial Progress, Resume), forwards the
+helper's chunk reports as its own Progress, and the helper's heartbeats as AttachWorking.
+
+    lead                                   helper (EncodeRange stream, HelperRange)
+    preprocess, announce, cache lookups
+    plan_split ─── RangeStart(chat, media [a, b), tokens [t0, t1)) ──▶ preprocess, ViT of
+    ViT of its own media                                               [a, b)  (Working…)
+    write its range, partial Progress                   ◀── Ready
+    Resume(blocks) ─▶ RangeWrite(blocks, piece) ───────────────────▶ write rows
+    Progress(chunk) ◀─ forwarded ◀──────────────── RangeWritten(end, tags) per chunk
+    Done (or the next range)
+
+Rules (all here):
+- A split happens only with at least 2 media the ViT must run (embedding-cache misses of
+  the lead, past the language side's cached prefix) and a helper; at most one range per
+  encoder; the lead keeps the first range (its rows reach the language side first),
+  ranges are balanced by the lead's uncached patches (cache hits weigh nothing).
+- Rows of a range depend only on its media and the chat (text embeddings, ids,
+  positions): no writer needs another's.
+- Every range is its own piece (its own blocks, aux rows and tags), so no block is
+  written by two writers.
+- A helper that is lost (its stream breaks, it cannot be reached, or it fails for a
+  reason of its own) has its range re-encoded by the lead, from the helper's last
+  reported chunk; the rows before it stay. A helper that stalls (no message within the
+  transfer timeout; it heartbeats while in the ViT) fails the room (UNAVAILABLE), so the
+  router retries the request: a frozen helper may wake and write, and a new attempt's
+  generation fences its stale rows, which a re-encode into the same blocks would not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from tandem.transfer.buffers import RangeTag
+from tandem.transfer.errors import TransferError, timed_out
+from tandem.transfer.sender_room import RangeLost, RemoteRange
+from tandem.v1 import encoder_pb2, encoder_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Share:
+    """One writer's part of a split prompt: media [first_media, end_media) and payload
+    tokens [first_token, end_token); `helper` "" for the lead."""
+
+    helper: str
+    first_media: int
+    end_media: int
+    first_token: int
+    end_token: int
+
+
+def plan_split(starts: list[int], weights: list[int], payload_start: int, total: int,
+               helpers: list[str]) -> list[Share]:
+    """The writers of a prompt, in prompt order (empty: no split).
+
+    `starts[i]`: medium i's first pad token (prompt index); `weights[i]`: its patches the
+    lead would run through the ViT (0: cached, or wholly inside the language side's
+    prefix); `payload_start`: the language side's cached prefix (the payload's token 0);
+    `total`: payload tokens. Media that start inside the cached prefix stay with the lead.
+    """
+    movable = [i for i, s in enumerate(starts) if s > payload_start]
+    work = sum(weights)
+    if not helpers or work == 0 or sum(1 for w in weights if w) < 2 or not movable:
+        return []
+    n = min(len(helpers) + 1, sum(1 for w in weights if w))
+    # cut before the medium where the running work first passes k/n of the whole
+    cuts, run, k = [], 0, 1
+    for i in range(len(starts)):
+        if k < n and i in movable and run >= work * k / n and (not cuts or cuts[-1] < i):
+            cuts.append(i)
+            k += 1
+        run += weights[i]
+    cuts = [c for c in cuts if any(weights[j] for j in range(c, len(starts)))]
+    if not cuts or not any(weights[j] for j in range(cuts[0])):
+        return []  # the lead's range would hold no ViT work: the split buys nothing
+    bounds = [0, *cuts, len(starts)]
+    owners = ["", *helpers[: len(cuts)]]
+    out = []
+    for j, owner in enumerate(owners):
+        a, b = bounds[j], bounds[j + 1]
+        t0 = 0 if j == 0 else starts[a] - payload_start
+        t1 = total if j == len(owners) - 1 else starts[b] - payload_start
+        out.append(Share(owner, a, b, t0, t1))
+    return out
+
+
+class HelperRange:
+    """The lead's side of one helper's EncodeRange stream: started at once (the helper
+    preprocesses and runs its ViT while the lead runs its own), then one RangeWrite per
+    piece (`write`, the sender's RemoteRange.write). `fall_back` (set by the pipeline)
+    puts the range's rows into the lead's payload when the helper is lost."""
+
+    def __init__(self, channel: grpc.aio.Channel, share: Share, start: encoder_pb2.RangeStart,
+                 timeout_s: float, metadata: tuple = ()) -> None:
+        self.share, self.timeout_s = share, timeout_s
+        stub = encoder_pb2_grpc.EncoderStub(channel)
+        self._requests: asyncio.Queue = asyncio.Queue()
+        self._requests.put_nowait(encoder_pb2.RangeRequest(start=start))
+        self._call = stub.EncodeRange(self._stream(), metadata=metadata)
+        self.ready: encoder_pb2.RangeReady | None = None
+        self.fall_back: Callable[[], Awaitable[None]] | None = None
+
+    async def _stream(self):
+        while True:
+            msg = await self._requests.get()
+            if msg is None:
+                return
+            yield msg
+
+    def remote(self) -> RemoteRange:
+        s = self.share
+        return RemoteRange(s.first_token, s.end_token, s.helper, self.write, self._fall_back)
+
+    async def _fall_back(self) -> None:
+        self.close()
+        await self.fall_back()
+
+    def close(self) -> None:
+        """End the stream (the helper stops writing)."""
+        self._requests.put_nowait(None)
+        self._call.cancel()
+
+    async def _next(self, what: str) -> encoder_pb2.RangeResponse:
+        """The helper's next message; RangeLost when the stream broke or the helper failed
+        for a reason of its own; TransferError (UNAVAILABLE) when it was silent for the
+        transfer timeout (a stall: the room fails, see the module docstring)."""
+        try:
+            msg = await asyncio.wait_for(self._call.read(), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise timed_out(f"helper {self.share.helper} silent while {what}", self.timeout_s,
+                            None, None) from None
+        except grpc.aio.AioRpcError as e:
+            raise RangeLost(f"{e.code().name}: {e.details()}") from None
+        if msg is grpc.aio.EOF:
+            raise RangeLost("stream ended")
+        if msg.WhichOneof("msg") == "failed":
+            err = msg.failed.error
+            # NOTE: the room's own failures (a bad destination, its protection) would fail
+            # the lead's write just as well: they end the room; anything else is the helper's
+            if err.code in ("INVALID_ARGUMENT", "FAILED_PRECONDITION", "DATA_LOSS"):
+                raise TransferError(f"helper {self.share.helper}: {err.message}", err.code)
+            raise RangeLost(f"{err.code}: {err.message}")
+        return msg
+
+    async def write(self, init: encoder_pb2.AttachInit, start: int, piece: int, total: int,
+                    delta: int, on_chunk: Callable[[int, RangeTag | None], None],
+                    on_working: Callable[[], None]) -> int:
+        self._requests.put_nowait(encoder_pb2.RangeRequest(write=encoder_pb2.RangeWrite(
+            destination=init, piece_start=start, piece_tokens=piece, total_tokens=total,
+            mrope_position_delta=delta)))
+        end, wrote = start + piece, 0
+        while True:
+            msg = await self._next(f"writing tokens {start}..{end}")
+            kind = msg.WhichOneof("msg")
+            if kind == "working":
+                on_working()
+            elif kind == "ready":
+                self.ready = msg.ready
+            elif kind == "written":
+                w = msg.written
+                wrote += w.bytes
+                on_chunk(w.sent_tokens, RangeTag.from_proto(w.tag) if w.HasField("tag")
+                         else None)
+                if w.sent_tokens == end:
+                    return wrote
+
+
+def heartbeat(period: float, send: Callable[[], Awaitable[None]]) -> asyncio.Task:
+    """A task that awaits `send()` every `period` seconds until cancelled."""
+
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(period)
+            await send()
+
+    return asyncio.ensure_future(beat())
+
+

@@ -1,0 +1,353 @@
+"""One prompt split across encoders (issue 27 step 3, services/encoder/split.py): real
+encoder and language services (a lead encoder and the language instance in this process,
+so the test can hold a ViT input back and read the engine's chunks; the helper encoder in
+this process too, or a real `tandem encoder` process to kill or freeze), driven as the
+router drives them: Generate(room, lead) on the language side, Encode(room, chat,
+helpers=[helper]) on the lead.
+
+- Greedy outputs equal transformers `generate()` for Qwen2.5-VL, Qwen3-VL (deepstack) and
+  Qwen3-VL-MoE, three chats at once, each with four images split over the two encoders,
+  with 16-token blocks and prefill chunks (boundaries inside image spans and at their
+  edges) and a 64-token reservation (ranges resume mid-way); each response names both
+  writers; every page, block and room is free afterwards.
+- Both encoders run their ViT at once, shown by causality, not timing: the lead's last
+  image is held back in the ViT until the helper's image has been through it.
+- The helper process is killed (SIGKILL) mid-prompt: the lead re-encodes its range
+  (`fell_back`), the answer is still exact, nothing leaks.
+- The helper process is frozen (SIGSTOP): its silence fails the room within the transfer
+  timeout (UNAVAILABLE, which the router retries), not at the request's deadline, and
+  every block is free.
+
+No test here bounds a duration: every wait is a hang guard (tests/waiting.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from waiting import wait_until
+
+sys.path.insert(0, str(Path(__file__).parent))
+from encoder_peers.chats import png, to_proto  # noqa: E402
+from test_stream import HANG_GUARD_S, MAX_NEW, Gate, expected  # noqa: E402
+
+from tandem.chat import ImageInput, Message  # noqa: E402
+from tandem.launch.procs import free_port  # noqa: E402
+from tandem.v1 import (  # noqa: E402
+    common_pb2,
+    encoder_pb2,
+    encoder_pb2_grpc,
+    language_pb2,
+    language_pb2_grpc,
+)
+
+pytestmark = pytest.mark.timeout(420)
+SIZES = [(64, 48), (40, 150), (120, 90), (56, 84)]  # distinct grids: each can be held back
+TRANSFER_TIMEOUT_S = 20
+
+
+def four_image_chat(seed: int) -> list[Message]:
+    parts: list = [f"Compare these, case {seed}:"]
+    for k, (w, h) in enumerate(SIZES):
+        parts += [ImageInput(data=png(w, h, seed * 10 + k)), f"and image {k}"]
+    return [Message("system", ("You are terse.",)), Message("user", tuple(parts))]
+
+
+class Trio:
+    """A lead encoder, a language instance and (unless `external`) a helper encoder, in
+    one background event loop; each service stops on its own event."""
+
+    def __init__(self, ckpt: Path, external_helper: bool = False, stream: bool = True,
+                 timeout_s: float = TRANSFER_TIMEOUT_S) -> None:
+        from tandem.config import TransferConfig
+        from tandem.services.encoder.config import EncoderConfig
+        from tandem.services.language.config import LanguageConfig
+
+        def encoder() -> EncoderConfig:
+            return EncoderConfig(
+                model=str(ckpt), device="cpu", dtype="float32", port=free_port(),
+                metrics_port=free_port(), insecure_internal=True, linear_backend="torch",
+                drain_timeout_s=1,
+                transfer=TransferConfig(timeout_s=timeout_s, stream=stream))
+
+        self.ckpt, self.timeout_s = ckpt, timeout_s
+        self.lead_cfg = encoder()
+        self.helper_cfg = None if external_helper else encoder()
+        self.helper_port = free_port() if external_helper else self.helper_cfg.port
+        self.helper_proc: subprocess.Popen | None = None
+        self.lang_metrics = free_port()
+        self.lang_cfg = LanguageConfig(
+            model=str(ckpt), device="cpu", dtype="float32", port=free_port(),
+            insecure_internal=True, metrics_port=self.lang_metrics, kv_pages=256, kv_page_size=16,
+            embedding_block_size=16, default_reservation_tokens=64, max_prefill_tokens=16,
+            transfer=TransferConfig(timeout_s=timeout_s, stream=stream))
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def signal_helper(self, sig: int) -> None:
+        """`sig` to the helper process and every process it forked (some start sessions
+        of their own, so a process group would not reach them)."""
+        tree, grew = {self.helper_proc.pid}, True
+        while grew:
+            grew = False
+            for d in Path("/proc").iterdir():
+                if d.name.isdigit() and int(d.name) not in tree:
+                    with contextlib.suppress(OSError, IndexError, ValueError):
+                        if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) in tree:
+                            tree.add(int(d.name))
+                            grew = True
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    @property
+    def helper(self) -> str:
+        return f"127.0.0.1:{self.helper_port}"
+
+    def start(self) -> Trio:
+        from tandem.services.encoder.main import run as run_encoder
+        from tandem.services.language.main import run as run_language
+
+        if self.helper_cfg is None:  # a real process, to kill or freeze
+            self.helper_proc = subprocess.Popen(
+                [sys.executable, "-m", "tandem.cli", "encoder", "--model", str(self.ckpt),
+                 "--device", "cpu", "--dtype", "float32", "--port", str(self.helper_port),
+                 "--insecure-internal", "--linear-backend", "torch",
+                 "--transfer.timeout-s", str(self.timeout_s)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.thread.start()
+
+        async def boot():
+            cfgs = [(run_encoder, self.lead_cfg), (run_language, self.lang_cfg)]
+            if self.helper_cfg is not None:
+                cfgs.append((run_encoder, self.helper_cfg))
+            self.stops = [asyncio.Event() for _ in cfgs]
+            ready = [asyncio.Event() for _ in cfgs]
+            self.tasks = [asyncio.ensure_future(run(cfg, r, s))
+                          for (run, cfg), r, s in zip(cfgs, ready, self.stops, strict=True)]
+            waits = {asyncio.ensure_future(r.wait()) for r in ready}
+            while waits:
+                done, _ = await asyncio.wait([*waits, *self.tasks], timeout=HANG_GUARD_S,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                assert done, "services did not start (hang guard)"
+                for t in self.tasks:
+                    if t.done():
+                        t.result()  # a service that failed to start says why
+                waits = {w for w in waits if not w.done()}
+            self.enc = encoder_pb2_grpc.EncoderStub(
+                grpc.aio.insecure_channel(f"127.0.0.1:{self.lead_cfg.port}"))
+            self.lang = language_pb2_grpc.LanguageStub(
+                grpc.aio.insecure_channel(f"127.0.0.1:{self.lang_cfg.port}"))
+            if self.helper_proc is not None:  # wait for the process's gRPC server
+                ch = grpc.aio.insecure_channel(self.helper)
+                await asyncio.wait_for(ch.channel_ready(), HANG_GUARD_S)
+                await ch.close()
+
+        self.call(boot())
+        return self
+
+    def call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(HANG_GUARD_S + 120)
+
+    def stop(self) -> None:
+        async def down():
+            for s in self.stops:
+                s.set()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+
+        if self.helper_proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.signal_helper(signal.SIGCONT)
+                self.signal_helper(signal.SIGKILL)
+            self.helper_proc.wait(30)
+        self.call(down())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+
+    async def generate(self, messages: list[Message]) -> tuple[list[int], object]:
+        """The router's part: Generate and Encode (with the helper) on one room; the tokens
+        and the EncodeResponse (or the Encode's error)."""
+        room = secrets.randbits(62)
+        sampling = common_pb2.SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+        stream = self.lang.Generate(language_pb2.LanguageGenerateRequest(
+            room=room, encoder_address=f"127.0.0.1:{self.lead_cfg.port}", sampling=sampling))
+        encode = asyncio.ensure_future(self.enc.Encode(encoder_pb2.EncodeRequest(
+            room=room, messages=to_proto(messages), helpers=[self.helper])))
+        tokens, error = [], None
+        try:
+            async for msg in stream:
+                if msg.HasField("error") and msg.error.code:
+                    error = msg.error
+                    break
+                tokens += msg.token_ids
+        except grpc.aio.AioRpcError as e:
+            error = e
+        self.language_error = error
+        try:
+            return tokens, await encode
+        except grpc.aio.AioRpcError as e:
+            return tokens, e
+
+    def loads(self):
+        async def get():
+            return await self.lang.GetLoad(language_pb2.LanguageGetLoadRequest())
+
+        return self.call(get())
+
+    def helper_load(self):
+        async def get():
+            async with grpc.aio.insecure_channel(self.helper) as ch:
+                return await encoder_pb2_grpc.EncoderStub(ch).GetLoad(
+                    encoder_pb2.EncoderGetLoadRequest())
+
+        return self.call(get())
+
+
+def assert_idle(trio: Trio) -> None:
+    def idle():
+        r = trio.loads()
+        return (r.free_kv_pages == r.total_kv_pages
+                and r.free_embedding_blocks == r.total_embedding_blocks
+                and r.transferring + r.waiting + r.running == 0)
+
+    wait_until(idle, timeout_s=HANG_GUARD_S, what="every KV page and embedding block free")
+
+
+def metric(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#"))
+
+
+@pytest.fixture(scope="module")
+def gate():
+    """The ViT gate (test_stream.Gate), and `gate.seen`: every grid the ViTs of this
+    process have finished."""
+    from tandem.services.encoder.vit_runner import VisionRunner
+
+    g = Gate()
+    g.seen = set()
+    held = g.wrap(VisionRunner.run)
+
+    def run(runner, pixels, grids):
+        out = held(runner, pixels, grids)
+        g.seen.update(tuple(int(x) for x in gr) for gr in grids)
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(VisionRunner, "run", run)
+        yield g
+
+
+def _grid(ckpt: Path, chat: list[Message], index: int) -> tuple[int, int, int]:
+    from test_stream import Pair, _grid_of
+
+    fake = Pair.__new__(Pair)
+    fake.enc_cfg = type("C", (), {"model": str(ckpt)})()
+    return _grid_of(fake, chat, index)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
+def test_split_greedy_equals_generate(checkpoint, gate, arch):
+    ckpt = checkpoint(arch)
+    chats = [four_image_chat(seed) for seed in (1, 2, 3)]
+    want = [expected(ckpt, c) for c in chats]
+    trio = Trio(ckpt).start()
+    try:
+        async def all_three():
+            return await asyncio.gather(*[trio.generate(c) for c in chats])
+
+        for (tokens, res), w in zip(trio.call(all_three()), want, strict=True):
+            assert isinstance(res, encoder_pb2.EncodeResponse), (res, trio.language_error)
+            assert tokens == w
+            writers = [r.encoder for r in res.ranges]
+            assert writers == ["", trio.helper], res.ranges  # the lead, then the helper
+            assert not any(r.fell_back for r in res.ranges)
+            assert sum(r.tokens for r in res.ranges) == res.prompt_tokens - res.cached_prompt_tokens
+        assert_idle(trio)
+
+        # both ViTs at once: the lead's first image is held until the helper's last image
+        # (always the helper's: the lead keeps the first share) has been through the ViT
+        chat = four_image_chat(9)
+        gate.hold(_grid(ckpt, chat, 0))
+        fut = asyncio.run_coroutine_threadsafe(trio.generate(chat), trio.loop)
+        wait_until(lambda: gate.entered.is_set(), timeout_s=HANG_GUARD_S,
+                   what="the lead's image 0 in the ViT")
+        last = _grid(ckpt, chat, 3)
+        wait_until(lambda: last in gate.seen, timeout_s=HANG_GUARD_S,
+                   what="the helper's image 3 through the ViT while the lead's is held")
+        assert not fut.done()
+        gate.opened.set()
+        tokens, res = fut.result(HANG_GUARD_S)
+        assert tokens == expected(ckpt, chat) and [r.encoder for r in res.ranges][1] == trio.helper
+        assert_idle(trio)
+    finally:
+        gate.opened.set()
+        trio.stop()
+
+
+def test_helper_killed_mid_prompt_its_range_is_re_encoded(checkpoint, gate):
+    ckpt = checkpoint("qwen2_5_vl")
+    chat = four_image_chat(4)
+    want = expected(ckpt, chat)
+    trio = Trio(ckpt, external_helper=True).start()
+    try:
+        # the lead's own image 1 is held in its ViT while the helper process is killed:
+        # the prompt is in flight on both encoders
+        gate.hold(_grid(ckpt, chat, 0))
+        fut = asyncio.run_coroutine_threadsafe(trio.generate(chat), trio.loop)
+        wait_until(lambda: gate.entered.is_set(), timeout_s=HANG_GUARD_S,
+                   what="the lead's image 0 in the ViT")
+        trio.signal_helper(signal.SIGKILL)
+        trio.helper_proc.wait(30)
+        gate.opened.set()
+        tokens, res = fut.result(HANG_GUARD_S)
+        assert isinstance(res, encoder_pb2.EncodeResponse), res
+        assert tokens == want
+        assert [r.encoder for r in res.ranges] == ["", trio.helper]
+        assert res.ranges[1].fell_back
+        assert metric(trio.lead_cfg.metrics_port, "tandem_transfer_range_fallbacks_total") >= 1
+        assert_idle(trio)
+    finally:
+        gate.opened.set()
+        trio.stop()
+
+
+def test_frozen_helper_fails_the_room_within_the_transfer_timeout(checkpoint, gate):
+    ckpt = checkpoint("qwen2_5_vl")
+    chat = four_image_chat(6)
+    trio = Trio(ckpt, external_helper=True, timeout_s=5).start()
+    try:
+        # frozen once it holds the range (the lead's own image 0 held meanwhile)
+        gate.hold(_grid(ckpt, chat, 0))
+        fut = asyncio.run_coroutine_threadsafe(trio.generate(chat), trio.loop)
+        wait_until(trio.helper_load, until=lambda r: r.queued_requests >= 1,
+                   timeout_s=HANG_GUARD_S, what="the helper working on its range")
+        trio.signal_helper(signal.SIGSTOP)
+        gate.opened.set()
+        tokens, res = fut.result(HANG_GUARD_S)
+        assert isinstance(res, grpc.aio.AioRpcError), res
+        assert res.code() == grpc.StatusCode.UNAVAILABLE, res  # the router retries it
+        assert "helper" in res.details() and "silent" in res.details()
+        assert not tokens
+        assert_idle(trio)
+        # thawed, the same chat goes through (the helper's stale work is fenced)
+        trio.signal_helper(signal.SIGCONT)
+        tokens, res = trio.call(trio.generate(chat))
+        assert isinstance(res, encoder_pb2.EncodeResponse), res
+        assert tokens == expected(ckpt, chat)
+        assert_idle(trio)
+    finally:
+        gate.opened.set()
+        trio.stop()
