@@ -12,8 +12,12 @@ on both tiers, are up for the whole run; each cell (images per prompt x concurre
 neither always goes first on a warm or a cold machine). Every image is fresh (no encoder
 cache or prefix cache hit: the comparison is of the encode path). TTFT = request sent to
 the first streamed content token over HTTP; p50/p99 per cell are medians over `--runs`.
-Targets (issue 27): 8 images at concurrency 1 with 2 encoders <= 0.6x the unstreamed TTFT
-(needs splitting a prompt over encoders, not built), 1 image <= 1.05x.
+Targets (issue 27): 8 images at concurrency 1 with 2 encoders <= 0.6x the unstreamed TTFT,
+1 image <= 1.05x.
+
+`--split` compares splitting instead: "split" (the router's `--split-encoders` set to
+`--encoders`, so a prompt's images go to all of them; rows streamed when `--split-stream`)
+against "off" (today's path: the same encoders, no split, no streaming).
 """
 
 from __future__ import annotations
@@ -34,8 +38,6 @@ sys.path.insert(0, str(ROOT))
 from latency import checkpoint, machine, pct, publish, sse_events  # noqa: E402  (bench/, the script's own folder)
 
 from tandem.launch.cluster import LocalCluster  # noqa: E402
-
-MODES = ("on", "off")
 
 
 def png(seed: int, size: int) -> bytes:
@@ -96,18 +98,28 @@ def main() -> int:
     p.add_argument("--encoders", type=int, default=1)
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--max-tokens", type=int, default=4)
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "stream.md"))
+    p.add_argument("--split", action="store_true",
+                   help="compare splitting each prompt over the encoders with today's path")
+    p.add_argument("--split-stream", action="store_true",
+                   help="with --split: stream the rows too")
+    p.add_argument("--out", default=None)
     args = p.parse_args()
+    args.out = args.out or str(ROOT / "bench" / "results" /
+                               ("split.md" if args.split else "stream.md"))
     images = [int(x) for x in args.images.split(",")]
     concs = [int(x) for x in args.concurrency.split(",")]
     model_dir = checkpoint(args.arch, args.size)
     on, off = "--transfer.stream", "--no-transfer.stream"
+    first = "split" if args.split else "on"
+    both = on if not args.split or args.split_stream else off
     clusters = {
-        "on": LocalCluster(str(model_dir), encoders=args.encoders, languages=1,
-                           encoder_args=on, language_args=on),
+        first: LocalCluster(str(model_dir), encoders=args.encoders, languages=1,
+                            encoder_args=both, language_args=both,
+                            router_args=f"--split-encoders {args.encoders}" if args.split else ""),
         "off": LocalCluster(str(model_dir), encoders=args.encoders, languages=1,
                             encoder_args=off, language_args=off),
     }
+    MODES = (first, "off")  # noqa: N806
     # (images, concurrency, mode) -> per run (p50, p99); failures summed
     got: dict[tuple, list[tuple[float, float]]] = {}
     failures = 0
@@ -128,7 +140,7 @@ def main() -> int:
                                                   args.max_tokens, args.image_size, seed))
                         failures += f
                         got.setdefault((n, conc, m), []).append((pct(xs, 0.5), pct(xs, 0.99)))
-                        print(f"run {run} images {n} c={conc} stream {m}: p50 "
+                        print(f"run {run} images {n} c={conc} {m}: p50 "
                               f"{pct(xs, 0.5) * 1e3:.0f} ms ({len(xs)} ok, {f} failed)",
                               flush=True)
     finally:
@@ -136,27 +148,32 @@ def main() -> int:
             c.stop()
 
     med = statistics.median
+    title = (f"# Split prompts: TTFT with each prompt split over {args.encoders} encoders "
+             f"({'rows streamed' if args.split_stream else 'rows not streamed'}) and without "
+             f"(today's path)" if args.split else
+             "# Streamed rows: TTFT with `--transfer.stream` on and off")
     lines = [
-        f"# Streamed rows: TTFT with `--transfer.stream` on and off ({args.arch}, "
-        f"`{args.size}` preset, CPU)",
+        f"{title} ({args.arch}, `{args.size}` preset, CPU)",
         "",
         f"{args.encoders} encoder(s) + 1 language instance per mode; {args.requests} chats per "
         f"cell, mode and run, each image fresh ({args.image_size}x{args.image_size} px noise), "
         f"{args.max_tokens} tokens (`ignore_eos`), streaming over HTTP; medians over "
         f"{args.runs} runs, the modes' order alternating. Machine: {machine()}.",
         "",
-        "| images | concurrency | TTFT p50 on ms | TTFT p50 off ms | on/off p50 | "
-        "TTFT p99 on ms | TTFT p99 off ms | on/off p99 |",
+        f"| images | concurrency | TTFT p50 {first} ms | TTFT p50 off ms | {first}/off p50 | "
+        f"TTFT p99 {first} ms | TTFT p99 off ms | {first}/off p99 |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for n in images:
         for conc in concs:
-            on50, on99 = (med(x[k] for x in got[(n, conc, "on")]) * 1e3 for k in (0, 1))
+            on50, on99 = (med(x[k] for x in got[(n, conc, first)]) * 1e3 for k in (0, 1))
             off50, off99 = (med(x[k] for x in got[(n, conc, "off")]) * 1e3 for k in (0, 1))
             lines.append(f"| {n} | {conc} | {on50:.0f} | {off50:.0f} | {on50 / off50:.2f}x | "
                          f"{on99:.0f} | {off99:.0f} | {on99 / off99:.2f}x |")
     lines += ["", f"Failures: {failures}.", "",
-              "Regenerate: `.venv/bin/python bench/stream.py` (options: `--help`)."]
+              f"Regenerate: `.venv/bin/python bench/stream.py "
+              f"{'--split ' if args.split else ''}{'--split-stream ' if args.split_stream else ''}"
+              f"--encoders {args.encoders}` (options: `--help`)."]
     publish("\n".join(lines) + "\n", args.out)
     return 0 if failures == 0 else 1
 
