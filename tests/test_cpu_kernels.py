@@ -123,12 +123,14 @@ def test_packed_linear_is_batch_invariant(n, bias):
     b = torch.randn(n, generator=g) if bias else None
     mod = kernels()
     wp, bp = mod.pack_linear(wt), (mod.pack_bias(b) if bias else None)
-    for m in (1, 3, 8, 9, 40):  # below, at and past one register tile
+    for m in (1, 3, 8, 9, 40, 241, 500):  # below, at, past one register tile; row blocks
         x = torch.randn(m, k, generator=g)
         got = mod.packed_linear(x, wp, bp, n)
         assert got.shape == (m, n)
         for i in (0, m // 2, m - 1):
             assert torch.equal(mod.packed_linear(x[i : i + 1], wp, bp, n), got[i : i + 1])
+        if m > 240:  # a later row block alone (its rows start a block of their own)
+            assert torch.equal(mod.packed_linear(x[240:], wp, bp, n), got[240:])
 
 
 @needs_kernel
@@ -241,7 +243,8 @@ def test_claim_pool_linears_equal_one_thread_bit_for_bit():
     if k is None:
         pytest.skip("CPU kernels unavailable")
     g = torch.Generator().manual_seed(7)
-    shapes = [(1, 512, 768), (3, 512, 3072), (8, 1536, 512), (1, 64, 40)]  # N not a strip multiple
+    shapes = [(1, 512, 768), (3, 512, 3072), (8, 1536, 512), (1, 64, 40),  # N not a strip multiple
+              (300, 64, 40)]  # two row blocks: tasks are (row block, strip) pairs
     cases = []
     for m, kk, n in shapes:
         wp = k.pack_linear(torch.randn(kk, n, generator=g))
