@@ -258,12 +258,13 @@ def _grid(ckpt: Path, chat: list[Message], index: int) -> tuple[int, int, int]:
     return _grid_of(fake, chat, index)
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
-def test_split_greedy_equals_generate(checkpoint, gate, arch):
+@pytest.mark.parametrize(("arch", "stream"), [("qwen2_5_vl", True), ("qwen3_vl", True),
+                                              ("qwen3_vl_moe", True), ("qwen2_5_vl", False)])
+def test_split_greedy_equals_generate(checkpoint, gate, arch, stream):
     ckpt = checkpoint(arch)
     chats = [four_image_chat(seed) for seed in (1, 2, 3)]
     want = [expected(ckpt, c) for c in chats]
-    trio = Trio(ckpt).start()
+    trio = Trio(ckpt, stream=stream).start()
     try:
         async def all_three():
             return await asyncio.gather(*[trio.generate(c) for c in chats])
@@ -299,24 +300,30 @@ def test_split_greedy_equals_generate(checkpoint, gate, arch):
 
 def test_helper_killed_mid_prompt_its_range_is_re_encoded(checkpoint, gate):
     ckpt = checkpoint("qwen2_5_vl")
-    chat = four_image_chat(4)
-    want = expected(ckpt, chat)
+    chats = [four_image_chat(seed) for seed in (4, 5, 8)]  # image 0 of each: one grid
+    want = [expected(ckpt, c) for c in chats]
     trio = Trio(ckpt, external_helper=True).start()
     try:
-        # the lead's own image 1 is held in its ViT while the helper process is killed:
-        # the prompt is in flight on both encoders
-        gate.hold(_grid(ckpt, chat, 0))
-        fut = asyncio.run_coroutine_threadsafe(trio.generate(chat), trio.loop)
+        # three chats at once; the lead's image 0 is held in its ViT while the helper
+        # process is killed: every prompt is in flight on both encoders
+        gate.hold(_grid(ckpt, chats[0], 0))
+
+        async def all_three():
+            return await asyncio.gather(*[trio.generate(c) for c in chats])
+
+        fut = asyncio.run_coroutine_threadsafe(all_three(), trio.loop)
         wait_until(lambda: gate.entered.is_set(), timeout_s=HANG_GUARD_S,
                    what="the lead's image 0 in the ViT")
+        wait_until(trio.helper_load, until=lambda r: r.queued_requests >= 3,
+                   timeout_s=HANG_GUARD_S, what="the helper working on every chat's range")
         trio.signal_helper(signal.SIGKILL)
         trio.helper_proc.wait(30)
         gate.opened.set()
-        tokens, res = fut.result(HANG_GUARD_S)
-        assert isinstance(res, encoder_pb2.EncodeResponse), res
-        assert tokens == want
-        assert [r.encoder for r in res.ranges] == ["", trio.helper]
-        assert res.ranges[1].fell_back
+        for (tokens, res), w in zip(fut.result(HANG_GUARD_S), want, strict=True):
+            assert isinstance(res, encoder_pb2.EncodeResponse), res
+            assert tokens == w
+            assert [r.encoder for r in res.ranges] == ["", trio.helper]
+            assert res.ranges[1].fell_back
         assert metric(trio.lead_cfg.metrics_port, "tandem_transfer_range_fallbacks_total") >= 1
         assert_idle(trio)
     finally:
