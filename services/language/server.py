@@ -67,8 +67,10 @@ log = logging.getLogger("tandem.language")
 
 def delta_to_proto(
     d: StreamDelta, transfer_ms: float = 0.0, bypassed: bool = False, token_text=None,
+    first_row_ms: float = 0.0,
 ) -> language_pb2.LanguageGenerateResponse:
-    """`token_text(id) -> str` names the top_logprobs alternatives (the tokenizer's)."""
+    """`token_text(id) -> str` names the top_logprobs alternatives (the tokenizer's);
+    `transfer_ms` / `first_row_ms`: Generate to the whole prompt / to its first rows."""
     out = language_pb2.LanguageGenerateResponse(token_ids=d.token_ids, text=d.text)
     if d.logprobs:
         tops = d.top_logprobs or [[] for _ in d.logprobs]
@@ -90,7 +92,8 @@ def delta_to_proto(
         out.timings.CopyFrom(common_pb2.StageTimings(
             transfer_ms=0.0 if bypassed else transfer_ms, queue_ms=t.get("queue", 0.0),
             prefill_ms=t.get("prefill", 0.0), decode_ms=t.get("decode", 0.0),
-            encoder_bypassed=bypassed))  # fmt: skip
+            encoder_bypassed=bypassed, time_to_first_row_ms=0.0 if bypassed else first_row_ms,
+            early_prefill_tokens=d.early_prefill_tokens))  # fmt: skip
         if d.error:
             out.error.CopyFrom(common_pb2.ErrorInfo(code=d.error_code or "INTERNAL",
                                                     message=d.error, field=d.error_field))
@@ -160,6 +163,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                              attributes={tracing.REQUEST_ID: request.request_id,
                                          tracing.ROOM: room})
         t0 = time.monotonic()
+        first_row_ms = 0.0  # an encoded prompt's (a text-only one has no rows)
         recv: asyncio.Future | None = None  # the room's transfer (streamed: outlives submit)
         opened: asyncio.Future = asyncio.get_running_loop().create_future()
         # NOTE: the grammar compiles while the prompt is on its way; until the engine has the
@@ -188,7 +192,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                     room, request.encoder_address, deadline, client=request.client_id,
                     on_open=opened.set_result if self.stream else None, trace=span,
                     request_id=request.request_id))
-                recv.add_done_callback(lambda f, t0=t0: self._received(room, f, t0))
+                recv.add_done_callback(lambda f: self._received(room, f))
                 try:
                     await asyncio.wait({recv, opened}, return_when=asyncio.FIRST_COMPLETED)
                     if not opened.done() or (recv.done() and recv.exception() is not None):
@@ -207,7 +211,10 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                 if prompt.arrived is not None:  # streamed: the engine hears of each row
                     prompt.arrived.on_advance = self.engine.wake
                     self.metrics.streamed_prompts.inc()
-                    self.metrics.first_row.observe(time.monotonic() - t0)
+                # its first rows are in place (not streamed: the whole prompt); the metric
+                # and the request's time_to_first_row_ms are this one figure
+                first_row_ms = (time.monotonic() - t0) * 1e3
+                self.metrics.first_row.observe(first_row_ms / 1e3)
             transfer_ms = (time.monotonic() - t0) * 1e3
             # -- 2. the engine generates --
             req = Request(room, sampling, prompt, request_id=request.request_id,
@@ -251,7 +258,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                             _trace_stages(span, req, d)
                     yield delta_to_proto(d, transfer_ms,
                                          bypassed=bool(request.messages or request.prompt),
-                                         token_text=self._token_text)
+                                         token_text=self._token_text, first_row_ms=first_row_ms)
             finally:
                 if not finished:  # client gone or handler cancelled: free its pages now
                     self.engine.abort(room, "client cancelled", "CANCELLED")
@@ -267,7 +274,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                 tracing.fail(span, "CANCELLED")
             span.end()
 
-    def _received(self, room: int, f: asyncio.Future, t0: float) -> None:
+    def _received(self, room: int, f: asyncio.Future) -> None:
         """The room's transfer ended (success or not; streamed or not)."""
         self.transferring.discard(room)
         self.metrics.transferring.set(len(self.transferring))
@@ -276,8 +283,6 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         prompt = f.result()
         if prompt.arrived is not None:
             self.metrics.streamed_rows.inc(prompt.arrived.rows)
-        else:  # the whole prompt at once: its first rows came with its last
-            self.metrics.first_row.observe(time.monotonic() - t0)
 
     def _fail_streamed(self, room: int, f: asyncio.Future) -> None:
         """A streamed prompt's transfer failed after its request was submitted: the request

@@ -308,15 +308,17 @@ class Engine:
         m.batch_tokens.observe(step.num_tokens)
         m.retractions.inc(self.scheduler.num_retractions - retractions)
         m.prompt_tokens.inc(sum(c.num_tokens for c in step.chunks if c.start < c.req.prompt_len))
-        early = sum(c.num_tokens for c in step.chunks if c.start < c.req.prompt_len
-                    and c.req.prompt.arrived is not None and not c.req.prompt.arrived.complete)
+        early = [c for c in step.chunks if c.start < c.req.prompt_len
+                 and c.req.prompt.arrived is not None and not c.req.prompt.arrived.complete]
 
         t0 = time.perf_counter()
         traced_at = time.monotonic() if self._traced else 0.0
         out = self.runner.forward(step.batch)
         # NOTE: counted after the forward, from the watermarks read before it: these rows
         # were computed while later rows of their prompts were still on their way
-        m.early_prefill_tokens.inc(early)
+        for c in early:
+            c.req.early_prefill_tokens += c.num_tokens
+        m.early_prefill_tokens.inc(sum(c.num_tokens for c in early))
         rows = [i for i, c in enumerate(step.chunks) if c.samples]
         tokens: list[int | None] = [None] * len(step.chunks)
         logprobs: list[float | None] = [None] * len(step.chunks)
@@ -405,6 +407,7 @@ class Engine:
         delta.cached_tokens = req.kv.cached_tokens or 0
         delta.completion_tokens = len(req.output_ids)
         delta.timings_ms = req.times.ms()
+        delta.early_prefill_tokens = req.early_prefill_tokens
         delta.error, delta.error_code = error or req.error, code or req.error_code
         m = self.metrics
         m.finished.labels(status.label).inc()

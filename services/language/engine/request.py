@@ -96,6 +96,7 @@ class StreamDelta:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     completion_tokens: int = 0
     timings_ms: dict[str, float] = field(default_factory=dict)  # queue, prefill, decode
+    early_prefill_tokens: int = 0  # Request.early_prefill_tokens, on the last delta
     error: str = ""
     error_code: str = ""
     error_field: str = ""  # the request field an INVALID_ARGUMENT error is about
@@ -187,8 +188,8 @@ class StageTrace:
 class Request:
     """A request from submission to finish: its spec (read-only) and the state each owner
     writes — `kv` (scheduler), `sampler` (sampler and grammar), `times`; the rest (status,
-    output, the token budget, the error) is the engine's. Owned by the engine thread once
-    submitted."""
+    output, the token budget, the early prefill count, the error) is the engine's. Owned
+    by the engine thread once submitted."""
 
     def __init__(self, room: int, sampling: SamplingParams, prompt: PromptPayload, *,
                  request_id: str = "", priority: int = 0, deadline: float = float("inf"),
@@ -206,6 +207,9 @@ class Request:
         self.kv = KVState()
         self.sampler = SamplingState(grammar_future=grammar_future)
         self.times = Timings()
+        # Prompt tokens computed while its streamed prompt's later rows were still on their
+        # way (recomputed ones after a retraction count again, as in the engine's counter)
+        self.early_prefill_tokens = 0
         self.trace: StageTrace | None = None  # set by the server when the request is traced
 
     # the spec's fields, read-only
