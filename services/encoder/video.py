@@ -205,6 +205,8 @@ def decode_frames(
     """Decode frames 0..plan.indices[-1]; return the sampled ones resized, [T, 3, h, w]
     uint8, and how many frames were decoded. Every frame decoded counts toward the limits;
     the request's budget is checked between frames (TimeoutError once it has ended)."""
+    from av.video.reformatter import VideoReformatter
+
     budget = budget or Budget()
     last = plan.indices[-1]
     if header.width * header.height * (last + 1) > lim.max_video_decoded_pixels:
@@ -223,6 +225,10 @@ def decode_frames(
     # the running pixel sum bounds it without relying on that reasoning.
     container, stream = _open(raw, field)
     start, pixels, decoded = time.monotonic(), 0, 0
+    # NOTE: one reformatter for the clip: frame.to_ndarray(format=...) makes one per frame,
+    # and with it a swscale context (about a third of a 30 s clip's decode time here);
+    # the same conversion, so the same bytes (tests/test_video_preprocess.py).
+    rgb24 = VideoReformatter()
     try:
         for frame in container.decode(stream):
             budget.check()
@@ -242,8 +248,10 @@ def decode_frames(
                     f"{header.width}x{header.height}",
                 )
             if decoded in slots:
-                # the same conversion as transformers' read_video_pyav
-                resized = resize_frame(frame.to_ndarray(format="rgb24"), plan.size)
+                # the same conversion as transformers' read_video_pyav (to_ndarray(format=
+                # "rgb24"): its frame's reformatter, with these defaults)
+                rgb = rgb24.reformat(frame, format="rgb24").to_ndarray()
+                resized = resize_frame(rgb, plan.size)
                 for slot in slots[decoded]:
                     out[slot] = resized
             decoded += 1
