@@ -13,6 +13,7 @@ from tandem.client import (
     AuthenticationError,
     ChatResult,
     DeadlineExceededError,
+    EncoderRange,
     InternalError,
     InvalidRequestError,
     ResourceExhaustedError,
@@ -159,10 +160,18 @@ def test_stream_folding_and_error_message():
     add(res, router_pb2.RouterGenerateResponse(
         text="lo", token_ids=[3], finish_reason=common_pb2.FINISH_REASON_LENGTH,
         usage=common_pb2.Usage(prompt_tokens=7, completion_tokens=3, total_tokens=10),
-        timings=common_pb2.StageTimings(vit_ms=1.5, decode_ms=2.0)))
+        timings=common_pb2.StageTimings(
+            vit_ms=1.5, decode_ms=2.0, time_to_first_row_ms=3.5, early_prefill_tokens=12,
+            encoder_ranges=[common_pb2.EncoderRange(encoder="e1:1", tokens=20, media=1),
+                            common_pb2.EncoderRange(encoder="e2:2", first_token=20, tokens=9,
+                                                    first_media=1, media=2, fell_back=True)])))
     assert (res.text, res.token_ids, res.finish_reason, res.request_id) == ("Hello", [1, 2, 3],
                                                                             "length", "r1")
     assert res.usage.total_tokens == 10 and res.timings.vit_ms == 1.5
+    t = res.timings
+    assert (t.time_to_first_row_ms, t.early_prefill_tokens) == (3.5, 12)
+    assert t.encoder_ranges == (EncoderRange("e1:1", 0, 20, 0, 1),
+                                EncoderRange("e2:2", 20, 9, 1, 2, fell_back=True))
     with pytest.raises(UnavailableError, match="language gone"):
         add(res, router_pb2.RouterGenerateResponse(
             finish_reason=common_pb2.FINISH_REASON_ERROR,

@@ -289,11 +289,19 @@ def test_a_tiers_resource_exhausted_is_413_never_retried_only_overload_is_429():
 
 def test_the_request_log_line_gives_each_figure_its_own_unit():
     """Stage times in ms; counts and flags as they are (a count was printed as "0ms")."""
-    from tandem.services.router.request import TIMING_FIELDS, Output
-    from tandem.v1 import language_pb2
+    from tandem.services.router.request import Output
+    from tandem.v1 import common_pb2, language_pb2
 
-    timings = dict.fromkeys(TIMING_FIELDS, 0.0) | {"vit_ms": 12.4, "skipped_images": 2,
-                                                   "encoder_bypassed": False}
+    timings = common_pb2.StageTimings(vit_ms=12.4, skipped_images=2, time_to_first_row_ms=7.2,
+                                      early_prefill_tokens=40)
     line = Output(language_pb2.LanguageGenerateResponse(), timings=timings).summary()
     assert "vit=12ms" in line and "skipped_images=2 " in line
     assert "encoder_bypassed=0" in line and "skipped_images=2ms" not in line
+    assert "time_to_first_row=7ms" in line and "early_prefill_tokens=40" in line
+    assert "ranges" not in line  # one writer (or none): nothing to say
+    timings.encoder_ranges.extend([
+        common_pb2.EncoderRange(encoder="e1:1", tokens=30, media=1),
+        common_pb2.EncoderRange(encoder="e2:2", first_token=30, tokens=12, first_media=1,
+                                media=1, fell_back=True)])
+    line = Output(language_pb2.LanguageGenerateResponse(), timings=timings).summary()
+    assert "ranges e1:1[0,30) e2:2[30,42)(fell back)" in line

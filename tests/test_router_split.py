@@ -27,8 +27,10 @@ from tandem.services.router.dispatch.selection import (
     pick_helpers,
     rendezvous_order,
 )
+from tandem.services.router.grpc_api import _to_proto
 from tandem.services.router.metrics import RouterMetrics
-from tandem.services.router.request import ChatRequest, image_hashes
+from tandem.services.router.openai.format import timings
+from tandem.services.router.request import ChatRequest, Output, image_hashes
 from tandem.v1 import (
     common_pb2,
     encoder_pb2,
@@ -90,7 +92,8 @@ def test_split_encoders_is_checked():
 
 class FakeEncoder(encoder_pb2_grpc.EncoderServicer):
     """Answers GetLoad with its figures; records each Encode; fails the first `fail` ones
-    with UNAVAILABLE (an encoder that dies mid-prompt)."""
+    with UNAVAILABLE (an encoder that dies mid-prompt). Its answer names who wrote which
+    rows as a lead does: itself ("") 6 tokens and one medium, then each helper 2 and one."""
 
     def __init__(self, load: int, patches: int = 0, model: str = "m", draining: bool = False,
                  fail: int = 0) -> None:
@@ -109,7 +112,12 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServicer):
         if len(self.encodes) <= self.fail:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "encoder died")
         self.delivered.set()
-        return encoder_pb2.EncodeResponse(prompt_tokens=10)
+        ranges = [encoder_pb2.WrittenRange(encoder="", tokens=6, media=1)]
+        ranges += [encoder_pb2.WrittenRange(encoder=h, first_token=6 + 2 * k, tokens=2,
+                                            first_media=1 + k, media=1, fell_back=k == 1)
+                   for k, h in enumerate(request.helpers)]
+        return encoder_pb2.EncodeResponse(prompt_tokens=10, ranges=ranges,
+                                          timings=common_pb2.StageTimings(vit_ms=4.0))
 
 
 class FakeLanguage(language_pb2_grpc.LanguageServicer):
@@ -129,7 +137,9 @@ class FakeLanguage(language_pb2_grpc.LanguageServicer):
         for w in waits:
             w.cancel()
         yield language_pb2.LanguageGenerateResponse(
-            token_ids=[1], text="x", finish_reason=common_pb2.FINISH_REASON_STOP)
+            token_ids=[1], text="x", finish_reason=common_pb2.FINISH_REASON_STOP,
+            timings=common_pb2.StageTimings(time_to_first_row_ms=5.0, early_prefill_tokens=3,
+                                            decode_ms=1.0))
 
     async def Reattach(self, request, context):  # noqa: N802
         self.reattached.append(request.encoder_address)
@@ -200,11 +210,18 @@ def images_preferring(ranking: list[str], candidates: list[str], n: int) -> list
                 return out
 
 
-async def run(dispatcher: Dispatcher, req: ChatRequest) -> None:
+async def run(dispatcher: Dispatcher, req: ChatRequest) -> Output:
     async for out in dispatcher.generate(req):
         if out.finished:
-            return
+            return out
     raise AssertionError("no final output")
+
+
+def writers(out: Output) -> list[str]:
+    """Who wrote which rows, as the gRPC API and the HTTP extension give them (the same)."""
+    wire = [r.encoder for r in _to_proto(out, "rid").timings.encoder_ranges]
+    assert [r["encoder"] for r in timings(out.timings)["encoder_ranges"]] == wire
+    return wire
 
 
 def _sample(metrics: RouterMetrics, name: str) -> float:
@@ -227,8 +244,18 @@ def test_the_encode_names_the_least_loaded_eligible_encoders_and_a_failover_pick
             candidates = [c.address for c in dispatcher.registry.encoders.candidates()]
             assert sorted(candidates) == sorted(addr[n] for n in fakes if n != "draining")
             urls = images_preferring([addr["lead"], addr["next"]], candidates, 3)
-            await run(dispatcher, chat(urls))
+            out = await run(dispatcher, chat(urls))
             assert language.reattached == [addr["next"]]
+            # the answering lead's ranges, itself by its address, beside the language's
+            # figures and the encoder's; the same through both front ends
+            assert writers(out) == [addr["next"], addr["light"], addr["busy"]]
+            ranges = out.timings.encoder_ranges
+            assert [(r.first_token, r.tokens, r.first_media, r.media, r.fell_back)
+                    for r in ranges] == [(0, 6, 0, 1, False), (6, 2, 1, 1, False),
+                                         (8, 2, 2, 1, True)]
+            t = timings(out.timings)
+            assert (t["time_to_first_row_ms"], t["early_prefill_tokens"], t["vit_ms"],
+                    t["decode_ms"]) == (5.0, 3, 4.0, 1.0)
             (first,) = fakes["lead"].encodes
             assert list(first.helpers) == [addr["next"], addr["light"]]
             (second,) = fakes["next"].encodes
@@ -271,7 +298,9 @@ def test_no_helpers_for_one_image_or_split_encoders_one(images, split):
     async def go():
         async with router(fakes, split_encoders=split) as (dispatcher, addr, metrics, _):
             candidates = [c.address for c in dispatcher.registry.encoders.candidates()]
-            await run(dispatcher, chat(images_preferring([addr["lead"]], candidates, images)))
+            out = await run(dispatcher,
+                            chat(images_preferring([addr["lead"]], candidates, images)))
+            assert writers(out) == [addr["lead"]]  # the lead alone, by its address
             (sent,) = fakes["lead"].encodes
             assert list(sent.helpers) == []
             assert _sample(metrics, "tandem_router_split_prompts_total") == 0

@@ -145,7 +145,8 @@ def _to_proto(output: Output, request_id: str, index: int = 0) -> router_pb2.Rou
                 cached_tokens=u.cached_tokens,
             )
         )
-        out.timings.CopyFrom(common_pb2.StageTimings(**(output.timings or {})))
+        if output.timings is not None:
+            out.timings.CopyFrom(output.timings)
     return out
 
 

@@ -8,12 +8,17 @@ from dataclasses import dataclass, field
 
 from tandem import tracing
 from tandem.services.router.tools import ToolSetup
-from tandem.v1 import common_pb2, language_pb2
+from tandem.v1 import common_pb2, encoder_pb2, language_pb2
 
-# Stage timings (ms) and what the stages skipped: images the encoder did not run through
-# the ViT (inside the language side's cached prefix), the whole encoder (a text-only chat).
+# StageTimings' figures, in the order the request's log line and the HTTP extension give
+# them: stage timings (ms); what the stages skipped: images the encoder did not run through
+# the ViT (inside the language side's cached prefix), the whole encoder (a text-only chat);
+# the streamed rows' overlap: Generate to the first rows, prompt tokens prefilled while
+# later rows were on their way. Beside them, `encoder_ranges` (who wrote which rows).
 TIMING_FIELDS = ("preprocess_ms", "vit_ms", "transfer_ms", "queue_ms", "prefill_ms", "decode_ms",
-                 "skipped_images", "encoder_bypassed")
+                 "skipped_images", "encoder_bypassed", "time_to_first_row_ms",
+                 "early_prefill_tokens")
+# those the encoder's answer gives (the language side's are replaced by them)
 ENCODER_TIMINGS = ("preprocess_ms", "vit_ms", "transfer_ms", "skipped_images")
 
 # The longest per-request deadline either API accepts (`timeout_ms`, a day); above it the
@@ -86,7 +91,8 @@ class Output:
 
     response: language_pb2.LanguageGenerateResponse
     usage: Usage | None = None  # the last one: merged with the encoder's figures
-    timings: dict[str, float] | None = None  # the last one: TIMING_FIELDS, in that order
+    # The last one: the language side's timings merged with the encoder's (merge_timings)
+    timings: common_pb2.StageTimings | None = None
     # Set on the last one: where it ran and how the transfer went.
     route: Route | None = None
     # The last one of a request with tools: the calls the model made (then the finish
@@ -122,14 +128,36 @@ class Output:
         if u is not None:
             parts.append(f"tokens {u.prompt_tokens} in ({u.cached_tokens} cached) "
                          f"{u.completion_tokens} out")
-        if self.timings:
+        if self.timings is not None:
             # each figure with its own unit: stage times in ms, counts and flags as they are
+            t = self.timings
             parts.append("stages " + " ".join(
                 f"{k.removesuffix('_ms')}={v:.0f}ms" if k.endswith("_ms") else f"{k}={v:g}"
-                for k, v in self.timings.items()))
+                for k, v in ((k, getattr(t, k)) for k in TIMING_FIELDS)))
+            if len(t.encoder_ranges) > 1:  # a split prompt: each writer's tokens
+                parts.append("ranges " + " ".join(
+                    f"{r.encoder}[{r.first_token},{r.first_token + r.tokens})"
+                    + ("(fell back)" if r.fell_back else "") for r in t.encoder_ranges))
         if self.route is not None:
             parts.append(f"via {self.route.encoder or '-'} -> {self.route.language}")
         return (": " + ", ".join(parts)) if parts else ""
+
+
+def merge_timings(language: common_pb2.StageTimings, encoded: encoder_pb2.EncodeResponse | None,
+                  lead: str) -> common_pb2.StageTimings:
+    """A request's timings as its client gets them: the language side's, with the
+    encoder's ENCODER_TIMINGS and the lead's ranges (`lead`: its address, which names the
+    lead's own range) where its Encode answer reached the router."""
+    out = common_pb2.StageTimings()
+    out.CopyFrom(language)
+    if encoded is not None:
+        for f in ENCODER_TIMINGS:
+            setattr(out, f, getattr(encoded.timings, f))
+        out.encoder_ranges.extend(common_pb2.EncoderRange(
+            encoder=r.encoder or lead, first_token=r.first_token, tokens=r.tokens,
+            first_media=r.first_media, media=r.media, fell_back=r.fell_back)
+            for r in encoded.ranges)  # fmt: skip
+    return out
 
 
 def conversation_key(messages: list[common_pb2.ChatMessage]) -> str:

@@ -29,12 +29,12 @@ from tandem.client.errors import (
     TandemError,
     UnavailableError,
 )
-from tandem.client.results import ChatResult, StageTimings, ToolCall, Usage
+from tandem.client.results import ChatResult, EncoderRange, StageTimings, ToolCall, Usage
 from tandem.client.sync import Client
 
 __all__ = [
     "AsyncClient", "AuthenticationError", "ChatResult", "Client", "DeadlineExceededError",
-    "InternalError", "InvalidRequestError", "NotFoundError", "RequestCancelledError",
+    "EncoderRange", "InternalError", "InvalidRequestError", "NotFoundError", "RequestCancelledError",
     "ResourceExhaustedError", "StageTimings", "TandemError", "ToolCall", "UnavailableError",
     "Usage",
     "image", "image_from_bytes", "image_from_path", "image_from_pil", "image_from_url", "text",

@@ -23,9 +23,23 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class EncoderRange:
+    """One encoder's share of a prompt's rows: payload tokens [first_token, first_token +
+    tokens) and media [first_media, first_media + media); `fell_back`: that helper failed
+    and the lead re-encoded its range."""
+
+    encoder: str  # its address
+    first_token: int
+    tokens: int
+    first_media: int
+    media: int
+    fell_back: bool = False
+
+
+@dataclass(frozen=True)
 class StageTimings:
     """Milliseconds per stage: encoder (preprocess, vit, transfer), language (queue,
-    prefill, decode)."""
+    prefill, decode); and the streamed rows' overlap and who wrote which rows."""
 
     preprocess_ms: float = 0.0
     vit_ms: float = 0.0
@@ -35,6 +49,9 @@ class StageTimings:
     decode_ms: float = 0.0
     skipped_images: int = 0  # images whose ViT run the prefix cache made unnecessary
     encoder_bypassed: bool = False  # a text-only chat: no encoder at all
+    time_to_first_row_ms: float = 0.0  # Generate to the prompt's first rows usable
+    early_prefill_tokens: int = 0  # prompt tokens prefilled while later rows were on their way
+    encoder_ranges: tuple[EncoderRange, ...] = ()  # in prompt order; one without a split
 
 
 @dataclass(frozen=True)
@@ -169,6 +186,8 @@ def add(result: ChatResult, msg: router_pb2.RouterGenerateResponse) -> None:
         result.usage = Usage(u.prompt_tokens, u.completion_tokens, u.total_tokens,
                              u.cached_image_tokens, u.cached_tokens)
         t = msg.timings
-        result.timings = StageTimings(t.preprocess_ms, t.vit_ms, t.transfer_ms, t.queue_ms,
-                                      t.prefill_ms, t.decode_ms, t.skipped_images,
-                                      t.encoder_bypassed)
+        result.timings = StageTimings(
+            t.preprocess_ms, t.vit_ms, t.transfer_ms, t.queue_ms, t.prefill_ms, t.decode_ms,
+            t.skipped_images, t.encoder_bypassed, t.time_to_first_row_ms, t.early_prefill_tokens,
+            tuple(EncoderRange(r.encoder, r.first_token, r.tokens, r.first_media, r.media,
+                               r.fell_back) for r in t.encoder_ranges))

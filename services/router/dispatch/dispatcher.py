@@ -59,14 +59,13 @@ from tandem.services.router.errors import (
 )
 from tandem.services.router.metrics import RouterMetrics
 from tandem.services.router.request import (
-    ENCODER_TIMINGS,
-    TIMING_FIELDS,
     ChatRequest,
     Output,
     Route,
     Usage,
     conversation_key,
     image_hashes,
+    merge_timings,
     prompt_key,
 )
 from tandem.v1 import common_pb2, encoder_pb2, language_pb2
@@ -393,7 +392,7 @@ class Dispatcher:
                     raise from_rpc(e, Tier.LANGUAGE) from None
                 if msg.finish_reason == common_pb2.FINISH_REASON_ERROR and first:
                     await self._raise_encoder_error(encode_task, deadline)
-                output = await self._convert(msg, encode_task, deadline)
+                output = await self._convert(msg, encode_task, deadline, route.encoder)
                 if output.finished:
                     output.route = route
                 if first and (output.token_ids or output.text or output.finished):
@@ -438,10 +437,11 @@ class Dispatcher:
 
     async def _convert(
         self, msg: language_pb2.LanguageGenerateResponse, encode_task: asyncio.Future,
-        deadline: float,
+        deadline: float, lead: str,
     ) -> Output:
         """The language tier's message as an Output (the last one: with the encoder's
-        figures merged), or the RouterError its ERROR / ABORT stands for."""
+        figures merged; `lead`: the address of the encoder whose answer `encode_task`
+        gives), or the RouterError its ERROR / ABORT stands for."""
         output = Output(msg)
         reason = msg.finish_reason
         if reason == common_pb2.FINISH_REASON_UNSPECIFIED:
@@ -471,11 +471,7 @@ class Dispatcher:
             ),
             cached_tokens=msg.usage.cached_tokens,
         )
-        timings = {f: getattr(msg.timings, f) for f in TIMING_FIELDS}
-        if enc_resp is not None:
-            for f in ENCODER_TIMINGS:
-                timings[f] = getattr(enc_resp.timings, f)
-        output.timings = timings
+        output.timings = merge_timings(msg.timings, enc_resp, lead)
         return output
 
 

@@ -4,8 +4,9 @@ health, metrics. Every failure answers OpenAI's error shape
 4xx, never a 500.
 
 Tandem extension: the last chunk (or the response) carries
-`"tandem": {"timings": {stage: ms}, "cached_image_tokens": n, "request_id": id,
-"encoder": addr, "language": addr, "encoder_attempts": n, "attempts": n, "resumes": n}`.
+`"tandem": {"timings": {stage: ms, ..., "encoder_ranges": [...]}, "cached_image_tokens": n,
+"request_id": id, "encoder": addr, "language": addr, "encoder_attempts": n, "attempts": n,
+"resumes": n}` (the timings' shape: format.timings).
 """
 
 from __future__ import annotations

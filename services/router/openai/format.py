@@ -14,7 +14,7 @@ import time
 
 from tandem.finish_reasons import TO_OPENAI
 from tandem.services.router.choices import total_usage
-from tandem.services.router.request import Output
+from tandem.services.router.request import TIMING_FIELDS, Output
 from tandem.services.router.tools import ToolSetup, parse_output
 from tandem.v1 import common_pb2
 
@@ -78,9 +78,23 @@ def logprobs(output: Output, as_ids: bool = False) -> dict | None:
     return {"content": content}
 
 
+def timings(t: common_pb2.StageTimings | None) -> dict:
+    """The extension's `timings`: each figure (TIMING_FIELDS) and `encoder_ranges`, who
+    wrote which rows of the prompt ({encoder, first_token, tokens, first_media, media,
+    fell_back} each, in prompt order)."""
+    if t is None:
+        return {}
+    out: dict = {f: getattr(t, f) for f in TIMING_FIELDS}
+    out["encoder_ranges"] = [
+        {"encoder": r.encoder, "first_token": r.first_token, "tokens": r.tokens,
+         "first_media": r.first_media, "media": r.media, "fell_back": r.fell_back}
+        for r in t.encoder_ranges]  # fmt: skip
+    return out
+
+
 def extension(output: Output, request_id: str) -> dict:
     return {
-        "timings": output.timings or {},
+        "timings": timings(output.timings),
         "cached_image_tokens": output.usage.cached_image_tokens if output.usage else 0,
         "request_id": request_id,
         **(output.route.fields() if output.route else {}),
