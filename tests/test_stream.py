@@ -12,8 +12,12 @@ encoder) on the language side and Encode(room, chat) on the encoder, concurrentl
   language engine's `early_prefill_tokens` counter (moved after a forward over rows of a
   prompt whose later rows had not arrived) rises while it is held, and only then is it let
   go. Without streaming the counter never moves and the hang guard fails the test.
+- Each answer's StageTimings carry the request's own figures: `early_prefill_tokens` (the
+  engine counter's share of that request: the counter moves by exactly their sum) and
+  `time_to_first_row_ms` (the time_to_first_row histogram's observation: its sum moves by
+  exactly theirs).
 - `--no-transfer.stream` on the language side alone: the prompt is taken whole (no
-  early prefill), with the same tokens.
+  early prefill, 0 in its timings), with the same tokens.
 
 No test here bounds a duration: every wait is a hang guard (tests/waiting.py).
 """
@@ -145,26 +149,33 @@ class Pair:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(30)
 
-    async def generate(self, messages: list[Message]) -> list[int]:
-        """The router's part: Generate and Encode on one room; the tokens."""
+    async def generate(self, messages: list[Message]) -> tuple[list[int], common_pb2.StageTimings]:
+        """The router's part: Generate and Encode on one room; the tokens, and the timings
+        of the language side's last message."""
         room = secrets.randbits(62)
         sampling = common_pb2.SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
         stream = self.lang.Generate(language_pb2.LanguageGenerateRequest(
             room=room, encoder_address=f"127.0.0.1:{self.enc_cfg.port}", sampling=sampling))
         encode = asyncio.ensure_future(self.enc.Encode(encoder_pb2.EncodeRequest(
             room=room, messages=to_proto(messages))))
-        tokens = []
+        tokens, timings = [], None
         async for msg in stream:
             assert not msg.HasField("error") or not msg.error.code, msg.error
             tokens += msg.token_ids
+            timings = msg.timings
         await encode
-        return tokens
+        return tokens, timings
 
     def loads(self):
         async def get():
             return await self.lang.GetLoad(language_pb2.LanguageGetLoadRequest())
 
         return self.call(get())
+
+    def overlap(self) -> tuple[float, float]:
+        """The early prefill counter and the time-to-first-row histogram's sum (seconds)."""
+        return (self.metric("tandem_language_early_prefill_tokens_total"),
+                self.metric("tandem_language_time_to_first_row_seconds_sum"))
 
     def metric(self, name: str) -> float:
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.lang_metrics}/metrics").read()
@@ -235,16 +246,24 @@ def test_streamed_greedy_equals_generate_and_prefill_overlaps_the_vit(checkpoint
     try:
         # 1. three at once: exact, with chunks ending only at arrived rows
         del chunks[:]
+        early0, first_row0 = pair.overlap()
 
         async def all_three():
             return await asyncio.gather(*[pair.generate(c) for c in chats])
 
         got = pair.call(all_three())
-        for g, w in zip(got, want, strict=True):
+        for (g, _), w in zip(got, want, strict=True):
             assert g and g == w
         prompt = [c for c in chunks if c[1] < c[4]]
         assert all(start + n <= rows for _, start, n, rows, _, _ in prompt)
         assert any(not complete for *_, complete in prompt)  # prefill before the last row
+        # each request's own share of the counter and of the histogram
+        early1, first_row1 = pair.overlap()
+        timings = [t for _, t in got]
+        assert sum(t.early_prefill_tokens for t in timings) == early1 - early0
+        assert all(t.time_to_first_row_ms > 0 and not t.encoder_bypassed for t in timings)
+        assert sum(t.time_to_first_row_ms for t in timings) / 1e3 == pytest.approx(
+            first_row1 - first_row0, rel=1e-9)
         assert_idle(pair)
 
         # 2. the last image held back in the ViT: the first rows are prefilled meanwhile
@@ -259,8 +278,11 @@ def test_streamed_greedy_equals_generate_and_prefill_overlaps_the_vit(checkpoint
                    what="a prefill of the first rows while the last image is held")
         assert not fut.done()  # its last image has not been through the ViT
         gate.opened.set()
-        g = fut.result(HANG_GUARD_S)
+        g, t = fut.result(HANG_GUARD_S)
         assert gate.entered.is_set() and g == w
+        # the prefill that ran while the image was held is this request's (alone in flight)
+        early1, _ = pair.overlap()
+        assert t.early_prefill_tokens == early1 - before > 0
         assert pair.metric("tandem_language_streamed_prompts_total") >= 4
         assert_idle(pair)
     finally:
@@ -287,10 +309,15 @@ def test_language_side_off_takes_the_prompt_whole(checkpoint, patched):
     pair = Pair(ckpt, stream_language=False).start()
     try:
         del chunks[:]
-        got = pair.call(pair.generate(chat))
+        got, t = pair.call(pair.generate(chat))
         assert got == expected(ckpt, chat)
         assert chunks and all(complete for *_, complete in chunks)
         assert pair.metric("tandem_language_early_prefill_tokens_total") == 0
+        assert t.early_prefill_tokens == 0
+        # the whole prompt's arrival: the histogram's one observation
+        assert t.time_to_first_row_ms > 0
+        assert t.time_to_first_row_ms / 1e3 == pytest.approx(
+            pair.metric("tandem_language_time_to_first_row_seconds_sum"), rel=1e-9)
         assert pair.metric("tandem_language_streamed_prompts_total") == 0
         assert_idle(pair)
     finally:
