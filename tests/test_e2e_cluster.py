@@ -183,8 +183,25 @@ def test_greedy_equals_transformers(cluster, oracle, name, text, images):
     assert resp.usage.completion_tokens == usage.completion_tokens == sdk.usage.completion_tokens
     assert resp.usage.prompt_tokens == sdk.usage.prompt_tokens > 0
     ext = resp.model_extra["tandem"]
-    assert set(ext["timings"]) >= {"preprocess_ms", "vit_ms", "transfer_ms", "queue_ms",
-                                   "prefill_ms", "decode_ms"}
+    t = ext["timings"]
+    assert set(t) >= {"preprocess_ms", "vit_ms", "transfer_ms", "queue_ms", "prefill_ms",
+                      "decode_ms", "time_to_first_row_ms", "early_prefill_tokens",
+                      "encoder_ranges"}
+    if not images:  # straight to the language tier: no rows, no encoder
+        assert t["encoder_bypassed"] and t["encoder_ranges"] == []
+        assert t["time_to_first_row_ms"] == 0 and sdk.timings.encoder_ranges == ()
+    else:
+        # no split here: one range, the encoder's own, named by its address (gRPC alike);
+        # rows not streamed: no early prefill
+        assert t["time_to_first_row_ms"] > 0 and sdk.timings.time_to_first_row_ms > 0
+        assert t["early_prefill_tokens"] == sdk.timings.early_prefill_tokens == 0
+        if name != "resumed" or "resumes" in ext:  # the Encode's answer reached the router
+            assert [(r["encoder"], r["first_media"], r["media"], r["fell_back"])
+                    for r in t["encoder_ranges"]] == [(ext["encoder"], 0, len(images), False)]
+            assert t["encoder_ranges"][0]["tokens"] > 0
+        if name != "resumed" or sdk.timings.encoder_ranges:
+            (sdk_range,) = sdk.timings.encoder_ranges
+            assert sdk_range.encoder and sdk_range.media == len(images)
     if name == "resumed":
         assert resp.usage.prompt_tokens > 64
         # NOTE: `resumes` comes from the Encode answer; when the encoder reports a failure
