@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from encoder_peers.chats import png, to_proto  # noqa: E402
 from test_stream import HANG_GUARD_S, MAX_NEW, Gate, expected  # noqa: E402
 
-from tandem.chat import ImageInput, Message  # noqa: E402
+from tandem.chat import ImageInput, Message, VideoInput  # noqa: E402
 from tandem.launch.procs import free_port  # noqa: E402
 from tandem.v1 import (  # noqa: E402
     common_pb2,
@@ -175,15 +175,17 @@ class Trio:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(30)
 
-    async def generate(self, messages: list[Message]) -> tuple[list[int], object]:
-        """The router's part: Generate and Encode (with the helper) on one room; the tokens
-        and the EncodeResponse (or the Encode's error)."""
+    async def generate(self, messages: list[Message],
+                       helpers: list[str] | None = None) -> tuple[list[int], object]:
+        """The router's part: Generate and Encode (with the helper, unless `helpers`) on one
+        room; the tokens and the EncodeResponse (or the Encode's error)."""
         room = secrets.randbits(62)
         sampling = common_pb2.SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
         stream = self.lang.Generate(language_pb2.LanguageGenerateRequest(
             room=room, encoder_address=f"127.0.0.1:{self.lead_cfg.port}", sampling=sampling))
         encode = asyncio.ensure_future(self.enc.Encode(encoder_pb2.EncodeRequest(
-            room=room, messages=to_proto(messages), helpers=[self.helper])))
+            room=room, messages=chat_proto(messages),
+            helpers=[self.helper] if helpers is None else helpers)))
         tokens, error = [], None
         try:
             async for msg in stream:
@@ -212,6 +214,22 @@ class Trio:
                     encoder_pb2.EncoderGetLoadRequest())
 
         return self.call(get())
+
+
+def chat_proto(messages: list[Message]):
+    """encoder_peers.chats.to_proto, videos (file bytes and fps) included."""
+    out = to_proto([Message(m.role, tuple(p for p in m.parts if not isinstance(p, VideoInput)))
+                    for m in messages])
+    for m, o in zip(messages, out, strict=True):
+        if any(isinstance(p, VideoInput) for p in m.parts):
+            del o.content[:]
+            for p in m.parts:
+                if isinstance(p, VideoInput):
+                    o.content.append(common_pb2.ContentPart(video=common_pb2.VideoPart(
+                        data=p.data, fps=p.options.fps or 0.0)))
+                else:
+                    o.content.extend(to_proto([Message(m.role, (p,))])[0].content)
+    return out
 
 
 def assert_idle(trio: Trio) -> None:
@@ -357,4 +375,32 @@ def test_frozen_helper_fails_the_room_within_the_transfer_timeout(checkpoint, ga
         assert_idle(trio)
     finally:
         gate.opened.set()
+        trio.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_one_video_split_by_temporal_groups(checkpoint, gate, tmp_path, stream):
+    """An image and a video of several temporal groups: the helper's range starts inside
+    the video (a group's first pad), both encoders run part of it, and the answer is the
+    one the lead gives alone (which tests/test_video_payload.py proves transformers')."""
+    from video_chats import Image, Video, VideoChat, write_clips
+
+    ckpt = checkpoint("qwen2_5_vl")
+    clips, _ = write_clips(tmp_path)
+    chat = VideoChat(("Compare", Image(3, (64, 48)), "with", Video("avi"), "please."))
+    messages = chat.messages(clips)
+    trio = Trio(ckpt, stream=stream).start()
+    try:
+        # split first (the lead's embedding cache would otherwise hold it all: no split)
+        tokens, res = trio.call(trio.generate(messages))
+        assert isinstance(res, encoder_pb2.EncodeResponse), res
+        lead, helper = res.ranges
+        alone, res1 = trio.call(trio.generate(messages, helpers=[]))
+        assert isinstance(res1, encoder_pb2.EncodeResponse) and len(res1.ranges) == 1
+        assert tokens == alone and tokens
+        assert helper.encoder == trio.helper
+        # the video (medium 1) is in both shares: its groups are split
+        assert lead.first_media + lead.media - 1 == 1 == helper.first_media
+        assert_idle(trio)
+    finally:
         trio.stop()

@@ -75,6 +75,13 @@ class EncoderConfig(ModelServiceSettings):
     patch_budget: int = Field(
         16384, ge=64, description="Max vision patches in one batched ViT call."
     )
+    video_chunk_patches: int = Field(
+        1024, ge=0,
+        description="With streamed rows (--transfer.stream): a video goes through the ViT in "
+        "runs of whole temporal groups of at most this many patches (at least one group), "
+        "each run's rows sent as it ends; 0 = the whole video as one input. Without "
+        "streaming a video is always one input.",
+    )  # fmt: skip
     preprocess_workers: int = Field(2, ge=1, le=64, description="Preprocessing worker threads.")
     preprocess_client_share: int = Field(
         0, ge=0, le=64,

@@ -208,10 +208,13 @@ class StreamedPayload:
         start: int,
         rule: RopeRule,
         num_deepstack: int,
-        only: set[int] | None = None,
+        groups: list[int] | None = None,
+        only: set[tuple[int, int]] | None = None,
     ) -> None:
-        """`only`: the media this writer fills (a helper's range of a split prompt); the
-        others' rows are another writer's, never waited for (left zero here)."""
+        """`groups[i]`: medium i's temporal groups (default 1 each), each filled on its own
+        (units.py); `only`: the (medium, group) units this writer fills (a helper's range
+        of a split prompt); the others' rows are another writer's, never waited for (left
+        zero here)."""
         dev = embed_tokens.weight.device
         with torch.inference_mode():
             text = embed_tokens(input_ids[start:].to(dev)).cpu()
@@ -228,28 +231,43 @@ class StreamedPayload:
             start=start,
             arrived=RowWatermark(n),
         )
-        # each medium's rows in the payload (rows before `start` dropped), and which of them
-        # still wait for their features
-        self.rows = [r[r >= start] - start for r in rows]
-        self.missing = {i for i, r in enumerate(self.rows)
-                        if r.numel() and (only is None or i in only)}
+        # each medium's rows in payload coordinates (negative: before `start`, held by the
+        # language side), its rows per group, and the groups still waiting for features
+        self.rows = [r - start for r in rows]
+        self.groups = list(groups) if groups is not None else [1] * len(rows)
+        self.per = [r.numel() // g for r, g in zip(rows, self.groups, strict=True)]
+        self.missing: dict[int, set[int]] = {}
+        for i, r in enumerate(self.rows):
+            gs = {g for g in range(self.groups[i]) if int(r[(g + 1) * self.per[i] - 1]) >= 0
+                  and (only is None or (i, g) in only)}
+            if gs:
+                self.missing[i] = gs
         self._raise()
 
-    def needs(self, i: int) -> bool:
-        return i in self.missing
+    def needs(self, i: int, g: int | None = None) -> bool:
+        """Medium i (group g of it) still waits for features here."""
+        return i in self.missing and (g is None or g in self.missing[i])
 
-    def place(self, i: int, features: CachedFeatures) -> None:
-        """Medium i's features into its rows; the watermark moves past what is complete.
+    def place(self, i: int, features: CachedFeatures, g0: int = 0, g1: int | None = None) -> None:
+        """The features of medium i's groups [g0, g1) (default: all) into their rows; the
+        watermark moves past what is complete.
         NOTE: call it on one thread at a time (the pipeline awaits each)."""
-        rows, h = self.rows[i], self.hidden
-        keep = features.embeds.shape[0] - rows.numel()  # rows of it before `start`: cut
+        g1 = self.groups[i] if g1 is None else g1
+        rows, h = self.rows[i][g0 * self.per[i] : g1 * self.per[i]], self.hidden
+        keep = rows >= 0  # rows before `start`: cut
+        rows = rows[keep]
         e = self.payload.input_embeds
-        e[rows, :h] = features.embeds[keep:].to(e.dtype)
+        e[rows, :h] = features.embeds[keep].to(e.dtype)
         for k in range(self.num_deepstack):
-            e[rows, h * (k + 1) : h * (k + 2)] = features.deepstack[k][keep:].to(e.dtype)
-        self.missing.discard(i)
+            e[rows, h * (k + 1) : h * (k + 2)] = features.deepstack[k][keep].to(e.dtype)
+        left = self.missing.get(i, set()) - set(range(g0, g1))
+        if left:
+            self.missing[i] = left
+        else:
+            self.missing.pop(i, None)
         self._raise()
 
     def _raise(self) -> None:
-        first = min((int(self.rows[i][0]) for i in self.missing), default=None)
+        first = min((max(0, int(self.rows[i][min(gs) * self.per[i]]))
+                     for i, gs in self.missing.items()), default=None)
         self.payload.arrived.advance(self.payload.num_tokens if first is None else first)

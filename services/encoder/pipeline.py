@@ -56,7 +56,7 @@ import torch
 from tandem import tracing
 from tandem.chat import ChatError, Limits, Message, TemplateOptions, load_chat_template
 from tandem.devices import resolve_device, resolve_dtype
-from tandem.services.encoder.cache import EmbeddingCache
+from tandem.services.encoder.cache import CachedFeatures, EmbeddingCache
 from tandem.services.encoder.fair_pool import FairPool
 from tandem.services.encoder.images import Budget, ImageLimits
 from tandem.services.encoder.merge import (
@@ -74,7 +74,8 @@ from tandem.services.encoder.preprocess import (
     in_namespace,
 )
 from tandem.services.encoder.scheduler import EncoderScheduler, FeatureResult
-from tandem.services.encoder.split import HelperRange, Share, plan_split
+from tandem.services.encoder.split import HelperRange, Share, plan_split, units_in, with_media
+from tandem.services.encoder.units import Unit, VideoSlice, VitInput, groups_of, units, vit_inputs
 from tandem.services.encoder.video import PlannedVideo, PreparedVideo, VideoLimits
 from tandem.services.encoder.video_rules import ARCH_RULES, VideoSettings
 from tandem.services.encoder.vit_kernels import pack_vision_tower
@@ -140,6 +141,7 @@ class EncodePipeline:
         client_share: int = 0,
         chat_template: str | None = None,
         video: VideoSettings | None = None,
+        video_chunk_patches: int = 0,
     ) -> None:
         self.spec = spec
         # NOTE: the text embedding table lives on the CPU: its lookups run on the
@@ -160,6 +162,7 @@ class EncodePipeline:
             metrics.vit_graphs_recorded([r.stats for r in runners])
         self.pool = FairPool(workers, client_share)
         self.num_deepstack = int(spec.num_deepstack)
+        self.video_chunk_patches = video_chunk_patches  # streamed rows: see EncoderConfig
 
     @classmethod
     def from_config(cls, cfg, metrics=None) -> EncodePipeline:
@@ -222,6 +225,7 @@ class EncodePipeline:
             cfg.preprocess_client_share,
             load_chat_template(cfg.chat_template),
             video,
+            cfg.video_chunk_patches,
         )
 
     def start(self) -> None:
@@ -292,16 +296,20 @@ class EncodePipeline:
         spans = media_spans(prep.input_ids, prep.media, self.spec.image_token_id,
                             self.spec.video_token_id)
         cached = 0 if part is None else part.payload_start
-        if part is not None:
-            _check_part(part, spans, int(prep.input_ids.numel()))
-        elif announce is not None:
+        if announce is not None and part is None:
             step(EncodeState.ANNOUNCING)
             span = tracing.start("encoder.announce", trace)
             cached = await announce(PromptInfo(prep.input_ids.tolist(), spans))
             span.set_attribute("tandem.cached_prefix_tokens", cached)
             span.end()
-        need = [i for i, sp in enumerate(spans) if sp.start + sp.length > cached
-                and (part is None or part.first_media <= i < part.end_media)]
+        need = [i for i, sp in enumerate(spans) if sp.start + sp.length > cached]
+        if part is not None:  # a helper: only the media of its share
+            have = units(prep.media, media_rows(
+                prep.input_ids, [m.num_tokens for m in prep.media], self.spec.image_token_id,
+                self.spec.video_token_id), cached)
+            _check_part(part, have, int(prep.input_ids.numel()))
+            mine = {u.medium for u in units_in(have, cached, part.first_token, part.end_token)}
+            need = [i for i in need if i in mine]
         # Each needed medium is looked up once (a counted hit or miss); only then are the
         # missing videos decoded, so a cached video costs no decode.
         feats: list = [None] * len(spans)
@@ -317,27 +325,46 @@ class EncodePipeline:
             tracing.start("encoder.cache", trace, attributes={
                 "tandem.cache.hits": len(need) - len(misses), "tandem.cache.misses": len(misses),
                 "tandem.cached_image_tokens": cached_tokens}).end()
+        rows = media_rows(prep.input_ids, [m.num_tokens for m in prep.media],
+                          self.spec.image_token_id, self.spec.video_token_id)
+        every = units(prep.media, rows, cached)  # each image, each video's temporal group
+        # what this encoder runs: its misses, narrowed to its share of a split prompt
+        work = [u for u in every if u.medium in misses]
         shares: list[Share] = []
         if helpers and open_helper is not None and part is None:
-            weights = [_patches(prep.media[i]) if i in misses else 0 for i in range(len(spans))]
-            shares = plan_split([sp.start for sp in spans], weights, cached,
-                                int(prep.input_ids.numel()) - cached, helpers)
+            shares = with_media(plan_split(
+                [u.first_pad for u in every], [u.patches if u.medium in misses else 0
+                                               for u in every],
+                cached, int(prep.input_ids.numel()) - cached, helpers), every)
+            if shares:  # the lead's share: the first
+                lead = set(every[: shares[0].end_unit])
+                work = [u for u in work if u in lead]
+        only = None
+        if part is not None:
+            mine_units = units_in(every, cached, part.first_token, part.end_token)
+            only = {(u.medium, u.g0) for u in mine_units}
+            work = [u for u in work if (u.medium, u.g0) in only]
         remote: list[RemoteRange] = []
         stream = None
         if on_payload is not None or shares or part is not None:
             # built before any decode or ViT (streamed, split or a helper's part)
-            only = None if part is None else set(range(part.first_media, part.end_media))
-            stream = await self._start_stream(prep, spans, cached, feats, client, only)
+            stream = await self._start_stream(prep, spans, cached, feats, client, rows, only)
             for sh in shares[1:]:  # each helper starts now, beside our own ViT
                 h = open_helper(sh, cached)
-                h.fall_back = functools.partial(self._fall_back, stream, prep, sh, client,
-                                                budget.deadline)
+                h.fall_back = functools.partial(
+                    self._fall_back, stream, prep, units_in(every, cached, sh.first_token,
+                                                            sh.end_token),
+                    client, budget.deadline)
                 remote.append(h.remote())
-            if shares:
-                misses = [i for i in misses if shares[0].first_media <= i < shares[0].end_media]
             if on_payload is not None:
                 on_payload(stream.payload, remote)
-        to_decode = [i for i in misses if isinstance(prep.media[i], PlannedVideo)]
+        if stream is None:  # the whole payload at once: every missed medium whole
+            todo = [VitInput(i, 0, groups_of(prep.media[i]), True) for i in misses]
+        else:  # streamed rows: a video goes in runs of groups, each sent when it ends
+            todo = vit_inputs(work, prep.media,
+                              self.video_chunk_patches if on_payload is not None else 0)
+        to_decode = sorted({v.medium for v in todo if isinstance(prep.media[v.medium],
+                                                                  PlannedVideo)})
         t0 = time.perf_counter()
         decoded: dict[int, PreparedVideo] = {}
         if to_decode:
@@ -351,15 +378,17 @@ class EncodePipeline:
             decoded = dict(zip(to_decode, videos, strict=True))
         decode_s = time.perf_counter() - t0
         step(EncodeState.ENCODING)
-        inputs = [decoded.get(i, prep.media[i]) for i in misses]
+        inputs = [_input(decoded.get(v.medium, prep.media[v.medium]), v) for v in todo]
         if stream is not None and on_payload is not None:
-            got = await self._stream_vit(stream, misses, inputs, client)
+            got = await self._stream_vit(stream, todo, inputs, client)
         else:
             got = await self.scheduler.encode(inputs)
             if stream is not None:  # split or a part: whole, then placed
-                await self.pool.run(client, _place_all, stream, misses, got.features)
-        for i, f in zip(misses, got.features, strict=True):
-            feats[i] = f
+                await self.pool.run(client, _place_all, stream, todo, got.features)
+        for v, f in zip(todo, got.features, strict=True):
+            if v.whole:
+                feats[v.medium] = f
+        self._cache_assembled(todo, inputs, got.features, prep.media)
         if trace.is_recording():
             _trace_vit(trace, inputs, got.runs)
         step(EncodeState.MERGING)
@@ -398,16 +427,16 @@ class EncodePipeline:
         )
 
     async def _start_stream(self, prep, spans: list[ImageSpan], cached: int, feats: list,
-                            client: str, only: set[int] | None = None) -> StreamedPayload:
+                            client: str, rows: list[torch.Tensor],
+                            only: set[tuple[int, int]] | None = None) -> StreamedPayload:
         """The streamed payload of rows [cached, L) with the cache hits already in (of the
-        media `only`, when given: a helper's part)."""
-        rows = media_rows(prep.input_ids, [m.num_tokens for m in prep.media],
-                          self.spec.image_token_id, self.spec.video_token_id)
+        units `only`, when given: a helper's part)."""
 
         def build() -> StreamedPayload:
             out = StreamedPayload(self.embed_tokens, prep.input_ids, prep.mm_token_type_ids,
                                   _grids(prep.media), rows, start=cached, rule=self.rope,
-                                  num_deepstack=self.num_deepstack, only=only)
+                                  num_deepstack=self.num_deepstack,
+                                  groups=[groups_of(m) for m in prep.media], only=only)
             for i, f in enumerate(feats):
                 if f is not None and out.needs(i):
                     out.place(i, f)
@@ -417,38 +446,52 @@ class EncodePipeline:
         stream.payload.info = PromptInfo(prep.input_ids.tolist(), spans)
         return stream
 
-    async def _stream_vit(self, stream: StreamedPayload, misses: list[int], inputs: list,
+    async def _stream_vit(self, stream: StreamedPayload, todo: list[VitInput], inputs: list,
                           client: str) -> FeatureResult:
-        """The misses through the ViT one at a time in prompt order, each spliced into
+        """The inputs through the ViT one at a time in prompt order, each spliced into
         the streamed payload (raising its watermark) as soon as its features exist."""
         res = FeatureResult(features=[])
-        for i, m in zip(misses, inputs, strict=True):
+        for v, m in zip(todo, inputs, strict=True):
             got = await self.scheduler.encode([m])
             res.features += got.features
             res.runs += got.runs
             res.vit_s += got.vit_s
-            await self.pool.run(client, stream.place, i, got.features[0])
+            await self.pool.run(client, stream.place, v.medium, got.features[0], v.g0, v.g1)
         return res
 
-    async def _fall_back(self, stream: StreamedPayload, prep, share: Share, client: str,
-                         deadline: float) -> None:
-        """A lost helper's media into the lead's own payload (cache, decode, ViT), so the
-        lead writes the rest of its range (split.py)."""
+    def _cache_assembled(self, todo: list[VitInput], inputs: list, features: list,
+                         media: list) -> None:
+        """A video this encoder ran whole but in runs of groups (streamed) is cached whole
+        too, so a repeat of it is one hit, as without streaming."""
+        parts: dict[int, list] = {}
+        for v, f in zip(todo, features, strict=True):
+            if not v.whole:
+                parts.setdefault(v.medium, []).append((v.g0, v.g1, f))
+        for i, ps in parts.items():
+            ps.sort(key=lambda p: p[0])
+            if ps[0][0] != 0 or ps[-1][1] != groups_of(media[i]) or any(
+                    a[1] != b[0] for a, b in zip(ps, ps[1:], strict=False)):
+                continue  # only some of its groups ran here (a split)
+            fs = [f for *_, f in ps]
+            self.cache.put(media[i].key, CachedFeatures(
+                torch.cat([f.embeds for f in fs]),
+                tuple(torch.cat([f.deepstack[k] for f in fs]) for k in range(len(fs[0].deepstack)))))
+
+    async def _fall_back(self, stream: StreamedPayload, prep, share_units: list[Unit],
+                         client: str, deadline: float) -> None:
+        """A lost helper's units into the lead's own payload (decode, ViT), so the lead
+        writes the rest of its range (split.py)."""
         budget = Budget(deadline)
         try:
-            todo = [i for i in range(share.first_media, share.end_media) if stream.needs(i)]
-            inputs = []
-            for i in todo:
-                hit = self.scheduler.lookup(prep.media[i].key)
-                if hit is not None:
-                    await self.pool.run(client, stream.place, i, hit)
-                else:
-                    inputs.append(i)
-            videos = [i for i in inputs if isinstance(prep.media[i], PlannedVideo)]
+            todo = vit_inputs([u for u in share_units if stream.needs(u.medium, u.g0)],
+                              prep.media)
+            videos = sorted({v.medium for v in todo
+                             if isinstance(prep.media[v.medium], PlannedVideo)})
             decoded = dict(zip(videos, await self._decode([prep.media[i] for i in videos],
                                                           client, budget), strict=True))
-            got = await self.scheduler.encode([decoded.get(i, prep.media[i]) for i in inputs])
-            await self.pool.run(client, _place_all, stream, inputs, got.features)
+            got = await self.scheduler.encode(
+                [_input(decoded.get(v.medium, prep.media[v.medium]), v) for v in todo])
+            await self.pool.run(client, _place_all, stream, todo, got.features)
         finally:
             budget.stop.set()
 
@@ -482,24 +525,28 @@ def _patches(m) -> int:
     return t * h * w
 
 
-def _place_all(stream: StreamedPayload, items: list[int], features: list) -> None:
-    for i, f in zip(items, features, strict=True):
-        stream.place(i, f)
+def _place_all(stream: StreamedPayload, todo: list[VitInput], features: list) -> None:
+    for v, f in zip(todo, features, strict=True):
+        stream.place(v.medium, f, v.g0, v.g1)
 
 
-def _check_part(part: MediaPart, spans: list[ImageSpan], prompt_tokens: int) -> None:
+def _input(m, v: VitInput):
+    """What the ViT runs for `v`: the medium itself when whole, else its groups' slice."""
+    return m if v.whole else VideoSlice(m, v.g0, v.g1)
+
+
+def _check_part(part: MediaPart, every: list[Unit], prompt_tokens: int) -> None:
     """A helper's own rendering of the chat must put the lead's share where the lead said
-    (the same chat, template and processor: a mismatch is a misconfigured tier)."""
-    n, total = len(spans), prompt_tokens - part.payload_start
-    t0 = 0 if part.first_media == 0 else spans[part.first_media].start - part.payload_start \
-        if part.first_media < n else -1
-    t1 = total if part.end_media == n else spans[part.end_media].start - part.payload_start \
-        if part.end_media < n else -1
-    if not (0 <= part.first_media < part.end_media <= n) or (t0, t1) != (part.first_token,
-                                                                       part.end_token):
-        raise ChatError(f"range: media [{part.first_media}, {part.end_media}) at tokens "
-                        f"[{part.first_token}, {part.end_token}) of {total}, this encoder "
-                        f"renders {n} media, that range at [{t0}, {t1})", "range")
+    (the same chat, template and processor): its edges where units start, at least one
+    unit in it. A mismatch is a misconfigured tier."""
+    total = prompt_tokens - part.payload_start
+    starts = {u.first_pad - part.payload_start for u in every}
+    ok = (0 < part.first_token < part.end_token <= total and part.first_token in starts
+          and (part.end_token == total or part.end_token in starts))
+    if not ok:
+        raise ChatError(f"range: tokens [{part.first_token}, {part.end_token}) of {total} do "
+                        f"not start and end where this encoder's units (images, video "
+                        f"groups) start", "range")
 
 
 def _grids(media: list) -> list[VisionGrid]:

@@ -3,8 +3,9 @@
 The encoder the router sent `Encode` to is the room's *lead*: it owns the Attach stream
 (Init, Prompt/Cached, Progress, Resume, Done), renders and preprocesses the chat, and
 decides the split. The router names candidate *helpers* (EncodeRequest.helpers, by
-load); the lead gives each a contiguous run of the prompt's media and the payload rows
-from the first pad of that run up to the next run's (`plan_split`). A helper renders the
+load); the lead gives each a contiguous run of the prompt's units (images, and temporal
+groups of videos: units.py) and the payload rows from the first pad of that run up to the
+next run's (`plan_split`): the token range alone says which units are whose. A helper renders the
 same chat itself (the same token ids, grids and positions: they come from the chat
 alone), runs the ViT for its media only and writes its rows straight into the language
 instance's blocks; the lead's sender makes each range a piece of its own (services the
@@ -21,11 +22,12 @@ helper's chunk reports as its own Progress, and the helper's heartbeats as Attac
     Done (or the next range)
 
 Rules (all here):
-- A split happens only with at least 2 media the ViT must run (embedding-cache misses of
-  the lead, past the language side's cached prefix) and a helper; at most one range per
-  encoder; the lead keeps the first range (its rows reach the language side first),
-  ranges are balanced by the lead's uncached patches (cache hits weigh nothing).
-- Rows of a range depend only on its media and the chat (text embeddings, ids,
+- A split happens only with at least 2 units the ViT must run (embedding-cache misses of
+  the lead, past the language side's cached prefix: two images, or one video of two
+  temporal groups) and a helper; at most one range per encoder; the lead keeps the first
+  range (its rows reach the language side first), ranges are balanced by the lead's
+  uncached patches (cache hits weigh nothing) and cut only where a unit starts.
+- Rows of a range depend only on its units and the chat (text embeddings, ids,
   positions): no writer needs another's.
 - Every range is its own piece (its own blocks, aux rows and tags), so no block is
   written by two writers.
@@ -40,6 +42,7 @@ Rules (all here):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -56,24 +59,29 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Share:
-    """One writer's part of a split prompt: media [first_media, end_media) and payload
-    tokens [first_token, end_token); `helper` "" for the lead."""
+    """One writer's part of a split prompt: payload tokens [first_token, end_token) and the
+    units whose first pad lies there, units [first_unit, end_unit) of the plan's list, of
+    media [first_media, end_media) (a video may be in two shares); `helper` "" for the
+    lead."""
 
     helper: str
-    first_media: int
-    end_media: int
+    first_unit: int
+    end_unit: int
     first_token: int
     end_token: int
+    first_media: int = 0
+    end_media: int = 0
 
 
 def plan_split(starts: list[int], weights: list[int], payload_start: int, total: int,
                helpers: list[str]) -> list[Share]:
     """The writers of a prompt, in prompt order (empty: no split).
 
-    `starts[i]`: medium i's first pad token (prompt index); `weights[i]`: its patches the
-    lead would run through the ViT (0: cached, or wholly inside the language side's
-    prefix); `payload_start`: the language side's cached prefix (the payload's token 0);
-    `total`: payload tokens. Media that start inside the cached prefix stay with the lead.
+    `starts[u]`: unit u's first pad token (prompt index; units in prompt order);
+    `weights[u]`: its patches the lead would run through the ViT (0: cached);
+    `payload_start`: the language side's cached prefix (the payload's token 0); `total`:
+    payload tokens. Units that start inside the cached prefix stay with the lead. The
+    caller fills each share's media (`with_media`).
     """
     movable = [i for i, s in enumerate(starts) if s > payload_start]
     work = sum(weights)
@@ -99,6 +107,17 @@ def plan_split(starts: list[int], weights: list[int], payload_start: int, total:
         t1 = total if j == len(owners) - 1 else starts[b] - payload_start
         out.append(Share(owner, a, b, t0, t1))
     return out
+
+
+def with_media(shares: list[Share], units: list) -> list[Share]:
+    """Each share with the media its units are of (units.Unit, the plan's list)."""
+    return [dataclasses.replace(s, first_media=units[s.first_unit].medium,
+                                end_media=units[s.end_unit - 1].medium + 1) for s in shares]
+
+
+def units_in(units: list, payload_start: int, first_token: int, end_token: int) -> list:
+    """The units whose first pad lies in payload tokens [first_token, end_token)."""
+    return [u for u in units if first_token <= u.first_pad - payload_start < end_token]
 
 
 class HelperRange:
