@@ -80,6 +80,15 @@ def test_no_helpers_for_fewer_than_two_media_or_split_encoders_one():
     assert pick_helpers([enc("lead")], "lead", 8, split_encoders=3) == []  # no other encoder
 
 
+def test_one_video_may_be_split_by_its_temporal_groups():
+    pool = [enc("lead"), enc("a", load=1), enc("b", load=2), enc("c", load=3)]
+    # one video: as many helpers as split_encoders allows (the lead splits its groups)
+    assert pick_helpers(pool, "lead", media=1, split_encoders=3, videos=1) == ["a", "b"]
+    assert pick_helpers(pool, "lead", media=2, split_encoders=4, videos=1) == ["a", "b", "c"]
+    assert pick_helpers(pool, "lead", media=1, split_encoders=1, videos=1) == []
+    assert pick_helpers(pool, "lead", media=1, split_encoders=3, videos=0) == []  # one image
+
+
 def test_split_encoders_is_checked():
     from pydantic import ValidationError
 

@@ -143,14 +143,14 @@ class Dispatcher:
         except grpc.RpcError:
             pass
 
-    def _helpers(self, lead: Instance, media: int,
-                 exclude: frozenset[str] | set[str]) -> list[Instance]:
+    def _helpers(self, lead: Instance, media: int, exclude: frozenset[str] | set[str],
+                 videos: int = 0) -> list[Instance]:
         """The helper encoders the Encode on `lead` names (selection.pick_helpers' rule,
         `split_encoders`), counted in the metrics."""
         pool = self.registry.encoders
         helpers = [pool.instances[a] for a in pick_helpers(
-            pool.states(), lead.address, media, self.cfg.split_encoders, exclude)]
-        if splittable(media, self.cfg.split_encoders):
+            pool.states(), lead.address, media, self.cfg.split_encoders, exclude, videos)]
+        if splittable(media, self.cfg.split_encoders, videos):
             self.metrics.encode_helpers.observe(len(helpers))
             if helpers:
                 self.metrics.split_prompts.inc()
@@ -165,6 +165,7 @@ class Dispatcher:
         stream tells which. `trace`: the attempt's span; `avoid`: encoders that failed an
         earlier attempt of the request (never named as helpers)."""
         hashes = image_hashes(req.messages)
+        videos = sum(p.WhichOneof("part") == "video" for m in req.messages for p in m.content)
         tried: set[str] = set()
         for attempt in range(self.cfg.encoder_retries + 1):
             tried.add(enc.address)
@@ -172,7 +173,7 @@ class Dispatcher:
             route.encoder_attempts = attempt + 1
             # NOTE: recomputed on every attempt: a failover's lead is another encoder, and
             # those that failed this request are no helpers.
-            helpers = self._helpers(enc, len(hashes), avoid | tried)
+            helpers = self._helpers(enc, len(hashes), avoid | tried, videos)
             # A helper's range is this router's work on it too (counted at once, so a
             # burst before the next load report spreads over the encoders).
             for inst in (enc, *helpers):

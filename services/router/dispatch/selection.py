@@ -146,9 +146,10 @@ class EncoderState:
     queued_patches: int  # vision patches waiting for its ViT (its last GetLoad)
 
 
-def splittable(media: int, split_encoders: int) -> bool:
-    """Whether a prompt with `media` images and videos may be split across encoders."""
-    return split_encoders > 1 and media >= 2
+def splittable(media: int, split_encoders: int, videos: int = 0) -> bool:
+    """Whether a prompt with `media` images and videos (`videos` of them videos) may be
+    split across encoders: two media, or one video (its temporal groups split)."""
+    return split_encoders > 1 and (media >= 2 or videos >= 1)
 
 
 def pick_helpers(
@@ -157,22 +158,26 @@ def pick_helpers(
     media: int,
     split_encoders: int,
     exclude: frozenset[str] | set[str] = frozenset(),
+    videos: int = 0,
 ) -> list[str]:
     """The helper encoders of a prompt whose Encode goes to `lead`, best first.
 
     The rule (issue 27, a prompt split across encoders): a prompt with `media` >= 2 images
     or videos gets up to min(split_encoders, media) - 1 helpers (each writer encodes at
-    least one of them, so more would idle), chosen among the encoders that are healthy, not
+    least one of them, so more would idle); one with a video (`videos` >= 1: its temporal
+    groups are units of their own, as many as the lead may split) up to split_encoders -
+    1; chosen among the encoders that are healthy, not
     draining, serve the lead's model, and are neither the lead nor in `exclude` (encoders
     that failed this request); least loaded first: by requests in flight (which include
     this router's own, counted at once), then queued patches, then address. None when
-    split_encoders is 1, when the prompt has fewer than 2 media, or when the lead is not a
+    split_encoders is 1, when the prompt has fewer than 2 media and no video, or when the
+    lead is not a
     known encoder. They are candidates only: the lead decides which ranges, if any, each
     one encodes."""
     by_address = {e.address: e for e in encoders}
-    if not splittable(media, split_encoders) or lead not in by_address:
+    if not splittable(media, split_encoders, videos) or lead not in by_address:
         return []
-    limit = min(split_encoders, media) - 1
+    limit = split_encoders - 1 if videos else min(split_encoders, media) - 1
     model = by_address[lead].model
     pool = [e for e in encoders
             if e.healthy and not e.draining and e.model == model
