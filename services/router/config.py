@@ -106,10 +106,11 @@ class RouterConfig(ServiceSettings):
     split_encoders: int = Field(
         1, ge=1, le=64,
         description="Most encoders one prompt's media are split across: a prompt with at "
-        "least 2 images/videos (counted from the chat's parts) gets up to split_encoders-1 "
-        "helpers (EncodeRequest.helpers), the least loaded other healthy encoders serving "
-        "the same model, never more than its media count-1; the encoder it is sent to "
-        "decides the ranges. 1 = never split.",
+        "least 2 images/videos, or with a video (split by temporal groups; counted from the "
+        "chat's parts), gets up to split_encoders-1 helpers (EncodeRequest.helpers), the "
+        "least loaded other healthy encoders serving the same model, never more than its "
+        "media count-1 without a video; the encoder it is sent to decides the ranges. "
+        "1 = never split.",
     )  # fmt: skip
     encoder_bypass: bool = Field(
         True, description="Send chats without an image straight to a language instance, "
