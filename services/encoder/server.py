@@ -242,7 +242,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                 await context.write(await outbox.get())
 
         pumping = asyncio.ensure_future(pump())
-        working = encoder_pb2.RangeResponse(working=encoder_pb2.AttachWorking(room=room))
+        working = encoder_pb2.EncodeRangeResponse(working=encoder_pb2.AttachWorking(room=room))
         code = "OK"
         try:
             now = time.time()
@@ -261,7 +261,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                         part=part)  # fmt: skip
             finally:
                 beating.cancel()
-            outbox.put_nowait(encoder_pb2.RangeResponse(ready=encoder_pb2.RangeReady(
+            outbox.put_nowait(encoder_pb2.EncodeRangeResponse(ready=encoder_pb2.RangeReady(
                 cached_image_tokens=res.cached_image_tokens, vit_ms=res.vit_ms,
                 preprocess_ms=res.preprocess_ms)))
             payload = res.payload
@@ -276,7 +276,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                                         f"{payload.num_tokens} tokens", "INVALID_ARGUMENT")
                 await self.sender.write_range(
                     room, w.destination, payload, w.piece_start, w.piece_tokens, deadline,
-                    on_chunk=lambda end, tag, nbytes=0: outbox.put_nowait(encoder_pb2.RangeResponse(
+                    on_chunk=lambda end, tag, nbytes=0: outbox.put_nowait(encoder_pb2.EncodeRangeResponse(
                         written=encoder_pb2.RangeWritten(
                             sent_tokens=end, tag=tag.to_proto() if tag is not None else None))),
                     on_working=lambda: outbox.put_nowait(working),
@@ -328,8 +328,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             self.metrics.queue_patches.set(self.pipeline.scheduler.queued_patches)
 
 
-def _range_failed(code: str, message: str) -> encoder_pb2.RangeResponse:
-    return encoder_pb2.RangeResponse(failed=encoder_pb2.AttachFailed(
+def _range_failed(code: str, message: str) -> encoder_pb2.EncodeRangeResponse:
+    return encoder_pb2.EncodeRangeResponse(failed=encoder_pb2.AttachFailed(
         error=common_pb2.ErrorInfo(code=code, message=message)))
 
 

@@ -131,7 +131,7 @@ class HelperRange:
         self.share, self.timeout_s = share, timeout_s
         stub = encoder_pb2_grpc.EncoderStub(channel)
         self._requests: asyncio.Queue = asyncio.Queue()
-        self._requests.put_nowait(encoder_pb2.RangeRequest(start=start))
+        self._requests.put_nowait(encoder_pb2.EncodeRangeRequest(start=start))
         self._call = stub.EncodeRange(self._stream(), metadata=metadata)
         self.ready: encoder_pb2.RangeReady | None = None
         self.fall_back: Callable[[], Awaitable[None]] | None = None
@@ -156,7 +156,7 @@ class HelperRange:
         self._requests.put_nowait(None)
         self._call.cancel()
 
-    async def _next(self, what: str) -> encoder_pb2.RangeResponse:
+    async def _next(self, what: str) -> encoder_pb2.EncodeRangeResponse:
         """The helper's next message; RangeLost when the stream broke or the helper failed
         for a reason of its own; TransferError (UNAVAILABLE) when it was silent for the
         transfer timeout (a stall: the room fails, see the module docstring)."""
@@ -181,7 +181,7 @@ class HelperRange:
     async def write(self, init: encoder_pb2.AttachInit, start: int, piece: int, total: int,
                     delta: int, on_chunk: Callable[[int, RangeTag | None], None],
                     on_working: Callable[[], None]) -> int:
-        self._requests.put_nowait(encoder_pb2.RangeRequest(write=encoder_pb2.RangeWrite(
+        self._requests.put_nowait(encoder_pb2.EncodeRangeRequest(write=encoder_pb2.RangeWrite(
             destination=init, piece_start=start, piece_tokens=piece, total_tokens=total,
             mrope_position_delta=delta)))
         end, wrote = start + piece, 0
