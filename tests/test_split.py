@@ -69,7 +69,7 @@ class Trio:
     one background event loop; each service stops on its own event."""
 
     def __init__(self, ckpt: Path, external_helper: bool = False, stream: bool = True,
-                 timeout_s: float = TRANSFER_TIMEOUT_S) -> None:
+                 timeout_s: float = TRANSFER_TIMEOUT_S, protect: str = "none") -> None:
         from tandem.config import TransferConfig
         from tandem.services.encoder.config import EncoderConfig
         from tandem.services.language.config import LanguageConfig
@@ -79,7 +79,7 @@ class Trio:
                 model=str(ckpt), device="cpu", dtype="float32", port=free_port(),
                 metrics_port=free_port(), insecure_internal=True, linear_backend="torch",
                 drain_timeout_s=1,
-                transfer=TransferConfig(timeout_s=timeout_s, stream=stream))
+                transfer=TransferConfig(timeout_s=timeout_s, stream=stream, protect=protect))
 
         self.ckpt, self.timeout_s = ckpt, timeout_s
         self.lead_cfg = encoder()
@@ -91,7 +91,7 @@ class Trio:
             model=str(ckpt), device="cpu", dtype="float32", port=free_port(),
             insecure_internal=True, metrics_port=self.lang_metrics, kv_pages=256, kv_page_size=16,
             embedding_block_size=16, default_reservation_tokens=64, max_prefill_tokens=16,
-            transfer=TransferConfig(timeout_s=timeout_s, stream=stream))
+            transfer=TransferConfig(timeout_s=timeout_s, stream=stream, protect=protect))
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
@@ -276,13 +276,16 @@ def _grid(ckpt: Path, chat: list[Message], index: int) -> tuple[int, int, int]:
     return _grid_of(fake, chat, index)
 
 
-@pytest.mark.parametrize(("arch", "stream"), [("qwen2_5_vl", True), ("qwen3_vl", True),
-                                              ("qwen3_vl_moe", True), ("qwen2_5_vl", False)])
-def test_split_greedy_equals_generate(checkpoint, gate, arch, stream):
+@pytest.mark.parametrize(("arch", "stream", "protect"), [
+    ("qwen2_5_vl", True, "none"), ("qwen3_vl", True, "none"), ("qwen3_vl_moe", True, "none"),
+    ("qwen2_5_vl", False, "encrypt")])
+def test_split_greedy_equals_generate(checkpoint, gate, arch, stream, protect):
+    """(`encrypt`: the helper's rows travel encrypted under the attempt's keys, and carry
+    its tags, which the language side verifies as the lead's.)"""
     ckpt = checkpoint(arch)
     chats = [four_image_chat(seed) for seed in (1, 2, 3)]
     want = [expected(ckpt, c) for c in chats]
-    trio = Trio(ckpt, stream=stream).start()
+    trio = Trio(ckpt, stream=stream, protect=protect).start()
     try:
         async def all_three():
             return await asyncio.gather(*[trio.generate(c) for c in chats])
