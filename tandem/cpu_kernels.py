@@ -11,6 +11,9 @@
     rms_norm / silu_mul / rope_qk
         the decoder's pointwise steps around the linears, one call each instead of ~30
         small torch ops per layer (csrc/pointwise.cpp).
+    segment_attention(q, k, v, cu, causal, scale) -> out
+        attention within packed segments of rows, each attending to its own (a prefill
+        chunk, causal; the ViT's frames and windows) (csrc/segment_attention.cpp).
 
 Every kernel is written once over the 16-lane vector of csrc/vec16.h, which has an AVX-512,
 an AVX2+FMA, a NEON (aarch64) and a generic C++ path, chosen by the compiler's target. All
@@ -49,7 +52,8 @@ log = logging.getLogger("tandem.language.kernels")
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(
     CSRC / f
-    for f in ("bindings.cpp", "paged_decode.cpp", "linear.cpp", "pointwise.cpp", "strip_pool.cpp")
+    for f in ("bindings.cpp", "paged_decode.cpp", "linear.cpp", "pointwise.cpp", "strip_pool.cpp",
+              "segment_attention.cpp")
 )
 HEADERS = (CSRC / "vec16.h",)
 

@@ -8,7 +8,7 @@ stated there.
 
 The shapes are the awkward ones: N not a multiple of the 32-column strip, K not a multiple
 of the 128-deep k block, rows 1..64 across register-tile edges, head dims 32/40/64/80/96/128
-(40: not a multiple of 16), GQA, page edges.
+(40: not a multiple of 16), GQA, page edges, segments across key blocks and work items.
 """
 
 from __future__ import annotations
@@ -67,6 +67,42 @@ def attention_ref(q, kc, vc, tables, lens, scale):
     return out
 
 
+# segment_attention: (rows, query heads, kv heads, cumulative segment lengths, causal); every
+# head dim of HEAD_DIMS. Segments across the 16- and 32-key blocks and the 32-row work items,
+# an empty one, GQA, 1-row segments.
+SEGMENT_CASES = [
+    (75, 4, 2, [0, 75], True),  # a prefill chunk: 3 work items, the last partial
+    (70, 2, 2, [0, 1, 17, 17, 50, 70], False),  # the ViT's frames/windows, one empty
+    (40, 8, 1, [0, 33, 40], True),
+]
+
+
+def segment_case(i: int, d: int):
+    """q [T, H, D], k [T, Hkv, D] and v [T, Hkv, D] as a strided view (as the runners'), cu."""
+    t, h, hkv, cu, causal = SEGMENT_CASES[i]
+    g = _gen(1000 * i + d)
+    q, k = torch.randn(t, h, d, generator=g), torch.randn(t, hkv, d, generator=g)
+    v = torch.randn(t, 3 * hkv, d, generator=g)[:, hkv : 2 * hkv]
+    return q, k, v, torch.tensor(cu, dtype=torch.int64), causal
+
+
+def segment_ref(q, k, v, cu, causal, scale):
+    """Plain float64 softmax attention of each segment's rows over its own keys."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    rep = q.shape[1] // k.shape[1]
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        if a == b:
+            continue
+        qs = q[a:b].double().transpose(0, 1)
+        ks = k[a:b].double().repeat_interleave(rep, 1).transpose(0, 1)
+        vs = v[a:b].double().repeat_interleave(rep, 1).transpose(0, 1)
+        s = qs @ ks.transpose(1, 2) * scale
+        if causal:
+            s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
+        out[a:b] = (torch.softmax(s, -1) @ vs).transpose(0, 1)
+    return out
+
+
 def outputs(mod) -> dict[str, torch.Tensor]:
     """Every kernel of build `mod` on every case, by name."""
     out: dict[str, torch.Tensor] = {}
@@ -94,6 +130,10 @@ def outputs(mod) -> dict[str, torch.Tensor]:
     cos, sin = torch.randn(5, d, generator=g), torch.randn(5, d, generator=g)
     q, k = mod.rope_qk(qkv, cos, sin, h, hkv)
     out["rope/q"], out["rope/k"] = q, k
+    for i in range(len(SEGMENT_CASES)):
+        for d in HEAD_DIMS:
+            q, k, v, cu, causal = segment_case(i, d)
+            out[f"segments/{i}/d{d}"] = mod.segment_attention(q, k, v, cu, causal, d**-0.5)
     return out
 
 

@@ -134,6 +134,30 @@ def test_packed_linear_is_batch_invariant(n, bias):
 
 
 @needs_kernel
+@pytest.mark.parametrize("causal", [False, True])
+def test_segment_attention_reads_each_segment_alone(causal):
+    """A segment's rows are the same bits alone or among other segments (the encoder's
+    batch invariance; a prefill chunk's rows whatever else the step holds), and a causal
+    row's output does not depend on the rows after it; bad layouts are refused."""
+    mod = kernels()
+    g = torch.Generator().manual_seed(3)
+    cu = [0, 7, 40, 40, 111, 150]
+    q, k = torch.randn(150, 4, 64, generator=g), torch.randn(150, 2, 64, generator=g)
+    v = torch.randn(150, 2, 64, generator=g)
+    every = mod.segment_attention(q, k, v, torch.tensor(cu), causal, 0.125)
+    for a, b in zip(cu[:-1], cu[1:]):
+        alone = mod.segment_attention(q[a:b], k[a:b], v[a:b], torch.tensor([0, b - a]), causal, 0.125)
+        assert torch.equal(alone, every[a:b]), (a, b)
+    if causal:  # the first 50 rows of a segment, alone: the same bits as within 111
+        head = mod.segment_attention(q[40:90], k[40:90], v[40:90], torch.tensor([0, 50]), True, 0.125)
+        assert torch.equal(head, every[40:90])
+    with pytest.raises(RuntimeError, match="cu must run from 0 to T"):
+        mod.segment_attention(q, k, v, torch.tensor([0, 149]), causal, 0.125)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        mod.segment_attention(q, k[:, :1].expand(150, 3, 64).contiguous(), v, torch.tensor(cu), causal, 1.0)
+
+
+@needs_kernel
 def test_dense_linear_packed_equals_unpacked():
     torch.manual_seed(0)
     lin = DenseLinear(64, 96, bias=True)
@@ -361,7 +385,7 @@ def test_each_path_within_its_bound_of_torch(path_outputs, isa):
     """Linear, at rows 1..64 and odd K, N: each output within the forward-error bound of its
     summation against float64, |y - y64| <= (KC + ceil(K / KC) + 1) u (|x| |W| + |b|) with
     u = 2^-24 and KC = 128 (an FMA chain of at most KC terms per k block, the blocks' sums
-    added in order, the bias once). Attention: within 2e-6 + 1e-5 relative of a float64 softmax (float32 cache), 2e-2
+    added in order, the bias once). Attention (decode and segments): within 2e-6 + 1e-5 relative of a float64 softmax (float32 cache), 2e-2
     (bfloat16). RMSNorm and SiLU-mul: 1e-6 of torch's steps; rotary: torch's bits."""
     import kernel_cases as kc
 
@@ -386,6 +410,12 @@ def test_each_path_within_its_bound_of_torch(path_outputs, isa):
             got = out[f"attention/d{d}/{dtype}"]
             assert got.dtype == dtype
             torch.testing.assert_close(got.double(), ref, atol=tol[0], rtol=tol[1])
+    for i in range(len(kc.SEGMENT_CASES)):
+        for d in kc.HEAD_DIMS:
+            q, k, v, cu, causal = kc.segment_case(i, d)
+            ref = kc.segment_ref(q, k, v, cu, causal, d**-0.5)
+            got = out[f"segments/{i}/d{d}"]
+            torch.testing.assert_close(got.double(), ref, atol=2e-6, rtol=1e-5)
     from tandem.services.language.model.decoder import RMSNorm
 
     for d in kc.NORM_DIMS:

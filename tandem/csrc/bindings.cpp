@@ -19,6 +19,8 @@ int64_t selftest(int64_t jobs);
 }
 std::vector<torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                                    int64_t H, int64_t Hkv);
+torch::Tensor segment_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                torch::Tensor cu, bool causal, double scale);
 
 // NOTE: every kernel releases the GIL while it computes, so the process's asyncio thread
 // (gRPC streaming, transfers) runs beside the engine thread's forward instead of waiting
@@ -44,4 +46,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", [] { return std::string(v16::kPath); },
         "the vector path this build runs: avx512, avx2, neon or generic (vec16.h)");
   m.def("rope_qk", &rope_qk, NoGil(), "q, k with rotary applied, split out of a fused qkv output");
+  m.def("segment_attention", &segment_attention, NoGil(),
+        "attention within packed segments of rows (each attends to its own; optionally causal)");
 }
