@@ -289,6 +289,27 @@ def _record(step: Step, path: AttentionPath):
     return fn, aten
 
 
+def test_the_cpu_kernel_path_takes_chunks_without_a_prefix_on_the_segment_kernel():
+    """paged_cpu: a float32 chunk without a cached prefix attends through the causal
+    segment kernel (no SDPA call), one with a prefix through SDPA with its mask, decode rows
+    through the decode kernel; all equal the dense reference. bfloat16 chunks keep SDPA."""
+    from tandem.cpu_kernels import kernels
+
+    if kernels() is None:
+        pytest.skip("no C++ toolchain to build the kernels")
+    path = select_attention("paged_cpu", "cpu", 4)
+    assert path.chunk_op is not None
+    step = make_step([(6, 1), (23, 1), (0, 9), (0, FLEX_Q_BLOCK + 37), (13, 20)], 4, 6, 2)
+    fn, _ = _record(step, path)  # equal to the reference (asserted inside)
+    assert fn.sdpa == [{"mask": True, "gqa": True}]  # only the chunk after a prefix
+    bf16 = make_step([(0, 9)], 4, 6, 2, dtype=torch.bfloat16)
+    with FunctionLog() as fn:
+        meta = bf16.metadata(path)
+        paged_attention(bf16.q, bf16.k, bf16.v, bf16.k_cache.clone(), bf16.v_cache.clone(),
+                        meta, 0.25)  # fmt: skip
+    assert len(fn.sdpa) == 1
+
+
 def test_cuda_selects_the_flex_path():
     """The one place that chooses: CUDA attends through flex unless told otherwise; the CPU
     keeps its kernel (or the gather path); flex is refused where its kernels cannot tile."""

@@ -10,8 +10,11 @@ How they attend is chosen ONCE per runner, by `select_attention` (config
 
   backend    single-token rows                          multi-token chunks
   ---------  -----------------------------------------  -----------------------------------
-  paged_cpu  `decode_op`: the C++ kernel reading pages  SDPA, one call per chunk (below)
-             in place (`csrc/paged_decode.cpp`)
+  paged_cpu  `decode_op`: the C++ kernel reading pages  float32 chunks without a cached
+             in place (`csrc/paged_decode.cpp`)         prefix: `chunk_op`, the causal
+                                                        kernel over the chunk's own rows
+                                                        (`csrc/segment_attention.cpp`);
+                                                        others: SDPA, one call per chunk
   gather     every row's pages gathered (index_select)  SDPA, one call per chunk (below)
              into a workspace, one batched SDPA call
              with a length mask
@@ -64,7 +67,7 @@ import torch._dynamo
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from tandem.cpu_kernels import decode_attention_op
+from tandem.cpu_kernels import decode_attention_op, kernels
 
 
 class AttentionBackend(enum.Enum):
@@ -117,13 +120,18 @@ class AttentionMetadata:
     # (q [B, H, D], k_cache, v_cache, block_tables, seq_lens, scale) -> [B, H, D].
     # None: gather the pages into the workspace and run SDPA.
     decode_op: Callable | None = None
+    # Causal attention of a chunk's own rows (`cpu_kernels` segment_attention): (q, k, v
+    # [n, heads, D] float32, cu [0, n] int64, causal, scale) -> [n, H, D]; float32 chunks
+    # without a cached prefix take it. None: SDPA.
+    chunk_op: Callable | None = None
     # The flex path's masks (`AttentionPath.metadata` builds them): when set, every row
     # and chunk attends through them and the fields above past `prefill` are unused.
     flex: FlexMasks | None = None
 
     def __post_init__(self) -> None:
-        if self.flex is not None and (self.decode_op is not None or self.workspace is not None):
-            raise ValueError("flex masks exclude decode_op and a gather workspace")
+        if self.flex is not None and (self.decode_op is not None or self.workspace is not None
+                                      or self.chunk_op is not None):
+            raise ValueError("flex masks exclude decode_op, chunk_op and a gather workspace")
 
 
 @dataclass(frozen=True)
@@ -132,6 +140,7 @@ class AttentionPath:
 
     backend: AttentionBackend
     decode_op: Callable | None = None  # PAGED_CPU: the in-place kernel; None otherwise
+    chunk_op: Callable | None = None  # PAGED_CPU: the causal segment kernel; None otherwise
 
     def metadata(
         self,
@@ -172,6 +181,7 @@ class AttentionPath:
             prefill=list(prefill),
             workspace=workspace,
             decode_op=self.decode_op,
+            chunk_op=self.chunk_op,
             flex=flex,
         )
 
@@ -228,7 +238,10 @@ def select_attention(setting: str, device: torch.device | str, page_size: int) -
             )
         return AttentionPath(AttentionBackend.FLEX)
     op = decode_attention_op(setting, device)
-    return AttentionPath(AttentionBackend.PAGED_CPU if op is not None else AttentionBackend.GATHER, op)
+    if op is None:
+        return AttentionPath(AttentionBackend.GATHER)
+    # NOTE: built with the decode kernel (one module): where one is, so is the other.
+    return AttentionPath(AttentionBackend.PAGED_CPU, op, kernels().segment_attention)
 
 
 def flex_block_mask(
@@ -342,6 +355,13 @@ def paged_attention(
         parts.append(out.squeeze(2))
 
     for c in meta.prefill:
+        if c.kv_len == c.q_len and meta.chunk_op is not None and q.dtype == torch.float32:
+            # No cached prefix: the kernel over the chunk's own rows, causal (about 2x
+            # SDPA's CPU flash kernel at 1481 tokens: csrc/segment_attention.cpp).
+            rows = slice(c.q_start, c.q_start + c.q_len)
+            cu = torch.tensor([0, c.q_len], dtype=torch.int64)
+            parts.append(meta.chunk_op(q[rows], k[rows], v[rows], cu, True, scale))
+            continue
         qc = q[c.q_start : c.q_start + c.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if c.kv_len == c.q_len:
             # No cached prefix: keys are exactly this chunk's (already in registers).
