@@ -1,6 +1,6 @@
 """The vision tower on the CPU kernels (services/encoder/vit_kernels.py): which modules it
-swaps, that the swapped steps other than the linears give transformers' bits (the rotary
-split out of qkv, per-segment attention, silu and the product in place), that the whole
+swaps, that the rotary split out of qkv and the MLP's silu and product in place give
+transformers' bits and the attention kernel its values, that the whole
 tower stays within the packed path's tolerance of transformers' (torch's linears) on
 images and videos, that a row's features do not depend on its batch, and that the static
 step runs the swapped modules as the eager path does. float32, one CPU thread."""
@@ -76,25 +76,38 @@ def test_every_module_the_kernels_take_is_swapped(towers, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_attention_and_mlp_give_transformers_bits_on_the_same_linears(towers, arch):
-    """With the same packed linears on both sides, the swapped attention (rope_qk, SDPA per
-    segment) and MLP (silu and product in place) equal transformers' modules bit for bit:
-    only the linears, the norm and the patch embedding round otherwise."""
+def test_rotary_and_mlp_give_transformers_bits_and_attention_its_values(towers, arch):
+    """With the same packed linears on both sides: the rotary split out of qkv by rope_qk
+    and the MLP (silu and product in place) equal transformers' bit for bit; the attention
+    kernel over the segments equals transformers' per-segment SDPA within float32
+    rounding (another summation order)."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision
+
     ref, swapped, _ = towers[arch]
     blk_ref = copy.deepcopy(ref.blocks[0])
     pack_linears(blk_ref, KERNELS)
     blk = swapped.blocks[0]
     g = torch.Generator().manual_seed(1)
     n, dim = 40, blk_ref.attn.qkv.in_features
+    heads, hd = blk_ref.attn.num_heads, blk_ref.attn.head_dim
     x = torch.randn(n, dim, generator=g)
-    half = blk_ref.attn.head_dim // 2
-    angles = torch.randn(n, half, generator=g) * 3
+    angles = torch.randn(n, hd // 2, generator=g) * 3
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     cu = torch.tensor([0, 16, 20, 36, 40], dtype=torch.int32)  # segments of 16, 4, 16, 4
     with torch.inference_mode():
+        qkv = blk.attn.qkv(x)
+        q, k = KERNELS.rope_qk(qkv, cos, sin, heads, heads)
+        q_ref, k_ref, _ = qkv.reshape(n, 3, heads, hd).permute(1, 0, 2, 3).unbind(0)
+        want_q, want_k = apply_rotary_pos_emb_vision(q_ref, k_ref, cos, sin)
+        assert torch.equal(q, want_q) and torch.equal(k, want_k)
         want = blk_ref.attn(x, cu_seqlens=cu, position_embeddings=(cos, sin))
         got = blk.attn(x, cu_seqlens=cu, position_embeddings=(cos, sin))
-        assert torch.equal(got, want)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+        # each segment attends to itself alone: another segment's rows change nothing
+        x2 = x.clone()
+        x2[20:] = torch.randn(20, dim, generator=g)
+        assert torch.equal(blk.attn(x2, cu_seqlens=cu, position_embeddings=(cos, sin))[:20],
+                           got[:20])
         if arch == "qwen2_5_vl":
             assert torch.equal(blk.mlp(x), blk_ref.mlp(x))
 
