@@ -169,5 +169,5 @@ def _is_silu(act: nn.Module) -> bool:
     return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
-def _packed(linear: nn.Module, kernels) -> nn.Module:
-    return PackedLinear.from_linear(linear, kernels) if isinstance(linear, nn.Linear) else linear
+def _packed(linear: nn.Linear, kernels) -> PackedLinear:
+    return PackedLinear.from_linear(linear, kernels)  # `_fits` checked it is an nn.Linear
