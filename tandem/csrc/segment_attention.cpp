@@ -9,7 +9,7 @@
 // h / (H / Hkv). Rows of q, k, v may have any stride; each head's D floats are contiguous.
 //
 // Why: torch's CPU flash attention ran a 1481-token causal chunk (8 heads over 2, D 64) at
-// ~70 GFLOP/s and the ViT's 32-192-row segments at ~40-65 on one Zen 5 core. Here scores
+// ~70 GFLOP/s and the ViT's 32-192-row segments at ~40-75 on one Zen 5 core. Here scores
 // are register tiles of rows x 32 keys over keys packed transposed (one FMA a query
 // element, as the packed linear), and the weighted sum tiles of rows x head-dim slices.
 //
@@ -150,9 +150,12 @@ int slices_per_pass(int64_t nd) {
 torch::Tensor segment_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                 torch::Tensor cu, bool causal, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [T, heads, D]");
+  for (const auto& x : {q, k, v, cu})
+    TORCH_CHECK(x.device().is_cpu(), "segment_attention runs on the CPU");
   for (const auto& x : {q, k, v})
     TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.stride(2) == 1 &&
-                    x.stride(1) == x.size(2), "q, k, v: float32, each head's D floats contiguous");
+                    (x.size(1) == 1 || x.stride(1) == x.size(2)),
+                "q, k, v: float32, each head's D floats contiguous");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1);
   TORCH_CHECK(k.size(0) == T && v.size(0) == T && v.size(1) == Hkv && k.size(2) == D &&
                   v.size(2) == D && Hkv > 0 && H % Hkv == 0, "q, k, v shapes do not match");
