@@ -53,9 +53,13 @@ def ckpt(checkpoint):
     return checkpoint(ARCH)
 
 
-@pytest.fixture(scope="module")
-def cluster(ckpt):
-    cl = LocalCluster(str(ckpt), encoders=2, languages=1,
+@pytest.fixture(scope="module", params=["whole", "streamed"])
+def cluster(ckpt, request):
+    """Rows sent whole, or streamed (`--transfer.stream` on both tiers: the lead's piece
+    then ends at the helper's range edge while its own last image may still be in the ViT;
+    once such a round waited for rows past its piece, and the request for its deadline)."""
+    rows = "--transfer.stream" if request.param == "streamed" else ""
+    cl = LocalCluster(str(ckpt), encoders=2, languages=1, encoder_args=rows, language_args=rows,
                       router_args="--split-encoders 2 --load-refresh-s 0.2 "
                                   "--eject-after-failures 2")
     cl.start()

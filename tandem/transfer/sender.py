@@ -653,7 +653,7 @@ class EmbeddingSender:
             return cap
         if arrived.rows - t0 >= bs:
             return t0 + (arrived.rows - t0) // bs * bs
-        want = min(t0 + bs, payload.num_tokens)
+        want = min(t0 + bs, cap)  # NOTE: never past the piece (a remote range may follow)
         r.to(SenderState.WAITING_FOR_ROWS)
         beat = max(0.5, self.config.timeout_s / 3)
         while arrived.rows < want:
