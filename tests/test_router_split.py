@@ -121,8 +121,8 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServicer):
         if len(self.encodes) <= self.fail:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "encoder died")
         self.delivered.set()
-        ranges = [encoder_pb2.WrittenRange(encoder="", tokens=6, media=1)]
-        ranges += [encoder_pb2.WrittenRange(encoder=h, first_token=6 + 2 * k, tokens=2,
+        ranges = [common_pb2.EncoderRange(encoder="", tokens=6, media=1)]
+        ranges += [common_pb2.EncoderRange(encoder=h, first_token=6 + 2 * k, tokens=2,
                                             first_media=1 + k, media=1, fell_back=k == 1)
                    for k, h in enumerate(request.helpers)]
         return encoder_pb2.EncodeResponse(prompt_tokens=10, ranges=ranges,

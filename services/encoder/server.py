@@ -341,14 +341,14 @@ async def _flush_failed(outbox: asyncio.Queue, pumping: asyncio.Task, context, c
         await asyncio.sleep(0.01)
 
 
-def _written_ranges(res) -> list[encoder_pb2.WrittenRange]:
+def _written_ranges(res) -> list[common_pb2.EncoderRange]:
     """Who wrote which rows (the lead alone without a split)."""
     if not res.shares:
-        return [encoder_pb2.WrittenRange(first_token=0, tokens=res.payload.num_tokens,
+        return [common_pb2.EncoderRange(first_token=0, tokens=res.payload.num_tokens,
                                          first_media=0, media=len(res.image_hashes) +
                                          len(res.video_keys))]
     fell = {rr.start for rr in res.remote if rr.fell_back}
-    return [encoder_pb2.WrittenRange(
+    return [common_pb2.EncoderRange(
         encoder=sh.helper, first_token=sh.first_token, tokens=sh.end_token - sh.first_token,
         first_media=sh.first_media, media=sh.end_media - sh.first_media,
         fell_back=sh.first_token in fell and bool(sh.helper)) for sh in res.shares]

@@ -153,10 +153,9 @@ def merge_timings(language: common_pb2.StageTimings, encoded: encoder_pb2.Encode
     if encoded is not None:
         for f in ENCODER_TIMINGS:
             setattr(out, f, getattr(encoded.timings, f))
-        out.encoder_ranges.extend(common_pb2.EncoderRange(
-            encoder=r.encoder or lead, first_token=r.first_token, tokens=r.tokens,
-            first_media=r.first_media, media=r.media, fell_back=r.fell_back)
-            for r in encoded.ranges)  # fmt: skip
+        out.encoder_ranges.extend(encoded.ranges)
+        for r in out.encoder_ranges:
+            r.encoder = r.encoder or lead
     return out
 
 
