@@ -466,12 +466,7 @@ class EmbeddingSender:
                 raise TransferError(f"room {r.room}: helper {owner.address} reported token "
                                     f"{sent} in piece [{start}, {end})", "INTERNAL")
             done = sent
-            if sent == end:
-                r.piece_tag = (sent, tag)
-                return
-            r.outbox.put_nowait(encoder_pb2.AttachResponse(progress=encoder_pb2.AttachProgress(
-                sent_tokens=sent, total_tokens=payload.num_tokens, partial=False,
-                tag=tag.to_proto() if tag is not None else None)))
+            _chunk_written(r, sent, end, payload.num_tokens, tag)
 
         def working() -> None:  # the helper is in the ViT: so say we, the room is alive
             r.outbox.put_nowait(encoder_pb2.AttachResponse(
@@ -601,14 +596,7 @@ class EmbeddingSender:
         reserved = min(payload.num_tokens - start, len(ids) * bs)
 
         def reported(sent: int, tag: RangeTag | None) -> None:
-            """A chunk reached every destination: a Progress of its own, or (the piece's
-            last) the partial Progress or Done that `_deliver` sends, with its tags."""
-            if sent == end:
-                r.piece_tag = (sent, tag)
-                return
-            r.outbox.put_nowait(encoder_pb2.AttachResponse(progress=encoder_pb2.AttachProgress(
-                sent_tokens=sent, total_tokens=payload.num_tokens, partial=False,
-                tag=tag.to_proto() if tag is not None else None)))
+            _chunk_written(r, sent, end, payload.num_tokens, tag)
 
         t0 = start if first is None else first
         while t0 < end:
@@ -677,3 +665,15 @@ class EmbeddingSender:
                     working=encoder_pb2.AttachWorking(room=r.room)))
         r.to(SenderState.TRANSFERRING)
         return cap if arrived.rows >= cap else t0 + (arrived.rows - t0) // bs * bs
+
+
+def _chunk_written(r: SenderRoom, sent: int, end: int, total: int, tag: RangeTag | None) -> None:
+    """A chunk of the piece ending at `end` reached every destination (ours, or a
+    helper's): a Progress of its own, or (the piece's last) the partial Progress or Done
+    that `_deliver` sends, with its tags."""
+    if sent == end:
+        r.piece_tag = (sent, tag)
+        return
+    r.outbox.put_nowait(encoder_pb2.AttachResponse(progress=encoder_pb2.AttachProgress(
+        sent_tokens=sent, total_tokens=total, partial=False,
+        tag=tag.to_proto() if tag is not None else None)))
