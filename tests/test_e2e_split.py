@@ -57,10 +57,13 @@ def ckpt(checkpoint):
 def cluster(ckpt, request):
     """Rows sent whole, or streamed (`--transfer.stream` on both tiers: the lead's piece
     then ends at the helper's range edge while its own last image may still be in the ViT;
-    once such a round waited for rows past its piece, and the request for its deadline)."""
+    once such a round waited for rows past its piece, and the request for its deadline).
+    `--split-max-helper-load 8`: every prompt is split, busy helpers too (by default only
+    idle encoders help, and these chats run concurrently)."""
     rows = "--transfer.stream" if request.param == "streamed" else ""
     cl = LocalCluster(str(ckpt), encoders=2, languages=1, encoder_args=rows, language_args=rows,
-                      router_args="--split-encoders 2 --load-refresh-s 0.2 "
+                      router_args="--split-encoders 2 --split-max-helper-load 8 "
+                                  "--load-refresh-s 0.2 "
                                   "--eject-after-failures 2")
     cl.start()
     yield cl

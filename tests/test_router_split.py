@@ -89,6 +89,14 @@ def test_one_video_may_be_split_by_its_temporal_groups():
     assert pick_helpers(pool, "lead", media=1, split_encoders=3, videos=0) == []  # one image
 
 
+def test_by_default_only_idle_encoders_help():
+    pool = [enc("lead", load=4), enc("idle"), enc("one", load=1), enc("busy", load=3)]
+    assert pick_helpers(pool, "lead", media=8, split_encoders=4, max_load=0) == ["idle"]
+    assert pick_helpers(pool, "lead", media=8, split_encoders=4, max_load=1) == ["idle", "one"]
+    assert pick_helpers(pool[:1] + pool[2:], "lead", 8, 4, max_load=0) == []  # all busy
+    assert RouterConfig(insecure_internal=True).split_max_helper_load == 0
+
+
 def test_split_encoders_is_checked():
     from pydantic import ValidationError
 
@@ -249,7 +257,8 @@ def test_the_encode_names_the_least_loaded_eligible_encoders_and_a_failover_pick
     async def go():
         # an address nothing answers on: never healthy, never a helper
         async with router(fakes, extra_encoders=["127.0.0.1:9"], split_encoders=3,
-                          encoder_retries=1) as (dispatcher, addr, metrics, language):
+                          encoder_retries=1, split_max_helper_load=10) as (
+                dispatcher, addr, metrics, language):
             candidates = [c.address for c in dispatcher.registry.encoders.candidates()]
             assert sorted(candidates) == sorted(addr[n] for n in fakes if n != "draining")
             urls = images_preferring([addr["lead"], addr["next"]], candidates, 3)
@@ -286,8 +295,8 @@ def test_the_failover_never_names_the_failed_lead():
              "a": FakeEncoder(load=1), "b": FakeEncoder(load=2)}
 
     async def go():
-        async with router(fakes, split_encoders=8, encoder_retries=1) as (
-                dispatcher, addr, metrics, _):
+        async with router(fakes, split_encoders=8, encoder_retries=1,
+                          split_max_helper_load=10) as (dispatcher, addr, metrics, _):
             candidates = [c.address for c in dispatcher.registry.encoders.candidates()]
             urls = images_preferring([addr["lead"], addr["next"]], candidates, 6)
             await run(dispatcher, chat(urls))

@@ -112,6 +112,13 @@ class RouterConfig(ServiceSettings):
         "media count-1 without a video; the encoder it is sent to decides the ranges. "
         "1 = never split.",
     )  # fmt: skip
+    split_max_helper_load: float = Field(
+        0, ge=0,
+        description="A helper of a split prompt carries at most this many requests in "
+        "flight (this router's and, from GetLoad, others'); 0 = idle encoders only: under "
+        "load every encoder's ViT is busy with its own requests, and a split would only "
+        "move work around (plus the helper's own preprocessing of the whole chat).",
+    )  # fmt: skip
     encoder_bypass: bool = Field(
         True, description="Send chats without an image straight to a language instance, "
         "which tokenizes them itself (no encoder, room or transfer); --no-encoder-bypass "

@@ -149,7 +149,8 @@ class Dispatcher:
         `split_encoders`), counted in the metrics."""
         pool = self.registry.encoders
         helpers = [pool.instances[a] for a in pick_helpers(
-            pool.states(), lead.address, media, self.cfg.split_encoders, exclude, videos)]
+            pool.states(), lead.address, media, self.cfg.split_encoders, exclude, videos,
+            self.cfg.split_max_helper_load)]
         if splittable(media, self.cfg.split_encoders, videos):
             self.metrics.encode_helpers.observe(len(helpers))
             if helpers:

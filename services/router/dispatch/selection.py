@@ -159,6 +159,7 @@ def pick_helpers(
     split_encoders: int,
     exclude: frozenset[str] | set[str] = frozenset(),
     videos: int = 0,
+    max_load: float = math.inf,
 ) -> list[str]:
     """The helper encoders of a prompt whose Encode goes to `lead`, best first.
 
@@ -167,8 +168,10 @@ def pick_helpers(
     least one of them, so more would idle); one with a video (`videos` >= 1: its temporal
     groups are units of their own, as many as the lead may split) up to split_encoders -
     1; chosen among the encoders that are healthy, not
-    draining, serve the lead's model, and are neither the lead nor in `exclude` (encoders
-    that failed this request); least loaded first: by requests in flight (which include
+    draining, serve the lead's model, carry at most `max_load` requests in flight (a busy
+    encoder's ViT is better spent on its own requests: under load a split only moves work
+    around, and a helper renders and preprocesses the whole chat again), and are neither
+    the lead nor in `exclude` (encoders that failed this request); least loaded first: by requests in flight (which include
     this router's own, counted at once), then queued patches, then address. None when
     split_encoders is 1, when the prompt has fewer than 2 media and no video, or when the
     lead is not a
@@ -180,7 +183,7 @@ def pick_helpers(
     limit = split_encoders - 1 if videos else min(split_encoders, media) - 1
     model = by_address[lead].model
     pool = [e for e in encoders
-            if e.healthy and not e.draining and e.model == model
+            if e.healthy and not e.draining and e.model == model and e.load <= max_load
             and e.address != lead and e.address not in exclude]  # fmt: skip
     pool.sort(key=lambda e: (e.load, e.queued_patches, e.address))
     return [e.address for e in pool[:limit]]
