@@ -380,7 +380,13 @@ def path_outputs(tmp_path_factory):
 
 
 @needs_kernel
-@pytest.mark.parametrize("isa", ["native", "generic", "avx2"])
+@pytest.mark.parametrize("isa", [
+    "native",
+    # NOTE: slow (`make test-slow`): building a forced path takes about a minute on 2 cores;
+    # CI hosts have AVX2 at least, so the scalar fallback is the one path no CI host runs
+    pytest.param("generic", marks=pytest.mark.slow),
+    "avx2",
+])
 def test_each_path_within_its_bound_of_torch(path_outputs, isa):
     """Linear, at rows 1..64 and odd K, N: each output within the forward-error bound of its
     summation against float64, |y - y64| <= (KC + ceil(K / KC) + 1) u (|x| |W| + |b|) with
@@ -432,7 +438,7 @@ def test_each_path_within_its_bound_of_torch(path_outputs, isa):
 
 
 @needs_kernel
-@pytest.mark.parametrize("isa", ["generic", "avx2"])
+@pytest.mark.parametrize("isa", [pytest.param("generic", marks=pytest.mark.slow), "avx2"])
 def test_every_path_gives_the_native_bits(path_outputs, isa):
     if isa not in _forced_paths():
         pytest.skip(f"{isa}: not buildable on this CPU (native path {kernels().isa()})")

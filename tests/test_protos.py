@@ -123,7 +123,9 @@ def test_services_have_expected_methods():
     def methods(mod, svc):
         return {m.name for m in mod.DESCRIPTOR.services_by_name[svc].methods}
 
-    assert methods(encoder_pb2, "Encoder") == {"Encode", "Attach", "GetLoad"}
+    assert methods(encoder_pb2, "Encoder") == {"Encode", "Attach", "GetLoad", "EncodeRange"}
+    rng = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].methods_by_name["EncodeRange"]
+    assert rng.client_streaming and rng.server_streaming  # RangeWrites in, chunks out
     assert methods(language_pb2, "Language") >= {"Generate", "Abort", "GetLoad"}
     assert methods(router_pb2, "Router") == {"Generate", "ListModels"}
     attach = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].methods_by_name["Attach"]
