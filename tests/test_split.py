@@ -40,7 +40,7 @@ from waiting import wait_until
 
 sys.path.insert(0, str(Path(__file__).parent))
 from encoder_peers.chats import png, to_proto  # noqa: E402
-from test_stream import HANG_GUARD_S, MAX_NEW, Gate, expected  # noqa: E402
+from test_stream import HANG_GUARD_S, MAX_NEW, Gate, expected, grid_of  # noqa: E402
 
 from tandem.chat import ImageInput, Message, VideoInput  # noqa: E402
 from tandem.launch.procs import free_port  # noqa: E402
@@ -269,11 +269,7 @@ def gate():
 
 
 def _grid(ckpt: Path, chat: list[Message], index: int) -> tuple[int, int, int]:
-    from test_stream import Pair, _grid_of
-
-    fake = Pair.__new__(Pair)
-    fake.enc_cfg = type("C", (), {"model": str(ckpt)})()
-    return _grid_of(fake, chat, index)
+    return grid_of(str(ckpt), chat, index)
 
 
 @pytest.mark.parametrize(("arch", "stream", "protect"), [

@@ -269,7 +269,7 @@ def test_streamed_greedy_equals_generate_and_prefill_overlaps_the_vit(checkpoint
         # 2. the last image held back in the ViT: the first rows are prefilled meanwhile
         chat = three_image_chat(7)
         w = expected(ckpt, chat)
-        model_grid = _grid_of(pair, chat, index=2)
+        model_grid = grid_of(pair.enc_cfg.model, chat, index=2)
         gate.hold(model_grid)
         before = pair.metric("tandem_language_early_prefill_tokens_total")
         fut = asyncio.run_coroutine_threadsafe(pair.generate(chat), pair.loop)
@@ -290,13 +290,13 @@ def test_streamed_greedy_equals_generate_and_prefill_overlaps_the_vit(checkpoint
         pair.stop()
 
 
-def _grid_of(pair: Pair, chat: list[Message], index: int) -> tuple[int, int, int]:
+def grid_of(model: str, chat: list[Message], index: int) -> tuple[int, int, int]:
     """The ViT grid of image `index` of `chat`, as the encoder's preprocessor makes it."""
     from transformers import AutoProcessor
 
     import tandem  # noqa: F401
 
-    processor = AutoProcessor.from_pretrained(pair.enc_cfg.model)
+    processor = AutoProcessor.from_pretrained(model)
     _, images = hf_messages(chat)
     out = processor.image_processor(images=[images[index]], return_tensors="pt")
     return tuple(int(x) for x in out["image_grid_thw"][0])

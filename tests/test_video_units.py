@@ -9,10 +9,9 @@ repeat is one counted hit."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
+from test_video_payload import run
 from video_chats import Image, Video, VideoChat, write_clips
 
 from tandem.services.encoder.config import EncoderConfig
@@ -30,17 +29,6 @@ def pipeline(checkpoint, arch, chunk: int = 0) -> EncodePipeline:
     cfg = EncoderConfig(model=str(checkpoint(arch)), device="cpu", dtype="float32",
                         video_chunk_patches=chunk)  # the default linears: packed on CPU
     return EncodePipeline.from_config(cfg)
-
-
-def run(pipe: EncodePipeline, coro_fn):
-    async def main():
-        pipe.start()
-        try:
-            return await coro_fn()
-        finally:
-            await pipe.stop()
-
-    return asyncio.run(main())
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])

@@ -303,13 +303,15 @@ class EncodePipeline:
             span.set_attribute("tandem.cached_prefix_tokens", cached)
             span.end()
         need = [i for i, sp in enumerate(spans) if sp.start + sp.length > cached]
+        rows = media_rows(prep.input_ids, [m.num_tokens for m in prep.media],
+                          self.spec.image_token_id, self.spec.video_token_id)
+        every = units(prep.media, rows, cached)  # each image, each video's temporal group
+        only = None  # a helper's units: (medium, group)
         if part is not None:  # a helper: only the media of its share
-            have = units(prep.media, media_rows(
-                prep.input_ids, [m.num_tokens for m in prep.media], self.spec.image_token_id,
-                self.spec.video_token_id), cached)
-            _check_part(part, have, int(prep.input_ids.numel()))
-            mine = {u.medium for u in units_in(have, cached, part.first_token, part.end_token)}
-            need = [i for i in need if i in mine]
+            _check_part(part, every, int(prep.input_ids.numel()))
+            only = {(u.medium, u.g0)
+                    for u in units_in(every, cached, part.first_token, part.end_token)}
+            need = [i for i in need if any(m == i for m, _ in only)]
         # Each needed medium is looked up once (a counted hit or miss); only then are the
         # missing videos decoded, so a cached video costs no decode.
         feats: list = [None] * len(spans)
@@ -325,9 +327,6 @@ class EncodePipeline:
             tracing.start("encoder.cache", trace, attributes={
                 "tandem.cache.hits": len(need) - len(misses), "tandem.cache.misses": len(misses),
                 "tandem.cached_image_tokens": cached_tokens}).end()
-        rows = media_rows(prep.input_ids, [m.num_tokens for m in prep.media],
-                          self.spec.image_token_id, self.spec.video_token_id)
-        every = units(prep.media, rows, cached)  # each image, each video's temporal group
         # what this encoder runs: its misses, narrowed to its share of a split prompt
         work = [u for u in every if u.medium in misses]
         shares: list[Share] = []
@@ -339,10 +338,7 @@ class EncodePipeline:
             if shares:  # the lead's share: the first
                 lead = set(every[: shares[0].end_unit])
                 work = [u for u in work if u in lead]
-        only = None
-        if part is not None:
-            mine_units = units_in(every, cached, part.first_token, part.end_token)
-            only = {(u.medium, u.g0) for u in mine_units}
+        if only is not None:
             work = [u for u in work if (u.medium, u.g0) in only]
         remote: list[RemoteRange] = []
         stream = None

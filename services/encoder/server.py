@@ -240,6 +240,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         async def pump() -> None:
             while True:
                 await context.write(await outbox.get())
+                outbox.task_done()
 
         pumping = asyncio.ensure_future(pump())
         working = encoder_pb2.EncodeRangeResponse(working=encoder_pb2.AttachWorking(room=room))
@@ -276,29 +277,28 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                                         f"{payload.num_tokens} tokens", "INVALID_ARGUMENT")
                 await self.sender.write_range(
                     room, w.destination, payload, w.piece_start, w.piece_tokens, deadline,
-                    on_chunk=lambda end, tag, nbytes=0: outbox.put_nowait(encoder_pb2.EncodeRangeResponse(
+                    on_chunk=lambda end, tag: outbox.put_nowait(encoder_pb2.EncodeRangeResponse(
                         written=encoder_pb2.RangeWritten(
                             sent_tokens=end, tag=tag.to_proto() if tag is not None else None))),
                     on_working=lambda: outbox.put_nowait(working),
                     ended=context.cancelled)
-            while not outbox.empty():
-                await asyncio.sleep(0.01)
+            await _drained(outbox, pumping)
         except ChatError as e:
             code = e.code
-            await _flush_failed(outbox, pumping, context, code, e.detail)
+            await _flush_failed(outbox, pumping, code, e.detail)
         except (TimeoutError, asyncio.TimeoutError):
             code = "DEADLINE_EXCEEDED"
-            await _flush_failed(outbox, pumping, context, code, f"room {room}: deadline passed")
+            await _flush_failed(outbox, pumping, code, f"room {room}: deadline passed")
         except TransferError as e:
             code = e.code
-            await _flush_failed(outbox, pumping, context, code, e.reason)
+            await _flush_failed(outbox, pumping, code, e.reason)
         except asyncio.CancelledError:
             code = "CANCELLED"
             raise
         except Exception as e:  # a bug must not take the server down; it is reported
             log.exception("room %d: range failed", room)
             code = "INTERNAL"
-            await _flush_failed(outbox, pumping, context, code, f"internal error: {e!r}")
+            await _flush_failed(outbox, pumping, code, f"internal error: {e!r}")
         finally:
             pumping.cancel()
             log.info("%s room %d: range media [%d, %d): %s", rid, room, start.first_media,
@@ -333,12 +333,21 @@ def _range_failed(code: str, message: str) -> encoder_pb2.EncodeRangeResponse:
         error=common_pb2.ErrorInfo(code=code, message=message)))
 
 
-async def _flush_failed(outbox: asyncio.Queue, pumping: asyncio.Task, context, code: str,
+async def _drained(outbox: asyncio.Queue, pumping: asyncio.Task) -> None:
+    """Until the stream's one writer (`pumping`) has written everything queued, or ended
+    (the stream broke: nothing more can be written)."""
+    joined = asyncio.ensure_future(outbox.join())
+    try:
+        await asyncio.wait({joined, pumping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        joined.cancel()
+
+
+async def _flush_failed(outbox: asyncio.Queue, pumping: asyncio.Task, code: str,
                         message: str) -> None:
     """Everything queued, then AttachFailed, written in order by the stream's one writer."""
     outbox.put_nowait(_range_failed(code, message))
-    while not outbox.empty() and not pumping.done():
-        await asyncio.sleep(0.01)
+    await _drained(outbox, pumping)
 
 
 def _written_ranges(res) -> list[common_pb2.EncoderRange]:

@@ -184,7 +184,7 @@ class HelperRange:
         self._requests.put_nowait(encoder_pb2.EncodeRangeRequest(write=encoder_pb2.RangeWrite(
             destination=init, piece_start=start, piece_tokens=piece, total_tokens=total,
             mrope_position_delta=delta)))
-        end, wrote = start + piece, 0
+        end = start + piece
         while True:
             msg = await self._next(f"writing tokens {start}..{end}")
             kind = msg.WhichOneof("msg")
@@ -194,11 +194,10 @@ class HelperRange:
                 self.ready = msg.ready
             elif kind == "written":
                 w = msg.written
-                wrote += w.bytes
                 on_chunk(w.sent_tokens, RangeTag.from_proto(w.tag) if w.HasField("tag")
                          else None)
                 if w.sent_tokens == end:
-                    return wrote
+                    return 0  # NOTE: the helper's bytes, counted in its own metrics
 
 
 def heartbeat(period: float, send: Callable[[], Awaitable[None]]) -> asyncio.Task:

@@ -533,15 +533,17 @@ class EmbeddingSender:
             raise TransferError(f"room {room}: piece of {piece} tokens into "
                                 f"{init.allocated_tokens} reserved", "INVALID_ARGUMENT")
 
-        async def relay() -> None:  # the write's own messages: chunks and heartbeats
+        def handle(msg: encoder_pb2.AttachResponse) -> None:  # the write's own messages
+            kind = msg.WhichOneof("msg")
+            if kind == "progress":
+                on_chunk(msg.progress.sent_tokens, RangeTag.from_proto(msg.progress.tag)
+                         if msg.progress.HasField("tag") else None)
+            elif kind == "working":
+                on_working()
+
+        async def relay() -> None:  # chunks and heartbeats, as they come
             while True:
-                msg = await r.outbox.get()
-                kind = msg.WhichOneof("msg")
-                if kind == "progress":
-                    on_chunk(msg.progress.sent_tokens, RangeTag.from_proto(msg.progress.tag)
-                             if msg.progress.HasField("tag") else None)
-                elif kind == "working":
-                    on_working()
+                handle(await r.outbox.get())
 
         async def watch() -> None:
             while not ended():
@@ -556,13 +558,14 @@ class EmbeddingSender:
             with self._failing(r, "write_range"):
                 wrote = await self._write_piece(r, payload, dests, list(init.block_ids),
                                                 start, piece, deadline)
-            await asyncio.sleep(0)  # NOTE: the chunks queued before the round's result
-            while not r.outbox.empty():
-                await asyncio.sleep(0)
+            relaying.cancel()
+            while not r.outbox.empty():  # NOTE: the chunks queued before the round's result
+                handle(r.outbox.get_nowait())
             last = r.piece_tag
             if last is None or last[0] != start + piece:
                 raise TransferError(f"room {room}: no tags for the piece's end", "INTERNAL")
             on_chunk(last[0], last[1])
+            self.metrics.bytes.labels("encoder").inc(wrote)  # the lead counts the tokens
             return wrote
         finally:
             relaying.cancel()

@@ -91,7 +91,8 @@ class RemoteRange:
     `fall_back()` (which puts the range's rows into the lead's own payload) and writes
     the rest of the piece itself. Implemented by services/encoder/split.py HelperRange.
 
-    write(init, start, piece, total, delta, on_chunk, on_working) -> bytes written:
+    write(init, start, piece, total, delta, on_chunk, on_working) -> bytes written by
+        this process (0 for a helper's: the helper counts them):
         write payload tokens [start, start + piece) into the blocks `init` names;
         `on_chunk(end, tags)` as each chunk reached every destination (in order; the last
         ends at start + piece), `on_working()` at each heartbeat of the helper's. Raises
