@@ -92,3 +92,15 @@ def test_an_unknown_tandem_variable_stops_the_service_with_one_line(name):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "unknown environment variable(s) TANDEM_CACHE_BYTE" in lines[0]
     assert "TANDEM_BENCH_RUNS" not in lines[0]  # a benchmark's knob, not config
+
+
+def test_the_kernels_own_variables_are_not_taken_for_config():
+    """TANDEM_KERNEL_ISA (the vector path the CPU kernels build) and TANDEM_KERNEL_DIR (their
+    build cache) are the kernels' documented knobs: a service started with them set must
+    not refuse them as unknown config (a forced AVX2 build could start no tier)."""
+    from tandem import cpu_kernels
+    from tandem.config import NOT_CONFIG_ENV
+
+    assert cpu_kernels.ISA_ENV in NOT_CONFIG_ENV and "TANDEM_KERNEL_DIR" in NOT_CONFIG_ENV
+    r = _run(["encoder", "--model", "m"], {cpu_kernels.ISA_ENV: "native"})
+    assert "unknown environment variable" not in r.stderr, r.stderr
