@@ -12,6 +12,10 @@ import grpc
 # The trailing metadata key under which a failed gRPC call names the offending input (the
 # router sets it, the SDK reads it into TandemError.field): "sampling.temperature", ...
 FIELD_METADATA = "tandem-error-field"
+# The trailing metadata key under which a failed gRPC call names another instance whose
+# silence caused the failure (an encoder leading a split prompt names the helper that
+# stalled): the router's retry of the request avoids that instance and health-checks it.
+CULPRIT_METADATA = "tandem-error-culprit"
 
 
 class ServiceError(Exception):

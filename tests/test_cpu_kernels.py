@@ -145,7 +145,7 @@ def test_segment_attention_reads_each_segment_alone(causal):
     q, k = torch.randn(150, 4, 64, generator=g), torch.randn(150, 2, 64, generator=g)
     v = torch.randn(150, 2, 64, generator=g)
     every = mod.segment_attention(q, k, v, torch.tensor(cu), causal, 0.125)
-    for a, b in zip(cu[:-1], cu[1:]):
+    for a, b in zip(cu[:-1], cu[1:], strict=True):
         alone = mod.segment_attention(q[a:b], k[a:b], v[a:b], torch.tensor([0, b - a]), causal, 0.125)
         assert torch.equal(alone, every[a:b]), (a, b)
     if causal:  # the first 50 rows of a segment, alone: the same bits as within 111

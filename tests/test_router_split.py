@@ -17,7 +17,9 @@ import itertools
 import grpc
 import pytest
 from prometheus_client import CollectorRegistry
+from waiting import async_wait_until
 
+from tandem.errors import CULPRIT_METADATA
 from tandem.services.router.config import RouterConfig
 from tandem.services.router.dispatch.dispatcher import Dispatcher
 from tandem.services.router.dispatch.registry import Registry
@@ -113,9 +115,9 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServicer):
     rows as a lead does: itself ("") 6 tokens and one medium, then each helper 2 and one."""
 
     def __init__(self, load: int, patches: int = 0, model: str = "m", draining: bool = False,
-                 fail: int = 0) -> None:
+                 fail: int = 0, blame: bool = False) -> None:
         self.load, self.patches, self.model, self.draining = load, patches, model, draining
-        self.fail = fail
+        self.fail, self.blame = fail, blame
         self.encodes: list[encoder_pb2.EncodeRequest] = []
         self.delivered = asyncio.Event()
 
@@ -127,7 +129,10 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServicer):
     async def Encode(self, request, context):  # noqa: N802
         self.encodes.append(request)
         if len(self.encodes) <= self.fail:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "encoder died")
+            # `blame`: a lead whose first helper stalled the room names it, as the encoder
+            # tier does (services/encoder/server.py)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "encoder died", (
+                ((CULPRIT_METADATA, request.helpers[0]),) if self.blame else None))
         self.delivered.set()
         ranges = [common_pb2.EncoderRange(encoder="", tokens=6, media=1)]
         ranges += [common_pb2.EncoderRange(encoder=h, first_token=6 + 2 * k, tokens=2,
@@ -305,6 +310,37 @@ def test_the_failover_never_names_the_failed_lead():
             (second,) = fakes["next"].encodes
             assert list(second.helpers) == [addr["a"], addr["b"]]
             assert dispatcher.registry.encoders.instances[addr["lead"]].tracker.healthy
+
+    asyncio.run(go())
+
+
+def test_a_helper_blamed_for_a_stalled_room_is_neither_lead_nor_helper_again():
+    """The lead's Encode fails UNAVAILABLE naming its helper as the culprit (it went silent
+    past the transfer timeout: frozen, but still healthy and idle in the registry's view
+    until its load polls go unanswered). The failover goes to neither: not to the culprit
+    as lead, though the images' affinity ranks it next, nor to it as a helper, though it
+    is the least loaded; and the router health-checks it (a fake answers no health check:
+    one failure counted)."""
+    fakes = {"lead": FakeEncoder(load=0, fail=1, blame=True), "frozen": FakeEncoder(load=0),
+             "third": FakeEncoder(load=1), "fourth": FakeEncoder(load=1)}
+
+    async def go():
+        async with router(fakes, split_encoders=2, encoder_retries=1,
+                          split_max_helper_load=10) as (dispatcher, addr, metrics, language):
+            candidates = [c.address for c in dispatcher.registry.encoders.candidates()]
+            urls = images_preferring([addr["lead"], addr["frozen"], addr["third"]],
+                                     candidates, 4)
+            out = await run(dispatcher, chat(urls))
+            (first,) = fakes["lead"].encodes
+            assert list(first.helpers) == [addr["frozen"]]
+            assert not fakes["frozen"].encodes  # never the lead
+            assert language.reattached == [addr["third"]]
+            (second,) = fakes["third"].encodes
+            assert list(second.helpers) == [addr["fourth"]]
+            assert addr["frozen"] not in writers(out)
+            tracker = dispatcher.registry.encoders.instances[addr["frozen"]].tracker
+            await async_wait_until(lambda: tracker.consecutive_failures, until=lambda n: n >= 1,
+                                   timeout_s=30, what="the culprit health-checked")
 
     asyncio.run(go())
 

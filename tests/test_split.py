@@ -43,6 +43,7 @@ from encoder_peers.chats import png, to_proto  # noqa: E402
 from test_stream import HANG_GUARD_S, MAX_NEW, Gate, expected, grid_of  # noqa: E402
 
 from tandem.chat import ImageInput, Message, VideoInput  # noqa: E402
+from tandem.errors import CULPRIT_METADATA  # noqa: E402
 from tandem.launch.procs import free_port  # noqa: E402
 from tandem.v1 import (  # noqa: E402
     common_pb2,
@@ -364,6 +365,8 @@ def test_frozen_helper_fails_the_room_within_the_transfer_timeout(checkpoint, ga
         assert isinstance(res, grpc.aio.AioRpcError), res
         assert res.code() == grpc.StatusCode.UNAVAILABLE, res  # the router retries it
         assert "helper" in res.details() and "silent" in res.details()
+        # named, so the router's retry neither leads with it nor names it again
+        assert dict(res.trailing_metadata()).get(CULPRIT_METADATA) == trio.helper
         assert not tokens
         assert_idle(trio)
         # thawed, the same chat goes through (the helper's stale work is fenced)

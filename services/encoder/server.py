@@ -35,7 +35,7 @@ import grpc
 
 from tandem import tracing
 from tandem.chat import ChatError
-from tandem.errors import FIELD_METADATA
+from tandem.errors import CULPRIT_METADATA, FIELD_METADATA
 from tandem.services.encoder.chat import job_from_proto
 from tandem.services.encoder.pipeline import EncodePipeline, EncodeState, MediaPart
 from tandem.services.encoder.split import HelperRange, Share, heartbeat
@@ -93,7 +93,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             )
         except TransferError as e:
             code = e.code
-            await context.abort(_status(e.code), f"transfer: {e.reason}")
+            # a split prompt's silent helper is named, so the router's retry avoids it
+            await context.abort(_status(e.code), f"transfer: {e.reason}",
+                                ((CULPRIT_METADATA, e.culprit),) if e.culprit else None)
         except asyncio.CancelledError:
             code = "CANCELLED"
             raise

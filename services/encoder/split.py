@@ -34,8 +34,9 @@ Rules (all here):
 - A helper that is lost (its stream breaks, it cannot be reached, or it fails for a
   reason of its own) has its range re-encoded by the lead, from the helper's last
   reported chunk; the rows before it stay. A helper that stalls (no message within the
-  transfer timeout; it heartbeats while in the ViT) fails the room (UNAVAILABLE), so the
-  router retries the request: a frozen helper may wake and write, and a new attempt's
+  transfer timeout; it heartbeats while in the ViT) fails the room (UNAVAILABLE, naming
+  the helper as the culprit: the router's retry avoids it), so the router retries the
+  request: a frozen helper may wake and write, and a new attempt's
   generation fences its stale rows, which a re-encode into the same blocks would not.
 """
 
@@ -164,7 +165,7 @@ class HelperRange:
             msg = await asyncio.wait_for(self._call.read(), self.timeout_s)
         except asyncio.TimeoutError:
             raise timed_out(f"helper {self.share.helper} silent while {what}", self.timeout_s,
-                            None, None) from None
+                            None, None, culprit=self.share.helper) from None
         except grpc.aio.AioRpcError as e:
             raise RangeLost(f"{e.code().name}: {e.details()}") from None
         if msg is grpc.aio.EOF:

@@ -16,7 +16,7 @@ import time
 
 import grpc
 
-from tandem.errors import FIELD_METADATA, ServiceError
+from tandem.errors import CULPRIT_METADATA, FIELD_METADATA, ServiceError
 
 # code (gRPC name, or the router's own REQUEST_TIMEOUT / TOO_LARGE / OVERLOADED) -> HTTP
 # status; unlisted: 500
@@ -68,11 +68,15 @@ def openai_param(wire: str) -> str:
 
 class RouterError(ServiceError):
     def __init__(
-        self, code: str, message: str, param: str | None = None, tier: Tier = Tier.ROUTER
+        self, code: str, message: str, param: str | None = None, tier: Tier = Tier.ROUTER,
+        culprit: str = "",
     ) -> None:
         super().__init__(message, code)
         self.param = param
         self.tier = tier
+        # another instance the failing tier blames (CULPRIT_METADATA: a split prompt's
+        # silent helper encoder), "" when none: a retry avoids it
+        self.culprit = culprit
 
     @property
     def http_status(self) -> int:
@@ -110,13 +114,15 @@ def _tier_code(name: str, tier: Tier) -> str:
 
 def from_rpc(err: grpc.RpcError, tier: Tier) -> RouterError:
     """Map a tier's gRPC failure; the input it names (trailing metadata FIELD_METADATA, as
-    the encoder sends for a refused chat) becomes the error's `param`."""
+    the encoder sends for a refused chat) becomes the error's `param`, the instance it
+    blames (CULPRIT_METADATA) its `culprit`."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = (err.details() if hasattr(err, "details") else None) or str(code)
     name = code.name if code is not None else "UNKNOWN"
     trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
-    field = dict(trailing or ()).get(FIELD_METADATA) or None
-    return RouterError(_tier_code(name, tier), f"{tier.value}: {details}", field, tier)
+    meta = dict(trailing or ())
+    return RouterError(_tier_code(name, tier), f"{tier.value}: {details}",
+                       meta.get(FIELD_METADATA) or None, tier, meta.get(CULPRIT_METADATA, ""))
 
 
 def internal_call_error(err: grpc.RpcError, tier: Tier, address: str,

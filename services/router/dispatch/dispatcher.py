@@ -9,7 +9,8 @@
           which of its media each one encodes (EncodeRange), the router only offers them
        └─ E failed (UNAVAILABLE, broken) before delivery: E2 = another encoder,
           L.Reattach(room, E2.address), E2.Encode(room, ...)   (up to `encoder_retries`;
-          its helpers picked afresh, never an encoder that failed the request)
+          its helpers picked afresh, never an encoder that failed the request, nor a
+          helper E names as the culprit of a stalled room: CULPRIT_METADATA)
        └─ E ejected by the registry while Encode is in flight (a frozen E only ever answers
           with silence): the call is cancelled at once and moves to E2 the same way, so
           the room's language blocks serve the request instead of waiting out a timeout
@@ -159,12 +160,15 @@ class Dispatcher:
 
     async def _encode(
         self, req: ChatRequest, room: int, enc: Instance, lang: Instance, deadline: float,
-        route: Route, trace: tracing.Span, avoid: frozenset[str] = frozenset(),
+        route: Route, trace: tracing.Span, avoid: set[str] | None = None,
     ) -> encoder_pb2.EncodeResponse | None:
         """Deliver the prompt, retrying on other encoders. None: the language side
         declined a Reattach (it already holds the prompt, or the room is gone) and its
-        stream tells which. `trace`: the attempt's span; `avoid`: encoders that failed an
-        earlier attempt of the request (never named as helpers)."""
+        stream tells which. `trace`: the attempt's span; `avoid`: the request's encoders
+        to stay off (those that failed an earlier attempt: never named as helpers); a
+        helper an encoder blames for a stalled room (`RouterError.culprit`) is added to it,
+        so no later attempt of the request leads with it or names it either."""
+        avoid = set() if avoid is None else avoid
         hashes = image_hashes(req.messages)
         videos = sum(p.WhichOneof("part") == "video" for m in req.messages for p in m.content)
         tried: set[str] = set()
@@ -208,6 +212,10 @@ class Dispatcher:
                                    tier=Tier.ENCODER)
                        if isinstance(e, _Ejected) else from_rpc(e, Tier.ENCODER))
                 tracing.fail(span, err.code, err.message)
+                if err.culprit:  # a helper that stalled the room: neither lead nor helper
+                    tried.add(err.culprit)  # again for this request, and health-checked
+                    avoid.add(err.culprit)
+                    self._spawn(self.registry.encoders.verify(err.culprit))
                 if err.code not in RETRYABLE_ENCODER or attempt == self.cfg.encoder_retries:
                     raise err from None
                 if not isinstance(e, _Ejected):
@@ -349,7 +357,7 @@ class Dispatcher:
             route.encoder, route.encoder_attempts = enc.address, 1
             encode_task = asyncio.ensure_future(
                 self._encode(req, room, enc, lang, deadline, route, trace,
-                             frozenset(avoid["encoder"])))
+                             avoid["encoder"]))
         else:  # nothing to deliver: an Encode that is already done, with no answer
             self.metrics.encoder_bypassed.inc()
             encode_task = asyncio.get_running_loop().create_future()
