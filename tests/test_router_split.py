@@ -345,6 +345,32 @@ def test_a_helper_blamed_for_a_stalled_room_is_neither_lead_nor_helper_again():
     asyncio.run(go())
 
 
+def test_with_every_encoder_tried_a_retry_leads_with_the_blamed_helper_only_if_nothing_else():
+    """A request whose every encoder failed it is tried on the same ones again (nothing
+    else is healthy), but never on the helper named for a stalled room while another is
+    left, though the images' affinity ranks it first: a helper with a hung ViT still
+    answers its health checks and load polls."""
+    from tandem import tracing
+
+    fakes = {"frozen": FakeEncoder(load=0), "lead": FakeEncoder(load=0)}
+
+    async def go():
+        async with router(fakes, split_encoders=2) as (dispatcher, addr, metrics, _):
+            candidates = [c.address for c in dispatcher.registry.encoders.candidates()]
+            urls = images_preferring([addr["frozen"], addr["lead"]], candidates, 2)
+            hashes = image_hashes(chat(urls).messages)
+            both = {addr["frozen"], addr["lead"]}
+            pick = dispatcher._pick_avoiding
+            assert pick("encoder", hashes, both, tracing.OFF).address == addr["frozen"]
+            assert pick("encoder", hashes, both, tracing.OFF,
+                        {addr["frozen"]}).address == addr["lead"]
+            # the blamed one is still better than no answer at all
+            assert pick("encoder", hashes, both, tracing.OFF,
+                        both).address == addr["frozen"]
+
+    asyncio.run(go())
+
+
 @pytest.mark.parametrize("images,split", [(1, 3), (3, 1)])
 def test_no_helpers_for_one_image_or_split_encoders_one(images, split):
     fakes = {"lead": FakeEncoder(load=0), "a": FakeEncoder(load=0), "b": FakeEncoder(load=0)}

@@ -161,14 +161,18 @@ class Dispatcher:
     async def _encode(
         self, req: ChatRequest, room: int, enc: Instance, lang: Instance, deadline: float,
         route: Route, trace: tracing.Span, avoid: set[str] | None = None,
+        blamed: set[str] | None = None,
     ) -> encoder_pb2.EncodeResponse | None:
         """Deliver the prompt, retrying on other encoders. None: the language side
         declined a Reattach (it already holds the prompt, or the room is gone) and its
         stream tells which. `trace`: the attempt's span; `avoid`: the request's encoders
         to stay off (those that failed an earlier attempt: never named as helpers); a
-        helper an encoder blames for a stalled room (`RouterError.culprit`) is added to it,
-        so no later attempt of the request leads with it or names it either."""
+        helper an encoder blames for a stalled room (`RouterError.culprit`) is added to it
+        and to `blamed`, so no later attempt of the request leads with it or names it
+        either (`_pick_avoiding`: not even when nothing else is left, unless it is the
+        last)."""
         avoid = set() if avoid is None else avoid
+        blamed = set() if blamed is None else blamed
         hashes = image_hashes(req.messages)
         videos = sum(p.WhichOneof("part") == "video" for m in req.messages for p in m.content)
         tried: set[str] = set()
@@ -215,6 +219,7 @@ class Dispatcher:
                 if err.culprit:  # a helper that stalled the room: neither lead nor helper
                     tried.add(err.culprit)  # again for this request, and health-checked
                     avoid.add(err.culprit)
+                    blamed.add(err.culprit)
                     self._spawn(self.registry.encoders.verify(err.culprit))
                 if err.code not in RETRYABLE_ENCODER or attempt == self.cfg.encoder_retries:
                     raise err from None
@@ -279,7 +284,8 @@ class Dispatcher:
 
     async def _generate(self, req: ChatRequest, start: float) -> AsyncIterator[Output]:
         deadline = start + req.timeout_s
-        avoid: dict[str, set[str]] = {"encoder": set(), "language": set()}
+        # blamed: encoders a lead named as the culprit of a stalled room (`_encode`)
+        avoid: dict[str, set[str]] = {"encoder": set(), "language": set(), "blamed": set()}
         for attempt in range(self.cfg.request_retries + 1):
             route = Route(attempts=attempt + 1)
             span = tracing.start("router.attempt", req.trace,
@@ -313,11 +319,17 @@ class Dispatcher:
                 await attempt_gen.aclose()
                 span.end()
 
-    def _pick_avoiding(self, kind: str, hashes, avoid: set[str], trace: tracing.Span) -> Instance:
-        try:
-            return self._pick(kind, hashes, frozenset(avoid), trace)
-        except RouterError:
-            return self._pick(kind, hashes, trace=trace)  # nothing else healthy: the same again
+    def _pick_avoiding(self, kind: str, hashes, avoid: set[str], trace: tracing.Span,
+                       blamed: set[str] = frozenset()) -> Instance:
+        """An instance outside `avoid`; when none is healthy, the same again, but one that
+        was `blamed` for a stalled room (a helper named as the culprit: it may still answer
+        its health checks, with its ViT hung) only when nothing else is left."""
+        for exclude in (avoid | blamed, blamed):
+            try:
+                return self._pick(kind, hashes, frozenset(exclude), trace)
+            except RouterError:
+                pass
+        return self._pick(kind, hashes, trace=trace)
 
     async def _attempt(
         self, req: ChatRequest, start: float, deadline: float, avoid: dict, route: Route,
@@ -328,7 +340,8 @@ class Dispatcher:
         bypass = bool(req.prompt) or (self.cfg.encoder_bypass and not hashes)
         key = prompt_key(req.prompt) if req.prompt else conversation_key(req.messages)
         lang = self._pick_avoiding("language", [key], avoid["language"], trace)
-        enc = None if bypass else self._pick_avoiding("encoder", hashes, avoid["encoder"], trace)
+        enc = None if bypass else self._pick_avoiding("encoder", hashes, avoid["encoder"], trace,
+                                                      avoid["blamed"])
         room = secrets.randbits(63)
         trace.set_attribute(tracing.ROOM, room)
         span = tracing.start("router.language", trace, kind=tracing.SpanKind.CLIENT,
@@ -357,7 +370,7 @@ class Dispatcher:
             route.encoder, route.encoder_attempts = enc.address, 1
             encode_task = asyncio.ensure_future(
                 self._encode(req, room, enc, lang, deadline, route, trace,
-                             avoid["encoder"]))
+                             avoid["encoder"], avoid["blamed"]))
         else:  # nothing to deliver: an Encode that is already done, with no answer
             self.metrics.encoder_bypassed.inc()
             encode_task = asyncio.get_running_loop().create_future()
