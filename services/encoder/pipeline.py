@@ -100,7 +100,7 @@ class EncodeState(enum.Enum):
 @dataclass
 class EncodeResult:
     payload: PromptPayload  # rows from payload.start (the language side's cached prefix)
-    image_hashes: list[str]
+    image_hashes: list[str]  # of the images it prepared (a helper: its share's), prompt order
     cached_image_tokens: int  # image and video tokens whose features came from the cache
     preprocess_ms: float  # preprocessing and video decoding
     vit_ms: float
@@ -265,7 +265,8 @@ class EncodePipeline:
         `helpers`: encoders that may take ranges of the prompt (split.py), each opened
         with `open_helper(share, payload_start)` (the servicer's; it starts the helper's
         work at once); `part`: encode only this share of the chat (a helper's
-        EncodeRange: no announce, only these media, the payload's other rows left zero)."""
+        EncodeRange: no announce, only these media's images prepared and run, the other
+        images grid-only, the payload's other rows left zero, no PromptInfo)."""
         left = math.inf if deadline is None else deadline - time.time()
         budget = Budget(time.monotonic() + left)
         try:
@@ -284,8 +285,11 @@ class EncodePipeline:
         step = on_state or (lambda _s: None)
         step(EncodeState.PREPROCESSING)
         queued_ns = time.time_ns()
+        # a helper prepares only its share's images (their pixels and keys); the others'
+        # grids alone lay its rendering out
+        pixels_for = None if part is None else range(part.first_media, part.end_media)
         prep = await self.pool.run(client, self.preprocessor, messages, limits, tools, budget,
-                                   template)
+                                   template, pixels_for)
         if trace.is_recording():
             _trace_preprocess(trace, prep, queued_ns)
         if cache_salt:
@@ -295,11 +299,14 @@ class EncodePipeline:
             self.metrics.preprocess_seconds.observe(prep.preprocess_s, tracing.exemplar(trace))
         spans = media_spans(prep.input_ids, prep.media, self.spec.image_token_id,
                             self.spec.video_token_id)
+        # what the prompt announces: a helper announces nothing (its spans name only its
+        # share's media) and its payload carries no PromptInfo
+        info = None if part is not None else PromptInfo(prep.input_ids.tolist(), spans)
         cached = 0 if part is None else part.payload_start
         if announce is not None and part is None:
             step(EncodeState.ANNOUNCING)
             span = tracing.start("encoder.announce", trace)
-            cached = await announce(PromptInfo(prep.input_ids.tolist(), spans))
+            cached = await announce(info)
             span.set_attribute("tandem.cached_prefix_tokens", cached)
             span.end()
         need = [i for i, sp in enumerate(spans) if sp.start + sp.length > cached]
@@ -344,7 +351,7 @@ class EncodePipeline:
         stream = None
         if on_payload is not None or shares or part is not None:
             # built before any decode or ViT (streamed, split or a helper's part)
-            stream = await self._start_stream(prep, spans, cached, feats, client, rows, only)
+            stream = await self._start_stream(prep, info, cached, feats, client, rows, only)
             for sh in shares[1:]:  # each helper starts now, beside our own ViT
                 h = open_helper(sh, cached)
                 h.fall_back = functools.partial(
@@ -408,10 +415,10 @@ class EncodePipeline:
         if self.metrics:
             self.metrics.cache_bytes.set(self.cache.bytes_used)
             self.metrics.cache_evictions.set(self.cache.evictions)
-        payload.info = PromptInfo(prep.input_ids.tolist(), spans)
+        payload.info = info
         return EncodeResult(
             payload=payload,
-            image_hashes=[im.hash for im in prep.images],
+            image_hashes=[im.hash for im in prep.images if im.prepared],
             cached_image_tokens=cached_tokens,
             preprocess_ms=(prep.preprocess_s + decode_s) * 1e3,
             vit_ms=got.vit_s * 1e3,
@@ -422,7 +429,7 @@ class EncodePipeline:
             remote=remote,
         )
 
-    async def _start_stream(self, prep, spans: list[ImageSpan], cached: int, feats: list,
+    async def _start_stream(self, prep, info: PromptInfo | None, cached: int, feats: list,
                             client: str, rows: list[torch.Tensor],
                             only: set[tuple[int, int]] | None = None) -> StreamedPayload:
         """The streamed payload of rows [cached, L) with the cache hits already in (of the
@@ -439,7 +446,7 @@ class EncodePipeline:
             return out
 
         stream = await self.pool.run(client, build)
-        stream.payload.info = PromptInfo(prep.input_ids.tolist(), spans)
+        stream.payload.info = info
         return stream
 
     async def _stream_vit(self, stream: StreamedPayload, todo: list[VitInput], inputs: list,
@@ -534,7 +541,8 @@ def _input(m, v: VitInput):
 def _check_part(part: MediaPart, every: list[Unit], prompt_tokens: int) -> None:
     """A helper's own rendering of the chat must put the lead's share where the lead said
     (the same chat, template and processor): its edges where units start, at least one
-    unit in it. A mismatch is a misconfigured tier."""
+    unit in it, its units of media [first_media, end_media) from the first to the last
+    (the media it prepared). A mismatch is a misconfigured tier."""
     total = prompt_tokens - part.payload_start
     starts = {u.first_pad - part.payload_start for u in every}
     ok = (0 < part.first_token < part.end_token <= total and part.first_token in starts
@@ -543,6 +551,12 @@ def _check_part(part: MediaPart, every: list[Unit], prompt_tokens: int) -> None:
         raise ChatError(f"range: tokens [{part.first_token}, {part.end_token}) of {total} do "
                         f"not start and end where this encoder's units (images, video "
                         f"groups) start", "range")
+    media = [u.medium for u in units_in(every, part.payload_start, part.first_token,
+                                        part.end_token)]
+    if (media[0], media[-1] + 1) != (part.first_media, part.end_media):
+        raise ChatError(f"range: tokens [{part.first_token}, {part.end_token}) hold media "
+                        f"[{media[0]}, {media[-1] + 1}) here, not [{part.first_media}, "
+                        f"{part.end_media})", "range")
 
 
 def _grids(media: list) -> list[VisionGrid]:
@@ -583,7 +597,8 @@ def _trace_vit(trace: tracing.Span, inputs: list, runs: list) -> None:
 def media_spans(input_ids: torch.Tensor, media: list[PreparedImage | PlannedVideo],
                 image_token_id: int, video_token_id: int) -> list[ImageSpan]:
     """Each image's and video's tokens, in prompt order, named by its cache key: from its
-    first pad to its last. The preprocessor expands an image's placeholder into
+    first pad to its last (a grid-only image, one a helper does not run, has no key: "",
+    a span never announced). The preprocessor expands an image's placeholder into
     `num_tokens` consecutive pads, a video's into its pads (for Qwen3-VL with each temporal
     group's timestamp text and vision start/end tokens between them)."""
     ids = input_ids.tolist()
@@ -598,7 +613,8 @@ def media_spans(input_ids: torch.Tensor, media: list[PreparedImage | PlannedVide
         start, end = mine[0], mine[-1] + 1
         if image and end - start != m.num_tokens:
             raise ValueError(f"image {len(out)}'s pad tokens are not contiguous")
-        out.append(ImageSpan(start, end - start, m.key))
+        out.append(ImageSpan(start, end - start,
+                             m.key if not image or m.prepared else ""))
         k += m.num_tokens
     if k != len(pads):
         raise ValueError(f"{len(pads)} pad tokens for {k} image and video tokens")

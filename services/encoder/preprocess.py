@@ -2,10 +2,13 @@
 
 Runs in a worker thread (the server's pool), never on the event loop. Each image goes
 through the processor's image processor on its own, so per-image min/max pixel overrides
-apply (Qwen `smart_resize`). Each video is read and probed and its frames planned
-(services/encoder/video.py: indices, size, grid, timing) but not decoded: that is
-`decode`, a later job of the same pool, run only for the videos whose features no cache
-holds (a video given as frames: services/encoder/video_frames.py, the same two steps).
+apply (Qwen `smart_resize`); a helper of a split prompt prepares only its share's images
+(`pixels_for`), the others grid-only: their grids from their sizes by the processor's own
+`smart_resize` (ImageGeometry), nothing resized, patchified or hashed. Each video is read
+and probed and its frames planned (services/encoder/video.py: indices, size, grid,
+timing) but not decoded: that is `decode`, a later job of the same pool, run only for the
+videos whose features no cache holds (a video given as frames:
+services/encoder/video_frames.py, the same two steps).
 The chat template is rendered with one placeholder per image and video, each
 expanded as the processor expands it (an image's pads; a video's pads, and for Qwen3-VL
 its frames' timestamps), and the text tokenized — the same steps `processor(text=...,
@@ -23,7 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import time
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,6 +50,7 @@ from tandem.services.encoder.images import (
     SourceRules,
     decode_image,
     image_bytes,
+    open_image,
     source_bytes,
 )
 from tandem.services.encoder.video import (
@@ -67,15 +73,41 @@ from tandem.services.encoder.video_rules import (
 MAX_ASPECT_RATIO = 200
 
 
+class GridOnly(RuntimeError):
+    """The pixels or cache key of an image prepared grid-only were asked for: a bug (an
+    encoder's lookups and ViT work hold only the images it prepared)."""
+
+
 @dataclass
 class PreparedImage:
-    """One image ready for the ViT."""
+    """One image of a chat: its grid and pad tokens always (they lay the prompt out), its
+    ViT input and cache key only when `prepared`. An encoder prepares the images it may run:
+    a helper of a split prompt only its share's (Preprocessor's `pixels_for`); the others
+    are grid-only (their pixels never resized, normalised, patchified or hashed), and asking
+    for their `pixel_values`, `hash` or `key` raises GridOnly."""
 
-    hash: str  # sha256 hex of grid + processed patches
-    pixel_values: torch.Tensor  # [num_patches, C * T * P * P] float32
     grid: tuple[int, int, int]  # (t, h, w) in patches
     num_tokens: int  # tokens after the spatial merge: t * h * w / merge**2
     field: str
+    pixels: torch.Tensor | None = None  # [num_patches, C * T * P * P] float32; None: grid-only
+    digest: str | None = None  # sha256 hex of grid + processed patches (in_namespace: of
+    # that too); None: grid-only
+
+    @property
+    def prepared(self) -> bool:
+        return self.pixels is not None
+
+    @property
+    def pixel_values(self) -> torch.Tensor:
+        if self.pixels is None:
+            raise GridOnly(f"{self.field}: prepared grid-only, it has no pixels here")
+        return self.pixels
+
+    @property
+    def hash(self) -> str:
+        if self.digest is None:
+            raise GridOnly(f"{self.field}: prepared grid-only, it has no cache key here")
+        return self.digest
 
     @property
     def key(self) -> str:
@@ -89,8 +121,8 @@ class PreparedImage:
 
 @dataclass
 class Prepared:
-    """A preprocessed chat: `media` are its images (ready for the ViT) and videos (planned,
-    not decoded), in prompt order."""
+    """A preprocessed chat: `media` are its images (ready for the ViT, or grid-only: those
+    not in `pixels_for`) and videos (planned, not decoded), in prompt order."""
 
     input_ids: torch.Tensor  # [L] int64
     mm_token_type_ids: torch.Tensor  # [L] int32 (0 text, 1 image, 2 video)
@@ -118,6 +150,39 @@ class PreprocessLimits:
     video: VideoLimits = field(default_factory=VideoLimits)
 
 
+@dataclass(frozen=True)
+class ImageGeometry:
+    """How the checkpoint's image processor sizes an image, read off the processor: its
+    module's `smart_resize` (Qwen's: sides rounded to multiples of patch * merge, the pixel
+    count brought into [min_pixels, max_pixels]), patch and merge sizes, whether it resizes.
+    `grid` is the grid the processor's call gives, from the image's size alone (checked
+    against the processor: tests/test_helper_preprocess.py)."""
+
+    smart_resize: Callable[..., tuple[int, int]]
+    patch: int
+    merge: int
+    resize: bool
+
+    @classmethod
+    def of(cls, image_processor) -> ImageGeometry:
+        module = inspect.getmodule(type(image_processor))
+        rule = getattr(module, "smart_resize", None)
+        if rule is None:
+            raise ValueError(f"{type(image_processor).__name__}'s module has no smart_resize: "
+                             f"not a Qwen image processor, its grids cannot be computed")
+        return cls(rule, int(image_processor.patch_size), int(image_processor.merge_size),
+                   bool(image_processor.do_resize))
+
+    def grid(self, height: int, width: int, min_pixels: int,
+             max_pixels: int) -> tuple[int, int, int]:
+        if self.resize:
+            height, width = self.smart_resize(height, width, factor=self.patch * self.merge,
+                                              min_pixels=min_pixels, max_pixels=max_pixels)
+        # NOTE: t is 1 whatever temporal_patch_size: a still image is one frame repeated to
+        # fill one temporal patch (transformers' grid is [1, h, w])
+        return (1, height // self.patch, width // self.patch)
+
+
 def in_namespace(medium, cache_salt: str) -> None:
     """Take `medium`'s cache key (an image's hash, a video's plan key) in namespace
     `cache_salt` (non-empty), in place, before anything looks it up or announces it."""
@@ -125,7 +190,8 @@ def in_namespace(medium, cache_salt: str) -> None:
         return hashlib.sha256(f"namespace|{cache_salt}|{k}".encode()).hexdigest()
 
     if isinstance(medium, PreparedImage):
-        medium.hash = key(medium.hash)
+        if medium.prepared:  # a grid-only image has no key to take
+            medium.digest = key(medium.digest)
     else:  # a planned video: its decoded form takes the plan, key included
         medium.plan = dataclasses.replace(medium.plan, cache_key=key(medium.plan.cache_key))
 
@@ -141,6 +207,7 @@ class Preprocessor:
         self.limits = limits
         self.template = ChatTemplate(processor, chat_template)
         self.merge = int(processor.image_processor.merge_size)
+        self.geometry = ImageGeometry.of(processor.image_processor)
         self.video = video
         self.video_tokens = VideoTokens(
             processor.video_token,
@@ -150,10 +217,16 @@ class Preprocessor:
 
     def __call__(self, messages: list[Message], req: Limits | None = None,
                  tools: list[dict] | None = None, budget: Budget | None = None,
-                 options: TemplateOptions | None = None) -> Prepared:
+                 options: TemplateOptions | None = None,
+                 pixels_for: Container[int] | None = None) -> Prepared:
         """`budget`: the request's deadline and stop flag, checked before each image and
         video and before tokenizing (TimeoutError once it has ended); `options`: how the
-        chat template renders the chat."""
+        chat template renders the chat; `pixels_for`: the media (indices, prompt order)
+        whose images are prepared for the ViT (None: every image), the other images
+        grid-only: read as far as their header (format, size: a bad one still refused),
+        their grids computed as the processor would (ImageGeometry), no pixel touched. A
+        helper's share of a split prompt; an index naming no image prepares nothing (the
+        helper checks its range against the rendering: pipeline._check_part)."""
         t0 = time.perf_counter()
         req = req or Limits()
         budget = budget or Budget()
@@ -170,8 +243,9 @@ class Preprocessor:
             raise invalid("messages", f"the chat has {len(parts) - n_images} videos, over the "
                           f"limit of {lim.max_videos} (the encoder's max_videos_per_request)")
         fetch = _Stopwatch()
-        media = [self._image(where, p, budget, fetch) if isinstance(p, ImageInput)
-                 else self._video(where, p, budget, fetch) for where, p in parts]  # fmt: skip
+        media = [self._image(where, p, budget, fetch, pixels_for is None or k in pixels_for)
+                 if isinstance(p, ImageInput) else self._video(where, p, budget, fetch)
+                 for k, (where, p) in enumerate(parts)]  # fmt: skip
         budget.check()
         ids = self.template.token_ids(
             messages, hf_messages, [self._placeholder(m) for m in media], max_prompt_tokens,
@@ -198,13 +272,16 @@ class Preprocessor:
         return Placeholder(self.video_tokens.pad,
                            placeholder_text(m.plan, m.settings, self.video_tokens))
 
-    def _image(self, where: str, part: ImageInput, budget: Budget,
-               fetch: _Stopwatch) -> PreparedImage:
+    def _image(self, where: str, part: ImageInput, budget: Budget, fetch: _Stopwatch,
+               pixels: bool) -> PreparedImage:
+        """The image, prepared for the ViT, or grid-only when not `pixels` (its header read
+        and checked, not decoded: the lead, which prepares every image, refuses a
+        truncated one)."""
         lim = self.limits
         budget.check()
         with fetch:
             raw = image_bytes(part, where, lim.image, budget)
-        pil = decode_image(raw, where, lim.image)
+        pil = decode_image(raw, where, lim.image) if pixels else open_image(raw, where, lim.image)
         w, h = pil.size
         if max(w, h) / min(w, h) > MAX_ASPECT_RATIO:  # NOTE: transformers' ValueError, as a 400
             raise invalid(where, f"image is {w}x{h}: its aspect ratio is over "
@@ -212,20 +289,24 @@ class Preprocessor:
         # Overrides are clamped into the server's bounds: a client may tighten, never loosen.
         lo = min(max(part.min_pixels or lim.min_pixels, lim.min_pixels), lim.max_pixels)
         hi = max(min(part.max_pixels or lim.max_pixels, lim.max_pixels), lo)
+        if not pixels:
+            grid = self.geometry.grid(h, w, lo, hi)
+            return PreparedImage(grid, grid[0] * grid[1] * grid[2] // (self.merge * self.merge),
+                                 where)
         out = self.processor.image_processor(
             images=[pil], size={"shortest_edge": lo, "longest_edge": hi}, return_tensors="pt"
         )
-        pixels = out["pixel_values"].to(torch.float32).contiguous()
+        values = out["pixel_values"].to(torch.float32).contiguous()
         grid = tuple(int(x) for x in out["image_grid_thw"][0].tolist())
         h = hashlib.sha256()
         h.update(np.asarray(grid, dtype=np.int64).tobytes())
-        h.update(pixels.numpy().tobytes())
+        h.update(values.numpy().tobytes())
         return PreparedImage(
-            hash=h.hexdigest(),
-            pixel_values=pixels,
             grid=grid,  # type: ignore[arg-type]
             num_tokens=grid[0] * grid[1] * grid[2] // (self.merge * self.merge),
             field=where,
+            pixels=values,
+            digest=h.hexdigest(),
         )
 
     def _video(self, where: str, part: VideoInput, budget: Budget,
