@@ -117,7 +117,7 @@ class RouterConfig(ServiceSettings):
         description="A helper of a split prompt carries at most this many requests in "
         "flight (this router's and, from GetLoad, others'); 0 = idle encoders only: under "
         "load every encoder's ViT is busy with its own requests, and a split would only "
-        "move work around (plus the helper's own preprocessing of the whole chat).",
+        "move work around (plus the helper's own rendering of the whole chat).",
     )  # fmt: skip
     encoder_bypass: bool = Field(
         True, description="Send chats without an image straight to a language instance, "

@@ -170,7 +170,7 @@ def pick_helpers(
     1; chosen among the encoders that are healthy, not
     draining, serve the lead's model, carry at most `max_load` requests in flight (a busy
     encoder's ViT is better spent on its own requests: under load a split only moves work
-    around, and a helper renders and preprocesses the whole chat again), and are neither
+    around, and a helper renders the whole chat again), and are neither
     the lead nor in `exclude` (encoders that failed this request); least loaded first: by requests in flight (which include
     this router's own, counted at once), then queued patches, then address. None when
     split_encoders is 1, when the prompt has fewer than 2 media and no video, or when the
