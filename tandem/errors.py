@@ -18,6 +18,17 @@ FIELD_METADATA = "tandem-error-field"
 CULPRIT_METADATA = "tandem-error-culprit"
 
 
+async def abort(context, code: grpc.StatusCode, message: str, *, field: str = "",
+                culprit: str = "") -> None:
+    """End a gRPC call with `code`, naming the offending input (`field`: FIELD_METADATA)
+    and the instance to blame (`culprit`: CULPRIT_METADATA) when there are any.
+
+    NOTE: the one place servicers attach these: grpc refuses None as trailing metadata
+    (the call then ends UNKNOWN, its code lost), so an absent value is left out."""
+    meta = tuple((k, v) for k, v in ((FIELD_METADATA, field), (CULPRIT_METADATA, culprit)) if v)
+    await context.abort(code, message, meta)
+
+
 class ServiceError(Exception):
     """`code` is a gRPC status code name ("INVALID_ARGUMENT", "UNAVAILABLE", ...)."""
 

@@ -35,7 +35,7 @@ import grpc
 
 from tandem import tracing
 from tandem.chat import ChatError
-from tandem.errors import CULPRIT_METADATA, FIELD_METADATA
+from tandem.errors import abort
 from tandem.services.encoder.chat import job_from_proto
 from tandem.services.encoder.pipeline import EncodePipeline, EncodeState, MediaPart
 from tandem.services.encoder.split import HelperRange, Share, heartbeat
@@ -82,8 +82,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             return await self._encode(request, span)
         except ChatError as e:
             code = e.code
-            await context.abort(e.grpc_code, e.detail,
-                                ((FIELD_METADATA, e.field),) if e.field else None)
+            await abort(context, e.grpc_code, e.detail, field=e.field or "")
         except TimeoutError:
             code = "DEADLINE_EXCEEDED"
             stage = self.states.get(request.room, EncodeState.PREPROCESSING).value
@@ -94,8 +93,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         except TransferError as e:
             code = e.code
             # a split prompt's silent helper is named, so the router's retry avoids it
-            await context.abort(_status(e.code), f"transfer: {e.reason}",
-                                ((CULPRIT_METADATA, e.culprit),) if e.culprit else None)
+            await abort(context, _status(e.code), f"transfer: {e.reason}", culprit=e.culprit)
         except asyncio.CancelledError:
             code = "CANCELLED"
             raise

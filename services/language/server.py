@@ -45,7 +45,7 @@ from tandem.chat import (
     template_options_from_proto,
     tools_from_json,
 )
-from tandem.errors import FIELD_METADATA
+from tandem.errors import abort
 from tandem.sampling import SamplingError
 from tandem.sampling import from_proto as sampling_from_proto
 from tandem.services.language.engine.core import Engine
@@ -317,8 +317,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         try:
             ids = await self._tokenize(request)
         except ChatError as e:  # the input it names travels as FIELD_METADATA (-> `param`)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.detail,
-                                ((FIELD_METADATA, e.field),) if e.field else None)
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, e.detail, field=e.field or "")
         return language_pb2.TokenizeResponse(token_ids=ids,
                                              max_model_len=self.engine.cfg.max_model_len)
 
