@@ -3,11 +3,12 @@
 Runs in a worker thread (the server's pool), never on the event loop. Each image goes
 through the processor's image processor on its own, so per-image min/max pixel overrides
 apply (Qwen `smart_resize`); a helper of a split prompt prepares only its share's images
-(`pixels_for`), the others grid-only: their grids from their sizes by the processor's own
-`smart_resize` (ImageGeometry), nothing resized, patchified or hashed. Each video is read
-and probed and its frames planned (services/encoder/video.py: indices, size, grid,
-timing) but not decoded: that is `decode`, a later job of the same pool, run only for the
-videos whose features no cache holds (a video given as frames:
+(`pixels_for`), the others grid-only: their grids as the lead sends them (`other_grids`,
+checked against this encoder's bounds; the images never fetched), or from their sizes by
+the processor's own `smart_resize` (ImageGeometry), nothing resized, patchified or
+hashed. Each video is read and probed and its frames planned (services/encoder/video.py:
+indices, size, grid, timing) but not decoded: that is `decode`, a later job of the same
+pool, run only for the videos whose features no cache holds (a video given as frames:
 services/encoder/video_frames.py, the same two steps).
 The chat template is rendered with one placeholder per image and video, each
 expanded as the processor expands it (an image's pads; a video's pads, and for Qwen3-VL
@@ -27,8 +28,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import inspect
+import math
 import time
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -182,6 +184,43 @@ class ImageGeometry:
         # fill one temporal patch (transformers' grid is [1, h, w])
         return (1, height // self.patch, width // self.patch)
 
+    def most_patches(self, min_pixels: int, max_pixels: int, source_pixels: int) -> int:
+        """A bound on h * w of any `grid` with these pixel bounds, of an image with at most
+        `source_pixels` pixels and sides within MAX_ASPECT_RATIO of each other (what a
+        grid computed elsewhere, a split's lead's, is checked against). smart_resize (f =
+        patch * merge, sides H, W, ratio r = max/min <= 200) ends in one of three branches:
+        rounded, H' * W' <= max_pixels; scaled down and floored (over max_pixels), at most
+        max_pixels, or with the short side held at f, f * sqrt(r * max_pixels); scaled up
+        to min_pixels and ceiled (under it), (a + f)(b + f) with a * b = min_pixels,
+        a + b <= sqrt(min_pixels) * (sqrt(r) + 1 / sqrt(r)). Without resizing: the source
+        image's own size."""
+        area = self.patch * self.patch
+        if not self.resize:
+            return source_pixels // area
+        f, r = self.patch * self.merge, MAX_ASPECT_RATIO
+        pixels = max(max_pixels, f * math.sqrt(r * max_pixels),
+                     min_pixels + f * math.sqrt(min_pixels) * (math.sqrt(r) + 1 / math.sqrt(r))
+                     + f * f)
+        return math.ceil(pixels) // area
+
+    def check(self, grid: tuple[int, int, int], min_pixels: int, max_pixels: int,
+              source_pixels: int) -> str | None:
+        """Why `grid` (t, h, w) is not one `grid` could give under these bounds (None:
+        it could): a still image's one temporal patch, sides whole merge units, at most
+        `most_patches` patches."""
+        t, h, w = grid
+        if t != 1:
+            return f"a still image's grid has 1 temporal patch, not {t}"
+        if h < self.merge or w < self.merge or h % self.merge or w % self.merge:
+            return (f"{h}x{w} patches is not whole {self.merge}x{self.merge} merge units "
+                    f"(at least one)")
+        most = self.most_patches(min_pixels, max_pixels, source_pixels)
+        if h * w > most:
+            return (f"{h}x{w} = {h * w} patches, over the {most} this encoder's image "
+                    f"processor gives an image under its pixel limits "
+                    f"[{min_pixels}, {max_pixels}]")
+        return None
+
 
 def in_namespace(medium, cache_salt: str) -> None:
     """Take `medium`'s cache key (an image's hash, a video's plan key) in namespace
@@ -218,7 +257,8 @@ class Preprocessor:
     def __call__(self, messages: list[Message], req: Limits | None = None,
                  tools: list[dict] | None = None, budget: Budget | None = None,
                  options: TemplateOptions | None = None,
-                 pixels_for: Container[int] | None = None) -> Prepared:
+                 pixels_for: Container[int] | None = None,
+                 other_grids: Sequence[tuple[int, int, int]] | None = None) -> Prepared:
         """`budget`: the request's deadline and stop flag, checked before each image and
         video and before tokenizing (TimeoutError once it has ended); `options`: how the
         chat template renders the chat; `pixels_for`: the media (indices, prompt order)
@@ -226,7 +266,12 @@ class Preprocessor:
         grid-only: read as far as their header (format, size: a bad one still refused),
         their grids computed as the processor would (ImageGeometry), no pixel touched. A
         helper's share of a split prompt; an index naming no image prepares nothing (the
-        helper checks its range against the rendering: pipeline._check_part)."""
+        helper checks its range against the rendering: pipeline._check_part).
+        `other_grids` (with `pixels_for`): the grids of the images outside it, in prompt
+        order (a split's lead's, RangeStart.image_grids): those images are neither fetched
+        nor read, each grid checked against this encoder's bounds for its image
+        (ImageGeometry.check; a wrong count or grid is an INVALID_ARGUMENT on
+        `image_grids`); None: their headers are read as above."""
         t0 = time.perf_counter()
         req = req or Limits()
         budget = budget or Budget()
@@ -242,8 +287,10 @@ class Preprocessor:
         if len(parts) - n_images > lim.max_videos:
             raise invalid("messages", f"the chat has {len(parts) - n_images} videos, over the "
                           f"limit of {lim.max_videos} (the encoder's max_videos_per_request)")
+        grids = self._given_grids(parts, pixels_for, other_grids)
         fetch = _Stopwatch()
-        media = [self._image(where, p, budget, fetch, pixels_for is None or k in pixels_for)
+        media = [self._image(where, p, budget, fetch, pixels_for is None or k in pixels_for,
+                             grids.get(k))
                  if isinstance(p, ImageInput) else self._video(where, p, budget, fetch)
                  for k, (where, p) in enumerate(parts)]  # fmt: skip
         budget.check()
@@ -272,12 +319,46 @@ class Preprocessor:
         return Placeholder(self.video_tokens.pad,
                            placeholder_text(m.plan, m.settings, self.video_tokens))
 
-    def _image(self, where: str, part: ImageInput, budget: Budget, fetch: _Stopwatch,
-               pixels: bool) -> PreparedImage:
-        """The image, prepared for the ViT, or grid-only when not `pixels` (its header read
-        and checked, not decoded: the lead, which prepares every image, refuses a
-        truncated one)."""
+    def _given_grids(self, parts: list, pixels_for: Container[int] | None,
+                     other_grids: Sequence[tuple[int, int, int]] | None,
+                     ) -> dict[int, tuple[int, int, int]]:
+        """`other_grids` by medium index, one per image outside `pixels_for`, each checked
+        against this encoder's bounds for its image, all before anything is fetched."""
+        if other_grids is None:
+            return {}
+        if pixels_for is None:
+            raise ValueError("other_grids names the images outside pixels_for: give both")
+        outside = [k for k, (_, p) in enumerate(parts)
+                   if isinstance(p, ImageInput) and k not in pixels_for]
+        if len(other_grids) != len(outside):
+            raise invalid("image_grids", f"{len(other_grids)} grids for the {len(outside)} "
+                          f"images of the chat outside this encoder's range")
+        for k, grid in zip(outside, other_grids, strict=True):
+            where, part = parts[k]
+            wrong = self.geometry.check(grid, *self._pixel_bounds(part),
+                                        self.limits.image.max_source_pixels)
+            if wrong is not None:
+                raise invalid("image_grids", f"the grid given for {where}: {wrong}")
+        return dict(zip(outside, other_grids, strict=True))
+
+    def _pixel_bounds(self, part: ImageInput) -> tuple[int, int]:
+        """The image's [min_pixels, max_pixels]: its overrides clamped into the server's
+        bounds (a client may tighten, never loosen)."""
         lim = self.limits
+        lo = min(max(part.min_pixels or lim.min_pixels, lim.min_pixels), lim.max_pixels)
+        return lo, max(min(part.max_pixels or lim.max_pixels, lim.max_pixels), lo)
+
+    def _image(self, where: str, part: ImageInput, budget: Budget, fetch: _Stopwatch,
+               pixels: bool, grid: tuple[int, int, int] | None = None) -> PreparedImage:
+        """The image, prepared for the ViT, or grid-only when not `pixels`: its `grid` as
+        given (checked already: _given_grids; the image neither fetched nor read), or
+        without one its header read and checked, not decoded (the lead, which prepares
+        every image, refuses a truncated one)."""
+        if grid is not None:
+            return PreparedImage(grid, grid[0] * grid[1] * grid[2] // (self.merge * self.merge),
+                                 where)
+        lim = self.limits
+        lo, hi = self._pixel_bounds(part)
         budget.check()
         with fetch:
             raw = image_bytes(part, where, lim.image, budget)
@@ -286,9 +367,6 @@ class Preprocessor:
         if max(w, h) / min(w, h) > MAX_ASPECT_RATIO:  # NOTE: transformers' ValueError, as a 400
             raise invalid(where, f"image is {w}x{h}: its aspect ratio is over "
                           f"{MAX_ASPECT_RATIO}, which the model's processor refuses")
-        # Overrides are clamped into the server's bounds: a client may tighten, never loosen.
-        lo = min(max(part.min_pixels or lim.min_pixels, lim.min_pixels), lim.max_pixels)
-        hi = max(min(part.max_pixels or lim.max_pixels, lim.max_pixels), lo)
         if not pixels:
             grid = self.geometry.grid(h, w, lo, hi)
             return PreparedImage(grid, grid[0] * grid[1] * grid[2] // (self.merge * self.merge),
