@@ -117,13 +117,17 @@ class EncodeResult:
 class MediaPart:
     """A helper's share of another encoder's prompt (EncodeRange): media [first_media,
     end_media) into payload tokens [first_token, end_token), the payload starting at
-    prompt token `payload_start` (the language side's cached prefix)."""
+    prompt token `payload_start` (the language side's cached prefix); `other_grids`: the
+    lead's grids of the chat's images outside the share, prompt order (RangeStart's
+    image_grids: those images are not fetched; None: a lead that sent none, their headers
+    are read)."""
 
     payload_start: int
     first_media: int
     end_media: int
     first_token: int
     end_token: int
+    other_grids: tuple[tuple[int, int, int], ...] | None = None
 
 
 class EncodePipeline:
@@ -249,7 +253,8 @@ class EncodePipeline:
         trace: tracing.Span = tracing.OFF,
         on_payload: Callable[[PromptPayload, list[RemoteRange]], None] | None = None,
         helpers: list[str] = (),
-        open_helper: Callable[[Share, int], HelperRange] | None = None,
+        open_helper: Callable[[Share, int, list[tuple[int, int, int]]], HelperRange]
+        | None = None,
         part: MediaPart | None = None,
     ) -> EncodeResult:
         """`on_state(EncodeState)` is called as the request moves from stage to stage;
@@ -263,10 +268,12 @@ class EncodePipeline:
         module docstring), called once before the ViT runs with the payload whose rows
         then fill in (its `arrived` watermark) and the ranges other encoders write;
         `helpers`: encoders that may take ranges of the prompt (split.py), each opened
-        with `open_helper(share, payload_start)` (the servicer's; it starts the helper's
-        work at once); `part`: encode only this share of the chat (a helper's
-        EncodeRange: no announce, only these media's images prepared and run, the other
-        images grid-only, the payload's other rows left zero, no PromptInfo)."""
+        with `open_helper(share, payload_start, grids)` (the servicer's; it starts the
+        helper's work at once; `grids`: those of the images outside the share, prompt
+        order, so the helper need not fetch them); `part`: encode only this share of the
+        chat (a helper's EncodeRange: no announce, only these media's images prepared and
+        run, the other images grid-only, the payload's other rows left zero, no
+        PromptInfo)."""
         left = math.inf if deadline is None else deadline - time.time()
         budget = Budget(time.monotonic() + left)
         try:
@@ -286,10 +293,11 @@ class EncodePipeline:
         step(EncodeState.PREPROCESSING)
         queued_ns = time.time_ns()
         # a helper prepares only its share's images (their pixels and keys); the others'
-        # grids alone lay its rendering out
+        # grids alone lay its rendering out (the lead's, or from their headers)
         pixels_for = None if part is None else range(part.first_media, part.end_media)
         prep = await self.pool.run(client, self.preprocessor, messages, limits, tools, budget,
-                                   template, pixels_for)
+                                   template, pixels_for,
+                                   None if part is None else part.other_grids)
         if trace.is_recording():
             _trace_preprocess(trace, prep, queued_ns)
         if cache_salt:
@@ -353,7 +361,8 @@ class EncodePipeline:
             # built before any decode or ViT (streamed, split or a helper's part)
             stream = await self._start_stream(prep, info, cached, feats, client, rows, only)
             for sh in shares[1:]:  # each helper starts now, beside our own ViT
-                h = open_helper(sh, cached)
+                h = open_helper(sh, cached, grids_outside(prep.media, sh.first_media,
+                                                          sh.end_media))
                 h.fall_back = functools.partial(
                     self._fall_back, stream, prep, units_in(every, cached, sh.first_token,
                                                             sh.end_token),
@@ -557,6 +566,13 @@ def _check_part(part: MediaPart, every: list[Unit], prompt_tokens: int) -> None:
         raise ChatError(f"range: tokens [{part.first_token}, {part.end_token}) hold media "
                         f"[{media[0]}, {media[-1] + 1}) here, not [{part.first_media}, "
                         f"{part.end_media})", "range")
+
+
+def grids_outside(media: list, first_media: int, end_media: int) -> list[tuple[int, int, int]]:
+    """The grids of the images outside media [first_media, end_media), prompt order: what a
+    helper of that share is sent (RangeStart.image_grids; Preprocessor's `other_grids`)."""
+    return [m.grid for k, m in enumerate(media)
+            if isinstance(m, PreparedImage) and not first_media <= k < end_media]
 
 
 def _grids(media: list) -> list[VisionGrid]:

@@ -141,14 +141,17 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             sending = asyncio.ensure_future(self.sender.send(
                 job.room, payload, deadline=deadline, trace=span, remote=remote))
 
-        def open_helper(share: Share, payload_start: int) -> HelperRange:
+        def open_helper(share: Share, payload_start: int,
+                        grids: list[tuple[int, int, int]]) -> HelperRange:
             ask = encoder_pb2.EncodeRequest()
             ask.CopyFrom(request)
             del ask.helpers[:]  # NOTE: a helper never splits its share again
             h = HelperRange(self.channels.get(share.helper), share, encoder_pb2.RangeStart(
                 request=ask, payload_start=payload_start, first_media=share.first_media,
                 media=share.end_media - share.first_media, first_token=share.first_token,
-                end_token=share.end_token), self.sender.config.timeout_s,
+                end_token=share.end_token, image_grids=[
+                    encoder_pb2.ImageGrid(temporal=t, height=y, width=x) for t, y, x in grids]),
+                self.sender.config.timeout_s,
                 metadata=tracing.metadata(span) + ((tracing.REQUEST_ID_HEADER, request.request_id),))
             helpers.append(h)
             return h
@@ -250,8 +253,12 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             deadline = deadline_from_proto(start.request.deadline_unix_ms,
                                            self.default_timeout_s, now)
             job = job_from_proto(start.request)
+            # NOTE: no image_grids is a lead from before them (or no image outside the
+            # range, the same rendering): the helper reads those images' headers
             part = MediaPart(start.payload_start, start.first_media,
-                             start.first_media + start.media, start.first_token, start.end_token)
+                             start.first_media + start.media, start.first_token, start.end_token,
+                             tuple((g.temporal, g.height, g.width) for g in start.image_grids)
+                             or None)
             beating = heartbeat(beat, lambda: outbox.put(working))
             try:
                 async with asyncio.timeout(max(0.0, deadline - now)):
