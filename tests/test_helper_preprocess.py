@@ -11,25 +11,43 @@ normalised, patchified or hashed.
 - A helper's part calls the image processor only on its share's images, and its rows of
   the payload are the unsplit encode's, bit for bit; a header-only read is all an image
   outside its share gets (a truncated one passes, a corrupt header is a clean refusal).
+- Given the lead's grids of the images outside its share (RangeStart.image_grids,
+  MediaPart.other_grids), a helper fetches none of them (URL images on a local server
+  that counts requests), its rows still bit-equal to the unsplit encode's; without them
+  (a lead from before the field) it fetches them for their headers, as before. Every
+  grid the processor gives is within ImageGeometry's bound; a wrong count or grid (a
+  video's t, odd or empty sides, over the image's pixel bound, int32 extremes) is an
+  INVALID_ARGUMENT on `image_grids`, before anything is fetched.
+- End to end (a real lead, helper and language instance: test_split.Trio): the lead
+  sends the grids, the helper fetches only its share's URLs, the answer equals
+  transformers' generate(); an EncodeRange with bad grids fails INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import http.server
 import io
 import sys
+import threading
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
-from encoder_peers.chats import chat, png  # noqa: E402
+from encoder_peers.chats import chat, png, to_proto  # noqa: E402
 
 from tandem.chat import ChatError, ImageInput, Message  # noqa: E402
 from tandem.services.encoder.config import EncoderConfig  # noqa: E402
-from tandem.services.encoder.pipeline import EncodePipeline, MediaPart  # noqa: E402
+from tandem.services.encoder.pipeline import (  # noqa: E402
+    EncodePipeline,
+    MediaPart,
+    grids_outside,
+)
 from tandem.services.encoder.preprocess import GridOnly, ImageGeometry  # noqa: E402
 
 ARCHS = ["qwen2_5_vl", "qwen3_vl"]
@@ -50,9 +68,10 @@ def one_thread():
     torch.set_num_threads(old)
 
 
-def pipe(checkpoint, arch: str) -> EncodePipeline:
+def pipe(checkpoint, arch: str, **config) -> EncodePipeline:
     return EncodePipeline.from_config(EncoderConfig(
-        model=str(checkpoint(arch)), device="cpu", dtype="float32", linear_backend="torch"))
+        model=str(checkpoint(arch)), device="cpu", dtype="float32", linear_backend="torch",
+        **config))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -70,6 +89,8 @@ def test_the_grid_rule_is_the_image_processors(checkpoint, arch):
                      return_tensors="pt")
             want = tuple(int(x) for x in out["image_grid_thw"][0].tolist())
             assert geometry.grid(h, w, *bounds) == want, (w, h, bounds)
+            # a lead's grid for it passes a helper's check (the bound holds)
+            assert geometry.check(want, *bounds, w * h) is None, (w, h, bounds, want)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -195,3 +216,189 @@ def test_a_helper_reads_only_the_header_of_an_image_outside_its_share(checkpoint
     assert (corrupt_header.code, corrupt_header.field) == (
         "INVALID_ARGUMENT", "messages[0].content[1].image")  # a clean refusal, no crash
     assert (misplaced.code, misplaced.field) == ("INVALID_ARGUMENT", "range")
+
+
+class _Images(http.server.BaseHTTPRequestHandler):
+    """Serves `files` by path and counts each path's GETs (`gets`)."""
+
+    files: dict[str, bytes] = {}
+    gets: collections.Counter = collections.Counter()
+
+    def do_GET(self):  # noqa: N802
+        self.gets[self.path] += 1
+        body = self.files.get(self.path)
+        if body is None:
+            self.send_response(404)
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_server():
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Images)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+URLS = {"allowed_url_hosts": ["127.0.0.1"], "allow_private_urls": True}
+
+
+def url_chat(server: str, seed: int, sizes=((64, 48), (40, 150), (120, 90), (56, 84)),
+             max_pixels: int | None = None) -> tuple[list[Message], list[Message], list[str]]:
+    """The same chat with its images as URLs on `server` and as data; the URLs' paths.
+    Image 0 carries a per-image max_pixels (its grid: the clamped bounds')."""
+    url_parts: list = [f"Compare these, case {seed}:"]
+    data_parts: list = list(url_parts)
+    paths = []
+    for k, (w, h) in enumerate(sizes):
+        path = f"/{seed}/{k}.png"
+        _Images.files[path] = png(w, h, seed * 10 + k)
+        hi = max_pixels if k == 0 else None
+        url_parts += [ImageInput(url=server + path, max_pixels=hi), f"and image {k}"]
+        data_parts += [ImageInput(data=_Images.files[path], max_pixels=hi), f"and image {k}"]
+        paths.append(path)
+    system = Message("system", ("You are terse.",))
+    return ([system, Message("user", tuple(url_parts))],
+            [system, Message("user", tuple(data_parts))], paths)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_helper_given_grids_fetches_nothing_outside_its_share(checkpoint, arch, image_server):
+    p = pipe(checkpoint, arch, **URLS)
+    lim = p.preprocessor.limits
+    messages, _, paths = url_chat(image_server, 40 + ARCHS.index(arch),
+                                  max_pixels=lim.min_pixels * 3)
+    first, end = 1, 3  # images 0 and 3 outside the share
+
+    async def encode_all():
+        whole = await p.encode(messages)
+        fetched = {path: _Images.gets[path] for path in paths}
+        lead = p.preprocessor(messages)  # what the lead sends: its grids of the others
+        grids = tuple(grids_outside(lead.media, first, end))
+        spans = whole.payload.info.images
+        part = MediaPart(0, first, end, spans[first].start, spans[end].start, grids)
+        _Images.gets.clear()
+        given = await p.encode(messages, part=part)
+        with_grids = {path: _Images.gets[path] for path in paths}
+        _Images.gets.clear()  # a lead from before image_grids: the headers read
+        old = await p.encode(messages, part=MediaPart(*[getattr(part, f) for f in (
+            "payload_start", "first_media", "end_media", "first_token", "end_token")]))
+        without = {path: _Images.gets[path] for path in paths}
+        return whole, fetched, grids, given, with_grids, old, without
+
+    whole, fetched, grids, given, with_grids, old, without = _run(p, encode_all)
+    assert fetched == dict.fromkeys(paths, 1)  # the lead fetches each image once
+    assert len(grids) == 2
+    # given grids: only its share's images fetched
+    assert with_grids == {paths[0]: 0, paths[1]: 1, paths[2]: 1, paths[3]: 0}
+    assert without == dict.fromkeys(paths, 1)  # the fallback: every image, for its header
+    spans = whole.payload.info.images
+    t0, t1 = spans[first].start, spans[end].start
+    for res in (given, old):
+        got, want = res.payload, whole.payload
+        assert res.image_hashes == whole.image_hashes[first:end]
+        assert torch.equal(got.fill_ids, want.fill_ids)
+        assert torch.equal(got.mrope_positions, want.mrope_positions)
+        assert got.mrope_delta == want.mrope_delta
+        assert torch.equal(got.input_embeds[t0:t1], want.input_embeds[t0:t1])
+
+
+def test_bad_grids_are_refused_before_anything_is_fetched(checkpoint, image_server):
+    p = pipe(checkpoint, "qwen2_5_vl", **URLS)
+    pre = p.preprocessor
+    lim = pre.limits
+    messages, _, paths = url_chat(image_server, 50, max_pixels=lim.min_pixels * 3)
+    grids = grids_outside(pre(messages).media, 1, 3)  # images 0 (small max_pixels) and 3
+    geometry, big = pre.geometry, 2**31 - 1
+    most0 = geometry.most_patches(lim.min_pixels, lim.min_pixels * 3,
+                                  lim.image.max_source_pixels)
+    most3 = geometry.most_patches(lim.min_pixels, lim.max_pixels, lim.image.max_source_pixels)
+    assert grids[0][1] * grids[0][2] <= most0 < most3
+    # just over image 0's bound (its max_pixels override), within the encoder's own
+    over0 = next((1, 2, w) for w in range(2, 10**6, 2) if 2 * w > most0)
+    assert 2 * over0[2] <= most3
+    bad = {
+        "none for one image": grids[:1],
+        "one too many": [*grids, grids[0]],
+        "a video's t": [(2, *grids[0][1:]), grids[1]],
+        "odd side": [(1, grids[0][1] + 1, grids[0][2]), grids[1]],
+        "no rows": [(1, 0, grids[0][2]), grids[1]],
+        "negative": [grids[0], (1, -2, -2)],
+        "over image 0's pixels": [over0, grids[1]],
+        "int32 extremes": [grids[0], (1, big - 1, big - 1)],
+        "int32 t": [(big, 2, 2), grids[1]],
+    }
+    _Images.gets.clear()
+    for name, given in bad.items():
+        with pytest.raises(ChatError) as e:
+            pre(messages, pixels_for=range(1, 3), other_grids=given)
+        assert (e.value.code, e.value.field) == ("INVALID_ARGUMENT", "image_grids"), name
+    assert not _Images.gets  # refused before any fetch
+    # the good ones pass, fetching only the share
+    out = pre(messages, pixels_for=range(1, 3), other_grids=grids)
+    assert [m.grid for k, m in enumerate(out.media) if k in (0, 3)] == grids
+    assert dict(_Images.gets) == {paths[1]: 1, paths[2]: 1}
+
+
+@pytest.mark.timeout(420)
+def test_the_lead_sends_grids_end_to_end(checkpoint, image_server):
+    """A real lead, helper and language instance (test_split.Trio), the chat's images URLs
+    on the counting server: the helper (the second share: images 2 and 3) fetches only its
+    own, the answer equals generate(); an EncodeRange whose grids are wrong fails."""
+    from test_split import Trio
+    from test_stream import HANG_GUARD_S, expected
+
+    from tandem.v1 import encoder_pb2, encoder_pb2_grpc
+
+    ckpt = checkpoint("qwen2_5_vl")
+    messages, data, paths = url_chat(image_server, 60)
+    want = expected(ckpt, data)
+    trio = Trio(ckpt)
+    trio.lead_cfg = trio.lead_cfg.model_copy(update=URLS)
+    trio.helper_cfg = trio.helper_cfg.model_copy(update=URLS)
+    trio.start()
+    try:
+        _Images.gets.clear()
+        tokens, res = trio.call(trio.generate(messages))
+        assert isinstance(res, encoder_pb2.EncodeResponse), (res, trio.language_error)
+        assert tokens == want
+        lead, helper = res.ranges
+        assert helper.encoder == trio.helper and not helper.fell_back
+        mine = range(helper.first_media, helper.first_media + helper.media)
+        assert len(mine) and 0 not in mine
+        # every image once by the lead; the helper's share once more, nothing else
+        assert dict(_Images.gets) == {path: 1 + (k in mine) for k, path in enumerate(paths)}
+
+        async def range_with(grids) -> encoder_pb2.EncodeRangeResponse:
+            async with grpc.aio.insecure_channel(trio.helper) as ch:
+                start = encoder_pb2.RangeStart(
+                    request=encoder_pb2.EncodeRequest(room=7, messages=to_proto(messages)),
+                    first_media=1, media=2, first_token=1, end_token=2, image_grids=grids)
+                call = encoder_pb2_grpc.EncoderStub(ch).EncodeRange(
+                    iter([encoder_pb2.EncodeRangeRequest(start=start)]))
+                async for msg in call:
+                    if msg.WhichOneof("msg") == "failed":
+                        return msg
+                raise AssertionError("the range ended without failing")
+
+        _Images.gets.clear()
+        for grids in ([encoder_pb2.ImageGrid(temporal=1, height=4, width=4)],
+                      [encoder_pb2.ImageGrid(temporal=1, height=2**30, width=2**30)] * 2):
+            failed = asyncio.run_coroutine_threadsafe(range_with(grids), trio.loop).result(
+                HANG_GUARD_S)
+            assert failed.failed.error.code == "INVALID_ARGUMENT", failed
+            assert failed.failed.error.message.startswith("image_grids: "), failed
+        assert not _Images.gets
+    finally:
+        trio.stop()
