@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import http.server
 import io
 import sys
@@ -312,6 +313,41 @@ def test_a_helper_given_grids_fetches_nothing_outside_its_share(checkpoint, arch
         assert torch.equal(got.mrope_positions, want.mrope_positions)
         assert got.mrope_delta == want.mrope_delta
         assert torch.equal(got.input_embeds[t0:t1], want.input_embeds[t0:t1])
+
+
+def test_a_helper_whose_url_answers_differently_refuses_its_range(checkpoint, image_server):
+    """The lead sends the keys of the share's media (RangeStart.media_keys); a helper that
+    fetched another image under the same URL (same size: the same grid and tokens) refuses
+    its range (ABORTED: the lead encodes it) instead of writing that image's rows under the
+    key the lead announced; the same image passes; a wrong count is INVALID_ARGUMENT."""
+    p = pipe(checkpoint, "qwen2_5_vl", **URLS)
+    messages, _, paths = url_chat(image_server, 60)
+    first, end = 1, 3
+
+    async def encode_all():
+        whole = await p.encode(messages)
+        lead = p.preprocessor(messages)
+        keys = tuple(m.key for m in lead.media[first:end])
+        spans = whole.payload.info.images
+        part = MediaPart(0, first, end, spans[first].start, spans[end].start,
+                         tuple(grids_outside(lead.media, first, end)), keys)
+        same = await p.encode(messages, part=part)
+        errors = []
+        for part_ in (dataclasses.replace(part, keys=keys[:1]), part):
+            if part_ is part:  # image 2's URL now answers with another image, same size
+                _Images.files[paths[2]] = png(120, 90, 999)
+            try:
+                await p.encode(messages, part=part_)
+                errors.append(None)
+            except ChatError as e:
+                errors.append(e)
+        return same, errors
+
+    same, (miscounted, changed) = _run(p, encode_all)
+    assert same.image_hashes  # its own keys equal the lead's: encoded
+    assert (miscounted.code, miscounted.field) == ("INVALID_ARGUMENT", "media_keys")
+    assert (changed.code, changed.field) == ("ABORTED", "media_keys")
+    assert "medium 2" in changed.message
 
 
 def test_bad_grids_are_refused_before_anything_is_fetched(checkpoint, image_server):

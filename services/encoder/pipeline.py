@@ -128,6 +128,9 @@ class MediaPart:
     first_token: int
     end_token: int
     other_grids: tuple[tuple[int, int, int], ...] | None = None
+    # the lead's cache keys of media [first_media, end_media) (RangeStart.media_keys; ():
+    # a lead from before them, not checked)
+    keys: tuple[str, ...] = ()
 
 
 class EncodePipeline:
@@ -268,9 +271,10 @@ class EncodePipeline:
         module docstring), called once before the ViT runs with the payload whose rows
         then fill in (its `arrived` watermark) and the ranges other encoders write;
         `helpers`: encoders that may take ranges of the prompt (split.py), each opened
-        with `open_helper(share, payload_start, grids)` (the servicer's; it starts the
+        with `open_helper(share, payload_start, grids, keys)` (the servicer's; it starts the
         helper's work at once; `grids`: those of the images outside the share, prompt
-        order, so the helper need not fetch them); `part`: encode only this share of the
+        order, so the helper need not fetch them; `keys`: the share's media's cache keys,
+        which the helper checks its own against); `part`: encode only this share of the
         chat (a helper's EncodeRange: no announce, only these media's images prepared and
         run, the other images grid-only, the payload's other rows left zero, no
         PromptInfo)."""
@@ -324,6 +328,7 @@ class EncodePipeline:
         only = None  # a helper's units: (medium, group)
         if part is not None:  # a helper: only the media of its share
             _check_part(part, every, int(prep.input_ids.numel()))
+            _check_keys(part, prep.media)
             only = {(u.medium, u.g0)
                     for u in units_in(every, cached, part.first_token, part.end_token)}
             need = [i for i in need if any(m == i for m, _ in only)]
@@ -362,7 +367,8 @@ class EncodePipeline:
             stream = await self._start_stream(prep, info, cached, feats, client, rows, only)
             for sh in shares[1:]:  # each helper starts now, beside our own ViT
                 h = open_helper(sh, cached, grids_outside(prep.media, sh.first_media,
-                                                          sh.end_media))
+                                                          sh.end_media),
+                                [m.key for m in prep.media[sh.first_media:sh.end_media]])
                 h.fall_back = functools.partial(
                     self._fall_back, stream, prep, units_in(every, cached, sh.first_token,
                                                             sh.end_token),
@@ -573,6 +579,25 @@ def grids_outside(media: list, first_media: int, end_media: int) -> list[tuple[i
     helper of that share is sent (RangeStart.image_grids; Preprocessor's `other_grids`)."""
     return [m.grid for k, m in enumerate(media)
             if isinstance(m, PreparedImage) and not first_media <= k < end_media]
+
+
+def _check_keys(part: MediaPart, media: list) -> None:
+    """A helper's media of its share must be the lead's (the same cache keys): a URL is
+    fetched again here and may answer differently (a signed URL expired, a random-image
+    endpoint); their rows would then go out under the key the lead announced, and the
+    language side's prefix cache would serve them to another chat. ABORTED: this range
+    only (the lead encodes it itself)."""
+    if not part.keys:
+        return
+    mine = [m.key for m in media[part.first_media:part.end_media]]
+    if len(part.keys) != len(mine):
+        raise ChatError(f"media_keys: {len(part.keys)} keys for the range's {len(mine)} media",
+                        "media_keys")
+    for i, (theirs, ours) in enumerate(zip(part.keys, mine, strict=True)):
+        if theirs != ours:
+            raise ChatError(f"medium {part.first_media + i}: its content here differs from "
+                            "the lead's (a URL that answered differently)", "media_keys",
+                            "ABORTED")
 
 
 def _grids(media: list) -> list[VisionGrid]:

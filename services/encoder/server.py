@@ -141,8 +141,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             sending = asyncio.ensure_future(self.sender.send(
                 job.room, payload, deadline=deadline, trace=span, remote=remote))
 
-        def open_helper(share: Share, payload_start: int,
-                        grids: list[tuple[int, int, int]]) -> HelperRange:
+        def open_helper(share: Share, payload_start: int, grids: list[tuple[int, int, int]],
+                        keys: list[str]) -> HelperRange:
             ask = encoder_pb2.EncodeRequest()
             ask.CopyFrom(request)
             del ask.helpers[:]  # NOTE: a helper never splits its share again
@@ -150,7 +150,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                 request=ask, payload_start=payload_start, first_media=share.first_media,
                 media=share.end_media - share.first_media, first_token=share.first_token,
                 end_token=share.end_token, image_grids=[
-                    encoder_pb2.ImageGrid(temporal=t, height=y, width=x) for t, y, x in grids]),
+                    encoder_pb2.ImageGrid(temporal=t, height=y, width=x) for t, y, x in grids],
+                media_keys=keys),
                 self.sender.config.timeout_s,
                 metadata=tracing.metadata(span) + ((tracing.REQUEST_ID_HEADER, request.request_id),))
             helpers.append(h)
@@ -258,7 +259,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             part = MediaPart(start.payload_start, start.first_media,
                              start.first_media + start.media, start.first_token, start.end_token,
                              tuple((g.temporal, g.height, g.width) for g in start.image_grids)
-                             or None)
+                             or None, tuple(start.media_keys))
             beating = heartbeat(beat, lambda: outbox.put(working))
             try:
                 async with asyncio.timeout(max(0.0, deadline - now)):
