@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import secrets
 import signal
@@ -294,6 +295,8 @@ def test_split_greedy_equals_generate(checkpoint, gate, arch, stream, protect):
             assert writers == ["", trio.helper], res.ranges  # the lead, then the helper
             assert not any(r.fell_back for r in res.ranges)
             assert sum(r.tokens for r in res.ranges) == res.prompt_tokens - res.cached_prompt_tokens
+            # each writer ran its own media (fresh images: no cache hit anywhere)
+            assert all(r.vit_ms > 0 and r.cached_image_tokens == 0 for r in res.ranges)
         assert_idle(trio)
 
         # both ViTs at once: the lead's first image is held until the helper's last image
@@ -313,6 +316,38 @@ def test_split_greedy_equals_generate(checkpoint, gate, arch, stream, protect):
         assert_idle(trio)
     finally:
         gate.opened.set()
+        trio.stop()
+
+
+def test_a_helpers_cache_hits_are_the_answers(checkpoint):
+    """A chat whose helper-share images the helper encoded before (its share of an earlier
+    chat with the same sizes) and the lead never did: the lead misses them all, so it plans
+    the same split, and they are the helper's cache hits: counted in the answer's
+    cached_image_tokens and in the helper's range."""
+    ckpt = checkpoint("qwen2_5_vl")
+    first = four_image_chat(31)
+    trio = Trio(ckpt).start()
+    try:
+        _, res = trio.call(trio.generate(first))
+        lead, helper = res.ranges
+        assert helper.encoder == trio.helper and not res.cached_image_tokens
+        share = range(helper.first_media, helper.first_media + helper.media)
+        user = list(first[1].parts)
+        for k in range(len(SIZES)):  # the lead's images new, the helper's as before
+            if k not in share:
+                w, h = SIZES[k]
+                user[1 + 2 * k] = ImageInput(data=png(w, h, 3200 + k))
+        user[0] = "Now compare these:"
+        second = [first[0], Message("user", tuple(user))]
+        helper_tokens = sum(math.prod(_grid(ckpt, first, k)) // 4 for k in share)
+        tokens, res = trio.call(trio.generate(second))
+        assert tokens == expected(ckpt, second)
+        lead, helper = res.ranges
+        assert (helper.encoder, helper.cached_image_tokens, lead.cached_image_tokens) == (
+            trio.helper, helper_tokens, 0), res.ranges
+        assert res.cached_image_tokens == helper_tokens and lead.vit_ms > 0
+        assert_idle(trio)
+    finally:
         trio.stop()
 
 

@@ -162,13 +162,13 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                             "helpers", "FAILED_PRECONDITION")
         try:
             return await self._encode_split(request, job, span, deadline, now, mark, stream,
-                                            open_helper, lambda: sending)
+                                            open_helper, lambda: sending, helpers)
         finally:
             for h in helpers:
                 h.close()
 
     async def _encode_split(self, request, job, span, deadline, now, mark, stream, open_helper,
-                            streaming) -> encoder_pb2.EncodeResponse:
+                            streaming, helpers: list[HelperRange]) -> encoder_pb2.EncodeResponse:
         sending = None
         async with asyncio.timeout(deadline - now):
             self.sender.preparing(job.room, True)  # heartbeats on its Attach stream meanwhile
@@ -209,7 +209,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             room=job.room,
             prompt_tokens=res.payload.end,
             num_images=len(res.image_hashes),
-            cached_image_tokens=res.cached_image_tokens,
+            # the helpers' cache hits too (their ranges' media are the lead's misses)
+            cached_image_tokens=res.cached_image_tokens + sum(
+                h.ready.cached_image_tokens for h in _helped(res, helpers)),
             image_hashes=res.image_hashes,
             resumes=stats.resumes,
             timings=common_pb2.StageTimings(
@@ -220,7 +222,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             skipped_images=res.skipped_images,
             num_videos=len(res.video_keys),
             video_keys=res.video_keys,
-            ranges=_written_ranges(res),
+            ranges=_written_ranges(res, helpers),
         )
 
     async def EncodeRange(self, request_iterator, context):  # noqa: N802
@@ -358,17 +360,35 @@ async def _flush_failed(outbox: asyncio.Queue, pumping: asyncio.Task, code: str,
     await _drained(outbox, pumping)
 
 
-def _written_ranges(res) -> list[common_pb2.EncoderRange]:
-    """Who wrote which rows (the lead alone without a split)."""
+def _helped(res, helpers: list[HelperRange]) -> list[HelperRange]:
+    """The helpers whose ranges they wrote themselves (Ready, and not re-encoded by us)."""
+    fell = {rr.start for rr in res.remote if rr.fell_back}
+    return [h for h in helpers if h.ready is not None and h.share.first_token not in fell]
+
+
+def _written_ranges(res, helpers: list[HelperRange]) -> list[common_pb2.EncoderRange]:
+    """Who wrote which rows (the lead alone without a split), with each writer's ViT time
+    and cache hits (the lead's: its own; a helper's: its RangeReady)."""
     if not res.shares:
         return [common_pb2.EncoderRange(first_token=0, tokens=res.payload.num_tokens,
                                          first_media=0, media=len(res.image_hashes) +
-                                         len(res.video_keys))]
+                                         len(res.video_keys), vit_ms=res.vit_ms,
+                                         cached_image_tokens=res.cached_image_tokens)]
     fell = {rr.start for rr in res.remote if rr.fell_back}
-    return [common_pb2.EncoderRange(
-        encoder=sh.helper, first_token=sh.first_token, tokens=sh.end_token - sh.first_token,
-        first_media=sh.first_media, media=sh.end_media - sh.first_media,
-        fell_back=sh.first_token in fell and bool(sh.helper)) for sh in res.shares]
+    ready = {h.share.first_token: h.ready for h in _helped(res, helpers)}
+    out = []
+    for sh in res.shares:
+        r = common_pb2.EncoderRange(
+            encoder=sh.helper, first_token=sh.first_token, tokens=sh.end_token - sh.first_token,
+            first_media=sh.first_media, media=sh.end_media - sh.first_media,
+            fell_back=sh.first_token in fell and bool(sh.helper))
+        if not sh.helper:
+            r.vit_ms, r.cached_image_tokens = res.vit_ms, res.cached_image_tokens
+        elif sh.first_token in ready:
+            got = ready[sh.first_token]
+            r.vit_ms, r.cached_image_tokens = got.vit_ms, got.cached_image_tokens
+        out.append(r)
+    return out
 
 
 def _status(name: str) -> grpc.StatusCode:

@@ -26,7 +26,9 @@ Rules (all here):
   the lead, past the language side's cached prefix: two images, or one video of two
   temporal groups) and a helper; at most one range per encoder; the lead keeps the first
   range (its rows reach the language side first), ranges are balanced by the lead's
-  uncached patches (cache hits weigh nothing) and cut only where a unit starts.
+  uncached patches (cache hits weigh nothing) and cut only where a unit the ViT must run
+  starts (weight > 0), so every share has ViT work: a helper is never sent units the lead
+  holds cached and nothing else (weightless units join the share before them).
 - Rows of a range depend only on its units and the chat (text embeddings, ids,
   positions): no writer needs another's.
 - Every range is its own piece (its own blocks, aux rows and tags), so no block is
@@ -81,8 +83,10 @@ def plan_split(starts: list[int], weights: list[int], payload_start: int, total:
     `starts[u]`: unit u's first pad token (prompt index; units in prompt order);
     `weights[u]`: its patches the lead would run through the ViT (0: cached);
     `payload_start`: the language side's cached prefix (the payload's token 0); `total`:
-    payload tokens. Units that start inside the cached prefix stay with the lead. The
-    caller fills each share's media (`with_media`).
+    payload tokens. Units that start inside the cached prefix stay with the lead. A cut
+    falls only before a unit of weight > 0: weightless units stay in the share before
+    them, so every share holds ViT work. The caller fills each share's media
+    (`with_media`).
     """
     movable = [i for i, s in enumerate(starts) if s > payload_start]
     work = sum(weights)
@@ -92,11 +96,10 @@ def plan_split(starts: list[int], weights: list[int], payload_start: int, total:
     # cut before the medium where the running work first passes k/n of the whole
     cuts, run, k = [], 0, 1
     for i in range(len(starts)):
-        if k < n and i in movable and run >= work * k / n and (not cuts or cuts[-1] < i):
+        if k < n and weights[i] > 0 and i in movable and run >= work * k / n:
             cuts.append(i)
             k += 1
         run += weights[i]
-    cuts = [c for c in cuts if any(weights[j] for j in range(c, len(starts)))]
     if not cuts or not any(weights[j] for j in range(cuts[0])):
         return []  # the lead's range would hold no ViT work: the split buys nothing
     bounds = [0, *cuts, len(starts)]

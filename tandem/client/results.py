@@ -26,7 +26,9 @@ class Usage:
 class EncoderRange:
     """One encoder's share of a prompt's rows: payload tokens [first_token, first_token +
     tokens) and media [first_media, first_media + media); `fell_back`: that helper failed
-    and the lead re-encoded its range."""
+    and the lead re-encoded its range; `vit_ms`: the writer's ViT time for it (the lead's:
+    its own; 0 when re-encoded); `cached_image_tokens`: its media tokens served from the
+    writer's embedding cache (the lead's: its hits over the whole prompt)."""
 
     encoder: str  # its address
     first_token: int
@@ -34,6 +36,8 @@ class EncoderRange:
     first_media: int
     media: int
     fell_back: bool = False
+    vit_ms: float = 0.0
+    cached_image_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -190,4 +194,5 @@ def add(result: ChatResult, msg: router_pb2.RouterGenerateResponse) -> None:
             t.preprocess_ms, t.vit_ms, t.transfer_ms, t.queue_ms, t.prefill_ms, t.decode_ms,
             t.skipped_images, t.encoder_bypassed, t.time_to_first_row_ms, t.early_prefill_tokens,
             tuple(EncoderRange(r.encoder, r.first_token, r.tokens, r.first_media, r.media,
-                               r.fell_back) for r in t.encoder_ranges))
+                               r.fell_back, r.vit_ms, r.cached_image_tokens)
+                  for r in t.encoder_ranges))
