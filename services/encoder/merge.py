@@ -244,6 +244,15 @@ class StreamedPayload:
                 self.missing[i] = gs
         self._raise()
 
+    def expect(self, units: set[tuple[int, int]]) -> None:
+        """These (medium, group) units' rows are this writer's after all (a split prompt's
+        lead taking back a lost helper's range): they wait for features again (`needs`).
+        NOTE: the watermark never goes back; the caller writes those rows only after
+        placing them (the sender awaits the whole fall back)."""
+        for i, g in units:
+            if int(self.rows[i][(g + 1) * self.per[i] - 1]) >= 0:
+                self.missing.setdefault(i, set()).add(g)
+
     def needs(self, i: int, g: int | None = None) -> bool:
         """Medium i (group g of it) still waits for features here."""
         return i in self.missing and (g is None or g in self.missing[i])

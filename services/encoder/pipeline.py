@@ -325,7 +325,7 @@ class EncodePipeline:
         rows = media_rows(prep.input_ids, [m.num_tokens for m in prep.media],
                           self.spec.image_token_id, self.spec.video_token_id)
         every = units(prep.media, rows, cached)  # each image, each video's temporal group
-        only = None  # a helper's units: (medium, group)
+        only = None  # the units this payload waits for (a helper's, a split's lead's)
         if part is not None:  # a helper: only the media of its share
             _check_part(part, every, int(prep.input_ids.numel()))
             _check_keys(part, prep.media)
@@ -355,9 +355,9 @@ class EncodePipeline:
                 [u.first_pad for u in every], [u.patches if u.medium in misses else 0
                                                for u in every],
                 cached, int(prep.input_ids.numel()) - cached, helpers), every)
-            if shares:  # the lead's share: the first
-                lead = set(every[: shares[0].end_unit])
-                work = [u for u in work if u in lead]
+            if shares:  # the lead's share: the first; its payload waits for those alone
+                # (the helpers' rows are theirs: `_fall_back` adds a lost one's back)
+                only = {(u.medium, u.g0) for u in every[: shares[0].end_unit]}
         if only is not None:
             work = [u for u in work if (u.medium, u.g0) in only]
         remote: list[RemoteRange] = []
@@ -372,7 +372,7 @@ class EncodePipeline:
                 h.fall_back = functools.partial(
                     self._fall_back, stream, prep, units_in(every, cached, sh.first_token,
                                                             sh.end_token),
-                    client, budget.deadline)
+                    feats, client, budget.deadline)
                 remote.append(h.remote())
             if on_payload is not None:
                 on_payload(stream.payload, remote)
@@ -496,11 +496,18 @@ class EncodePipeline:
                 tuple(torch.cat([f.deepstack[k] for f in fs]) for k in range(len(fs[0].deepstack)))))
 
     async def _fall_back(self, stream: StreamedPayload, prep, share_units: list[Unit],
-                         client: str, deadline: float) -> None:
-        """A lost helper's units into the lead's own payload (decode, ViT), so the lead
-        writes the rest of its range (split.py)."""
+                         feats: list, client: str, deadline: float) -> None:
+        """A lost helper's units into the lead's own payload (its cache hits `feats`, the
+        rest decoded and through the ViT), so the lead writes the rest of its range
+        (split.py). The payload waits for them again first, so its rows there are never
+        taken for final while zero."""
         budget = Budget(deadline)
         try:
+            stream.expect({(u.medium, u.g0) for u in share_units})
+            hits = [i for i in dict.fromkeys(u.medium for u in share_units)
+                    if feats[i] is not None and stream.needs(i)]
+            if hits:
+                await self.pool.run(client, lambda: [stream.place(i, feats[i]) for i in hits])
             todo = vit_inputs([u for u in share_units if stream.needs(u.medium, u.g0)],
                               prep.media)
             videos = sorted({v.medium for v in todo

@@ -501,14 +501,34 @@ class EmbeddingSender:
                     span.set_attribute("tandem.transfer.fell_back", True)
                     owner.fell_back = True
                     self.metrics.range_fallbacks.inc()
-                    await self._race(r, owner.fall_back(), deadline,
-                                     f"re-encoding tokens {owner.start}..{owner.end}",
-                                     stall=False)
+                    # NOTE: the re-encode is ViT work, not a stall: heartbeats meanwhile
+                    # (the language side fails a silent room at its transfer timeout)
+                    with self._heartbeat(r):
+                        await self._race(r, owner.fall_back(), deadline,
+                                         f"re-encoding tokens {owner.start}..{owner.end}",
+                                         stall=False)
             r.to(SenderState.TRANSFERRING)
             return await self._write_piece(r, payload, dests, ids, start, piece, deadline,
                                            first=done)
         finally:
             span.end()
+
+    @contextlib.contextmanager
+    def _heartbeat(self, r: SenderRoom):
+        """An AttachWorking on the room's stream every third of the transfer timeout
+        while inside (work that says nothing else on the stream)."""
+
+        async def beat() -> None:
+            while True:
+                await asyncio.sleep(max(0.5, self.config.timeout_s / 3))
+                r.outbox.put_nowait(encoder_pb2.AttachResponse(
+                    working=encoder_pb2.AttachWorking(room=r.room)))
+
+        task = asyncio.ensure_future(beat())
+        try:
+            yield
+        finally:
+            task.cancel()
 
     async def write_range(self, room: int, init: encoder_pb2.AttachInit,
                           payload: PromptPayload, start: int, piece: int,
