@@ -33,20 +33,33 @@ Rules (all here):
   positions): no writer needs another's.
 - Every range is its own piece (its own blocks, aux rows and tags), so no block is
   written by two writers.
-- A helper that is lost (its stream breaks, it cannot be reached, or it fails for a
-  reason of its own) has its range re-encoded by the lead, from the helper's last
-  reported chunk; the rows before it stay. A helper that stalls (no message within the
-  transfer timeout; it heartbeats while in the ViT) fails the room (UNAVAILABLE, naming
-  the helper as the culprit: the router's retry avoids it), so the router retries the
-  request: a frozen helper may wake and write, and a new attempt's
-  generation fences its stale rows, which a re-encode into the same blocks would not.
+- A helper's RangeWrite goes out only after its Ready (`HelperRange.write` reads the
+  helper's messages from the start), so whether it may have written is known: a helper
+  failure of any kind (a failed message of any code, its stream broken or ended) before
+  the lead sent it a RangeWrite, or after it reported a piece's last chunk and before
+  the next RangeWrite, leaves nothing of it in flight: the helper is lost (RangeLost) and
+  the lead re-encodes its range, from the helper's last reported chunk (the rows before
+  it stay). A failure while a RangeWrite is outstanding (sent, its end not reported:
+  the helper's Mooncake writes may still be in flight) fails the room: UNAVAILABLE
+  naming the helper as the culprit (the router retries the request elsewhere, and the
+  new attempt's generation fences any late write), except the room's own protection
+  failures the helper reports (DATA_LOSS, FAILED_PRECONDITION), which keep their code.
+  A helper that stalls (no message within the transfer timeout; it heartbeats while in
+  the ViT) fails the room the same way (UNAVAILABLE, culprit): a frozen helper may wake
+  and write, and only a new attempt's generation fences its stale rows.
+- Both ends bound the range by the request's deadline: the lead's EncodeRange call
+  carries it as its timeout, the helper ends the stream at it (DEADLINE_EXCEEDED).
+- While the lead re-encodes a lost helper's range its Attach stream carries heartbeats
+  (AttachWorking), as while rows are in its own ViT.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -124,19 +137,34 @@ def units_in(units: list, payload_start: int, first_token: int, end_token: int) 
     return [u for u in units if first_token <= u.first_pad - payload_start < end_token]
 
 
+class HelperStep(enum.Enum):
+    """Where one helper's range is, as the lead sees it: whether the helper may be writing
+    into the room's blocks now (the module docstring's rule for fall back or fail)."""
+
+    PREPARING = "preparing"  # RangeStart sent; its Ready not read yet: nothing written
+    READY = "ready"  # its rows are final; no RangeWrite outstanding: nothing in flight
+    WRITING = "writing"  # a RangeWrite sent and its end not reported: writes may be in flight
+    FINISHED = "finished"  # the range's last piece written: the stream ends cleanly
+
+
 class HelperRange:
     """The lead's side of one helper's EncodeRange stream: started at once (the helper
     preprocesses and runs its ViT while the lead runs its own), then one RangeWrite per
-    piece (`write`, the sender's RemoteRange.write). `fall_back` (set by the pipeline)
-    puts the range's rows into the lead's payload when the helper is lost."""
+    piece (`write`, the sender's RemoteRange.write), each only after the helper's Ready.
+    `fall_back` (set by the pipeline) puts the range's rows into the lead's payload when
+    the helper is lost. The call is bounded by the request's deadline (`start.request`'s,
+    which the lead sets)."""
 
     def __init__(self, channel: grpc.aio.Channel, share: Share, start: encoder_pb2.RangeStart,
                  timeout_s: float, metadata: tuple = ()) -> None:
         self.share, self.timeout_s = share, timeout_s
+        self.step = HelperStep.PREPARING
         stub = encoder_pb2_grpc.EncoderStub(channel)
         self._requests: asyncio.Queue = asyncio.Queue()
         self._requests.put_nowait(encoder_pb2.EncodeRangeRequest(start=start))
-        self._call = stub.EncodeRange(self._stream(), metadata=metadata)
+        ms = start.request.deadline_unix_ms
+        self._call = stub.EncodeRange(self._stream(), metadata=metadata, timeout=max(
+            0.0, ms / 1000 - time.time()) if ms else None)
         self.ready: encoder_pb2.RangeReady | None = None
         self.fall_back: Callable[[], Awaitable[None]] | None = None
 
@@ -156,13 +184,27 @@ class HelperRange:
         await self.fall_back()
 
     def close(self) -> None:
-        """End the stream (the helper stops writing)."""
+        """End the stream: cleanly (done writing) once the whole range is written, else
+        cancelled (the helper stops)."""
         self._requests.put_nowait(None)
-        self._call.cancel()
+        if self.step is not HelperStep.FINISHED:
+            self._call.cancel()
+
+    def _failed(self, why: str, code: str = "") -> Exception:
+        """The helper's failure (`code`: the one it reported, "" for a broken or ended
+        stream), as the module docstring's rule has it: RangeLost while nothing of it can
+        be in flight, else the room's failure."""
+        if self.step is not HelperStep.WRITING:
+            return RangeLost(f"{code or 'stream'}: {why}")
+        if code in ("DATA_LOSS", "FAILED_PRECONDITION"):  # the room's own protection
+            return TransferError(f"helper {self.share.helper}: {why}", code)
+        return TransferError(f"helper {self.share.helper} failed while writing its range "
+                             f"({code or 'stream'}: {why})", "UNAVAILABLE",
+                             culprit=self.share.helper)
 
     async def _next(self, what: str) -> encoder_pb2.EncodeRangeResponse:
-        """The helper's next message; RangeLost when the stream broke or the helper failed
-        for a reason of its own; TransferError (UNAVAILABLE) when it was silent for the
+        """The helper's next message that is not a failure (`_failed` says what a failure
+        is); TransferError (UNAVAILABLE, naming the helper) when it was silent for the
         transfer timeout (a stall: the room fails, see the module docstring)."""
         try:
             msg = await asyncio.wait_for(self._call.read(), self.timeout_s)
@@ -170,38 +212,46 @@ class HelperRange:
             raise timed_out(f"helper {self.share.helper} silent while {what}", self.timeout_s,
                             None, None, culprit=self.share.helper) from None
         except grpc.aio.AioRpcError as e:
-            raise RangeLost(f"{e.code().name}: {e.details()}") from None
+            raise self._failed(f"{e.code().name}: {e.details()}") from None
         if msg is grpc.aio.EOF:
-            raise RangeLost("stream ended")
+            raise self._failed("the stream ended")
         if msg.WhichOneof("msg") == "failed":
-            err = msg.failed.error
-            # NOTE: the room's own failures (a bad destination, its protection) would fail
-            # the lead's write just as well: they end the room; anything else is the helper's
-            if err.code in ("INVALID_ARGUMENT", "FAILED_PRECONDITION", "DATA_LOSS"):
-                raise TransferError(f"helper {self.share.helper}: {err.message}", err.code)
-            raise RangeLost(f"{err.code}: {err.message}")
+            raise self._failed(msg.failed.error.message, msg.failed.error.code)
         return msg
 
     async def write(self, init: encoder_pb2.AttachInit, start: int, piece: int, total: int,
                     delta: int, on_chunk: Callable[[int, RangeTag | None], None],
                     on_working: Callable[[], None]) -> int:
-        self._requests.put_nowait(encoder_pb2.EncodeRangeRequest(write=encoder_pb2.RangeWrite(
-            destination=init, piece_start=start, piece_tokens=piece, total_tokens=total,
-            mrope_position_delta=delta)))
         end = start + piece
-        while True:
-            msg = await self._next(f"writing tokens {start}..{end}")
+        while self.ready is None:  # NOTE: no RangeWrite before Ready (the docstring's rule)
+            msg = await self._next("preparing its range")
             kind = msg.WhichOneof("msg")
             if kind == "working":
                 on_working()
             elif kind == "ready":
                 self.ready = msg.ready
+                self.step = HelperStep.READY
+            else:
+                raise self._failed(f"sent {kind} before Ready", "INTERNAL")
+        self.step = HelperStep.WRITING
+        self._requests.put_nowait(encoder_pb2.EncodeRangeRequest(write=encoder_pb2.RangeWrite(
+            destination=init, piece_start=start, piece_tokens=piece, total_tokens=total,
+            mrope_position_delta=delta)))
+        while True:
+            msg = await self._next(f"writing tokens {start}..{end}")
+            kind = msg.WhichOneof("msg")
+            if kind == "working":
+                on_working()
             elif kind == "written":
                 w = msg.written
                 on_chunk(w.sent_tokens, RangeTag.from_proto(w.tag) if w.HasField("tag")
                          else None)
-                if w.sent_tokens == end:
+                if w.sent_tokens == end:  # its writes all ended before it said so
+                    self.step = (HelperStep.FINISHED if end == self.share.end_token
+                                 else HelperStep.READY)
                     return 0  # NOTE: the helper's bytes, counted in its own metrics
+            else:
+                raise self._failed(f"sent {kind} while writing", "INTERNAL")
 
 
 def heartbeat(period: float, send: Callable[[], Awaitable[None]]) -> asyncio.Task:

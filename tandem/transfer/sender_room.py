@@ -79,8 +79,9 @@ class SenderRoom:
 
 
 class RangeLost(Exception):
-    """A helper encoder is gone (its EncodeRange stream broke, or it answered a failure
-    that is its own, not the room's): the lead re-encodes the range itself."""
+    """A helper encoder is gone (it failed, or its EncodeRange stream broke or ended) while
+    none of its writes could be in flight (no RangeWrite outstanding: split.py's rule):
+    the lead re-encodes the range itself."""
 
 
 @dataclass
@@ -96,8 +97,9 @@ class RemoteRange:
         write payload tokens [start, start + piece) into the blocks `init` names;
         `on_chunk(end, tags)` as each chunk reached every destination (in order; the last
         ends at start + piece), `on_working()` at each heartbeat of the helper's. Raises
-        RangeLost (the helper is gone), or TransferError (the room's failure: a stalled
-        helper, cut at the transfer timeout, is one)."""
+        RangeLost (the helper is gone, nothing of it in flight), or TransferError (the
+        room's failure: a helper that failed with a write outstanding, or stalled, cut at
+        the transfer timeout)."""
 
     start: int
     end: int
