@@ -565,6 +565,9 @@ def _check_part(part: MediaPart, every: list[Unit], prompt_tokens: int) -> None:
     (the same chat, template and processor): its edges where units start, at least one
     unit in it, its units of media [first_media, end_media) from the first to the last
     (the media it prepared). A mismatch is a misconfigured tier."""
+    if not 0 <= part.payload_start < prompt_tokens:
+        raise ChatError(f"range: payload_start {part.payload_start} is outside the prompt's "
+                        f"{prompt_tokens} tokens", "range")
     total = prompt_tokens - part.payload_start
     starts = {u.first_pad - part.payload_start for u in every}
     ok = (0 < part.first_token < part.end_token <= total and part.first_token in starts

@@ -146,6 +146,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             ask = encoder_pb2.EncodeRequest()
             ask.CopyFrom(request)
             del ask.helpers[:]  # NOTE: a helper never splits its share again
+            ask.deadline_unix_ms = int(deadline * 1000)  # both ends bound the range by it
             h = HelperRange(self.channels.get(share.helper), share, encoder_pb2.RangeStart(
                 request=ask, payload_start=payload_start, first_media=share.first_media,
                 media=share.end_media - share.first_media, first_token=share.first_token,
@@ -276,22 +277,28 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                 cached_image_tokens=res.cached_image_tokens, vit_ms=res.vit_ms,
                 preprocess_ms=res.preprocess_ms)))
             payload = res.payload
-            async for req in it:
-                w = req.write if req.WhichOneof("msg") == "write" else None
-                if w is None or (w.total_tokens, w.mrope_position_delta) != (
-                        payload.num_tokens, payload.mrope_delta) or not (
+            # NOTE: the whole stream ends at the request's deadline: a lead that froze (or
+            # never sends a RangeWrite) does not hold this payload and num_active for ever
+            async with asyncio.timeout(max(0.0, deadline - time.time())):
+                async for req in it:
+                    w = req.write if req.WhichOneof("msg") == "write" else None
+                    fits = w is not None and w.piece_tokens > 0 and (
+                        w.total_tokens, w.mrope_position_delta) == (
+                        payload.num_tokens, payload.mrope_delta) and (
                         part.first_token <= w.piece_start
-                        and w.piece_start + w.piece_tokens <= part.end_token):
-                    raise TransferError(f"room {room}: a write outside this range "
-                                        f"[{part.first_token}, {part.end_token}) of "
-                                        f"{payload.num_tokens} tokens", "INVALID_ARGUMENT")
-                await self.sender.write_range(
-                    room, w.destination, payload, w.piece_start, w.piece_tokens, deadline,
-                    on_chunk=lambda end, tag: outbox.put_nowait(encoder_pb2.EncodeRangeResponse(
-                        written=encoder_pb2.RangeWritten(
-                            sent_tokens=end, tag=tag.to_proto() if tag is not None else None))),
-                    on_working=lambda: outbox.put_nowait(working),
-                    ended=context.cancelled)
+                        and w.piece_start + w.piece_tokens <= part.end_token)
+                    if not fits:
+                        raise TransferError(f"room {room}: a write outside this range "
+                                            f"[{part.first_token}, {part.end_token}) of "
+                                            f"{payload.num_tokens} tokens", "INVALID_ARGUMENT")
+                    await self.sender.write_range(
+                        room, w.destination, payload, w.piece_start, w.piece_tokens, deadline,
+                        on_chunk=lambda end, tag: outbox.put_nowait(
+                            encoder_pb2.EncodeRangeResponse(written=encoder_pb2.RangeWritten(
+                                sent_tokens=end,
+                                tag=tag.to_proto() if tag is not None else None))),
+                        on_working=lambda: outbox.put_nowait(working),
+                        ended=context.cancelled)
             await _drained(outbox, pumping)
         except ChatError as e:
             code = e.code
