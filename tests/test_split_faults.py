@@ -11,6 +11,7 @@ lead encoder, the language instance and a helper encoder of tests/test_split.py'
 - A helper that fails after its RangeWrite went out fails the room UNAVAILABLE, naming
   it as the culprit (the router retries elsewhere; the new generation fences late
   writes), and nothing leaks.
+- A range written whole ends its stream cleanly (the lead half-closes it), not cancelled.
 - The helper bounds an EncodeRange stream by the request's deadline: a lead that never
   sends a RangeWrite does not hold the helper's payload and load for ever.
 - A RangeWrite of no tokens and a RangeStart whose payload_start lies outside the prompt
@@ -150,6 +151,35 @@ def test_a_helper_failing_after_its_range_write_fails_the_room_naming_it(checkpo
         assert dict(res.trailing_metadata()).get(CULPRIT_METADATA) == trio.helper
         assert not tokens
         assert_idle(trio)
+    finally:
+        trio.stop()
+
+
+def test_a_range_written_whole_ends_cleanly_not_cancelled(checkpoint):
+    from tandem.services.encoder.server import EncoderServicer
+
+    ckpt = checkpoint("qwen2_5_vl")
+    chat = four_image_chat(26)
+    ends = []
+    real = EncoderServicer.EncodeRange
+
+    async def watched(self, request_iterator, context):
+        try:
+            await real(self, request_iterator, context)
+        except asyncio.CancelledError:
+            ends.append("cancelled")
+            raise
+        ends.append("returned")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(EncoderServicer, "EncodeRange", watched)  # before the servers bind it
+        trio = Trio(ckpt).start()
+    try:
+        tokens, res = trio.call(trio.generate(chat))
+        assert isinstance(res, encoder_pb2.EncodeResponse), res
+        assert tokens == expected(ckpt, chat) and not res.ranges[1].fell_back
+        wait_until(lambda: ends, timeout_s=HANG_GUARD_S, what="the helper's range ended")
+        assert ends == ["returned"]
     finally:
         trio.stop()
 
