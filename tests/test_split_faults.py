@@ -127,18 +127,23 @@ def test_a_helper_refusing_before_ready_is_fallen_back_on(checkpoint):
         trio.stop()
 
 
-def test_a_helper_failing_after_its_range_write_fails_the_room_naming_it(checkpoint):
+@pytest.mark.parametrize("how", ["fails", "goes_silent"])
+def test_a_helper_failing_after_its_range_write_fails_the_room_naming_it(checkpoint, how):
+    """Its write round fails, or it goes silent mid-write (past the transfer timeout: a
+    helper frozen while writing, whose writes may still land)."""
     from tandem.transfer.errors import TransferError
     from tandem.transfer.sender import EmbeddingSender
 
     ckpt = checkpoint("qwen2_5_vl")
     chat = four_image_chat(24)
-    trio = Trio(ckpt).start()
+    trio = Trio(ckpt, timeout_s=3).start()
     got = []
 
     async def failing(self, room, init, payload, start, piece, *args, **kwargs):
         # (only a helper writes a range: the lead's own pieces never come here)
         got.append((start, piece))
+        if how == "goes_silent":
+            await asyncio.Event().wait()  # until the lead hangs up (cancelled)
         raise TransferError(f"room {room}: a write round failed (injected)", "INTERNAL")
 
     try:

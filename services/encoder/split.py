@@ -45,8 +45,10 @@ Rules (all here):
   new attempt's generation fences any late write), except the room's own protection
   failures the helper reports (DATA_LOSS, FAILED_PRECONDITION), which keep their code.
   A helper that stalls (no message within the transfer timeout; it heartbeats while in
-  the ViT) fails the room the same way (UNAVAILABLE, culprit): a frozen helper may wake
-  and write, and only a new attempt's generation fences its stale rows.
+  the ViT) is one more failure under the same rule: lost while it holds no destination
+  (the lead re-encodes; a frozen helper that wakes has nothing to write into), else the
+  room fails (UNAVAILABLE, culprit): a helper frozen mid-write may wake and write, and
+  only a new attempt's generation fences its stale rows.
 - Both ends bound the range by the request's deadline: the lead's EncodeRange call
   carries it as its timeout, the helper ends the stream at it (DEADLINE_EXCEEDED).
 - While the lead re-encodes a lost helper's range its Attach stream carries heartbeats
@@ -204,11 +206,16 @@ class HelperRange:
 
     async def _next(self, what: str) -> encoder_pb2.EncodeRangeResponse:
         """The helper's next message that is not a failure (`_failed` says what a failure
-        is); TransferError (UNAVAILABLE, naming the helper) when it was silent for the
-        transfer timeout (a stall: the room fails, see the module docstring)."""
+        is). Silent for the transfer timeout (frozen: it heartbeats while in its ViT) is a
+        failure too: RangeLost while it has no RangeWrite outstanding (it holds no
+        destination, so nothing of it can land: the lead re-encodes, the request goes on),
+        else TransferError UNAVAILABLE naming it (the room fails; the router's retry fences
+        its late writes)."""
         try:
             msg = await asyncio.wait_for(self._call.read(), self.timeout_s)
         except asyncio.TimeoutError:
+            if self.step is not HelperStep.WRITING:
+                raise RangeLost(f"silent for {self.timeout_s:.1f}s while {what}") from None
             raise timed_out(f"helper {self.share.helper} silent while {what}", self.timeout_s,
                             None, None, culprit=self.share.helper) from None
         except grpc.aio.AioRpcError as e:

@@ -484,13 +484,17 @@ class EmbeddingSender:
             if not owner.fell_back:
                 self.metrics.ranges.labels("lead").inc()
                 try:
-                    # NOTE: no transfer timeout around it: the helper's heartbeats (and
-                    # its own stall timeout) bound its silence; the deadline bounds it all
-                    wrote = await self._race(
-                        r, owner.write(dest, start, piece, payload.num_tokens,
-                                       payload.mrope_delta, chunk, working),
-                        deadline, f"helper {owner.address} writing tokens {start}..{end}",
-                        stall=False)
+                    # NOTE: no transfer timeout around it: the helper's silence is judged
+                    # by `owner.write` (its stall timeout: lost, or the room fails), the
+                    # deadline bounds it all; we, alive and waiting on it, heartbeat
+                    # meanwhile, so the language side's own stall timeout never races
+                    # that judgement (a silent helper would fail the room there first)
+                    with self._heartbeat(r):
+                        wrote = await self._race(
+                            r, owner.write(dest, start, piece, payload.num_tokens,
+                                           payload.mrope_delta, chunk, working),
+                            deadline, f"helper {owner.address} writing tokens {start}..{end}",
+                            stall=False)
                     if done != end:
                         raise TransferError(f"room {r.room}: helper {owner.address} wrote "
                                             f"to token {done} of {end}", "INTERNAL")
