@@ -255,7 +255,10 @@ def image_server():
 URLS = {"allowed_url_hosts": ["127.0.0.1"], "allow_private_urls": True}
 
 
-def url_chat(server: str, seed: int, sizes=((64, 48), (40, 150), (120, 90), (56, 84)),
+SIZES_OF_URL_CHAT = ((64, 48), (40, 150), (120, 90), (56, 84))
+
+
+def url_chat(server: str, seed: int, sizes=SIZES_OF_URL_CHAT,
              max_pixels: int | None = None) -> tuple[list[Message], list[Message], list[str]]:
     """The same chat with its images as URLs on `server` and as data; the URLs' paths.
     Image 0 carries a per-image max_pixels (its grid: the clamped bounds')."""
@@ -437,4 +440,59 @@ def test_the_lead_sends_grids_end_to_end(checkpoint, image_server):
             assert failed.failed.error.message.startswith("image_grids: "), failed
         assert not _Images.gets
     finally:
+        trio.stop()
+
+
+@pytest.mark.timeout(420)
+def test_a_url_that_answers_the_helper_differently_is_the_leads_range(checkpoint,
+                                                                         image_server):
+    """The helper's share's first image is a URL that answers the helper's fetch (the
+    second) with another image of the same size: the helper's keys differ from the lead's,
+    it refuses its range before any row (ABORTED), and the lead encodes it: the answer is
+    the one for the images the lead fetched, never a mix (nor that image's rows under the
+    lead's announced key, for the prefix cache to serve to other chats)."""
+    from test_split import Trio
+    from test_stream import expected
+
+    from tandem.v1 import encoder_pb2
+
+    ckpt = checkpoint("qwen2_5_vl")
+    messages, data, paths = url_chat(image_server, 70)
+    want = expected(ckpt, data)
+    trio = Trio(ckpt)
+    trio.lead_cfg = trio.lead_cfg.model_copy(update=URLS)
+    trio.helper_cfg = trio.helper_cfg.model_copy(update=URLS)
+    trio.start()
+    first_of_share, share_size = None, None
+    original = dict(_Images.files)
+
+    serve = _Images.do_GET
+
+    def swapping(self):
+        """The share's first image answers its second GET with another image."""
+        if self.path == first_of_share and self.gets[self.path] == 1:
+            w, h = share_size  # the same size: the same grid and tokens
+            self.files[self.path] = png(w, h, 7777)
+        serve(self)
+
+    try:
+        # which image opens the helper's share: the split of the same chat, unchanged
+        _, res = trio.call(trio.generate(messages))
+        helper = res.ranges[1]
+        share_size = SIZES_OF_URL_CHAT[helper.first_media]
+        messages, data, paths = url_chat(image_server, 71)  # fresh URLs, no cache hit
+        want = expected(ckpt, data)
+        first_of_share = paths[helper.first_media]
+        _Images.gets.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(_Images, "do_GET", swapping)
+            tokens, res = trio.call(trio.generate(messages))
+        assert isinstance(res, encoder_pb2.EncodeResponse), (res, trio.language_error)
+        assert _Images.gets[first_of_share] == 2  # the helper did fetch it again
+        assert tokens == want
+        assert [(r.encoder, r.fell_back) for r in res.ranges] == [("", False),
+                                                                  (trio.helper, True)]
+    finally:
+        _Images.files.clear()
+        _Images.files.update(original)
         trio.stop()
