@@ -115,7 +115,7 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServicer):
     rows as a lead does: itself ("") 6 tokens and one medium, then each helper 2 and one."""
 
     def __init__(self, load: int, patches: int = 0, model: str = "m", draining: bool = False,
-                 fail: int = 0, blame: bool = False) -> None:
+                 fail: int = 0, blame: bool | str = False) -> None:
         self.load, self.patches, self.model, self.draining = load, patches, model, draining
         self.fail, self.blame = fail, blame
         self.encodes: list[encoder_pb2.EncodeRequest] = []
@@ -131,8 +131,10 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServicer):
         if len(self.encodes) <= self.fail:
             # `blame`: a lead whose first helper stalled the room names it, as the encoder
             # tier does (services/encoder/server.py)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "encoder died", (
-                ((CULPRIT_METADATA, request.helpers[0]),) if self.blame else None))
+            culprit = self.blame if isinstance(self.blame, str) else (
+                request.helpers[0] if self.blame else "")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "encoder died",
+                                ((CULPRIT_METADATA, culprit),) if culprit else ())
         self.delivered.set()
         ranges = [common_pb2.EncoderRange(encoder="", tokens=6, media=1)]
         ranges += [common_pb2.EncoderRange(encoder=h, first_token=6 + 2 * k, tokens=2,
@@ -341,6 +343,24 @@ def test_a_helper_blamed_for_a_stalled_room_is_neither_lead_nor_helper_again():
             tracker = dispatcher.registry.encoders.instances[addr["frozen"]].tracker
             await async_wait_until(lambda: tracker.consecutive_failures, until=lambda n: n >= 1,
                                    timeout_s=30, what="the culprit health-checked")
+
+    asyncio.run(go())
+
+
+def test_a_culprit_that_was_no_helper_of_the_attempt_is_not_avoided():
+    """A (buggy) lead that blames an encoder it had no range with cannot keep that
+    encoder off the request's retries: the failover goes where it would anyway."""
+    fakes = {"lead": FakeEncoder(load=0, fail=1), "next": FakeEncoder(load=0),
+             "third": FakeEncoder(load=0)}
+
+    async def go():
+        async with router(fakes, encoder_retries=1) as (dispatcher, addr, metrics, language):
+            fakes["lead"].blame = addr["next"]  # no helpers (split_encoders 1): no culprit
+            candidates = [c.address for c in dispatcher.registry.encoders.candidates()]
+            urls = images_preferring([addr["lead"], addr["next"]], candidates, 2)
+            await run(dispatcher, chat(urls))
+            assert len(fakes["next"].encodes) == 1 and not fakes["third"].encodes
+            assert language.reattached == [addr["next"]]
 
     asyncio.run(go())
 

@@ -14,9 +14,12 @@ helpers=[helper]) on the lead.
   image is held back in the ViT until the helper's image has been through it.
 - The helper process is killed (SIGKILL) mid-prompt: the lead re-encodes its range
   (`fell_back`), the answer is still exact, nothing leaks.
-- The helper process is frozen (SIGSTOP): its silence fails the room within the transfer
-  timeout (UNAVAILABLE, which the router retries), not at the request's deadline, and
-  every block is free.
+- The helper process is frozen (SIGSTOP) before the chat: silent for the transfer timeout
+  with no write of its outstanding, it is lost and the lead re-encodes its range, not at
+  the request's deadline; every block is free. (Silent mid-write, the room fails:
+  tests/test_split_faults.py.)
+- A helper whose transfer protection is stricter than the lead's refuses its RangeWrite
+  before any row went out: lost, the lead re-encodes it.
 
 No test here bounds a duration: every wait is a hang guard (tests/waiting.py).
 """
@@ -441,6 +444,67 @@ def test_one_video_split_by_temporal_groups(checkpoint, gate, tmp_path, stream):
         assert helper.encoder == trio.helper
         # the video (medium 1) is in both shares: its groups are split
         assert lead.first_media + lead.media - 1 == 1 == helper.first_media
+        assert_idle(trio)
+    finally:
+        trio.stop()
+
+
+def test_a_helper_stricter_than_the_room_is_lost_not_the_rooms_failure(checkpoint):
+    """The helper requires `encrypt`, the room is `none`: it refuses its RangeWrite before
+    any row goes out (AttachFailed.nothing_in_flight), so the lead re-encodes its range
+    and the chat is answered (the room failed FAILED_PRECONDITION before, a code the
+    router retries at no level)."""
+    from tandem.config import TransferConfig
+
+    ckpt = checkpoint("qwen2_5_vl")
+    chat = four_image_chat(77)
+    trio = Trio(ckpt)
+    t = trio.helper_cfg.transfer
+    trio.helper_cfg = trio.helper_cfg.model_copy(update={"transfer": TransferConfig(
+        timeout_s=t.timeout_s, stream=t.stream, protect="encrypt")})
+    trio.start()
+    try:
+        tokens, res = trio.call(trio.generate(chat))
+        assert isinstance(res, encoder_pb2.EncodeResponse), (res, trio.language_error)
+        assert tokens == expected(ckpt, chat)
+        assert [(r.encoder, r.fell_back) for r in res.ranges] == [("", False),
+                                                                  (trio.helper, True)]
+        assert_idle(trio)
+    finally:
+        trio.stop()
+
+
+def test_cache_hits_are_counted_once_by_the_writer_whose_unit_it_is(checkpoint):
+    """Image A, encoded by the lead in the first chat, closes the next two chats: the lead
+    has it cached (weight 0), so it joins the helper's share; the helper runs it the first
+    time and hits the second. Each writer counts the hits of its own units alone, so the
+    answer's cached_image_tokens is A's tokens once where the helper hit it, and nothing
+    where only the lead had it (before: the lead counted it as well, over the whole
+    prompt)."""
+
+    def chat(images, text):
+        parts: list = [text]
+        for k, im in enumerate(images):
+            parts += [ImageInput(data=im), f"and image {k}"]
+        return [Message("system", ("You are terse.",)), Message("user", tuple(parts))]
+
+    ckpt = checkpoint("qwen2_5_vl")
+    a = png(*SIZES[0], 500)
+    chats = [chat([a] + [png(*SIZES[k], 500 + k) for k in (1, 2, 3)], "one")]
+    chats += [chat([png(*SIZES[k], n + k) for k in (1, 2, 3)] + [a], text)
+              for n, text in ((600, "two"), (700, "three"))]
+    a_tokens = math.prod(_grid(ckpt, chats[0], 0)) // 4
+    trio = Trio(ckpt).start()
+    try:
+        got = []
+        for c in chats:
+            tokens, res = trio.call(trio.generate(c))
+            assert tokens == expected(ckpt, c)
+            got.append((res.cached_image_tokens,
+                        [(r.encoder, r.cached_image_tokens) for r in res.ranges]))
+        assert got == [(0, [("", 0), (trio.helper, 0)]),
+                       (0, [("", 0), (trio.helper, 0)]),
+                       (a_tokens, [("", 0), (trio.helper, a_tokens)])]
         assert_idle(trio)
     finally:
         trio.stop()

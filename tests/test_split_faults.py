@@ -16,6 +16,10 @@ lead encoder, the language instance and a helper encoder of tests/test_split.py'
   sends a RangeWrite does not hold the helper's payload and load for ever.
 - A RangeWrite of no tokens and a RangeStart whose payload_start lies outside the prompt
   are refused INVALID_ARGUMENT.
+- The lead's rule on one helper's failure at its next piece, over a scripted stream: lost
+  when nothing of it can be in flight (its stream ended since its last piece; it refused
+  the RangeWrite before any row), else the room's failure naming it, but DATA_LOSS and
+  the request's deadline keep their codes and blame no one.
 
 No test here bounds a duration: every wait is a hang guard (tests/waiting.py).
 """
@@ -316,3 +320,85 @@ def test_a_payload_start_outside_the_prompt_is_refused_invalid_argument(helper_r
     assert msg.failed.error.code == "INVALID_ARGUMENT", msg
     wait_until(trio.helper_load, until=lambda r: r.queued_requests == 0,
                timeout_s=HANG_GUARD_S, what="the helper's load back to 0")
+
+
+# ---- the lead's rule on one helper's messages (HelperRange over a scripted stream) --------
+
+class _Call:
+    """A scripted EncodeRange call: `read` returns the messages, then raises `end`."""
+
+    def __init__(self, messages=(), end: Exception | None = None, done: bool = False) -> None:
+        self.messages, self.end, self._done = list(messages), end, done
+
+    async def read(self):
+        if self.messages:
+            return self.messages.pop(0)
+        if self.end is not None:
+            raise self.end
+        return grpc.aio.EOF
+
+    def done(self) -> bool:
+        return self._done
+
+    def cancel(self) -> None:
+        pass
+
+
+def _helper(call: _Call, step: str):
+    from tandem.services.encoder.split import HelperRange, HelperStep, Share
+
+    class Channel:  # every method of the stub gives the scripted call
+        def __getattr__(self, kind):
+            return lambda *args, **kwargs: lambda *a, **k: call
+
+    h = HelperRange(Channel(), Share("h:1", 1, 2, 10, 40), encoder_pb2.RangeStart(), 5.0)
+    h.ready, h.step = encoder_pb2.RangeReady(), HelperStep(step)
+    return h
+
+
+def _outcome(h) -> tuple[str, str, str]:
+    """(exception type, code, culprit) of writing tokens [20, 40) of the range."""
+    from tandem.transfer.sender_room import RangeLost
+
+    async def write():
+        return await h.write(encoder_pb2.AttachInit(), 20, 20, 100, 0, lambda *a: None,
+                             lambda: None)
+
+    try:
+        asyncio.run(write())
+    except RangeLost:
+        return ("RangeLost", "", "")
+    except Exception as e:
+        return (type(e).__name__, getattr(e, "code", ""), getattr(e, "culprit", ""))
+    raise AssertionError("the write did not fail")
+
+
+def _failed(code: str, nothing_in_flight: bool) -> encoder_pb2.EncodeRangeResponse:
+    from tandem.v1 import common_pb2
+
+    return encoder_pb2.EncodeRangeResponse(failed=encoder_pb2.AttachFailed(
+        error=common_pb2.ErrorInfo(code=code, message="x"), nothing_in_flight=nothing_in_flight))
+
+
+@pytest.mark.parametrize(("call", "want"), [
+    # its stream ended since its last piece: nothing of it in flight
+    (_Call(done=True), ("RangeLost", "", "")),
+    # it refused the RangeWrite before any row went out (e.g. its protection minimum)
+    (_Call([_failed("FAILED_PRECONDITION", True)]), ("RangeLost", "", "")),
+    # it failed mid-write: the room's failure, naming it
+    (_Call([_failed("INTERNAL", False)]), ("TransferError", "UNAVAILABLE", "h:1")),
+    # the room's own integrity check: its code, no one blamed
+    (_Call([_failed("DATA_LOSS", False)]), ("TransferError", "DATA_LOSS", "")),
+    # the request's deadline, reported by the helper or by the call's own timeout: no blame
+    (_Call([_failed("DEADLINE_EXCEEDED", False)]), ("TransferError", "DEADLINE_EXCEEDED", "")),
+    (_Call(end=grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
+                                    grpc.aio.Metadata(), "deadline")),
+     ("TransferError", "DEADLINE_EXCEEDED", "")),
+    # its stream broke mid-write: writes may be in flight
+    (_Call(end=grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                    grpc.aio.Metadata(), "gone")),
+     ("TransferError", "UNAVAILABLE", "h:1")),
+], ids=["ended_between_pieces", "refused_before_any_row", "failed_mid_write", "data_loss",
+        "deadline_reported", "deadline_of_the_call", "broken_mid_write"])
+def test_the_leads_rule_for_a_helper_failing_at_its_next_piece(call, want):
+    assert _outcome(_helper(call, "ready")) == want

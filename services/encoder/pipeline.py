@@ -360,6 +360,11 @@ class EncodePipeline:
                 only = {(u.medium, u.g0) for u in every[: shares[0].end_unit]}
         if only is not None:
             work = [u for u in work if (u.medium, u.g0) in only]
+            # a writer of a split prompt counts the hits of its own units alone (a share
+            # may hold a unit the lead had cached, which the helper counts or runs; a
+            # video may lie in two shares), so the writers' counts add up
+            cached_tokens = sum(_unit_tokens(prep.media[u.medium], u) for u in every
+                                if (u.medium, u.g0) in only and feats[u.medium] is not None)
         remote: list[RemoteRange] = []
         stream = None
         if on_payload is not None or shares or part is not None:
@@ -589,6 +594,11 @@ def grids_outside(media: list, first_media: int, end_media: int) -> list[tuple[i
     helper of that share is sent (RangeStart.image_grids; Preprocessor's `other_grids`)."""
     return [m.grid for k, m in enumerate(media)
             if isinstance(m, PreparedImage) and not first_media <= k < end_media]
+
+
+def _unit_tokens(m, u: Unit) -> int:
+    """The prompt tokens of unit `u` of medium `m` (its temporal groups' share)."""
+    return m.num_tokens * (u.g1 - u.g0) // groups_of(m)
 
 
 def _check_keys(part: MediaPart, media: list) -> None:

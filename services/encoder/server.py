@@ -41,7 +41,7 @@ from tandem.services.encoder.pipeline import EncodePipeline, EncodeState, MediaP
 from tandem.services.encoder.split import HelperRange, Share, heartbeat
 from tandem.serving import deadline_from_proto
 from tandem.transfer.channels import EncoderChannels
-from tandem.transfer.errors import TransferError
+from tandem.transfer.errors import TransferError, WriteRefused
 from tandem.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -210,7 +210,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             room=job.room,
             prompt_tokens=res.payload.end,
             num_images=len(res.image_hashes),
-            # the helpers' cache hits too (their ranges' media are the lead's misses)
+            # the helpers' cache hits too (each writer counts its own units': they add up)
             cached_image_tokens=res.cached_image_tokens + sum(
                 h.ready.cached_image_tokens for h in _helped(res, helpers)),
             image_hashes=res.image_hashes,
@@ -252,6 +252,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         pumping = asyncio.ensure_future(pump())
         working = encoder_pb2.EncodeRangeResponse(working=encoder_pb2.AttachWorking(room=room))
         code = "OK"
+        # a write round under way (rows of ours may be in flight): a failure then says so
+        # (AttachFailed.nothing_in_flight false), and the lead fails the room
+        in_flight = False
         try:
             now = time.time()
             deadline = deadline_from_proto(start.request.deadline_unix_ms,
@@ -291,31 +294,38 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                         raise TransferError(f"room {room}: a write outside this range "
                                             f"[{part.first_token}, {part.end_token}) of "
                                             f"{payload.num_tokens} tokens", "INVALID_ARGUMENT")
-                    await self.sender.write_range(
-                        room, w.destination, payload, w.piece_start, w.piece_tokens, deadline,
-                        on_chunk=lambda end, tag: outbox.put_nowait(
-                            encoder_pb2.EncodeRangeResponse(written=encoder_pb2.RangeWritten(
-                                sent_tokens=end,
-                                tag=tag.to_proto() if tag is not None else None))),
-                        on_working=lambda: outbox.put_nowait(working),
-                        ended=context.cancelled)
+                    in_flight = True
+                    try:
+                        await self.sender.write_range(
+                            room, w.destination, payload, w.piece_start, w.piece_tokens,
+                            deadline, on_chunk=lambda end, tag: outbox.put_nowait(
+                                encoder_pb2.EncodeRangeResponse(written=encoder_pb2.RangeWritten(
+                                    sent_tokens=end,
+                                    tag=tag.to_proto() if tag is not None else None))),
+                            on_working=lambda: outbox.put_nowait(working),
+                            ended=context.cancelled)
+                    except WriteRefused:
+                        in_flight = False  # refused before any row went out
+                        raise
+                    in_flight = False  # the piece's writes all ended
             await _drained(outbox, pumping)
         except ChatError as e:
             code = e.code
-            await _flush_failed(outbox, pumping, code, e.detail)
+            await _flush_failed(outbox, pumping, code, e.detail, not in_flight)
         except (TimeoutError, asyncio.TimeoutError):
             code = "DEADLINE_EXCEEDED"
-            await _flush_failed(outbox, pumping, code, f"room {room}: deadline passed")
+            await _flush_failed(outbox, pumping, code, f"room {room}: deadline passed",
+                                not in_flight)
         except TransferError as e:
             code = e.code
-            await _flush_failed(outbox, pumping, code, e.reason)
+            await _flush_failed(outbox, pumping, code, e.reason, not in_flight)
         except asyncio.CancelledError:
             code = "CANCELLED"
             raise
         except Exception as e:  # a bug must not take the server down; it is reported
             log.exception("room %d: range failed", room)
             code = "INTERNAL"
-            await _flush_failed(outbox, pumping, code, f"internal error: {e!r}")
+            await _flush_failed(outbox, pumping, code, f"internal error: {e!r}", not in_flight)
         finally:
             pumping.cancel()
             log.info("%s room %d: range media [%d, %d): %s", rid, room, start.first_media,
@@ -345,9 +355,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             self.metrics.queue_patches.set(self.pipeline.scheduler.queued_patches)
 
 
-def _range_failed(code: str, message: str) -> encoder_pb2.EncodeRangeResponse:
+def _range_failed(code: str, message: str,
+                  nothing_in_flight: bool = True) -> encoder_pb2.EncodeRangeResponse:
     return encoder_pb2.EncodeRangeResponse(failed=encoder_pb2.AttachFailed(
-        error=common_pb2.ErrorInfo(code=code, message=message)))
+        error=common_pb2.ErrorInfo(code=code, message=message),
+        nothing_in_flight=nothing_in_flight))
 
 
 async def _drained(outbox: asyncio.Queue, pumping: asyncio.Task) -> None:
@@ -361,9 +373,9 @@ async def _drained(outbox: asyncio.Queue, pumping: asyncio.Task) -> None:
 
 
 async def _flush_failed(outbox: asyncio.Queue, pumping: asyncio.Task, code: str,
-                        message: str) -> None:
+                        message: str, nothing_in_flight: bool) -> None:
     """Everything queued, then AttachFailed, written in order by the stream's one writer."""
-    outbox.put_nowait(_range_failed(code, message))
+    outbox.put_nowait(_range_failed(code, message, nothing_in_flight))
     await _drained(outbox, pumping)
 
 

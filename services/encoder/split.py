@@ -42,8 +42,11 @@ Rules (all here):
   it stay). A failure while a RangeWrite is outstanding (sent, its end not reported:
   the helper's Mooncake writes may still be in flight) fails the room: UNAVAILABLE
   naming the helper as the culprit (the router retries the request elsewhere, and the
-  new attempt's generation fences any late write), except the room's own protection
-  failures the helper reports (DATA_LOSS, FAILED_PRECONDITION), which keep their code.
+  new attempt's generation fences any late write), unless the helper says nothing of it
+  is in flight (AttachFailed.nothing_in_flight: it refused the RangeWrite before any row
+  went out, e.g. the room is protected less than its own minimum, or the destination
+  does not fit it: lost, as above); a DATA_LOSS it reports (the room's own integrity)
+  and the request's deadline keep their codes and blame no one.
   A helper that stalls (no message within the transfer timeout; it heartbeats while in
   the ViT) is one more failure under the same rule: lost while it holds no destination
   (the lead re-encodes; a frozen helper that wakes has nothing to write into), else the
@@ -192,13 +195,16 @@ class HelperRange:
         if self.step is not HelperStep.FINISHED:
             self._call.cancel()
 
-    def _failed(self, why: str, code: str = "") -> Exception:
+    def _failed(self, why: str, code: str = "", nothing_in_flight: bool = False) -> Exception:
         """The helper's failure (`code`: the one it reported, "" for a broken or ended
-        stream), as the module docstring's rule has it: RangeLost while nothing of it can
-        be in flight, else the room's failure."""
-        if self.step is not HelperStep.WRITING:
+        stream; `nothing_in_flight`: it says none of its writes can still land), as the
+        module docstring's rule has it: RangeLost while nothing of it can be in flight,
+        else the room's failure."""
+        if self.step is not HelperStep.WRITING or nothing_in_flight:
             return RangeLost(f"{code or 'stream'}: {why}")
-        if code in ("DATA_LOSS", "FAILED_PRECONDITION"):  # the room's own protection
+        if code == "DATA_LOSS":  # the room's own integrity check: its code, no one to blame
+            return TransferError(f"helper {self.share.helper}: {why}", code)
+        if code == "DEADLINE_EXCEEDED":  # the request's deadline, not the helper's fault
             return TransferError(f"helper {self.share.helper}: {why}", code)
         return TransferError(f"helper {self.share.helper} failed while writing its range "
                              f"({code or 'stream'}: {why})", "UNAVAILABLE",
@@ -219,11 +225,14 @@ class HelperRange:
             raise timed_out(f"helper {self.share.helper} silent while {what}", self.timeout_s,
                             None, None, culprit=self.share.helper) from None
         except grpc.aio.AioRpcError as e:
-            raise self._failed(f"{e.code().name}: {e.details()}") from None
+            deadline = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # the call's timeout
+            raise self._failed(f"{e.code().name}: {e.details()}",
+                               "DEADLINE_EXCEEDED" if deadline else "") from None
         if msg is grpc.aio.EOF:
             raise self._failed("the stream ended")
         if msg.WhichOneof("msg") == "failed":
-            raise self._failed(msg.failed.error.message, msg.failed.error.code)
+            f = msg.failed
+            raise self._failed(f.error.message, f.error.code, f.nothing_in_flight)
         return msg
 
     async def write(self, init: encoder_pb2.AttachInit, start: int, piece: int, total: int,
@@ -240,6 +249,8 @@ class HelperRange:
                 self.step = HelperStep.READY
             else:
                 raise self._failed(f"sent {kind} before Ready", "INTERNAL")
+        if self._call.done():  # it ended since its last piece: nothing of it in flight
+            raise RangeLost("its stream ended before this piece")
         self.step = HelperStep.WRITING
         self._requests.put_nowait(encoder_pb2.EncodeRangeRequest(write=encoder_pb2.RangeWrite(
             destination=init, piece_start=start, piece_tokens=piece, total_tokens=total,

@@ -39,6 +39,11 @@ class TransferError(ServiceError):
         return type(self)(f"room {room}: {self.reason}", self.code, room, self.culprit)
 
 
+class WriteRefused(TransferError):
+    """A write refused before any of its rows went out (the destination's protection,
+    layout or size): nothing of it is in flight."""
+
+
 class TransferStuck(TransferError):
     """Writes that never ended (not even failed): their source memory is still in use and
     must never be reused."""

@@ -73,7 +73,7 @@ from concurrent.futures import ThreadPoolExecutor
 from tandem import tracing
 from tandem.config import TransferConfig
 from tandem.transfer.buffers import RangeTag, RowProtection
-from tandem.transfer.errors import TransferError, TransferStuck, timed_out
+from tandem.transfer.errors import TransferError, TransferStuck, WriteRefused, timed_out
 from tandem.transfer.metrics import transfer_metrics
 from tandem.transfer.payload import PromptInfo, PromptPayload
 from tandem.transfer.sender_room import (
@@ -546,16 +546,22 @@ class EmbeddingSender:
         its own, never in `rooms`."""
         r = SenderRoom(room, SenderState.TRANSFERRING, init=init)
         r.protection = RowProtection.of_init(init)
+        # NOTE: refusals before any row goes out are WriteRefused (nothing in flight: the
+        # lead may re-encode the range instead of failing the room)
         if not r.protection.at_least(self.config.protect):
-            raise TransferError(
+            raise WriteRefused(
                 f"room {room}: the lead asks for transfer protection {r.protection.mode!r}, "
                 f"this encoder requires at least {self.config.protect!r}",
                 "FAILED_PRECONDITION")
-        dests = destinations(room, init, self.staging, payload)
-        dests[0].layout.check_destination(room, list(init.block_ids), init.allocated_tokens)
+        try:
+            dests = destinations(room, init, self.staging, payload)
+            dests[0].layout.check_destination(room, list(init.block_ids),
+                                              init.allocated_tokens)
+        except TransferError as e:
+            raise WriteRefused(e.reason, e.code, e.room) from None
         if piece > init.allocated_tokens:
-            raise TransferError(f"room {room}: piece of {piece} tokens into "
-                                f"{init.allocated_tokens} reserved", "INVALID_ARGUMENT")
+            raise WriteRefused(f"room {room}: piece of {piece} tokens into "
+                               f"{init.allocated_tokens} reserved", "INVALID_ARGUMENT")
 
         def handle(msg: encoder_pb2.AttachResponse) -> None:  # the write's own messages
             kind = msg.WhichOneof("msg")

@@ -216,7 +216,9 @@ class Dispatcher:
                                    tier=Tier.ENCODER)
                        if isinstance(e, _Ejected) else from_rpc(e, Tier.ENCODER))
                 tracing.fail(span, err.code, err.message)
-                if err.culprit:  # a helper that stalled the room: neither lead nor helper
+                # a helper of this attempt that stalled the room (any other address a lead
+                # names is not its to blame): neither lead nor helper again
+                if err.culprit in {h.address for h in helpers}:
                     tried.add(err.culprit)  # again for this request, and health-checked
                     avoid.add(err.culprit)
                     blamed.add(err.culprit)
