@@ -86,3 +86,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(slow)
         if gpu is not None and "gpu" in item.keywords:
             item.add_marker(gpu)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch at one intra-op thread for a whole module (`pytestmark =
+    pytest.mark.usefixtures("one_torch_thread")`). NOTE: float32 rows are batch-invariant
+    on the CPU only with one thread (MKL splits rows across threads): the encoder runs so
+    by default (cpu_threads=1), the transformers oracle must too, so the ViT's sums are
+    taken in the same order, and a split's helper (its share alone in the ViT) gives the
+    rows of the unsplit encode (all in one batch)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -24,17 +24,11 @@ from encoder_peers.chats import assert_payload_matches, chat, oracle  # noqa: E4
 from tandem.services.encoder.config import EncoderConfig  # noqa: E402
 from tandem.services.encoder.pipeline import EncodePipeline  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 ARCHS = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # NOTE: float32 rows are batch-invariant on CPU with one intra-op thread (MKL splits
-    # rows across threads); the encoder's default cpu_threads=1 runs the same way.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 _models: dict = {}

@@ -31,18 +31,13 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa:
 from tandem.chat import ImageInput, Message  # noqa: E402
 from tandem.v1 import encoder_pb2, encoder_pb2_grpc  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 ARCH = "qwen3_vl"  # deepstack: the widest payload
 MAX_IMAGE_BYTES = 150_000
 MAX_SOURCE_PIXELS = 1_000_000
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The encoder runs with cpu_threads=1; the oracle must too (MKL splits rows by thread).
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

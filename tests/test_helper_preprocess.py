@@ -51,6 +51,8 @@ from tandem.services.encoder.pipeline import (  # noqa: E402
 )
 from tandem.services.encoder.preprocess import GridOnly, ImageGeometry  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 ARCHS = ["qwen2_5_vl", "qwen3_vl"]
 # (w, h): odd, tiny (a 1x1 and a 3-pixel side, which transformers could take for
 # channels), very wide and tall (aspect ratio up to the limit of 200), large
@@ -59,14 +61,6 @@ SIZES = [(1, 1), (3, 3), (3, 5), (5, 3), (2, 300), (300, 2), (1, 200), (200, 1),
          (2000, 10), (4000, 3000)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # NOTE: float32 rows are batch-invariant on CPU with one intra-op thread: the helper's
-    # rows (its share alone in the ViT) equal the unsplit encode's (all in one batch)
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def pipe(checkpoint, arch: str, **config) -> EncodePipeline:
@@ -277,6 +271,16 @@ def url_chat(server: str, seed: int, sizes=SIZES_OF_URL_CHAT,
             [system, Message("user", tuple(data_parts))], paths)
 
 
+def url_trio(ckpt: Path):
+    """test_split.Trio (started) whose encoders fetch URLs from this test's image server."""
+    from test_split import Trio
+
+    trio = Trio(ckpt)
+    trio.lead_cfg = trio.lead_cfg.model_copy(update=URLS)
+    trio.helper_cfg = trio.helper_cfg.model_copy(update=URLS)
+    return trio.start()
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_helper_given_grids_fetches_nothing_outside_its_share(checkpoint, arch, image_server):
     p = pipe(checkpoint, arch, **URLS)
@@ -395,7 +399,6 @@ def test_the_lead_sends_grids_end_to_end(checkpoint, image_server):
     """A real lead, helper and language instance (test_split.Trio), the chat's images URLs
     on the counting server: the helper (the second share: images 2 and 3) fetches only its
     own, the answer equals generate(); an EncodeRange whose grids are wrong fails."""
-    from test_split import Trio
     from test_stream import HANG_GUARD_S, expected
 
     from tandem.v1 import encoder_pb2, encoder_pb2_grpc
@@ -403,10 +406,7 @@ def test_the_lead_sends_grids_end_to_end(checkpoint, image_server):
     ckpt = checkpoint("qwen2_5_vl")
     messages, data, paths = url_chat(image_server, 60)
     want = expected(ckpt, data)
-    trio = Trio(ckpt)
-    trio.lead_cfg = trio.lead_cfg.model_copy(update=URLS)
-    trio.helper_cfg = trio.helper_cfg.model_copy(update=URLS)
-    trio.start()
+    trio = url_trio(ckpt)
     try:
         _Images.gets.clear()
         tokens, res = trio.call(trio.generate(messages))
@@ -451,7 +451,6 @@ def test_a_url_that_answers_the_helper_differently_is_the_leads_range(checkpoint
     it refuses its range before any row (ABORTED), and the lead encodes it: the answer is
     the one for the images the lead fetched, never a mix (nor that image's rows under the
     lead's announced key, for the prefix cache to serve to other chats)."""
-    from test_split import Trio
     from test_stream import expected
 
     from tandem.v1 import encoder_pb2
@@ -459,10 +458,7 @@ def test_a_url_that_answers_the_helper_differently_is_the_leads_range(checkpoint
     ckpt = checkpoint("qwen2_5_vl")
     messages, data, paths = url_chat(image_server, 70)
     want = expected(ckpt, data)
-    trio = Trio(ckpt)
-    trio.lead_cfg = trio.lead_cfg.model_copy(update=URLS)
-    trio.helper_cfg = trio.helper_cfg.model_copy(update=URLS)
-    trio.start()
+    trio = url_trio(ckpt)
     first_of_share, share_size = None, None
     original = dict(_Images.files)
 

@@ -251,6 +251,14 @@ def assert_idle(trio: Trio) -> None:
     wait_until(idle, timeout_s=HANG_GUARD_S, what="every KV page and embedding block free")
 
 
+def assert_fell_back(trio: Trio, ckpt: Path, chat: list[Message], tokens: list[int],
+                     res) -> None:
+    """The chat answered exactly, the helper's range re-encoded by the lead."""
+    assert isinstance(res, encoder_pb2.EncodeResponse), (res, trio.language_error)
+    assert tokens == expected(ckpt, chat)
+    assert [(r.encoder, r.fell_back) for r in res.ranges] == [("", False), (trio.helper, True)]
+
+
 def metric(port: int, name: str) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
     return sum(float(line.split()[-1]) for line in text.splitlines()
@@ -404,10 +412,7 @@ def test_a_frozen_helper_is_lost_after_the_transfer_timeout_and_its_range_re_enc
     try:
         trio.signal_helper(signal.SIGSTOP)
         tokens, res = trio.call(trio.generate(chat))
-        assert isinstance(res, encoder_pb2.EncodeResponse), (res, trio.language_error)
-        assert tokens == expected(ckpt, chat)
-        assert [(r.encoder, r.fell_back) for r in res.ranges] == [("", False),
-                                                                  (trio.helper, True)]
+        assert_fell_back(trio, ckpt, chat, tokens, res)
         assert_idle(trio)
         trio.signal_helper(signal.SIGCONT)
         chat = four_image_chat(7)
@@ -465,10 +470,7 @@ def test_a_helper_stricter_than_the_room_is_lost_not_the_rooms_failure(checkpoin
     trio.start()
     try:
         tokens, res = trio.call(trio.generate(chat))
-        assert isinstance(res, encoder_pb2.EncodeResponse), (res, trio.language_error)
-        assert tokens == expected(ckpt, chat)
-        assert [(r.encoder, r.fell_back) for r in res.ranges] == [("", False),
-                                                                  (trio.helper, True)]
+        assert_fell_back(trio, ckpt, chat, tokens, res)
         assert_idle(trio)
     finally:
         trio.stop()

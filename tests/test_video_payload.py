@@ -27,6 +27,8 @@ from tandem.chat import VideoOptions
 from tandem.services.encoder.config import EncoderConfig
 from tandem.services.encoder.pipeline import EncodePipeline
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 ARCHS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 CHATS = {
     "alone": VideoChat((Video("small"), "What happens in the clip?")),
@@ -39,14 +41,6 @@ CHATS = {
 CASES = {f"{arch}-{name}": (arch, chat) for arch in ARCHS for name, chat in CHATS.items()}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # NOTE: float32 rows are batch-invariant on CPU with one intra-op thread; the oracle
-    # runs with one thread too, so the ViT's sums are taken in the same order.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

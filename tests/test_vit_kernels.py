@@ -24,18 +24,12 @@ from tandem.services.encoder.vit_kernels import (
 from tandem.services.encoder.vit_runner import StepAttention, VisionRunner
 
 KERNELS = kernels()
-pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C++ toolchain to build the kernels")
+pytestmark = [pytest.mark.skipif(KERNELS is None, reason="no C++ toolchain to build the kernels"), pytest.mark.usefixtures("one_torch_thread")]
 ARCHS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # a video (two temporal groups, frames over one window of Qwen2.5-VL) and two images
 GRIDS = [(2, 10, 12), (1, 4, 6), (1, 8, 4)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
