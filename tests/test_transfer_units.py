@@ -150,6 +150,34 @@ def test_engine_start_retries_a_failed_initialize(monkeypatch, fails):
         assert e.value.code == "UNAVAILABLE" and len(calls) == engine_mod.INIT_ATTEMPTS
 
 
+def test_a_closed_engine_frees_its_ports():
+    """Engines are closed as services stop (encoder and language `run`): a process may
+    start and stop more of them than its transfer port range holds at once (~500: two
+    ports each), as this test suite does. Closed, an engine's RPC port is free again
+    (bindable), what was registered is unregistered, and closing twice is harmless."""
+    import socket
+
+    from tandem.config import TransferConfig
+    from tandem.transfer.engine import MooncakeEngine
+
+    engine = MooncakeEngine(TransferConfig())
+    host, port = engine.session_id.rsplit(":", 1)
+    engine.register(torch.zeros(16))
+
+    def bindable() -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind((host, int(port)))
+                return True
+            except OSError:
+                return False
+
+    assert not bindable()  # the engine listens there
+    engine.close()
+    engine.close()
+    assert not engine._regions and bindable()
+
+
 def test_engine_ports_registration_and_metrics():
     engine, cfg = make_engine()
     host, port = engine.session_id.rsplit(":", 1)

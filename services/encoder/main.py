@@ -99,4 +99,5 @@ async def run(
     await server.stop(grace=1.0)
     await pipeline.stop()
     await channels.close()
+    engine.close(wait=False)  # its ports and threads (the sender's rooms ended with the server)
     log.info("encoder stopped")

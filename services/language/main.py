@@ -216,6 +216,7 @@ async def run(
     await serving.wait_idle(lambda: servicer.num_active, 2.0, poll_s=0.02)
     await server.stop(grace=1.0)
     await receiver.close()
+    transfer.close(wait=False)  # its ports and threads (every room ended with the receiver)
     log.info(
         "language stopped (KV pages free %d/%d, embedding blocks free %d/%d)",
         engine.pool.num_free, engine.pool.num_total, allocator.num_free, allocator.num_total,

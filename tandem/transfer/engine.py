@@ -129,6 +129,30 @@ class MooncakeEngine:
                 raise TransferError(f"Mooncake unregister_memory({addr:#x}) returned {rc}")
             self._regions.remove(region)
 
+    def close(self, wait: bool = True) -> None:
+        """Free Mooncake's engine (its listening ports and threads) once nothing uses it:
+        what is still registered is unregistered first. The engine is unusable at once;
+        idempotent. `wait=False`: the freeing (Mooncake's destructor takes ~1 s, joining
+        its threads) goes on in a daemon thread. NOTE: a stopped service's engine would
+        otherwise hold two ports of the transfer range until its process exits, so a
+        process that starts and stops services (the test suite, an application embedding
+        them) ran out of the range after ~500 (every later initialize returned -1)."""
+        with self._lock:
+            te, self._te = self._te, None
+            regions, self._regions = self._regions, []
+        if te is None:
+            return
+
+        def free() -> None:
+            for addr, _ in regions:
+                te.unregister_memory(addr)
+            # NOTE: the last reference goes with this frame: its destructor closes the ports
+
+        if wait:
+            free()
+        else:
+            threading.Thread(target=free, name="transfer-close", daemon=True).start()
+
     def owns(self, addr: int, length: int) -> bool:
         """True when [addr, addr+length) lies inside one registered region."""
         return any(a <= addr and addr + length <= a + n for a, n in self._regions)
