@@ -113,43 +113,6 @@ def test_layout_roundtrip_and_checks():
     assert "block_size 64" in st.check_layout(big, good)
 
 
-@pytest.mark.parametrize("fails", [1, 3])
-def test_engine_start_retries_a_failed_initialize(monkeypatch, fails):
-    """Mooncake's initialize failing once (it returned -1 for two engines starting together
-    in a busy test run, with no log line) costs a retry, not the service; failing every
-    attempt refuses the start, naming how often it tried."""
-    import mooncake.engine
-
-    from tandem.config import TransferConfig
-    from tandem.transfer import engine as engine_mod
-    from tandem.transfer.errors import TransferError
-
-    real, calls = mooncake.engine.TransferEngine, []
-
-    def flaky():
-        te = real()
-        init = te.initialize
-
-        class Once:  # the real engine, whose initialize fails the first `fails` times
-            def __getattr__(self, name):
-                return getattr(te, name)
-
-            def initialize(self, *args):
-                calls.append(args)
-                return -1 if len(calls) <= fails else init(*args)
-
-        return Once()
-
-    monkeypatch.setattr(mooncake.engine, "TransferEngine", flaky)
-    if fails < engine_mod.INIT_ATTEMPTS:
-        engine = engine_mod.MooncakeEngine(TransferConfig())
-        assert len(calls) == fails + 1 and int(engine.session_id.rsplit(":", 1)[1]) > 0
-    else:
-        with pytest.raises(TransferError, match=r"returned -1 \(3 attempts\)") as e:
-            engine_mod.MooncakeEngine(TransferConfig())
-        assert e.value.code == "UNAVAILABLE" and len(calls) == engine_mod.INIT_ATTEMPTS
-
-
 def test_a_closed_engine_frees_its_ports():
     """Engines are closed as services stop (encoder and language `run`): a process may
     start and stop more of them than its transfer port range holds at once (~500: two

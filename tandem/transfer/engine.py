@@ -59,9 +59,6 @@ def _transfer_timeout_s() -> float:
     return max(5.0, float(os.environ.get("MC_TRANSFER_TIMEOUT", "30")))
 
 
-INIT_ATTEMPTS = 3  # Mooncake initialize, before a start-up is refused
-
-
 class MooncakeEngine:
     """Thin, checked wrapper; every failure is a TransferError naming the peer."""
 
@@ -83,22 +80,14 @@ class MooncakeEngine:
         from mooncake.engine import TransferEngine
 
         self.config = config
-        # NOTE: initialize can fail once and succeed at once after (seen under a busy test
-        # run: -1 for two engines starting together, with no log line); a start-up that
-        # fails INIT_ATTEMPTS times in a row is refused
-        for attempt in range(1, INIT_ATTEMPTS + 1):
-            self._te = TransferEngine()
-            rc = self._te.initialize(
-                config.host, config.metadata_server, config.protocol, config.device_name
-            )
-            if rc == 0:
-                break
-            what = (f"Mooncake initialize({config.host!r}, {config.metadata_server!r}, "
-                    f"{config.protocol!r}, {config.device_name!r}) returned {rc}")
-            if attempt == INIT_ATTEMPTS:
-                raise TransferError(f"{what} ({attempt} attempts)", "UNAVAILABLE")
-            log.warning("%s; attempt %d of %d", what, attempt + 1, INIT_ATTEMPTS)
-            time.sleep(0.2 * attempt)
+        self._te = TransferEngine()
+        rc = self._te.initialize(
+            config.host, config.metadata_server, config.protocol, config.device_name
+        )
+        if rc != 0:  # NOTE: also what an exhausted port range gives (see `close`)
+            raise TransferError(
+                f"Mooncake initialize({config.host!r}, {config.metadata_server!r}, "
+                f"{config.protocol!r}, {config.device_name!r}) returned {rc}", "UNAVAILABLE")
         self.session_id = f"{config.host}:{self._te.get_rpc_port()}"
         self._regions: list[tuple[int, int]] = []
         self._lock = threading.Lock()
