@@ -82,6 +82,13 @@ class TransferConfig(BaseModel):
         "prompt). Either side may be off: the other then falls back to the whole prompt.",
     )
 
+    @property
+    def heartbeat_s(self) -> float:
+        """How often a side that works without sending anything else says so (AttachWorking
+        on the Attach stream, a helper's on its EncodeRange): a third of the timeout, so
+        one late beat never looks like a stall."""
+        return max(0.5, self.timeout_s / 3)
+
 
 class InternalTLSConfig(BaseModel):
     """PEM files (or the PEM text itself, for secrets passed through the environment)."""

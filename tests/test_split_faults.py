@@ -259,7 +259,10 @@ class RawRange:
             if msg.WhichOneof("msg") in (kind, "failed"):
                 return msg
 
-    async def close(self) -> None:
+    async def __aenter__(self) -> RawRange:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
         self.requests.put_nowait(None)
         self.call.cancel()
         await self.channel.close()
@@ -269,14 +272,12 @@ def test_the_helper_ends_a_range_at_the_request_deadline(helper_range):
     trio, _, _, start = helper_range
 
     async def never_write():
-        raw = RawRange(trio.helper, start(deadline_unix_ms=int((time.time() + 8) * 1000)))
-        try:
+        deadline_ms = int((time.time() + 8) * 1000)
+        async with RawRange(trio.helper, start(deadline_unix_ms=deadline_ms)) as raw:
             ready = await raw.until("ready")
             assert ready.WhichOneof("msg") == "ready", ready  # the deadline is after Ready
             # no RangeWrite, ever: the helper gives up at the deadline
             return await raw.until("failed")
-        finally:
-            await raw.close()
 
     msg = trio.call(never_write())
     assert msg.failed.error.code == "DEADLINE_EXCEEDED", msg
@@ -288,8 +289,7 @@ def test_a_write_of_no_tokens_is_refused_invalid_argument(helper_range):
     trio, rng, write, start = helper_range
 
     async def empty_write():
-        raw = RawRange(trio.helper, start())
-        try:
+        async with RawRange(trio.helper, start()) as raw:
             ready = await raw.until("ready")
             assert ready.WhichOneof("msg") == "ready", ready
             empty = encoder_pb2.RangeWrite()
@@ -297,8 +297,6 @@ def test_a_write_of_no_tokens_is_refused_invalid_argument(helper_range):
             empty.piece_start, empty.piece_tokens = rng.first_token, 0
             raw.requests.put_nowait(encoder_pb2.EncodeRangeRequest(write=empty))
             return await raw.until("failed")
-        finally:
-            await raw.close()
 
     msg = trio.call(empty_write())
     assert msg.failed.error.code == "INVALID_ARGUMENT", msg
@@ -310,11 +308,8 @@ def test_a_payload_start_outside_the_prompt_is_refused_invalid_argument(helper_r
 
     async def refused():
         bad = -1 if where == "before the prompt" else 10 * (write.total_tokens + rng.tokens)
-        raw = RawRange(trio.helper, start(payload_start=bad))
-        try:
+        async with RawRange(trio.helper, start(payload_start=bad)) as raw:
             return await raw.until("failed")
-        finally:
-            await raw.close()
 
     msg = trio.call(refused())
     assert msg.failed.error.code == "INVALID_ARGUMENT", msg

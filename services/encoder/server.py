@@ -38,10 +38,11 @@ from tandem.chat import ChatError
 from tandem.errors import abort
 from tandem.services.encoder.chat import job_from_proto
 from tandem.services.encoder.pipeline import EncodePipeline, EncodeState, MediaPart
-from tandem.services.encoder.split import HelperRange, Share, heartbeat
+from tandem.services.encoder.split import HelperRange, Share
 from tandem.serving import deadline_from_proto
 from tandem.transfer.channels import EncoderChannels
 from tandem.transfer.errors import TransferError, WriteRefused
+from tandem.transfer.sender_room import heartbeat
 from tandem.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -238,7 +239,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                 "INVALID_ARGUMENT", "the first EncodeRange message must be start")
             await context.write(_range_failed(*err))
             return
-        start, beat = first.start, max(0.5, self.sender.config.timeout_s / 3)
+        start, beat = first.start, self.sender.config.heartbeat_s
         room, rid = start.request.room, start.request.request_id or "-"
         self.num_active += 1
         self._gauge()

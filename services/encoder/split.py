@@ -71,7 +71,7 @@ from dataclasses import dataclass
 import grpc
 
 from tandem.transfer.buffers import RangeTag
-from tandem.transfer.errors import TransferError, timed_out
+from tandem.transfer.errors import TransferError
 from tandem.transfer.sender_room import RangeLost, RemoteRange
 from tandem.v1 import encoder_pb2, encoder_pb2_grpc
 
@@ -202,9 +202,8 @@ class HelperRange:
         else the room's failure."""
         if self.step is not HelperStep.WRITING or nothing_in_flight:
             return RangeLost(f"{code or 'stream'}: {why}")
-        if code == "DATA_LOSS":  # the room's own integrity check: its code, no one to blame
-            return TransferError(f"helper {self.share.helper}: {why}", code)
-        if code == "DEADLINE_EXCEEDED":  # the request's deadline, not the helper's fault
+        # the room's own integrity check, the request's deadline: their codes, no one blamed
+        if code in ("DATA_LOSS", "DEADLINE_EXCEEDED"):
             return TransferError(f"helper {self.share.helper}: {why}", code)
         return TransferError(f"helper {self.share.helper} failed while writing its range "
                              f"({code or 'stream'}: {why})", "UNAVAILABLE",
@@ -220,10 +219,7 @@ class HelperRange:
         try:
             msg = await asyncio.wait_for(self._call.read(), self.timeout_s)
         except asyncio.TimeoutError:
-            if self.step is not HelperStep.WRITING:
-                raise RangeLost(f"silent for {self.timeout_s:.1f}s while {what}") from None
-            raise timed_out(f"helper {self.share.helper} silent while {what}", self.timeout_s,
-                            None, None, culprit=self.share.helper) from None
+            raise self._failed(f"silent for {self.timeout_s:.1f}s while {what}") from None
         except grpc.aio.AioRpcError as e:
             deadline = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # the call's timeout
             raise self._failed(f"{e.code().name}: {e.details()}",
@@ -270,16 +266,5 @@ class HelperRange:
                     return 0  # NOTE: the helper's bytes, counted in its own metrics
             else:
                 raise self._failed(f"sent {kind} while writing", "INTERNAL")
-
-
-def heartbeat(period: float, send: Callable[[], Awaitable[None]]) -> asyncio.Task:
-    """A task that awaits `send()` every `period` seconds until cancelled."""
-
-    async def beat() -> None:
-        while True:
-            await asyncio.sleep(period)
-            await send()
-
-    return asyncio.ensure_future(beat())
 
 

@@ -84,6 +84,7 @@ from tandem.transfer.sender_room import (
     SendStats,
     destinations,
     failed_msg,
+    heartbeat,
 )
 from tandem.transfer.staging import Destination, StagingArea, WriteRound, write_round
 from tandem.v1 import encoder_pb2
@@ -224,7 +225,7 @@ class EmbeddingSender:
             return
         r = self._room(room, SenderState.WAITING_FOR_PAYLOAD)
         r.init, r.born = first.init, time.monotonic()
-        beat = max(0.5, self.config.timeout_s / 3)
+        beat = self.config.heartbeat_s
         r.notify()  # a send() waiting for Init goes on
         reader = asyncio.create_task(self._read(r, it))
         span = tracing.start("encoder.attach", parent, kind=tracing.SpanKind.SERVER,
@@ -519,16 +520,14 @@ class EmbeddingSender:
 
     @contextlib.contextmanager
     def _heartbeat(self, r: SenderRoom):
-        """An AttachWorking on the room's stream every third of the transfer timeout
-        while inside (work that says nothing else on the stream)."""
+        """An AttachWorking on the room's stream every `heartbeat_s` while inside (work
+        that says nothing else on the stream)."""
 
         async def beat() -> None:
-            while True:
-                await asyncio.sleep(max(0.5, self.config.timeout_s / 3))
-                r.outbox.put_nowait(encoder_pb2.AttachResponse(
-                    working=encoder_pb2.AttachWorking(room=r.room)))
+            r.outbox.put_nowait(encoder_pb2.AttachResponse(
+                working=encoder_pb2.AttachWorking(room=r.room)))
 
-        task = asyncio.ensure_future(beat())
+        task = heartbeat(self.config.heartbeat_s, beat)
         try:
             yield
         finally:
@@ -676,7 +675,7 @@ class EmbeddingSender:
             return t0 + (arrived.rows - t0) // bs * bs
         want = min(t0 + bs, cap)  # NOTE: never past the piece (a remote range may follow)
         r.to(SenderState.WAITING_FOR_ROWS)
-        beat = max(0.5, self.config.timeout_s / 3)
+        beat = self.config.heartbeat_s
         while arrived.rows < want:
             left = None if deadline is None else deadline - time.time()
             if left is not None and left <= 0:

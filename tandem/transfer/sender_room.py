@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from tandem import tracing
@@ -137,3 +137,14 @@ def destinations(room: int, init: encoder_pb2.AttachInit, staging: StagingArea,
 def failed_msg(err: TransferError) -> encoder_pb2.AttachResponse:
     info = common_pb2.ErrorInfo(code=err.code, message=err.reason)
     return encoder_pb2.AttachResponse(failed=encoder_pb2.AttachFailed(error=info))
+
+
+def heartbeat(period: float, send: Callable[[], Awaitable[None]]) -> asyncio.Task:
+    """A task that awaits `send()` every `period` seconds until cancelled."""
+
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(period)
+            await send()
+
+    return asyncio.ensure_future(beat())
