@@ -313,7 +313,10 @@ class Dispatcher:
                 span.set_attribute("tandem.retried", True)
                 self.metrics.request_retries.inc()
                 avoid["encoder"].add(route.encoder)
-                if err.tier is Tier.LANGUAGE:
+                # DATA_LOSS: the rows failed the language side's check, whoever reports it
+                # (the lead's Encode carries it too, now with its code): its buffers may be
+                # written by another process, so the retry goes to another instance
+                if err.tier is Tier.LANGUAGE or err.code == "DATA_LOSS":
                     avoid["language"].add(route.language)
             finally:
                 # NOTE: close the attempt now (cancels its calls, aborts its room) rather
