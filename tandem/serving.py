@@ -163,6 +163,28 @@ async def start_serving(
     return servicer
 
 
+async def follow_health(servicer: health.aio.HealthServicer, service: str,
+                        out_of_service: Callable[[], str | None], period_s: float,
+                        log: logging.Logger) -> None:
+    """Until cancelled: every health name NOT_SERVING while `out_of_service()` gives a
+    reason, SERVING again once it gives None; each change logged. (After the drain's
+    graceful shutdown the servicer ignores both: it stays NOT_SERVING.)"""
+    was = None
+    while True:
+        why = out_of_service()
+        if (why is None) != (was is None):
+            status = (health_pb2.HealthCheckResponse.SERVING if why is None
+                      else health_pb2.HealthCheckResponse.NOT_SERVING)
+            for name in ("", service):
+                await servicer.set(name, status)
+            if why is None:
+                log.warning("back in service (health SERVING)")
+            else:
+                log.error("out of service (health NOT_SERVING): %s", why)
+        was = why
+        await asyncio.sleep(period_s)
+
+
 def stop_on_signals(stop: asyncio.Event | None = None) -> asyncio.Event:
     """An event that SIGTERM / SIGINT set (handlers only install on the main thread)."""
     stop = stop or asyncio.Event()

@@ -120,6 +120,15 @@ class EncoderConfig(ModelServiceSettings):
         "batch is padded up to its bucket, a bigger one runs eagerly. 0 disables graphs; "
         "CUDA only (the CPU runs eagerly).",
     )  # fmt: skip
+    vit_stall_s: float = Field(
+        60.0, gt=0, le=3600,
+        description="A ViT call that goes this long without finishing a layer (a graph "
+        "replay counts as one) is taken for a hang: the encoder stops its rooms' heartbeats "
+        "(the language side fails them at the transfer timeout and the router retries their "
+        "requests elsewhere), refuses new Encodes and ranges UNAVAILABLE and answers health "
+        "checks NOT_SERVING, until the call progresses again. Raise it for a real-size "
+        "tower on a few CPU cores, where one layer of a full batch may take seconds.",
+    )  # fmt: skip
     staging_tokens: int = Field(
         4096, ge=16, description="Tokens per staging slot (>= the language block size)."
     )

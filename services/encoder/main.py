@@ -4,7 +4,8 @@ Start-up order: model (vision tower + embeddings) -> Mooncake engine + registere
 -> metrics HTTP (the service's own registry) -> gRPC server (Encoder, health, reflection)
 -> "ready" log line.
 SIGTERM / SIGINT drain: health turns NOT_SERVING, new Encodes get UNAVAILABLE, Encodes in
-progress get up to `drain_timeout_s` to deliver, then the server stops.
+progress get up to `drain_timeout_s` to deliver, then the server stops. A stalled ViT
+(`vit_stall_s`) takes the encoder out of service the same way until it progresses again.
 """
 
 from __future__ import annotations
@@ -69,7 +70,9 @@ async def run(
         dtype=pipeline.embed_tokens.weight.dtype,
     )
     staging.register(engine)
-    sender = EmbeddingSender(engine, staging, cfg.transfer, registry=registry)
+    # heartbeats only while the ViT progresses (scheduler.py's stall watch)
+    sender = EmbeddingSender(engine, staging, cfg.transfer, registry=registry,
+                             vouch=lambda: not pipeline.scheduler.stalled())
 
     limit = _message_limit(cfg)
     server = serving.grpc_server(tls, max_receive_message_length=limit,
@@ -84,6 +87,9 @@ async def run(
     address = f"{cfg.host}:{cfg.port}"
     health_servicer = await serving.start_serving(server, SERVICE, address, "tandem encoder", tls,
                                           cfg.health_port)
+    # health follows the stall watch (and the drain): NOT_SERVING while out of service
+    following = asyncio.create_task(serving.follow_health(
+        health_servicer, SERVICE, servicer.out_of_service, 1.0, log))
     stop = serving.stop_on_signals(stop)
     log.info(
         "encoder ready on %s (model %s, transfer %s, devices %s)",
@@ -96,6 +102,7 @@ async def run(
         ready.set()
     await stop.wait()
     await serving.drain(servicer, health_servicer, cfg.drain_timeout_s, log)
+    following.cancel()
     await server.stop(grace=1.0)
     await pipeline.stop()
     await channels.close()

@@ -10,6 +10,9 @@ tandem_encoder_queue_patches            patches waiting for the ViT
 tandem_encoder_pending_patches          patches waiting for or in the ViT: the tier's scaling
                                         signal (0 when idle; docs/deploy.md "Autoscaling")
 tandem_encoder_queued_requests          requests accepted and not yet answered
+tandem_encoder_vit_stall_seconds        how long the most stuck device's ViT call has gone
+                                        without progress (0 while idle); past vit_stall_s the
+                                        encoder is out of service (scheduler.py)
 tandem_encoder_batch_images             images per ViT batch (histogram)
 tandem_encoder_videos_decoded_total     videos decoded (a cached or held one is not)
 tandem_encoder_video_frames_decoded_total  frames decoded from them
@@ -51,6 +54,10 @@ class EncoderMetrics:
         self.pending_patches = Gauge(p + "pending_patches", "Patches waiting for or in the "
                                      "ViT (the encoder tier's scaling signal).", **kw)
         self.queued_requests = Gauge(p + "queued_requests", "Requests in progress.", **kw)
+        # read at each scrape: `vit_stall_seconds.set_function(scheduler.stalled_s)`
+        self.vit_stall_seconds = Gauge(
+            p + "vit_stall_seconds", "How long the most stuck device's ViT call has gone "
+            "without progress (0 while idle).", **kw)
         self.batch_images = Histogram(
             p + "batch_images",
             "Images per ViT batch.",

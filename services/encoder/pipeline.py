@@ -149,6 +149,7 @@ class EncodePipeline:
         chat_template: str | None = None,
         video: VideoSettings | None = None,
         video_chunk_patches: int = 0,
+        vit_stall_s: float = 60.0,
     ) -> None:
         self.spec = spec
         # NOTE: the text embedding table lives on the CPU: its lookups run on the
@@ -164,9 +165,11 @@ class EncodePipeline:
                              int(spec.tokens_per_second))
         self.cache = EmbeddingCache(cache_bytes)
         self.metrics = metrics
-        self.scheduler = EncoderScheduler(runners, self.cache, patch_budget, metrics)
+        self.scheduler = EncoderScheduler(runners, self.cache, patch_budget, metrics,
+                                          vit_stall_s)
         if metrics:
             metrics.vit_graphs_recorded([r.stats for r in runners])
+            metrics.vit_stall_seconds.set_function(self.scheduler.stalled_s)
         self.pool = FairPool(workers, client_share)
         self.num_deepstack = int(spec.num_deepstack)
         self.video_chunk_patches = video_chunk_patches  # streamed rows: see EncoderConfig
@@ -233,6 +236,7 @@ class EncodePipeline:
             load_chat_template(cfg.chat_template),
             video,
             cfg.video_chunk_patches,
+            cfg.vit_stall_s,
         )
 
     def start(self) -> None:

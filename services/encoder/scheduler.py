@@ -16,6 +16,11 @@ away (cancelled, deadline) before its batch started is dropped.
 `features` = `lookup` (the cache, counted) + `encode` (the ViT for the misses). The
 pipeline calls the two apart for videos: a hit must be known before a video is decoded.
 
+A stall watch: each device's ViT call reports progress after each block (a graph replay
+as one step); a call that goes `stall_s` without any is taken for a hang (`stalled`),
+which the encoder acts on (server.py: no heartbeats, new work refused, health
+NOT_SERVING).
+
 For traces, each job records when it was queued and the batch it ran in (`VitRun`, Unix
 ns: two clock reads per batch); `encode` hands each input's run back and the request's
 own coroutine makes its spans from them (the batcher never touches a span).
@@ -26,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -105,9 +111,19 @@ class FeatureResult:
 
 class EncoderScheduler:
     def __init__(
-        self, runners: list[VisionRunner], cache: EmbeddingCache, patch_budget: int, metrics=None
+        self, runners: list[VisionRunner], cache: EmbeddingCache, patch_budget: int, metrics=None,
+        stall_s: float = 60.0,
     ) -> None:
+        """`stall_s`: a ViT call that goes this long without progress is a hang
+        (`stalled`; EncoderConfig.vit_stall_s)."""
         self.runners = runners
+        self.stall_s = stall_s
+        # Per device: when its ViT call in progress last progressed (a block finished, a
+        # replay returned; monotonic s), None while it runs none. Written by the device's
+        # thread, read by the loop (a float store: no lock).
+        self._progress: list[float | None] = [None] * len(runners)
+        for d, r in enumerate(runners):
+            r.on_progress = functools.partial(self._progressed, d)
         self.cache = cache
         self.patch_budget = patch_budget
         self.metrics = metrics
@@ -135,6 +151,25 @@ class EncoderScheduler:
                 pass
         for p in self._pools:
             p.shutdown(wait=True)
+
+    def stalled_s(self) -> float:
+        """How long the most stuck device has been in its ViT call without progress; 0
+        while every device is idle."""
+        now = time.monotonic()
+        return max((now - t for t in self._progress if t is not None), default=0.0)
+
+    def stalled(self) -> bool:
+        """A device's ViT call went `stall_s` without progress: taken for a hang (a
+        wedged kernel, a deadlocked library). The encoder then stops vouching for its
+        rooms (no heartbeats: the language side fails them at the transfer timeout and the
+        router retries them elsewhere), refuses new work, and answers health checks
+        NOT_SERVING, until the call progresses again. A blocking call that never ends
+        cannot be cancelled from Python: the process stays out of service until restarted
+        (Kubernetes' health probe restarts it)."""
+        return self.stalled_s() > self.stall_s
+
+    def _progressed(self, device: int) -> None:  # on the device's thread
+        self._progress[device] = time.monotonic()
 
     def lookup(self, key: str) -> CachedFeatures | None:
         """The cache's entry for `key`, counted as a hit or a miss."""
@@ -280,11 +315,15 @@ class EncoderScheduler:
     def _run(self, device: int, images: list[VisionInput]) -> list[CachedFeatures]:
         """On runner `device`'s thread: one ViT call over `images`, split per input."""
         runner = self.runners[device]
-        pixels = torch.cat([im.pixel_values for im in images])
-        out = runner.run(pixels, [im.grid for im in images])
-        sizes = [im.num_tokens for im in images]
-        embeds = out.embeds.cpu().split(sizes)
-        deep = [d.cpu().split(sizes) for d in out.deepstack]
+        self._progress[device] = time.monotonic()
+        try:
+            pixels = torch.cat([im.pixel_values for im in images])
+            out = runner.run(pixels, [im.grid for im in images])
+            sizes = [im.num_tokens for im in images]
+            embeds = out.embeds.cpu().split(sizes)  # NOTE: a hung device blocks here
+            deep = [d.cpu().split(sizes) for d in out.deepstack]
+        finally:
+            self._progress[device] = None
         # clone: a cached entry must not pin the whole batch's output tensor
         return [
             CachedFeatures(embeds[k].clone(), tuple(d[k].clone() for d in deep))

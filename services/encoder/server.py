@@ -21,7 +21,7 @@ the call's traceparent), with the pipeline's stages and the transfer under it;
 
 Status codes: INVALID_ARGUMENT for bad input and per-request limits (the message starts
 with the offending field, e.g. `messages[0].content[1].image: ...`), UNAVAILABLE while
-draining, DEADLINE_EXCEEDED past the deadline, and the transfer layer's code when the
+draining or while the ViT is stalled (`out_of_service`), DEADLINE_EXCEEDED past the deadline, and the transfer layer's code when the
 delivery fails. A failure never takes the service down.
 """
 
@@ -69,9 +69,19 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         if metrics:
             metrics.serving(model_name)
 
-    async def Encode(self, request, context):  # noqa: N802  (gRPC method name)
+    def out_of_service(self) -> str | None:
+        """Why this encoder takes no new work now (new Encodes and ranges are refused
+        UNAVAILABLE, and the router retries them elsewhere), None when it does."""
         if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "encoder is draining")
+            return "encoder is draining"
+        if self.pipeline.scheduler.stalled():
+            return (f"encoder's ViT stalled (no progress for "
+                    f"{self.pipeline.scheduler.stalled_s():.0f}s)")
+        return None
+
+    async def Encode(self, request, context):  # noqa: N802  (gRPC method name)
+        if (why := self.out_of_service()) is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, why)
         self.num_active += 1
         self._gauge()
         code = "OK"
@@ -234,8 +244,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             first = await asyncio.wait_for(it.__anext__(), self.sender.config.timeout_s)
         except (StopAsyncIteration, asyncio.TimeoutError):
             return
-        if self.draining or first.WhichOneof("msg") != "start":
-            err = ("UNAVAILABLE", "encoder is draining") if self.draining else (
+        why = self.out_of_service()
+        if why is not None or first.WhichOneof("msg") != "start":
+            err = ("UNAVAILABLE", why) if why is not None else (
                 "INVALID_ARGUMENT", "the first EncodeRange message must be start")
             await context.write(_range_failed(*err))
             return
@@ -267,7 +278,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                              start.first_media + start.media, start.first_token, start.end_token,
                              tuple((g.temporal, g.height, g.width) for g in start.image_grids)
                              or None, tuple(start.media_keys))
-            beating = heartbeat(beat, lambda: outbox.put(working))
+            beating = heartbeat(beat, lambda: outbox.put(working), self.sender.vouch)
             try:
                 async with asyncio.timeout(max(0.0, deadline - now)):
                     res = await self.pipeline.encode(

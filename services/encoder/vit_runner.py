@@ -152,6 +152,10 @@ class _Prepared:
     reverse: torch.Tensor | None  # undoes the window permutation of merged tokens
 
 
+def _nothing() -> None:
+    pass
+
+
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
     """The first `n` rows of `t`: a view (a graph reads fixed addresses)."""
     return t.narrow(0, 0, n)
@@ -283,6 +287,10 @@ class VisionRunner:
         if self.mode is not RunMode.EAGER and max_patches < 1:
             raise ValueError(f"mode {mode!r} needs max_patches >= 1 (its largest bucket)")
         self._lock = threading.Lock()
+        # Called on the running thread after each block (eager and static runs) and after
+        # each graph replay: the encoder's stall watch (EncoderScheduler.stalled_s) takes a
+        # call that goes long without one for a hang. Must be cheap and never block.
+        self.on_progress: Callable[[], None] = _nothing
         self._varlen, self._varlen_kw = None, {}
         if cuda and self.dtype in (torch.bfloat16, torch.float16):
             try:
@@ -334,6 +342,7 @@ class VisionRunner:
             else:
                 self._load(key, prep)
                 merged, deep = replay()
+                self.on_progress()
                 self.stats.replays += 1
                 # clone: the next batch overwrites the buffers; rows past these are padding
                 rows = prep.hidden.shape[0] // self.unit
@@ -408,6 +417,7 @@ class VisionRunner:
             else:
                 seg, mx = cu_window, prep.max_window_len
             h = blk(h, cu_seqlens=seg, max_seqlen=mx, position_embeddings=(prep.cos, prep.sin))
+            self.on_progress()
             if i in self.deepstack_layers:
                 deep.append(v.deepstack_merger_list[self.deepstack_layers.index(i)](h))
         return v.merger(h), deep
@@ -484,6 +494,7 @@ class VisionRunner:
                 seg, longest = cu_window, self.window_patches
             h = h + self._attention(blk.attn, blk.norm1(h), cos, sin, seg, longest)
             h = h + blk.mlp(blk.norm2(h))
+            self.on_progress()  # NOTE: host code: a capture runs it once, a replay never
             if i in self.deepstack_layers:
                 deep.append(v.deepstack_merger_list[self.deepstack_layers.index(i)](h))
         rows = n // self.unit

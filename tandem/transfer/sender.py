@@ -49,6 +49,12 @@ flight (the write is not waited for; its staging slot is returned when Mooncake 
 thread back). `deadline` is Unix seconds. Failures are sent as AttachFailed and raised as
 TransferError(reason, code).
 
+Heartbeats (AttachWorking) say the encoder works on a room that has nothing else to say
+(its payload being prepared, its rows in the ViT, a helper's range): they go out only while
+`vouch()` is true. The encoder vouches while its ViT makes progress (EncoderScheduler.
+stalled); a hung ViT thus shows as silence, and the room fails at the transfer timeout,
+not at the request's deadline.
+
 Protection: the Init names it (buffers.py RowProtection); each chunk is one reported range,
 sealed in the writer thread under keys of its own (encrypted into the staging slot under
 `encrypt`), its tags computed over the private payload and sent with the range's Progress,
@@ -68,6 +74,7 @@ import collections
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from tandem import tracing
@@ -95,8 +102,12 @@ _ABANDONED_KEPT = 4096  # rooms remembered as abandoned before their Init came
 
 class EmbeddingSender:
     def __init__(self, engine, staging: StagingArea, config: TransferConfig,
-                 chunk_tokens: int = 2048, registry=None):
+                 chunk_tokens: int = 2048, registry=None,
+                 vouch: Callable[[], bool] | None = None):
+        """`vouch()`: whether this process's work progresses, so its heartbeats may go
+        out (see the module's docstring); None: always."""
         self.engine, self.staging, self.config = engine, staging, config
+        self.vouch: Callable[[], bool] = vouch or (lambda: True)
         self.chunk_tokens = chunk_tokens  # tokens per submitted chunk (pipelining unit)
         self.metrics = transfer_metrics(registry)
         self.rooms: dict[int, SenderRoom] = {}
@@ -236,7 +247,9 @@ class EmbeddingSender:
                 # Init is here; without send() the payload has timeout_s to come (from Init,
                 # or from the announce's answer). While announcing, re-check every second.
                 wait = 1.0 if r.state is SenderState.ANNOUNCING else None
-                preparing = room in self._preparing
+                # NOTE: unvouched (a hung ViT), a room being prepared beats no more and
+                # times out like one nobody prepares
+                preparing = room in self._preparing and self.vouch()
                 if r.state is SenderState.WAITING_FOR_PAYLOAD:
                     wait = (beat if preparing else
                             max(0.0, r.born + self.config.timeout_s - time.monotonic()))
@@ -251,7 +264,9 @@ class EmbeddingSender:
                         continue
                     late = time.monotonic() >= r.born + self.config.timeout_s
                     if r.state is SenderState.WAITING_FOR_PAYLOAD and late:
-                        self._fail(r, timed_out(f"room {room}: no payload after Init",
+                        why = ("" if room not in self._preparing else
+                               " (this encoder's ViT stalled)")
+                        self._fail(r, timed_out(f"room {room}: no payload after Init{why}",
                                                 self.config.timeout_s, None, room))
                     continue
                 await context.write(msg)
@@ -527,7 +542,7 @@ class EmbeddingSender:
             r.outbox.put_nowait(encoder_pb2.AttachResponse(
                 working=encoder_pb2.AttachWorking(room=r.room)))
 
-        task = heartbeat(self.config.heartbeat_s, beat)
+        task = heartbeat(self.config.heartbeat_s, beat, self.vouch)
         try:
             yield
         finally:
@@ -692,7 +707,7 @@ class EmbeddingSender:
             if r.terminal:
                 raise r.error or TransferError(f"room {r.room}: Attach stream closed while "
                                                "waiting for rows", "UNAVAILABLE")
-            if arrived.rows < want:  # still in the ViT: say so, the room is alive
+            if arrived.rows < want and self.vouch():  # still in the ViT: say so
                 r.outbox.put_nowait(encoder_pb2.AttachResponse(
                     working=encoder_pb2.AttachWorking(room=r.room)))
         r.to(SenderState.TRANSFERRING)

@@ -139,12 +139,16 @@ def failed_msg(err: TransferError) -> encoder_pb2.AttachResponse:
     return encoder_pb2.AttachResponse(failed=encoder_pb2.AttachFailed(error=info))
 
 
-def heartbeat(period: float, send: Callable[[], Awaitable[None]]) -> asyncio.Task:
-    """A task that awaits `send()` every `period` seconds until cancelled."""
+def heartbeat(period: float, send: Callable[[], Awaitable[None]],
+              vouch: Callable[[], bool] | None = None) -> asyncio.Task:
+    """A task that awaits `send()` every `period` seconds until cancelled, each time
+    `vouch()` (if given) holds: a heartbeat says the work progresses, not only that the
+    process is alive (EmbeddingSender.vouch)."""
 
     async def beat() -> None:
         while True:
             await asyncio.sleep(period)
-            await send()
+            if vouch is None or vouch():
+                await send()
 
     return asyncio.ensure_future(beat())
