@@ -9,6 +9,9 @@ EmbeddingSender.vouch).
 - The transfer layer: an encoder that no longer vouches for its work sends no heartbeat
   for a room it prepares, so the room fails at the transfer timeout (UNAVAILABLE, the
   router's retry), not at the request's deadline.
+- A helper's ViT hangs before its Ready (services/encoder/split.py): its EncodeRange
+  stream carries no more heartbeats, the lead takes it for lost after the transfer
+  timeout and re-encodes its range, and the chat is answered exactly.
 - End to end, over real services and a real router: the first ViT call in this process
   hangs (its thread blocked, the encoder's event loop alive and answering). The request
   is retried on the other encoder and answers exactly, before its deadline; meanwhile the
@@ -51,10 +54,11 @@ TRANSFER_TIMEOUT_S = 2.0  # every tier's transfer timeout (heartbeats every 0.67
 
 
 class HangFirst:
-    """The first ViT call in this process blocks (its device thread, as a wedged kernel
-    would) until `release`; every later call runs."""
+    """The first ViT call in this process (of an input of `grid`, if given) blocks (its
+    device thread, as a wedged kernel would) until `released`; every later call runs."""
 
-    def __init__(self) -> None:
+    def __init__(self, grid: tuple[int, int, int] | None = None) -> None:
+        self.grid = grid
         self.entered, self.released = threading.Event(), threading.Event()
         self._taken, self._lock = False, threading.Lock()
 
@@ -63,7 +67,9 @@ class HangFirst:
 
         def gated(runner, pixels, grids):
             with hang._lock:
-                first, hang._taken = not hang._taken, True
+                mine = hang.grid is None or hang.grid in map(tuple, grids)
+                first = mine and not hang._taken
+                hang._taken = hang._taken or mine
             if first:
                 hang.entered.set()
                 assert hang.released.wait(HANG_GUARD_S), "the hung ViT call was never let go"
@@ -310,3 +316,29 @@ def test_a_hung_vit_fails_its_room_and_the_request_is_retried_elsewhere(checkpoi
                    what="every KV page and embedding block free")
     finally:
         cluster.stop()
+
+
+def test_a_helper_whose_vit_hangs_is_lost_and_its_range_re_encoded(checkpoint):
+    from test_split import Trio, _grid, assert_fell_back, assert_idle, four_image_chat
+
+    from tandem.services.encoder.vit_runner import VisionRunner
+
+    ckpt = checkpoint("qwen2_5_vl")
+    chat = four_image_chat(31)
+    hang = HangFirst(_grid(ckpt, chat, 3))  # the last image: the helper's range
+    trio = Trio(ckpt, timeout_s=TRANSFER_TIMEOUT_S)
+    trio.lead_cfg = trio.lead_cfg.model_copy(update={"vit_stall_s": STALL_S})
+    trio.helper_cfg = trio.helper_cfg.model_copy(update={"vit_stall_s": STALL_S})
+    trio.start()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(VisionRunner, "run", hang.wrap(VisionRunner.run))
+            try:
+                tokens, res = trio.call(trio.generate(chat))
+            finally:
+                hang.released.set()
+        assert hang.entered.is_set()
+        assert_fell_back(trio, ckpt, chat, tokens, res)  # before: held until the deadline
+        assert_idle(trio)
+    finally:
+        trio.stop()

@@ -87,9 +87,10 @@ async def run(
     address = f"{cfg.host}:{cfg.port}"
     health_servicer = await serving.start_serving(server, SERVICE, address, "tandem encoder", tls,
                                           cfg.health_port)
-    # health follows the stall watch (and the drain): NOT_SERVING while out of service
+    # health follows the stall watch: NOT_SERVING while the ViT is stalled (the drain
+    # turns it NOT_SERVING for good)
     following = asyncio.create_task(serving.follow_health(
-        health_servicer, SERVICE, servicer.out_of_service, 1.0, log))
+        health_servicer, SERVICE, servicer.stall, 1.0, log))
     stop = serving.stop_on_signals(stop)
     log.info(
         "encoder ready on %s (model %s, transfer %s, devices %s)",

@@ -69,15 +69,18 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         if metrics:
             metrics.serving(model_name)
 
-    def out_of_service(self) -> str | None:
-        """Why this encoder takes no new work now (new Encodes and ranges are refused
-        UNAVAILABLE, and the router retries them elsewhere), None when it does."""
-        if self.draining:
-            return "encoder is draining"
+    def stall(self) -> str | None:
+        """Why the ViT is out of service (a call stalled: scheduler.py), None if it is
+        not. The encoder's health follows it (main.py)."""
         if self.pipeline.scheduler.stalled():
             return (f"encoder's ViT stalled (no progress for "
                     f"{self.pipeline.scheduler.stalled_s():.0f}s)")
         return None
+
+    def out_of_service(self) -> str | None:
+        """Why this encoder takes no new work now (new Encodes and ranges are refused
+        UNAVAILABLE, and the router retries them elsewhere), None when it does."""
+        return "encoder is draining" if self.draining else self.stall()
 
     async def Encode(self, request, context):  # noqa: N802  (gRPC method name)
         if (why := self.out_of_service()) is not None:
