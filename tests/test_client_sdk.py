@@ -162,7 +162,9 @@ def test_stream_folding_and_error_message():
         usage=common_pb2.Usage(prompt_tokens=7, completion_tokens=3, total_tokens=10),
         timings=common_pb2.StageTimings(
             vit_ms=1.5, decode_ms=2.0, time_to_first_row_ms=3.5, early_prefill_tokens=12,
-            encoder_ranges=[common_pb2.EncoderRange(encoder="e1:1", tokens=20, media=1),
+            encoder_ranges=[common_pb2.EncoderRange(encoder="e1:1", tokens=20, media=1,
+                                                    vit_ms=4.5, cached_image_tokens=8,
+                                                    preprocess_ms=2.5),
                             common_pb2.EncoderRange(encoder="e2:2", first_token=20, tokens=9,
                                                     first_media=1, media=2, fell_back=True)])))
     assert (res.text, res.token_ids, res.finish_reason, res.request_id) == ("Hello", [1, 2, 3],
@@ -170,7 +172,8 @@ def test_stream_folding_and_error_message():
     assert res.usage.total_tokens == 10 and res.timings.vit_ms == 1.5
     t = res.timings
     assert (t.time_to_first_row_ms, t.early_prefill_tokens) == (3.5, 12)
-    assert t.encoder_ranges == (EncoderRange("e1:1", 0, 20, 0, 1),
+    assert t.encoder_ranges == (EncoderRange("e1:1", 0, 20, 0, 1, vit_ms=4.5,
+                                             cached_image_tokens=8, preprocess_ms=2.5),
                                 EncoderRange("e2:2", 20, 9, 1, 2, fell_back=True))
     with pytest.raises(UnavailableError, match="language gone"):
         add(res, router_pb2.RouterGenerateResponse(

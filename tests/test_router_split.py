@@ -136,7 +136,8 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "encoder died",
                                 ((CULPRIT_METADATA, culprit),) if culprit else ())
         self.delivered.set()
-        ranges = [common_pb2.EncoderRange(encoder="", tokens=6, media=1)]
+        ranges = [common_pb2.EncoderRange(encoder="", tokens=6, media=1, vit_ms=4.0,
+                                          cached_image_tokens=2, preprocess_ms=1.5)]
         ranges += [common_pb2.EncoderRange(encoder=h, first_token=6 + 2 * k, tokens=2,
                                             first_media=1 + k, media=1, fell_back=k == 1)
                    for k, h in enumerate(request.helpers)]
@@ -281,6 +282,9 @@ def test_the_encode_names_the_least_loaded_eligible_encoders_and_a_failover_pick
             t = timings(out.timings)
             assert (t["time_to_first_row_ms"], t["early_prefill_tokens"], t["vit_ms"],
                     t["decode_ms"]) == (5.0, 3, 4.0, 1.0)
+            lead = t["encoder_ranges"][0]  # each writer's own figures, as the lead sent them
+            assert (lead["vit_ms"], lead["cached_image_tokens"], lead["preprocess_ms"]) == (
+                4.0, 2, 1.5)
             (first,) = fakes["lead"].encodes
             assert list(first.helpers) == [addr["next"], addr["light"]]
             (second,) = fakes["next"].encodes

@@ -310,8 +310,10 @@ def test_split_greedy_equals_generate(checkpoint, gate, arch, stream, protect):
             assert writers == ["", trio.helper], res.ranges  # the lead, then the helper
             assert not any(r.fell_back for r in res.ranges)
             assert sum(r.tokens for r in res.ranges) == res.prompt_tokens - res.cached_prompt_tokens
-            # each writer ran its own media (fresh images: no cache hit anywhere)
-            assert all(r.vit_ms > 0 and r.cached_image_tokens == 0 for r in res.ranges)
+            # each writer ran its own media (fresh images: no cache hit anywhere) and
+            # prepared it
+            assert all(r.vit_ms > 0 and r.cached_image_tokens == 0 and r.preprocess_ms > 0
+                       for r in res.ranges)
         assert_idle(trio)
 
         # both ViTs at once: the lead's first image is held until the helper's last image

@@ -401,13 +401,14 @@ def _helped(res, helpers: list[HelperRange]) -> list[HelperRange]:
 
 
 def _written_ranges(res, helpers: list[HelperRange]) -> list[common_pb2.EncoderRange]:
-    """Who wrote which rows (the lead alone without a split), with each writer's ViT time
-    and cache hits (the lead's: its own; a helper's: its RangeReady)."""
+    """Who wrote which rows (the lead alone without a split), with each writer's ViT and
+    preprocessing time and cache hits (the lead's: its own; a helper's: its RangeReady)."""
     if not res.shares:
         return [common_pb2.EncoderRange(first_token=0, tokens=res.payload.num_tokens,
                                          first_media=0, media=len(res.image_hashes) +
                                          len(res.video_keys), vit_ms=res.vit_ms,
-                                         cached_image_tokens=res.cached_image_tokens)]
+                                         cached_image_tokens=res.cached_image_tokens,
+                                         preprocess_ms=res.preprocess_ms)]
     fell = {rr.start for rr in res.remote if rr.fell_back}
     ready = {h.share.first_token: h.ready for h in _helped(res, helpers)}
     out = []
@@ -418,9 +419,11 @@ def _written_ranges(res, helpers: list[HelperRange]) -> list[common_pb2.EncoderR
             fell_back=sh.first_token in fell and bool(sh.helper))
         if not sh.helper:
             r.vit_ms, r.cached_image_tokens = res.vit_ms, res.cached_image_tokens
+            r.preprocess_ms = res.preprocess_ms
         elif sh.first_token in ready:
             got = ready[sh.first_token]
             r.vit_ms, r.cached_image_tokens = got.vit_ms, got.cached_image_tokens
+            r.preprocess_ms = got.preprocess_ms
         out.append(r)
     return out
 

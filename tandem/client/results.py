@@ -28,7 +28,8 @@ class EncoderRange:
     tokens) and media [first_media, first_media + media); `fell_back`: that helper failed
     and the lead re-encoded its range; `vit_ms`: the writer's ViT time for it (the lead's:
     its own; 0 when re-encoded); `cached_image_tokens`: its media tokens served from the
-    writer's embedding cache (the lead's: its hits over the whole prompt)."""
+    writer's embedding cache (each writer counts its own media's); `preprocess_ms`: the
+    writer's preprocessing time (the lead's: the whole chat's; 0 when re-encoded)."""
 
     encoder: str  # its address
     first_token: int
@@ -38,6 +39,7 @@ class EncoderRange:
     fell_back: bool = False
     vit_ms: float = 0.0
     cached_image_tokens: int = 0
+    preprocess_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -194,5 +196,6 @@ def add(result: ChatResult, msg: router_pb2.RouterGenerateResponse) -> None:
             t.preprocess_ms, t.vit_ms, t.transfer_ms, t.queue_ms, t.prefill_ms, t.decode_ms,
             t.skipped_images, t.encoder_bypassed, t.time_to_first_row_ms, t.early_prefill_tokens,
             tuple(EncoderRange(r.encoder, r.first_token, r.tokens, r.first_media, r.media,
-                               r.fell_back, r.vit_ms, r.cached_image_tokens)
+                               r.fell_back, r.vit_ms, r.cached_image_tokens,
+                               r.preprocess_ms)
                   for r in t.encoder_ranges))

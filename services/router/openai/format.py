@@ -81,14 +81,15 @@ def logprobs(output: Output, as_ids: bool = False) -> dict | None:
 def timings(t: common_pb2.StageTimings | None) -> dict:
     """The extension's `timings`: each figure (TIMING_FIELDS) and `encoder_ranges`, who
     wrote which rows of the prompt ({encoder, first_token, tokens, first_media, media,
-    fell_back, vit_ms, cached_image_tokens} each, in prompt order)."""
+    fell_back, vit_ms, cached_image_tokens, preprocess_ms} each, in prompt order)."""
     if t is None:
         return {}
     out: dict = {f: getattr(t, f) for f in TIMING_FIELDS}
     out["encoder_ranges"] = [
         {"encoder": r.encoder, "first_token": r.first_token, "tokens": r.tokens,
          "first_media": r.first_media, "media": r.media, "fell_back": r.fell_back,
-         "vit_ms": r.vit_ms, "cached_image_tokens": r.cached_image_tokens}
+         "vit_ms": r.vit_ms, "cached_image_tokens": r.cached_image_tokens,
+         "preprocess_ms": r.preprocess_ms}
         for r in t.encoder_ranges]  # fmt: skip
     return out
 
