@@ -115,8 +115,9 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServicer):
     rows as a lead does: itself ("") 6 tokens and one medium, then each helper 2 and one."""
 
     def __init__(self, load: int, patches: int = 0, model: str = "m", draining: bool = False,
-                 fail: int = 0, blame: bool | str = False) -> None:
+                 fail: int = 0, blame: bool | str = False, vit_stalled: bool = False) -> None:
         self.load, self.patches, self.model, self.draining = load, patches, model, draining
+        self.vit_stalled = vit_stalled
         self.fail, self.blame = fail, blame
         self.encodes: list[encoder_pb2.EncodeRequest] = []
         self.delivered = asyncio.Event()
@@ -124,7 +125,7 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServicer):
     async def GetLoad(self, request, context):  # noqa: N802
         return encoder_pb2.EncoderGetLoadResponse(
             queued_requests=self.load, queued_patches=self.patches, model=self.model,
-            draining=self.draining)
+            draining=self.draining, vit_stalled=self.vit_stalled)
 
     async def Encode(self, request, context):  # noqa: N802
         self.encodes.append(request)
@@ -254,12 +255,13 @@ def _sample(metrics: RouterMetrics, name: str) -> float:
 
 
 def test_the_encode_names_the_least_loaded_eligible_encoders_and_a_failover_picks_afresh():
-    """The lead (picked by image affinity) gets the least loaded other healthy, non-draining
-    encoders of its model as helpers; when it dies, the Encode on the next encoder names
+    """The lead (picked by image affinity) gets the least loaded other healthy encoders of
+    its model that take work (neither draining nor with a stalled ViT) as helpers; when it dies, the Encode on the next encoder names
     helpers picked again, without the failed lead (healthy and idle as it still looks)."""
     fakes = {"lead": FakeEncoder(load=0, fail=1), "next": FakeEncoder(load=0, patches=500),
              "busy": FakeEncoder(load=3), "light": FakeEncoder(load=1),
              "draining": FakeEncoder(load=0, draining=True),
+             "stalled": FakeEncoder(load=0, vit_stalled=True),
              "other_model": FakeEncoder(load=0, model="x")}
 
     async def go():
@@ -268,7 +270,8 @@ def test_the_encode_names_the_least_loaded_eligible_encoders_and_a_failover_pick
                           encoder_retries=1, split_max_helper_load=10) as (
                 dispatcher, addr, metrics, language):
             candidates = [c.address for c in dispatcher.registry.encoders.candidates()]
-            assert sorted(candidates) == sorted(addr[n] for n in fakes if n != "draining")
+            assert sorted(candidates) == sorted(addr[n] for n in fakes
+                                                if n not in ("draining", "stalled"))
             urls = images_preferring([addr["lead"], addr["next"]], candidates, 3)
             out = await run(dispatcher, chat(urls))
             assert language.reattached == [addr["next"]]

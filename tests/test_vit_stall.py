@@ -15,8 +15,9 @@ EmbeddingSender.vouch).
 - End to end, over real services and a real router: the first ViT call in this process
   hangs (its thread blocked, the encoder's event loop alive and answering). The request
   is retried on the other encoder and answers exactly, before its deadline; meanwhile the
-  hung encoder answers health checks NOT_SERVING, refuses a new Encode UNAVAILABLE and
-  shows the stall in `tandem_encoder_vit_stall_seconds`; once the call ends it is back in
+  hung encoder answers health checks NOT_SERVING, refuses a new Encode UNAVAILABLE, says
+  `vit_stalled` in its load reports (the router picks it neither as lead nor as helper)
+  and shows the stall in `tandem_encoder_vit_stall_seconds`; once the call ends it is back in
   service, and every page and block is free. Before, its heartbeats held the room (and
   the request) until the request's deadline.
 
@@ -227,6 +228,15 @@ class Cluster:
 
         return self.call(check())
 
+    def vit_stalled(self, address: str) -> bool:
+        """What the encoder's load report says (the router's selection reads it)."""
+        async def load():
+            async with grpc.aio.insecure_channel(address) as ch:
+                return await encoder_pb2_grpc.EncoderStub(ch).GetLoad(
+                    encoder_pb2.EncoderGetLoadRequest(), timeout=10)
+
+        return self.call(load()).vit_stalled
+
     def encode_refusal(self, address: str) -> tuple[str, str]:
         async def encode():
             async with grpc.aio.insecure_channel(address) as ch:
@@ -301,6 +311,7 @@ def test_a_hung_vit_fails_its_room_and_the_request_is_retried_elsewhere(checkpoi
                            until=lambda s: s == "NOT_SERVING", what="the hung encoder's health")
                 code, details = cluster.encode_refusal(address)
                 assert code == "UNAVAILABLE" and "ViT stalled" in details, (code, details)
+                assert cluster.vit_stalled(address)  # the router picks it for nothing
                 asker.join(HANG_GUARD_S)
                 assert not asker.is_alive(), "the request was not answered (hang guard)"
             finally:
@@ -312,6 +323,7 @@ def test_a_hung_vit_fails_its_room_and_the_request_is_retried_elsewhere(checkpoi
         wait_until(lambda: cluster.health(address), timeout_s=HANG_GUARD_S,
                    until=lambda s: s == "SERVING", what="the encoder back in service")
         assert metric(hung.metrics_port, "tandem_encoder_vit_stall_seconds") == 0.0
+        assert not cluster.vit_stalled(address)
         wait_until(cluster.language_idle, timeout_s=HANG_GUARD_S,
                    what="every KV page and embedding block free")
     finally:

@@ -362,6 +362,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             open_rooms=len(self.sender.rooms),
             draining=self.draining,
             model=self.model_name,
+            vit_stalled=self.stall() is not None,
         )
 
     def _gauge(self) -> None:

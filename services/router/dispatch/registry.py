@@ -53,12 +53,19 @@ class Instance:
     ejected: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     kv_used: float = 0.0
     draining: bool = False
+    vit_stalled: bool = False  # an encoder whose ViT call stalled (GetLoad)
     model: str = ""
     queued_patches: int = 0  # an encoder's vision patches waiting for its ViT (GetLoad)
 
     @property
     def load(self) -> float:
         return self.outstanding + self.external + self.kv_used
+
+    @property
+    def takes_work(self) -> bool:
+        """Whether its last load report says it takes new work (it refuses it while
+        draining, and an encoder while its ViT is stalled)."""
+        return not (self.draining or self.vit_stalled)
 
 
 def _reported_work(kind: str, r) -> tuple[int, float]:
@@ -112,13 +119,13 @@ class Pool:
         return [
             Candidate(i.address, i.load)
             for i in self.instances.values()
-            if i.tracker.healthy and not i.draining
+            if i.tracker.healthy and i.takes_work
         ]
 
     def states(self) -> list[EncoderState]:
         """Every instance as plain data, eligible or not (the helper rule filters)."""
         return [
-            EncoderState(i.address, i.model, i.tracker.healthy, i.draining, i.load,
+            EncoderState(i.address, i.model, i.tracker.healthy, not i.takes_work, i.load,
                          i.queued_patches)
             for i in self.instances.values()
         ]
@@ -186,6 +193,7 @@ class Pool:
         inst.model = r.model
         if self.kind == "encoder":
             inst.queued_patches = r.queued_patches
+            inst.vit_stalled = r.vit_stalled
         inst.tracker.record_success()
 
     async def poll(self) -> None:

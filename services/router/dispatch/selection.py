@@ -141,7 +141,7 @@ class EncoderState:
     address: str
     model: str  # the model its last load report named ("" before its first report)
     healthy: bool  # not ejected, and answered a load poll or a request since it was seen
-    draining: bool
+    draining: bool  # it refuses new work (draining, or its ViT stalled)
     load: float  # requests: this router's outstanding ones + other routers' (GetLoad)
     queued_patches: int  # vision patches waiting for its ViT (its last GetLoad)
 
