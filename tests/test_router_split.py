@@ -46,7 +46,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def enc(address: str, load: float = 0, patches: int = 0, model: str = "m", healthy: bool = True,
         draining: bool = False) -> EncoderState:
-    return EncoderState(address, model, healthy, draining, load, patches)
+    return EncoderState(address, model, healthy, not draining, load, patches)
 
 
 # ---- the rule, on plain data --------------------------------------------------------------

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent / "transfer_peers"))
 from encoder_peers.chats import png  # noqa: E402
 from harness import make_engine, make_receiver, release_all, start_sender  # noqa: E402
+from peerlib import digest, make_payload  # noqa: E402
 from test_split import metric  # noqa: E402
 from test_stream import HANG_GUARD_S, MAX_NEW, expected  # noqa: E402
 from waiting import async_wait_until, wait_until  # noqa: E402
@@ -46,12 +47,12 @@ from waiting import async_wait_until, wait_until  # noqa: E402
 from tandem.chat import ImageInput, Message  # noqa: E402
 from tandem.client import Client, image_from_bytes  # noqa: E402
 from tandem.launch.procs import free_port  # noqa: E402
-from tandem.transfer import TransferError  # noqa: E402
+from tandem.transfer import ReceiverState, TransferError  # noqa: E402
 from tandem.v1 import encoder_pb2, encoder_pb2_grpc, language_pb2, language_pb2_grpc  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
-STALL_S = 0.5  # the encoders' vit_stall_s
-TRANSFER_TIMEOUT_S = 2.0  # every tier's transfer timeout (heartbeats every 0.67 s)
+STALL_S = 2.0  # the encoders' vit_stall_s
+TRANSFER_TIMEOUT_S = 3.0  # every tier's transfer timeout (heartbeats every second)
 
 
 class HangFirst:
@@ -82,25 +83,18 @@ class HangFirst:
 # ---- the stall watch ------------------------------------------------------------------------
 
 def test_the_stall_watch_follows_progress_per_block_and_ends_with_the_call(checkpoint):
-    import torch
-
-    from tandem.models.split import load_vision_part
     from tandem.services.encoder.cache import EmbeddingCache
     from tandem.services.encoder.scheduler import EncoderScheduler
     from tandem.services.encoder.vit_runner import VisionRunner
 
-    part = load_vision_part(checkpoint("qwen2_5_vl"), torch.float32, "cpu")
-    runner = VisionRunner(part.visual, mode="eager")
+    runner, image, blocks = _tower(checkpoint)
     ticks = []
     runner.on_progress = lambda: ticks.append(1)
-    grid = (1, 2 * runner.merge, 2 * runner.merge)
-    pixels = _pixels(part.visual, grid)
-    runner.run(pixels, [grid])
-    assert len(ticks) == len(part.visual.blocks)  # one report per block
+    runner.run(image.pixel_values, [image.grid])
+    assert len(ticks) == blocks  # one report per block
 
     hang = HangFirst()
     sched = EncoderScheduler([runner], EmbeddingCache(0), 1 << 20, stall_s=STALL_S)
-    image = _Input(pixels, grid, runner.unit)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(VisionRunner, "run", hang.wrap(VisionRunner.run))
 
@@ -120,6 +114,82 @@ def test_the_stall_watch_follows_progress_per_block_and_ends_with_the_call(check
                 await sched.stop()
 
         asyncio.run(go())
+
+
+def _tower(checkpoint):
+    import torch
+
+    from tandem.models.split import load_vision_part
+    from tandem.services.encoder.vit_runner import VisionRunner
+
+    part = load_vision_part(checkpoint("qwen2_5_vl"), torch.float32, "cpu")
+    runner = VisionRunner(part.visual, mode="eager")
+    grid = (1, 2 * runner.merge, 2 * runner.merge)
+    return runner, _Input(_pixels(part.visual, grid), grid, runner.unit), len(part.visual.blocks)
+
+
+@pytest.mark.parametrize(("block_s", "stalled"), [(0.9, False), (1.1, True)])
+def test_progress_is_per_block_not_per_call(checkpoint, block_s, stalled):
+    """On a clock of the test's: a call whose every block takes 0.9 x stall_s is never
+    stalled, though it runs longer than stall_s in all; one whose blocks take 1.1 x is
+    stalled before each of its reports."""
+    from tandem.services.encoder.cache import EmbeddingCache
+    from tandem.services.encoder.scheduler import EncoderScheduler
+
+    runner, image, blocks = _tower(checkpoint)
+    now = [0.0]
+    sched = EncoderScheduler([runner], EmbeddingCache(0), 1 << 20, stall_s=10.0,
+                             clock=lambda: now[0])
+    report, seen = runner.on_progress, []
+
+    def slow_block() -> None:  # on the device thread, at the end of each block
+        now[0] += block_s * sched.stall_s
+        seen.append(sched.stalled())
+        report()
+
+    runner.on_progress = slow_block
+
+    async def go():
+        sched.start()
+        try:
+            await asyncio.wait_for(sched.encode([image]), HANG_GUARD_S)
+        finally:
+            await sched.stop()
+
+    asyncio.run(go())
+    assert blocks * 0.9 * sched.stall_s > sched.stall_s  # longer than stall_s in all
+    assert seen == [stalled] * blocks
+    assert not sched.stalled()  # the call ended
+
+
+def test_a_stalled_call_does_not_hold_the_stop(checkpoint):
+    """The device thread is a daemon and the stop does not wait for a stalled call (it
+    used to join it, blocking the event loop and the process's exit for ever)."""
+    from tandem.services.encoder.cache import EmbeddingCache
+    from tandem.services.encoder.scheduler import EncoderScheduler
+    from tandem.services.encoder.vit_runner import VisionRunner
+
+    runner, image, _ = _tower(checkpoint)
+    sched = EncoderScheduler([runner], EmbeddingCache(0), 1 << 20, stall_s=STALL_S)
+    hang = HangFirst()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(VisionRunner, "run", hang.wrap(VisionRunner.run))
+
+        async def go():
+            sched.start()
+            job = asyncio.ensure_future(sched.encode([image]))
+            await async_wait_until(sched.stalled, timeout_s=HANG_GUARD_S,
+                                   what="the hung call seen as stalled")
+            await asyncio.wait_for(sched.stop(), HANG_GUARD_S)  # returns, the call still hung
+            job.cancel()
+
+        try:
+            asyncio.run(go())
+            (device,) = sched.devices
+            assert device.thread.daemon and device.thread.is_alive()  # still in the call
+            assert not hang.released.is_set()
+        finally:
+            hang.released.set()
 
 
 class _Input:
@@ -157,6 +227,38 @@ async def test_a_room_prepared_without_vouching_fails_at_the_transfer_timeout():
         assert e.value.code == "UNAVAILABLE", e.value  # the router retries it
         await async_wait_until(lambda: rx.allocator.num_free == 8, timeout_s=HANG_GUARD_S,
                                what="the room's blocks back")
+    finally:
+        sender.preparing(7, False)
+        await server.stop(None)
+        await rx.close()
+        release_all()
+
+
+@pytest.mark.asyncio
+async def test_a_short_stall_does_not_fail_a_room_being_prepared():
+    """The vouch is asked again at every beat: a ViT that stalls past one beat and moves
+    again within the transfer timeout keeps its rooms (before, one refusal failed the room
+    a whole timeout later, however soon the ViT recovered)."""
+    engine, cfg = make_engine(timeout_s=3.0)
+    sender, server, address = await start_sender(engine, cfg, slots=2, slot_tokens=64)
+    rx = make_receiver(engine, cfg, blocks=8, block_size=16, reserve=64)
+    asked: list[bool] = []
+
+    def vouch() -> bool:  # stalled at the first beat only
+        asked.append(bool(asked))
+        return asked[-1]
+
+    try:
+        sender.vouch = vouch
+        sender.preparing(7, True)
+        room = asyncio.create_task(rx.receive(7, address))
+        await async_wait_until(lambda: len(asked) >= 4, timeout_s=HANG_GUARD_S,
+                               what="four beats' vouches (one refused)")
+        assert not room.done() and rx.state(7) == ReceiverState.WAITING_FOR_INPUT
+        sender.preparing(7, False)
+        p = make_payload(100, 32, "float32", seed=7)
+        await asyncio.wait_for(sender.send(7, p), HANG_GUARD_S)
+        assert digest(await asyncio.wait_for(room, HANG_GUARD_S)) == digest(p)
     finally:
         sender.preparing(7, False)
         await server.stop(None)

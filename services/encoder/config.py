@@ -122,12 +122,14 @@ class EncoderConfig(ModelServiceSettings):
     )  # fmt: skip
     vit_stall_s: float = Field(
         60.0, gt=0, le=3600,
-        description="A ViT call that goes this long without finishing a layer (a graph "
-        "replay counts as one) is taken for a hang: the encoder stops its rooms' heartbeats "
-        "(the language side fails them at the transfer timeout and the router retries their "
-        "requests elsewhere), refuses new Encodes and ranges UNAVAILABLE and answers health "
-        "checks NOT_SERVING, until the call progresses again. Raise it for a real-size "
-        "tower on a few CPU cores, where one layer of a full batch may take seconds.",
+        description="A ViT call that goes this long without finishing a layer is taken "
+        "for a hang: the encoder stops its rooms' heartbeats (the language side fails them "
+        "at the transfer timeout and the router retries their requests elsewhere), refuses "
+        "new Encodes and ranges UNAVAILABLE, says so in its load reports and answers health "
+        "checks NOT_SERVING, until the call progresses again. On CUDA a layer (or a graph "
+        "replay) returns once queued, so there the bound is on one whole call's GPU time. "
+        "Raise it for a real-size tower on a few CPU cores, where one layer of the largest "
+        "input (a batch's first input runs whatever its size) may take tens of seconds.",
     )  # fmt: skip
     staging_tokens: int = Field(
         4096, ge=16, description="Tokens per staging slot (>= the language block size)."

@@ -105,7 +105,10 @@ async def run(
     await serving.drain(servicer, health_servicer, cfg.drain_timeout_s, log)
     following.cancel()
     await server.stop(grace=1.0)
+    stalled = pipeline.scheduler.stalled()  # its device thread is then left behind
     await pipeline.stop()
     await channels.close()
     engine.close(wait=False)  # its ports and threads (the sender's rooms ended with the server)
     log.info("encoder stopped")
+    if stalled:  # exit status 1: the pod restarts for a reason its log names
+        raise SystemExit("tandem encoder: stopped with a ViT call that never returned")

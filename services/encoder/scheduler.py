@@ -30,10 +30,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import functools
+import logging
+import queue
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -41,6 +45,8 @@ import torch
 
 from tandem.services.encoder.cache import CachedFeatures, EmbeddingCache
 from tandem.services.encoder.vit_runner import VisionRunner
+
+log = logging.getLogger(__name__)
 
 
 class VisionInput(Protocol):
@@ -109,15 +115,52 @@ class FeatureResult:
     runs: list[VitRun | None] = field(default_factory=list)  # `encode`: None = taken cached
 
 
+class DeviceThread:
+    """One device's ViT thread: runs the calls submitted to it one at a time, in order.
+
+    A daemon thread, unlike a ThreadPoolExecutor's (which the interpreter joins at exit): a
+    call that never returns (a hung device) must not keep a stopping encoder from exiting."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, fn, *args) -> asyncio.Future:
+        """`fn(*args)` on this thread; its result (or exception) on the running loop."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((done, fn, args))
+        return asyncio.wrap_future(done)
+
+    def shutdown(self, wait: bool) -> None:
+        """No more calls: the thread ends after those submitted (joined if `wait`)."""
+        self._calls.put(None)
+        if wait:
+            self.thread.join()
+
+    def _serve(self) -> None:
+        while (call := self._calls.get()) is not None:
+            done, fn, args = call
+            if not done.set_running_or_notify_cancel():
+                continue
+            try:
+                done.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001  (handed to the awaiting coroutine)
+                done.set_exception(e)
+
+
 class EncoderScheduler:
     def __init__(
         self, runners: list[VisionRunner], cache: EmbeddingCache, patch_budget: int, metrics=None,
-        stall_s: float = 60.0,
+        stall_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`stall_s`: a ViT call that goes this long without progress is a hang
-        (`stalled`; EncoderConfig.vit_stall_s)."""
+        (`stalled`; EncoderConfig.vit_stall_s); `clock`: monotonic seconds (tests pass
+        their own). The scheduler takes over each runner's `on_progress`: a runner serves
+        one scheduler."""
         self.runners = runners
         self.stall_s = stall_s
+        self._clock = clock
         # Per device: when its ViT call in progress last progressed (a block finished, a
         # replay returned; monotonic s), None while it runs none. Written by the device's
         # thread, read by the loop (a float store: no lock).
@@ -133,9 +176,7 @@ class EncoderScheduler:
         self.vit_patches = 0  # in the ViT now (the batch being run)
         self.batches = 0
         # One thread per device: a runner is driven by one thread at a time.
-        self._pools = [
-            ThreadPoolExecutor(1, thread_name_prefix=f"vit{d}") for d in range(len(runners))
-        ]
+        self.devices = [DeviceThread(f"vit{d}") for d in range(len(runners))]
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -149,14 +190,19 @@ class EncoderScheduler:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        for p in self._pools:
-            p.shutdown(wait=True)
+        stuck = self.stalled()
+        if stuck:
+            log.error("stopping with a ViT call stalled (%.0f s without progress): not "
+                      "waiting for it", self.stalled_s())
+        for d in self.devices:
+            d.shutdown(wait=not stuck)
 
     def stalled_s(self) -> float:
         """How long the most stuck device has been in its ViT call without progress; 0
         while every device is idle."""
-        now = time.monotonic()
-        return max((now - t for t in self._progress if t is not None), default=0.0)
+        now = self._clock()
+        # NOTE: a device thread may store a time later than `now`: never below 0
+        return max([0.0, *(now - t for t in self._progress if t is not None)])
 
     def stalled(self) -> bool:
         """A device's ViT call went `stall_s` without progress: taken for a hang (a
@@ -169,7 +215,7 @@ class EncoderScheduler:
         return self.stalled_s() > self.stall_s
 
     def _progressed(self, device: int) -> None:  # on the device's thread
-        self._progress[device] = time.monotonic()
+        self._progress[device] = self._clock()
 
     def lookup(self, key: str) -> CachedFeatures | None:
         """The cache's entry for `key`, counted as a hit or a miss."""
@@ -259,7 +305,6 @@ class EncoderScheduler:
         return batch
 
     async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             batch = self._take_batch()
@@ -274,9 +319,7 @@ class EncoderScheduler:
             try:
                 outs = await asyncio.gather(
                     *[
-                        loop.run_in_executor(
-                            self._pools[d], self._run, d, [batch[i].image for i in ix]
-                        )
+                        self.devices[d].submit(self._run, d, [batch[i].image for i in ix])
                         for d, ix in enumerate(groups)
                         if ix
                     ]
@@ -315,7 +358,7 @@ class EncoderScheduler:
     def _run(self, device: int, images: list[VisionInput]) -> list[CachedFeatures]:
         """On runner `device`'s thread: one ViT call over `images`, split per input."""
         runner = self.runners[device]
-        self._progress[device] = time.monotonic()
+        self._progress[device] = self._clock()
         try:
             pixels = torch.cat([im.pixel_values for im in images])
             out = runner.run(pixels, [im.grid for im in images])

@@ -247,16 +247,18 @@ class EmbeddingSender:
                 # Init is here; without send() the payload has timeout_s to come (from Init,
                 # or from the announce's answer). While announcing, re-check every second.
                 wait = 1.0 if r.state is SenderState.ANNOUNCING else None
-                # NOTE: unvouched (a hung ViT), a room being prepared beats no more and
-                # times out like one nobody prepares
-                preparing = room in self._preparing and self.vouch()
+                preparing = room in self._preparing
                 if r.state is SenderState.WAITING_FOR_PAYLOAD:
-                    wait = (beat if preparing else
-                            max(0.0, r.born + self.config.timeout_s - time.monotonic()))
+                    left = max(0.0, r.born + self.config.timeout_s - time.monotonic())
+                    # being prepared: wake every beat, to vouch for it again
+                    wait = min(beat, left) if preparing else left
                 try:
                     msg = await asyncio.wait_for(r.outbox.get(), wait)
                 except asyncio.TimeoutError:
-                    if r.state is SenderState.WAITING_FOR_PAYLOAD and preparing:
+                    # NOTE: unvouched (a hung ViT), a room being prepared beats no more and
+                    # times out like one nobody prepares, unless the ViT moves again first
+                    if (r.state is SenderState.WAITING_FOR_PAYLOAD and preparing
+                            and self.vouch()):
                         # the pipeline works on it: say so, and count silence from now
                         r.born = time.monotonic()
                         await context.write(encoder_pb2.AttachResponse(
@@ -264,8 +266,7 @@ class EmbeddingSender:
                         continue
                     late = time.monotonic() >= r.born + self.config.timeout_s
                     if r.state is SenderState.WAITING_FOR_PAYLOAD and late:
-                        why = ("" if room not in self._preparing else
-                               " (this encoder's ViT stalled)")
+                        why = " (this encoder's ViT stalled)" if preparing else ""
                         self._fail(r, timed_out(f"room {room}: no payload after Init{why}",
                                                 self.config.timeout_s, None, room))
                     continue

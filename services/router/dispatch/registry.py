@@ -125,7 +125,7 @@ class Pool:
     def states(self) -> list[EncoderState]:
         """Every instance as plain data, eligible or not (the helper rule filters)."""
         return [
-            EncoderState(i.address, i.model, i.tracker.healthy, not i.takes_work, i.load,
+            EncoderState(i.address, i.model, i.tracker.healthy, i.takes_work, i.load,
                          i.queued_patches)
             for i in self.instances.values()
         ]

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Candidate:
-    """An eligible (healthy, not draining) instance and its current load."""
+    """An eligible instance (healthy, and taking work: `Instance.takes_work`) and its
+    current load."""
 
     address: str
     load: float
@@ -141,7 +142,7 @@ class EncoderState:
     address: str
     model: str  # the model its last load report named ("" before its first report)
     healthy: bool  # not ejected, and answered a load poll or a request since it was seen
-    draining: bool  # it refuses new work (draining, or its ViT stalled)
+    takes_work: bool  # neither draining nor, its ViT stalled, refusing new work
     load: float  # requests: this router's outstanding ones + other routers' (GetLoad)
     queued_patches: int  # vision patches waiting for its ViT (its last GetLoad)
 
@@ -167,8 +168,8 @@ def pick_helpers(
     or videos gets up to min(split_encoders, media) - 1 helpers (each writer encodes at
     least one of them, so more would idle); one with a video (`videos` >= 1: its temporal
     groups are units of their own, as many as the lead may split) up to split_encoders -
-    1; chosen among the encoders that are healthy, not
-    draining, serve the lead's model, carry at most `max_load` requests in flight (a busy
+    1; chosen among the encoders that are healthy, take work (not draining, no stalled
+    ViT), serve the lead's model, carry at most `max_load` requests in flight (a busy
     encoder's ViT is better spent on its own requests: under load a split only moves work
     around, and a helper renders the whole chat again), and are neither
     the lead nor in `exclude` (encoders that failed this request); least loaded first: by requests in flight (which include
@@ -183,7 +184,7 @@ def pick_helpers(
     limit = split_encoders - 1 if videos else min(split_encoders, media) - 1
     model = by_address[lead].model
     pool = [e for e in encoders
-            if e.healthy and not e.draining and e.model == model and e.load <= max_load
+            if e.healthy and e.takes_work and e.model == model and e.load <= max_load
             and e.address != lead and e.address not in exclude]  # fmt: skip
     pool.sort(key=lambda e: (e.load, e.queued_patches, e.address))
     return [e.address for e in pool[:limit]]
