@@ -18,7 +18,8 @@ sets, and that every query parses):
 - Caches: the encoder's embedding cache and the language prefix cache (hit rates,
   evictions, contents), and the tokens the router saw served from them.
 - Retries, failovers and transfers: encoder failovers and whole-request retries (and per
-  request), Resume rounds, failed rooms by reason, the most idle open room.
+  request), Resume rounds, failed rooms by reason, the most idle open room, the longest ViT
+  call without progress.
 
 Every latency-histogram query asks Grafana for exemplars (`exemplar: true`): where the
 tiers attach trace ids to their observations and Prometheus stores exemplars, each dot
@@ -213,9 +214,15 @@ ROWS: list[tuple[str, list[dict]]] = [
               "few transfer timeouts the room is stuck (TandemRoomStuck).", "s",
               [q("max by (instance) (tandem_transfer_room_stall_seconds)", "{{instance}}")],
               width=6),
+        panel("Encoder: ViT call without progress", "Per encoder pod, how long its most "
+              "stuck device's ViT call has gone without finishing a layer (0 while idle); past "
+              "the encoder's vit_stall_s it is out of service: its rooms fail, its health is "
+              "NOT_SERVING and the router sends it nothing.", "s",
+              [q("max by (instance) (tandem_encoder_vit_stall_seconds)", "{{instance}}")],
+              width=6),
         panel("Transfer: room time", "A room from Init to Done on each side (the language "
               "side's includes waiting for the encoder's work).", "s",
-              quantiles("tandem_transfer_seconds", "{{side}}", by="side"), width=24),
+              quantiles("tandem_transfer_seconds", "{{side}}", by="side"), width=18),
     ]),
 ]
 
