@@ -3,12 +3,14 @@ progress timeout and the request is retried"): heartbeats say the work progresse
 only that the process lives (services/encoder/scheduler.py's stall watch,
 EmbeddingSender.vouch).
 
-- The stall watch: a runner reports progress after each of its tower's blocks; the
-  scheduler counts a device whose ViT call goes `stall_s` without any as stalled, and
-  stops when the call ends.
+- The stall watch: a runner reports progress after each of its tower's blocks (and a
+  replay); the scheduler counts a device whose ViT call goes `stall_s` without any as
+  stalled (on a clock of the test's: per block, not per call), and stops when the call
+  ends; a stop does not wait for a stalled call (its device thread is a daemon).
 - The transfer layer: an encoder that no longer vouches for its work sends no heartbeat
   for a room it prepares, so the room fails at the transfer timeout (UNAVAILABLE, the
-  router's retry), not at the request's deadline.
+  router's retry), not at the request's deadline; a stall shorter than the timeout keeps
+  the room (the vouch is asked at every beat).
 - A helper's ViT hangs before its Ready (services/encoder/split.py): its EncodeRange
   stream carries no more heartbeats, the lead takes it for lost after the transfer
   timeout and re-encodes its range, and the chat is answered exactly.
@@ -82,16 +84,27 @@ class HangFirst:
 
 # ---- the stall watch ------------------------------------------------------------------------
 
-def test_the_stall_watch_follows_progress_per_block_and_ends_with_the_call(checkpoint):
+def test_a_runner_reports_progress_per_block(checkpoint):
+    """Eager: one report per block. Static (what a CUDA graph records, run on the CPU):
+    one per block of the step, and one when the replay returns (on CUDA a replay runs no
+    host code: that one alone)."""
+    from tandem.services.encoder.vit_runner import VisionRunner
+
+    runner, image, blocks = _tower(checkpoint)
+    static = VisionRunner(runner.visual, max_patches=1024, mode="static")
+    for r, want in ((runner, blocks), (static, blocks + 1)):
+        ticks = []
+        r.on_progress = lambda ticks=ticks: ticks.append(1)
+        r.run(image.pixel_values, [image.grid])
+        assert len(ticks) == want, r.mode
+
+
+def test_the_stall_watch_follows_progress_and_ends_with_the_call(checkpoint):
     from tandem.services.encoder.cache import EmbeddingCache
     from tandem.services.encoder.scheduler import EncoderScheduler
     from tandem.services.encoder.vit_runner import VisionRunner
 
-    runner, image, blocks = _tower(checkpoint)
-    ticks = []
-    runner.on_progress = lambda: ticks.append(1)
-    runner.run(image.pixel_values, [image.grid])
-    assert len(ticks) == blocks  # one report per block
+    runner, image, _ = _tower(checkpoint)
 
     hang = HangFirst()
     sched = EncoderScheduler([runner], EmbeddingCache(0), 1 << 20, stall_s=STALL_S)
