@@ -284,13 +284,13 @@ async def test_a_short_stall_does_not_fail_a_room_being_prepared():
 class Cluster:
     """Two encoders, a language instance and a router, in one background event loop."""
 
-    def __init__(self, ckpt: Path) -> None:
+    def __init__(self, ckpt: Path, stream: bool) -> None:
         from tandem.config import TransferConfig
         from tandem.services.encoder.config import EncoderConfig
         from tandem.services.language.config import LanguageConfig
         from tandem.services.router.config import RouterConfig
 
-        transfer = TransferConfig(timeout_s=TRANSFER_TIMEOUT_S)
+        transfer = TransferConfig(timeout_s=TRANSFER_TIMEOUT_S, stream=stream)
         self.encoders = [EncoderConfig(
             model=str(ckpt), device="cpu", dtype="float32", port=free_port(),
             metrics_port=free_port(), insecure_internal=True, linear_backend="torch",
@@ -389,7 +389,9 @@ class Cluster:
             self.thread.join(HANG_GUARD_S)
 
 
-def test_a_hung_vit_fails_its_room_and_the_request_is_retried_elsewhere(checkpoint):
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_hung_vit_fails_its_room_and_the_request_is_retried_elsewhere(checkpoint, stream):
+    """(`stream`: the rows streamed, so the room waits for its rows, not its payload.)"""
     from tandem.services.encoder.vit_runner import VisionRunner
 
     ckpt = checkpoint("qwen2_5_vl")
@@ -397,7 +399,7 @@ def test_a_hung_vit_fails_its_room_and_the_request_is_retried_elsewhere(checkpoi
     chat = [Message("user", (ImageInput(data=data), "What is in the picture?"))]
     want = expected(ckpt, chat)
     hang = HangFirst()
-    cluster = Cluster(ckpt).start()
+    cluster = Cluster(ckpt, stream).start()
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(VisionRunner, "run", hang.wrap(VisionRunner.run))
