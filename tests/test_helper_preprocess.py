@@ -19,8 +19,12 @@ normalised, patchified or hashed.
   video's t, odd or empty sides, over the image's pixel bound, int32 extremes) is an
   INVALID_ARGUMENT on `image_grids`, before anything is fetched.
 - End to end (a real lead, helper and language instance: test_split.Trio): the lead
-  sends the grids, the helper fetches only its share's URLs, the answer equals
-  transformers' generate(); an EncodeRange with bad grids fails INVALID_ARGUMENT.
+  sends the grids and the bytes its share's URLs answered (services/encoder/chat.py
+  `inline_fetched`), so every URL is fetched once, by the lead; the answer equals
+  transformers' generate(); an EncodeRange with bad grids fails INVALID_ARGUMENT. A URL
+  that would answer a second fetch with another image is never fetched again: the
+  helper's range is its own, the answer the lead's images'. (A helper that did fetch
+  another image refuses its range: the keys check, above.)
 """
 
 from __future__ import annotations
@@ -397,8 +401,9 @@ def test_bad_grids_are_refused_before_anything_is_fetched(checkpoint, image_serv
 @pytest.mark.timeout(420)
 def test_the_lead_sends_grids_end_to_end(checkpoint, image_server):
     """A real lead, helper and language instance (test_split.Trio), the chat's images URLs
-    on the counting server: the helper (the second share: images 2 and 3) fetches only its
-    own, the answer equals generate(); an EncodeRange whose grids are wrong fails."""
+    on the counting server: the lead fetches each once and hands the helper (the second
+    share: images 2 and 3) the bytes of its own, so the helper fetches nothing; the answer
+    equals generate(); an EncodeRange whose grids are wrong fails."""
     from test_stream import HANG_GUARD_S, expected
 
     from tandem.v1 import encoder_pb2, encoder_pb2_grpc
@@ -416,8 +421,8 @@ def test_the_lead_sends_grids_end_to_end(checkpoint, image_server):
         assert helper.encoder == trio.helper and not helper.fell_back
         mine = range(helper.first_media, helper.first_media + helper.media)
         assert len(mine) and 0 not in mine
-        # every image once by the lead; the helper's share once more, nothing else
-        assert dict(_Images.gets) == {path: 1 + (k in mine) for k, path in enumerate(paths)}
+        # every image once, by the lead: the helper got its share's bytes from it
+        assert dict(_Images.gets) == dict.fromkeys(paths, 1)
 
         async def range_with(grids) -> encoder_pb2.EncodeRangeResponse:
             async with grpc.aio.insecure_channel(trio.helper) as ch:
@@ -444,13 +449,13 @@ def test_the_lead_sends_grids_end_to_end(checkpoint, image_server):
 
 
 @pytest.mark.timeout(420)
-def test_a_url_that_answers_the_helper_differently_is_the_leads_range(checkpoint,
-                                                                         image_server):
-    """The helper's share's first image is a URL that answers the helper's fetch (the
-    second) with another image of the same size: the helper's keys differ from the lead's,
-    it refuses its range before any row (ABORTED), and the lead encodes it: the answer is
-    the one for the images the lead fetched, never a mix (nor that image's rows under the
-    lead's announced key, for the prefix cache to serve to other chats)."""
+def test_a_url_that_would_answer_again_differently_is_fetched_once(checkpoint,
+                                                                     image_server):
+    """The helper's share's first image is a URL that would answer a second fetch with
+    another image of the same size. Nothing fetches it twice: the helper takes the bytes
+    the lead got, its range is its own (no fall back), and the answer is the one for the
+    images the lead fetched, never a mix (before the lead passed its bytes on, the helper
+    fetched the other image, and only the keys check kept its rows out)."""
     from test_stream import expected
 
     from tandem.v1 import encoder_pb2
@@ -484,11 +489,38 @@ def test_a_url_that_answers_the_helper_differently_is_the_leads_range(checkpoint
             mp.setattr(_Images, "do_GET", swapping)
             tokens, res = trio.call(trio.generate(messages))
         assert isinstance(res, encoder_pb2.EncodeResponse), (res, trio.language_error)
-        assert _Images.gets[first_of_share] == 2  # the helper did fetch it again
+        assert _Images.gets[first_of_share] == 1  # the lead's fetch alone
         assert tokens == want
         assert [(r.encoder, r.fell_back) for r in res.ranges] == [("", False),
-                                                                  (trio.helper, True)]
+                                                                  (trio.helper, False)]
     finally:
         _Images.files.clear()
         _Images.files.update(original)
         trio.stop()
+
+
+def test_inline_fetched_replaces_the_urls_of_the_given_media_only():
+    """Media are counted as the chat template lists them (images and videos, prompt order,
+    across messages); a named image's URL becomes the bytes, its pixel bounds kept; a
+    video is never replaced."""
+    from tandem.services.encoder.chat import inline_fetched
+    from tandem.v1 import common_pb2
+
+    def image(url: str, **kw) -> common_pb2.ContentPart:
+        return common_pb2.ContentPart(image=common_pb2.ImagePart(url=url, **kw))
+
+    video = common_pb2.ContentPart(video=common_pb2.VideoPart(url="http://h/v.mp4"))
+    messages = [
+        common_pb2.ChatMessage(role="system", content=[common_pb2.ContentPart(text="hi")]),
+        common_pb2.ChatMessage(role="user", content=[
+            image("http://h/0.png"), common_pb2.ContentPart(text="and"), video]),
+        common_pb2.ChatMessage(role="user", content=[image("http://h/2.png", max_pixels=9),
+                                                     image("http://h/3.png")]),
+    ]
+    inline_fetched(messages, {2: b"two"})
+    parts = [p for m in messages for p in m.content if p.WhichOneof("part") != "text"]
+    assert [p.image.WhichOneof("source") if p.WhichOneof("part") == "image" else "video"
+            for p in parts] == ["url", "video", "data", "url"]
+    assert (parts[2].image.data, parts[2].image.max_pixels) == (b"two", 9)
+    with pytest.raises(ValueError, match="video"):
+        inline_fetched(messages, {1: b"x"})

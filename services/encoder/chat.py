@@ -30,6 +30,25 @@ class EncodeJob:
     cache_salt: str = ""  # the cache namespace its media keys live in ("" = shared)
 
 
+def inline_fetched(messages, fetched: dict[int, bytes]) -> None:
+    """In `messages` (a chat's `repeated ChatMessage`, changed in place), each image whose
+    media index (its place among the chat's images and videos, in prompt order: as
+    `ChatTemplate.split` lists them) is in `fetched` gets those bytes in place of its URL
+    (its other fields kept): what the URL answered the lead, so a split's helper neither
+    fetches it again nor can get another answer."""
+    k = 0
+    for m in messages:
+        for p in m.content:
+            kind = p.WhichOneof("part")
+            if kind not in ("image", "video"):
+                continue
+            if k in fetched:
+                if kind != "image":
+                    raise ValueError(f"media {k} is a video: only images are passed on")
+                p.image.data = fetched[k]  # NOTE: the `source` oneof: clears the url
+            k += 1
+
+
 def job_from_proto(req) -> EncodeJob:
     """`EncodeRequest` -> `EncodeJob`."""
     return EncodeJob(

@@ -260,8 +260,8 @@ class EncodePipeline:
         trace: tracing.Span = tracing.OFF,
         on_payload: Callable[[PromptPayload, list[RemoteRange]], None] | None = None,
         helpers: list[str] = (),
-        open_helper: Callable[[Share, int, list[tuple[int, int, int]]], HelperRange]
-        | None = None,
+        open_helper: Callable[[Share, int, list[tuple[int, int, int]], list[str],
+                               dict[int, bytes]], HelperRange] | None = None,
         part: MediaPart | None = None,
     ) -> EncodeResult:
         """`on_state(EncodeState)` is called as the request moves from stage to stage;
@@ -275,10 +275,12 @@ class EncodePipeline:
         module docstring), called once before the ViT runs with the payload whose rows
         then fill in (its `arrived` watermark) and the ranges other encoders write;
         `helpers`: encoders that may take ranges of the prompt (split.py), each opened
-        with `open_helper(share, payload_start, grids, keys)` (the servicer's; it starts the
-        helper's work at once; `grids`: those of the images outside the share, prompt
-        order, so the helper need not fetch them; `keys`: the share's media's cache keys,
-        which the helper checks its own against); `part`: encode only this share of the
+        with `open_helper(share, payload_start, grids, keys, fetched)` (the servicer's; it
+        starts the helper's work at once; `grids`: those of the images outside the share,
+        prompt order, so the helper need not fetch them; `keys`: the share's media's cache
+        keys, which the helper checks its own against; `fetched`: the bytes of the share's
+        images that came from http(s) URLs, by media index, for the helper to take instead
+        of fetching them again); `part`: encode only this share of the
         chat (a helper's EncodeRange: no announce, only these media's images prepared and
         run, the other images grid-only, the payload's other rows left zero, no
         PromptInfo)."""
@@ -303,9 +305,11 @@ class EncodePipeline:
         # a helper prepares only its share's images (their pixels and keys); the others'
         # grids alone lay its rendering out (the lead's, or from their headers)
         pixels_for = None if part is None else range(part.first_media, part.end_media)
+        # a lead that may split keeps the bytes its URLs answered, for its helpers
+        keep_fetched = bool(helpers) and open_helper is not None and part is None
         prep = await self.pool.run(client, self.preprocessor, messages, limits, tools, budget,
                                    template, pixels_for,
-                                   None if part is None else part.other_grids)
+                                   None if part is None else part.other_grids, keep_fetched)
         if trace.is_recording():
             _trace_preprocess(trace, prep, queued_ns)
         if cache_salt:
@@ -377,7 +381,10 @@ class EncodePipeline:
             for sh in shares[1:]:  # each helper starts now, beside our own ViT
                 h = open_helper(sh, cached, grids_outside(prep.media, sh.first_media,
                                                           sh.end_media),
-                                [m.key for m in prep.media[sh.first_media:sh.end_media]])
+                                [m.key for m in prep.media[sh.first_media:sh.end_media]],
+                                {k: m.fetched for k, m in enumerate(prep.media)
+                                 if sh.first_media <= k < sh.end_media
+                                 and isinstance(m, PreparedImage) and m.fetched})
                 h.fall_back = functools.partial(
                     self._fall_back, stream, prep, units_in(every, cached, sh.first_token,
                                                             sh.end_token),

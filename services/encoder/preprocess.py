@@ -94,6 +94,9 @@ class PreparedImage:
     pixels: torch.Tensor | None = None  # [num_patches, C * T * P * P] float32; None: grid-only
     digest: str | None = None  # sha256 hex of grid + processed patches (in_namespace: of
     # that too); None: grid-only
+    # the bytes an http(s) URL answered, kept when asked (`keep_fetched`): a split's lead
+    # hands them to the helper whose share holds the image, which then fetches nothing
+    fetched: bytes | None = None
 
     @property
     def prepared(self) -> bool:
@@ -258,7 +261,8 @@ class Preprocessor:
                  tools: list[dict] | None = None, budget: Budget | None = None,
                  options: TemplateOptions | None = None,
                  pixels_for: Container[int] | None = None,
-                 other_grids: Sequence[tuple[int, int, int]] | None = None) -> Prepared:
+                 other_grids: Sequence[tuple[int, int, int]] | None = None,
+                 keep_fetched: bool = False) -> Prepared:
         """`budget`: the request's deadline and stop flag, checked before each image and
         video and before tokenizing (TimeoutError once it has ended); `options`: how the
         chat template renders the chat; `pixels_for`: the media (indices, prompt order)
@@ -271,7 +275,9 @@ class Preprocessor:
         order (a split's lead's, RangeStart.image_grids): those images are neither fetched
         nor read, each grid checked against this encoder's bounds for its image
         (ImageGeometry.check; a wrong count or grid is an INVALID_ARGUMENT on
-        `image_grids`); None: their headers are read as above."""
+        `image_grids`); None: their headers are read as above. `keep_fetched`: each
+        prepared image from an http(s) URL keeps the bytes it answered
+        (`PreparedImage.fetched`; a split's lead passes them on to its helpers)."""
         t0 = time.perf_counter()
         req = req or Limits()
         budget = budget or Budget()
@@ -290,7 +296,7 @@ class Preprocessor:
         grids = self._given_grids(parts, pixels_for, other_grids)
         fetch = _Stopwatch()
         media = [self._image(where, p, budget, fetch, pixels_for is None or k in pixels_for,
-                             grids.get(k))
+                             grids.get(k), keep_fetched)
                  if isinstance(p, ImageInput) else self._video(where, p, budget, fetch)
                  for k, (where, p) in enumerate(parts)]  # fmt: skip
         budget.check()
@@ -349,7 +355,8 @@ class Preprocessor:
         return lo, max(min(part.max_pixels or lim.max_pixels, lim.max_pixels), lo)
 
     def _image(self, where: str, part: ImageInput, budget: Budget, fetch: _Stopwatch,
-               pixels: bool, grid: tuple[int, int, int] | None = None) -> PreparedImage:
+               pixels: bool, grid: tuple[int, int, int] | None = None,
+               keep_fetched: bool = False) -> PreparedImage:
         """The image, prepared for the ViT, or grid-only when not `pixels`: its `grid` as
         given (checked already: _given_grids; the image neither fetched nor read), or
         without one its header read and checked, not decoded (the lead, which prepares
@@ -385,6 +392,8 @@ class Preprocessor:
             field=where,
             pixels=values,
             digest=h.hexdigest(),
+            fetched=raw if keep_fetched and (part.url or "").startswith(("http://", "https://"))
+            else None,
         )
 
     def _video(self, where: str, part: VideoInput, budget: Budget,

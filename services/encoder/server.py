@@ -36,7 +36,7 @@ import grpc
 from tandem import tracing
 from tandem.chat import ChatError
 from tandem.errors import abort
-from tandem.services.encoder.chat import job_from_proto
+from tandem.services.encoder.chat import inline_fetched, job_from_proto
 from tandem.services.encoder.pipeline import EncodePipeline, EncodeState, MediaPart
 from tandem.services.encoder.split import HelperRange, Share
 from tandem.serving import deadline_from_proto
@@ -156,10 +156,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                 job.room, payload, deadline=deadline, trace=span, remote=remote))
 
         def open_helper(share: Share, payload_start: int, grids: list[tuple[int, int, int]],
-                        keys: list[str]) -> HelperRange:
+                        keys: list[str], fetched: dict[int, bytes]) -> HelperRange:
             ask = encoder_pb2.EncodeRequest()
             ask.CopyFrom(request)
             del ask.helpers[:]  # NOTE: a helper never splits its share again
+            inline_fetched(ask.messages, fetched)  # its URL images: the bytes we fetched
             ask.deadline_unix_ms = int(deadline * 1000)  # both ends bound the range by it
             h = HelperRange(self.channels.get(share.helper), share, encoder_pb2.RangeStart(
                 request=ask, payload_start=payload_start, first_media=share.first_media,
