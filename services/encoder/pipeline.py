@@ -392,6 +392,10 @@ class EncodePipeline:
                 remote.append(h.remote())
             if on_payload is not None:
                 on_payload(stream.payload, remote)
+        if keep_fetched:  # in the helpers' RangeStarts now (if any): not held any longer
+            for m in prep.media:
+                if isinstance(m, PreparedImage):
+                    m.fetched = None
         if stream is None:  # the whole payload at once: every missed medium whole
             todo = [VitInput(i, 0, groups_of(prep.media[i]), True) for i in misses]
         else:  # streamed rows: a video goes in runs of groups, each sent when it ends
