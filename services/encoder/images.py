@@ -82,6 +82,11 @@ def image_bytes(img: ImageInput, field: str, lim: ImageLimits,
     return raw
 
 
+def fetched_url(url: str | None) -> bool:
+    """Whether a part's `url` is one this encoder downloads (http or https)."""
+    return (url or "").startswith(("http://", "https://"))
+
+
 def source_bytes(data: bytes | None, url: str | None, field: str, lim: ImageLimits,
                  rules: SourceRules, budget: Budget | None = None) -> bytes:
     """The file of one part: `data` as given, a data URL decoded, an http(s) URL fetched
@@ -93,7 +98,7 @@ def source_bytes(data: bytes | None, url: str | None, field: str, lim: ImageLimi
     url = url or ""
     if url.startswith("data:"):
         return _data_url(url, field, rules)
-    if url.startswith(("http://", "https://")):
+    if fetched_url(url):
         return _fetch(url, field, lim, rules, budget or Budget())
     scheme = url.split(":", 1)[0] if ":" in url else url[:16]
     raise invalid(field, f"unsupported {rules.noun} url scheme {scheme!r} (data:, http(s):)")

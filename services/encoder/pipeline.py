@@ -382,9 +382,9 @@ class EncodePipeline:
                 h = open_helper(sh, cached, grids_outside(prep.media, sh.first_media,
                                                           sh.end_media),
                                 [m.key for m in prep.media[sh.first_media:sh.end_media]],
-                                {k: m.fetched for k, m in enumerate(prep.media)
-                                 if sh.first_media <= k < sh.end_media
-                                 and isinstance(m, PreparedImage) and m.fetched})
+                                {k: m.fetched for k, m in enumerate(
+                                    prep.media[sh.first_media:sh.end_media], sh.first_media)
+                                 if isinstance(m, PreparedImage) and m.fetched})
                 h.fall_back = functools.partial(
                     self._fall_back, stream, prep, units_in(every, cached, sh.first_token,
                                                             sh.end_token),

@@ -51,6 +51,7 @@ from tandem.services.encoder.images import (
     ImageLimits,
     SourceRules,
     decode_image,
+    fetched_url,
     image_bytes,
     open_image,
     source_bytes,
@@ -392,8 +393,7 @@ class Preprocessor:
             field=where,
             pixels=values,
             digest=h.hexdigest(),
-            fetched=raw if keep_fetched and (part.url or "").startswith(("http://", "https://"))
-            else None,
+            fetched=raw if keep_fetched and fetched_url(part.url) else None,
         )
 
     def _video(self, where: str, part: VideoInput, budget: Budget,

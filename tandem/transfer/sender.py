@@ -92,6 +92,7 @@ from tandem.transfer.sender_room import (
     destinations,
     failed_msg,
     heartbeat,
+    working_msg,
 )
 from tandem.transfer.staging import Destination, StagingArea, WriteRound, write_round
 from tandem.v1 import encoder_pb2
@@ -261,8 +262,7 @@ class EmbeddingSender:
                             and self.vouch()):
                         # the pipeline works on it: say so, and count silence from now
                         r.born = time.monotonic()
-                        await context.write(encoder_pb2.AttachResponse(
-                            working=encoder_pb2.AttachWorking(room=room)))
+                        await context.write(working_msg(room))
                         continue
                     late = time.monotonic() >= r.born + self.config.timeout_s
                     if r.state is SenderState.WAITING_FOR_PAYLOAD and late:
@@ -486,8 +486,7 @@ class EmbeddingSender:
             _chunk_written(r, sent, end, payload.num_tokens, tag)
 
         def working() -> None:  # the helper is in the ViT: so say we, the room is alive
-            r.outbox.put_nowait(encoder_pb2.AttachResponse(
-                working=encoder_pb2.AttachWorking(room=r.room)))
+            r.outbox.put_nowait(working_msg(r.room))
 
         dest = encoder_pb2.AttachInit()
         dest.CopyFrom(r.init)
@@ -540,8 +539,7 @@ class EmbeddingSender:
         that says nothing else on the stream)."""
 
         async def beat() -> None:
-            r.outbox.put_nowait(encoder_pb2.AttachResponse(
-                working=encoder_pb2.AttachWorking(room=r.room)))
+            r.outbox.put_nowait(working_msg(r.room))
 
         task = heartbeat(self.config.heartbeat_s, beat, self.vouch)
         try:
@@ -709,8 +707,7 @@ class EmbeddingSender:
                 raise r.error or TransferError(f"room {r.room}: Attach stream closed while "
                                                "waiting for rows", "UNAVAILABLE")
             if arrived.rows < want and self.vouch():  # still in the ViT: say so
-                r.outbox.put_nowait(encoder_pb2.AttachResponse(
-                    working=encoder_pb2.AttachWorking(room=r.room)))
+                r.outbox.put_nowait(working_msg(r.room))
         r.to(SenderState.TRANSFERRING)
         return cap if arrived.rows >= cap else t0 + (arrived.rows - t0) // bs * bs
 

@@ -134,6 +134,11 @@ def destinations(room: int, init: encoder_pb2.AttachInit, staging: StagingArea,
     return dests
 
 
+def working_msg(room: int) -> encoder_pb2.AttachResponse:
+    """A heartbeat: the encoder works on `room`, which has nothing else to say."""
+    return encoder_pb2.AttachResponse(working=encoder_pb2.AttachWorking(room=room))
+
+
 def failed_msg(err: TransferError) -> encoder_pb2.AttachResponse:
     info = common_pb2.ErrorInfo(code=err.code, message=err.reason)
     return encoder_pb2.AttachResponse(failed=encoder_pb2.AttachFailed(error=info))
