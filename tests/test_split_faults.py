@@ -351,11 +351,16 @@ def _helper(call: _Call, step: str):
     return h
 
 
-def _outcome(h) -> tuple[str, str, str]:
-    """(exception type, code, culprit) of writing tokens [20, 40) of the range."""
+def _outcome(call: _Call, step: str, settled: bool = False) -> tuple[str, str, str]:
+    """(exception type, code, culprit) of writing tokens [20, 40) of the range of a helper
+    at `step`; `settled`: the lead reads the stream's end before the write (the helper
+    failed while the lead was busy), else only once its RangeWrite is out."""
     from tandem.transfer.sender_room import RangeLost
 
     async def write():
+        h = _helper(call, step)  # NOTE: in the loop: it reads its stream from the start
+        while settled and h.ended is None:
+            await asyncio.sleep(0)
         return await h.write(encoder_pb2.AttachInit(), 20, 20, 100, 0, lambda *a: None,
                              lambda: None)
 
@@ -396,4 +401,15 @@ def _failed(code: str, nothing_in_flight: bool) -> encoder_pb2.EncodeRangeRespon
 ], ids=["ended_between_pieces", "refused_before_any_row", "failed_mid_write", "data_loss",
         "deadline_reported", "deadline_of_the_call", "broken_mid_write"])
 def test_the_leads_rule_for_a_helper_failing_at_its_next_piece(call, want):
-    assert _outcome(_helper(call, "ready")) == want
+    assert _outcome(call, "ready") == want
+
+
+def test_a_helper_that_died_after_its_ready_is_lost_not_the_rooms_failure():
+    """Its stream broke while the lead was busy with its own range (after the helper's
+    Ready, before any RangeWrite): the lead has read that end by its piece, so nothing of
+    the helper can be in flight and it re-encodes the range (before, it read the end only
+    once its RangeWrite was out, and failed the room: tests/test_split.py's killed helper,
+    now and then)."""
+    broke = _Call(end=grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                           grpc.aio.Metadata(), "connection reset"))
+    assert _outcome(broke, "ready", settled=True) == ("RangeLost", "", "")

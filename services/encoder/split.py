@@ -33,8 +33,9 @@ Rules (all here):
   positions): no writer needs another's.
 - Every range is its own piece (its own blocks, aux rows and tags), so no block is
   written by two writers.
-- A helper's RangeWrite goes out only after its Ready (`HelperRange.write` reads the
-  helper's messages from the start), so whether it may have written is known: a helper
+- A helper's RangeWrite goes out only after its Ready (`HelperRange` reads the helper's
+  stream as it comes, so a failure is judged at the step the lead was at when it came,
+  however busy the lead was then), so whether it may have written is known: a helper
   failure of any kind (a failed message of any code, its stream broken or ended) before
   the lead sent it a RangeWrite, or after it reported a piece's last chunk and before
   the next RangeWrite, leaves nothing of it in flight: the helper is lost (RangeLost) and
@@ -172,6 +173,13 @@ class HelperRange:
             0.0, ms / 1000 - time.time()) if ms else None)
         self.ready: encoder_pb2.RangeReady | None = None
         self.fall_back: Callable[[], Awaitable[None]] | None = None
+        # The helper's messages as they come, its end (a failure, judged at the step the
+        # lead was at when it came) last: `ended` is known before the next RangeWrite goes
+        # out, however long the lead was busy since (read at its piece, a helper that died
+        # after its Ready looked alive until the RangeWrite was out, and failed the room)
+        self._inbox: asyncio.Queue = asyncio.Queue()
+        self.ended: Exception | None = None
+        self._reader = asyncio.ensure_future(self._read_all())
 
     async def _stream(self):
         while True:
@@ -194,6 +202,7 @@ class HelperRange:
         self._requests.put_nowait(None)
         if self.step is not HelperStep.FINISHED:
             self._call.cancel()
+            self._reader.cancel()
 
     def _failed(self, why: str, code: str = "", nothing_in_flight: bool = False) -> Exception:
         """The helper's failure (`code`: the one it reported, "" for a broken or ended
@@ -209,27 +218,44 @@ class HelperRange:
                              f"({code or 'stream'}: {why})", "UNAVAILABLE",
                              culprit=self.share.helper)
 
-    async def _next(self, what: str) -> encoder_pb2.EncodeRangeResponse:
-        """The helper's next message that is not a failure (`_failed` says what a failure
-        is). Silent for the transfer timeout (frozen: it heartbeats while in its ViT) is a
-        failure too: RangeLost while it has no RangeWrite outstanding (it holds no
-        destination, so nothing of it can land: the lead re-encodes, the request goes on),
-        else TransferError UNAVAILABLE naming it (the room fails; the router's retry fences
-        its late writes)."""
+    async def _read_all(self) -> None:
+        """Every message into the inbox until the stream's end, which becomes `ended`
+        (`_failed` says what a failure is) and the inbox's last item."""
         try:
-            msg = await asyncio.wait_for(self._call.read(), self.timeout_s)
-        except asyncio.TimeoutError:
-            raise self._failed(f"silent for {self.timeout_s:.1f}s while {what}") from None
+            while True:
+                msg = await self._call.read()
+                if msg is grpc.aio.EOF:
+                    end = self._failed("the stream ended")
+                elif msg.WhichOneof("msg") == "failed":
+                    f = msg.failed
+                    end = self._failed(f.error.message, f.error.code, f.nothing_in_flight)
+                else:
+                    self._inbox.put_nowait(msg)
+                    continue
+                break
         except grpc.aio.AioRpcError as e:
             deadline = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # the call's timeout
-            raise self._failed(f"{e.code().name}: {e.details()}",
-                               "DEADLINE_EXCEEDED" if deadline else "") from None
-        if msg is grpc.aio.EOF:
-            raise self._failed("the stream ended")
-        if msg.WhichOneof("msg") == "failed":
-            f = msg.failed
-            raise self._failed(f.error.message, f.error.code, f.nothing_in_flight)
-        return msg
+            end = self._failed(f"{e.code().name}: {e.details()}",
+                               "DEADLINE_EXCEEDED" if deadline else "")
+        except Exception as e:  # noqa: BLE001  (the stream is unreadable: its end all the same)
+            end = self._failed(f"reading its stream: {e!r}")
+        self.ended = end
+        self._inbox.put_nowait(end)
+
+    async def _next(self, what: str) -> encoder_pb2.EncodeRangeResponse:
+        """The helper's next message that is not a failure (its end is raised). Silent
+        for the transfer timeout (frozen: it heartbeats while in its ViT) is a failure too:
+        RangeLost while it has no RangeWrite outstanding (it holds no destination, so
+        nothing of it can land: the lead re-encodes, the request goes on), else
+        TransferError UNAVAILABLE naming it (the room fails; the router's retry fences its
+        late writes)."""
+        try:
+            item = await asyncio.wait_for(self._inbox.get(), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise self._failed(f"silent for {self.timeout_s:.1f}s while {what}") from None
+        if isinstance(item, Exception):
+            raise item
+        return item
 
     async def write(self, init: encoder_pb2.AttachInit, start: int, piece: int, total: int,
                     delta: int, on_chunk: Callable[[int, RangeTag | None], None],
@@ -245,7 +271,10 @@ class HelperRange:
                 self.step = HelperStep.READY
             else:
                 raise self._failed(f"sent {kind} before Ready", "INTERNAL")
-        if self._call.done():  # it ended since its last piece: nothing of it in flight
+        # it ended since its last piece (or its Ready): nothing of it in flight
+        if self.ended is not None:
+            raise RangeLost(f"its stream ended before this piece ({self.ended})")
+        if self._call.done():
             raise RangeLost("its stream ended before this piece")
         self.step = HelperStep.WRITING
         self._requests.put_nowait(encoder_pb2.EncodeRangeRequest(write=encoder_pb2.RangeWrite(
