@@ -21,6 +21,12 @@ os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "test-models"
+# The compiled flex-attention kernels (torch.compile) in the checkout's own cache, not
+# torch's default /tmp/torchinductor_$USER: entries are keyed by source path, so every
+# fresh clone (CI's runs) added ~160 MB there that nothing ever removed; here they go
+# with the clone and a developer's repeated runs still find them warm. (Inductor's one
+# precompiled header stays in /tmp/torchinductor_$USER: keyed by content, it is shared.)
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "torchinductor"))
 
 
 def build_checkpoint(arch: str, size: str = "tiny", seed: int = 0) -> Path:
