@@ -22,11 +22,13 @@ os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "test-models"
 # The compiled flex-attention kernels (torch.compile) in the checkout's own cache, not
-# torch's default /tmp/torchinductor_$USER: entries are keyed by source path, so every
-# fresh clone (CI's runs) added ~160 MB there that nothing ever removed; here they go
-# with the clone and a developer's repeated runs still find them warm. (Inductor's one
-# precompiled header stays in /tmp/torchinductor_$USER: keyed by content, it is shared.)
+# torch's default /tmp/torchinductor_$USER, where every fresh clone (CI's runs) left
+# ~160 MB that nothing removed: here they go with the clone, and a developer's repeated
+# runs still find them warm. Inductor's precompiled header (150 MB, keyed by the
+# compiler's include paths, so one per clone's venv) always goes to /tmp whatever the
+# cache dir: it is switched off; the few kernels the suite compiles cost ~10 s more.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "torchinductor"))
+os.environ.setdefault("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "0")
 
 
 def build_checkpoint(arch: str, size: str = "tiny", seed: int = 0) -> Path:
