@@ -25,6 +25,7 @@ chart's probes and the router's probes ask for these exact names.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import signal
 import socket
@@ -41,6 +42,15 @@ from tandem.tracing import TracingConfig, TracingError
 from tandem.tracing import setup as trace_setup
 
 log = logging.getLogger("tandem")
+
+# `kill -USR1 PID` prints every thread's Python stack on the process's stderr: how to see
+# where a tier or `tandem up` is stuck. faulthandler writes from the signal itself, so the
+# dump comes even when the event loop or the main thread is blocked.
+STACKS_SIGNAL = signal.SIGUSR1
+
+
+def dump_stacks_on_signal() -> None:
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
 
 # NOTE: gRPC servers set SO_REUSEPORT by default, so a second process binding a taken port
 # succeeds and the kernel splits connections between the two (seen: an encoder and a
@@ -71,6 +81,7 @@ def run_service(prog: str, main: Coroutine[None, None, None], cpu_threads: int =
     from tandem.models.checkpoint import CheckpointError
 
     configure_logging(log_format, getattr(logging, log_level.upper()))
+    dump_stacks_on_signal()
     try:
         trace_setup(tracing or TracingConfig(), prog.replace(" ", "-"))
     except TracingError as e:

@@ -470,3 +470,35 @@ def test_vllm_extras_end_to_end(cluster, ckpt):
         assert got.text == text and got.usage.prompt_tokens == len(ids)
         assert sdk.chat(prefilled[:1], skip_special_tokens=False, ignore_eos=True, max_tokens=3,
                         logit_bias={end: 100}).text == "<|im_end|>" * 3
+
+
+def test_sigusr1_prints_each_threads_stack_and_stops_nothing(cluster):
+    """`kill -USR1` on `tandem up` and on a tier prints every thread's Python stack on its
+    stderr (tandem.serving.STACKS_SIGNAL: how a stuck process is read; LocalCluster.stop
+    does so before it kills a `tandem up` that does not stop), and both serve on."""
+    import os
+
+    from waiting import wait_until
+
+    from tandem.serving import STACKS_SIGNAL
+
+    def new_lines() -> list[str]:
+        return list(cluster.lines)[before:]
+
+    def up_stacks() -> bool:  # `tandem up`'s own output comes unprefixed
+        return any(ln.startswith(("Current thread 0x", "Thread 0x")) for ln in new_lines()) \
+            and any('File "' in ln and "launch/up.py" in ln for ln in new_lines())
+
+    def encoder_stacks() -> bool:  # a tier's, prefixed with its name
+        mine = [ln for ln in new_lines() if ln.startswith("encoder-0")]
+        return any("Thread 0x" in ln for ln in mine) and any('File "' in ln for ln in mine)
+
+    before = len(cluster.lines)
+    os.kill(cluster.proc.pid, STACKS_SIGNAL)
+    os.kill(cluster.instances["encoder-0"].pid, STACKS_SIGNAL)
+    wait_until(up_stacks, timeout_s=30, what="tandem up's own stacks", state=new_lines)
+    wait_until(encoder_stacks, timeout_s=30, what="the encoder's stacks", state=new_lines)
+    assert cluster.proc.poll() is None
+    r = openai_client(cluster).chat.completions.create(
+        model="", max_tokens=2, temperature=0, messages=[{"role": "user", "content": "Hi"}])
+    assert r.choices[0].message.content is not None

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -153,11 +154,36 @@ class LocalCluster:
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
+                # NOTE: a warning, not an error: pytest lists it under a passing run, so a
+                # rare hang of `tandem up`'s own stop shows with what it was doing.
+                self._dump_stacks()
+                warnings.warn(f"tandem up did not stop {timeout_s:.0f} s after "
+                              f"{signal.Signals(sig).name}; killing it.\n{self._hang_report()}",
+                              RuntimeWarning, stacklevel=2)
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         if self._own_pki:
             shutil.rmtree(self._own_pki, ignore_errors=True)
         return self.proc.returncode
+
+    def _dump_stacks(self) -> None:
+        """Every thread's stack of `tandem up` and its tiers into the log (SIGUSR1:
+        tandem.serving.STACKS_SIGNAL), read a second later by _hang_report."""
+        from tandem.serving import STACKS_SIGNAL
+
+        for pid in [self.proc.pid] + [i.pid for i in self.instances.values() if i.pid]:
+            try:
+                os.kill(pid, STACKS_SIGNAL)
+            except ProcessLookupError:
+                pass
+        time.sleep(1.0)
+
+    def _hang_report(self) -> str:
+        """The last lines `tandem up` printed (with the stacks) and the state of its
+        children (`ps`: STAT D is a wait in the kernel, WCHAN the call)."""
+        ps = subprocess.run(["ps", "-o", "pid,stat,wchan:24,etime,args", "-p", str(self.proc.pid),
+                             "--ppid", str(self.proc.pid)], capture_output=True, text=True).stdout
+        return "\n".join(list(self.lines)[-200:]) + "\n" + ps
 
     def __enter__(self) -> LocalCluster:
         return self.start()

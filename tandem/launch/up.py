@@ -9,7 +9,8 @@
 The plan (flags, ports, child commands) is tandem/launch/plan.py's: instances get free
 gRPC ports and disjoint Mooncake port ranges; the router is given their addresses. Each
 child is a separate `python -m tandem.cli <kind>` process whose log lines are forwarded
-prefixed with its name. Ctrl-C or SIGTERM drains and stops everything.
+prefixed with its name. Ctrl-C or SIGTERM drains and stops everything; SIGUSR1 prints
+every thread's stack (`up`'s own, or a child's: `kill -USR1` its pid).
 Without --model, a tiny random-weight checkpoint is built once into the cache directory.
 """
 
@@ -22,7 +23,7 @@ import sys
 from tandem.launch.plan import checked_model, internal_pki, parse_args, plan, served_name
 from tandem.launch.procs import say, stop_all, stop_event_on_signals, wait_ready
 from tandem.models.checkpoint import CheckpointError
-from tandem.serving import require_free_ports
+from tandem.serving import dump_stacks_on_signal, require_free_ports
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     require_free_ports("tandem up", args.host, {"--http-port": args.http_port,
                                                 "--grpc-port": args.grpc_port})
     stop = stop_event_on_signals()
+    dump_stacks_on_signal()
     pki = internal_pki(args)
     if pki is not None:
         say(f"[up] internal mTLS: a throwaway CA and certificates in {pki.dir}")
