@@ -21,8 +21,8 @@ the call's traceparent), with the pipeline's stages and the transfer under it;
 
 Status codes: INVALID_ARGUMENT for bad input and per-request limits (the message starts
 with the offending field, e.g. `messages[0].content[1].image: ...`), UNAVAILABLE while
-draining or while the ViT is stalled (`out_of_service`), DEADLINE_EXCEEDED past the deadline, and the transfer layer's code when the
-delivery fails. A failure never takes the service down.
+draining or while the ViT is stalled (`out_of_service`), DEADLINE_EXCEEDED past the
+deadline, and the transfer layer's code when the delivery fails. A failure never takes the service down.
 """
 
 from __future__ import annotations
@@ -363,7 +363,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             open_rooms=len(self.sender.rooms),
             draining=self.draining,
             model=self.model_name,
-            vit_stalled=self.stall() is not None,
+            vit_stalled=self.pipeline.scheduler.stalled(),
         )
 
     def _gauge(self) -> None:

@@ -271,11 +271,10 @@ class HelperRange:
                 self.step = HelperStep.READY
             else:
                 raise self._failed(f"sent {kind} before Ready", "INTERNAL")
-        # it ended since its last piece (or its Ready): nothing of it in flight
-        if self.ended is not None:
-            raise RangeLost(f"its stream ended before this piece ({self.ended})")
-        if self._call.done():
-            raise RangeLost("its stream ended before this piece")
+        # it ended since its last piece (or its Ready): nothing of it in flight (`ended`
+        # comes from the reader task, which may not have seen the call's end yet)
+        if self.ended is not None or self._call.done():
+            raise RangeLost(f"its stream ended before this piece ({self.ended or 'done'})")
         self.step = HelperStep.WRITING
         self._requests.put_nowait(encoder_pb2.EncodeRangeRequest(write=encoder_pb2.RangeWrite(
             destination=init, piece_start=start, piece_tokens=piece, total_tokens=total,

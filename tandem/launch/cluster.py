@@ -156,7 +156,6 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 # NOTE: a warning, not an error: pytest lists it under a passing run, so a
                 # rare hang of `tandem up`'s own stop shows with what it was doing.
-                self._dump_stacks()
                 warnings.warn(f"tandem up did not stop {timeout_s:.0f} s after "
                               f"{signal.Signals(sig).name}; killing it.\n{self._hang_report()}",
                               RuntimeWarning, stacklevel=2)
@@ -166,9 +165,11 @@ class LocalCluster:
             shutil.rmtree(self._own_pki, ignore_errors=True)
         return self.proc.returncode
 
-    def _dump_stacks(self) -> None:
-        """Every thread's stack of `tandem up` and its tiers into the log (SIGUSR1:
-        tandem.serving.STACKS_SIGNAL), read a second later by _hang_report."""
+    def _hang_report(self) -> str:
+        """Every thread's stack of `tandem up` and of its tiers (SIGUSR1:
+        tandem.serving.STACKS_SIGNAL; they print into the log, read a second later), the
+        last lines, and the state of up's children (`ps`: STAT D is a wait in the kernel,
+        WCHAN the call)."""
         from tandem.serving import STACKS_SIGNAL
 
         for pid in [self.proc.pid] + [i.pid for i in self.instances.values() if i.pid]:
@@ -177,10 +178,6 @@ class LocalCluster:
             except ProcessLookupError:
                 pass
         time.sleep(1.0)
-
-    def _hang_report(self) -> str:
-        """The last lines `tandem up` printed (with the stacks) and the state of its
-        children (`ps`: STAT D is a wait in the kernel, WCHAN the call)."""
         ps = subprocess.run(["ps", "-o", "pid,stat,wchan:24,etime,args", "-p", str(self.proc.pid),
                              "--ppid", str(self.proc.pid)], capture_output=True, text=True).stdout
         return "\n".join(list(self.lines)[-200:]) + "\n" + ps

@@ -145,15 +145,15 @@ def failed_msg(err: TransferError) -> encoder_pb2.AttachResponse:
 
 
 def heartbeat(period: float, send: Callable[[], Awaitable[None]],
-              vouch: Callable[[], bool] | None = None) -> asyncio.Task:
+              vouch: Callable[[], bool]) -> asyncio.Task:
     """A task that awaits `send()` every `period` seconds until cancelled, each time
-    `vouch()` (if given) holds: a heartbeat says the work progresses, not only that the
-    process is alive (EmbeddingSender.vouch)."""
+    `vouch()` holds: a heartbeat says the work progresses, not only that the process is
+    alive (EmbeddingSender.vouch)."""
 
     async def beat() -> None:
         while True:
             await asyncio.sleep(period)
-            if vouch is None or vouch():
+            if vouch():
                 await send()
 
     return asyncio.ensure_future(beat())
