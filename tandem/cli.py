@@ -73,22 +73,83 @@ def _tiny_model(argv: list[str]) -> int:
     return 0
 
 
-def _certs(argv: list[str]) -> int:
-    from tandem.pki import ROLES
-
+def _certs_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tandem certs",
         description="Write a new CA and a certificate + key per role (router, encoder, "
         "language, operator) for mTLS between the tiers: pass a tier its role's files with "
         "--internal-tls.ca/.cert/.key (docs/deploy.md, 'Internal TLS'). ca.key only signs "
-        "more certificates later: keep it out of the cluster.")
-    p.add_argument("dir", help="Output directory (created; existing files are replaced).")
+        "more certificates later: keep it out of the cluster. With --kube-namespace instead "
+        "of DIR (what the Helm chart's hook Job runs): create, through the Kubernetes API as "
+        "the pod's ServiceAccount, each role Secret that is missing (ca.crt, tls.crt, "
+        "tls.key), signed by the CA in --kube-ca-secret (created first if absent); existing "
+        "Secrets are never changed.")
+    p.add_argument("dir", nargs="?", help="Output directory (created; existing files are "
+                   "replaced). Not with --kube-namespace.")
     p.add_argument("--days", type=int, default=365, help="Validity of every certificate.")
+    p.add_argument("--kube-namespace", metavar="NS",
+                   help="Create the Secrets in this namespace instead of writing files.")
+    p.add_argument("--kube-ca-secret", metavar="NAME",
+                   help="The CA's Secret (tls.crt, tls.key): read, or created if absent.")
+    p.add_argument("--kube-secret", metavar="ROLE=NAME", action="append", default=[],
+                   help="A role's Secret to create if missing (repeat per role).")
+    p.add_argument("--kube-label", metavar="KEY=VALUE", action="append", default=[],
+                   help="A label on every Secret created (repeat).")
+    return p
+
+
+def _pairs(p: argparse.ArgumentParser, flag: str, items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not (sep and key and value) or key in out:
+            p.error(f"{flag} {item!r}: want KEY=VALUE, each KEY once")
+        out[key] = value
+    return out
+
+
+def _certs_spec(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str], dict[str, str]]:
+    """(args, {role: Secret name}, {label: value}); a flag that does not fit the mode given
+    (DIR, or --kube-namespace) is refused rather than ignored."""
+    from tandem.pki import ROLES
+
+    p = _certs_parser()
     args = p.parse_args(argv)
+    if args.days < 1:
+        p.error("--days must be at least 1")
+    kube_flags = bool(args.kube_ca_secret or args.kube_secret or args.kube_label)
+    if args.kube_namespace is None:
+        if args.dir is None or kube_flags:
+            p.error("give DIR, or --kube-namespace with --kube-ca-secret and --kube-secret")
+        return args, {}, {}
+    if args.dir is not None:
+        p.error("DIR and --kube-namespace are exclusive")
+    if not (args.kube_ca_secret and args.kube_secret):
+        p.error("--kube-namespace needs --kube-ca-secret and at least one --kube-secret")
+    secrets = _pairs(p, "--kube-secret", args.kube_secret)
+    if unknown := set(secrets) - set(ROLES):
+        p.error(f"--kube-secret: unknown role(s) {sorted(unknown)}; roles: {', '.join(ROLES)}")
+    if args.kube_ca_secret in secrets.values() or len(set(secrets.values())) < len(secrets):
+        p.error("--kube-ca-secret and each --kube-secret must name different Secrets")
+    return args, secrets, _pairs(p, "--kube-label", args.kube_label)
+
+
+def _certs(argv: list[str]) -> int:
     from pathlib import Path
 
-    from tandem.pki import make_pki
+    from tandem.pki import ROLES, KubeAPI, KubeSecretsError, ensure_kube_secrets, make_pki
 
+    args, secrets, labels = _certs_spec(argv)
+    if args.kube_namespace is not None:
+        try:
+            made = ensure_kube_secrets(KubeAPI(args.kube_namespace), args.kube_ca_secret,
+                                       secrets, labels, args.days)
+        except KubeSecretsError as e:
+            print(f"tandem certs: {e}", file=sys.stderr)
+            return 1
+        print(f"created Secrets: {', '.join(made)}" if made else
+              f"every role's Secret exists ({', '.join(secrets.values())}): nothing created")
+        return 0
     paths = make_pki(Path(args.dir), days=args.days)
     print(f"{paths.ca}  (CA)")
     for role in ROLES:

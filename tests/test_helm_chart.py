@@ -9,7 +9,8 @@ discovery names and config keys are the ones the services actually read and serv
 Every check reads the rendered objects, resolved as Kubernetes would (a container's
 environment from its envFrom sources and env entries, named ports to numbers, the config as
 the service itself parses it from its args and environment), and runs what can run here
-(the preStop hook, the `helm test` pod's program): never the templates' text, so renaming a
+(the preStop hook, the `helm test` pod's program, the internal-TLS hook Job's `tandem
+certs` up to its Kubernetes API calls): never the templates' text, so renaming a
 helper, reordering keys or rewording a comment cannot break a test.
 """
 
@@ -562,13 +563,14 @@ def test_service_monitors_target_existing_ports(rendered):
     assert not [o for o in rendered["default"] if o["kind"] == "ServiceMonitor"]
 
 
-def test_generated_internal_certificates_serve_mtls_by_role(rendered, tmp_path):
-    """The chart's generated CA and certificates (one Secret per role, the CA's own Secret
-    mounted nowhere) are what the services accept: each certificate's common name is its
-    role, and a real gRPC server holding the encoder's certificate (RoleGate on) admits the
-    router's GetLoad over mTLS and refuses the language's (PERMISSION_DENIED)."""
+def test_hook_job_secrets_serve_mtls_by_role(rendered, tmp_path):
+    """The Secrets the default values' hook Job creates (its own `tandem certs` arguments,
+    parsed by the CLI, planned by tandem/pki.py for a namespace that has none yet) are the
+    ones each role's pods mount, each strictly valid, the CA's mounted by no pod; each
+    certificate's common name is its role, and a real gRPC server holding the encoder's
+    certificate (RoleGate on) admits the router's GetLoad over mTLS and refuses the
+    language's (PERMISSION_DENIED). Only the API calls that store them do not run here."""
     import asyncio
-    import base64
 
     import grpc
 
@@ -577,17 +579,27 @@ def test_generated_internal_certificates_serve_mtls_by_role(rendered, tmp_path):
     from tandem.v1 import encoder_pb2_grpc
 
     objs = rendered["default"]
+    spec, created = _hook_job_secrets(objs)
+    ca_name = spec["ca_secret"]
+    assert [o["metadata"]["name"] for o in created] == [ca_name, *spec["secrets"].values()]
+    by_name = {o["metadata"]["name"]: o for o in created}
+    for obj in created:
+        kubernetes_validate.validate(obj, NEWEST_K8S, strict=True)
+        assert obj["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE
     pem = {}
     for role in ("router", "encoder", "language"):
-        data = find(objs, "Secret", f"{RELEASE}-internal-tls-{role}")["data"]
-        assert set(data) == {"ca.crt", "tls.crt", "tls.key"}  # no CA key in a tier's Secret
-        pem[role] = {k: base64.b64decode(v) for k, v in data.items()}
-        assert common_name(pem[role]["tls.crt"]) == role
-        vol = next(v for v in find(objs, "Deployment", f"{RELEASE}-{role}")["spec"]["template"][
-            "spec"]["volumes"] if v["name"] == "internal-tls")
-        assert vol["secret"]["secretName"] == f"{RELEASE}-internal-tls-{role}"
-    assert len({p["ca.crt"] for p in pem.values()}) == 1  # one CA
-    tls = {r: InternalTLS(p["ca.crt"], p["tls.crt"], p["tls.key"], r) for r, p in pem.items()}
+        name, keys = _internal_tls_files(objs, role)
+        assert name == spec["secrets"][role] == f"{RELEASE}-internal-tls-{role}"
+        data = by_name[name]["data"]
+        assert set(data) == set(keys.values()) == {"ca.crt", "tls.crt", "tls.key"}  # no CA key
+        pem[role] = {k: base64.b64decode(data[v]) for k, v in keys.items()}
+        assert common_name(pem[role]["cert"]) == role
+    ca_pem = base64.b64decode(by_name[ca_name]["data"]["tls.crt"])
+    assert {p["ca"] for p in pem.values()} == {ca_pem}  # one CA, the stored one
+    volumes = [v for o in objs if o["kind"] in ("Deployment", "Pod", "Job")
+               for v in (o["spec"].get("template", o)["spec"].get("volumes") or [])]
+    assert ca_name not in {v.get("secret", {}).get("secretName") for v in volumes}
+    tls = {r: InternalTLS(p["ca"], p["cert"], p["key"], r) for r, p in pem.items()}
 
     class Encoder(encoder_pb2_grpc.EncoderServicer):
         async def GetLoad(self, request, context):  # noqa: N802
@@ -615,6 +627,183 @@ def test_generated_internal_certificates_serve_mtls_by_role(rendered, tmp_path):
             assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
     finally:
         loop.call_soon_threadsafe(loop.stop)
+
+
+HOOK = "helm.sh/hook"
+
+
+@pytest.mark.parametrize("variant", ["default", "production"])
+def test_hook_job_runs_first_with_rights_to_exactly_its_secrets(rendered, variant):
+    """Without cert-manager the Secrets come from a pre-install/pre-upgrade hook Job: its
+    ServiceAccount, Role and RoleBinding are hooks of a lower weight (created before it),
+    all are deleted once they succeed; the Role may get the CA's and the roles' Secrets and
+    nothing else, and create Secrets (RBAC cannot name what a create makes); the Job runs
+    the router's image as its own ServiceAccount, the only pod with an API token."""
+    objs = rendered[variant]
+    spec, _ = _hook_job_secrets(objs)
+    assert spec["namespace"] == NAMESPACE
+    assert spec["days"] == 3650  # internalTLS.generatedValidityDays
+    job = _hook_job(objs)
+    name = job["metadata"]["name"]
+    hooks = {(o["kind"], o["metadata"]["name"]): o["metadata"]["annotations"]
+             for o in objs if HOOK in o["metadata"].get("annotations", {})}
+    rbac = {("ServiceAccount", name), ("Role", name), ("RoleBinding", name)}
+    # the helm test pod is a hook too (`helm test`), not one of these
+    assert set(hooks) - {("Pod", f"{RELEASE}-test-chat")} == rbac | {("Job", name)}
+    for key in rbac | {("Job", name)}:
+        ann = hooks[key]
+        assert set(ann[HOOK].split(",")) == {"pre-install", "pre-upgrade"}, key
+        assert set(ann["helm.sh/hook-delete-policy"].split(",")) == {
+            "before-hook-creation", "hook-succeeded"}, key
+    weight = {k: int(hooks[k].get("helm.sh/hook-weight", "0")) for k in rbac | {("Job", name)}}
+    assert max(weight[k] for k in rbac) < weight[("Job", name)]
+
+    role = find(objs, "Role", name)
+    gets = [r for r in role["rules"] if "get" in r["verbs"]]
+    creates = [r for r in role["rules"] if "create" in r["verbs"]]
+    assert len(role["rules"]) == 2 and len(gets) == len(creates) == 1
+    for rule in role["rules"]:
+        assert rule["apiGroups"] == [""] and rule["resources"] == ["secrets"]
+        assert len(rule["verbs"]) == 1
+    assert set(gets[0]["resourceNames"]) == {spec["ca_secret"], *spec["secrets"].values()}
+    binding = find(objs, "RoleBinding", name)
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": name}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": name,
+                                    "namespace": NAMESPACE}]
+    find(objs, "ServiceAccount", name)
+
+    pod = job["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == name and pod["automountServiceAccountToken"] is True
+    assert pod["restartPolicy"] == "Never" and job["spec"]["backoffLimit"] >= 1
+    (c,) = pod["containers"]
+    assert c["image"] == container(objs, "router")["image"]
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True  # the plan is in memory
+    for tier in ("router", "encoder", "language"):  # the tiers never call the API
+        assert pod_spec(objs, tier)["automountServiceAccountToken"] is False
+    # no tier's NetworkPolicy selects the Job's pod (egress is open: it reaches the API)
+    labels = job["spec"]["template"]["metadata"]["labels"]
+    for np in (o for o in objs if o["kind"] == "NetworkPolicy"):
+        sel = np["spec"]["podSelector"]["matchLabels"]
+        assert not sel.items() <= labels.items(), np["metadata"]["name"]
+
+
+def test_hook_job_makes_only_the_roles_without_an_existing_secret(helm):
+    """A role named in existingSecrets is left to its Secret: the Job neither creates nor
+    may read it; with all three named there is no Job and no RBAC at all."""
+    objs = render(helm, "--set", "internalTLS.existingSecrets.encoder=mine-encoder")
+    spec, created = _hook_job_secrets(objs)
+    assert spec["secrets"] == {r: f"{RELEASE}-internal-tls-{r}" for r in ("router", "language")}
+    assert "mine-encoder" not in {o["metadata"]["name"] for o in created}
+    name = _hook_job(objs)["metadata"]["name"]
+    (get,) = [r for r in find(objs, "Role", name)["rules"] if "get" in r["verbs"]]
+    assert "mine-encoder" not in get["resourceNames"]
+    assert _internal_tls_files(objs, "encoder")[0] == "mine-encoder"
+    objs = render(helm, *EXISTING_TLS)
+    assert not [o for o in objs if o["kind"] in ("Job", "Role", "RoleBinding")]
+
+
+def _stored(obj: dict) -> dict:
+    """A planned Secret as the API server would return it (what the next run reads)."""
+    return {**obj, "metadata": {**obj["metadata"], "uid": "x", "resourceVersion": "1"}}
+
+
+def test_hook_job_creates_what_is_missing_and_changes_nothing_that_exists(rendered):
+    """The Job's decisions (tandem/pki.py plan_kube_secrets), for the states a namespace can
+    be in: nothing there (the CA first, then every role); everything there (nothing, so a
+    rerun on every upgrade or Argo CD sync rotates nothing); one role's Secret deleted (only
+    it, signed by the stored CA, so the other tiers keep trusting it); the CA's Secret gone
+    but some roles' left (refused with the command that resolves it)."""
+    from cryptography import x509
+
+    from tandem.pki import KubeSecretsError, plan_kube_secrets
+
+    objs = rendered["default"]
+    spec, first = _hook_job_secrets(objs)
+    ca_name, secrets = spec["ca_secret"], spec["secrets"]
+    assert first[0]["metadata"]["name"] == ca_name and first[0]["type"] == "kubernetes.io/tls"
+    stored = {o["metadata"]["name"]: _stored(o) for o in first}
+
+    def plan(present: dict) -> list[dict]:
+        state = {n: present.get(n) for n in [ca_name, *secrets.values()]}
+        return plan_kube_secrets(state, ca_name, secrets, spec["labels"], spec["days"])
+
+    assert plan(stored) == []
+    lost = {n: o for n, o in stored.items() if n != secrets["encoder"]}
+    (again,) = plan(lost)
+    assert again["metadata"]["name"] == secrets["encoder"]
+    ca = x509.load_pem_x509_certificate(base64.b64decode(stored[ca_name]["data"]["tls.crt"]))
+    new = x509.load_pem_x509_certificate(base64.b64decode(again["data"]["tls.crt"]))
+    new.verify_directly_issued_by(ca)
+    assert again["data"]["ca.crt"] == stored[secrets["router"]]["data"]["ca.crt"]
+    assert new.not_valid_after_utc <= ca.not_valid_after_utc
+    no_ca = {n: o for n, o in lost.items() if n != ca_name}
+    with pytest.raises(KubeSecretsError, match=f"kubectl delete secret .*{secrets['router']}"):
+        plan(no_ca)
+
+
+def test_hook_job_signs_with_the_ca_an_earlier_genca_release_left(rendered):
+    """Releases of this chart before the hook Job generated the Secrets with Helm's genCA
+    (an RSA CA in a kubernetes.io/tls Secret of the same name, kept on upgrade by
+    helm.sh/resource-policy: keep). Upgrading runs the Job against them: nothing is created
+    while all are there, and a missing role is signed by that same RSA CA."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from cryptography.x509.oid import NameOID
+
+    from tandem.pki import plan_kube_secrets
+
+    spec, _ = _hook_job_secrets(rendered["default"])
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tandem internal CA")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+          .public_key(key.public_key()).serial_number(1).not_valid_before(now)
+          .not_valid_after(now + datetime.timedelta(days=30))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(key, hashes.SHA256()))
+    pem = ca.public_bytes(serialization.Encoding.PEM)
+    key_pem = key.private_bytes(serialization.Encoding.PEM,
+                                serialization.PrivateFormat.TraditionalOpenSSL,
+                                serialization.NoEncryption())
+    old_ca = {"type": "kubernetes.io/tls", "data": {
+        "tls.crt": base64.b64encode(pem).decode(), "tls.key": base64.b64encode(key_pem).decode()}}
+    state = {spec["ca_secret"]: old_ca, **{n: None for n in spec["secrets"].values()}}
+    state[spec["secrets"]["router"]] = {"data": {}}  # still there: not touched
+    made = plan_kube_secrets(state, spec["ca_secret"], spec["secrets"], {}, spec["days"])
+    assert [o["metadata"]["name"] for o in made] == [spec["secrets"][r]
+                                                    for r in ("encoder", "language")]
+    for obj in made:
+        cert = x509.load_pem_x509_certificate(base64.b64decode(obj["data"]["tls.crt"]))
+        cert.verify_directly_issued_by(ca)
+        assert cert.not_valid_after_utc <= ca.not_valid_after_utc  # capped at the CA's
+        assert base64.b64decode(obj["data"]["ca.crt"]) == pem
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [([], "give DIR"),
+     (["out", "--kube-namespace", "ns"], "exclusive"),
+     (["out", "--kube-label", "a=b"], "give DIR"),
+     (["--kube-namespace", "ns", "--kube-secret", "router=r"], "--kube-ca-secret"),
+     (["--kube-namespace", "ns", "--kube-ca-secret", "ca", "--kube-secret", "vit=r"],
+      "unknown role"),
+     (["--kube-namespace", "ns", "--kube-ca-secret", "ca", "--kube-secret", "router=ca"],
+      "different Secrets"),
+     (["--kube-namespace", "ns", "--kube-ca-secret", "ca", "--kube-secret", "router"],
+      "KEY=VALUE"),
+     (["out", "--days", "0"], "--days")],
+    ids=["nothing", "dir-and-namespace", "label-without-namespace", "no-ca-secret",
+         "unknown-role", "ca-is-a-role-secret", "no-name", "zero-days"])
+def test_tandem_certs_refuses_flags_it_would_ignore(capsys, argv, message):
+    from tandem.cli import _certs_spec
+
+    with pytest.raises(SystemExit) as e:
+        _certs_spec(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
 
 
 # cert-manager.io/v1 spec fields the chart may set, and their closed choices (from
@@ -675,6 +864,30 @@ def _key_material(objs: list[dict]) -> list[str]:
     return out
 
 
+def _hook_job(objs: list[dict]) -> dict:
+    (job,) = [o for o in objs if o["kind"] == "Job"]
+    return job
+
+
+def _hook_job_secrets(objs: list[dict], present: dict[str, dict] | None = None
+                      ) -> tuple[dict, list[dict]]:
+    """The hook Job's command as `tandem certs` parses it ({namespace, ca_secret, secrets
+    (role -> name), labels, days}), and the Secrets it would create where `present` (name
+    -> object) are the only ones there: tandem/pki.py's plan, run for real (new keys)."""
+    from tandem.cli import _certs_spec
+    from tandem.pki import plan_kube_secrets
+
+    job = _hook_job(objs)
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    assert "command" not in c and c["args"][0] == "certs"  # the image's `tandem` entrypoint
+    args, secrets, labels = _certs_spec(c["args"][1:])
+    spec = {"namespace": args.kube_namespace, "ca_secret": args.kube_ca_secret,
+            "secrets": secrets, "labels": labels, "days": args.days}
+    present = present or {}
+    state = {n: present.get(n) for n in [args.kube_ca_secret, *secrets.values()]}
+    return spec, plan_kube_secrets(state, args.kube_ca_secret, secrets, labels, args.days)
+
+
 def _internal_tls_files(objs: list[dict], tier: str) -> tuple[str, dict[str, str]]:
     """(Secret name, {config field: Secret key}) the tier's internal TLS settings read: each
     of the paths the service parses (ca, cert, key), resolved through the pod's mounts to
@@ -725,6 +938,8 @@ def test_cert_manager_issues_exactly_the_secrets_the_pods_mount(rendered):
         assert "cert sign" not in leaf.get("usages", [])
 
     default = rendered["default"]
+    spec, created = _hook_job_secrets(default)
+    made = {o["metadata"]["name"]: o["data"] for o in created}
     mounted = set()
     for role in ("router", "encoder", "language"):
         name, keys = _internal_tls_files(objs, role)
@@ -734,10 +949,10 @@ def test_cert_manager_issues_exactly_the_secrets_the_pods_mount(rendered):
         assert leaf["commonName"] == role
         assert INTERNAL_NAME in leaf["dnsNames"]  # what clients check servers against
         assert {"digital signature", "server auth", "client auth"} <= set(leaf["usages"])
-        # the same names as the certificate the chart generates without cert-manager
+        # the same Secret and names as the certificate the hook Job makes without it
         gen_secret, _ = _internal_tls_files(default, role)
-        assert gen_secret == name
-        gen = x509.load_pem_x509_certificate(_data(default, "Secret", name)["tls.crt"].encode())
+        assert gen_secret == name == spec["secrets"][role]
+        gen = x509.load_pem_x509_certificate(base64.b64decode(made[name]["tls.crt"]))
         san = gen.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         assert sorted(leaf["dnsNames"]) == sorted(san.get_values_for_type(x509.DNSName))
         assert sorted(leaf["ipAddresses"]) == sorted(
@@ -747,47 +962,38 @@ def test_cert_manager_issues_exactly_the_secrets_the_pods_mount(rendered):
     volumes = [v for o in objs if o["kind"] in ("Deployment", "Pod")
                for v in (o["spec"].get("template", o)["spec"].get("volumes") or [])]
     assert ca["secretName"] not in {v.get("secret", {}).get("secretName") for v in volumes}
-    assert not [o for o in objs if o["kind"] == "Secret"]
-    assert _key_material(default), "the fallback's Secrets are what this test tells apart"
+    assert not [o for o in objs if o["kind"] in ("Secret", "Job")]
 
 
 @pytest.mark.parametrize(
     "args",
-    [["--api-versions", CERT_MANAGER], ["-f", str(PROD), "--api-versions", CERT_MANAGER],
+    [[], ["-f", str(PROD)], ["--api-versions", CERT_MANAGER, "--set",
+                             "internalTLS.certManager=false"],
+     ["--api-versions", CERT_MANAGER], ["-f", str(PROD), "--api-versions", CERT_MANAGER],
      EXISTING_TLS, ["--api-versions", CERT_MANAGER, *EXISTING_TLS]],
-    ids=["cert-manager-detected", "production-cert-manager", "existing-secrets",
-         "existing-secrets-with-cert-manager"],
+    ids=["default", "production", "hook-job-beside-cert-manager", "cert-manager-detected",
+         "production-cert-manager", "existing-secrets", "existing-secrets-with-cert-manager"],
 )
 def test_gitops_renders_are_identical_and_hold_no_keys(helm, args):
     """What Argo CD or Flux apply (`helm template` on every sync): two renders are byte for
-    byte the same and hold no private key, so a sync rotates nothing. cert-manager is picked
-    up from the cluster's API versions ("auto"); existing Secrets are only referenced."""
+    byte the same and hold no private key, so a sync rotates nothing. Each role's pods mount
+    a Secret that something creates: cert-manager (picked up from the cluster's API
+    versions by "auto"), the hook Job (without cert-manager, or certManager: false), or
+    the user (existingSecrets, only referenced)."""
     first = render_text(helm, *args)
     assert render_text(helm, *args) == first
     objs = [d for d in yaml.safe_load_all(first) if d]
     assert not _key_material(objs)
     existing = any("existingSecrets" in a for a in args)
     certs = {o["spec"]["secretName"] for o in objs if o["kind"] == "Certificate"}
+    jobs = [o for o in objs if o["kind"] == "Job"]
+    job = _hook_job_secrets(objs)[0]["secrets"].values() if jobs else set()
+    assert not (certs and jobs), "one source of certificates"
     for role in ("router", "encoder", "language"):
         name, _ = _internal_tls_files(objs, role)
-        assert name == f"mine-{role}" if existing else name in certs, role
+        assert name == f"mine-{role}" if existing else name in certs | set(job), role
     if existing:  # all three given: nothing to issue
-        assert not [o for o in objs if o["apiVersion"] == CERT_MANAGER]
-
-
-@pytest.mark.parametrize(
-    "args", [[], ["--api-versions", CERT_MANAGER, "--set", "internalTLS.certManager=false"]],
-    ids=["no-cert-manager", "cert-manager-off"])
-def test_without_cert_manager_each_render_generates_new_keys(helm, args):
-    """The fallback (for `helm install`, which reuses the first keys through `lookup`): a
-    render without a cluster generates a new CA and keys each time, the GitOps caveat that
-    values.yaml and docs/deploy.md state."""
-    first = [d for d in yaml.safe_load_all(render_text(helm, *args)) if d]
-    second = [d for d in yaml.safe_load_all(render_text(helm, *args)) if d]
-    assert _key_material(first) and _key_material(first) == _key_material(second)
-    assert not [o for o in first if o["apiVersion"] == CERT_MANAGER]
-    name = f"{RELEASE}-internal-tls-encoder"
-    assert _data(first, "Secret", name)["tls.key"] != _data(second, "Secret", name)["tls.key"]
+        assert not [o for o in objs if o["apiVersion"] == CERT_MANAGER] and not jobs
 
 
 def test_production_turns_on_alerts_and_dashboard(rendered):
