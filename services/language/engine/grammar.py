@@ -2,7 +2,8 @@
 
     spec (GrammarSpec: JSON schema | any JSON object | regex | choice | EBNF)
       └─ Grammars.compile(spec, client) ─▶ Future[compiled]   cached by spec
-           1. check_spec: size limits, at once (a GrammarError naming response_format)
+           1. check_spec: size limits and `$ref` loops, at once (a GrammarError naming
+              response_format)
            2. queued per client; `workers` slots take one job at a time, clients in turn
            3. a slot's worker process compiles it first (xgrammar): past
               `compile_timeout_s`, or once no request wants it (`abandon`), the process is
@@ -99,6 +100,7 @@ def check_spec(spec: GrammarSpec, limits: GrammarLimits) -> None:
             except ValueError:
                 raise GrammarError("the JSON schema is not valid JSON") from None
             _check_schema(schema, limits)
+            _check_ref_cycles(schema)
         case GrammarKind.CHOICE:
             n = len(json.loads(spec.text))
             if n > limits.max_enum_values:
@@ -150,6 +152,65 @@ def _check_schema(schema, limits: GrammarLimits) -> None:
     if props > limits.max_properties:
         raise GrammarError(f"the JSON schema has {props} properties, over the limit of "
                            f"{limits.max_properties} (grammar_max_properties)")
+
+
+# Keys that say nothing about the value a schema admits: a node with only these beside its
+# `$ref` admits exactly what the reference admits.
+_ANNOTATIONS = frozenset({"$ref", "$id", "$schema", "$comment", "$defs", "definitions",
+                          "title", "description", "default", "examples", "deprecated",
+                          "readOnly", "writeOnly"})
+
+
+def no_output_error(kind: GrammarKind, why: str) -> GrammarError:
+    """The one refusal for a spec that admits no output, whichever check finds it (the
+    static `$ref` walk below or the compiled grammar's first mask): Tandem's words, so the
+    answer does not change with the grammar engine's version or which layer noticed first."""
+    return GrammarError(f"the {kind.value} admits no output at all ({why})")
+
+
+def _check_ref_cycles(schema) -> None:
+    """Refuse a schema with a `$ref` chain that returns to itself through nodes that are
+    nothing but references (`{"$ref": "#/$defs/n"}` inside `n`): no value can ever satisfy
+    it. Checked here rather than left to the compiler, whose versions disagree on whether
+    and how they report it (xgrammar 0.2.9 refuses it with its own message, 0.2.8 compiles
+    a grammar that masks every token). Only local JSON pointers (`#/...`) are followed;
+    anything else is the compiler's to judge."""
+    def resolve(ref: str):
+        node = schema
+        for part in ref[2:].split("/") if ref != "#" else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node
+
+    def pure_ref(node) -> str | None:
+        if isinstance(node, dict) and isinstance(node.get("$ref"), str) \
+                and node["$ref"].startswith("#") and node.keys() <= _ANNOTATIONS:
+            return node["$ref"]
+        return None
+
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        stack.extend(v for v in node.values() if isinstance(v, dict | list))
+        chain, seen, ref = [], set(), pure_ref(node)
+        while ref is not None:
+            if ref in seen:
+                loop = " -> ".join(chain[chain.index(ref):] + [ref])
+                raise no_output_error(GrammarKind.JSON_SCHEMA,
+                                      f"the $ref chain {loop} never reaches a schema")
+            seen.add(ref)
+            chain.append(ref)
+            ref = pure_ref(resolve(ref))
 
 
 # -- the worker process --
@@ -503,9 +564,8 @@ class Grammars:
             error = GrammarError(f"{job.spec.kind.value} does not compile: {answer.error}")
         else:  # it compiles in time: now here (see "Why compile twice")
             compiled = _compile_with(self._compiler, job.spec)
-            error = None if _admits_output(compiled) else GrammarError(
-                f"the {job.spec.kind.value} admits no output at all (a reference without a "
-                "base case?)")
+            error = None if _admits_output(compiled) else no_output_error(
+                job.spec.kind, "no token can start it: a reference without a base case?")
             size = compiled.memory_size_bytes  # read here, off the lock (see _sizes)
         if not job.future.set_running_or_notify_cancel():
             return
