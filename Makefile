@@ -17,7 +17,7 @@ HELM := .tools/helm
 PROMTOOL := .tools/promtool
 ORACLE_VENV ?= .oracle-venv
 
-.PHONY: setup test test-slow run lint proto bench bench-peer clean helm check-neon oracle-venv gpu-check gpu-wheels
+.PHONY: setup test test-slow run lint lock proto bench bench-peer clean helm check-neon oracle-venv gpu-check gpu-wheels
 
 setup: $(STAMPS)/sysdeps $(STAMPS)/deps tandem/v1/__init__.py $(STAMPS)/kernels
 
@@ -33,7 +33,7 @@ $(STAMPS)/sysdeps:
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
+	PIP_CONSTRAINT=constraints.txt $(PIP) install -q --upgrade pip
 
 # The grammar engine without its triton dependency (GPU kernels only; see pyproject.toml).
 XGRAMMAR_SPEC := xgrammar>=0.2.8,<0.3
@@ -53,7 +53,7 @@ $(STAMPS)/deps: pyproject.toml setup.py constraints.txt | $(PY)
 	@# the distribution was called `tandem` before (a name PyPI gives another project)
 	@$(PIP) uninstall -q -y tandem 2>/dev/null || true
 	$(call step,installing the package and its dependencies,PIP_CONSTRAINT=constraints.txt $(PIP) install -q -e '.[dev]')
-	$(call step,installing the grammar engine,$(PIP) install -q --no-deps "$(XGRAMMAR_SPEC)")
+	$(call step,installing the grammar engine,PIP_CONSTRAINT=constraints.txt $(PIP) install -q --no-deps "$(XGRAMMAR_SPEC)")
 	@touch $@
 
 # The oracle environment (tests/oracle/): transformers' video processors need torchvision,
@@ -73,6 +73,15 @@ $(STAMPS)/oracle: $(STAMPS)/deps
 	@touch $@
 
 oracle-venv: $(STAMPS)/oracle
+
+# The lock (constraints.txt): every install resolves against it, so a fresh machine gets the
+# versions the last green suite ran with. `make lock` resolves pyproject.toml's ranges afresh
+# (deploy/scripts/lock.py: no install, pip's dry run), prints what changed, rebuilds the
+# venvs on the new pins and runs the suite: commit the lock with the suite's result.
+lock:
+	$(PYTHON) deploy/scripts/lock.py --torch "$(TORCH_SPEC)" --beside "$(XGRAMMAR_SPEC)"
+	rm -rf $(VENV) $(STAMPS)/deps $(STAMPS)/oracle $(STAMPS)/kernels
+	$(MAKE) test
 
 # Stubs are generated into tandem/v1 (package tandem.v1 mirrors protos/tandem/v1).
 tandem/v1/__init__.py: $(PROTOS) $(STAMPS)/deps

@@ -1,0 +1,143 @@
+"""Refresh constraints.txt, the lock every install of Tandem resolves against.
+
+    python3 deploy/scripts/lock.py [--check]      (`make lock` runs it, then the suite)
+
+What is locked: every distribution that `make setup` puts into the project's venv (the
+package's `dev` extra, which holds `server`, `router` and the test tools), resolved afresh
+to the newest versions pyproject.toml allows, plus the tools that build and install them
+(pip, setuptools, wheel, grpcio-tools) and the few installed beside the resolver's view:
+xgrammar (installed `--no-deps`, see the Makefile), the CUDA build of Mooncake (the GPU
+image's swap, at the CPU build's version). Everything is pinned with `==`, so the versions
+a green CI used are the versions every fresh machine, the oracle venv, the images and the
+GPU wheels install (each of them reads this one file).
+
+torch keeps the version the Makefile pins (TORCH_SPEC), without its local label: `==2.13.0`
+matches both the `+cpu` build and PyPI's CUDA build, so one lock serves both images.
+
+Nothing is installed: pip resolves with `--dry-run --report` into a throwaway file. The
+script prints what changed against the lock it replaces; `--check` only says whether the
+lock is complete for what pyproject.toml asks (exit 1 if a direct dependency is unpinned).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCK = ROOT / "constraints.txt"
+# Build and install tools: what builds the package (pyproject's build-system) and pip itself.
+TOOLS = ["pip", "setuptools>=77", "wheel", "grpcio-tools>=1.70,<2"]
+HEADER = """\
+# The lock: every distribution a Tandem install resolves, pinned (`make lock` refreshes it
+# and runs the suite; deploy/scripts/lock.py says what it covers). Read by `make setup`, the
+# oracle venv, the Dockerfile's images and `make gpu-wheels`. Never edit a pin by hand:
+# change pyproject.toml's range, then `make lock`, and commit the two with the suite's result.
+# torch: the Makefile's TORCH_SPEC, local label dropped (matches the +cpu and CUDA builds).
+"""
+
+
+def _canon(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def read_lock(path: Path) -> dict[str, str]:
+    pins = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        line = line.split("#", 1)[0].strip()
+        if "==" in line:
+            name, version = line.split("==", 1)
+            pins[_canon(name)] = version.strip()
+    return pins
+
+
+def resolve(torch_spec: str, beside: list[str]) -> dict[str, str]:
+    """{name: version} pip picks today for `.[dev]` + the tools, with torch at `torch_spec`,
+    and for each spec in `beside` alone (installed `--no-deps`: its dependencies are not
+    followed)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+        only_torch = Path(tmp) / "torch.txt"
+        only_torch.write_text(torch_spec + "\n")
+        # NOTE: the machine's own pip configuration (indexes, a torch cap) stays in force:
+        # it is what `make setup` runs under too; only the project's lock is left out.
+        env = {**os.environ, "PIP_CONSTRAINT": str(only_torch)}
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed",
+             "--report", str(report), f"{ROOT}[dev]", torch_spec, *TOOLS],
+            check=True, env=env)
+        pins = {_canon(p["metadata"]["name"]): p["metadata"]["version"]
+                for p in json.loads(report.read_text())["install"]}
+        for spec in beside:
+            subprocess.run(
+                [sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--no-deps",
+                 "--ignore-installed", "--report", str(report), spec], check=True, env=env)
+            for p in json.loads(report.read_text())["install"]:
+                pins[_canon(p["metadata"]["name"])] = p["metadata"]["version"]
+    pins.pop("tandem-vlm", None)
+    pins = {n: v.split("+", 1)[0] for n, v in pins.items()}  # local labels (+cpu) off
+    # the GPU image swaps Mooncake's CPU build for the CUDA one (same module, same release)
+    if "mooncake-transfer-engine-non-cuda" in pins:
+        pins["mooncake-transfer-engine"] = pins["mooncake-transfer-engine-non-cuda"]
+    return pins
+
+
+def write_lock(pins: dict[str, str], path: Path) -> None:
+    path.write_text(HEADER + "".join(f"{n}=={v}\n" for n, v in sorted(pins.items())))
+
+
+def changes(old: dict[str, str], new: dict[str, str]) -> list[str]:
+    out = []
+    for name in sorted(old.keys() | new.keys()):
+        a, b = old.get(name), new.get(name)
+        if a == b:
+            continue
+        out.append(f"  {name}: " + ("added " + b if a is None else
+                                     "removed (was " + a + ")" if b is None else
+                                     f"{a} -> {b}"))
+    return out
+
+
+def direct_dependencies() -> list[str]:
+    """Every distribution pyproject.toml names (all extras), canonical names."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = list(project["dependencies"])
+    for extra in project["optional-dependencies"].values():
+        reqs += extra
+    names = {_canon(re.split(r"[\s\[<>=!~;]", r, maxsplit=1)[0]) for r in reqs}
+    return sorted(names - {"tandem-vlm"})
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--torch", default="torch==2.13.0", help="the Makefile's TORCH_SPEC")
+    p.add_argument("--beside", action="append", default=[], metavar="SPEC",
+                   help="a spec make installs with --no-deps (the Makefile's XGRAMMAR_SPEC)")
+    p.add_argument("--check", action="store_true",
+                   help="only check that every direct dependency is pinned")
+    args = p.parse_args()
+    old = read_lock(LOCK)
+    if args.check:
+        missing = [n for n in direct_dependencies() if n not in old]
+        for n in missing:
+            print(f"lock: {n} is a dependency of pyproject.toml but has no pin in {LOCK.name}")
+        return 1 if missing else 0
+    new = resolve(args.torch, args.beside)
+    write_lock(new, LOCK)
+    diff = changes(old, new)
+    print(f"lock: {len(new)} pins in {LOCK.name}; " +
+          (f"{len(diff)} changed:" if diff else "nothing changed"))
+    print("\n".join(diff))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
