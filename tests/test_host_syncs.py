@@ -81,10 +81,11 @@ def test_the_counter_counts_each_kind_of_sync(fn, kinds, inference):
 
 @pytest.mark.parametrize("inference", [False, True], ids=["grad", "inference"])
 def test_grouped_mm_outside_its_bfloat16_kernel_is_a_sync(inference):
-    """(torch's meta check refuses it under fake tensors, after the count)"""
+    """(torch's meta check refuses it under fake tensors, after the count: a RuntimeError,
+    whatever torch's words for it)"""
     def fp32(x):
         offs = torch.tensor([1, 4], dtype=torch.int32).to(x.device, non_blocking=True)
-        with pytest.raises(RuntimeError, match="BF16"):
+        with pytest.raises(RuntimeError):
             torch.nn.functional.grouped_mm(x, torch.randn(2, 8, 3, device=x.device), offs=offs)
 
     assert _count(fp32, inference) == [SyncKind.CHECKED]

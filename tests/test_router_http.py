@@ -135,6 +135,8 @@ def test_malformed_json_is_400():
         "/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"}
     )
     assert_openai_error(r, 400, "invalid_argument")
+    # Tandem's words (the parser's own come after, as the detail)
+    assert r.json()["error"]["message"].startswith("the request body is not valid JSON")
 
 
 def test_oversized_image_is_413():

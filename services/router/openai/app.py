@@ -97,8 +97,11 @@ def build_app(core: RouterCore) -> FastAPI:
         elif first.get("type") == "extra_forbidden":  # a field we do not honour: say so
             msg = (f"{openai_param(param)}: not supported by this server (refused, never "
                    "silently ignored)")
+        elif first.get("type") == "json_invalid":  # our words; the parser's as the detail
+            detail = (first.get("ctx") or {}).get("error") or first["msg"]
+            msg = f"the request body is not valid JSON ({detail})"
         else:
-            msg = f"{openai_param(param)}: {first['msg']}" if param else first["msg"]
+            msg = f"{openai_param(param) if param else 'the request body'}: {first['msg']}"
         return error_response(RouterError("INVALID_ARGUMENT", msg, param))
 
     @app.exception_handler(StarletteHTTPException)
