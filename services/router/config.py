@@ -11,6 +11,11 @@ class RouterConfig(ServiceSettings):
     """The front door: OpenAI-compatible HTTP, the SDK's gRPC API, instance selection."""
 
     model: str = Field("", description="Model name reported by /v1/models (default: from tiers).")
+    model_aliases: list[str] = Field(
+        default_factory=list,
+        description="Other names the model answers to, in a request's `model` and in "
+        "/v1/models (vLLM's --served-model-name A B: every name after the first).",
+    )
     http_port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP port.")
     grpc_port: int = Field(50051, ge=1, le=65535, description="gRPC Router port (SDK).")
     http_keep_alive_s: int = Field(

@@ -44,11 +44,15 @@ class RouterCore:
     def model_name(self) -> str:
         return self.registry.model_name() or "tandem"
 
+    def served_names(self) -> list[str]:
+        """The model's name, then its aliases (--model-aliases)."""
+        return [self.model_name(), *self.cfg.model_aliases]
+
     def check_model(self, name: str) -> None:
-        """Empty means the served model; so does its name, or a path or id that ends in
-        it (a client that names the checkpoint's path or hub id)."""
-        served = self.model_name()
-        if name and served not in (name, PurePath(name).name) and name != PurePath(served).name:
+        """Empty means the served model; so does any of its names, or a path or id that
+        ends in one (a client that names the checkpoint's path or hub id)."""
+        if name and not any(served in (name, PurePath(name).name)
+                            or name == PurePath(served).name for served in self.served_names()):
             raise RouterError("NOT_FOUND", f"model {name!r} is not served here", "model")
 
     def ready(self) -> bool:

@@ -145,16 +145,17 @@ def build_app(core: RouterCore) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        name = core.model_name()
         return {
             "object": "list",
-            "data": [{"id": name, "object": "model", "created": 0, "owned_by": "tandem"}],
+            "data": [{"id": name, "object": "model", "created": 0, "owned_by": "tandem"}
+                     for name in core.served_names()],
         }
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         core.check_model(model_id)
-        return {"id": core.model_name(), "object": "model", "created": 0, "owned_by": "tandem"}
+        name = model_id if model_id in core.served_names() else core.model_name()
+        return {"id": name, "object": "model", "created": 0, "owned_by": "tandem"}
 
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request):
