@@ -13,6 +13,10 @@
 #   runtime stage  the Debian libraries Mooncake links (make's sysdeps), a venv, the same
 #                  pinned torch first, the wheel under the same constraints; the GPU variant
 #                  swaps in the CUDA build of Mooncake (the plain package needs CUDA).
+#   Every pip step, the router's too, resolves under constraints.txt (the lock, `make lock`):
+#   the image holds the versions the suite last passed with. The CUDA build's own packages
+#   (nvidia-*) follow from the pinned torch; Ubuntu 24.04's Python is 3.12 where the lock was
+#   resolved on 3.11, so a pin without a 3.12 wheel would fail the build, not change a version.
 # NOTE: never built in the development environment (it has no Docker engine).
 
 ARG VARIANT=cuda
@@ -58,7 +62,9 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates tini \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=build /wheels /wheels
-RUN python3 -m venv /opt/venv && /opt/venv/bin/pip install -q --upgrade pip \
+COPY constraints.txt /opt/constraints.txt
+RUN export PIP_CONSTRAINT=/opt/constraints.txt \
+ && python3 -m venv /opt/venv && /opt/venv/bin/pip install -q --upgrade pip \
  && /opt/venv/bin/pip install -q "$(ls /wheels/tandem_vlm-*.whl)[router]" \
  && /opt/venv/bin/python -c "import sys, tandem.services.router.main; assert 'torch' not in sys.modules" \
  && rm -rf /wheels
@@ -78,7 +84,8 @@ ARG MOONCAKE_CUDA_SPEC="mooncake-transfer-engine>=0.3.7"
 ARG XGRAMMAR_SPEC="xgrammar>=0.2.8,<0.3"
 COPY --from=build /wheels /wheels
 COPY constraints.txt /opt/constraints.txt
-RUN python3 -m venv /opt/venv && /opt/venv/bin/pip install -q --upgrade pip
+RUN python3 -m venv /opt/venv \
+ && PIP_CONSTRAINT=/opt/constraints.txt /opt/venv/bin/pip install -q --upgrade pip
 # torch first, from the pinned build, so nothing later can pull another one (as make does).
 # PyPI's default torch wheel is the CUDA build; the cpu variant takes the +cpu build.
 RUN if [ "$VARIANT" = cpu ]; then \
@@ -92,7 +99,7 @@ RUN PIP_CONSTRAINT=/opt/constraints.txt /opt/venv/bin/pip install -q "$(ls /whee
 RUN if [ "$VARIANT" = cuda ]; then \
       PIP_CONSTRAINT=/opt/constraints.txt /opt/venv/bin/pip install -q "$XGRAMMAR_SPEC"; \
     else \
-      /opt/venv/bin/pip install -q --no-deps "$XGRAMMAR_SPEC"; \
+      PIP_CONSTRAINT=/opt/constraints.txt /opt/venv/bin/pip install -q --no-deps "$XGRAMMAR_SPEC"; \
     fi
 # NOTE: both Mooncake packages install the same `mooncake` module: remove the CPU build
 # before installing the CUDA one, never after (that would delete the new files). The CUDA
