@@ -138,7 +138,8 @@ def _apply(launch: Launch, row: Flag, name: str, values: tuple[str, ...], shown:
         effect = row.apply(values) if row.apply else None
     except Refused as e:
         raise ServeError(f"{shown} (vLLM) is refused: {e}") from None
-    if row.fate is Fate.ACCEPTED:
+    if row.fate is Fate.ACCEPTED:  # changes nothing: its apply only checks the values
+        assert effect is None or not effect.puts, row.names
         launch.notices.append(f"{shown} (vLLM) accepted: {row.text}")
     if effect is None:
         return
