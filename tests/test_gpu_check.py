@@ -1,16 +1,21 @@
 """`make gpu-check DRY_RUN=1`: the GPU check script runs on the CPU and writes its table.
 
-The dry run is the whole script (bench/gpu_check.py): every check in a child process of its
-own, CUDA-only checks marked skipped, the rest in their tiny CPU form. What must hold: the
-table lists every check; the checks whose CPU form is this project's own pass (device, the
+The dry run is the whole script (bench/gpu_check.py): the plan of estimates first (it must
+fit the lease), then every check in a child process of its own, CUDA-only checks marked
+skipped, the rest in their tiny CPU form. What must hold: the plan fits, and a check that
+grows past the budget fails the dry run before anything runs; the table lists every check
+in the order of value; the checks whose CPU form is this project's own pass (device, the
 exactness suites' plumbing, the streamed build, decode graph replay against eager, the 7B
 row's bench/language.py run); the rows that call other parts report pass, FAIL or "not
-built yet", never an error; and a check that crashes or hangs is recorded as an error
-while the next one still runs.
+built yet", never an error; a check that crashes or hangs is recorded as an error while
+the next one still runs; one that does not fit the time left is skipped, saying so;
+`--resume` runs only what the last table lacks; a package not carried (PyAV, Mooncake) is
+a skip naming it; `make gpu-wheels`' size check names what to drop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -42,10 +47,13 @@ def test_dry_run_writes_a_row_for_every_check(tmp_path):
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry-run",
                         "--out", str(out)], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
+    assert "the first call: " in p.stdout and "fits" in p.stdout, p.stdout[:3000]
     table = out.read_text()
     assert table.startswith("# GPU check") and "DRY RUN on the CPU" in table
+    assert "Estimated seconds on the NVIDIA H200" in table
     rows = rows_of(table)
-    assert {r["check"] for r in rows} == {c.name for c in gpu_check.CHECKS}, table
+    order = [c.name for c in gpu_check.CHECKS]
+    assert list(dict.fromkeys(r["check"] for r in rows)) == order, table
     for r in rows:
         check = next(c for c in gpu_check.CHECKS if c.name == r["check"])
         if check.cuda_only:
@@ -87,12 +95,78 @@ def test_a_hang_and_a_crash_are_rows_and_the_next_check_runs(tmp_path, monkeypat
     assert rows["decode_graphs"]["status"] == "pass"
     assert "output of build" in table and "output of device" in table  # the details
 
+    # --resume: only what the table lacks runs (the stand-in child now names its check), and
+    # the rows kept keep their details
+    script.write_text('echo \'[{"check": "\'$2\'", "case": "again", "status": "pass"}]\' > "$6"\n')
+    assert gpu_check.main(["--dry-run", "--only", "device,build,decode_graphs,vit_graphs",
+                           "--resume", "--out", str(out)]) == 0  # fmt: skip
+    table = out.read_text()
+    rows = rows_of(table)
+    assert [(r["check"], r["case"]) for r in rows] == [
+        ("device", ""), ("build", ""), ("decode_graphs", "batch 1"), ("vit_graphs", "again")]
+    assert "output of build" in table
+
+
+def test_the_plan_fits_the_lease_and_a_grown_check_fails_the_dry_run(tmp_path, monkeypatch, capsys):
+    plan = gpu_check.Plan.of(gpu_check.BUDGET_S)
+    assert plan.fits, plan.describe()
+    assert plan.total_s <= 8.5 * 60 and set(plan.estimates) == {c.name for c in gpu_check.CHECKS}
+    # derived from the model's shape: the 7B checkpoint is ~16.5 GB, written at the assumed disk rate
+    assert 15e9 < gpu_check.Shape.of("7b").checkpoint_bytes < 18e9
+    grown = [dataclasses.replace(c, estimate=lambda shape: gpu_check.Work(processes=100))
+             if c.name == "e2e" else c for c in gpu_check.CHECKS]  # fmt: skip
+    monkeypatch.setattr(gpu_check, "CHECKS", grown)
+    monkeypatch.setattr(gpu_check, "WORK", tmp_path / "work")
+    assert gpu_check.main(["--dry-run", "--out", str(tmp_path / "gpu.md")]) == 1
+    assert "OVER by" in capsys.readouterr().out and not (tmp_path / "gpu.md").exists()
+
+
+def test_a_check_that_does_not_fit_the_time_left_is_skipped(tmp_path, monkeypatch):
+    """On CUDA (faked), with the budget nearly spent at the start: every check is a skip row
+    naming its estimate and --resume; nothing runs."""
+    import types
+
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(
+        cuda=types.SimpleNamespace(is_available=lambda: True)))  # fmt: skip
+    monkeypatch.setattr(gpu_check, "WORK", tmp_path / "work")
+    monkeypatch.setattr(gpu_check, "run_check", lambda *a: pytest.fail("nothing may run"))
+    out = tmp_path / "gpu.md"
+    assert gpu_check.main(["--budget-s", "5", "--out", str(out)]) == 0
+    rows = rows_of(out.read_text())
+    assert [r["check"] for r in rows] == [c.name for c in gpu_check.CHECKS]
+    assert all(r["status"] == "skipped" and "no time left: estimated" in r["figures"]
+               and "--resume runs it" in r["figures"] for r in rows), rows  # fmt: skip
+
+
+def test_a_package_not_carried_is_a_skip_naming_it():
+    out = "E   ModuleNotFoundError: No module named 'av'\n"
+    row = gpu_check._suite_row("gpu_tests", "tests/test_video_payload.py", 2, None, out, want_run=True)
+    assert row.status is gpu_check.Status.SKIPPED and "needs PyAV (`av`)" in row.figures
+    assert gpu_check.missing_package("No module named 'mooncake.engine'").startswith("needs Mooncake")
+    assert gpu_check.missing_package("No module named 'numpy'") is None
+    # NOTE: in this process, modules pytest imported already are not counted (make gpu-wheels
+    # runs it fresh): what is asserted is what pytest never imports
+    specs = {s.split("==")[0].lower() for s in gpu_check.wheel_specs()}
+    assert not specs & {"av", "mooncake-transfer-engine-non-cuda", "grpcio-tools", "tandem-vlm", "torch"}
+    assert {"transformers", "grpcio", "protobuf"} <= specs, specs
+
+
+def test_the_carry_check_names_the_wheels_to_drop(tmp_path, monkeypatch, capsys):
+    for name, mib in (("big-1.0-py3-none-any.whl", 3), ("small-1.0-py3-none-any.whl", 1)):
+        (tmp_path / name).write_bytes(b"\0" * (mib << 20))
+    monkeypatch.setattr(gpu_check, "CARRY_LIMIT_BYTES", 64 << 20)
+    assert gpu_check.check_carry(tmp_path) == 0
+    monkeypatch.setattr(gpu_check, "CARRY_LIMIT_BYTES", 5 << 20)  # the tree alone is ~3.5 MiB
+    assert gpu_check.check_carry(tmp_path) == 1
+    said = capsys.readouterr().out
+    assert "drop" in said and "big-1.0-py3-none-any.whl (3.0 MiB)" in said, said
+
 
 def test_a_check_that_raises_is_an_error_row(tmp_path, monkeypatch):
     def boom(ctx):
         raise RuntimeError("a CUDA error, say")
 
-    monkeypatch.setattr(gpu_check, "CHECKS", [gpu_check.Check("build", boom, 60)])
+    monkeypatch.setattr(gpu_check, "CHECKS", [gpu_check.Check("build", boom, gpu_check.estimate_build)])
     result = tmp_path / "r.json"
     ctx = gpu_check.Ctx(True, "cpu", "float32", str(tmp_path), str(tmp_path / "m"), "tiny")
     gpu_check.run_child("build", ctx, result)
