@@ -17,6 +17,7 @@ from tandem.services.router.dispatch.dispatcher import Dispatcher
 from tandem.services.router.dispatch.registry import Registry
 from tandem.services.router.dispatch.selection import Selector
 from tandem.services.router.errors import RouterError, Tier, internal_call_error
+from tandem.services.router.health import Health, TierHealth
 from tandem.services.router.metrics import RouterMetrics
 from tandem.services.router.refusals import RefusalBudget
 from tandem.services.router.request import ChatRequest, image_hashes
@@ -55,8 +56,16 @@ class RouterCore:
                             or name == PurePath(served).name for served in self.served_names()):
             raise RouterError("NOT_FOUND", f"model {name!r} is not served here", "model")
 
+    def health(self) -> Health:
+        """What the router can serve now (health.py): each tier's healthy and known
+        instances, and whether it drains."""
+        pools = self.registry.encoders, self.registry.languages
+        enc, lang = (TierHealth(p.healthy_count(), len(p.instances)) for p in pools)
+        return Health(encoder=enc, language=lang, draining=self.draining)
+
     def ready(self) -> bool:
-        return not self.draining and self.registry.ready()
+        """Every tier serving (health.Health.serves_all): gRPC's "tandem.v1.Router"."""
+        return self.health().serves_all
 
     def refresh_gauges(self) -> None:
         self.metrics.healthy.labels("encoder").set(self.registry.encoders.healthy_count())

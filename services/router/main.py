@@ -1,8 +1,9 @@
 """Router process: gRPC Router (+ health, reflection) and OpenAI HTTP on one event loop.
 
-Health: the overall service "" is SERVING while the process runs (liveness);
-"tandem.v1.Router" is SERVING only while at least one encoder and one language instance
-are healthy and the router is not draining (readiness, mirrored by HTTP /health).
+Health (services/router/health.py): the overall service "" is SERVING while the process
+runs (liveness); "tandem.v1.Router" is SERVING only while at least one instance of every
+tier is healthy and the router is not draining (readiness for every tier, as HTTP /ready;
+`tandem up` waits for it). HTTP /health answers 200 on less: a language instance.
 On SIGTERM/SIGINT: stop admitting, wait up to `drain_timeout_s` for in-flight requests,
 then stop both servers.
 """

@@ -30,7 +30,7 @@ _HELPER_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32, 63)  # split_encoders <= 64
 
 # The `handler` label's values (bounded: any other path is "other").
 _HANDLERS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize",
-                       "/detokenize", "/health", "/metrics"})  # fmt: skip
+                       "/detokenize", "/health", "/ready", "/metrics"})  # fmt: skip
 
 
 class RouterMetrics:

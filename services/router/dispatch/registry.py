@@ -237,9 +237,6 @@ class Registry:
     def pool(self, kind: str) -> Pool:
         return self.encoders if kind == "encoder" else self.languages
 
-    def ready(self) -> bool:
-        return self.encoders.healthy_count() > 0 and self.languages.healthy_count() > 0
-
     def model_name(self) -> str:
         if self.cfg.model:
             return self.cfg.model

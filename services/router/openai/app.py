@@ -119,16 +119,34 @@ def build_app(core: RouterCore) -> FastAPI:
     # NOTE: added last, so outermost: it also counts the answers Guard gives (401, 413).
     app.add_middleware(HttpStatusCounter, metrics=core.metrics)
 
-    @app.get("/health")
-    async def health():
-        ok = core.ready()
+    def health_answer(ok: bool) -> JSONResponse:
+        h = core.health()
+        tiers = {"encoder": h.encoder, "language": h.language}
         body = {
-            "status": "ok" if ok else "unavailable",
-            "encoders": core.registry.encoders.healthy_count(),
-            "languages": core.registry.languages.healthy_count(),
+            "status": h.status.value,
+            "ready": h.serves_all,
+            "draining": h.draining,
+            "tiers": {name: {"state": t.state.value, "healthy": t.healthy,
+                             "instances": t.instances} for name, t in tiers.items()},
+            "encoders": h.encoder.healthy,  # the healthy counts, as before `tiers`
+            "languages": h.language.healthy,
             "inflight": core.admission.inflight,
         }
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/health")
+    @app.head("/health", include_in_schema=False)
+    async def health():
+        """200 while the router can serve some request (a language instance is healthy:
+        text chats, completions, /tokenize), each tier's state in the body (health.py)."""
+        return health_answer(core.health().serves_some)
+
+    @app.get("/ready")
+    @app.head("/ready", include_in_schema=False)
+    async def ready():
+        """200 only while every tier has a healthy instance (image chats too): for a load
+        balancer that wants every tier behind the router it picks."""
+        return health_answer(core.health().serves_all)
 
     @app.get("/version")
     async def version():

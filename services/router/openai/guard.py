@@ -29,6 +29,14 @@ def _held(held: HeldTooLong) -> JSONResponse:
         "connection": "close", "retry-after": str(held.retry_after_s)})
 
 
+# The probes' and the scraper's requests: never held for their address's refusal debt,
+# never charged, their (absent) bodies never read, no key asked. A kubelet or balancer
+# that shares an address with a misbehaving client must still get its answer at once, or
+# it restarts a healthy router (issue 41).
+UNTHROTTLED = frozenset({("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics"),
+                         ("HEAD", "/health"), ("HEAD", "/ready"), ("HEAD", "/metrics")})
+
+
 @dataclass
 class _Size:
     """The bytes of a request's body read so far."""
@@ -41,7 +49,7 @@ class Guard:
     (refusals.py; 429 past the hold), the body-size limit (413, on the declared length and
     on the bytes read), the time to receive the body (408) and the API key on /v1/* (401).
     Every answer's status is reported to the client's refusal budget with the request's
-    size. The client's key (admission.client_id) is computed here, once, and left in
+    size. Health checks and metrics scrapes (`UNTHROTTLED`) pass none of it. The client's key (admission.client_id) is computed here, once, and left in
     `request.state.client_id` for the handlers."""
 
     def __init__(self, app, cfg: RouterConfig, refusals: RefusalBudget, tenants: Tenants) -> None:
@@ -61,6 +69,9 @@ class Guard:
         who = client_id(host, forwarded)
         state = scope.setdefault("state", {})  # the handlers' `request.state`
         state["client_id"], state["tenant"] = who, ""
+        if (scope.get("method", ""), scope.get("path", "")) in UNTHROTTLED:
+            await self.app(scope, receive, send)
+            return
         try:
             ticket = await self.refusals.enter(who)
         except HeldTooLong as held:
