@@ -6,6 +6,11 @@ timeout and a byte cap, refused when the host resolves to a private, loopback, l
 or reserved address unless `allow_private_urls`. Every refusal is a ChatError naming the
 content part (INVALID_ARGUMENT; a video over its byte cap is a VideoError).
 
+A fetch is pinned: the host's name is resolved once (`resolve`), those addresses checked,
+and the connection dialed to them only (`_PinnedBackend`), never to a second answer of the
+resolver (DNS rebinding); the Host header, TLS SNI and the certificate check keep the
+URL's host name (tests/test_media_fetch_pinned.py). Environment proxies are not used.
+
 A fetch also stops when its request's `Budget` ends (deadline passed, or the request
 gone): TimeoutError, which the servicer reports as DEADLINE_EXCEEDED.
 """
@@ -15,10 +20,12 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import functools
 import io
 import ipaddress
 import math
 import socket
+import ssl
 import threading
 import time
 import urllib.parse
@@ -26,9 +33,12 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import httpcore
 from PIL import Image
 
 from tandem.chat import ChatError, ImageInput, invalid
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 # Formats the encoder decodes; others (TIFF, ICO, PSD, EPS, ...) are refused by name.
 SUPPORTED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
@@ -119,28 +129,92 @@ def _data_url(url: str, field: str, rules: SourceRules) -> bytes:
         raise invalid(field, "data url is not valid base64") from None
 
 
-def _check_host(host: str, port: int, field: str, lim: ImageLimits) -> None:
+def resolve(host: str, port: int) -> tuple[IPAddress, ...]:
+    """The addresses `host` resolves to for TCP, in the resolver's order, each once: the one
+    name lookup of a fetch (`_fetch` dials these addresses and no other)."""
+    out: list[IPAddress] = []
+    for info in socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP):
+        ip = ipaddress.ip_address(info[4][0])
+        if ip not in out:
+            out.append(ip)
+    return tuple(out)
+
+
+def _check_host(host: str, port: int, field: str, lim: ImageLimits) -> tuple[IPAddress, ...]:
+    """The addresses a fetch from `host` may connect to: the host allow-listed, its name
+    resolved once, and (unless `allow_private_urls`) every address public, else a refusal."""
     if host.lower() not in {h.lower() for h in lim.allowed_url_hosts}:
         raise invalid(field, f"url host {host!r} is not in the encoder's allowed_url_hosts")
-    if lim.allow_private_urls:
-        return
+    if not host.isascii():
+        raise invalid(field, f"url host {host!r} must be written in ASCII (its IDNA form)")
     try:
-        infos = socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)
-    except OSError as e:
+        addresses = resolve(host, port)
+    except (OSError, UnicodeError) as e:
         raise invalid(field, f"url host {host!r} does not resolve: {e}") from None
-    for info in infos:
-        ip = ipaddress.ip_address(info[4][0])
-        if not ip.is_global:
-            raise invalid(field, f"url host {host!r} resolves to non-public address {ip}")
+    if not addresses:
+        raise invalid(field, f"url host {host!r} does not resolve")
+    if not lim.allow_private_urls:
+        for ip in addresses:
+            if not ip.is_global:
+                raise invalid(field, f"url host {host!r} resolves to non-public address {ip}")
+    return addresses
+
+
+class _PinnedBackend(httpcore.SyncBackend):
+    """httpcore's network backend, dialing only `addresses` (the ones `_check_host` let
+    through) whatever name the connection is for: nothing resolves the host again, so a DNS
+    answer that changes after the check (rebinding) is never followed. TLS is unaffected:
+    httpcore starts it with the URL's host as SNI and as the name the certificate must
+    match, and the request's Host header is the URL's."""
+
+    def __init__(self, addresses: tuple[IPAddress, ...]) -> None:
+        self._addresses = addresses
+
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None,
+                    local_address: str | None = None,
+                    socket_options=None) -> httpcore.NetworkStream:
+        # NOTE: `host` is the URL's (the pool serves one URL: redirects are not followed);
+        # each checked address is tried in the resolver's order within one connect timeout.
+        # An address literal never goes to a resolver.
+        end = math.inf if timeout is None else time.monotonic() + timeout
+        error: Exception = httpcore.ConnectError(f"no address to connect to for {host}")
+        for ip in self._addresses:
+            left = None if timeout is None else max(0.001, end - time.monotonic())
+            try:
+                return super().connect_tcp(str(ip), port, left, local_address, socket_options)
+            except (httpcore.ConnectError, httpcore.ConnectTimeout) as e:
+                error = e
+                if time.monotonic() >= end:
+                    break
+        raise error
+
+    def connect_unix_socket(self, path: str, timeout: float | None = None,
+                            socket_options=None) -> httpcore.NetworkStream:
+        raise httpcore.ConnectError("unix sockets are not dialed")
+
+
+@functools.cache
+def _ssl_context() -> ssl.SSLContext:
+    """The TLS context of https fetches: httpx's default (certifi's CAs, or SSL_CERT_FILE /
+    SSL_CERT_DIR), certificates verified against the URL's host name. Built once."""
+    import httpx
+
+    return httpx.create_ssl_context()
+
+
+# httpcore's errors of a failed exchange (its exceptions share no base class)
+_FETCH_ERRORS = (httpcore.NetworkError, httpcore.ProtocolError, httpcore.UnsupportedProtocol,
+                 httpcore.ProxyError, httpcore.ConnectionNotAvailable)
 
 
 def _fetch(url: str, field: str, lim: ImageLimits, rules: SourceRules, budget: Budget) -> bytes:
-    import httpx
-
     parts = urllib.parse.urlsplit(url)
     host = parts.hostname or ""
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    _check_host(host, port, field, lim)
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        raise invalid(field, "url has an invalid port") from None
+    addresses = _check_host(host, port, field, lim)
     buf = bytearray()
     # NOTE: the whole fetch is bounded, not just each read: a server trickling a byte per
     # read timeout would otherwise hold a preprocessing worker for as long as it likes.
@@ -148,25 +222,32 @@ def _fetch(url: str, field: str, lim: ImageLimits, rules: SourceRules, budget: B
     end = start + lim.url_timeout_s
     timeout = max(0.001, min(end, budget.deadline) - start)
     noun = rules.noun
+    # NOTE: httpcore's pool over the pinned backend, not httpx's client: httpx's transport
+    # takes no network backend. No proxy (HTTP(S)_PROXY) is used: a proxy would resolve
+    # the name again. One connection, no retry.
+    pool = httpcore.ConnectionPool(ssl_context=_ssl_context(), max_connections=1,
+                                   network_backend=_PinnedBackend(addresses))
+    timeouts = {"connect": timeout, "read": timeout, "write": timeout, "pool": timeout}
     try:
         # NOTE: redirects are not followed: a redirect could leave the allow-list.
-        with httpx.stream("GET", url, timeout=timeout, follow_redirects=False) as r:
-            if r.status_code != 200:
-                raise invalid(field, f"fetching the {noun} url gave HTTP {r.status_code}")
-            for chunk in r.iter_bytes():
+        with pool, pool.stream("GET", url, headers=[(b"Accept", b"*/*")],
+                               extensions={"timeout": timeouts}) as r:
+            if r.status != 200:
+                raise invalid(field, f"fetching the {noun} url gave HTTP {r.status}")
+            for chunk in r.iter_stream():
                 buf += chunk
                 if len(buf) > rules.max_bytes:
                     raise rules.oversize(field, f"{noun} is over the limit of {rules.max_bytes} "
                                          "bytes")
                 budget.check()
                 if time.monotonic() > end:
-                    raise httpx.ReadTimeout("total fetch time exceeded")
-    except httpx.TimeoutException:
+                    raise httpcore.ReadTimeout("total fetch time exceeded")
+    except httpcore.TimeoutException:
         budget.check()  # the request's own end, not the url's slowness: TimeoutError
         raise invalid(
             field, f"fetching the {noun} url timed out after {lim.url_timeout_s}s"
         ) from None
-    except httpx.HTTPError as e:
+    except _FETCH_ERRORS as e:
         raise invalid(field, f"fetching the {noun} url failed: {e}") from None
     return bytes(buf)
 
