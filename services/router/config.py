@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from tandem.config import ServiceSettings
@@ -16,6 +18,16 @@ class RouterConfig(ServiceSettings):
         description="Other names the model answers to, in a request's `model` and in "
         "/v1/models (vLLM's --served-model-name A B: every name after the first).",
     )
+    # the values of reasoning.ReasoningParser (a Literal: --help lists the values)
+    reasoning_parser: Literal["none", "qwen3"] = Field(
+        "none",
+        description="How a chat's thinking is split from its answer (vLLM's "
+        "--reasoning-parser): `qwen3` puts the text before `</think>` (an opening `<think>` "
+        "dropped) in message.reasoning_content / delta.reasoning_content and the rest in "
+        "content, as vLLM's qwen3 parser; `none` leaves the whole output in content. Chat "
+        "API only; an output bound by a grammar (response_format, structured_outputs, a "
+        "forced tool call) is never split (services/router/reasoning.py).",
+    )  # fmt: skip
     http_port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP port.")
     grpc_port: int = Field(50051, ge=1, le=65535, description="gRPC Router port (SDK).")
     http_keep_alive_s: int = Field(

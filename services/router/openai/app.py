@@ -45,6 +45,7 @@ from tandem.services.router.openai.completions import (
 from tandem.services.router.openai.guard import Guard, error_response
 from tandem.services.router.openai.openapi import ERROR_RESPONSES, document
 from tandem.services.router.openai.sampling import VLLM_REFUSED
+from tandem.services.router.reasoning import ReasoningParser, reasoning_of
 from tandem.services.router.request import Output
 from tandem.services.router.tenants import cache_namespace
 from tandem.services.router.tools import ToolMode
@@ -180,9 +181,12 @@ def build_app(core: RouterCore) -> FastAPI:
         req, rid = _admitted(core, body, request, to_chat_request)
         if body.n > 1 and req.tools.mode is not ToolMode.NONE:
             raise RouterError("INVALID_ARGUMENT", "n > 1 with tools is not served", "n")
+        reasoning = reasoning_of(ReasoningParser(cfg.reasoning_parser),
+                                 body.chat_template_kwargs,
+                                 req.sampling.HasField("structured_output"))
         shape = fmt.ChatShape(req.request_id, body.model or core.model_name(), req.tools,
                               echo_text(body), _continuous_usage(body),
-                              body.return_tokens_as_token_ids)
+                              body.return_tokens_as_token_ids, reasoning)
         return await _serve(core, req, body, shape, rid, request)
 
     @app.post("/v1/completions", responses=ERROR_RESPONSES)
@@ -355,8 +359,10 @@ async def _sse(agen, first: tuple[int, Output], shape, include_usage, release, e
             if index not in started:
                 started.add(index)
                 yield shape.start(index, output)
-            if output.text or output.token_ids:
-                yield shape.output(index, output)
+            # NOTE: an empty piece (a reasoning split holding a marker's first characters)
+            # is not sent: an empty body part must never reach the transport
+            if (output.text or output.token_ids) and (piece := shape.output(index, output)):
+                yield piece
             if output.finished:
                 last.append(output)
                 yield shape.finish(index, output)

@@ -14,6 +14,7 @@ import time
 
 from tandem.finish_reasons import TO_OPENAI
 from tandem.services.router.choices import total_usage
+from tandem.services.router.reasoning import Reasoning, Split, StreamSplitter
 from tandem.services.router.request import TIMING_FIELDS, Output
 from tandem.services.router.tools import ToolSetup, parse_output
 from tandem.v1 import common_pb2
@@ -103,13 +104,21 @@ def extension(output: Output, request_id: str) -> dict:
     }
 
 
-def answer(outputs: list[Output], tools: ToolSetup, echo: str = "") -> tuple[dict, str]:
+def answer(outputs: list[Output], tools: ToolSetup, echo: str = "",
+           reasoning: Reasoning | None = None) -> tuple[dict, str]:
     """(the assistant message, finish_reason) of a whole output: content (after `echo`),
     and tool calls when the request had tools and the model made any (finish_reason
-    "tool_calls")."""
-    out = parse_output("".join(o.text for o in outputs), tools)
+    "tool_calls"). Under a reasoning parser (`reasoning`), the thinking goes to
+    `reasoning_content` and only the rest is content, parsed for tool calls (as vLLM:
+    null where empty)."""
+    text = "".join(o.text for o in outputs)
+    parts = reasoning.split(text) if reasoning is not None else Split(content=text)
+    out = parse_output(parts.content, tools)
     content = echo + out.content if echo else out.content
     message: dict = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        message["content"] = content or None
+        message["reasoning_content"] = parts.reasoning or None
     if out.tool_calls:
         message["tool_calls"] = [tool_call(c) for c in out.tool_calls]
         return message, TO_OPENAI[common_pb2.FINISH_REASON_TOOL_CALLS]
@@ -117,13 +126,14 @@ def answer(outputs: list[Output], tools: ToolSetup, echo: str = "") -> tuple[dic
 
 
 def completion(choices: list[list[Output]], request_id: str, model: str,
-               tools: ToolSetup, echo: str = "", as_ids: bool = False) -> dict:
+               tools: ToolSetup, echo: str = "", as_ids: bool = False,
+               reasoning: Reasoning | None = None) -> dict:
     """A whole response: one entry per choice (each the Outputs of one sample), each
-    message's content after `echo`."""
+    message's content after `echo` (its thinking apart, under `reasoning`)."""
     out = []
     for i, outputs in enumerate(choices):
         lps = [c for o in outputs for c in (logprobs(o, as_ids) or {"content": []})["content"]]
-        message, finish = answer(outputs, tools, echo)
+        message, finish = answer(outputs, tools, echo, reasoning)
         out.append({"index": i, "message": message,
                     "logprobs": {"content": lps} if lps else None, "finish_reason": finish})
     last = choices[0][-1]
@@ -136,6 +146,16 @@ def completion(choices: list[list[Output]], request_id: str, model: str,
         "usage": total_usage([c[-1] for c in choices]),
         "tandem": extension(last, request_id),
     }
+
+
+def delta_of(part: Split) -> dict:
+    """A streamed piece of a split output as a chunk's delta (empty parts left out)."""
+    delta = {}
+    if part.reasoning:
+        delta["reasoning_content"] = part.reasoning
+    if part.content:
+        delta["content"] = part.content
+    return delta
 
 
 def chunk(request_id: str, model: str, created: int, delta: dict, index: int = 0,
@@ -154,16 +174,20 @@ def sse(body: dict) -> bytes:
 class ChatShape:
     """The chat-completions API's response shapes for one request (streamed or whole).
     `echo`: the text before the reply (vLLM's echo); `continuous_usage`: usage on every
-    streamed chunk; `as_ids`: logprobs' tokens as "token_id:N"."""
+    streamed chunk; `as_ids`: logprobs' tokens as "token_id:N"; `reasoning`: the split of
+    the thinking (reasoning_content), None when the router has no reasoning parser."""
 
     object_chunk = "chat.completion.chunk"
 
     def __init__(self, request_id: str, model: str, tools: ToolSetup, echo: str = "",
-                 continuous_usage: bool = False, as_ids: bool = False) -> None:
+                 continuous_usage: bool = False, as_ids: bool = False,
+                 reasoning: Reasoning | None = None) -> None:
         self.request_id, self.model, self.tools = request_id, model, tools
         self.echo, self.as_ids = echo, as_ids
         self.chunk_usage = ChunkUsage(continuous_usage)
         self.created = int(time.time())
+        self.reasoning = reasoning
+        self._splitters: dict[int, StreamSplitter] = {}  # per choice, under `reasoning`
 
     def start(self, index: int, first: Output | None = None) -> bytes:
         """The role chunk (and the echoed text) of a choice, before its `first` Output."""
@@ -176,15 +200,32 @@ class ChatShape:
         return out
 
     def output(self, index: int, output: Output) -> bytes:
-        return chunk(self.request_id, self.model, self.created, {"content": output.text},
-                     index=index, logprobs=logprobs(output, self.as_ids),
-                     **self.chunk_usage(index, output, count=True))
+        """The chunk of one Output; b"" when a reasoning split holds all its text back (a
+        marker's first characters) and it carries no logprobs."""
+        lps = logprobs(output, self.as_ids)
+        usage = self.chunk_usage(index, output, count=True)
+        if self.reasoning is None:
+            delta = {"content": output.text}
+        else:
+            splitter = self._splitters.setdefault(index, self.reasoning.splitter())
+            delta = delta_of(splitter.feed(output.text))
+            if not delta and lps is None:
+                return b""
+        return chunk(self.request_id, self.model, self.created, delta, index=index,
+                     logprobs=lps, **usage)
 
     def finish(self, index: int, output: Output) -> bytes:
-        return chunk(self.request_id, self.model, self.created, {}, index=index,
-                     finish_reason=finish_reason(output),
-                     tandem=extension(output, self.request_id),
-                     **self.chunk_usage(index, output))
+        """The finish chunk of a choice, after the text a reasoning split still held."""
+        held = b""
+        if self.reasoning is not None:
+            rest = self._splitters.pop(index, self.reasoning.splitter()).flush()
+            if delta := delta_of(rest):
+                held = chunk(self.request_id, self.model, self.created, delta, index=index,
+                             **self.chunk_usage(index))
+        return held + chunk(self.request_id, self.model, self.created, {}, index=index,
+                            finish_reason=finish_reason(output),
+                            tandem=extension(output, self.request_id),
+                            **self.chunk_usage(index, output))
 
     def usage(self, last: list[Output]) -> bytes:
         return sse({"id": self.request_id, "object": self.object_chunk,
@@ -193,16 +234,19 @@ class ChatShape:
 
     def complete(self, choices: list[list[Output]]) -> dict:
         return completion(choices, self.request_id, self.model, self.tools, self.echo,
-                          self.as_ids)
+                          self.as_ids, self.reasoning)
 
     def tool_stream(self, outputs: list[Output], include_usage: bool):
         """The SSE events of a whole output with tools: role, content, each call as one
         tool-call delta (id, name, all its arguments), the finish chunk, usage, [DONE]
         (with continuous usage, every chunk carries the whole output's)."""
-        message, finish = answer(outputs, self.tools, self.echo)
+        message, finish = answer(outputs, self.tools, self.echo, self.reasoning)
         usage = self.chunk_usage(0, outputs[-1])
         yield chunk(self.request_id, self.model, self.created,
                     {"role": "assistant", "content": ""}, **usage)
+        if message.get("reasoning_content"):
+            yield chunk(self.request_id, self.model, self.created,
+                        {"reasoning_content": message["reasoning_content"]}, **usage)
         if message["content"]:
             yield chunk(self.request_id, self.model, self.created,
                         {"content": message["content"]}, **usage)
