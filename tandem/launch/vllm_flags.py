@@ -305,6 +305,13 @@ def _max_logprobs(v: tuple[str, ...]) -> Effect:
     return Effect()
 
 
+def _reasoning_parser(v: tuple[str, ...]) -> Effect:
+    if v[0] != "qwen3":
+        raise Refused(f"{v[0]!r}: qwen3 only (<think>...</think>, the Qwen3 family's "
+                      "markers), services/router/reasoning.py")
+    return Effect((Put(To.ROUTER, ("--reasoning-parser", v[0])),))
+
+
 def _device(v: tuple[str, ...]) -> Effect:
     if v[0] not in ("auto", "cuda", "cpu"):
         raise Refused(f"{v[0]!r}: the tiers run on cuda or cpu ('auto' picks)")
@@ -541,10 +548,11 @@ TABLE: tuple[Flag, ...] = (
     Flag(("--exclude-tools-when-tool-choice-none",), SW, A, f"{_NOTHING}: tool_choice none "
          "never renders the tools"),
     Flag(("--tool-parser-plugin",), ONE, R, "tool parser plugins are not loaded"),
-    Flag(("--reasoning-parser",), ONE, R, "reasoning is not split out yet (issue 42: the "
-         "router has no reasoning_content); the thinking stays in content"),
-    Flag(("--enable-reasoning",), SW, R, "reasoning is not split out yet (issue 42: the "
-         "router has no reasoning_content)"),
+    Flag(("--reasoning-parser",), ONE, M, "qwen3 only: the router's --reasoning-parser "
+         "(the thinking in reasoning_content and delta.reasoning_content)",
+         _reasoning_parser, example=("qwen3",)),
+    Flag(("--enable-reasoning",), SW, A, f"{_NOTHING}: the split is on whenever "
+         "--reasoning-parser is given (as in vLLM, which dropped this flag)"),
     Flag(("--guided-decoding-backend",), ONE, A, "auto, xgrammar only: structured output "
          "is compiled with xgrammar", only("auto", "xgrammar", why="structured output is compiled with "
                           "xgrammar here"), example=("xgrammar",)),
