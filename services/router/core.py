@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from pathlib import PurePath
 
@@ -22,6 +23,7 @@ from tandem.services.router.metrics import RouterMetrics
 from tandem.services.router.refusals import RefusalBudget
 from tandem.services.router.request import ChatRequest, image_hashes
 from tandem.services.router.tenants import Tenants
+from tandem.v1 import language_pb2
 
 
 class RouterCore:
@@ -41,6 +43,29 @@ class RouterCore:
             cfg.refusal_bytes_per_s, cfg.refusal_burst_bytes, cfg.refusal_max_hold_s,
             on_hold=lambda outcome: self.metrics.refusal_holds.labels(outcome).inc())
         self.draining = False
+        self.started = int(time.time())  # /v1/models' `created`
+        self._max_model_len = 0  # the language tier's, once one instance said it (0: not yet)
+
+    def model_root(self) -> str:
+        """The checkpoint the tiers loaded (a path or hub id, as they report it in
+        GetLoad), vLLM's `root` of every served name; the model's name until one reported."""
+        for pool in (self.registry.languages, self.registry.encoders):
+            for inst in list(pool.instances.values()):
+                if inst.model:
+                    return inst.model
+        return self.model_name()
+
+    async def max_model_len(self) -> int | None:
+        """The language tier's max_model_len (prompt + output), asked of a healthy instance
+        once (an empty Tokenize answers it) and kept; None while no instance can say."""
+        if not self._max_model_len:
+            try:
+                resp = await self.language_call(
+                    "Tokenize", language_pb2.TokenizeRequest(prompt=""), timeout_s=2.0)
+            except RouterError:
+                return None
+            self._max_model_len = resp.max_model_len
+        return self._max_model_len or None
 
     def model_name(self) -> str:
         return self.registry.model_name() or "tandem"

@@ -9,7 +9,8 @@ made at the HTTP edge, openai/format.py).
                  "required"  tools rendered, and the output forced by the grammar engine
                  named       to one {"name", "arguments"} JSON object whose arguments
                              validate against that function's parameters schema (any of the
-                             tools for "required", the named one otherwise)
+                             tools for "required", the named one otherwise); one cut before
+                             its end is no call and no content (finish_reason "length")
 
 A request with tools is answered whole at the end (also when streaming): a tool call is
 only known once its closing tag is out.
@@ -84,11 +85,15 @@ def parse_output(text: str, setup: ToolSetup) -> ParsedOutput:
     if setup.mode is ToolMode.NONE:
         return ParsedOutput(text, [])
     if setup.mode is ToolMode.FORCED:
+        # NOTE: the grammar lets the model write nothing but the call, so an output that
+        # does not parse was cut (max_tokens, a stop string): it is neither a call nor an
+        # answer. No content and no call (the finish reason says "length"): a client that
+        # shows content or runs the call gets nothing half-written (docs/sdk.md).
         try:
             call = _call(json.loads(text))
-        except ValueError:  # cut short by max_tokens: not a call
+        except ValueError:
             call = None
-        return ParsedOutput(None, [call]) if call else ParsedOutput(text, [])
+        return ParsedOutput(None, [call] if call else [])
     calls = []
     for m in _CALL.finditer(text):
         try:

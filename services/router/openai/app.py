@@ -162,19 +162,24 @@ def build_app(core: RouterCore) -> FastAPI:
         body, media_type = core.metrics.render(request.headers.get("accept"))
         return Response(body, media_type=media_type)
 
+    async def model_entry(name: str) -> dict:
+        """One served name as vLLM's /v1/models lists it: `root` the checkpoint, `parent`
+        null (no adapters here), `max_model_len` the language tier's (null while no
+        language instance is up to say it)."""
+        return {"id": name, "object": "model", "created": core.started, "owned_by": "tandem",
+                "root": core.model_root(), "parent": None,
+                "max_model_len": await core.max_model_len()}
+
     @app.get("/v1/models")
     async def models():
-        return {
-            "object": "list",
-            "data": [{"id": name, "object": "model", "created": 0, "owned_by": "tandem"}
-                     for name in core.served_names()],
-        }
+        return {"object": "list",
+                "data": [await model_entry(name) for name in core.served_names()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         core.check_model(model_id)
         name = model_id if model_id in core.served_names() else core.model_name()
-        return {"id": name, "object": "model", "created": 0, "owned_by": "tandem"}
+        return await model_entry(name)
 
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request):

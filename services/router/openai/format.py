@@ -114,7 +114,7 @@ def answer(outputs: list[Output], tools: ToolSetup, echo: str = "",
     text = "".join(o.text for o in outputs)
     parts = reasoning.split(text) if reasoning is not None else Split(content=text)
     out = parse_output(parts.content, tools)
-    content = echo + out.content if echo else out.content
+    content = echo + (out.content or "") if echo else out.content
     message: dict = {"role": "assistant", "content": content}
     if reasoning is not None:
         message["content"] = content or None
