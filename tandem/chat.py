@@ -134,6 +134,7 @@ class Message:
     parts: tuple[Part, ...]
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str = ""
+    name: str = ""  # the participant's name (OpenAI's), the template's `name` ("" = none)
 
 
 def tools_from_json(text: str) -> list[dict] | None:
@@ -301,7 +302,7 @@ def messages_from_proto(msgs) -> list[Message]:
                               "JSON-object arguments, on an assistant message")
             calls.append(ToolCall(c.name, c.arguments, c.id))
         out.append(Message(role=m.role, parts=tuple(parts), tool_calls=tuple(calls),
-                           tool_call_id=m.tool_call_id))
+                           tool_call_id=m.tool_call_id, name=m.name))
     return out
 
 
@@ -405,6 +406,11 @@ class ChatTemplate:
                                      for c in m.tool_calls]
             if m.tool_call_id:
                 msg["tool_call_id"] = m.tool_call_id
+            if m.name:  # rendered only by a template that reads it (Qwen's do not)
+                for tok in self.reserved:
+                    if tok in m.name:
+                        raise invalid(f"messages[{i}].name", f"name contains reserved token {tok}")
+                msg["name"] = m.name
             hf_messages.append(msg)
         return hf_messages, media
 

@@ -363,10 +363,32 @@ def test_bad_structured_output_is_400_naming_the_field(body, param):
 
 def test_unknown_message_fields_are_refused_by_name():
     core, client = make()
-    body = chat(messages=[{"role": "user", "content": "hi", "name": "ann"}])
+    body = chat(messages=[{"role": "user", "content": "hi", "nickname": "ann"}])
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 400
-    assert r.json()["error"]["param"] == "messages[0].name"
+    assert r.json()["error"]["param"] == "messages[0].nickname"
+
+
+def test_a_message_s_name_reaches_the_wire():
+    """OpenAI's `messages[].name` (LangChain's HumanMessage(name=...)) is taken and sent to
+    the tiers, whose chat template renders it where it reads it (test_vllm_extras)."""
+    from tandem.services.router.openai.chat import ChatCompletionRequest, to_chat_request
+
+    body = chat(messages=[{"role": "system", "content": "be brief"},
+                          {"role": "user", "content": "hi", "name": "Ann Lee"}])
+    req = to_chat_request(ChatCompletionRequest.model_validate(body), RouterConfig(
+        insecure_internal=True), "x")
+    assert [m.name for m in req.messages] == ["", "Ann Lee"]
+    _, client = make()
+    for bad, param in (("", "messages[0].name"), ("x" * 257, "messages[0].name"),
+                       (7, "messages[0].name")):
+        r = client.post("/v1/chat/completions", json=chat(messages=[
+            {"role": "user", "content": "hi", "name": bad}]))
+        assert_openai_error(r, 400, "invalid_argument", param)
+    r = client.post("/v1/chat/completions", content=b'{"model": "", "messages": [{"role": '
+                    b'"user", "content": "hi", "name": "\\ud800"}]}',
+                    headers={"content-type": "application/json"})
+    assert_openai_error(r, 400, "invalid_argument", "messages[0].name")
 
 
 @pytest.mark.parametrize(

@@ -445,3 +445,34 @@ def test_completions_logprobs_as_token_ids_and_usage_on_every_chunk():
     assert [e["usage"]["total_tokens"] for e in got] == [7, 8, 9]
     assert got[1]["choices"][0]["logprobs"]["tokens"] == ["token_id:11"]
     assert got[1]["choices"][0]["logprobs"]["top_logprobs"] == [{"token_id:11": -0.5}]
+
+
+# A template that reads a message's `name` (Qwen's do not): `<|im_start|>user (Ann)`.
+NAMED = ("{% for m in messages %}<|im_start|>{{ m.role }}{% if m.name %} ({{ m.name }})"
+         "{% endif %}\n{% for c in m.content %}{{ c.text }}{% endfor %}<|im_end|>\n"
+         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_message_s_name_is_rendered_where_the_template_reads_it(qwen3):
+    """OpenAI's messages[].name (issue 42): from the wire to the template's `name`, exactly
+    as transformers renders the same chat; a template that does not read it renders as
+    without it; a name spelling a reserved token is refused by its field."""
+    from tandem.chat import messages_from_proto
+
+    wire = [common_pb2.ChatMessage(role="user", name="Ann", content=[
+        common_pb2.ContentPart(text="Hello")])]
+    named = messages_from_proto(wire)
+    assert named == [Message("user", ("Hello",), name="Ann")]
+    got = ChatTemplate(qwen3, NAMED).text_only_ids(named, 4096)
+    ref = qwen3.apply_chat_template(
+        [{"role": "user", "name": "Ann", "content": [{"type": "text", "text": "Hello"}]}],
+        chat_template=NAMED, tokenize=True, add_generation_prompt=True)
+    assert got == list(ref[0] if ref and isinstance(ref[0], list) else ref)
+    assert "<|im_start|>user (Ann)" in qwen3.tokenizer.decode(got)
+    stock = ChatTemplate(qwen3)
+    assert stock.text_only_ids(named, 4096) == stock.text_only_ids(
+        [Message("user", ("Hello",))], 4096)
+    with pytest.raises(ChatError) as e:
+        ChatTemplate(qwen3, NAMED).text_only_ids(
+            [Message("user", ("x",), name="a<|im_end|>")], 4096)
+    assert e.value.field == "messages[0].name"

@@ -115,6 +115,8 @@ class Message(_Model):
     content: str | list[Part] | None = None
     tool_calls: list[ToolCall] | None = Field(None, max_length=128)  # assistant
     tool_call_id: str | None = Field(None, min_length=1, max_length=256)  # tool
+    # the participant's name: to the chat template, which renders it where it reads it
+    name: str | None = Field(None, min_length=1, max_length=256)
 
 
 class FunctionDef(_Model):
@@ -325,7 +327,8 @@ def chat_messages(body_messages: list[Message], cfg: RouterConfig) -> list[commo
     messages = []
     for i, m in enumerate(body_messages):
         role = "system" if m.role == "developer" else m.role
-        msg = common_pb2.ChatMessage(role=role, tool_call_id=m.tool_call_id or "")
+        msg = common_pb2.ChatMessage(role=role, tool_call_id=m.tool_call_id or "",
+                                     name=_utf8(m.name or "", f"messages[{i}].name"))
         if m.role == "tool" and not m.tool_call_id:
             raise RouterError("INVALID_ARGUMENT", "a tool message needs tool_call_id",
                               f"messages[{i}].tool_call_id")  # fmt: skip
