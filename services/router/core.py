@@ -96,6 +96,11 @@ class RouterCore:
         self.metrics.healthy.labels("encoder").set(self.registry.encoders.healthy_count())
         self.metrics.healthy.labels("language").set(self.registry.languages.healthy_count())
         self.metrics.serving(self.model_name())
+        # vLLM's names for the language tier's load: its healthy instances' last GetLoad
+        up = [i for i in list(self.registry.languages.instances.values()) if i.tracker.healthy]
+        self.metrics.vllm.tier(self.model_name(), sum(i.running for i in up),
+                               sum(i.waiting for i in up),
+                               sum(i.kv_used for i in up) / len(up) if up else 0.0)
 
     async def language_call(self, method: str, msg, timeout_s: float = 10.0):
         """A unary call (Tokenize, Detokenize) on the least-loaded healthy language

@@ -432,10 +432,14 @@ class Dispatcher:
                 if output.finished:
                     finished = True
                     self.registry.languages.record_success(lang.address)
-                    self.metrics.latency.observe(time.time() - start, tracing.exemplar(trace))
+                    e2e = time.time() - start
+                    self.metrics.latency.observe(e2e, tracing.exemplar(trace))
                     if output.usage:
                         self.metrics.cached_image_tokens.inc(output.usage.cached_image_tokens)
                         self.metrics.cached_prompt_tokens.inc(output.usage.cached_tokens)
+                        self.metrics.vllm.finished(
+                            self.registry.model_name() or "tandem", ttft, e2e,
+                            output.usage.prompt_tokens, output.usage.completion_tokens)
                     yield output
                     return
                 if output.token_ids or output.text:

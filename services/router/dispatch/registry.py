@@ -56,6 +56,8 @@ class Instance:
     vit_stalled: bool = False  # an encoder whose ViT call stalled (GetLoad)
     model: str = ""
     queued_patches: int = 0  # an encoder's vision patches waiting for its ViT (GetLoad)
+    running: int = 0  # a language instance's running batch (GetLoad)
+    waiting: int = 0  # a language instance's queue, prompts in transfer included (GetLoad)
 
     @property
     def load(self) -> float:
@@ -194,6 +196,8 @@ class Pool:
         if self.kind == "encoder":
             inst.queued_patches = r.queued_patches
             inst.vit_stalled = r.vit_stalled
+        else:
+            inst.running, inst.waiting = r.running, r.waiting + r.transferring
         inst.tracker.record_success()
 
     async def poll(self) -> None:
