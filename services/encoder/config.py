@@ -62,6 +62,43 @@ class EncoderConfig(ModelServiceSettings):
         32_768, ge=1, description="Most vision tokens one video may become after sampling and "
         "resizing (refused before it is decoded).",
     )  # fmt: skip
+    # How the defaults of the three fields below were chosen (libx264 mp4s decoded here, one
+    # decoding thread, torch on one thread; 'work' = pixels decoded + 12 x pixels sampled,
+    # a sampled pixel's RGB conversion and resize costing 8-15x its decode):
+    #   58 KB, 4096x4096 x 230 black frames (the bomb)    125,000 work/B  7.6 s  131 s/MiB
+    #   1080p one slide, 2 min at 2 fps, x264 medium       34,400 work/B  2.0 s   36 s/MiB
+    #   1080p one slide, 10 min at 2 fps, ultrafast        14,500 work/B  12 s    18 s/MiB
+    #   1080p new slide every 30 s, 10 min, x264 medium    14,300 work/B  7-19 s  10-28 s/MiB
+    #   1080p new slide every 15 s, 10 min, ultrafast       2,700 work/B  4.5-12 s 1.3-3.6
+    # (slides sampled at 0.5 fps; the times vary 2-4x with the load of the shared CPUs).
+    # Work grows with the frames and bytes with the slides shown (and one key frame per 250
+    # frames), so a deck's ratios hold whatever its length (2 and 10 minutes of one slide:
+    # 14,200 and 14,500 work/B).
+    video_decode_pixels_per_byte: int = Field(
+        60_000, ge=1,
+        description="Decode work each byte of a video buys, checked from its header and "
+        "sampling plan before any frame is decoded: pixels decoded (every frame up to the "
+        "last sampled one) + 12 x pixels sampled (each converted and resized at full size) "
+        "may be at most this times the file's bytes (at least video_decode_min_bytes), so a "
+        "tiny file declaring huge frames is refused at once. The default is 1.7x the most "
+        "compressible slide video measured (one 1080p slide throughout, x264 medium: 34,400 "
+        "per byte) and half a 58 KB 4096x4096 x 230-frame mp4's 125,000.",
+    )  # fmt: skip
+    video_decode_s_per_mib: float = Field(
+        90.0, gt=0,
+        description="Decode wall time each MiB of a video buys (the file's bytes, at least "
+        "video_decode_min_bytes; never past max_video_decode_s), checked while decoding: a "
+        "file slower per pixel than its work says still stops at what its bytes paid for. "
+        "Slide videos measured 1.3-36 s per MiB (36: one 1080p slide throughout, x264 "
+        "medium), so 90 leaves the slowest 2.5x its time; a 58 KB file gets 5 s, not "
+        "max_video_decode_s.",
+    )  # fmt: skip
+    video_decode_min_bytes: int = Field(
+        32 * 1024, ge=1,
+        description="A video smaller than this is budgeted (video_decode_pixels_per_byte, "
+        "video_decode_s_per_mib) as if it were this size: a short clip's floor (32 KiB buy "
+        "2.0e9 work and 2.8 s).",
+    )  # fmt: skip
     allowed_url_hosts: list[str] = Field(
         default_factory=list,
         description="Hosts whose http(s) image and video URLs may be fetched; empty refuses "

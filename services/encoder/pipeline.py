@@ -219,6 +219,9 @@ class EncodePipeline:
                 max_video_decoded_pixels=cfg.max_video_decoded_pixels,
                 max_video_decode_s=cfg.max_video_decode_s,
                 max_video_tokens=cfg.max_video_tokens,
+                video_decode_pixels_per_byte=cfg.video_decode_pixels_per_byte,
+                video_decode_s_per_mib=cfg.video_decode_s_per_mib,
+                video_decode_min_bytes=cfg.video_decode_min_bytes,
             ),
         )
         video = VideoSettings.from_checkpoint(path) if parts[0].spec.arch in ARCH_RULES else None

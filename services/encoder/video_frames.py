@@ -17,6 +17,9 @@ file's do (services/encoder/video.py), so a video a cache holds is never decoded
                  frames are (uint8 bicubic, antialiased), the decode-time limit and the
                  request's budget between frames --normalize_and_patchify--> PreparedVideo
 
+The frames' bytes together buy their decode work and time as a file's bytes do
+(`VideoLimits.work_allowed`, `time_allowed`).
+
 A frame is converted to RGB as an image part is (`images.to_rgb`): for RGB frames
 (JPEG, RGB PNG) that is the array transformers takes from the same PIL image.
 """
@@ -37,7 +40,15 @@ from tandem.services.encoder.images import (
     image_bytes,
     open_image,
 )
-from tandem.services.encoder.video import PlannedVideo, PreparedVideo, VideoLimits, over
+from tandem.services.encoder.video import (
+    DecodeWork,
+    PlannedVideo,
+    PreparedVideo,
+    VideoLimits,
+    check_work,
+    over,
+    too_long,
+)
 from tandem.services.encoder.video_rules import (
     Sampling,
     VideoError,
@@ -102,6 +113,7 @@ def plan_frames_source(
     if plan.num_tokens > limits.max_video_tokens:
         raise over(field, VideoRefusal.TOKENS, f"video is {plan.num_tokens} tokens",
                    limits.max_video_tokens)  # fmt: skip
+    check_work(DecodeWork.of(header, plan.indices), total, field, limits)
     return PlannedVideo(b"", header, plan, settings, field, time.perf_counter() - t0,
                         tuple(raws))  # fmt: skip
 
@@ -116,15 +128,16 @@ def decode_frames(
     t0 = time.perf_counter()
     start = time.monotonic()
     out = torch.empty((len(video.frames), 3, *plan.size), dtype=torch.uint8)
+    nbytes = sum(len(raw) for raw in video.frames)
+    limit_s, limit = limits.time_allowed(nbytes)
     for k, raw in enumerate(video.frames):
         budget.check()
         rgb = decode_image(raw, f"{video.field}[{k}]", image)
         # NOTE: the plan checked every header's size; a decoded frame has its header's size
         assert rgb.size == (header.width, header.height), (rgb.size, header)
         out[k] = resize_frame(np.array(rgb), plan.size)  # np.array: what transformers takes
-        if time.monotonic() - start > limits.max_video_decode_s:
-            raise over(video.field, VideoRefusal.DECODE_TIME, "decoding took longer",
-                       limits.max_video_decode_s)  # fmt: skip
+        if time.monotonic() - start > limit_s:
+            raise too_long(video.field, limit, limit_s, nbytes, limits)
     t1 = time.perf_counter()
     pixel_values = normalize_and_patchify(out, video.settings)
     return PreparedVideo(content_hash(video.frames), header, plan, pixel_values, video.field,

@@ -52,6 +52,8 @@ class VideoRefusal(str, enum.Enum):
     FRAMES = "max_video_frames"
     DECODED_PIXELS = "max_video_decoded_pixels"
     DECODE_TIME = "max_video_decode_s"
+    DECODE_WORK = "video_decode_pixels_per_byte"  # more decode work than its bytes buy
+    DECODE_BUDGET = "video_decode_s_per_mib"  # decoded longer than its bytes buy
     TOKENS = "max_video_tokens"
     EMPTY = "empty"  # 0 bytes
     ZERO_DURATION = "zero_duration"  # a video stream without frames or without a frame rate

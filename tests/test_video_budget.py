@@ -1,0 +1,178 @@
+"""A video's decode is bounded by what its bytes buy (issue 41, point 4).
+
+Both videos are made here with PyAV (libx264 mp4s), and read under the encoder's default
+limits (EncoderConfig's fields of VideoLimits' names):
+
+- the bomb: 58 KB declaring 4096x4096 x 230 black frames. Its header passes the pixel
+  cap (3.86e9 < 4e9) and it decoded for max_video_decode_s before; now its decode work
+  (125,000 pixel-equivalents per byte) is refused from the header and plan, before a frame
+  is decoded: in well under a second, naming the limit.
+- slide decks as a talk records them: 1080p at 2 fps, a new slide every 15 s, and one slide
+  shown throughout (x264's default preset, the most compressible case measured), sampled
+  at 0.5 fps. Served: their work per byte is far below the bomb's, and their decode ends
+  inside the time their bytes buy. One and two minutes stand for ten: the work grows with
+  the frames, the bytes with the slides and key frames, so the ratios do not depend on the
+  length (the measurements in services/encoder/config.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tandem.chat import VideoOptions
+from tandem.services.encoder.config import EncoderConfig
+from tandem.services.encoder.video import (
+    DecodeWork,
+    VideoLimits,
+    decode,
+    plan_source,
+    prepare_video,
+)
+from tandem.services.encoder.video_rules import VideoError, VideoRefusal, VideoSettings
+
+SETTINGS = dataclasses.replace(VideoSettings.defaults("qwen2_vl"), fps=2.0)
+# the sampling a ten-minute deck needs to fit max_video_tokens
+SLIDES_SAMPLING = VideoOptions(fps=0.5, max_pixels=128 * 28 * 28)
+
+
+def default_limits(**changes) -> VideoLimits:
+    """VideoLimits as the encoder builds them from its config's defaults."""
+    fields = {f.name: EncoderConfig.model_fields[f.name].default
+              for f in dataclasses.fields(VideoLimits)}  # fmt: skip
+    return VideoLimits(**{**fields, **changes})
+
+
+def _mp4(width: int, height: int, frames, fps: int, preset: str) -> bytes:
+    """An H.264 mp4 of `frames` (yuv420p VideoFrames, one per frame; the same object may
+    repeat)."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        stream = out.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.options = {"preset": preset, "crf": "23"}
+        for i, frame in enumerate(frames):
+            frame.pts = i
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def _black(size: int):
+    import av
+
+    frame = av.VideoFrame(size, size, "yuv420p")
+    for plane, value in zip(frame.planes, (16, 128, 128), strict=True):
+        plane.update(np.full(plane.buffer_size, value, np.uint8).tobytes())
+    return frame
+
+
+def _slide(seed: int, width: int = 1920, height: int = 1080):
+    """A slide: a coloured title bar over rows of dark word-like blocks on white."""
+    import av
+
+    rng = np.random.default_rng(seed)
+    img = np.full((height, width, 3), 250, np.uint8)
+    img[:120] = rng.integers(0, 255, 3)
+    for y in range(200, height - 80, 48):
+        x = 120
+        while x < width - 200:
+            w = int(rng.integers(8, 60))
+            img[y:y + 22, x:x + w] = 30
+            x += w + int(rng.integers(6, 14))
+    return av.VideoFrame.from_ndarray(img, format="rgb24").reformat(format="yuv420p")
+
+
+@pytest.fixture(scope="module")
+def bomb() -> bytes:
+    black = _black(4096)
+    raw = _mp4(4096, 4096, [black] * 230, 25, "ultrafast")
+    assert 50_000 < len(raw) < 70_000, len(raw)  # the probe's 58 KB
+    return raw
+
+
+def _deck(seconds: int, every: int, preset: str) -> bytes:
+    fps = 2
+    slides = [_slide(k) for k in range(-(-seconds // every))]
+    return _mp4(1920, 1080, [slides[i // (fps * every)] for i in range(seconds * fps)], fps,
+                preset)
+
+
+DECKS = {  # name: (seconds, a new slide every, x264 preset)
+    "a new slide every 15 s": (60, 15, "ultrafast"),
+    "one slide throughout": (120, 10**6, "medium"),
+}
+
+
+@pytest.fixture(scope="module", params=DECKS)
+def deck(request) -> tuple[str, bytes]:
+    return request.param, _deck(*DECKS[request.param])
+
+
+def test_the_bomb_is_refused_from_its_header_in_under_a_second(bomb):
+    lim = default_limits()
+    t0 = time.perf_counter()
+    with pytest.raises(VideoError) as e:
+        prepare_video(bomb, SETTINGS, None, lim, "messages[0].content[1].video_url")
+    took = time.perf_counter() - t0
+    assert took < 1.0, took
+    err = e.value
+    assert (err.reason, err.field) == (VideoRefusal.DECODE_WORK,
+                                       "messages[0].content[1].video_url")
+    assert err.code == "INVALID_ARGUMENT" and "video_decode_pixels_per_byte" in err.message
+    # what let it through before: its header is inside the pixel cap
+    assert 4096 * 4096 * 230 < lim.max_video_decoded_pixels
+
+
+def test_the_bomb_gets_seconds_not_a_minute_when_its_work_is_allowed(bomb):
+    """With the work check out of the way, the clock stops it at what 58 KB buy."""
+    lim = default_limits(video_decode_pixels_per_byte=10**9)
+    limit_s, reason = lim.time_allowed(len(bomb))
+    assert reason is VideoRefusal.DECODE_BUDGET and limit_s < 6 < lim.max_video_decode_s
+    t0 = time.perf_counter()
+    try:
+        prepare_video(bomb, SETTINGS, None, lim)
+    except VideoError as e:  # a core slow enough to need more than its bytes bought
+        assert e.reason is VideoRefusal.DECODE_BUDGET
+    assert time.perf_counter() - t0 < limit_s + 2  # one frame past the limit at most
+
+
+def test_a_slide_deck_is_served(deck):
+    name, raw = deck
+    lim = default_limits()
+    torch.set_num_threads(1)  # the encoder's cpu_threads default
+    planned = plan_source(raw, SETTINGS, SLIDES_SAMPLING, lim)
+    work = DecodeWork.of(planned.header, planned.plan.indices)
+    assert work.units <= lim.work_allowed(len(raw)) / 1.5, (name, work.units / len(raw))
+    video = decode(planned, lim)
+    limit_s, _ = lim.time_allowed(len(raw))
+    assert video.frames_decoded == planned.plan.indices[-1] + 1
+    assert video.decode_s < limit_s, (name, len(raw), video.decode_s, limit_s)
+
+
+def test_a_decode_past_its_bytes_time_names_that_limit(deck):
+    _, raw = deck
+    lim = default_limits(video_decode_s_per_mib=1e-9)
+    with pytest.raises(VideoError) as e:
+        prepare_video(raw, SETTINGS, SLIDES_SAMPLING, lim, "v")
+    assert e.value.reason is VideoRefusal.DECODE_BUDGET and e.value.field == "v"
+    assert "video_decode_s_per_mib" in e.value.message
+
+
+def test_the_budget_is_proportional_to_the_bytes_above_a_floor():
+    lim = default_limits()
+    floor = lim.video_decode_min_bytes
+    assert lim.work_allowed(1) == lim.work_allowed(floor) == floor * lim.video_decode_pixels_per_byte
+    assert lim.work_allowed(4 * floor) == 4 * lim.work_allowed(floor)
+    assert lim.time_allowed(4 * floor)[0] == pytest.approx(4 * lim.time_allowed(floor)[0])
+    assert lim.time_allowed(lim.max_video_bytes) == (lim.max_video_decode_s,
+                                                     VideoRefusal.DECODE_TIME)
