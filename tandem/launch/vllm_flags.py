@@ -532,8 +532,9 @@ TABLE: tuple[Flag, ...] = (
          "tower (encoder --devices spreads batches over several)", example=("data",)),
     Flag(("--skip-mm-profiling", "--interleave-mm-strings"), SW, A, f"{_NOTHING}: vLLM's "
          "multimodal profiling and string prompts"),
-    Flag(("--allowed-local-media-path",), ONE, R, "file:// media is not served yet (issue 42: "
-         "the router and encoder read no local files); send the image as a data URL"),
+    Flag(("--allowed-local-media-path",), ONE, M, "encoder --allowed-local-media-path "
+         "(file:// images and videos under that directory, symlinks resolved)",
+         passes("--allowed-local-media-path", To.ENCODER), example=("/tmp",)),
     Flag(("--media-io-kwargs",), ONE, R, "media loading options are the encoder's own "
          "(video: docs/video.md)", dotted=True),
     # -- tools, reasoning, structured output
