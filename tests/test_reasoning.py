@@ -268,3 +268,29 @@ def test_thinking_off_and_a_grammar_leave_everything_in_content(cluster, tokeniz
         sids, skip_special_tokens=True)
     message, ids = whole(cluster, body({}, response_format={"type": "json_object"}))
     assert message["reasoning_content"] is None and message["content"]
+
+
+# -- the same cluster, for issue 42's other vLLM shapes (a start saved) -------------------
+
+def test_models_entries_are_vllm_s(cluster):
+    data = httpx.get(cluster.http_url + "/v1/models", timeout=30).json()["data"]
+    (entry,) = data
+    assert entry["root"] == cluster.model and entry["parent"] is None
+    assert isinstance(entry["max_model_len"], int) and entry["max_model_len"] > 0
+    one = httpx.get(f"{cluster.http_url}/v1/models/{entry['id']}", timeout=30).json()
+    assert one == entry
+
+
+def test_a_forced_tool_call_cut_by_max_tokens_leaves_no_half_json(cluster):
+    """The grammar lets the model write only the call; cut at 3 tokens it is no call: no
+    content, no tool_calls, finish_reason "length", streamed or not (docs/sdk.md)."""
+    tool = {"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    b = {"model": "", "max_tokens": 3, "temperature": 0, "tools": [tool],
+         "tool_choice": "required", "messages": [{"role": "user", "content": "Weather?"}]}
+    r = httpx.post(cluster.http_url + "/v1/chat/completions", json=b, timeout=120)
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length", choice
+    assert choice["message"]["content"] is None and "tool_calls" not in choice["message"]
+    deltas, _ = streamed_live(cluster, b)
+    assert not any(d.get("content") or d.get("tool_calls") for d in deltas)

@@ -57,11 +57,12 @@ class RouterCore:
 
     async def max_model_len(self) -> int | None:
         """The language tier's max_model_len (prompt + output), asked of a healthy instance
-        once (an empty Tokenize answers it) and kept; None while no instance can say."""
+        once (a one-character Tokenize answers it; an empty prompt is refused) and kept;
+        None while no instance can say."""
         if not self._max_model_len:
             try:
                 resp = await self.language_call(
-                    "Tokenize", language_pb2.TokenizeRequest(prompt=""), timeout_s=2.0)
+                    "Tokenize", language_pb2.TokenizeRequest(prompt="a"), timeout_s=2.0)
             except RouterError:
                 return None
             self._max_model_len = resp.max_model_len
