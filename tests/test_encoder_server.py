@@ -181,7 +181,7 @@ def _bad_cases():
         (
             u(img(url="file:///etc/passwd")),
             "messages[0].content[0].image",
-            "unsupported image url scheme 'file'",
+            "allowed_local_media_path is unset",  # file:// off by default
         ),
         ([Message("robot", ("hi",))], "messages[0].role", "is not one of"),
         (u("see <|image_pad|>"), "messages[0].content[0].text", "reserved token"),

@@ -107,6 +107,15 @@ class EncoderConfig(ModelServiceSettings):
     allow_private_urls: bool = Field(
         False, description="Allow URLs resolving to private/loopback addresses."
     )
+    allowed_local_media_path: str = Field(
+        "",
+        description="A directory whose files may be sent as file:// image and video URLs "
+        "(vLLM's --allowed-local-media-path): only a regular file whose real path, every "
+        "symlink resolved, lies under it, under the same byte limits as a data URL; any other "
+        "file:// URL is a 400 naming the part. Empty (the default) refuses every file:// "
+        "URL. Anyone who can send a request reads the files there: point it at media only. "
+        "Checked at start-up (an existing directory).",
+    )
     url_timeout_s: float = Field(5.0, gt=0, le=120, description="Total time of one image or "
         "video fetch (each read and the whole download: a slow trickle is cut off too).")
     patch_budget: int = Field(

@@ -11,6 +11,10 @@ and the connection dialed to them only (`_PinnedBackend`), never to a second ans
 resolver (DNS rebinding); the Host header, TLS SNI and the certificate check keep the
 URL's host name (tests/test_media_fetch_pinned.py). Environment proxies are not used.
 
+`file://` URLs (vLLM's --allowed-local-media-path) are read only when the encoder has a
+`local_media_root`, and only for a file whose real path (every symlink resolved) lies
+under it, as a regular file, under the same byte caps as a data URL; off by default.
+
 A fetch also stops when its request's `Budget` ends (deadline passed, or the request
 gone): TimeoutError, which the servicer reports as DEADLINE_EXCEEDED.
 """
@@ -24,14 +28,17 @@ import functools
 import io
 import ipaddress
 import math
+import os
 import socket
 import ssl
+import stat
 import threading
 import time
 import urllib.parse
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpcore
 from PIL import Image
@@ -51,6 +58,19 @@ class ImageLimits:
     allowed_url_hosts: tuple[str, ...] = ()
     allow_private_urls: bool = False
     url_timeout_s: float = 5.0
+    # file:// URLs are read under this resolved directory only; None refuses them
+    local_media_root: Path | None = None
+
+
+def local_media_root(path: str) -> Path | None:
+    """The resolved directory of the encoder's `allowed_local_media_path` ("" = None: no
+    file:// media); a ValueError at start-up when it is not an existing directory."""
+    if not path:
+        return None
+    root = Path(path).resolve()
+    if not root.is_dir():
+        raise ValueError(f"allowed_local_media_path {path!r} is not an existing directory")
+    return root
 
 
 @dataclass
@@ -93,8 +113,10 @@ def image_bytes(img: ImageInput, field: str, lim: ImageLimits,
 
 
 def fetched_url(url: str | None) -> bool:
-    """Whether a part's `url` is one this encoder downloads (http or https)."""
-    return (url or "").startswith(("http://", "https://"))
+    """Whether a part's `url` is one this encoder reads from outside the request (http(s)
+    or file): a split's lead passes such bytes on, so a helper neither fetches them again
+    nor needs the file."""
+    return (url or "").startswith(("http://", "https://", "file:"))
 
 
 def source_bytes(data: bytes | None, url: str | None, field: str, lim: ImageLimits,
@@ -108,10 +130,13 @@ def source_bytes(data: bytes | None, url: str | None, field: str, lim: ImageLimi
     url = url or ""
     if url.startswith("data:"):
         return _data_url(url, field, rules)
+    if url.startswith("file:"):
+        return _local_file(url, field, lim, rules)
     if fetched_url(url):
         return _fetch(url, field, lim, rules, budget or Budget())
     scheme = url.split(":", 1)[0] if ":" in url else url[:16]
-    raise invalid(field, f"unsupported {rules.noun} url scheme {scheme!r} (data:, http(s):)")
+    raise invalid(field, f"unsupported {rules.noun} url scheme {scheme!r} (data:, http(s):"
+                  f"{', file:' if lim.local_media_root else ''})")
 
 
 def _data_url(url: str, field: str, rules: SourceRules) -> bytes:
@@ -138,6 +163,57 @@ def resolve(host: str, port: int) -> tuple[IPAddress, ...]:
         if ip not in out:
             out.append(ip)
     return tuple(out)
+
+
+def _local_file(url: str, field: str, lim: ImageLimits, rules: SourceRules) -> bytes:
+    """The file a file:// URL names, when its real path lies under `lim.local_media_root`.
+    A path outside is refused whether or not it exists (nothing is said of files outside);
+    the opened file's own path is checked again, so a directory swapped for a symlink
+    between the check and the open is refused too."""
+    root = lim.local_media_root
+    if root is None:
+        raise invalid(field, f"file:// {rules.noun} urls are not read by this encoder (its "
+                      "allowed_local_media_path is unset)")
+    parts = urllib.parse.urlsplit(url)
+    if parts.netloc not in ("", "localhost") or parts.query or parts.fragment:
+        raise invalid(field, "a file url is file:///<absolute path> (no host, query or "
+                      "fragment)")
+    path = urllib.parse.unquote(parts.path)
+    if not path.startswith("/") or "\0" in path:
+        raise invalid(field, "a file url is file:///<absolute path>")
+    try:
+        real = Path(path).resolve()  # NOTE: every symlink that exists is followed
+    except (OSError, RuntimeError):  # a symlink loop
+        raise _outside(field) from None
+    if not real.is_relative_to(root):
+        raise _outside(field)
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
+                     | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        raise invalid(field, "file url names no readable file under the encoder's "
+                      "allowed_local_media_path") from None
+    try:
+        opened = Path(f"/proc/self/fd/{fd}")  # Linux: the opened file's own path
+        if opened.is_symlink() and not Path(os.readlink(opened)).is_relative_to(root):
+            raise _outside(field)
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise invalid(field, "file url names no regular file")
+        if info.st_size > rules.max_bytes:
+            raise rules.oversize(field, f"{rules.noun} is over the limit of {rules.max_bytes} "
+                                 "bytes")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(rules.max_bytes + 1)
+    finally:
+        os.close(fd)
+    if len(data) > rules.max_bytes:  # grew since fstat
+        raise rules.oversize(field, f"{rules.noun} is over the limit of {rules.max_bytes} bytes")
+    return data
+
+
+def _outside(field: str) -> ChatError:
+    return invalid(field, "file url is outside the encoder's allowed_local_media_path")
 
 
 def _check_host(host: str, port: int, field: str, lim: ImageLimits) -> tuple[IPAddress, ...]:

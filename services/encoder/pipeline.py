@@ -58,7 +58,7 @@ from tandem.chat import ChatError, Limits, Message, TemplateOptions, load_chat_t
 from tandem.devices import resolve_device, resolve_dtype
 from tandem.services.encoder.cache import CachedFeatures, EmbeddingCache
 from tandem.services.encoder.fair_pool import FairPool
-from tandem.services.encoder.images import Budget, ImageLimits
+from tandem.services.encoder.images import Budget, ImageLimits, local_media_root
 from tandem.services.encoder.merge import (
     MediaKind,
     RopeRule,
@@ -210,6 +210,7 @@ class EncodePipeline:
                 allowed_url_hosts=tuple(cfg.allowed_url_hosts),
                 allow_private_urls=cfg.allow_private_urls,
                 url_timeout_s=cfg.url_timeout_s,
+                local_media_root=local_media_root(cfg.allowed_local_media_path),
             ),
             max_videos=cfg.max_videos_per_request,
             video=VideoLimits(
