@@ -9,23 +9,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-SERVICES = {
-    # name: (config module, config class, serve module)
-    "encoder": ("tandem.services.encoder.config", "EncoderConfig", "tandem.services.encoder.main"),
-    "language": ("tandem.services.language.config", "LanguageConfig", "tandem.services.language.main"),
-    "router": ("tandem.services.router.config", "RouterConfig", "tandem.services.router.main"),
-}
+from tandem.tiers import TIERS
 
 
 def _run_service(name: str, argv: list[str]) -> int:
-    import importlib
-
     from tandem.config import parse_settings
 
-    config_mod, config_cls, serve_mod = SERVICES[name]
-    cls = getattr(importlib.import_module(config_mod), config_cls)
-    cfg = parse_settings(cls, argv, f"tandem {name}")
-    return importlib.import_module(serve_mod).serve(cfg) or 0
+    tier = TIERS[name]
+    return tier.serve(parse_settings(tier.config(), argv, f"tandem {name}"))
 
 
 def _tiny_model(argv: list[str]) -> int:
@@ -218,7 +209,7 @@ def _dispatch(cmd: str, rest: list[str]) -> int:
             return filtered([sys.executable, "-m", "tandem.cli", cmd, *rest],
                             _logging_flag(rest, "log_level", "info"),
                             _logging_flag(rest, "log_format", "text"))
-    if cmd in SERVICES:
+    if cmd in TIERS:
         return _run_service(cmd, rest)
     if cmd == "serve":
         from tandem.launch.serve import main as serve

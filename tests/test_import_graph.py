@@ -130,11 +130,10 @@ def _named_modules(path: Path, known: dict[str, Path]) -> list[tuple[int, str]]:
             and node.value in known]
 
 
-# The `tandem` command is every process's one entry point (`tandem encoder|language|router`,
-# `python -m tandem.cli` under `tandem up`): it names each tier's config and serve modules
-# as strings and imports them inside the subcommand (tandem/cli.py, SERVICES). Only strings:
-# an `import` of a tier there still fails.
-NAMED_BY_THE_ENTRY_POINT = {"tandem.cli"}
+# The tiers' table (tandem/tiers.py, read by the `tandem` entry point and `tandem serve`'s
+# dry run) names each tier's config and serve modules as strings and imports them on use.
+# Only strings: an `import` of a tier there still fails.
+NAMED_BY_THE_ENTRY_POINT = {"tandem.tiers"}
 
 
 def layering_violations(known: dict[str, Path] | None = None) -> list[str]:

@@ -236,15 +236,13 @@ def check(launch: Launch) -> None:
     value ends here (SystemExit 2, the tier's own message), before anything starts."""
     from tandem.config import parse_settings
     from tandem.launch.plan import parse_args
-    from tandem.services.encoder.config import EncoderConfig
-    from tandem.services.language.config import LanguageConfig
-    from tandem.services.router.config import RouterConfig
+    from tandem.tiers import TIERS
 
     if not launch.passthrough:  # under --ray, ray_up.py takes its own flags out first
         parse_args(launch.argv())
-    for t, cls in ((To.ENCODER, EncoderConfig), (To.LANGUAGE, LanguageConfig),
-                   (To.ROUTER, RouterConfig)):
-        parse_settings(cls, ["--model", launch.model, *launch.tier[t], *launch.own[t]],
+    for t in (To.ENCODER, To.LANGUAGE, To.ROUTER):
+        parse_settings(TIERS[t.value].config(),
+                       ["--model", launch.model, *launch.tier[t], *launch.own[t]],
                        f"tandem serve ({t.value})")
 
 
