@@ -4,14 +4,13 @@
   chats, completions, /tokenize), 503 with none or while draining; /ready and gRPC's
   "tandem.v1.Router" only while every tier is serving; each tier's state in the body.
 - /health, /ready and /metrics pass outside every throttle: an address in refusal debt
-  (two refused 8 MB /tokenize calls, the second still held) gets its /health in under
-  100 ms; a body over the limit or a missing key does not touch them either.
+  (two refused 8 MB /tokenize calls, the second still held) gets its /health while the
+  second is still held; a body over the limit or a missing key does not touch them either.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import pytest
@@ -77,8 +76,8 @@ def test_draining_is_unavailable():
 
 def test_health_answers_at_once_from_an_address_in_refusal_debt():
     """Issue 41's case: two refused 8 MB /tokenize calls from one address (the second
-    held for the first's debt, as the probe saw), then /health from that address: under
-    100 ms, and so /ready and /metrics. The same calls show the hold is real: a third
+    held for the first's debt, as the probe saw), then /health from that address answers
+    while that call is still held, and so do /ready and /metrics. The same calls show the hold is real: a third
     /tokenize from the address waits behind the debt."""
     core = make()
     add(core, "encoder", True)
@@ -97,10 +96,10 @@ def test_health_answers_at_once_from_an_address_in_refusal_debt():
             await asyncio.sleep(0.2)
             assert not held.done()  # held for the debt: the throttle is on this address
             for path in ("/health", "/ready", "/metrics"):
-                t0 = time.perf_counter()
                 r = await c.get(path)
-                took = time.perf_counter() - t0
-                assert r.status_code == 200 and took < 0.1, (path, took)
+                # answered while the debt still holds the refused call: not queued behind
+                # it (the hold lasts seconds; the state, not a clock, shows the order)
+                assert r.status_code == 200 and not held.done(), path
             held.cancel()
 
     asyncio.run(main())
