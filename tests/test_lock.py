@@ -37,9 +37,13 @@ def test_the_venv_holds_the_locked_versions():
         import pytest
 
         pytest.skip("not in the project's venv")
+    import site
+
     pins = lock.read_lock(lock.LOCK)
     off = {}
-    for dist in md.distributions():
+    # the venv's own site-packages: not sys.path, where setuptools puts its vendored copies
+    # (packaging, platformdirs, wheel at its own versions) once anything imported it
+    for dist in md.distributions(path=site.getsitepackages()):
         name = lock._canon(dist.metadata["Name"])
         if name in pins and dist.version.split("+", 1)[0] != pins[name]:
             off[name] = (dist.version, pins[name])
