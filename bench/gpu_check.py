@@ -69,7 +69,9 @@ WORK = ROOT / ".cache" / "gpu-check"
 # the call's limit, the estimates' error and writing the table.
 BUDGET_S = 8.5 * 60
 TAIL = 4000  # characters of a failed check's output kept in the table's details
-BF16_LOGITS_TOL = 0.25  # tests/test_bf16.py's bound, for graph replay against eager
+# graph replay against eager on one device (tests/test_bf16.py allows 0.375 between two
+# systems: transformers' rounding and ours)
+BF16_LOGITS_TOL = 0.25
 
 
 class Status(enum.Enum):
@@ -282,7 +284,7 @@ def check_exactness_fp32(ctx: Ctx) -> list[Row]:
 def check_exactness_bf16(ctx: Ctx) -> list[Row]:
     sel = ["-k", DRY_SELECT["bf16"]] if ctx.dry_run else []
     code, root, out = _pytest(ctx, "exactness-bf16", [*sel, *BF16_SUITE])
-    rows = [_suite_row("exactness_bf16", "bfloat16 within 0.25, " + " ".join(BF16_SUITE),
+    rows = [_suite_row("exactness_bf16", "bfloat16 within 0.375, " + " ".join(BF16_SUITE),
                        code, root, out, want_run=False)]  # fmt: skip
     for case in [] if root is None else root.iter("testcase"):
         props = {p.get("name"): p.get("value") for p in case.iter("property")}
@@ -352,8 +354,9 @@ def _timed(fn, device, n: int) -> float:
 
 def check_decode_graphs(ctx: Ctx) -> list[Row]:
     """Decode graph replay against eager on the big model: equal within the dtype's bound
-    (float32: 1e-4; bfloat16: tests/test_bf16.py's 0.25) and the same greedy ids wherever
-    the top-2 margin exceeds it, at batch sizes 1, 8, 32 and two padded ones (5, 17);
+    (float32: 1e-4; bfloat16: 0.25, under tests/test_bf16.py's 0.375 between systems) and
+    the same greedy ids wherever the top-2 margin exceeds it, at batch sizes 1, 8, 32 and
+    two padded ones (5, 17);
     eager / replay step time."""
     import torch
 

@@ -6,10 +6,14 @@ What must hold, row by row (prompt logits over the whole prompt, then every deco
 teacher-forced along transformers' greedy tokens):
 - |our logit - transformers' logit| <= BF16_TOL for every vocabulary entry. The logits of
   these checkpoints are O(1-10) (checked): bfloat16 keeps 8 significant bits, so BF16_TOL
-  is ~8 units in the last place at the largest logit. The runner's own rounding differs
-  from transformers' (other GEMM orders, the paged decode kernel, the fused projections):
-  measured up to ~0.2 here, while our float32 runner on the same inputs is up to ~0.4 away
-  from transformers' bfloat16 (its own distance from exact arithmetic).
+  is 6-12 units in the last place at the largest logit (scale 8-16 and 4-8). The runner's
+  own rounding differs from transformers' (other GEMM orders, the paged decode kernel, the
+  fused projections), and so does torch's bfloat16 GEMM between CPUs (oneDNN with or
+  without AVX512-BF16): measured up to ~0.2 on AVX-512 hosts and 0.3125 on an AMD EPYC
+  with AVX2 alone (qwen2_5_vl small, a decode row whose largest logit is 4.9; 0.21 there
+  with gather + SDPA), while our float32 runner on the same inputs is up to ~0.4 away from
+  transformers' bfloat16 (its own distance from exact arithmetic). The bound must hold on
+  every host the suite runs on, so it sits above the largest measured, below that 0.4.
 - the greedy id equals transformers' wherever transformers' top-2 margin exceeds BF16_TOL
   (a claim beyond the bound, which alone lets margins up to 2 * BF16_TOL flip). Rows under
   it are near ties (bfloat16 rounds logits to ties often): counted, not compared, reported.
@@ -42,7 +46,7 @@ from tandem.services.language.runner.model_runner import ModelRunner, RunnerSett
 
 ARCHS = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 BF16 = torch.bfloat16
-BF16_TOL = 0.25  # max |logit difference| per compared row (see the module docstring)
+BF16_TOL = 0.375  # max |logit difference| per compared row (see the module docstring)
 GREEDY_MARGIN = BF16_TOL  # greedy ids compared where the oracle's top-2 margin exceeds it
 ROUTER_TIE = 0.02  # MoE: expert probabilities this close are a near tie
 LOGIT_SCALE = (1.0, 16.0)  # the range of max |logit| in which BF16_TOL means what it says
