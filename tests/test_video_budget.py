@@ -22,7 +22,6 @@ import io
 
 import numpy as np
 import pytest
-import torch
 
 from tandem.chat import VideoOptions
 from tandem.services.encoder.config import EncoderConfig
@@ -135,21 +134,45 @@ def test_the_bomb_is_refused_from_its_header_before_a_frame_is_decoded(bomb, mon
     assert 4096 * 4096 * 230 < lim.max_video_decoded_pixels
 
 
-def test_the_bomb_gets_seconds_not_a_minute_when_its_work_is_allowed(bomb):
-    """With the work check out of the way, the clock stops it at what 58 KB buy."""
+def test_the_bomb_gets_seconds_of_cpu_not_a_minute_when_its_work_is_allowed(bomb):
+    """With the work check out of the way, the bytes' CPU budget stops it: 58 KB buy
+    seconds, not max_video_decode_s (shown on a budget its decode cannot fit, so the test
+    does not depend on this core's speed)."""
     lim = default_limits(video_decode_pixels_per_byte=10**9)
-    limit_s, reason = lim.time_allowed(len(bomb))
-    assert reason is VideoRefusal.DECODE_BUDGET and limit_s < 6 < lim.max_video_decode_s
-    try:
-        prepare_video(bomb, SETTINGS, None, lim)
-    except VideoError as e:  # a core slow enough to need more than its bytes bought
-        assert e.reason is VideoRefusal.DECODE_BUDGET
+    assert lim.cpu_allowed(len(bomb)) < 6 < lim.max_video_decode_s
+    tight = default_limits(video_decode_pixels_per_byte=10**9, video_decode_s_per_mib=1e-6)
+    with pytest.raises(VideoError) as e:
+        prepare_video(bomb, SETTINGS, None, tight, "v")
+    assert e.value.reason is VideoRefusal.DECODE_BUDGET
 
 
-def test_a_slide_deck_is_served(deck):
+def test_the_budget_counts_this_threads_cpu_not_the_wall(monkeypatch):
+    """Time the decoding thread spends off the CPU (other requests on the cores) is not
+    charged to the file: a small clip whose decode waits 0.1 s per sampled frame (0.8 s in
+    all) passes a CPU budget of 0.3 s that a wall clock would have refused."""
+    import threading
+
+    import tandem.services.encoder.video as video
+
+    raw = _mp4(64, 64, [_black(64)] * 16, 8, "ultrafast")
+    real = video.resize_frame
+
+    def waits(*a, **k):  # off the CPU, as when the cores serve someone else
+        threading.Event().wait(0.1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(video, "resize_frame", waits)
+    lim = default_limits(video_decode_min_bytes=1 << 20, video_decode_s_per_mib=0.3)
+    assert lim.cpu_allowed(len(raw)) == pytest.approx(0.3)
+    planned = plan_source(raw, SETTINGS, VideoOptions(num_frames=8), lim)
+    assert len(planned.plan.indices) == 8
+    out = decode(planned, lim)
+    assert out.frames_decoded == planned.plan.indices[-1] + 1
+
+
+def test_a_slide_deck_is_served(deck, one_torch_thread):
     name, raw = deck
     lim = default_limits()
-    torch.set_num_threads(1)  # the encoder's cpu_threads default
     planned = plan_source(raw, SETTINGS, SLIDES_SAMPLING, lim)
     work = DecodeWork.of(planned.header, planned.plan.indices)
     assert work.units <= lim.work_allowed(len(raw)) / 1.5, (name, work.units / len(raw))
@@ -171,6 +194,5 @@ def test_the_budget_is_proportional_to_the_bytes_above_a_floor():
     floor = lim.video_decode_min_bytes
     assert lim.work_allowed(1) == lim.work_allowed(floor) == floor * lim.video_decode_pixels_per_byte
     assert lim.work_allowed(4 * floor) == 4 * lim.work_allowed(floor)
-    assert lim.time_allowed(4 * floor)[0] == pytest.approx(4 * lim.time_allowed(floor)[0])
-    assert lim.time_allowed(lim.max_video_bytes) == (lim.max_video_decode_s,
-                                                     VideoRefusal.DECODE_TIME)
+    assert lim.cpu_allowed(1) == lim.cpu_allowed(floor)
+    assert lim.cpu_allowed(4 * floor) == pytest.approx(4 * lim.cpu_allowed(floor))

@@ -86,12 +86,13 @@ class EncoderConfig(ModelServiceSettings):
     )  # fmt: skip
     video_decode_s_per_mib: float = Field(
         90.0, gt=0,
-        description="Decode wall time each MiB of a video buys (the file's bytes, at least "
-        "video_decode_min_bytes; never past max_video_decode_s), checked while decoding: a "
-        "file slower per pixel than its work says still stops at what its bytes paid for. "
-        "Slide videos measured 1.3-36 s per MiB (36: one 1080p slide throughout, x264 "
-        "medium), so 90 leaves the slowest 2.5x its time; a 58 KB file gets 5 s, not "
-        "max_video_decode_s.",
+        description="Decode CPU time each MiB of a video buys (the file's bytes, at least "
+        "video_decode_min_bytes), checked while decoding on the decoding thread's own CPU "
+        "clock, so other requests' load cannot push a file over it (max_video_decode_s "
+        "bounds the wall time beside it): a file slower per pixel than its work says still "
+        "stops at what its bytes paid for. Slide videos measured 1.3-36 s per MiB of wall "
+        "time on a loaded machine (36: one 1080p slide throughout, x264 medium), so 90 "
+        "leaves the slowest 2.5x; a 58 KB file gets 5 s, not max_video_decode_s.",
     )  # fmt: skip
     video_decode_min_bytes: int = Field(
         32 * 1024, ge=1,

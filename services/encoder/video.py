@@ -63,11 +63,11 @@ class VideoLimits:
     max_video_duration_s: float = 600.0  # N / r, transformers' VideoMetadata.duration
     max_video_frames: int = 18_000  # frames in the file (ten minutes at 30 per second)
     max_video_decoded_pixels: int = 4_000_000_000  # sum of W * H over every frame decoded
-    max_video_decode_s: float = 60.0  # wall time of the decode loop
+    max_video_decode_s: float = 60.0  # wall time of the decode loop, whatever its bytes
     max_video_tokens: int = 32_768  # vision tokens of the clip (t * h * w / merge**2)
     # what a file's bytes buy (services/encoder/config.py says how the defaults were chosen)
     video_decode_pixels_per_byte: int = 60_000  # DecodeWork.units per byte, before decoding
-    video_decode_s_per_mib: float = 90.0  # decode wall time per MiB, while decoding
+    video_decode_s_per_mib: float = 90.0  # decode CPU time per MiB (the decoding thread's)
     video_decode_min_bytes: int = 32 * 1024  # a smaller file is budgeted as this size
 
     def _paid_bytes(self, nbytes: int) -> int:
@@ -77,13 +77,35 @@ class VideoLimits:
         """The most `DecodeWork.units` a file of `nbytes` may cost."""
         return self._paid_bytes(nbytes) * self.video_decode_pixels_per_byte
 
-    def time_allowed(self, nbytes: int) -> tuple[float, VideoRefusal]:
-        """The longest a file of `nbytes` may decode, and the limit that sets it (the bytes'
-        budget or max_video_decode_s, whichever is smaller)."""
-        paid = self._paid_bytes(nbytes) / 2**20 * self.video_decode_s_per_mib
-        if paid < self.max_video_decode_s:
-            return paid, VideoRefusal.DECODE_BUDGET
-        return self.max_video_decode_s, VideoRefusal.DECODE_TIME
+    def cpu_allowed(self, nbytes: int) -> float:
+        """The CPU seconds a file of `nbytes` may spend decoding (its bytes' budget; the
+        wall clock's max_video_decode_s applies beside it)."""
+        return self._paid_bytes(nbytes) / 2**20 * self.video_decode_s_per_mib
+
+
+class DecodeClock:
+    """The two clocks of one decode, checked after each frame:
+
+    - the bytes' budget (`cpu_allowed`) in the decoding thread's CPU time: the decode runs
+      on this thread alone (FFmpeg's thread_count is 1, frames given as images decode
+      here), so other requests' load on the cores cannot push a client's file over what
+      its bytes bought, while a file slower per pixel than its work says still stops;
+    - max_video_decode_s in wall time: no decode holds a preprocessing worker longer,
+      whatever its bytes and however loaded the machine."""
+
+    def __init__(self, field: str, nbytes: int, lim: VideoLimits) -> None:
+        self.field, self.nbytes, self.lim = field, nbytes, lim
+        self.cpu_s = lim.cpu_allowed(nbytes)
+        self.cpu0, self.wall0 = time.thread_time(), time.monotonic()
+
+    def check(self) -> None:
+        if time.thread_time() - self.cpu0 > self.cpu_s:
+            raise over(self.field, VideoRefusal.DECODE_BUDGET,
+                       f"decoding took more than the {self.cpu_s:.2f} s of CPU that "
+                       f"{self.nbytes} bytes buy", self.lim.video_decode_s_per_mib)
+        if time.monotonic() - self.wall0 > self.lim.max_video_decode_s:
+            raise over(self.field, VideoRefusal.DECODE_TIME, "decoding took longer",
+                       self.lim.max_video_decode_s)
 
 
 # The cost of a sampled frame's pixel (RGB conversion, then the antialiased bicubic resize
@@ -282,9 +304,9 @@ def decode_frames(
     # NOTE: the loop stops after the last sampled index (< N <= max_frames) and refuses a
     # frame whose size is not the header's, so what it decodes is what was checked above;
     # the running pixel sum bounds it without relying on that reasoning.
-    limit_s, limit = lim.time_allowed(len(raw))
+    clock = DecodeClock(field, len(raw), lim)
     container, stream = _open(raw, field)
-    start, pixels, decoded = time.monotonic(), 0, 0
+    pixels, decoded = 0, 0
     # NOTE: one reformatter for the clip: frame.to_ndarray(format=...) makes one per frame,
     # and with it a swscale context (about a third of a 30 s clip's decode time here);
     # the same conversion, so the same bytes (tests/test_video_preprocess.py).
@@ -315,8 +337,7 @@ def decode_frames(
                 for slot in slots[decoded]:
                     out[slot] = resized
             decoded += 1
-            if time.monotonic() - start > limit_s:
-                raise too_long(field, limit, limit_s, len(raw), lim)
+            clock.check()
             if decoded > last:
                 break
     except (VideoError, TimeoutError):
@@ -377,15 +398,6 @@ def prepare_video(
 ) -> PreparedVideo:
     """Bytes -> `PreparedVideo`: probe, plan, decode, normalize, patchify (see the module)."""
     return decode(plan_source(raw, settings, options, limits, field), limits, budget)
-
-
-def too_long(field: str, limit: VideoRefusal, limit_s: float, nbytes: int,
-              lim: VideoLimits) -> VideoError:
-    """The refusal of a decode past its time: the bytes' budget or max_video_decode_s."""
-    if limit is VideoRefusal.DECODE_BUDGET:
-        return over(field, limit, f"decoding took longer than the {limit_s:.2f} s that "
-                    f"{nbytes} bytes buy", lim.video_decode_s_per_mib)  # fmt: skip
-    return over(field, limit, "decoding took longer", lim.max_video_decode_s)
 
 
 def _not_decodable() -> str:

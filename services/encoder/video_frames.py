@@ -18,7 +18,7 @@ file's do (services/encoder/video.py), so a video a cache holds is never decoded
                  request's budget between frames --normalize_and_patchify--> PreparedVideo
 
 The frames' bytes together buy their decode work and time as a file's bytes do
-(`VideoLimits.work_allowed`, `time_allowed`).
+(`VideoLimits.work_allowed`, `DecodeClock`).
 
 A frame is converted to RGB as an image part is (`images.to_rgb`): for RGB frames
 (JPEG, RGB PNG) that is the array transformers takes from the same PIL image.
@@ -41,13 +41,13 @@ from tandem.services.encoder.images import (
     open_image,
 )
 from tandem.services.encoder.video import (
+    DecodeClock,
     DecodeWork,
     PlannedVideo,
     PreparedVideo,
     VideoLimits,
     check_work,
     over,
-    too_long,
 )
 from tandem.services.encoder.video_rules import (
     Sampling,
@@ -126,18 +126,15 @@ def decode_frames(
     budget = budget or Budget()
     header, plan = video.header, video.plan
     t0 = time.perf_counter()
-    start = time.monotonic()
     out = torch.empty((len(video.frames), 3, *plan.size), dtype=torch.uint8)
-    nbytes = sum(len(raw) for raw in video.frames)
-    limit_s, limit = limits.time_allowed(nbytes)
+    clock = DecodeClock(video.field, sum(len(raw) for raw in video.frames), limits)
     for k, raw in enumerate(video.frames):
         budget.check()
         rgb = decode_image(raw, f"{video.field}[{k}]", image)
         # NOTE: the plan checked every header's size; a decoded frame has its header's size
         assert rgb.size == (header.width, header.height), (rgb.size, header)
         out[k] = resize_frame(np.array(rgb), plan.size)  # np.array: what transformers takes
-        if time.monotonic() - start > limit_s:
-            raise too_long(video.field, limit, limit_s, nbytes, limits)
+        clock.check()
     t1 = time.perf_counter()
     pixel_values = normalize_and_patchify(out, video.settings)
     return PreparedVideo(content_hash(video.frames), header, plan, pixel_values, video.field,
