@@ -71,9 +71,16 @@ def ckpt(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def cluster(ckpt):
+def media_dir(tmp_path_factory):
+    """The encoders' --allowed-local-media-path (file:// images are read under it only)."""
+    return tmp_path_factory.mktemp("media")
+
+
+@pytest.fixture(scope="module")
+def cluster(ckpt, media_dir):
     cl = LocalCluster(
         str(ckpt), encoders=2, languages=2,
+        encoder_args=f"--allowed-local-media-path {media_dir}",
         language_args="--embedding-block-size 16 --default-reservation-tokens 64",
         router_args="--load-refresh-s 0.2 --eject-after-failures 2 --max-image-bytes 200000",
     )
@@ -208,6 +215,31 @@ def test_greedy_equals_transformers(cluster, oracle, name, text, images):
         # after delivery (then Reattach is declined: the language already has the prompt),
         # there is no answer to read it from.
         assert ext.get("resumes", 0) >= 1 or ext["encoder_attempts"] > 1, ext
+
+
+def test_a_file_url_under_the_allowed_path_answers_as_its_data_url(cluster, media_dir,
+                                                                  tmp_path):
+    """Through the router's HTTP door: a file:// image the encoders may read (their
+    --allowed-local-media-path) gives the answer of the same image sent as a data URL; one
+    outside that directory, or a symlink inside it that points out, is a 400 naming it."""
+    raw = png(7, (56, 84))
+    (media_dir / "cat.png").write_bytes(raw)
+    (tmp_path / "out.png").write_bytes(raw)
+    (media_dir / "link.png").symlink_to(tmp_path / "out.png")
+
+    def chat(url: str) -> httpx.Response:
+        body = {"model": "", "max_tokens": MAX_NEW, "temperature": 0, "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "what is it?"}]}]}
+        return httpx.post(f"{cluster.http_url}/v1/chat/completions", json=body, timeout=120)
+
+    by_data, by_file = chat(data_url(raw)), chat(f"file://{media_dir / 'cat.png'}")
+    assert by_data.status_code == by_file.status_code == 200, by_file.text
+    assert by_file.json()["choices"][0]["message"] == by_data.json()["choices"][0]["message"]
+    for outside in (tmp_path / "out.png", media_dir / "link.png"):
+        r = chat(f"file://{outside}")
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "messages[0].content[0].image_url"
 
 
 def test_repeated_image_reaches_the_caching_encoder(cluster):

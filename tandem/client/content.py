@@ -65,8 +65,8 @@ def image(source, **kw) -> common_pb2.ContentPart:
     if isinstance(source, Path):
         return image_from_path(source, **kw)
     if isinstance(source, str):
-        if source.startswith(("data:", "http://", "https://")):
-            return image_from_url(source, **kw)
+        if source.startswith(("data:", "http://", "https://", "file:")):
+            return image_from_url(source, **kw)  # file: the encoder reads it (its own path)
         return image_from_path(source, **kw)
     if hasattr(source, "save") and hasattr(source, "size"):
         return image_from_pil(source, **kw)
@@ -103,7 +103,7 @@ def video(source, *, fps: float | None = None, num_frames: int | None = None,
         if ";base64" not in header or not header.startswith("data:video/"):
             raise ValueError("a video data URL must be data:video/<type>;base64,...")
         data = base64.b64decode(payload, validate=True)
-    elif isinstance(source, str) and source.startswith(("http://", "https://")):
+    elif isinstance(source, str) and source.startswith(("http://", "https://", "file:")):
         return common_pb2.ContentPart(video=common_pb2.VideoPart(url=source, **controls))
     elif isinstance(source, str | os.PathLike):
         data = Path(source).read_bytes()

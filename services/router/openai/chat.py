@@ -197,9 +197,16 @@ def _image_part(url: str, param: str, max_bytes: int) -> common_pb2.ImagePart:
         if not data:
             raise RouterError("INVALID_ARGUMENT", "image data URL is empty", param)
         return common_pb2.ImagePart(data=data)
-    if url.startswith(("http://", "https://")):
+    if url.startswith(REMOTE_SCHEMES):
         return common_pb2.ImagePart(url=url)
-    raise RouterError("INVALID_ARGUMENT", "image_url must be a data: or http(s) URL", param)
+    raise RouterError("INVALID_ARGUMENT", "image_url must be a data:, http(s) or file: URL",
+                      param)
+
+
+# URLs the router passes on unread: the encoder fetches http(s) under its allow-list and
+# reads file: only under its --allowed-local-media-path (refused there when unset), so
+# the rule for each lives in one place, the encoder's media code.
+REMOTE_SCHEMES = ("http://", "https://", "file:")
 
 
 def _video_part(v: VideoURL, param: str, max_bytes: int) -> common_pb2.VideoPart:
@@ -227,9 +234,10 @@ def _video_part(v: VideoURL, param: str, max_bytes: int) -> common_pb2.VideoPart
         if not data:
             raise RouterError("INVALID_ARGUMENT", "video data URL is empty", param)
         return common_pb2.VideoPart(data=data, **controls)
-    if url.startswith(("http://", "https://")):
+    if url.startswith(REMOTE_SCHEMES):
         return common_pb2.VideoPart(url=url, **controls)
-    raise RouterError("INVALID_ARGUMENT", "video_url must be a data: or http(s) URL", param)
+    raise RouterError("INVALID_ARGUMENT", "video_url must be a data:, http(s) or file: URL",
+                      param)
 
 
 def _frames_part(p: VideoFramesPart, where: str, cfg: RouterConfig) -> common_pb2.VideoPart:
