@@ -188,6 +188,10 @@ def test_a_ref_loop_is_refused_before_the_compiler(loop):
     {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"type": "integer"}}, "$ref": "#/$defs/a"},
     # a reference the walk cannot follow is the compiler's to judge
     {"$ref": "https://example.com/schema.json"},
+    # inside a subschema with its own $id, `#` is that subschema: not followed from the root
+    # (read from the root, inner's "#/$defs/inner" would be inner itself: a false loop)
+    {"$defs": {"inner": {"$id": "urn:inner", "$defs": {"inner": {"type": "integer"}},
+                         "$ref": "#/$defs/inner"}}, "$ref": "#/$defs/inner"},
 ])
 def test_references_with_a_base_case_pass_the_check(fine):
     check_spec(GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(fine)), GrammarLimits())

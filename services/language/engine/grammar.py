@@ -173,8 +173,10 @@ def _check_ref_cycles(schema) -> None:
     nothing but references (`{"$ref": "#/$defs/n"}` inside `n`): no value can ever satisfy
     it. Checked here rather than left to the compiler, whose versions disagree on whether
     and how they report it (xgrammar 0.2.9 refuses it with its own message, 0.2.8 compiles
-    a grammar that masks every token). Only local JSON pointers (`#/...`) are followed;
-    anything else is the compiler's to judge."""
+    a grammar that masks every token). Only local JSON pointers (`#/...`) from the document
+    root are followed: a subschema with its own `$id` changes what `#` means inside it, so
+    neither the walk nor a pointer enters one; those, and anything else, are the compiler's
+    to judge."""
     def resolve(ref: str):
         node = schema
         for part in ref[2:].split("/") if ref != "#" else []:
@@ -185,6 +187,8 @@ def _check_ref_cycles(schema) -> None:
                 node = node[int(part)]
             else:
                 return None
+            if isinstance(node, dict) and "$id" in node:
+                return None  # another base: its `#` is not this document's
         return node
 
     def pure_ref(node) -> str | None:
@@ -199,7 +203,7 @@ def _check_ref_cycles(schema) -> None:
         if isinstance(node, list):
             stack.extend(node)
             continue
-        if not isinstance(node, dict):
+        if not isinstance(node, dict) or (node is not schema and "$id" in node):
             continue
         stack.extend(v for v in node.values() if isinstance(v, dict | list))
         chain, seen, ref = [], set(), pure_ref(node)
