@@ -43,9 +43,11 @@ PUBLIC = "93.184.216.34"  # a global address: passes the check, never dialed (`d
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     requests: list[tuple[str, str]] = []  # (path, Host header) of every request served
+    agents: list[str] = []  # their User-Agent headers
 
     def do_GET(self):
         type(self).requests.append((self.path, self.headers.get("Host", "")))
+        type(self).agents.append(self.headers.get("User-Agent", ""))
         self.send_response(200)
         self.send_header("Content-Length", str(len(BODY)))
         self.end_headers()
@@ -218,3 +220,23 @@ def test_https_checks_the_certificate_against_the_host_name(tls_server, rebindin
         _read_image(f"https://other.test:{port}/a.png", _limits("other.test", private=True))
     assert e.value.message.startswith("fetching the image url failed: ")  # TLS refused it
     assert _Handler.requests == [("/a.png", f"pinned.test:{port}")]
+
+
+@pytest.mark.parametrize("ip", ["::ffff:10.0.0.1", "64:ff9b::a00:1", "2002:a00:1::1",
+                                "64:ff9b::7f00:1"])
+def test_an_ipv6_form_of_a_private_ipv4_address_is_refused(server, monkeypatch, dialed, ip):
+    """IPv4-mapped, NAT64 and 6to4 addresses reach the IPv4 address they carry: each is
+    checked as that address (private here), though the IPv6 form alone counts as global."""
+    def answer(host, port, *a, **k):
+        return [(socket.AF_INET6, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (ip, port, 0, 0))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", answer)
+    with pytest.raises(ChatError) as e:
+        _read_image(f"http://v6.test:{server}/x.png", _limits("v6.test", private=False))
+    assert e.value.message.startswith("url host 'v6.test' resolves to non-public address")
+    assert dialed == [] and _Handler.requests == []
+
+
+def test_the_fetch_names_itself(server, rebinding):
+    _read_image(f"http://pinned.test:{server}/ua.png", _limits("pinned.test", private=True))
+    assert _Handler.agents[-1].startswith("tandem/")

@@ -43,6 +43,7 @@ from pathlib import Path
 import httpcore
 from PIL import Image
 
+from tandem import version as _version
 from tandem.chat import ChatError, ImageInput, invalid
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -231,9 +232,29 @@ def _check_host(host: str, port: int, field: str, lim: ImageLimits) -> tuple[IPA
         raise invalid(field, f"url host {host!r} does not resolve")
     if not lim.allow_private_urls:
         for ip in addresses:
-            if not ip.is_global:
+            if not all(a.is_global for a in _routes_to(ip)):
                 raise invalid(field, f"url host {host!r} resolves to non-public address {ip}")
     return addresses
+
+
+# NAT64's well-known prefix: its addresses reach the IPv4 address in their low 32 bits
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
+def _routes_to(ip: IPAddress) -> tuple[IPAddress, ...]:
+    """`ip` and every IPv4 address it carries to (IPv4-mapped, 6to4, NAT64): an IPv6 form
+    counts as global however private the IPv4 address it reaches, so each is checked."""
+    if ip.version == 4:
+        return (ip,)
+    embedded = [ip.ipv4_mapped, ip.sixtofour]
+    if ip in _NAT64:
+        embedded.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+    return (ip, *(a for a in embedded if a is not None))
+
+
+# httpcore sends no User-Agent of its own (httpx did), and some media hosts refuse a
+# request without one (HTTP 403)
+_USER_AGENT = (b"User-Agent", f"tandem/{_version()}".encode())
 
 
 class _PinnedBackend(httpcore.SyncBackend):
@@ -306,7 +327,7 @@ def _fetch(url: str, field: str, lim: ImageLimits, rules: SourceRules, budget: B
     timeouts = {"connect": timeout, "read": timeout, "write": timeout, "pool": timeout}
     try:
         # NOTE: redirects are not followed: a redirect could leave the allow-list.
-        with pool, pool.stream("GET", url, headers=[(b"Accept", b"*/*")],
+        with pool, pool.stream("GET", url, headers=[(b"Accept", b"*/*"), _USER_AGENT],
                                extensions={"timeout": timeouts}) as r:
             if r.status != 200:
                 raise invalid(field, f"fetching the {noun} url gave HTTP {r.status}")
