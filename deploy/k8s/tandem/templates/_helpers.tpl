@@ -227,10 +227,12 @@ OpenTelemetry traces (values `tracing`): the standard OTEL_* variables every tie
 Annotations of the internal-TLS hook objects (templates/internal-tls.yaml): run before
 every install and upgrade, lower weights first (Argo CD maps these to PreSync hooks and
 sync waves); the previous run's objects are deleted before a new one, and all are deleted
-once every hook succeeded. Call with (dict "weight" N).
+once every hook succeeded. The RBAC objects (the right to create Secrets) are deleted when
+the hook fails too, so a failed install leaves no such right behind; the Job stays for its
+logs. Call with (dict "weight" N "rbac" true|false).
 */}}
 {{- define "tandem.internalTLSHook" -}}
 helm.sh/hook: pre-install,pre-upgrade
 helm.sh/hook-weight: {{ .weight | quote }}
-helm.sh/hook-delete-policy: before-hook-creation,hook-succeeded
+helm.sh/hook-delete-policy: before-hook-creation,hook-succeeded{{ if .rbac }},hook-failed{{ end }}
 {{- end }}
