@@ -72,8 +72,8 @@ class RouterCore:
         return self.registry.model_name() or "tandem"
 
     def served_names(self) -> list[str]:
-        """The model's name, then its aliases (--model-aliases)."""
-        return [self.model_name(), *self.cfg.model_aliases]
+        """The model's name, then its aliases (--model-aliases), each once."""
+        return list(dict.fromkeys([self.model_name(), *self.cfg.model_aliases]))
 
     def check_model(self, name: str) -> None:
         """Empty means the served model; so does any of its names, or a path or id that

@@ -87,8 +87,9 @@ def parse_output(text: str, setup: ToolSetup) -> ParsedOutput:
     if setup.mode is ToolMode.FORCED:
         # NOTE: the grammar lets the model write nothing but the call, so an output that
         # does not parse was cut (max_tokens, a stop string): it is neither a call nor an
-        # answer. No content and no call (the finish reason says "length"): a client that
-        # shows content or runs the call gets nothing half-written (docs/sdk.md).
+        # answer. No content and no call: a client that shows content or runs the call
+        # gets nothing half-written (docs/sdk.md); the finish reason says why it was cut
+        # ("length" for max_tokens, "stop" for a stop string the client asked for).
         try:
             call = _call(json.loads(text))
         except ValueError:
