@@ -98,14 +98,16 @@ def assert_openai_error(r, status: int, code: str, param=None):
         (chat(messages=frames_msg([PNG_URL, 7], fps=2)), "messages[0].content[0].video[1]"),
         (chat(messages=frames_msg([PNG_URL, "data:video/mp4;base64,aGk="], fps=2)),
          "messages[0].content[0].video[1]"),
-        (chat(messages=frames_msg(["file:///etc/passwd"], fps=2)),
+        # (file: goes on to the encoder, which reads it only under its
+        # --allowed-local-media-path: test_local_media, test_e2e_cluster)
+        (chat(messages=frames_msg(["ftp://example.com/f.png"], fps=2)),
          "messages[0].content[0].video[0]"),
         (chat(messages=frames_msg([PNG_URL], fps=2), mm_processor_kwargs={"num_frames": 4}),
          "mm_processor_kwargs.num_frames"),
         (chat(messages=vid_msg("data:image/png;base64,aGk=")), "messages[0].content[0].video_url"),
         (chat(messages=vid_msg("data:video/mp4,rawbytes")), "messages[0].content[0].video_url"),
         (chat(messages=vid_msg("data:video/mp4;base64,@@")), "messages[0].content[0].video_url"),
-        (chat(messages=vid_msg("file:///etc/passwd")), "messages[0].content[0].video_url"),
+        (chat(messages=vid_msg("ftp://example.com/v.mp4")), "messages[0].content[0].video_url"),
         (chat(messages=vid_msg("https://example.com/v.mp4", fps=2, num_frames=8)),
          "messages[0].content[0].video_url"),
         (chat(messages=vid_msg("https://example.com/v.mp4", fps=-1)),
