@@ -162,24 +162,24 @@ def build_app(core: RouterCore) -> FastAPI:
         body, media_type = core.metrics.render(request.headers.get("accept"))
         return Response(body, media_type=media_type)
 
-    async def model_entry(name: str) -> dict:
+    def model_entry(name: str, max_model_len: int | None) -> dict:
         """One served name as vLLM's /v1/models lists it: `root` the checkpoint, `parent`
         null (no adapters here), `max_model_len` the language tier's (null while no
-        language instance is up to say it)."""
+        language instance is up to say it; asked once per answer, not once per name)."""
         return {"id": name, "object": "model", "created": core.started, "owned_by": "tandem",
-                "root": core.model_root(), "parent": None,
-                "max_model_len": await core.max_model_len()}
+                "root": core.model_root(), "parent": None, "max_model_len": max_model_len}
 
     @app.get("/v1/models")
     async def models():
+        limit = await core.max_model_len()
         return {"object": "list",
-                "data": [await model_entry(name) for name in core.served_names()]}
+                "data": [model_entry(name, limit) for name in core.served_names()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         core.check_model(model_id)
         name = model_id if model_id in core.served_names() else core.model_name()
-        return await model_entry(name)
+        return model_entry(name, await core.max_model_len())
 
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request):
