@@ -64,29 +64,34 @@ def read_lock(path: Path) -> dict[str, str]:
     return pins
 
 
+def _dry_run(args: list[str], env: dict[str, str]) -> list[dict]:
+    """What `pip install --dry-run --ignore-installed ARGS` would install, as pip's report
+    lists it (each entry's `metadata`: name, version, requires_dist)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--dry-run",
+                        "--ignore-installed", "--report", str(report), *args],
+                       check=True, env=env)
+        return json.loads(report.read_text())["install"]
+
+
+def _pins(installs: list[dict]) -> dict[str, str]:
+    return {_canon(p["metadata"]["name"]): p["metadata"]["version"] for p in installs}
+
+
 def resolve(torch_spec: str, beside: list[str]) -> dict[str, str]:
     """{name: version} pip picks today for `.[dev]` + the tools, with torch at `torch_spec`,
     and for each spec in `beside` alone (installed `--no-deps`: its dependencies are not
     followed)."""
     with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "report.json"
         only_torch = Path(tmp) / "torch.txt"
         only_torch.write_text(torch_spec + "\n")
         # NOTE: the machine's own pip configuration (indexes, a torch cap) stays in force:
         # it is what `make setup` runs under too; only the project's lock is left out.
         env = {**os.environ, "PIP_CONSTRAINT": str(only_torch)}
-        subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed",
-             "--report", str(report), f"{ROOT}[dev]", torch_spec, *TOOLS],
-            check=True, env=env)
-        pins = {_canon(p["metadata"]["name"]): p["metadata"]["version"]
-                for p in json.loads(report.read_text())["install"]}
+        pins = _pins(_dry_run([f"{ROOT}[dev]", torch_spec, *TOOLS], env))
         for spec in beside:
-            subprocess.run(
-                [sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--no-deps",
-                 "--ignore-installed", "--report", str(report), spec], check=True, env=env)
-            for p in json.loads(report.read_text())["install"]:
-                pins[_canon(p["metadata"]["name"])] = p["metadata"]["version"]
+            pins.update(_pins(_dry_run(["--no-deps", spec], env)))
     pins.pop("tandem-vlm", None)
     pins = {n: v.split("+", 1)[0] for n, v in pins.items()}  # local labels (+cpu) off
     # the GPU image swaps Mooncake's CPU build for the CUDA one (same module, same release)
@@ -104,27 +109,17 @@ def resolve_peer(spec: str) -> dict[str, str]:
     from peer_bench.systems import SKIP_REQS, TORCH_PINS, pip_env
 
     env = pip_env()
-    with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "report.json"
-
-        def dry_run(*args: str) -> list[dict]:
-            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--dry-run",
-                            "--ignore-installed", "--report", str(report), *args],
-                           check=True, env=env)
-            return json.loads(report.read_text())["install"]
-
-        (peer,) = dry_run("--no-deps", spec)
-        reqs = []
-        for r in peer["metadata"].get("requires_dist", []):
-            q = Requirement(r)
-            if q.marker and not q.marker.evaluate({"extra": ""}):
-                continue
-            if _canon(q.name) not in SKIP_REQS:
-                q.marker = None
-                reqs.append(str(q))
-        pins = {_canon(p["metadata"]["name"]): p["metadata"]["version"]
-                for p in dry_run("pip", "packaging", *reqs, *TORCH_PINS)}
-    pins[_canon(peer["metadata"]["name"])] = peer["metadata"]["version"]
+    (peer,) = _dry_run(["--no-deps", spec], env)
+    reqs = []
+    for r in peer["metadata"].get("requires_dist", []):
+        q = Requirement(r)
+        if q.marker and not q.marker.evaluate({"extra": ""}):
+            continue
+        if _canon(q.name) not in SKIP_REQS:
+            q.marker = None
+            reqs.append(str(q))
+    pins = _pins(_dry_run(["pip", "packaging", *reqs, *TORCH_PINS], env))
+    pins.update(_pins([peer]))
     return pins
 
 
