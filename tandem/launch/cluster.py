@@ -2,6 +2,7 @@
 
     with LocalCluster(model, encoders=2, languages=2) as cl:
         cl.http_url, cl.grpc_address, cl.instances["encoder-0"].address / .pid
+        cl.metrics_url                        # the launcher's: restarts, instance states
 
 `tandem up` runs in its own session; `stop()` sends it SIGINT (as a terminal Ctrl-C
 would) or SIGTERM and returns its exit code.
@@ -27,6 +28,8 @@ from tandem.launch.procs import free_port
 
 _READY = re.compile(r"^\[up\] (\S+)\s+ready\s+(\S+)")
 _PIDS = re.compile(r"^\[up\] pids: (.*)$")
+_RESTARTED = re.compile(r"^\[up\] (\S+)\s+restarted \S+ pid=(\d+)")
+_METRICS = re.compile(r"^\[up\] launcher metrics (\S+)")
 
 
 @dataclass
@@ -45,12 +48,14 @@ class LocalCluster:
     encoder_args: str = ""
     language_args: str = ""
     router_args: str = ""
+    up_args: list[str] = field(default_factory=list)  # more `tandem up` flags, as they are
     echo: bool = False  # copy the cluster's log lines to our stdout
     env: dict[str, str] | None = None
     insecure_internal: bool = False  # default: mTLS between the tiers, as `tandem up` does
     pki_dir: str = ""  # where `tandem up` writes the CA and certificates (default: a temp dir)
     http_port: int = 0
     grpc_port: int = 0
+    metrics_url: str = ""  # the launcher's own /metrics (instance states, restarts)
     instances: dict[str, InstanceInfo] = field(default_factory=dict)
     lines: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4000))
     proc: subprocess.Popen | None = None
@@ -95,6 +100,7 @@ class LocalCluster:
                             ("--router-args", self.router_args)):
             if value:
                 argv += [flag, value]
+        argv += self.up_args
         env = dict(os.environ if self.env is None else self.env, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env, start_new_session=True)
@@ -116,6 +122,11 @@ class LocalCluster:
                 print(line, flush=True)
             if m := _READY.match(line):
                 self.instances.setdefault(m.group(1), InstanceInfo(m.group(1))).address = m.group(2)
+            elif m := _RESTARTED.match(line):
+                self.instances.setdefault(m.group(1), InstanceInfo(m.group(1))).pid = int(
+                    m.group(2))
+            elif m := _METRICS.match(line):
+                self.metrics_url = m.group(1)
             elif m := _PIDS.match(line):
                 for item in m.group(1).split():
                     name, _, pid = item.partition("=")

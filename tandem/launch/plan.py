@@ -20,7 +20,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tandem.launch.procs import Child, free_port, port_bindable, reserve_ports, say
+from tandem.launch.procs import (
+    PORT_RANGE_ENV,
+    Child,
+    PortRange,
+    free_block,
+    free_port,
+    port_bindable,
+    reserve_ports,
+    say,
+)
 from tandem.models.checkpoint import ARCHS
 from tandem.pki import PKIPaths, make_pki
 
@@ -33,6 +42,14 @@ MOONCAKE_WINDOW = (20000, 28000)
 # GPU needs an explicit page count, so it gets this one unless the caller gave --kv-pages.
 CPU_KV_PAGES = 4096
 CLI = [sys.executable, "-m", "tandem.cli"]
+# Under --port-range: Mooncake ports per instance (it binds two, its RPC and TCP-transport
+# ports, anywhere free in its range; the rest lets a restarted instance bind while the
+# previous one's ports linger), and the private block of a tensor-parallel language
+# instance (its rendezvous port, picked by the instance itself with free_port).
+RANGE_TRANSFER_PORTS = 8
+RANGE_TP_PORTS = 2
+# Mooncake ignores an RPC range reaching past this port (tandem.config.TransferConfig)
+MOONCAKE_TOP = 32767
 
 
 def cache_dir() -> Path:
@@ -127,10 +144,104 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pki-dir", default="",
                    help="Write that CA and the certificates here and keep them (default: "
                    "a private temporary directory, removed at exit).")
+    p.add_argument("--port-range", type=_port_range, default=None, metavar="LO-HI",
+                   help="Every port tandem up assigns (each instance's gRPC and metrics "
+                   "ports, its Mooncake transfer ports, the launcher's --metrics-port) comes "
+                   "from LO-HI, e.g. 30000-30999; a range too small for the plan is refused "
+                   "at start. Mooncake needs its part below 32768. --http-port and "
+                   "--grpc-port are yours (they may lie outside). Default: free ports from "
+                   f"{SERVICE_WINDOW_TEXT}, Mooncake's from {MOONCAKE_WINDOW[0]}-"
+                   f"{MOONCAKE_WINDOW[1] - 1}.")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="The launcher's own Prometheus endpoint: its instances' states and "
+                   "restart counts (tandem_up_restarts_total, tandem_up_instance_state). "
+                   "Default: a free port (printed at start); 0: off.")
+    p.add_argument("--max-restarts", type=int, default=5,
+                   help="An instance that exits unexpectedly is restarted, at most this "
+                   "many times within --restart-window; past that it stays down (logged, "
+                   "and its state 'failed' in the metrics). 0: never restart.")
+    p.add_argument("--restart-window", type=float, default=300.0,
+                   help="Seconds over which --max-restarts counts an instance's restarts.")
+    p.add_argument("--restart-backoff", type=float, default=1.0,
+                   help="Seconds before an instance's first restart; doubles with each "
+                   "restart still in the window, up to --restart-backoff-max.")
+    p.add_argument("--restart-backoff-max", type=float, default=30.0,
+                   help="The longest wait before a restart.")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="Seconds to get ready.")
     p.add_argument("--stop-timeout", type=float, default=15.0,
                    help="Seconds each child gets to drain before it is killed.")
     return p
+
+
+SERVICE_WINDOW_TEXT = "28000-32767 (below the kernel's ephemeral range)"
+
+
+def _port_range(text: str) -> PortRange:
+    try:
+        return PortRange.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+# Flags only the local launcher honours: `tandem up --ray` refuses them (local_only_in), as
+# its actors are placed and replaced by Ray on ports its nodes pick.
+LOCAL_ONLY = ("--port-range", "--metrics-port", "--max-restarts", "--restart-window",
+              "--restart-backoff", "--restart-backoff-max")
+
+
+def local_only_in(argv: list[str]) -> list[str]:
+    """The local-only flags among `argv` (as given: `--flag V` or `--flag=V`)."""
+    return [f for f in LOCAL_ONLY if any(a == f or a.startswith(f + "=") for a in argv)]
+
+
+def _tp(extra: list[str]) -> int:
+    value = _flag_value(extra, "--tp")
+    try:
+        return int(value) if value is not None else 1
+    except ValueError:
+        return 1  # the tier's own parser says why, at start or in `tandem serve --dry-run`
+
+
+def ports_needed(args: argparse.Namespace) -> dict[str, int]:
+    """What the plan takes out of --port-range, by use (for the refusal's message)."""
+    n = args.encoders + args.languages
+    need = {"gRPC": n, f"Mooncake ({RANGE_TRANSFER_PORTS} each)": n * RANGE_TRANSFER_PORTS}
+    metrics = sum(count for count, extra in ((args.encoders, args.encoder_args),
+                                             (args.languages, args.language_args))
+                  if _flag_value(shlex.split(extra), "--metrics-port") is None)
+    if metrics:
+        need["metrics"] = metrics
+    if _tp(shlex.split(args.language_args)) > 1:
+        need[f"tensor-parallel rendezvous ({RANGE_TP_PORTS} each)"] = (args.languages
+                                                                      * RANGE_TP_PORTS)
+    if args.metrics_port is None:
+        need["the launcher's metrics"] = 1
+    return need
+
+
+def check_port_range(args: argparse.Namespace) -> str | None:
+    """Why --port-range cannot hold the plan (None: it can). Counts ports, not which are
+    free now: a port taken by another process ends the plan later (PortsExhausted)."""
+    r: PortRange | None = args.port_range
+    if r is None:
+        return None
+    need = ports_needed(args)
+    n = args.encoders + args.languages
+    named = [p for p in (args.http_port, args.grpc_port, args.metrics_port) if p in r]
+    total, have = sum(need.values()), r.size - len(named)
+    if total > have:
+        parts = ", ".join(f"{v} {k}" for k, v in need.items())
+        mine = (f" ({len(named)} of them named by --http-port/--grpc-port/--metrics-port)"
+                if named else "")
+        return (f"--port-range {r} has {r.size} ports{mine}; this plan needs {total}: "
+                f"{parts} for {args.encoders} encoder(s) and {args.languages} language "
+                "instance(s)")
+    low = min(r.hi, MOONCAKE_TOP) - r.lo + 1
+    if low // RANGE_TRANSFER_PORTS < n:
+        return (f"--port-range {r}: Mooncake's transfer ports must lie below "
+                f"{MOONCAKE_TOP + 1} (it ignores a higher range), and {max(low, 0)} ports "
+                f"of the range do; {n} instances need {n * RANGE_TRANSFER_PORTS} there")
+    return None
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -139,6 +250,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(_glue_tier_args(argv))
     if args.encoders < 1 or args.languages < 1:
         p.error("--encoders and --languages must be >= 1")
+    if args.max_restarts < 0:
+        p.error("--max-restarts must be >= 0")
+    if args.restart_window <= 0 or args.restart_backoff < 0:
+        p.error("--restart-window must be > 0 and --restart-backoff >= 0")
+    if args.restart_backoff_max < args.restart_backoff:
+        p.error("--restart-backoff-max must be >= --restart-backoff")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        p.error("--metrics-port must be a port (0: off)")
+    if (why := check_port_range(args)) is not None:
+        p.error(why)
     for kind, count, extra in (("encoder", args.encoders, args.encoder_args),
                                ("language", args.languages, args.language_args)):
         flags = [a.split("=")[0] for a in shlex.split(extra)]
@@ -248,27 +369,45 @@ def operator_tls(pki: PKIPaths | None):
     return from_files(pki.ca, pki.cert("operator"), pki.key("operator"), "operator")
 
 
+def launcher_metrics_port(args: argparse.Namespace) -> int:
+    """The launcher's own metrics port: --metrics-port, else a free one (in --port-range)."""
+    if args.metrics_port is not None:
+        return args.metrics_port
+    return free_port(args.host, args.port_range)
+
+
 def plan(args: argparse.Namespace, model: str, pki: PKIPaths | None = None
          ) -> tuple[list[Child], list[Child], Child]:
     """(encoders, languages, router) as local processes on `args.host`, free ports each;
-    each child gets its role's certificate from `pki` (plaintext when None)."""
-    ranges = transfer_ranges(args.encoders + args.languages)
+    each child gets its role's certificate from `pki` (plaintext when None). Under
+    --port-range every port comes from it (PortsExhausted when it is too crowded)."""
     # NOTE: the router's ports are free until it binds them, after the instances are up: an
     # instance must not be handed one (seen in CI: language-0 on the router's --grpc-port)
-    reserve_ports(args.http_port, args.grpc_port)
+    reserve_ports(args.http_port, args.grpc_port, args.metrics_port)
+    within: PortRange | None = args.port_range
+    n = args.encoders + args.languages
+    if within is None:
+        ranges = transfer_ranges(n)
+    else:  # Mooncake's blocks first: they need the part below 32768
+        low = PortRange(within.lo, min(within.hi, MOONCAKE_TOP))
+        ranges = [(b.lo, b.hi) for b in (free_block(args.host, RANGE_TRANSFER_PORTS, low)
+                                         for _ in range(n))]
     language_extra = shlex.split(args.language_args)
     if _cpu_only():
         language_extra = cpu_language_args(language_extra)
+    tp_blocks = ([free_block(args.host, RANGE_TP_PORTS, within) for _ in range(args.languages)]
+                 if within is not None and _tp(language_extra) > 1 else [])
     encoders, languages = [], []
     for kind, count, extra, out in (
         ("encoder", args.encoders, shlex.split(args.encoder_args), encoders),
         ("language", args.languages, language_extra, languages),
     ):
         for i in range(count):
-            port = free_port(args.host)
+            port = free_port(args.host, within)
             # tier metrics on, one port per instance (unless the caller named one)
             metrics = _flag_value(extra, "--metrics-port")
-            own = [] if metrics else ["--metrics-port", metrics := str(free_port(args.host))]
+            own = ([] if metrics else
+                   ["--metrics-port", metrics := str(free_port(args.host, within))])
             argv = instance_argv(kind, model, args.host, port, ranges.pop(),
                                  ["--log-level", args.log_level, *extra, *own])
             child = Child(f"{kind}-{i}", argv, f"{args.host}:{port}",
@@ -276,6 +415,8 @@ def plan(args: argparse.Namespace, model: str, pki: PKIPaths | None = None
                           log_level=args.log_level)
             child.metrics_url = f"http://{args.host}:{metrics}/metrics"
             child.env_extra.update(tls_env(pki, kind))
+            if kind == "language" and tp_blocks:  # its own picks (free_port) from its block
+                child.env_extra[PORT_RANGE_ENV] = str(tp_blocks[i])
             child.probe_tls = operator_tls(pki)
             out.append(child)
     router = router_child(args, model, [c.grpc_address for c in encoders],

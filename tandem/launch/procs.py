@@ -67,11 +67,69 @@ def reserve_ports(*ports: int | None) -> None:
     _HANDED_OUT.update(p for p in ports if p)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+# `tandem up --port-range` puts a child's own port range here (tandem/launch/plan.py): a port
+# the child picks itself with free_port (a tensor-parallel instance's rendezvous port) then
+# comes from the block the launcher set aside for it.
+PORT_RANGE_ENV = "TANDEM_PORT_RANGE"
+
+
+class PortsExhausted(RuntimeError):
+    """No free port is left where one was asked for (a --port-range too crowded)."""
+
+
+@dataclass(frozen=True)
+class PortRange:
+    """Ports lo..hi, both included (`--port-range 30000-30999`)."""
+
+    lo: int
+    hi: int
+
+    def __post_init__(self) -> None:
+        if not 1024 <= self.lo <= self.hi <= 65535:
+            raise ValueError(f"{self}: wants LO-HI with 1024 <= LO <= HI <= 65535")
+
+    @classmethod
+    def parse(cls, text: str) -> PortRange:
+        m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", text)
+        if m is None:
+            raise ValueError(f"{text!r}: wants LO-HI, e.g. 30000-30999")
+        return cls(int(m.group(1)), int(m.group(2)))
+
+    @property
+    def size(self) -> int:
+        return self.hi - self.lo + 1
+
+    def __contains__(self, port: object) -> bool:
+        return isinstance(port, int) and self.lo <= port <= self.hi
+
+    def __str__(self) -> str:
+        return f"{self.lo}-{self.hi}"
+
+
+def env_port_range() -> PortRange | None:
+    """The range this process was started with by `tandem up --port-range`, if any."""
+    text = os.environ.get(PORT_RANGE_ENV, "")
+    return PortRange.parse(text) if text else None
+
+
+def free_port(host: str = "127.0.0.1", within: PortRange | None = None) -> int:
     """A port free now, never handed out before by this process, and (where the kernel's
     ephemeral range allows) outside it, so no outgoing connection can take it before the
     child binds it. Random, so two processes picking at once rarely meet; the bind check
-    catches a port already bound."""
+    catches a port already bound.
+
+    `within` (default: this process's TANDEM_PORT_RANGE, if set): only from that range;
+    PortsExhausted when none of it is free."""
+    within = within or env_port_range()
+    if within is not None:
+        candidates = [p for p in range(within.lo, within.hi + 1) if p not in _HANDED_OUT]
+        random.shuffle(candidates)
+        for port in candidates:
+            if port_bindable(host, port):
+                _HANDED_OUT.add(port)
+                return port
+        raise PortsExhausted(f"no free port left in {within} ({within.size} ports: the "
+                             "others are handed out or taken by other processes)")
     lo, hi = SERVICE_WINDOW[0], min(SERVICE_WINDOW[1], _ephemeral_low())
     # an unusual ephemeral range (starting below the window's upper part): the kernel's choice
     for _ in range(200 if hi - lo >= 1000 else 0):
@@ -86,6 +144,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         if port not in _HANDED_OUT:
             _HANDED_OUT.add(port)
             return port
+
+
+def free_block(host: str, width: int, within: PortRange) -> PortRange:
+    """`width` consecutive ports of `within`, none handed out before, the first two free
+    now (Mooncake binds two of its range; a free pair shows the block is not in use);
+    handed out as a whole. Random among the aligned blocks; PortsExhausted if none is."""
+    starts = list(range(within.lo, within.hi - width + 2, width))
+    random.shuffle(starts)
+    for lo in starts:
+        block = range(lo, lo + width)
+        if (not any(p in _HANDED_OUT for p in block)
+                and all(port_bindable(host, p) for p in block[:2])):
+            _HANDED_OUT.update(block)
+            return PortRange(lo, lo + width - 1)
+    raise PortsExhausted(f"no {width} consecutive free ports left in {within}")
 
 
 # NOTE: libc is loaded here, in the parent: the hook below runs between fork and exec while

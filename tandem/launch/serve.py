@@ -235,11 +235,15 @@ def check(launch: Launch) -> None:
     """Parse what `launch` gives `tandem up` and each tier, as they will at start: a bad
     value ends here (SystemExit 2, the tier's own message), before anything starts."""
     from tandem.config import parse_settings
-    from tandem.launch.plan import parse_args
+    from tandem.launch.plan import local_only_in, parse_args
     from tandem.tiers import TIERS
 
     if not launch.passthrough:  # under --ray, ray_up.py takes its own flags out first
         parse_args(launch.argv())
+    elif local := local_only_in(launch.argv()):  # what `tandem up --ray` refuses
+        print(f"tandem serve: {', '.join(local)}: only for the local launcher, not under "
+              "--ray", file=sys.stderr)
+        raise SystemExit(2)
     for t in (To.ENCODER, To.LANGUAGE, To.ROUTER):
         parse_settings(TIERS[t.value].config(),
                        ["--model", launch.model, *launch.tier[t], *launch.own[t]],
