@@ -171,7 +171,7 @@ def test_a_video_given_as_frames_becomes_the_wire_s_frames():
     body = chat(messages=frames_msg([PNG_URL, "https://example.com/f1.jpg"], sample_fps=2.5,
                                     max_pixels=50176),
                 mm_processor_kwargs={"min_pixels": 3136})
-    req = to_chat_request(ChatCompletionRequest.model_validate(body), RouterConfig(), "x")
+    req = to_chat_request(ChatCompletionRequest.model_validate(body), "x")
     v = req.messages[0].content[0].video
     assert v.WhichOneof("source") == "frames"
     assert [f.WhichOneof("source") for f in v.frames.frames] == ["data", "url"]
@@ -190,7 +190,7 @@ def test_video_parts_become_the_wire_s_video_parts():
         {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4",
                                             "num_frames": 8, "total_pixels": 1 << 40}},
         {"type": "text", "text": "compare"}]}])
-    req = to_chat_request(ChatCompletionRequest.model_validate(body), RouterConfig(), "x")
+    req = to_chat_request(ChatCompletionRequest.model_validate(body), "x")
     a, b, _ = req.messages[0].content
     assert (a.video.data, a.video.fps, a.video.max_pixels, a.video.num_frames) == (
         clip, 1.5, 50176, 0)
@@ -338,7 +338,7 @@ def test_structured_output_fields_reach_the_sampling_proto(body, kind, text):
     from tandem.services.router.openai.chat import ChatCompletionRequest, to_chat_request
 
     core, _ = make()
-    req = to_chat_request(ChatCompletionRequest.model_validate(body), core.cfg, "x")
+    req = to_chat_request(ChatCompletionRequest.model_validate(body), "x")
     so = req.sampling.structured_output
     assert so.WhichOneof("kind") == kind
     if kind == "choice":
@@ -378,8 +378,7 @@ def test_a_message_s_name_reaches_the_wire():
 
     body = chat(messages=[{"role": "system", "content": "be brief"},
                           {"role": "user", "content": "hi", "name": "Ann Lee"}])
-    req = to_chat_request(ChatCompletionRequest.model_validate(body), RouterConfig(
-        insecure_internal=True), "x")
+    req = to_chat_request(ChatCompletionRequest.model_validate(body), "x")
     assert [m.name for m in req.messages] == ["", "Ann Lee"]
     _, client = make()
     for bad, param in (("", "messages[0].name"), ("x" * 257, "messages[0].name"),
@@ -449,7 +448,7 @@ def test_tool_choice_shapes_the_request():
 
     def build(**kw):
         body = ChatCompletionRequest.model_validate(chat(tools=[WEATHER, CLOCK], **kw))
-        return to_chat_request(body, core.cfg, "x")
+        return to_chat_request(body, "x")
 
     auto = build()
     assert auto.tools.mode is ToolMode.AUTO and "get_weather" in auto.tools.tools_json

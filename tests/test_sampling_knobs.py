@@ -63,11 +63,10 @@ def test_the_table_names_every_openai_field_it_generates():
 @pytest.mark.parametrize("knob", HTTP_KNOBS, ids=lambda k: k.name)
 def test_a_knob_in_range_reaches_the_wire_over_http(knob):
     value = inside(knob)
-    req = to_chat_request(ChatCompletionRequest.model_validate(chat(**{knob.name: value})),
-                          CFG, "x")
+    req = to_chat_request(ChatCompletionRequest.model_validate(chat(**{knob.name: value})), "x")
     assert getattr(req.sampling, knob.name) == pytest.approx(value, rel=1e-6)
     cmpl = to_completion_request(CompletionRequest.model_validate(
-        {"model": "", "prompt": "hi", knob.name: value}), CFG, "x")
+        {"model": "", "prompt": "hi", knob.name: value}), "x")
     assert getattr(cmpl.sampling, knob.name) == pytest.approx(value, rel=1e-6)
     # ... and the language tier reads it as given
     assert getattr(sampling.from_proto(req.sampling), knob.name) == pytest.approx(value, rel=1e-6)
@@ -89,7 +88,7 @@ def test_a_knob_out_of_range_is_refused_by_name_at_both_doors(knob):
         return
     message = common_pb2.ChatMessage(role="user", content=[common_pb2.ContentPart(text="hi")])
     with pytest.raises(RouterError) as e:
-        _validate(router_pb2.RouterGenerateRequest(messages=[message], sampling=sent), CFG)
+        _validate(router_pb2.RouterGenerateRequest(messages=[message], sampling=sent))
     assert (e.value.code, e.value.param) == ("INVALID_ARGUMENT", f"sampling.{knob.name}")
 
 
@@ -116,5 +115,5 @@ def test_absent_knobs_are_the_defaults_and_the_wire_stays_empty():
 
 
 def test_top_k_minus_one_is_off_as_in_vllm():
-    req = to_chat_request(ChatCompletionRequest.model_validate(chat(top_k=-1)), CFG, "x")
+    req = to_chat_request(ChatCompletionRequest.model_validate(chat(top_k=-1)), "x")
     assert req.sampling.top_k == -1 and sampling.from_proto(req.sampling).top_k == -1

@@ -237,7 +237,7 @@ def body(**kw) -> dict:
 
 
 def request(**kw):
-    return to_chat_request(ChatCompletionRequest.model_validate(body(**kw)), CFG, "x")
+    return to_chat_request(ChatCompletionRequest.model_validate(body(**kw)), "x")
 
 
 def test_template_options_reach_the_wire():
@@ -250,7 +250,7 @@ def test_template_options_reach_the_wire():
     from tandem.services.router.openai.chat import TokenizeBody, to_tokenize_request
 
     t = to_tokenize_request(TokenizeBody.model_validate(
-        {"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True}), CFG)
+        {"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True}))
     assert isinstance(t, language_pb2.TokenizeRequest) and t.template_options.continue_final_message
 
 
@@ -283,7 +283,7 @@ def test_mm_processor_kwargs_bound_every_image():
     part = {"type": "image_url", "image_url": {"url": url}}
     req = to_chat_request(ChatCompletionRequest.model_validate(body(
         messages=[{"role": "user", "content": [part, part, {"type": "text", "text": "?"}]}],
-        mm_processor_kwargs={"min_pixels": 3136, "max_pixels": 200704})), CFG, "x")
+        mm_processor_kwargs={"min_pixels": 3136, "max_pixels": 200704})), "x")
     images = [p.image for p in req.messages[0].content if p.WhichOneof("part") == "image"]
     assert [(i.min_pixels, i.max_pixels) for i in images] == [(3136, 200704)] * 2
 
@@ -296,7 +296,7 @@ def test_mm_processor_kwargs_sample_every_video_unless_its_part_says_otherwise()
     req = to_chat_request(ChatCompletionRequest.model_validate(body(
         messages=[{"role": "user", "content": parts}],
         mm_processor_kwargs={"fps": 1.5, "max_frames": 12, "max_pixels": 50176,
-                             "total_pixels": 10**9})), CFG, "x")
+                             "total_pixels": 10**9})), "x")
     got = [(p.video.fps, p.video.num_frames, p.video.max_frames, p.video.max_pixels,
             p.video.total_pixels) for p in req.messages[0].content]
     # a part's own control wins; a part that picks a rate or a count takes neither
@@ -353,11 +353,11 @@ def test_grpc_door_checks_the_template_options():
 
     msg = common_pb2.ChatMessage(role="user", content=[common_pb2.ContentPart(text="hi")])
     ok = _validate(router_pb2.RouterGenerateRequest(messages=[msg], template_options={
-        "kwargs_json": '{"enable_thinking": false}'}), CFG)
+        "kwargs_json": '{"enable_thinking": false}'}))
     assert json.loads(ok.template_options.kwargs_json) == {"enable_thinking": False}
     with pytest.raises(RouterError) as e:
         _validate(router_pb2.RouterGenerateRequest(messages=[msg], template_options={
-            "kwargs_json": "[]"}), CFG)
+            "kwargs_json": "[]"}))
     assert (e.value.code, e.value.param) == ("INVALID_ARGUMENT", "chat_template_kwargs")
 
 

@@ -66,15 +66,3 @@ async def merged(generators: list[AsyncIterator[Output]]) -> AsyncIterator[tuple
         await asyncio.gather(*tasks, return_exceptions=True)
         for g in generators:
             await g.aclose()
-
-
-def total_usage(last: list[Output]) -> dict:
-    """OpenAI usage over all choices: the prompt once, the completions summed."""
-    usages = [p.usage for p in last if p.usage]
-    if not usages:
-        return {}
-    prompt = usages[0].prompt_tokens
-    completion = sum(u.completion_tokens for u in usages)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": usages[0].cached_tokens}}

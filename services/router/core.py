@@ -1,4 +1,9 @@
-"""The router's shared state, used by both front-ends (HTTP and gRPC)."""
+"""The router's core, under both doors (HTTP: openai/, gRPC: grpc_api.py): its shared
+state, and `generate`, the one way a generation request is run. A door translates its wire
+format into a `Query` and says who called (`Caller`); the core checks the request-level
+bounds (bounds.py), makes the request's cache namespace, traces it, admits it and fans its
+`n` choices out through the dispatcher (choices.py), and hands back a `Run` whose Outputs
+the door translates back into its wire format."""
 
 from __future__ import annotations
 
@@ -8,11 +13,12 @@ from collections.abc import Callable
 from pathlib import PurePath
 
 import grpc
-from opentelemetry.context import Context
 
 from tandem import tracing
 from tandem.metrics import metric_set, service_registry
+from tandem.services.router import bounds
 from tandem.services.router.admission import Admission
+from tandem.services.router.choices import choice_requests, merged
 from tandem.services.router.config import RouterConfig
 from tandem.services.router.dispatch.dispatcher import Dispatcher
 from tandem.services.router.dispatch.registry import Registry
@@ -21,8 +27,16 @@ from tandem.services.router.errors import RouterError, Tier, internal_call_error
 from tandem.services.router.health import Health, TierHealth
 from tandem.services.router.metrics import RouterMetrics
 from tandem.services.router.refusals import RefusalBudget
-from tandem.services.router.request import ChatRequest, image_hashes
-from tandem.services.router.tenants import Tenants
+from tandem.services.router.request import (
+    Caller,
+    ChatRequest,
+    Door,
+    Output,
+    Query,
+    image_hashes,
+)
+from tandem.services.router.tenants import Tenants, cache_namespace
+from tandem.services.router.tools import ToolMode
 from tandem.v1 import language_pb2
 
 
@@ -112,27 +126,62 @@ class RouterCore:
         except grpc.RpcError as e:  # its own timeout passing: the instance is stuck (503)
             raise internal_call_error(e, Tier.LANGUAGE, lang.address, math.inf) from None
 
-    def start_trace(self, req: ChatRequest, api: str, parent: Context | None, stream: bool,
-                    n: int) -> tracing.Span:
-        """The root span of `req` (OFF while tracing is off), a child of the caller's
-        traceparent (`parent`) when it sent one; named and described by the OpenTelemetry
-        GenAI conventions. The front end ends it when its answer has ended."""
+    def generate(self, query: Query, caller: Caller) -> Run:
+        """Run `query` for `caller`, the one way either door does: its request-level bounds
+        checked (bounds.py), its cache namespace made of the caller's tenant and the salt it
+        asked for, its root span started (a child of the caller's traceparent), admitted
+        (`admit`), and its `n` choices started through the dispatcher. A refusal here is a
+        RouterError, counted (and traced once the span exists); past it, the door owns the
+        returned Run and ends it (Run.end) when its answer has ended."""
+        try:
+            bounds.check(query, self.cfg)
+            salt = cache_namespace(caller.tenant, query.cache_salt)
+        except RouterError as err:
+            self.count(caller.door, err.code)
+            raise
+        root = self.start_trace(query, caller)
+        try:
+            release = self.admit(caller.tenant, root)
+        except RouterError as err:
+            self.count(caller.door, err.code)
+            tracing.fail(root, err.code, err.message)
+            root.end()
+            raise
+        timeout_s = (query.timeout_ms / 1000 if query.timeout_ms is not None
+                     else self.cfg.request_timeout_s)
+        req = ChatRequest(
+            messages=query.messages, sampling=query.sampling, timeout_s=timeout_s,
+            request_id=query.request_id, priority=query.priority, tools=query.tools,
+            prompt=query.prompt, client_id=caller.client_id, tenant=caller.tenant,
+            cache_salt=salt, template_options=query.template_options, trace=root)
+        return Run(self, req, query.n, caller.door, release)
+
+    def count(self, door: Door, outcome: str) -> None:
+        """Count one generation request that reached a door's handler, once, when its
+        answer has ended: "ok" or the error code it ended with (metrics.py)."""
+        self.metrics.requests.labels(door.value, outcome.lower()).inc()
+
+    def start_trace(self, query: Query, caller: Caller) -> tracing.Span:
+        """The root span of `query` (OFF while tracing is off), a child of the caller's
+        traceparent when it sent one; named and described by the OpenTelemetry GenAI
+        conventions. Its Run ends it when the door's answer has ended."""
         if not tracing.enabled():
             return tracing.OFF
-        op = "text_completion" if req.prompt else "chat"
-        model, s = self.model_name(), req.sampling
-        attrs = {tracing.REQUEST_ID: req.request_id, tracing.OPERATION: op,
-                 tracing.REQUEST_MODEL: model, tracing.REQUEST_STREAM: stream,
-                 tracing.REQUEST_CHOICES: n, tracing.REQUEST_TEMPERATURE: s.temperature,
-                 "tandem.api": api, "tandem.images": len(image_hashes(req.messages))}
+        op = "text_completion" if query.prompt else "chat"
+        model, s = self.model_name(), query.sampling
+        attrs = {tracing.REQUEST_ID: query.request_id, tracing.OPERATION: op,
+                 tracing.REQUEST_MODEL: model, tracing.REQUEST_STREAM: query.stream,
+                 tracing.REQUEST_CHOICES: query.n, tracing.REQUEST_TEMPERATURE: s.temperature,
+                 "tandem.api": caller.door.value,
+                 "tandem.images": len(image_hashes(query.messages))}
         for key, name in ((tracing.REQUEST_MAX_TOKENS, "max_tokens"),
                           (tracing.REQUEST_TOP_P, "top_p"), (tracing.REQUEST_SEED, "seed")):
             if s.HasField(name):
                 attrs[key] = getattr(s, name)
         if s.top_k > 0:
             attrs[tracing.REQUEST_TOP_K] = s.top_k
-        return tracing.start(f"{op} {model}", parent, kind=tracing.SpanKind.SERVER,
-                             attributes=attrs)
+        return tracing.start(f"{op} {model}", caller.trace_parent,
+                             kind=tracing.SpanKind.SERVER, attributes=attrs)
 
     def admit(self, tenant: str = "", trace: tracing.Span = tracing.OFF) -> Callable[[], None]:
         """Admit one request of `tenant`, the only way either front end does: refused while
@@ -160,3 +209,44 @@ class RouterCore:
                 self.admission.release(tenant)
 
         return release
+
+
+class Run:
+    """One admitted request on its way (RouterCore.generate): its choices' Outputs as
+    (choice index, Output) in arrival order (`outputs`; choices.merged), and its end.
+
+    `end` ends it once, whoever calls it first (every exit path of a door may): the
+    admission slot released, the request counted by its outcome, its root span ended
+    (failed unless "ok"). `aclose` closes the choices' streams (the dispatcher's
+    generators; see dispatch/dispatcher.py's leak note)."""
+
+    def __init__(self, core: RouterCore, request: ChatRequest, n: int, door: Door,
+                 release: Callable[[], None]) -> None:
+        self.request = request
+        self.n = n
+        # NOTE: a request with tools is answered whole (`whole_output`): a tool call is
+        # known only once its closing tag is out (n > 1 with tools is refused: bounds.py)
+        self.whole = request.tools.mode is not ToolMode.NONE
+        self.outputs = merged([core.dispatcher.generate(r) for r in choice_requests(request, n)])
+        self._core, self._door, self._release = core, door, release
+        self._ended = False
+
+    async def whole_output(self) -> Output:
+        """The one choice of a request with tools, whole: its content and its calls
+        (Output.whole)."""
+        return Output.whole([o async for _, o in self.outputs], self.request.tools)
+
+    def end(self, outcome: str = "ok", message: str = "") -> None:
+        """End the request: "ok", or the code it failed with (an error's code, CANCELLED
+        when its caller left first) and why."""
+        if self._ended:
+            return
+        self._ended = True
+        self._release()
+        self._core.count(self._door, outcome)
+        if outcome != "ok":
+            tracing.fail(self.request.trace, outcome.upper(), message)
+        tracing.end(self.request.trace)
+
+    async def aclose(self) -> None:
+        await self.outputs.aclose()

@@ -1,4 +1,7 @@
-"""gRPC `Router` front-end (the SDK's endpoint): same semantics as the HTTP API.
+"""gRPC `Router` front-end (the SDK's endpoint): same semantics as the HTTP API. The door
+translates only: a RouterGenerateRequest into a Query (`_validate`), its caller (peer,
+credentials, traceparent) into a Caller, the core's Outputs into RouterGenerateResponses;
+the rules of a request (bounds, admission, tools, tracing, choices) are the core's.
 
 Errors before any output end the call with a status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
 UNAUTHENTICATED, UNAVAILABLE, DEADLINE_EXCEEDED, ...); a failure after output is a last
@@ -8,66 +11,38 @@ this handler's task, which closes the dispatcher's generator (see dispatch/dispa
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 
 import grpc
-from pydantic import TypeAdapter, ValidationError
 
 from tandem import sampling, tracing
 from tandem.chat import ChatError, template_options_from_proto
 from tandem.errors import FIELD_METADATA
 from tandem.services.router.admission import client_id
-from tandem.services.router.choices import choice_requests, merged
 from tandem.services.router.config import RouterConfig
 from tandem.services.router.core import RouterCore
 from tandem.services.router.errors import RouterError
-from tandem.services.router.openai.chat import Tool, tool_setup_of
 from tandem.services.router.refusals import HeldTooLong, Ticket
-from tandem.services.router.request import MAX_TIMEOUT_MS, ChatRequest, Output
-from tandem.services.router.tenants import cache_namespace
-from tandem.services.router.tools import ToolMode, ToolSetup, parse_output
-from tandem.v1 import common_pb2, language_pb2, router_pb2, router_pb2_grpc
-
-_TOOLS = TypeAdapter(list[Tool])
+from tandem.services.router.request import Caller, Door, Output, Query
+from tandem.services.router.tools import forced, tool_setup_of, tools_from_json
+from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 
-def _validate(request: router_pb2.RouterGenerateRequest, cfg: RouterConfig) -> ChatRequest:
+def _validate(request: router_pb2.RouterGenerateRequest) -> Query:
+    """The wire's request as a Query, its input checked (its request-level bounds are the
+    core's: bounds.py)."""
     if not request.messages:
         raise RouterError("INVALID_ARGUMENT", "messages must not be empty", "messages")
-    s = request.sampling
-    if not 0 <= request.timeout_ms <= MAX_TIMEOUT_MS:
-        raise RouterError("INVALID_ARGUMENT", f"timeout_ms must be in [0, {MAX_TIMEOUT_MS}] "
-                          "(0 = the router's default)", "timeout_ms")  # fmt: skip
-    if not 0 <= request.n <= 16:
-        raise RouterError("INVALID_ARGUMENT", "n must be in [1, 16]", "n")
     for i, m in enumerate(request.messages):
         if m.role not in ("system", "user", "assistant", "tool"):
             raise RouterError("INVALID_ARGUMENT", f"unknown role {m.role!r}", f"messages[{i}].role")
-        for j, part in enumerate(m.content):
-            if part.WhichOneof("part") == "image" and len(part.image.data) > cfg.max_image_bytes:
-                raise RouterError(
-                    "TOO_LARGE",
-                    f"image larger than {cfg.max_image_bytes} bytes",
-                    f"messages[{i}].content[{j}].image",
-                )
-            if part.WhichOneof("part") == "video" and len(part.video.data) > cfg.max_video_bytes:
-                raise RouterError("TOO_LARGE", f"video larger than {cfg.max_video_bytes} bytes "
-                                  "(the router's max_video_bytes)",
-                                  f"messages[{i}].content[{j}].video")  # fmt: skip
-            if part.WhichOneof("part") == "video" and sum(
-                    len(f.data) for f in part.video.frames.frames) > cfg.max_video_bytes:
-                raise RouterError("TOO_LARGE", f"the frames are larger than {cfg.max_video_bytes}"
-                                  " bytes together (the router's max_video_bytes)",
-                                  f"messages[{i}].content[{j}].video.frames")  # fmt: skip
-    tools = _tools(request)
+    tools = tool_setup_of(tools_from_json(request.tools_json), request.tool_choice or None)
+    s = request.sampling
     if tools.grammar is not None:
-        if s.HasField("structured_output"):
-            raise RouterError("INVALID_ARGUMENT", "a forced tool call and another output "
-                              "constraint cannot go together", "tool_choice")  # fmt: skip
         s = common_pb2.SamplingParams()
         s.CopyFrom(request.sampling)
-        s.structured_output.CopyFrom(tools.grammar)
+        asked = s.structured_output if s.HasField("structured_output") else None
+        s.structured_output.CopyFrom(forced(tools.grammar, asked))
     try:
         sampling.from_proto(s)  # the language tier's own check, before routing
     except sampling.SamplingError as e:
@@ -76,27 +51,18 @@ def _validate(request: router_pb2.RouterGenerateRequest, cfg: RouterConfig) -> C
         template_options_from_proto(request.template_options)
     except ChatError as e:
         raise RouterError("INVALID_ARGUMENT", e.detail, e.field) from None
-    return ChatRequest(
+    return Query(
         messages=list(request.messages),
         sampling=s,
-        tools=tools,
-        timeout_s=request.timeout_ms / 1000 if request.timeout_ms else cfg.request_timeout_s,
         request_id=request.request_id or f"req-{uuid.uuid4().hex[:24]}",
+        timeout_ms=request.timeout_ms or None,  # the wire's 0: absent
+        n=request.n or 1,  # the wire's 0: one
+        stream=True,
         priority=request.priority,
+        tools=tools,
         template_options=request.template_options,
+        cache_salt=request.cache_salt,
     )
-
-
-def _tools(request: router_pb2.RouterGenerateRequest) -> ToolSetup:
-    """The request's tools_json / tool_choice, validated as the HTTP API validates them."""
-    tools = None
-    if request.tools_json:
-        try:
-            tools = _TOOLS.validate_json(request.tools_json)
-        except ValidationError as e:
-            raise RouterError("INVALID_ARGUMENT", f"tools: {e.errors()[0]['msg']}",
-                              "tools") from None  # fmt: skip
-    return tool_setup_of(tools, request.tool_choice or None)
 
 
 def _field_metadata(err: RouterError) -> tuple[tuple[str, str], ...]:
@@ -114,18 +80,6 @@ def _client_id(context: grpc.aio.ServicerContext, cfg: RouterConfig) -> str:
     peer = context.peer() or ""
     host = peer.partition(":")[2].rpartition(":")[0].strip("[]") if ":" in peer else peer
     return client_id(host or peer, forwarded)
-
-
-def _whole(outputs: list[Output], tools: ToolSetup) -> Output:
-    """A request with tools, answered in one last Output: its content and its calls (then
-    its finish reason is TOOL_CALLS), all its tokens and logprobs."""
-    out = parse_output("".join(o.text for o in outputs), tools)
-    last = outputs[-1]
-    response = language_pb2.LanguageGenerateResponse(
-        text=out.content or "", finish_reason=last.response.finish_reason,
-        token_ids=[t for o in outputs for t in o.token_ids],
-        logprobs=[lp for o in outputs for lp in o.logprobs])
-    return dataclasses.replace(last, response=response, tool_calls=out.tool_calls)
 
 
 def _to_proto(output: Output, request_id: str, index: int = 0) -> router_pb2.RouterGenerateResponse:
@@ -173,59 +127,55 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             ticket.close()
 
     async def _generate(self, request, context, who: str, ticket: Ticket):
-        """Generate's body; the first message or the error goes to the refusal `ticket`."""
+        """Generate's body: the wire's request translated, run by the core, its Outputs
+        translated back; the first message or the error goes to the refusal `ticket`."""
         core = self.core
-        sent = False
-        request_id = request.request_id
-        root = tracing.OFF  # the request's root span once it is valid
         try:
-            tenant = self._auth(context)
+            caller = Caller(Door.GRPC, who, self._auth(context), tracing.from_call(context))
             core.check_model(request.model)
-            req = _validate(request, core.cfg)
-            req.client_id, req.tenant = who, tenant
-            req.cache_salt = cache_namespace(tenant, request.cache_salt)
-            request_id = req.request_id
-            n = request.n or 1
-            if n > 1 and req.tools.mode is not ToolMode.NONE:
-                raise RouterError("INVALID_ARGUMENT", "n > 1 with tools is not served", "n")
-            req.trace = root = core.start_trace(req, "grpc", tracing.from_call(context), True, n)
-            release = core.admit(req.tenant, root)
-            try:
-                agen = merged([core.dispatcher.generate(r) for r in choice_requests(req, n)])
-                try:
-                    if req.tools.mode is not ToolMode.NONE:  # calls known at the end only
-                        whole = _whole([o async for _, o in agen], req.tools)
-                        sent = True
-                        ticket.close()
-                        yield _to_proto(whole, request_id)
-                    async for index, output in agen:
-                        sent = True
-                        ticket.close()
-                        yield _to_proto(output, request_id, index)
-                finally:
-                    await agen.aclose()
-            finally:
-                release()
-            core.metrics.requests.labels("grpc", "ok").inc()
-            root.end()
+            query = _validate(request)
+        except RouterError as err:  # refused by the door: counted here, as the core counts its own
+            core.count(Door.GRPC, err.code)
+            await self._abort(context, err, ticket, request)
+        try:
+            run = core.generate(query, caller)
+        except RouterError as err:  # counted and traced by the core
+            await self._abort(context, err, ticket, request)
+        sent = False
+        try:
+            if run.whole:
+                whole = await run.whole_output()
+                sent = True
+                ticket.close()
+                yield _to_proto(whole, query.request_id)
+            async for index, output in run.outputs:
+                sent = True
+                ticket.close()
+                yield _to_proto(output, query.request_id, index)
+            run.end()
         except RouterError as err:
-            core.metrics.requests.labels("grpc", err.code.lower()).inc()
-            tracing.fail(root, err.code, err.message)
-            tracing.end(root)
+            run.end(err.code, err.message)
             if not sent:
-                ticket.answered(err.http_status, request.ByteSize())
-                await context.abort(err.grpc_code, err.message, _field_metadata(err))
+                await self._abort(context, err, ticket, request)
             yield router_pb2.RouterGenerateResponse(
                 finish_reason=common_pb2.FINISH_REASON_ERROR,
                 error=common_pb2.ErrorInfo(
                     code=err.grpc_name, message=err.message, field=err.param or ""
                 ),
-                request_id=request_id,
+                request_id=query.request_id,
             )
         except BaseException:  # the caller went away (its call cancelled)
-            tracing.fail(root, "CANCELLED")
-            tracing.end(root)
+            run.end("CANCELLED")
             raise
+        finally:
+            await run.aclose()
+
+    @staticmethod
+    async def _abort(context: grpc.aio.ServicerContext, err: RouterError, ticket: Ticket,
+                     request: router_pb2.RouterGenerateRequest) -> None:
+        """End the call with `err`'s status, before any output (charged to the ticket)."""
+        ticket.answered(err.http_status, request.ByteSize())
+        await context.abort(err.grpc_code, err.message, _field_metadata(err))
 
     async def ListModels(self, request, context):
         try:

@@ -1,13 +1,19 @@
-"""Plain data of one chat request through the router (front-end independent)."""
+"""Plain data of one generation request through the router (front-end independent): what
+its door translated (Query), who sent it (Caller), what the dispatcher runs (ChatRequest),
+what comes back (Output)."""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from opentelemetry.context import Context
+
 from tandem import tracing
-from tandem.services.router.tools import ToolSetup
+from tandem.services.router.tools import ToolSetup, parse_output
 from tandem.v1 import common_pb2, encoder_pb2, language_pb2
 
 # StageTimings' figures, in the order the request's log line and the HTTP extension give
@@ -21,15 +27,54 @@ TIMING_FIELDS = ("preprocess_ms", "vit_ms", "transfer_ms", "queue_ms", "prefill_
 # those the encoder's answer gives (the language side's are replaced by them)
 ENCODER_TIMINGS = ("preprocess_ms", "vit_ms", "transfer_ms", "skipped_images")
 
-# The longest per-request deadline either API accepts (`timeout_ms`, a day); above it the
-# request is refused (INVALID_ARGUMENT / 400), as an absurd deadline would overflow the
-# tiers' timers and end the request at once.
-MAX_TIMEOUT_MS = 86_400_000
+class Door(enum.Enum):
+    """The front end a request came in by (the `api` label of its metrics and spans)."""
+
+    HTTP = "http"
+    GRPC = "grpc"
 
 
-@dataclass
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request, as its door established it (the door reads the peer and the
+    credentials; RouterCore.generate gives these to the request it makes, which never
+    changes them)."""
+
+    door: Door
+    # The caller's key (admission.client_id): the encoders share their preprocessing
+    # threads fairly among these keys (EncodeRequest.client_id). "" = a client of its own.
+    client_id: str = ""
+    tenant: str = ""  # its API key's tenant (tenants.py); "" on an open router
+    trace_parent: Context | None = None  # its traceparent, when it sent one
+
+
+@dataclass(frozen=True)
+class Query:
+    """A generation request as its door translated it from its wire format (an OpenAI
+    body, a RouterGenerateRequest): front-end independent, its input checked, its
+    request-level bounds not yet (bounds.check, which RouterCore.generate runs before
+    making the ChatRequest of it, with its Caller)."""
+
+    messages: list[common_pb2.ChatMessage]
+    sampling: common_pb2.SamplingParams
+    request_id: str
+    timeout_ms: int | None = None  # None: the router's request_timeout_s
+    n: int = 1  # choices: independent samples of the same prompt
+    stream: bool = True  # answered as it is made (the gRPC door always streams)
+    priority: int = 0
+    tools: ToolSetup = field(default_factory=ToolSetup)  # tools rendered / calls parsed
+    prompt: str = ""  # a raw text prompt (completions API) instead of messages
+    # How the chat template renders the chat (checked; unset = the template's defaults)
+    template_options: common_pb2.ChatTemplateOptions = field(
+        default_factory=common_pb2.ChatTemplateOptions)
+    cache_salt: str | None = None  # the wire's, as asked (its namespace: tenants.py)
+
+
+@dataclass(frozen=True)
 class ChatRequest:
-    """A validated chat request, front-end independent."""
+    """One choice of an admitted request, as the dispatcher runs it: the Query's fields
+    with its caller's identity and its root span, complete at construction
+    (RouterCore.generate makes it; choices.choice_requests copies it per choice)."""
 
     messages: list[common_pb2.ChatMessage]
     sampling: common_pb2.SamplingParams
@@ -38,10 +83,8 @@ class ChatRequest:
     priority: int = 0
     tools: ToolSetup = field(default_factory=ToolSetup)  # tools rendered / calls parsed
     prompt: str = ""  # a raw text prompt (completions API) instead of messages
-    # Who sent it (admission.client_id): the encoders share their preprocessing threads
-    # fairly among these keys (EncodeRequest.client_id). "" = a client of its own.
-    client_id: str = ""
-    tenant: str = ""  # its API key's tenant (tenants.py); "" on an open router
+    client_id: str = ""  # Caller.client_id
+    tenant: str = ""  # Caller.tenant
     # its cache namespace (tenants.cache_namespace; the wire's cache_salt): "" = shared
     cache_salt: str = ""
     # How the chat template renders the chat (checked; unset = the template's defaults)
@@ -98,6 +141,19 @@ class Output:
     # The last one of a request with tools: the calls the model made (then the finish
     # reason is TOOL_CALLS, set by the router, and the text is the content before them).
     tool_calls: list[common_pb2.ToolCall] = field(default_factory=list)
+
+    @classmethod
+    def whole(cls, outputs: list[Output], tools: ToolSetup) -> Output:
+        """The Outputs of one choice as one last Output (a request with tools is answered
+        so: its calls are known only at the end): its content and its calls (then its
+        finish reason is TOOL_CALLS), all its tokens and logprobs."""
+        out = parse_output("".join(o.text for o in outputs), tools)
+        last = outputs[-1]
+        response = language_pb2.LanguageGenerateResponse(
+            text=out.content or "", finish_reason=last.response.finish_reason,
+            token_ids=[t for o in outputs for t in o.token_ids],
+            logprobs=[lp for o in outputs for lp in o.logprobs])
+        return dataclasses.replace(last, response=response, tool_calls=out.tool_calls)
 
     @property
     def text(self) -> str:

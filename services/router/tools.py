@@ -13,7 +13,12 @@ made at the HTTP edge, openai/format.py).
                              its end is no call and no content (finish_reason "length")
 
 A request with tools is answered whole at the end (also when streaming): a tool call is
-only known once its closing tag is out.
+only known once its closing tag is out (core.Run.whole; n > 1 with tools is refused by
+bounds.py).
+
+The tools themselves come in one format on both doors, OpenAI's function tools (the HTTP
+body's `tools`, the gRPC wire's `tools_json`): `Tool` validates it and `tool_setup_of`
+applies the rules of `tools` and `tool_choice` for both.
 """
 
 from __future__ import annotations
@@ -23,7 +28,11 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
+from typing import Literal
 
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from tandem.services.router.errors import RouterError
 from tandem.v1 import common_pb2
 
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -60,6 +69,80 @@ def tool_setup(tools: list[dict], choice: str | dict | None) -> ToolSetup:
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     return ToolSetup(ToolMode.FORCED, text,
                      common_pb2.StructuredOutput(json_schema=json.dumps(schema)))
+
+
+class _Strict(BaseModel):
+    # as the OpenAI bodies' models (openai/sampling._Model): unknown fields and values of
+    # the wrong type are refused, not dropped or coerced
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = Field(None, max_length=16384)
+    parameters: dict | None = None  # a JSON schema; none = no arguments
+    strict: bool | None = None  # arguments always validate when the call is forced
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+_TOOLS = TypeAdapter(list[Tool])
+
+
+def tools_from_json(text: str) -> list[Tool] | None:
+    """The gRPC wire's `tools_json` (OpenAI's `tools`, as JSON; "" = none), validated as
+    the HTTP body's `tools` are."""
+    if not text:
+        return None
+    try:
+        return _TOOLS.validate_json(text)
+    except ValidationError as e:
+        raise RouterError("INVALID_ARGUMENT", f"tools: {e.errors()[0]['msg']}",
+                          "tools") from None  # fmt: skip
+
+
+def tool_setup_of(tools_in: list[Tool] | None,
+                  choice: str | NamedToolChoice | None) -> ToolSetup:
+    """Validated tools and tool_choice (HTTP or gRPC) -> ToolSetup (RouterError if bad)."""
+    if choice is not None and not tools_in:
+        raise RouterError("INVALID_ARGUMENT", "tool_choice needs tools", "tool_choice")
+    if choice not in (None, "none", "auto", "required") and isinstance(choice, str):
+        choice = NamedToolChoice(type="function", function=NamedFunction(name=choice))
+    tools = [t.model_dump(exclude_none=True) for t in tools_in or []]
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise RouterError("INVALID_ARGUMENT", "tool names must be unique", "tools")
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise RouterError("INVALID_ARGUMENT", f"tool_choice names {choice.function.name!r}, "
+                              "which is not in tools", "tool_choice")  # fmt: skip
+        choice = choice.function.name
+    return tool_setup(tools, choice)
+
+
+def forced(grammar: common_pb2.StructuredOutput | None,
+           asked: common_pb2.StructuredOutput | None) -> common_pb2.StructuredOutput | None:
+    """The output constraint of a request: a forced call's `grammar` (ToolSetup.grammar),
+    which excludes any other constraint the request `asked` for (a 400 naming
+    tool_choice), or else the one it asked for."""
+    if grammar is None:
+        return asked
+    if asked is not None:
+        raise RouterError("INVALID_ARGUMENT", "a forced tool call and another output "
+                          "constraint cannot go together", "tool_choice")  # fmt: skip
+    return grammar
 
 
 @dataclass(frozen=True)

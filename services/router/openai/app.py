@@ -23,8 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tandem
 from tandem import tracing
-from tandem.services.router.choices import choice_requests, merged
-from tandem.services.router.core import RouterCore
+from tandem.services.router.core import RouterCore, Run
 from tandem.services.router.errors import RouterError, openai_param
 from tandem.services.router.metrics import HttpStatusCounter
 from tandem.services.router.openai import format as fmt
@@ -46,9 +45,7 @@ from tandem.services.router.openai.guard import Guard, error_response
 from tandem.services.router.openai.openapi import ERROR_RESPONSES, document
 from tandem.services.router.openai.sampling import VLLM_REFUSED
 from tandem.services.router.reasoning import ReasoningParser, reasoning_of
-from tandem.services.router.request import Output
-from tandem.services.router.tenants import cache_namespace
-from tandem.services.router.tools import ToolMode
+from tandem.services.router.request import Caller, Door, Output, Query
 from tandem.v1 import language_pb2
 
 # Names pydantic puts into an error's location for the member of a union it tried (the
@@ -183,29 +180,27 @@ def build_app(core: RouterCore) -> FastAPI:
 
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request):
-        req, rid = _admitted(core, body, request, to_chat_request)
-        if body.n > 1 and req.tools.mode is not ToolMode.NONE:
-            raise RouterError("INVALID_ARGUMENT", "n > 1 with tools is not served", "n")
+        query, rid = _translated(core, body, request, to_chat_request)
         reasoning = reasoning_of(ReasoningParser(cfg.reasoning_parser),
                                  body.chat_template_kwargs,
-                                 req.sampling.HasField("structured_output"))
-        shape = fmt.ChatShape(req.request_id, body.model or core.model_name(), req.tools,
+                                 query.sampling.HasField("structured_output"))
+        shape = fmt.ChatShape(query.request_id, body.model or core.model_name(), query.tools,
                               echo_text(body), _continuous_usage(body),
                               body.return_tokens_as_token_ids, reasoning)
-        return await _serve(core, req, body, shape, rid, request)
+        return await _serve(core, query, body, shape, rid, request)
 
     @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
-        req, rid = _admitted(core, body, request, to_completion_request)
-        shape = CompletionShape(req.request_id, body.model or core.model_name(),
-                                req.prompt if body.echo else "", _continuous_usage(body),
+        query, rid = _translated(core, body, request, to_completion_request)
+        shape = CompletionShape(query.request_id, body.model or core.model_name(),
+                                query.prompt if body.echo else "", _continuous_usage(body),
                                 body.return_tokens_as_token_ids)
-        return await _serve(core, req, body, shape, rid, request)
+        return await _serve(core, query, body, shape, rid, request)
 
     @app.post("/tokenize", responses=ERROR_RESPONSES)
     async def tokenize(body: TokenizeBody):
         core.check_model(body.model)
-        msg = to_tokenize_request(body, cfg)
+        msg = to_tokenize_request(body)
         resp = await core.language_call("Tokenize", msg)
         return {"count": len(resp.token_ids), "max_model_len": resp.max_model_len,
                 "tokens": list(resp.token_ids)}
@@ -221,16 +216,19 @@ def build_app(core: RouterCore) -> FastAPI:
     return app
 
 
-def _admitted(core: RouterCore, body, request: Request, convert):
-    """(the front-end-independent request, its request id) of a generation body: the model
-    checked, the body converted by `convert(body, cfg, rid)` (RouterError on bad input),
-    the client's key attached (set by guard.Guard)."""
+def _translated(core: RouterCore, body, request: Request, convert) -> tuple[Query, str]:
+    """(the front-end-independent Query, its request id) of a generation body: the model
+    checked, the body converted by `convert(body, rid)` (RouterError on bad input)."""
     core.check_model(body.model)
     rid = request_id_from_header(request.headers.get("x-request-id"))
-    req = convert(body, core.cfg, rid)
-    req.client_id, req.tenant = request.state.client_id, request.state.tenant
-    req.cache_salt = cache_namespace(req.tenant, body.cache_salt)
-    return req, rid
+    return convert(body, rid), rid
+
+
+def _caller(request: Request) -> Caller:
+    """Who sent `request`: its client key and tenant (set by guard.Guard), its
+    traceparent header."""
+    return Caller(Door.HTTP, request.state.client_id, request.state.tenant,
+                  tracing.from_headers(request.headers))
 
 
 def _continuous_usage(body) -> bool:
@@ -246,72 +244,45 @@ def _continuous_usage(body) -> bool:
     return True
 
 
-async def _serve(core: RouterCore, req, body, shape, rid: str, request: Request):
-    """Admit, run the request's `n` choices, answer whole or as server-sent events in the
-    API's `shape` (`ChatShape`, `CompletionShape`). The request's root span (a child of
-    the client's `traceparent` header, when it sent one) ends with the answer."""
+async def _serve(core: RouterCore, query: Query, body, shape, rid: str, request: Request):
+    """Run `query` (RouterCore.generate) and answer whole or as server-sent events in the
+    API's `shape` (`ChatShape`, `CompletionShape`). The run ends (Run.end) with the
+    answer: at once for a whole one, when the stream ends for a stream."""
     headers = {"X-Request-Id": rid}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    req.trace = root = core.start_trace(req, "http", tracing.from_headers(request.headers),
-                                        body.stream, body.n)
+    run = core.generate(query, _caller(request))
     try:
-        release = core.admit(req.tenant, root)
-    except RouterError as err:
-        tracing.fail(root, err.code, err.message)
-        root.end()
-        raise
-    try:
-        agen = merged([core.dispatcher.generate(r) for r in choice_requests(req, body.n)])
-        if body.stream and req.tools.mode is not ToolMode.NONE:
+        if body.stream and run.whole:
             # a tool call is known only once its closing tag is out: answer whole
-            outputs = [o for _, o in await _collect_or_disconnect(agen, request)]
-            release()
-            core.metrics.requests.labels("http", "ok").inc()
-            root.end()
+            outputs = [o for _, o in await _collect_or_disconnect(run, request)]
+            run.end()
             return StreamingResponse(
                 shape.tool_stream(outputs, include_usage),
                 media_type="text/event-stream", headers=headers)
         if body.stream:
             # Wait for the first Output so errors before output get a real status code.
-            first = await _first_or_disconnect(agen, request)
-            def ended(outcome: str) -> None:  # counted when the stream ends, by outcome
-                core.metrics.requests.labels("http", outcome).inc()
-                if outcome != "ok":
-                    tracing.fail(root, outcome.upper(), "the stream ended early")
-                tracing.end(root)
-
-            stream = _sse(agen, first, shape, include_usage, release, ended)
-            # NOTE: if the client is gone before the body starts, `stream` never runs its
-            # finally; the background task closes the dispatcher's generator and frees the slot.
+            first = await _first_or_disconnect(run, request)
+            # NOTE: if the client is gone before the body starts, the stream never runs its
+            # finally; the background task ends the run and closes the choices' streams.
 
             async def cleanup():
-                release()
-                tracing.end(root)  # NOTE: ended already unless the stream never started
-                await _close_quietly(agen)
+                run.end("CANCELLED")  # a no-op once the stream has ended it
+                await _close_quietly(run)
 
             return StreamingResponse(
-                stream, media_type="text/event-stream", background=BackgroundTask(cleanup),
-                headers=headers,
+                _sse(run, first, shape, include_usage), media_type="text/event-stream",
+                background=BackgroundTask(cleanup), headers=headers,
             )
-        result = await _collect_or_disconnect(agen, request)
-        core.metrics.requests.labels("http", "ok").inc()
-        choices = [[o for i, o in result if i == k] for k in range(body.n)]
+        result = await _collect_or_disconnect(run, request)
+        run.end()
+        choices = [[o for i, o in result if i == k] for k in range(run.n)]
         return JSONResponse(shape.complete(choices), headers=headers)
     except RouterError as err:
-        core.metrics.requests.labels("http", err.code.lower()).inc()
-        release()
-        tracing.fail(root, err.code, err.message)
-        tracing.end(root)
+        run.end(err.code, err.message)
         raise
     except BaseException:
-        release()
-        tracing.fail(root, "CANCELLED")
-        tracing.end(root)
+        run.end("CANCELLED")
         raise
-    finally:
-        if not body.stream:
-            release()
-            tracing.end(root)
 
 
 async def _watch_disconnect(task: asyncio.Future, request: Request) -> None:
@@ -322,7 +293,8 @@ async def _watch_disconnect(task: asyncio.Future, request: Request) -> None:
             task.cancel()
 
 
-async def _first_or_disconnect(agen, request: Request) -> tuple[int, Output]:
+async def _first_or_disconnect(run: Run, request: Request) -> tuple[int, Output]:
+    agen = run.outputs
     task = asyncio.ensure_future(agen.__anext__())
     try:
         await _watch_disconnect(task, request)
@@ -335,7 +307,9 @@ async def _first_or_disconnect(agen, request: Request) -> tuple[int, Output]:
         raise
 
 
-async def _collect_or_disconnect(agen, request: Request) -> list[tuple[int, Output]]:
+async def _collect_or_disconnect(run: Run, request: Request) -> list[tuple[int, Output]]:
+    agen = run.outputs
+
     async def collect():
         return [p async for p in agen]
 
@@ -349,15 +323,15 @@ async def _collect_or_disconnect(agen, request: Request) -> list[tuple[int, Outp
         await agen.aclose()
 
 
-async def _sse(agen, first: tuple[int, Output], shape, include_usage, release, ended):
+async def _sse(run: Run, first: tuple[int, Output], shape, include_usage):
     """Server-sent events: per choice a start chunk, a chunk per Output and a finish chunk;
     then an optional usage chunk (all choices), `[DONE]`. A failure after output is an
-    `{"error": ...}` event. `agen` yields (choice index, Output). `ended(outcome)` is called
-    once when the stream ends: "ok", the error code in lower case, or "cancelled" (the
-    client went away first)."""
+    `{"error": ...}` event. The run ends when the stream does: "ok", the error's code, or
+    CANCELLED (the client went away first)."""
+    agen = run.outputs
     started: set[int] = set()
     last: list[Output] = []
-    outcome = "cancelled"
+    outcome, why = "CANCELLED", "the stream ended early"
     try:
         index, output = first
         while True:
@@ -379,18 +353,17 @@ async def _sse(agen, first: tuple[int, Output], shape, include_usage, release, e
             yield shape.usage(last)
         outcome = "ok"
     except RouterError as err:
-        outcome = err.code.lower()
+        outcome, why = err.code, err.message
         yield f"data: {json.dumps(err.openai_body())}\n\n".encode()
     finally:
-        # NOTE: release first: under a cancelled scope any await below raises at once.
-        release()
-        ended(outcome)
-        await _close_quietly(agen)
+        # NOTE: ended first: under a cancelled scope any await below raises at once.
+        run.end(outcome, why)
+        await _close_quietly(run)
     yield b"data: [DONE]\n\n"
 
 
-async def _close_quietly(agen) -> None:
+async def _close_quietly(run: Run) -> None:
     try:
-        await agen.aclose()
+        await run.aclose()
     except (Exception, asyncio.CancelledError):
         pass

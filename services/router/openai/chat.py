@@ -4,7 +4,8 @@ protos (text, image_url and video_url parts, and qwen-vl-utils' `video` given as
 Nothing is silently dropped: every field is honoured, hint-only (`user`, `parallel_tool_calls`, an image's `detail`: OpenAI treats them
 as hints too), or refused with a 400 naming it (`param`): unknown fields by
 `extra="forbid"` (vLLM's extras that are not served with their reason,
-`sampling.VLLM_REFUSED`), and values we cannot serve (n > 16) by their bounds. docs/sdk.md
+`sampling.VLLM_REFUSED`), and values we cannot serve by their bounds (the request-level ones, n, timeout_ms, media
+bytes, stop strings' length: bounds.py, checked by the router core for both doors). docs/sdk.md
 lists them.
 
 vLLM's chat extras honoured here: chat_template_kwargs, add_generation_prompt and
@@ -25,11 +26,10 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.chat import VIDEO_CONTROLS, ChatError, template_options_from_proto
-from tandem.services.router.config import RouterConfig
 from tandem.services.router.errors import RouterError
 from tandem.services.router.openai.sampling import SamplingFields, _Model, _utf8, sampling_params
-from tandem.services.router.request import ChatRequest
-from tandem.services.router.tools import ToolSetup, tool_setup
+from tandem.services.router.request import Query
+from tandem.services.router.tools import NamedToolChoice, Tool, tool_setup_of
 from tandem.v1 import common_pb2, language_pb2
 
 
@@ -119,27 +119,6 @@ class Message(_Model):
     name: str | None = Field(None, min_length=1, max_length=256)
 
 
-class FunctionDef(_Model):
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    description: str | None = Field(None, max_length=16384)
-    parameters: dict | None = None  # a JSON schema; none = no arguments
-    strict: bool | None = None  # arguments always validate when the call is forced
-
-
-class Tool(_Model):
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class NamedFunction(_Model):
-    name: str
-
-
-class NamedToolChoice(_Model):
-    type: Literal["function"]
-    function: NamedFunction
-
-
 class TemplateFields(_Model):
     """vLLM's extras on how the chat template renders a chat (chat and /tokenize)."""
 
@@ -178,9 +157,9 @@ class ChatCompletionRequest(SamplingFields, TemplateFields):
     mm_processor_kwargs: dict | None = None  # images' resize bounds, videos' sampling
 
 
-def _image_part(url: str, param: str, max_bytes: int) -> common_pb2.ImagePart:
-    """data: URLs are decoded here (bad base64 -> 400, too large -> 413) and sent as bytes;
-    http(s) URLs go to the encoder, whose allow-list decides."""
+def _image_part(url: str, param: str) -> common_pb2.ImagePart:
+    """data: URLs are decoded here (bad base64 -> 400; too large -> 413 by bounds.py) and
+    sent as bytes; http(s) URLs go to the encoder, whose allow-list decides."""
     if url.startswith("data:"):
         header, sep, payload = url.partition(",")
         if not sep or ";base64" not in header:
@@ -188,8 +167,6 @@ def _image_part(url: str, param: str, max_bytes: int) -> common_pb2.ImagePart:
         if not header.startswith("data:image/"):  # e.g. data:text/plain: not an image
             raise RouterError("INVALID_ARGUMENT", "image data URL must have an image/* type",
                               param)  # fmt: skip
-        if len(payload) * 3 // 4 > max_bytes:
-            raise RouterError("TOO_LARGE", f"image larger than {max_bytes} bytes", param)
         try:
             data = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
@@ -209,7 +186,7 @@ def _image_part(url: str, param: str, max_bytes: int) -> common_pb2.ImagePart:
 REMOTE_SCHEMES = ("http://", "https://", "file:")
 
 
-def _video_part(v: VideoURL, param: str, max_bytes: int) -> common_pb2.VideoPart:
+def _video_part(v: VideoURL, param: str) -> common_pb2.VideoPart:
     """As `_image_part`, for a video (a data URL must be video/*); its sampling controls go
     along as given (the encoder checks them against the checkpoint's rules)."""
     if v.fps is not None and v.num_frames is not None:
@@ -224,9 +201,6 @@ def _video_part(v: VideoURL, param: str, max_bytes: int) -> common_pb2.VideoPart
         if not header.startswith("data:video/"):  # e.g. data:image/png: not a video
             raise RouterError("INVALID_ARGUMENT", "video data URL must have a video/* type "
                               "(video/mp4, video/webm, ...)", param)  # fmt: skip
-        if len(payload) * 3 // 4 > max_bytes:
-            raise RouterError("TOO_LARGE", f"video larger than {max_bytes} bytes "
-                              "(the router's max_video_bytes)", param)  # fmt: skip
         try:
             data = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
@@ -240,12 +214,11 @@ def _video_part(v: VideoURL, param: str, max_bytes: int) -> common_pb2.VideoPart
                       param)
 
 
-def _frames_part(p: VideoFramesPart, where: str, cfg: RouterConfig) -> common_pb2.VideoPart:
+def _frames_part(p: VideoFramesPart, where: str) -> common_pb2.VideoPart:
     """A video given as frames -> a VideoPart with `frames`: each frame an image URL, read
-    as an image_url's (`_image_part`: a data URL decoded here, under max_image_bytes;
-    http(s) for the encoder's allow-list), the frames' bytes together under the router's
-    max_video_bytes (413). Errors name the wire's fields (`...video.frames[k]`), which
-    the body spells `...video[k]` (errors.openai_param)."""
+    as an image_url's (`_image_part`: a data URL decoded here; http(s) for the encoder's
+    allow-list; their bytes bounded by bounds.py). Errors name the wire's fields
+    (`...video.frames[k]`), which the body spells `...video[k]` (errors.openai_param)."""
     if isinstance(p.video, str):
         raise RouterError("INVALID_ARGUMENT", "a `video` part is a list of frames (image "
                           "URLs); a video file is a video_url part ({\"type\": \"video_url\", "
@@ -257,37 +230,13 @@ def _frames_part(p: VideoFramesPart, where: str, cfg: RouterConfig) -> common_pb
     if fps is None:
         raise RouterError("INVALID_ARGUMENT", "a video given as frames needs fps (or "
                           "sample_fps): the rate its frames were taken at", f"{where}.fps")
-    frames, total = common_pb2.VideoFrames(), 0
+    frames = common_pb2.VideoFrames()
     for k, url in enumerate(p.video):
-        img = _image_part(url, f"{where}.video.frames[{k}]", cfg.max_image_bytes)
-        total += len(img.data)
-        if total > cfg.max_video_bytes:
-            raise RouterError("TOO_LARGE", f"the frames are larger than {cfg.max_video_bytes} "
-                              "bytes together (the router's max_video_bytes)",
-                              f"{where}.video.frames")  # fmt: skip
+        img = _image_part(url, f"{where}.video.frames[{k}]")
         frames.frames.add(**{img.WhichOneof("source"): getattr(img, img.WhichOneof("source"))})
     pixels = {k: getattr(p, k) for k in ("min_pixels", "max_pixels", "total_pixels")
               if getattr(p, k) is not None}  # fmt: skip
     return common_pb2.VideoPart(frames=frames, fps=fps, **pixels)
-
-
-def tool_setup_of(tools_in: list[Tool] | None,
-                  choice: str | NamedToolChoice | None) -> ToolSetup:
-    """Validated tools and tool_choice (HTTP or gRPC) -> ToolSetup (RouterError if bad)."""
-    if choice is not None and not tools_in:
-        raise RouterError("INVALID_ARGUMENT", "tool_choice needs tools", "tool_choice")
-    if choice not in (None, "none", "auto", "required") and isinstance(choice, str):
-        choice = NamedToolChoice(type="function", function=NamedFunction(name=choice))
-    tools = [t.model_dump(exclude_none=True) for t in tools_in or []]
-    names = [t["function"]["name"] for t in tools]
-    if len(set(names)) != len(names):
-        raise RouterError("INVALID_ARGUMENT", "tool names must be unique", "tools")
-    if isinstance(choice, NamedToolChoice):
-        if choice.function.name not in names:
-            raise RouterError("INVALID_ARGUMENT", f"tool_choice names {choice.function.name!r}, "
-                              "which is not in tools", "tool_choice")  # fmt: skip
-        choice = choice.function.name
-    return tool_setup(tools, choice)
 
 
 class TokenizeBody(TemplateFields):
@@ -304,13 +253,13 @@ class DetokenizeBody(_Model):
     tokens: list[int] = Field(max_length=1 << 20)
 
 
-def to_tokenize_request(body: TokenizeBody, cfg: RouterConfig) -> language_pb2.TokenizeRequest:
+def to_tokenize_request(body: TokenizeBody) -> language_pb2.TokenizeRequest:
     if (body.prompt is None) == (body.messages is None):
         raise RouterError("INVALID_ARGUMENT", "give exactly one of prompt and messages",
                           "prompt")  # fmt: skip
     if body.prompt is not None:
         return language_pb2.TokenizeRequest(prompt=_utf8(body.prompt, "prompt"))
-    msgs = chat_messages(body.messages, cfg)
+    msgs = chat_messages(body.messages)
     if any(p.WhichOneof("part") in ("image", "video") for m in msgs for p in m.content):
         raise RouterError("INVALID_ARGUMENT", "/tokenize takes text-only messages", "messages")
     return language_pb2.TokenizeRequest(messages=msgs, template_options=body.template_options())
@@ -330,7 +279,7 @@ def request_id_from_header(value: str | None) -> str:
     return value
 
 
-def chat_messages(body_messages: list[Message], cfg: RouterConfig) -> list[common_pb2.ChatMessage]:
+def chat_messages(body_messages: list[Message]) -> list[common_pb2.ChatMessage]:
     """Validated messages -> the wire's ChatMessages (raises RouterError on bad input)."""
     messages = []
     for i, m in enumerate(body_messages):
@@ -364,13 +313,12 @@ def chat_messages(body_messages: list[Message], cfg: RouterConfig) -> list[commo
                                       f"messages[{i}].content[{j}]")
                 elif isinstance(part, VideoURLPart):
                     param = f"messages[{i}].content[{j}].video_url"
-                    msg.content.add(video=_video_part(part.video_url, param,
-                                                      cfg.max_video_bytes))
+                    msg.content.add(video=_video_part(part.video_url, param))
                 elif isinstance(part, VideoFramesPart):
-                    msg.content.add(video=_frames_part(part, f"messages[{i}].content[{j}]", cfg))
+                    msg.content.add(video=_frames_part(part, f"messages[{i}].content[{j}]"))
                 else:
                     param = f"messages[{i}].content[{j}].image_url"
-                    msg.content.add(image=_image_part(part.image_url.url, param, cfg.max_image_bytes))
+                    msg.content.add(image=_image_part(part.image_url.url, param))
         messages.append(msg)
     return messages
 
@@ -460,25 +408,27 @@ def echo_text(body: ChatCompletionRequest) -> str:
     return "\n".join(p.text for p in last.content or [] if isinstance(p, TextPart))
 
 
-def to_chat_request(body: ChatCompletionRequest, cfg: RouterConfig, request_id: str) -> ChatRequest:
+def to_chat_request(body: ChatCompletionRequest, request_id: str) -> Query:
     """Validated body -> front-end-independent request (raises RouterError on bad input);
     `request_id` (request_id_from_header) becomes the response id's suffix."""
-    messages = chat_messages(body.messages, cfg)
+    messages = chat_messages(body.messages)
     apply_mm_processor_kwargs(body.mm_processor_kwargs, messages)
     template = body.template_options()
     newer = body.max_completion_tokens is not None
     tools = tool_setup_of(body.tools, body.tool_choice)
     sampling = sampling_params(
         body, body.max_completion_tokens if newer else body.max_tokens, body.logprobs,
-        body.top_logprobs or 0, forced=tools.grammar, forced_by="tool_choice",
+        body.top_logprobs or 0, forced=tools.grammar,
         spelled={"max_tokens": "max_completion_tokens"} if newer else None)
-    timeout_s = body.timeout_ms / 1000 if body.timeout_ms else cfg.request_timeout_s
-    return ChatRequest(
+    return Query(
         messages=messages,
         sampling=sampling,
-        timeout_s=timeout_s,
         request_id=f"chatcmpl-{request_id}",
+        timeout_ms=body.timeout_ms,
+        n=body.n,
+        stream=body.stream,
         priority=body.priority,
         tools=tools,
         template_options=template,
+        cache_salt=body.cache_salt,
     )

@@ -13,8 +13,6 @@ import time
 
 from pydantic import Field
 
-from tandem.services.router.choices import total_usage
-from tandem.services.router.config import RouterConfig
 from tandem.services.router.errors import RouterError
 from tandem.services.router.openai.format import (
     ChunkUsage,
@@ -22,9 +20,10 @@ from tandem.services.router.openai.format import (
     finish_reason,
     sse,
     token_text,
+    total_usage,
 )
 from tandem.services.router.openai.sampling import SamplingFields, _utf8, sampling_params
-from tandem.services.router.request import ChatRequest, Output
+from tandem.services.router.request import Output, Query
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -37,8 +36,7 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = Field(None, ge=1, le=16)
 
 
-def to_completion_request(body: CompletionRequest, cfg: RouterConfig,
-                          request_id: str) -> ChatRequest:
+def to_completion_request(body: CompletionRequest, request_id: str) -> Query:
     prompt = body.prompt
     if isinstance(prompt, list):
         if len(prompt) != 1:
@@ -58,11 +56,10 @@ def to_completion_request(body: CompletionRequest, cfg: RouterConfig,
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     sampling = sampling_params(body, max_tokens, wants_lp,
                                body.logprobs or 0, spelled={"top_logprobs": "logprobs"})
-    return ChatRequest(
-        messages=[], sampling=sampling,
-        timeout_s=body.timeout_ms / 1000 if body.timeout_ms else cfg.request_timeout_s,
-        request_id=f"cmpl-{request_id}", priority=body.priority,
-        prompt=_utf8(prompt, "prompt"),
+    return Query(
+        messages=[], sampling=sampling, request_id=f"cmpl-{request_id}",
+        timeout_ms=body.timeout_ms, n=body.n, stream=body.stream, priority=body.priority,
+        prompt=_utf8(prompt, "prompt"), cache_salt=body.cache_salt,
     )
 
 

@@ -13,7 +13,6 @@ import json
 import time
 
 from tandem.finish_reasons import TO_OPENAI
-from tandem.services.router.choices import total_usage
 from tandem.services.router.reasoning import Reasoning, Split, StreamSplitter
 from tandem.services.router.request import TIMING_FIELDS, Output
 from tandem.services.router.tools import ToolSetup, parse_output
@@ -23,6 +22,18 @@ from tandem.v1 import common_pb2
 def finish_reason(output: Output) -> str:
     """OpenAI's finish_reason of a last Output."""
     return TO_OPENAI[output.finish_reason]
+
+
+def total_usage(last: list[Output]) -> dict:
+    """OpenAI usage over all choices: the prompt once, the completions summed."""
+    usages = [p.usage for p in last if p.usage]
+    if not usages:
+        return {}
+    prompt = usages[0].prompt_tokens
+    completion = sum(u.completion_tokens for u in usages)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": usages[0].cached_tokens}}
 
 
 def tool_call(call: common_pb2.ToolCall) -> dict:

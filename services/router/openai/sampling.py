@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from tandem import sampling as knobs
 from tandem.services.router.errors import RouterError
-from tandem.services.router.request import MAX_TIMEOUT_MS
+from tandem.services.router.tools import forced as tool_forced
 from tandem.v1 import common_pb2
 
 
@@ -62,7 +62,7 @@ class _SamplingFields(_Model):
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None  # bounds: tandem.sampling (max_tokens)
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=16)
+    n: int = 1  # bounds: bounds.py (both doors')
     logit_bias: dict[str, float] | None = Field(None, max_length=knobs.MAX_LOGIT_BIAS)
     response_format: ResponseFormat | None = None
     # vLLM-compatible extensions
@@ -73,7 +73,7 @@ class _SamplingFields(_Model):
     guided_regex: str | None = Field(None, min_length=1, max_length=16384)
     guided_choice: list[str] | None = Field(None, min_length=1, max_length=1024)
     guided_grammar: str | None = Field(None, min_length=1, max_length=1 << 20)
-    timeout_ms: int | None = Field(None, ge=1, le=MAX_TIMEOUT_MS)  # extension: per-request deadline
+    timeout_ms: int | None = None  # extension: per-request deadline (bounds: bounds.py)
     priority: int = Field(0, ge=-(1 << 31), lt=1 << 31)  # extension
     # vLLM: caches (prefix pages, image embeddings) shared only with requests of the same
     # tenant giving the same salt (services/router/tenants.py; its length is checked there)
@@ -238,23 +238,17 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
 
 def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: bool,
                     top_logprobs: int, forced: common_pb2.StructuredOutput | None = None,
-                    forced_by: str = "",
                     spelled: dict[str, str] | None = None) -> common_pb2.SamplingParams:
     """The wire's SamplingParams of a body, checked as every tier checks it (a 400 naming
     the field as the API spells it: `spelled` maps a wire name to the body's, e.g.
-    max_tokens -> max_completion_tokens); `forced` is a constraint the API adds itself (a
-    forced tool call), which excludes any other (`forced_by` names it)."""
+    max_tokens -> max_completion_tokens); `forced` is a forced tool call's grammar, which
+    excludes any other constraint (tools.forced)."""
     values = {}
     for name in knobs.openai_fields():
         value = getattr(body, name)
         default = knobs.KNOB[name].openai_default
         values[name] = default if value is None and default is not None else value
-    structured = structured_output(body)
-    if forced is not None:
-        if structured is not None:
-            raise RouterError("INVALID_ARGUMENT", "a forced tool call and another output "
-                              "constraint cannot go together", forced_by)  # fmt: skip
-        structured = forced
+    structured = tool_forced(forced, structured_output(body))
     try:
         sampling = knobs.to_proto(**values, max_tokens=max_tokens, logprobs=logprobs,
                                   top_logprobs=top_logprobs)
