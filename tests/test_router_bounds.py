@@ -1,7 +1,7 @@
 """The router's request-level bounds (services/router/bounds.py) and the shape of its doors.
 
 - `bounds.check` refuses, by the wire's field name, every bound of its table: n, timeout_ms,
-  n > 1 with tools, an image's, a video's and its frames' bytes.
+  a stop string's length, n > 1 with tools, an image's, a video's and its frames' bytes.
 - Both doors answer each refusal alike: HTTP 400/413 with OpenAI's error body naming the
   body's field, gRPC INVALID_ARGUMENT/RESOURCE_EXHAUSTED with the field in the trailing
   metadata; a value at its bound passes (the request then fails for want of tiers: 503 /
@@ -59,6 +59,8 @@ TOOLS = ToolSetup(ToolMode.AUTO, "[]")
     ({"n": bounds.MAX_N + 1}, "INVALID_ARGUMENT", "n"),
     ({"timeout_ms": 0}, "INVALID_ARGUMENT", "timeout_ms"),
     ({"timeout_ms": bounds.MAX_TIMEOUT_MS + 1}, "INVALID_ARGUMENT", "timeout_ms"),
+    ({"sampling": common_pb2.SamplingParams(stop=["ok", "x" * (bounds.MAX_STOP_CHARS + 1)])},
+     "INVALID_ARGUMENT", "stop"),
     ({"n": 2, "tools": TOOLS}, "INVALID_ARGUMENT", "n"),
     ({"messages": media(image=common_pb2.ImagePart(data=b"x" * 1025))}, "TOO_LARGE",
      "messages[0].content[0].image"),
@@ -77,6 +79,7 @@ def test_each_bound_is_refused_by_the_wire_s_name(kw, code, param):
 
 @pytest.mark.parametrize("kw", [
     {}, {"n": bounds.MAX_N}, {"timeout_ms": bounds.MAX_TIMEOUT_MS}, {"timeout_ms": 1},
+    {"sampling": common_pb2.SamplingParams(stop=["x" * bounds.MAX_STOP_CHARS])},
     {"tools": TOOLS},
     {"messages": media(image=common_pb2.ImagePart(data=b"x" * 1024))},
     {"messages": media(video=frames(1000, 1000, 1000, 1000, 96))},
@@ -85,12 +88,17 @@ def test_a_value_at_its_bound_passes(kw):
     bounds.check(query(**kw), CFG)
 
 
+STOP_OVER = ["x" * (bounds.MAX_STOP_CHARS + 1)]
+STOP_AT = ["x" * bounds.MAX_STOP_CHARS]
+
+
 def http_chat(client: TestClient, **body):
     return client.post("/v1/chat/completions", json={
         "model": "", "messages": [{"role": "user", "content": "hi"}], **body})
 
 
 @pytest.mark.parametrize("body,status,param", [
+    ({"stop": STOP_OVER}, 400, "stop"),
     ({"n": 17}, 400, "n"),
     ({"timeout_ms": bounds.MAX_TIMEOUT_MS + 1}, 400, "timeout_ms"),
     ({"n": 2, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "n"),
@@ -103,10 +111,12 @@ def test_the_http_door_answers_a_bound_with_openai_s_error(body, status, param):
     r = http_chat(client, **body)
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param
+    r = client.post("/v1/completions", json={"model": "", "prompt": "hi", "stop": STOP_OVER})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "stop")
 
 
-def test_the_http_door_passes_a_request_within_its_bounds():
-    r = http_chat(TestClient(build_app(RouterCore(CFG))), n=16)
+def test_the_http_door_passes_a_stop_string_at_its_bound():
+    r = http_chat(TestClient(build_app(RouterCore(CFG))), stop=STOP_AT)
     assert r.status_code == 503, r.text  # past the bounds: no language instance here
 
 
@@ -146,14 +156,15 @@ def test_the_grpc_door_answers_the_same_bounds():
         return router_pb2.RouterGenerateRequest(messages=kw.pop("messages", [hi]), **kw)
 
     got = grpc_generate([
+        req(sampling=common_pb2.SamplingParams(stop=STOP_OVER)),
         req(n=17),
         req(timeout_ms=-1),
         req(n=2, tools_json='[{"type": "function", "function": {"name": "f"}}]'),
         req(messages=media(image=common_pb2.ImagePart(data=b"x" * 1025))),
-        req(n=16),
+        req(sampling=common_pb2.SamplingParams(stop=STOP_AT)),
     ])
     bad, too_large = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert got == [(bad, "n"), (bad, "timeout_ms"), (bad, "n"),
+    assert got == [(bad, "stop"), (bad, "n"), (bad, "timeout_ms"), (bad, "n"),
                    (too_large, "messages[0].content[0].image"),
                    (grpc.StatusCode.UNAVAILABLE, None)]
 

@@ -7,6 +7,7 @@ limits (the doors only translate their wire format; the sampling knobs' own boun
     n              1..MAX_N choices (the gRPC wire's 0 is translated to 1)
     timeout_ms     1..MAX_TIMEOUT_MS, or absent: the router's request_timeout_s (the gRPC
                    wire's 0 is translated to absent)
+    stop           each string at most MAX_STOP_CHARS characters (how many: tandem.sampling)
     media bytes    an image's bytes <= max_image_bytes, a video's (or its frames' together)
                    <= max_video_bytes (the router's config); TOO_LARGE (413)
     tools          n > 1 with tools is not served (a tool request is answered whole)
@@ -27,6 +28,10 @@ MAX_N = 16
 # The longest per-request deadline (a day); above it the request is refused, as an absurd
 # deadline would overflow the tiers' timers and end the request at once.
 MAX_TIMEOUT_MS = 86_400_000
+# The longest stop string. The language tier holds back any streamed text that could still
+# begin one (services/language/engine/detokenizer.py), so a longer one delays every chunk
+# by as much; stop sequences are words or markers, far shorter than this.
+MAX_STOP_CHARS = 1024
 
 
 def check(query: Query, cfg: RouterConfig) -> None:
@@ -36,6 +41,10 @@ def check(query: Query, cfg: RouterConfig) -> None:
     if query.timeout_ms is not None and not 1 <= query.timeout_ms <= MAX_TIMEOUT_MS:
         raise RouterError("INVALID_ARGUMENT", f"timeout_ms must be in [1, {MAX_TIMEOUT_MS}] "
                           "(absent: the router's default)", "timeout_ms")  # fmt: skip
+    for s in query.sampling.stop:
+        if len(s) > MAX_STOP_CHARS:
+            raise RouterError("INVALID_ARGUMENT", f"a stop string is longer than "
+                              f"{MAX_STOP_CHARS} characters", "stop")  # fmt: skip
     if query.n > 1 and query.tools.mode is not ToolMode.NONE:
         raise RouterError("INVALID_ARGUMENT", "n > 1 with tools is not served", "n")
     for i, m in enumerate(query.messages):
