@@ -11,7 +11,8 @@ derived from that one row:
                         then from_proto (the same check, a 400 naming the field)
     the SDK             to_proto(keyword arguments of build_request)
 
-So a new knob is a field in common.proto, a row here, and its use in the sampler
+So a new knob is a field in common.proto, a row here (and its field in `SamplingParams`,
+a literal dataclass a test holds to the table), and its use in the sampler
 (services/language/engine/sampler.py). The few fields that are not scalars (stop strings,
 stop token ids, logit bias, the output grammar) are spelled out below, once.
 
@@ -24,7 +25,6 @@ Light on purpose: the client SDK imports it (protobuf only; no pydantic, no torc
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import json
 from dataclasses import dataclass, field
@@ -163,34 +163,50 @@ def _check(p) -> None:
                             "ends the output)")  # fmt: skip
 
 
-def _greedy(p) -> bool:
-    return p.temperature == 0 or p.top_k == 1
+@dataclass(frozen=True)
+class SamplingParams:
+    """A request's sampling parameters: the plain-data twin of the wire's SamplingParams,
+    defaults resolved. One field per knob, in KNOBS' order, of its type and with its
+    default (None where KNOBS leaves it to be decided later); then the fields that are not
+    scalars. tests/test_sampling_knobs.py checks the fields against KNOBS, so a new knob
+    is a row there and a field here. Frozen: it is the request's spec (what the engine
+    decides, e.g. how many tokens a default max_tokens allows, lives on the request).
+    Checked on construction (SamplingError)."""
 
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    typical_p: float = 1.0
+    min_tokens: int = 0
+    seed: int | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    max_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    grammar: GrammarSpec | None = None
 
-def _shapes_logits(p) -> bool:
-    """Anything to apply to the logits before picking (penalties, bias, min_tokens)."""
-    return bool(p.presence_penalty or p.frequency_penalty or p.logit_bias
-                or p.repetition_penalty != 1.0 or p.min_tokens)
+    def __post_init__(self) -> None:
+        _check(self)
 
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
 
-# The plain-data twin of the wire's SamplingParams, defaults resolved: one field per knob
-# (from the table), then the fields that are not scalars. Frozen: it is the request's spec
-# (what the engine decides, e.g. how many tokens a default max_tokens allows, lives on the
-# request). Checked on construction (SamplingError).
-SamplingParams = dataclasses.make_dataclass(
-    "SamplingParams",
-    [(k.name, k.type if k.default is not None else k.type | None,
-      field(default=k.default)) for k in KNOBS]
-    + [("stop", list[str], field(default_factory=list)),
-       ("stop_token_ids", list[int], field(default_factory=list)),
-       ("logit_bias", dict[int, float], field(default_factory=dict)),
-       ("grammar", GrammarSpec | None, field(default=None))],
-    frozen=True,
-    namespace={"__post_init__": _check, "greedy": property(_greedy),
-               "shapes_logits": property(_shapes_logits),
-               "__doc__": "A request's sampling parameters (tandem/sampling.py, KNOBS)."},
-)
-SamplingParams.__module__ = __name__
+    @property
+    def shapes_logits(self) -> bool:
+        """Anything to apply to the logits before picking (penalties, bias, min_tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0 or self.min_tokens)
 
 
 def grammar_from_proto(so: common_pb2.StructuredOutput) -> GrammarSpec | None:

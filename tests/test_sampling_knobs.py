@@ -6,10 +6,14 @@ a knob added to the table is covered here without a line of this file changing.
 - The router's gRPC front door: the same value out of range is INVALID_ARGUMENT naming
   `sampling.<knob>`, before any tier is called.
 - The SDK: each knob is a keyword of `build_request`; an unknown keyword is a TypeError.
-- The language tier reads what the router wrote (`from_proto`), absent knobs as defaults.
+- The language tier reads what the router wrote (`from_proto`), absent knobs as defaults;
+  `SamplingParams`, written out, has one field per knob (its type, its default).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import typing
 
 import pytest
 from fastapi.testclient import TestClient
@@ -117,3 +121,18 @@ def test_absent_knobs_are_the_defaults_and_the_wire_stays_empty():
 def test_top_k_minus_one_is_off_as_in_vllm():
     req = to_chat_request(ChatCompletionRequest.model_validate(chat(top_k=-1)), "x")
     assert req.sampling.top_k == -1 and sampling.from_proto(req.sampling).top_k == -1
+
+
+def test_sampling_params_fields_are_the_knob_table():
+    """SamplingParams is written out (readers and type checkers see its fields); its
+    fields are the table's knobs, in order, each of its knob's type and default, then the
+    fields that are not scalars."""
+    fields = dataclasses.fields(sampling.SamplingParams)
+    knobs = fields[:len(sampling.KNOBS)]
+    assert [f.name for f in knobs] == [k.name for k in sampling.KNOBS]
+    hints = typing.get_type_hints(sampling.SamplingParams)
+    for f, k in zip(knobs, sampling.KNOBS, strict=True):
+        assert f.default == k.default and type(f.default) is type(k.default), k.name
+        assert hints[f.name] == (k.type if k.default is not None else k.type | None), k.name
+    assert [f.name for f in fields[len(sampling.KNOBS):]] == [
+        "stop", "stop_token_ids", "logit_bias", "grammar"]
