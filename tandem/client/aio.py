@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from tandem.client.channel import RouterChannel, backoff_s, call_metadata, retryable
+from tandem.client.channel import RouterChannel, backoff_s
 from tandem.client.errors import error_from_rpc
-from tandem.client.results import ChatResult, add, build_request, check, collect
+from tandem.client.results import ChatResult, add, check, collect
 from tandem.v1 import router_pb2
 
 
@@ -29,13 +29,11 @@ class AsyncClient(RouterChannel):
         await self.close()
 
     async def _stream(self, messages, timeout, kw) -> AsyncIterator:
-        timeout = timeout or self.timeout
-        metadata = call_metadata(self._metadata, kw.pop("traceparent", None))
-        request = build_request(messages, timeout=timeout, **kw)
+        c = self._generate_call(messages, timeout, kw)
         attempt = 0
         while True:
             got_any = False
-            call = self._stub.Generate(request, timeout=timeout, metadata=metadata)
+            call = self._stub.Generate(c.request, timeout=c.timeout, metadata=c.metadata)
             try:
                 async for msg in call:
                     got_any = True
@@ -43,7 +41,7 @@ class AsyncClient(RouterChannel):
                 return
             except grpc.RpcError as e:
                 err = error_from_rpc(e)
-                if got_any or not retryable(err) or attempt >= self.retries:
+                if not self._retries(err, got_any, attempt):
                     raise err from None
             finally:
                 call.cancel()  # no-op when done; cancels the server side when abandoned

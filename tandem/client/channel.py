@@ -3,20 +3,32 @@
 It turns the router address and the caller's options into call metadata (the API key),
 channel credentials (TLS) and channel options, and opens the channel with the subclass's
 gRPC flavour (`grpc` for `Client`, `grpc.aio` for `AsyncClient`); and the retry policy
-both follow (which errors are retried, the backoff between attempts).
+both follow (which errors are retried, the backoff between attempts), and the arguments
+of a chat's Generate call (`_generate_call`), the same on every attempt.
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import grpc
 
 from tandem.client.errors import TandemError
-from tandem.v1 import router_pb2_grpc
+from tandem.client.results import build_request
+from tandem.v1 import router_pb2, router_pb2_grpc
 
 _OPTIONS = [("grpc.max_send_message_length", 256 << 20),
             ("grpc.max_receive_message_length", 256 << 20)]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """The arguments of one chat's Generate call, the same on every attempt."""
+
+    request: router_pb2.RouterGenerateRequest
+    timeout: float  # seconds: the gRPC deadline, and the request's timeout_ms
+    metadata: tuple  # the API key, and the caller's traceparent when it gave one
 
 
 class RouterChannel:
@@ -38,6 +50,18 @@ class RouterChannel:
         else:
             self._channel = self._grpc.insecure_channel(address, options=opts)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
+
+    def _generate_call(self, messages, timeout: float | None, kw: dict) -> GenerateCall:
+        """The Generate call of a chat: `kw` are `build_request`'s keyword arguments and
+        `traceparent`; `timeout` None is the client's."""
+        timeout = timeout or self.timeout
+        metadata = call_metadata(self._metadata, kw.pop("traceparent", None))
+        return GenerateCall(build_request(messages, timeout=timeout, **kw), timeout, metadata)
+
+    def _retries(self, err: TandemError, got_any: bool, attempt: int) -> bool:
+        """Whether a Generate call that failed with `err` on `attempt` (0 the first) is
+        tried again: only before any output, only when retryable, at most `retries` times."""
+        return not got_any and retryable(err) and attempt < self.retries
 
 
 def call_metadata(base: tuple, traceparent: str | None) -> tuple:

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 
 import grpc
 
-from tandem.client.channel import RouterChannel, backoff_s, call_metadata, retryable
+from tandem.client.channel import RouterChannel, backoff_s
 from tandem.client.errors import TandemError, error_from_rpc
-from tandem.client.results import ChatResult, add, build_request, check, collect
+from tandem.client.results import ChatResult, add, check, collect
 from tandem.v1 import router_pb2
 
 
@@ -35,14 +35,12 @@ class Client(RouterChannel):
         self.close()
 
     def _stream(self, messages, timeout, kw) -> Iterator[router_pb2.RouterGenerateResponse]:
-        timeout = timeout or self.timeout
-        metadata = call_metadata(self._metadata, kw.pop("traceparent", None))
-        request = build_request(messages, timeout=timeout, **kw)
+        c = self._generate_call(messages, timeout, kw)
         attempt = 0
         while True:
             got_any = False
             try:
-                call = self._stub.Generate(request, timeout=timeout, metadata=metadata)
+                call = self._stub.Generate(c.request, timeout=c.timeout, metadata=c.metadata)
                 try:
                     for msg in call:
                         got_any = True
@@ -52,7 +50,7 @@ class Client(RouterChannel):
                 return
             except grpc.RpcError as e:
                 err = error_from_rpc(e)
-                if got_any or not retryable(err) or attempt >= self.retries:
+                if not self._retries(err, got_any, attempt):
                     raise err from None
             time.sleep(backoff_s(attempt, self.backoff))
             attempt += 1
