@@ -137,8 +137,17 @@ def test_every_port_of_the_plan_comes_from_the_port_range():
 
 
 def test_a_child_picks_its_own_ports_from_its_range(monkeypatch):
+    """A tier given TANDEM_PORT_RANGE (a tensor-parallel language instance under
+    --port-range) takes its own ports from it, and its settings still parse (the variable
+    is the launcher's, not a setting)."""
+    from tandem.config import parse_settings
+    from tandem.tiers import TIERS
+
     monkeypatch.setenv(PORT_RANGE_ENV, "29170-29173")
     assert {free_port() for _ in range(4)} <= set(range(29170, 29174))
+    cfg = parse_settings(TIERS["language"].config(), ["--model", "/m", "--insecure-internal"],
+                         "tandem language")
+    assert cfg.port
 
 
 @pytest.mark.parametrize("argv,text", [
