@@ -200,14 +200,15 @@ def test_video_parts_become_the_wire_s_video_parts():
 
 def test_an_encoder_refusal_of_a_video_names_the_body_s_part():
     from tandem.services.router.errors import RouterError
+    from tandem.services.router.openai.errors import openai_body
 
     err = RouterError("INVALID_ARGUMENT", "too long", "messages[2].content[1].video")
-    assert err.openai_body()["error"]["param"] == "messages[2].content[1].video_url"
+    assert openai_body(err)["error"]["param"] == "messages[2].content[1].video_url"
     # a video given as frames: the wire's `frames` list is the body's `video` list
     err = RouterError("INVALID_ARGUMENT", "bad", "messages[2].content[1].video.frames[3]")
-    assert err.openai_body()["error"]["param"] == "messages[2].content[1].video[3]"
+    assert openai_body(err)["error"]["param"] == "messages[2].content[1].video[3]"
     err = RouterError("INVALID_ARGUMENT", "bad", "messages[2].content[1].video.frames")
-    assert err.openai_body()["error"]["param"] == "messages[2].content[1].video"
+    assert openai_body(err)["error"]["param"] == "messages[2].content[1].video"
 
 
 def test_oversized_body_is_413():

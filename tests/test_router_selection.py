@@ -16,6 +16,7 @@ from tandem.services.router.dispatch.selection import (
     rendezvous_order,
 )
 from tandem.services.router.errors import RouterError
+from tandem.services.router.openai.errors import openai_body, openai_type
 from tandem.services.router.tenants import DEFAULT_TENANT, Tenants, cache_namespace
 
 
@@ -175,7 +176,7 @@ def test_error_mapping():
     assert RouterError("TOO_LARGE", "x").grpc_name == "RESOURCE_EXHAUSTED"
     assert RouterError("UNAVAILABLE", "x").http_status == 503
     assert RouterError("DEADLINE_EXCEEDED", "x").http_status == 504
-    body = RouterError("NOT_FOUND", "no such model", "model").openai_body()
+    body = openai_body(RouterError("NOT_FOUND", "no such model", "model"))
     assert body == {
         "error": {
             "message": "no such model",
@@ -273,7 +274,7 @@ def test_a_tiers_resource_exhausted_is_413_never_retried_only_overload_is_429():
     assert rpc_err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     for tier in (Tier.LANGUAGE, Tier.ENCODER):
         err = from_rpc(rpc_err, tier)
-        assert (err.code, err.http_status, err.openai_type) == (
+        assert (err.code, err.http_status, openai_type(err)) == (
             "TOO_LARGE", 413, "invalid_request_error")
         assert err.grpc_name == "RESOURCE_EXHAUSTED"
         assert err.code not in RETRYABLE_ENCODER | RETRYABLE_REQUEST
@@ -282,7 +283,7 @@ def test_a_tiers_resource_exhausted_is_413_never_retried_only_overload_is_429():
                                 Tier.LANGUAGE)  # fmt: skip
     assert in_stream.http_status == 413 and in_stream.code == "TOO_LARGE"
     overloaded = RouterError("OVERLOADED", "router at capacity")  # the router's own
-    assert (overloaded.http_status, overloaded.openai_type) == (429, "rate_limit_error")
+    assert (overloaded.http_status, openai_type(overloaded)) == (429, "rate_limit_error")
     assert RouterError("REQUEST_TIMEOUT", "x").http_status == 408
     assert RouterError("REQUEST_TIMEOUT", "x").grpc_name == "DEADLINE_EXCEEDED"
 

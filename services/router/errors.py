@@ -1,7 +1,8 @@
-"""One error type for the router, mapped to gRPC status codes and OpenAI's HTTP errors.
+"""One error type for the router, mapped to gRPC status codes and HTTP statuses (OpenAI's
+error body is made at the HTTP edge: openai/errors.py).
 
 `RouterError.code` is a gRPC status code name (as in `ErrorInfo.code`); `http_status` and
-`openai_type` derive from it; `tier` says which tier failed (the retry rules read it, never
+`grpc_code` derive from it; `tier` says which tier failed (the retry rules read it, never
 the message text). A tier's RESOURCE_EXHAUSTED is a request over a limit, permanent: TOO_LARGE
 (413, never retried) — gRPC's own message-size limit (the call's status), the encoder's input
 limits, a prompt larger than a language instance's KV pool. Only the router's own admission
@@ -11,7 +12,6 @@ control says "try again later": OVERLOADED (429; RESOURCE_EXHAUSTED on gRPC).
 from __future__ import annotations
 
 import enum
-import re
 import time
 
 import grpc
@@ -27,13 +27,6 @@ _STATUS = {
     "RESOURCE_EXHAUSTED": 413, "CANCELLED": 499, "UNAVAILABLE": 503, "ABORTED": 503,
     "DEADLINE_EXCEEDED": 504,
 }  # fmt: skip
-# HTTP status -> OpenAI error type; unlisted: server_error
-_OPENAI_TYPE = {
-    400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
-    401: "authentication_error", 403: "permission_error", 408: "timeout_error",
-    429: "rate_limit_error", 504: "timeout_error",
-}  # fmt: skip
-
 # Router-internal codes that are not gRPC names, and what gRPC callers see instead.
 _GRPC_ALIAS = {"TOO_LARGE": "RESOURCE_EXHAUSTED", "OVERLOADED": "RESOURCE_EXHAUSTED",
                "REQUEST_TIMEOUT": "DEADLINE_EXCEEDED"}  # fmt: skip
@@ -45,25 +38,6 @@ class Tier(enum.Enum):
     ROUTER = "router"
     ENCODER = "encoder"
     LANGUAGE = "language"
-
-
-# The wire's parts of a chat message that an OpenAI body spells otherwise: a content
-# part's `image` / `video` (the encoder's names for them) is the body's `image_url` /
-# `video_url`; a video's `frames` (the frames form) is the body's `video` list.
-_WIRE_MEDIA_PART = re.compile(r"^(messages\[\d+\]\.content\[\d+\])\.(image|video)(?=$|\.)")
-_WIRE_FRAMES = re.compile(r"^(messages\[\d+\]\.content\[\d+\])\.video\.frames(?=$|[\[.])")
-
-
-def openai_param(wire: str) -> str:
-    """A tier's name for an input (the wire's) as an OpenAI body spells it: a sampling
-    field sits at the top level there (`sampling.max_tokens` -> `max_tokens`), an image
-    part is `image_url` (`messages[0].content[1].image` -> `...content[1].image_url`), a
-    video part `video_url`, and a video given as frames the `video` list
-    (`...content[1].video.frames[2]` -> `...content[1].video[2]`)."""
-    wire = wire.removeprefix("sampling.")
-    if frames := _WIRE_FRAMES.match(wire):
-        return f"{frames.group(1)}.video{wire[frames.end():]}"
-    return _WIRE_MEDIA_PART.sub(r"\1.\2_url", wire)
 
 
 class RouterError(ServiceError):
@@ -83,10 +57,6 @@ class RouterError(ServiceError):
         return _STATUS.get(self.code, 500)
 
     @property
-    def openai_type(self) -> str:
-        return _OPENAI_TYPE.get(self.http_status, "server_error")
-
-    @property
     def grpc_code(self) -> grpc.StatusCode:
         name = _GRPC_ALIAS.get(self.code, self.code)
         return getattr(grpc.StatusCode, name, grpc.StatusCode.INTERNAL)
@@ -94,16 +64,6 @@ class RouterError(ServiceError):
     @property
     def grpc_name(self) -> str:
         return self.grpc_code.name
-
-    def openai_body(self) -> dict:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.openai_type,
-                "param": openai_param(self.param) if self.param else None,
-                "code": self.code.lower(),
-            }
-        }
 
 
 def _tier_code(name: str, tier: Tier) -> str:

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import tandem
 from tandem import tracing
 from tandem.services.router.core import RouterCore, Run
-from tandem.services.router.errors import RouterError, openai_param
+from tandem.services.router.errors import RouterError
 from tandem.services.router.metrics import HttpStatusCounter
 from tandem.services.router.openai import format as fmt
 from tandem.services.router.openai.chat import (
@@ -41,6 +41,7 @@ from tandem.services.router.openai.completions import (
     CompletionShape,
     to_completion_request,
 )
+from tandem.services.router.openai.errors import openai_body, openai_param
 from tandem.services.router.openai.guard import Guard, error_response
 from tandem.services.router.openai.openapi import ERROR_RESPONSES, document
 from tandem.services.router.openai.sampling import VLLM_REFUSED
@@ -54,8 +55,8 @@ _UNION_MEMBER = re.compile(r"^(str|[\w-]+\[.*\])$")
 
 
 # A location in a video given as frames (the body's `video` list of a `video` part), as the
-# body spells it: errors.openai_param reads a param as the wire spells it, where that list
-# is `video.frames` (and a bare `video` is a video_url part).
+# body spells it: openai_param (openai/errors.py) reads a param as the wire spells it,
+# where that list is `video.frames` (and a bare `video` is a video_url part).
 _BODY_FRAMES = re.compile(r"^(messages\[\d+\]\.content\[\d+\])\.video(?=$|\[)")
 
 
@@ -63,7 +64,7 @@ def _loc(loc) -> str:
     """An error's location as the body spells it: `messages[0].content[1].video_url.fps`.
     Union members are left out, and so is a content part's tag (its `type`, which pydantic
     puts before the part's fields); a frames `video` list is spelled as the wire spells it
-    (`...content[1].video.frames[2]`, which errors.openai_param turns back into the body's
+    (`...content[1].video.frames[2]`, which openai_param turns back into the body's
     `...content[1].video[2]`)."""
     parts = [str(p) for p in loc if p != "body" and not _UNION_MEMBER.match(str(p))]
     parts = [p for i, p in enumerate(parts)
@@ -107,7 +108,7 @@ def build_app(core: RouterCore) -> FastAPI:
         code = {404: "NOT_FOUND", 405: "INVALID_ARGUMENT", 413: "TOO_LARGE"}.get(
             exc.status_code, "INVALID_ARGUMENT"
         )
-        body = RouterError(code, str(exc.detail)).openai_body()
+        body = openai_body(RouterError(code, str(exc.detail)))
         return JSONResponse(body, status_code=exc.status_code)
 
     # NOTE: a plain ASGI middleware, not `@app.middleware("http")`: Starlette's
@@ -354,7 +355,7 @@ async def _sse(run: Run, first: tuple[int, Output], shape, include_usage):
         outcome = "ok"
     except RouterError as err:
         outcome, why = err.code, err.message
-        yield f"data: {json.dumps(err.openai_body())}\n\n".encode()
+        yield f"data: {json.dumps(openai_body(err))}\n\n".encode()
     finally:
         # NOTE: ended first: under a cancelled scope any await below raises at once.
         run.end(outcome, why)

@@ -218,7 +218,7 @@ def _frames_part(p: VideoFramesPart, where: str) -> common_pb2.VideoPart:
     """A video given as frames -> a VideoPart with `frames`: each frame an image URL, read
     as an image_url's (`_image_part`: a data URL decoded here; http(s) for the encoder's
     allow-list; their bytes bounded by bounds.py). Errors name the wire's fields
-    (`...video.frames[k]`), which the body spells `...video[k]` (errors.openai_param)."""
+    (`...video.frames[k]`), which the body spells `...video[k]` (openai/errors.py)."""
     if isinstance(p.video, str):
         raise RouterError("INVALID_ARGUMENT", "a `video` part is a list of frames (image "
                           "URLs); a video file is a video_url part ({\"type\": \"video_url\", "

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from tandem.services.router.admission import client_id
 from tandem.services.router.config import RouterConfig
 from tandem.services.router.errors import RouterError
+from tandem.services.router.openai.errors import openai_body
 from tandem.services.router.refusals import HeldTooLong, RefusalBudget
 from tandem.services.router.tenants import Tenants
 
@@ -19,13 +20,13 @@ def error_response(err: RouterError, close: bool = False) -> JSONResponse:
     """`close`: the request was not read to its end, so the connection cannot carry
     another one: the response says so and the server closes it after sending."""
     headers = {"connection": "close"} if close else None
-    return JSONResponse(err.openai_body(), status_code=err.http_status, headers=headers)
+    return JSONResponse(openai_body(err), status_code=err.http_status, headers=headers)
 
 
 def _held(held: HeldTooLong) -> JSONResponse:
     """429 for a client held past `refusal_max_hold_s` (its body unread: close)."""
     err = RouterError("OVERLOADED", str(held))
-    return JSONResponse(err.openai_body(), status_code=err.http_status, headers={
+    return JSONResponse(openai_body(err), status_code=err.http_status, headers={
         "connection": "close", "retry-after": str(held.retry_after_s)})
 
 

@@ -22,6 +22,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tandem.services.router.config import RouterConfig
 from tandem.services.router.errors import RouterError
+from tandem.services.router.openai.errors import openai_body
 
 
 class _RequestDeadline(H11Protocol):
@@ -68,7 +69,7 @@ class _RequestDeadline(H11Protocol):
         if self.conn.trailing_data[0]:  # half a request: say why before closing
             err = RouterError("REQUEST_TIMEOUT",
                               f"request headers not received within {self.timeout_s:g}s")
-            body = json.dumps(err.openai_body()).encode()
+            body = json.dumps(openai_body(err)).encode()
             self.transport.write(
                 b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
                 b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
