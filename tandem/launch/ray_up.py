@@ -1,7 +1,8 @@
 """`tandem up --ray [ADDRESS]`: the tiers as Ray actors, for clusters without Kubernetes.
 
     tandem up --ray [ADDRESS] [--encoder-gpus 1] [--language-gpus 1]
-              [--encoder-cpus 1] [--language-cpus 1] [--ray-num-cpus N]  + `tandem up` flags
+              [--encoder-cpus 1] [--language-cpus 1] [--ray-num-cpus N]
+              [--encoder-resources JSON] [--language-resources JSON]     + `tandem up` flags
     python -m tandem.launch.ray_up --ray ...                              (same thing)
 
 ADDRESS: a running cluster ("HOST:PORT" of its GCS, or "ray://HOST:10001"); "local" starts
@@ -21,18 +22,51 @@ SIGTERM and kills its process group after --stop-timeout; the child also dies wi
 Teardown on exit, Ctrl-C or SIGTERM, in order: router, instances (drained in parallel),
 actors killed, placement group removed, Ray disconnected (a local instance stops with it).
 The model (`--model`) must resolve on every node: a shared path or a Hugging Face id.
+
+Placement on named nodes: `--encoder-resources '{"enc_node": 1}'` adds Ray custom resources
+to every encoder's bundle, so encoders land only on nodes started with them (`ray start
+--resources '{"enc_node": 1}'`).
+
+A lost instance (its node gone, its actor or its service dead) is re-placed, as a
+Deployment replaces a pod: the launcher starts a new actor in the same placement-group
+bundle; Ray re-places a bundle whose node died once a node with its resources is there
+(the placement group is RESCHEDULING until then), and the new service asks for the lost
+one's port. Back on the same node (a node that rejoins keeps its IP), it has the same
+address, and the router, which ejected that address after its failures, re-admits it on a
+successful health probe. On another node, the address is new: the router, whose instance
+lists are fixed at its start, is restarted with the new lists (a drain, then a few
+seconds in which its ports refuse). Meanwhile the router sends work to the survivors and
+retries, elsewhere, the requests the lost instance failed before they produced output.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
 import threading
+from dataclasses import dataclass, field
 
 from tandem.launch import plan as launch_plan
 from tandem.launch.procs import Child, free_port, say, stop_all, stop_event_on_signals, wait_ready
+
+
+def _listenable(host: str, port: int) -> bool:
+    """Whether a server can listen on `port` now. With SO_REUSEADDR, as the services' gRPC
+    servers bind: a lost predecessor's connections that linger in TIME_WAIT/FIN_WAIT on
+    this node (its peers cut off) do not stand in the way; a listener does."""
+    import socket
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            s.listen(1)
+        except OSError:
+            return False
+    return True
 
 
 class ServiceHost:
@@ -45,11 +79,12 @@ class ServiceHost:
         self.child: Child | None = None
 
     def start(self, model: str, extra: list[str], ready_timeout_s: float, nice: int = 0,
-              tls_env: dict[str, str] | None = None, probe_pem: dict[str, str] | None = None
-              ) -> dict:
+              tls_env: dict[str, str] | None = None, probe_pem: dict[str, str] | None = None,
+              port: int = 0) -> dict:
         """`tls_env`: the child's certificate as PEM text in TANDEM_INTERNAL_TLS__* (this
         node need not see the driver's files); `probe_pem` (ca, cert, key): the operator's,
-        to probe the child's health over mTLS."""
+        to probe the child's health over mTLS; `port`: the one to take if it is free here
+        (a replacement asks for its predecessor's), else a free one."""
         import ray
 
         from tandem.internal_tls import InternalTLS
@@ -62,7 +97,7 @@ class ServiceHost:
             env["CUDA_VISIBLE_DEVICES"] = ""
             if self.kind == "language":
                 extra = launch_plan.cpu_language_args(extra)
-        port = free_port(ip)
+        port = port if port and _listenable(ip, port) else free_port(ip)
         (ports,) = launch_plan.transfer_ranges(1)
         argv = launch_plan.instance_argv(self.kind, model, ip, port, ports, extra)
         self.child = Child(self.name, argv, f"{ip}:{port}", nice=nice)
@@ -91,6 +126,23 @@ class ServiceHost:
         return self.child.proc.returncode
 
 
+def _resources(text: str) -> dict[str, float]:
+    """`--*-resources`: a JSON object of Ray custom resource names to amounts (> 0)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and k and isinstance(v, int | float) and not isinstance(v, bool)
+        and v > 0 for k, v in value.items()
+    ):
+        raise argparse.ArgumentTypeError(
+            f'a JSON object of resource names to amounts > 0, e.g. {{"enc_node": 1}}: {text}')
+    if {"CPU", "GPU", "memory"} & set(value):
+        raise argparse.ArgumentTypeError("CPU/GPU come from --*-cpus/--*-gpus, not here")
+    return {k: float(v) for k, v in value.items()}
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
     """(Ray options, `tandem up` options): the Ray flags are taken out, the rest goes to
     `tandem up`'s own parser, so both accept exactly the same cluster flags."""
@@ -100,6 +152,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]
     p.add_argument("--language-gpus", type=float, default=1.0, help="GPUs per language actor.")
     p.add_argument("--encoder-cpus", type=float, default=1.0, help="CPUs per encoder actor.")
     p.add_argument("--language-cpus", type=float, default=1.0, help="CPUs per language actor.")
+    p.add_argument("--encoder-resources", type=_resources, default={}, metavar="JSON",
+                   help='Ray custom resources per encoder actor, e.g. \'{"enc_node": 1}\'.')
+    p.add_argument("--language-resources", type=_resources, default={}, metavar="JSON",
+                   help="Ray custom resources per language actor.")
     p.add_argument("--ray-num-cpus", type=int, default=None,
                    help="CPUs of a local instance started here (default: all).")  # fmt: skip
     p.add_argument("--ray-namespace", default="", help="Ray namespace (default: tandem-<pid>).")
@@ -138,6 +194,41 @@ def _check_resources(ray, rargs: argparse.Namespace, args: argparse.Namespace) -
     if need_cpu > have.get("CPU", 0):
         raise RuntimeError(f"the Ray cluster has {have.get('CPU', 0):g} CPUs, the instances "
                            f"need {need_cpu:g} (see --encoder-cpus/--language-cpus)")  # fmt: skip
+    need: dict[str, float] = {}
+    for n, res in ((args.encoders, rargs.encoder_resources),
+                   (args.languages, rargs.language_resources)):  # fmt: skip
+        for k, v in res.items():
+            need[k] = need.get(k, 0.0) + n * v
+    for k, v in need.items():
+        if v > have.get(k, 0):
+            raise RuntimeError(f"the Ray cluster has {have.get(k, 0):g} of resource {k!r}, "
+                               f"the instances need {v:g} (`ray start --resources`)")
+
+
+@dataclass
+class Slot:
+    """One planned instance and the actor now holding it. `bundle`: its placement-group
+    bundle, fixed for its life (a replacement goes into the same one). `info`: the running
+    service's start() answer; None while (re)starting, with `pending` its start() call."""
+
+    kind: str
+    index: int
+    cpus: float
+    gpus: float
+    resources: dict[str, float]
+    extra: str
+    bundle: int
+    actor: object = None
+    pending: object = None  # ObjectRef of start(), while starting
+    info: dict | None = None
+    address: str = ""  # its service's last address; a replacement asks for the same port
+    lost_address: str = ""  # set while a replacement starts: its predecessor's address
+    replaced: int = 0
+    checks: list = field(default_factory=list)  # the alive() call in flight, at most one
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}-{self.index}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,15 +236,45 @@ def main(argv: list[str] | None = None) -> int:
     stop = stop_event_on_signals()
 
     ray = _connect(rargs)
+    import shlex
+
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     Host = ray.remote(ServiceHost)
-    plan = [("encoder", i, rargs.encoder_cpus, rargs.encoder_gpus, args.encoder_args)
-            for i in range(args.encoders)] + [
-            ("language", i, rargs.language_cpus, rargs.language_gpus, args.language_args)
-            for i in range(args.languages)]  # fmt: skip
-    actors, pg, router, code, pki = [], None, None, 0, None
+    slots = [Slot("encoder", i, rargs.encoder_cpus, rargs.encoder_gpus, rargs.encoder_resources,
+                  args.encoder_args, i) for i in range(args.encoders)]  # fmt: skip
+    slots += [Slot("language", i, rargs.language_cpus, rargs.language_gpus,
+                   rargs.language_resources, args.language_args, args.encoders + i)
+              for i in range(args.languages)]  # fmt: skip
+    pg, router, code, pki, model, probe_pem = None, None, 0, None, "", None
+
+    def launch(slot: Slot) -> None:
+        """A fresh actor in the slot's bundle, its service's start() in flight."""
+        slot.actor = Host.options(
+            name=f"tandem-{slot.name}", num_cpus=slot.cpus, num_gpus=slot.gpus,
+            resources=slot.resources, max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=slot.bundle),
+        ).remote(slot.name, slot.kind)  # fmt: skip
+        slot.info, slot.checks = None, []
+        port = int(slot.address.rsplit(":", 1)[1]) if slot.address else 0
+        slot.pending = slot.actor.start.remote(
+            model, ["--log-level", args.log_level, *shlex.split(slot.extra)], args.ready_timeout,
+            args.encoder_nice if slot.kind == "encoder" else 0,
+            launch_plan.tls_env(pki, slot.kind, inline=True), probe_pem, port)  # fmt: skip
+
+    def addresses(kind: str) -> list[str]:
+        return [s.address for s in slots if s.kind == kind]
+
+    def start_router():
+        r = launch_plan.router_child(args, model, addresses("encoder"), addresses("language"))
+        r.env_extra.update(launch_plan.tls_env(pki, "router"))
+        say(f"[up] router      starting http://{args.host}:{args.http_port}")
+        r.start(dict(os.environ, PYTHONUNBUFFERED="1"))
+        wait_ready([r], args.ready_timeout, stop)
+        return r
+
     try:
         _check_resources(ray, rargs, args)
         model = args.model or str(launch_plan.default_model(args.arch))
@@ -164,45 +285,26 @@ def main(argv: list[str] | None = None) -> int:
         probe_pem = None if pki is None else {
             "ca": pki.ca.read_text(), "cert": pki.cert("operator").read_text(),
             "key": pki.key("operator").read_text()}
-        # SPREAD: bundles go to different nodes where possible (soft, unlike STRICT_SPREAD).
-        pg = placement_group([{"CPU": c, "GPU": g} if g else {"CPU": c} for _, _, c, g, _ in plan],
+        # SPREAD: bundles go to different nodes where possible (soft, unlike STRICT_SPREAD);
+        # a bundle's custom resources confine it to the nodes that have them.
+        pg = placement_group([{"CPU": s.cpus, **({"GPU": s.gpus} if s.gpus else {}),
+                               **s.resources} for s in slots],
                              strategy="SPREAD", name=f"tandem-{os.getpid()}")  # fmt: skip
         ray.get(pg.ready(), timeout=args.ready_timeout)
-        for k, (kind, i, cpus, gpus, _) in enumerate(plan):
-            actors.append(Host.options(
-                name=f"tandem-{kind}-{i}", num_cpus=cpus, num_gpus=gpus, max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=k),
-            ).remote(f"{kind}-{i}", kind))  # fmt: skip
-        import shlex
-
-        pending = [a.start.remote(model, ["--log-level", args.log_level, *shlex.split(extra)],
-                                  args.ready_timeout,
-                                  args.encoder_nice if kind == "encoder" else 0,
-                                  launch_plan.tls_env(pki, kind, inline=True), probe_pem)
-                   for a, (kind, _, _, _, extra) in zip(actors, plan, strict=True)]  # fmt: skip
-        infos = []
-        for ref in pending:  # NOTE: in order, but every start runs in parallel on its actor
-            while not stop.is_set():
-                done, _ = ray.wait([ref], timeout=0.5)
-                if done:
-                    infos.append(ray.get(ref))
-                    break
+        for slot in slots:  # every start runs in parallel, each on its actor
+            launch(slot)
+        for slot in slots:  # NOTE: reported in order
+            while not stop.is_set() and not _started(ray, slot):
+                stop.wait(0.5)
             if stop.is_set():
                 raise KeyboardInterrupt
-            info = infos[-1]
-            say(f"[up] {info['name']:<11} ready   {info['address']:<21} "
+            info = slot.info
+            say(f"[up] {slot.name:<11} ready   {info['address']:<21} "
                 f"(node {info['node_ip']}, gpus [{info['gpus']}])")  # fmt: skip
-        addresses = {kind: [f["address"] for f in infos if f["name"].startswith(kind)]
-                     for kind in ("encoder", "language")}  # fmt: skip
-        router = launch_plan.router_child(args, model, addresses["encoder"],
-                                          addresses["language"])  # fmt: skip
-        router.env_extra.update(launch_plan.tls_env(pki, "router"))
-        say(f"[up] router      starting http://{args.host}:{args.http_port}")
-        router.start(dict(os.environ, PYTHONUNBUFFERED="1"))
-        wait_ready([router], args.ready_timeout, stop)
+        router = start_router()
         say(f"[up] ready: OpenAI API http://{args.host}:{args.http_port}/v1   "
             f"gRPC {args.host}:{args.grpc_port}   model {model}   (Ray)")  # fmt: skip
-        say("[up] pids: " + " ".join(f"{f['name']}={f['pid']}" for f in infos)
+        say("[up] pids: " + " ".join(f"{s.name}={s.info['pid']}" for s in slots)
             + f" router={router.proc.pid}")  # fmt: skip
         if args.demo:
             from tandem.launch.demo import run_demo
@@ -214,21 +316,86 @@ def main(argv: list[str] | None = None) -> int:
             if not router.alive:
                 say(f"[up] router exited with code {router.proc.returncode}")
                 return 1
-            for info, alive in zip(infos, ray.get([a.alive.remote() for a in actors]),
-                                   strict=True):  # fmt: skip
-                if not alive:
-                    say(f"[up] {info['name']} exited")
+            if _watch(ray, slots, launch):
+                before = addresses("encoder") + addresses("language")
+                say("[up] an instance came back at a new address: restarting the router "
+                    f"with {before}")
+                stop_all([[router]], args.stop_timeout)
+                router = start_router()
+                say(f"[up] router      ready again (pid {router.proc.pid})")
     except KeyboardInterrupt:
         pass
     except (RuntimeError, ray.exceptions.RayError, TimeoutError) as e:
         say(f"[up] error: {e}")
         code = 1
     finally:
-        _teardown(ray, router, actors, pg, args.stop_timeout, remove_placement_group)
+        _teardown(ray, router, [s.actor for s in slots if s.actor is not None], pg,
+                  args.stop_timeout, remove_placement_group)
         if pki is not None and not args.pki_dir:
             shutil.rmtree(pki.dir, ignore_errors=True)
         say("[up] stopped")
     return code
+
+
+def _started(ray, slot: Slot) -> bool:
+    """Whether the slot's start() finished; if so its service is recorded (or its error
+    raised)."""
+    done, _ = ray.wait([slot.pending], timeout=0)
+    if not done:
+        return False
+    slot.info, slot.pending = ray.get(slot.pending), None
+    slot.address = slot.info["address"]
+    return True
+
+
+def _watch(ray, slots: list[Slot], launch) -> bool:
+    """One pass over the instances: a lost one (its actor dead, its node gone, or its
+    service exited) is re-placed in its bundle; a replacement that became ready is
+    reported. True when a replacement is serving at another address than its
+    predecessor (the router must learn it)."""
+    moved = False
+    for slot in slots:
+        if slot.pending is not None:  # (re)starting: Ray places it once its bundle can be
+            try:
+                if not _started(ray, slot):
+                    continue
+            except ray.exceptions.RayError as e:  # lost again before it served
+                say(f"[up] {slot.name} failed to start ({type(e).__name__}): re-placing")
+                _kill(ray, slot.actor)
+                launch(slot)
+                continue
+            say(f"[up] {slot.name:<11} re-placed {slot.info['address']:<21} "
+                f"(node {slot.info['node_ip']}, replacement {slot.replaced})")  # fmt: skip
+            moved |= slot.lost_address != slot.address
+            slot.lost_address = ""
+            continue
+        if not slot.checks:
+            slot.checks.append(slot.actor.alive.remote())
+        done, _ = ray.wait(slot.checks, timeout=0)
+        if not done:  # NOTE: a check unanswered is not a loss: Ray says when the node died
+            continue
+        try:
+            alive = ray.get(slot.checks.pop())
+            why = "its service exited"
+        except ray.exceptions.RayError as e:
+            alive, why = False, f"{type(e).__name__}: its actor or node is gone"
+        if alive:
+            continue
+        lost = slot.info
+        say(f"[up] {slot.name} lost at {lost['address']} (node {lost['node_ip']}): {why}; "
+            "re-placing it in its bundle (Ray moves the bundle once a node can hold it)")
+        _kill(ray, slot.actor)  # frees its bundle; a dead one (the usual case) stays dead
+        slot.replaced += 1
+        slot.lost_address = lost["address"]
+        launch(slot)
+    return moved
+
+
+def _kill(ray, actor) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except ray.exceptions.RayError as e:  # NOTE: gone already: nothing left to free
+        say(f"[up] kill: {type(e).__name__}")
 
 
 def _teardown(ray, router, actors, pg, stop_timeout_s, remove_placement_group) -> None:
