@@ -219,3 +219,17 @@ gpu-wheels: setup
 clean:
 	rm -rf $(VENV) $(ORACLE_VENV) $(STAMPS) .tools tandem/v1 build dist *.egg-info .pytest_cache .ruff_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+
+# Past one machine (opt-in, root and `ip`; Debian's nftables for check-netpol). Nodes and
+# pods are network namespaces on a private subnet that exists only inside them
+# (deploy/harness/netns.py); every namespace and process is removed at the end.
+#   check-ray-nodes  a 3-node Ray cluster, `tandem up --ray` across it, a worker's loss (minutes)
+#   check-netpol     the chart's rendered NetworkPolicy as nftables rules between pods (~1.5 min)
+.PHONY: check-ray-nodes check-netpol
+check-ray-nodes: setup
+	$(PY) -m pytest -q -rs --run-slow tests/test_deploy_ray_nodes.py
+
+check-netpol: setup $(HELM)
+	@command -v nft >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq nftables; }
+	$(PY) -m pytest -q -rs --run-slow tests/test_netpol.py
