@@ -364,9 +364,10 @@ def test_a_stream_is_counted_once_by_how_it_ended():
     closed and the admission slot released on each path."""
     import asyncio
 
+    from tandem.services.router.core import Run
     from tandem.services.router.errors import RouterError
     from tandem.services.router.openai.app import _sse
-    from tandem.services.router.request import Output
+    from tandem.services.router.request import ChatRequest, Output
     from tandem.v1 import common_pb2, language_pb2
 
     class Shape:  # the four chunk kinds of a real shape, as bytes
@@ -398,8 +399,10 @@ def test_a_stream_is_counted_once_by_how_it_ended():
             closed.append(n)
 
     def relay(n: int, fail: str = ""):
-        return _sse(outputs(n, fail), (0, output("0")), Shape(), True,
-                    lambda: released.append(n), outcomes.append)
+        req = ChatRequest(messages=[], sampling=common_pb2.SamplingParams(), timeout_s=1.0,
+                          request_id=f"r{n}")
+        run = Run(req, 1, outputs(n, fail), lambda: released.append(n), outcomes.append)
+        return _sse(run, (0, output("0")), Shape(), True)
 
     async def main():
         assert b"".join([c async for c in relay(3)]).endswith(b"data: [DONE]\n\n")

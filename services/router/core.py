@@ -7,9 +7,10 @@ the door translates back into its wire format."""
 
 from __future__ import annotations
 
+import functools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from pathlib import PurePath
 
 import grpc
@@ -154,7 +155,8 @@ class RouterCore:
             request_id=query.request_id, priority=query.priority, tools=query.tools,
             prompt=query.prompt, client_id=caller.client_id, tenant=caller.tenant,
             cache_salt=salt, template_options=query.template_options, trace=root)
-        return Run(self, req, query.n, caller.door, release)
+        outputs = merged([self.dispatcher.generate(r) for r in choice_requests(req, query.n)])
+        return Run(req, query.n, outputs, release, functools.partial(self.count, caller.door))
 
     def count(self, door: Door, outcome: str) -> None:
         """Count one generation request that reached a door's handler, once, when its
@@ -220,15 +222,18 @@ class Run:
     (failed unless "ok"). `aclose` closes the choices' streams (the dispatcher's
     generators; see dispatch/dispatcher.py's leak note)."""
 
-    def __init__(self, core: RouterCore, request: ChatRequest, n: int, door: Door,
-                 release: Callable[[], None]) -> None:
+    def __init__(self, request: ChatRequest, n: int,
+                 outputs: AsyncGenerator[tuple[int, Output], None],
+                 release: Callable[[], None], count: Callable[[str], None]) -> None:
+        """`release`: the admission slot's (RouterCore.admit); `count`: counts the
+        request by its outcome (RouterCore.count, for its door)."""
         self.request = request
         self.n = n
         # NOTE: a request with tools is answered whole (`whole_output`): a tool call is
         # known only once its closing tag is out (n > 1 with tools is refused: bounds.py)
         self.whole = request.tools.mode is not ToolMode.NONE
-        self.outputs = merged([core.dispatcher.generate(r) for r in choice_requests(request, n)])
-        self._core, self._door, self._release = core, door, release
+        self.outputs = outputs
+        self._release, self._count = release, count
         self._ended = False
 
     async def whole_output(self) -> Output:
@@ -243,7 +248,7 @@ class Run:
             return
         self._ended = True
         self._release()
-        self._core.count(self._door, outcome)
+        self._count(outcome.lower())
         if outcome != "ok":
             tracing.fail(self.request.trace, outcome.upper(), message)
         tracing.end(self.request.trace)
