@@ -117,7 +117,7 @@ def _flag(c: Child, name: str) -> int:
 
 
 def test_every_port_of_the_plan_comes_from_the_port_range():
-    r = PortRange(29100, 29163)
+    r = PortRange(29100, 29179)
     args = parse_args(["--model", "/m", "--encoders", "2", "--languages", "2",
                        "--port-range", str(r), "--http-port", "29100",
                        "--language-args", "--tp 2"])
@@ -126,7 +126,8 @@ def test_every_port_of_the_plan_comes_from_the_port_range():
     for c in encoders + languages:
         ports += [int(c.grpc_address.rsplit(":", 1)[1]), _flag(c, "--metrics-port")]
         lo, hi = _flag(c, "--transfer.min-port"), _flag(c, "--transfer.max-port")
-        assert hi - lo + 1 == RANGE_TRANSFER_PORTS
+        # a Mooncake engine per encoder and per tensor-parallel rank, each with its ports
+        assert hi - lo + 1 == RANGE_TRANSFER_PORTS * (2 if c in languages else 1)
         ports += range(lo, hi + 1)
     # a tensor-parallel instance picks its rendezvous port itself: from a block of its own
     for c in languages:
@@ -143,8 +144,8 @@ def test_a_child_picks_its_own_ports_from_its_range(monkeypatch):
     from tandem.config import parse_settings
     from tandem.tiers import TIERS
 
-    monkeypatch.setenv(PORT_RANGE_ENV, "29170-29173")
-    assert {free_port() for _ in range(4)} <= set(range(29170, 29174))
+    monkeypatch.setenv(PORT_RANGE_ENV, "29190-29193")
+    assert {free_port() for _ in range(4)} <= set(range(29190, 29194))
     cfg = parse_settings(TIERS["language"].config(), ["--model", "/m", "--insecure-internal"],
                          "tandem language")
     assert cfg.port
@@ -152,7 +153,11 @@ def test_a_child_picks_its_own_ports_from_its_range(monkeypatch):
 
 @pytest.mark.parametrize("argv,text", [
     (["--port-range", "30000-30010", "--encoders", "2"],
-     "--port-range 30000-30010 has 11 ports; this plan needs 31: 3 gRPC, 24 Mooncake"),
+     "--port-range 30000-30010 has 11 ports; this plan needs 31: 3 gRPC, 24 Mooncake (8 per "
+     "encoder and language rank), 3 metrics, 1 the launcher's metrics"),
+    (["--port-range", "30000-30029", "--language-args", "--tp 2"],
+     "this plan needs 31: 2 gRPC, 24 Mooncake (8 per encoder and language rank), 2 metrics, "
+     "2 tensor-parallel rendezvous (2 each), 1 the launcher's metrics"),
     (["--port-range", "40000-40999"],
      "--port-range 40000-40999: Mooncake's transfer ports must lie below 32768"),
     (["--port-range", "31000-30000"], "wants LO-HI with 1024 <= LO <= HI <= 65535"),

@@ -42,10 +42,11 @@ MOONCAKE_WINDOW = (20000, 28000)
 # GPU needs an explicit page count, so it gets this one unless the caller gave --kv-pages.
 CPU_KV_PAGES = 4096
 CLI = [sys.executable, "-m", "tandem.cli"]
-# Under --port-range: Mooncake ports per instance (it binds two, its RPC and TCP-transport
-# ports, anywhere free in its range; the rest lets a restarted instance bind while the
-# previous one's ports linger), and the private block of a tensor-parallel language
-# instance (its rendezvous port, picked by the instance itself with free_port).
+# Under --port-range: Mooncake ports per engine, i.e. per encoder and per language rank (it
+# binds two, its RPC and TCP-transport ports, anywhere free in its range; the rest lets a
+# restarted instance bind while the previous one's ports linger), and the private block of
+# a tensor-parallel language instance (its rendezvous port, picked by the instance itself
+# with free_port).
 RANGE_TRANSFER_PORTS = 8
 RANGE_TP_PORTS = 2
 # Mooncake ignores an RPC range reaching past this port (tandem.config.TransferConfig)
@@ -205,7 +206,8 @@ def _tp(extra: list[str]) -> int:
 def ports_needed(args: argparse.Namespace) -> dict[str, int]:
     """What the plan takes out of --port-range, by use (for the refusal's message)."""
     n = args.encoders + args.languages
-    need = {"gRPC": n, f"Mooncake ({RANGE_TRANSFER_PORTS} each)": n * RANGE_TRANSFER_PORTS}
+    need = {"gRPC": n, f"Mooncake ({RANGE_TRANSFER_PORTS} per encoder and language rank)":
+            sum(transfer_widths(args))}
     metrics = sum(count for count, extra in ((args.encoders, args.encoder_args),
                                              (args.languages, args.language_args))
                   if _flag_value(shlex.split(extra), "--metrics-port") is None)
@@ -217,6 +219,14 @@ def ports_needed(args: argparse.Namespace) -> dict[str, int]:
     if args.metrics_port is None:
         need["the launcher's metrics"] = 1
     return need
+
+
+def transfer_widths(args: argparse.Namespace) -> list[int]:
+    """Under --port-range, each instance's Mooncake block (encoders, then languages): every
+    tensor-parallel rank runs an engine of its own in its instance's block."""
+    tp = _tp(shlex.split(args.language_args))
+    return ([RANGE_TRANSFER_PORTS] * args.encoders
+            + [RANGE_TRANSFER_PORTS * tp] * args.languages)
 
 
 def check_port_range(args: argparse.Namespace) -> str | None:
@@ -237,10 +247,10 @@ def check_port_range(args: argparse.Namespace) -> str | None:
                 f"{parts} for {args.encoders} encoder(s) and {args.languages} language "
                 "instance(s)")
     low = min(r.hi, MOONCAKE_TOP) - r.lo + 1
-    if low // RANGE_TRANSFER_PORTS < n:
+    if sum(transfer_widths(args)) > low:
         return (f"--port-range {r}: Mooncake's transfer ports must lie below "
                 f"{MOONCAKE_TOP + 1} (it ignores a higher range), and {max(low, 0)} ports "
-                f"of the range do; {n} instances need {n * RANGE_TRANSFER_PORTS} there")
+                f"of the range do; {n} instances need {sum(transfer_widths(args))} there")
     return None
 
 
@@ -387,11 +397,13 @@ def plan(args: argparse.Namespace, model: str, pki: PKIPaths | None = None
     within: PortRange | None = args.port_range
     n = args.encoders + args.languages
     if within is None:
-        ranges = transfer_ranges(n)
-    else:  # Mooncake's blocks first: they need the part below 32768
+        ranges = iter(transfer_ranges(n))
+    else:  # Mooncake's blocks first, widest first: they need the part below 32768
         low = PortRange(within.lo, min(within.hi, MOONCAKE_TOP))
-        ranges = [(b.lo, b.hi) for b in (free_block(args.host, RANGE_TRANSFER_PORTS, low)
-                                         for _ in range(n))]
+        widths = transfer_widths(args)
+        blocks = {i: free_block(args.host, w, low)
+                  for i, w in sorted(enumerate(widths), key=lambda iw: -iw[1])}
+        ranges = iter((blocks[i].lo, blocks[i].hi) for i in range(n))
     language_extra = shlex.split(args.language_args)
     if _cpu_only():
         language_extra = cpu_language_args(language_extra)
@@ -408,7 +420,7 @@ def plan(args: argparse.Namespace, model: str, pki: PKIPaths | None = None
             metrics = _flag_value(extra, "--metrics-port")
             own = ([] if metrics else
                    ["--metrics-port", metrics := str(free_port(args.host, within))])
-            argv = instance_argv(kind, model, args.host, port, ranges.pop(),
+            argv = instance_argv(kind, model, args.host, port, next(ranges),
                                  ["--log-level", args.log_level, *extra, *own])
             child = Child(f"{kind}-{i}", argv, f"{args.host}:{port}",
                           nice=args.encoder_nice if kind == "encoder" else 0,
