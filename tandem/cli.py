@@ -175,9 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] in ("tandem", "services"):
             raise
-        # a client-only install (`pip install tandem-vlm`): one line, not a traceback
-        print(f"tandem {argv[0]}: needs the server install: pip install 'tandem-vlm[server]' "
-              f"(missing {e.name})", file=sys.stderr)
+        # a client-only install (`pip install .` of a checkout): one line, not a traceback.
+        # NOTE: no package index has tandem-vlm yet: the servers install from a checkout
+        print(f"tandem {argv[0]}: needs the server install (missing {e.name}): `make setup` "
+              f"in a Tandem checkout, or there `pip install '.[server]'` after torch's CPU "
+              f"build", file=sys.stderr)
         return 2
 
 
