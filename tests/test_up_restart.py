@@ -29,7 +29,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from waiting import wait_until
 
 from tandem.launch.plan import RANGE_TRANSFER_PORTS, parse_args, plan
-from tandem.launch.procs import PORT_RANGE_ENV, Child, PortRange, free_port, stop_all
+from tandem.launch.procs import (
+    PORT_RANGE_ENV,
+    Child,
+    PortRange,
+    free_block,
+    free_port,
+    stop_all,
+)
 from tandem.launch.supervise import InstanceState, RestartPolicy, Supervisor
 
 EXITS = [sys.executable, "-c", "raise SystemExit(3)"]
@@ -243,9 +250,9 @@ def _listening_ports(pid: int) -> set[int]:
 def test_a_killed_instance_is_restarted_and_the_cluster_answers_again(checkpoint):
     from tandem.launch.cluster import LocalCluster
 
-    base = free_port() // 64 * 64  # a block of the service window, below 32768
-    r = PortRange(base, base + 63)
-    cl = LocalCluster(str(checkpoint("qwen2_5_vl")), http_port=base, grpc_port=base + 1,
+    # 64 ports below 32768 (Mooncake's part), the first two free: the router's
+    r = free_block("127.0.0.1", 64, PortRange(28000, 32767))
+    cl = LocalCluster(str(checkpoint("qwen2_5_vl")), http_port=r.lo, grpc_port=r.lo + 1,
                       up_args=["--port-range", str(r), "--restart-backoff", "0.2"])
     with cl:
         model = httpx.get(f"{cl.http_url}/v1/models", timeout=30).json()["data"][0]["id"]
