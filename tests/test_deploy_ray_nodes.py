@@ -5,12 +5,15 @@ with its own private address (deploy/harness/netns.py), end to end (`make check-
                      language-0 (resource tandem_language)
     w1   10.231.0.3: encoder-0 or -1 (resource tandem_encoder)
     w2   10.231.0.4: the other encoder
+    w3   10.231.0.5: no Ray node at first; where capacity returns for a node lost for good
 
 A chat is answered; the worker holding encoder-0 is lost (every process in its namespace
 SIGKILLed, its link cut); chats go on through the other encoder with the same answer; the
 node comes back (link up, `ray start --address` again), the launcher re-places encoder-0
-in its bundle at its old address and the router counts two healthy encoders again; SIGINT
-stops the launcher and the harness leaves no namespace and no process. The subnet exists
+in its bundle at its old address and the router counts two healthy encoders again; the
+other worker is then lost for good and w3 joins: encoder-1 is re-placed there, at a new
+address, and the restarted router serves through both; SIGINT stops the launcher and the
+harness leaves no namespace and no process. The subnet exists
 only inside the namespaces this test makes. Needs root and `ip`; slow (minutes).
 """
 
@@ -249,7 +252,7 @@ def test_three_node_ray_cluster_serves_survives_a_worker_loss_and_leaves_nothing
     gen = subprocess.run([str(Path(sys.executable).parent / "ray"), "get-auth-token",
                           "--generate"], env=env, capture_output=True, text=True, timeout=120)
     assert gen.returncode == 0, gen.stderr
-    net = netns.Network(["head", "w1", "w2"])
+    net = netns.Network(["head", "w1", "w2", "w3"])  # w3: no Ray node until capacity returns
     launcher = None
     try:
         net.build()
@@ -333,6 +336,24 @@ def test_three_node_ray_cluster_serves_survives_a_worker_loss_and_leaves_nothing
             c["choices"][0]["message"]["content"] for c in undisturbed]
         assert not any("restarting the router" in ln for ln in out.lines), out.tail()
 
+        # the other worker (encoder-1) is lost for good; capacity returns on a fourth node,
+        # w3, at another address: encoder-1 is re-placed there and the router, restarted
+        # with the new address, serves through both encoders again
+        other = "w2" if lost == "w1" else "w1"
+        assert net.kill_all(other) > 0
+        net.isolate(other)
+        out.wait_for(r"^\[up\] encoder-1 lost at", "the launcher seeing encoder-1 lost")
+        _ray_start(net, "w3", temp, env, head=False)
+        m = out.wait_for(r"^\[up\] encoder-1 +re-placed +(\S+) +\(node (\S+),",
+                         "encoder-1 re-placed on w3")
+        assert m.group(2) == ips["w3"], out.tail()
+        out.wait_for(r"^\[up\] router +ready again", "the router restarted")
+        wait_until(lambda: net.call_in("head", _metric, base, "tandem_router_healthy_instances",
+                                       '{tier="encoder"}') == 2,
+                   timeout_s=120, poll_s=1, what="the new router with both encoders")  # fmt: skip
+        moved = net.call_in("head", chats, 2)
+        assert [a["choices"][0]["message"]["content"] for a in moved] == [answer] * 2
+
         os.killpg(launcher.pid, signal.SIGINT)
         assert launcher.wait(180) == 0, out.tail()
         assert out.lines[-1] == "[up] stopped", out.tail()
@@ -344,6 +365,6 @@ def test_three_node_ray_cluster_serves_survives_a_worker_loss_and_leaves_nothing
         deleted = net.close()
         shutil.rmtree(temp, ignore_errors=True)
     # nothing left: no namespace of this run, no process that ran in one
-    assert len(deleted) == 4 and netns.list_ours() == []
+    assert len(deleted) == 5 and netns.list_ours() == []
     leftover = subprocess.run(["pgrep", "-f", str(temp)], capture_output=True, text=True)
     assert leftover.stdout.strip() == "", leftover.stdout

@@ -317,9 +317,9 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"[up] router exited with code {router.proc.returncode}")
                 return 1
             if _watch(ray, slots, launch):
-                before = addresses("encoder") + addresses("language")
-                say("[up] an instance came back at a new address: restarting the router "
-                    f"with {before}")
+                now = addresses("encoder") + addresses("language")
+                say(f"[up] an instance came back at a new address: restarting the router "
+                    f"with {now}")
                 stop_all([[router]], args.stop_timeout)
                 router = start_router()
                 say(f"[up] router      ready again (pid {router.proc.pid})")
