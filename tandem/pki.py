@@ -180,6 +180,15 @@ def plan_kube_secrets(present: dict[str, dict | None], ca_secret: str,
         ca_key = serialization.load_pem_private_key(data["tls.key"], password=None)
         if not isinstance(ca_key, (ec.EllipticCurvePrivateKey, rsa.RSAPrivateKey)):
             raise KubeSecretsError(f"Secret {ca_secret}: the CA key is neither ECDSA nor RSA")
+        if ca.not_valid_after_utc <= datetime.datetime.now(datetime.timezone.utc):
+            # a certificate it signed would be void from its first second (and the tiers'
+            # existing ones already are): only a new CA for every role mends it
+            everything = " ".join([ca_secret, *sorted(role_secrets.values())])
+            ended = ca.not_valid_after_utc.strftime("%Y-%m-%d %H:%M")
+            raise KubeSecretsError(
+                f"the CA in Secret {ca_secret} expired at {ended} UTC: it cannot sign {', '.join(role_secrets[r] for r in missing)}; "
+                f"delete it and the roles' Secrets (kubectl delete secret {everything}) to "
+                f"issue all under a new CA, then restart the tiers")
     else:
         kept = sorted(name for name in role_secrets.values() if present[name] is not None)
         if kept:

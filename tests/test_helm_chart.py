@@ -828,6 +828,37 @@ def test_hook_job_signs_with_the_ca_an_earlier_genca_release_left(rendered):
         assert base64.b64decode(obj["data"]["ca.crt"]) == pem
 
 
+def test_hook_job_refuses_to_sign_with_an_expired_ca(rendered):
+    """A stored CA past its end signs nothing (its certificates would be void at once): the
+    Job says so and names the Secrets to delete, not cryptography's date-order error."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    from tandem.pki import KubeSecretsError, plan_kube_secrets
+
+    spec, _ = _hook_job_secrets(rendered["default"])
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tandem internal CA")])
+    ended = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=1)
+    ca = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+          .public_key(key.public_key()).serial_number(1)
+          .not_valid_before(ended - datetime.timedelta(days=365)).not_valid_after(ended)
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .sign(key, hashes.SHA256()))
+    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    stored = {"type": "kubernetes.io/tls", "data": {
+        "tls.crt": base64.b64encode(ca.public_bytes(serialization.Encoding.PEM)).decode(),
+        "tls.key": base64.b64encode(key_pem).decode()}}
+    state = {spec["ca_secret"]: stored, **{n: None for n in spec["secrets"].values()}}
+    with pytest.raises(KubeSecretsError, match=f"expired .*kubectl delete secret {spec['ca_secret']}"):
+        plan_kube_secrets(state, spec["ca_secret"], spec["secrets"], {}, spec["days"])
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [([], "give DIR"),
