@@ -108,7 +108,9 @@ def parser() -> argparse.ArgumentParser:
         "instead (a running cluster's GCS address, ray://HOST:10001, or 'local'); with it "
         "--encoder-gpus/--language-gpus/--encoder-cpus/--language-cpus/--ray-num-cpus/"
         "--ray-namespace size them (`tandem up --ray --help`). Ray's token authentication "
-        "works as for any Ray client (the token in ~/.ray/auth_token or RAY_AUTH_TOKEN).",
+        "works as for any Ray client (the token in ~/.ray/auth_token or RAY_AUTH_TOKEN). "
+        "--port-range, --metrics-port and the --restart-*/--max-restarts flags are the "
+        "local launcher's: --ray refuses them.",
     )
     p.add_argument("--model", default="", help="Local checkpoint dir or Hugging Face id "
                    "(default: a tiny random-weight model built into the cache once).")
