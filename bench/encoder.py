@@ -38,6 +38,7 @@ from latency import checkpoint  # noqa: E402  (bench/, the script's own folder)
 
 from tandem.chat import ImageInput, Message  # noqa: E402
 from tandem.devices import DTYPES, resolve_device, resolve_dtype  # noqa: E402
+from tandem.services.encoder.chat import EncodeJob  # noqa: E402
 from tandem.services.encoder.config import EncoderConfig  # noqa: E402
 from tandem.services.encoder.pipeline import EncodePipeline  # noqa: E402
 
@@ -90,7 +91,7 @@ async def ours(pipe: EncodePipeline, images: list[bytes], concurrency: int) -> f
 
     async def one(data):
         async with sem:
-            await pipe.encode(request(data))
+            await pipe.encode(EncodeJob(request(data)))
 
     t0 = time.perf_counter()
     await asyncio.gather(*[one(d) for d in images])
@@ -102,10 +103,10 @@ async def hit_vs_miss(pipe: EncodePipeline, runs: int) -> tuple[float, float]:
     for k in range(runs):
         data = make_png(448, 336, 10_000 + k)
         t0 = time.perf_counter()
-        await pipe.encode(request(data))
+        await pipe.encode(EncodeJob(request(data)))
         miss.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        r = await pipe.encode(request(data))
+        r = await pipe.encode(EncodeJob(request(data)))
         hit.append(time.perf_counter() - t0)
         assert r.cached_image_tokens > 0
     return statistics.median(miss), statistics.median(hit)
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     async def run_all():
         pipe.start()
         try:
-            await pipe.encode(request(images[0]))  # warm-up
+            await pipe.encode(EncodeJob(request(images[0])))  # warm-up
             for _ in range(args.runs):  # NOTE: interleaved, so load drift hits both sides
                 base.append(base_model.images_per_s(images))
                 for c, out in ours_by_c.items():

@@ -21,8 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from encoder_peers.chats import assert_payload_matches, chat, oracle  # noqa: E402
 
+from tandem.services.encoder.chat import EncodeJob  # noqa: E402
 from tandem.services.encoder.config import EncoderConfig  # noqa: E402
-from tandem.services.encoder.pipeline import EncodePipeline  # noqa: E402
+from tandem.services.encoder.pipeline import EncodeHooks, EncodePipeline  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -75,7 +76,7 @@ def test_payload_matches_transformers(checkpoint, arch, backend):
     chats = [chat(0, seed=1), chat(1, seed=2), chat(3, seed=3)]
 
     async def go():
-        return [await pipe.encode(c) for c in chats]
+        return [await pipe.encode(EncodeJob(c)) for c in chats]
 
     results = run(go, pipe)
     for c, res in zip(chats, results, strict=True):
@@ -107,7 +108,7 @@ def test_batched_equals_alone_and_cache_hits(checkpoint, arch):
         for c in chats:
             alone_pipe.cache.entries.clear()
             alone_pipe.cache.bytes_used = 0
-            out.append(await alone_pipe.encode(c))
+            out.append(await alone_pipe.encode(EncodeJob(c)))
         return out
 
     singles = run(alone, alone_pipe)
@@ -120,7 +121,7 @@ def test_batched_equals_alone_and_cache_hits(checkpoint, arch):
     async def together():
         # Every request enqueues before the batcher runs: one ViT call under the budget.
         feats = await asyncio.gather(*[pipe.scheduler.features(p.images) for p in prepared])
-        return feats, [await pipe.encode(c) for c in chats]
+        return feats, [await pipe.encode(EncodeJob(c)) for c in chats]
 
     feats, again = run(together, pipe)
     assert pipe.scheduler.batches == 1
@@ -152,7 +153,7 @@ def test_streamed_payload_equals_whole(checkpoint, arch):
     path = checkpoint(arch)
     c = chat(3, seed=40)
     whole_pipe = pipeline(path)
-    whole = run(lambda: whole_pipe.encode(c), whole_pipe).payload
+    whole = run(lambda: whole_pipe.encode(EncodeJob(c)), whole_pipe).payload
     spans = whole.info.images
     assert len(spans) == 3
     for cached in (0, spans[1].start + 2):  # nothing held; a prefix ending inside image 1
@@ -169,7 +170,8 @@ def test_streamed_payload_equals_whole(checkpoint, arch):
             return cached
 
         async def go(pipe=pipe, on_payload=on_payload, held=held):
-            return await pipe.encode(c, announce=held, on_payload=on_payload)
+            return await pipe.encode(EncodeJob(c), EncodeHooks(announce=held,
+                                                                on_payload=on_payload))
 
         res = run(go, pipe)
         ref = whole.rows_from(cached) if cached else whole

@@ -12,7 +12,7 @@ normalised, patchified or hashed.
   the payload are the unsplit encode's, bit for bit; a header-only read is all an image
   outside its share gets (a truncated one passes, a corrupt header is a clean refusal).
 - Given the lead's grids of the images outside its share (RangeStart.image_grids,
-  MediaPart.other_grids), a helper fetches none of them (URL images on a local server
+  MediaPart.grids), a helper fetches none of them (URL images on a local server
   that counts requests), its rows still bit-equal to the unsplit encode's; without them
   (a lead from before the field) it fetches them for their headers, as before. Every
   grid the processor gives is within ImageGeometry's bound; a wrong count or grid (a
@@ -47,13 +47,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from encoder_peers.chats import chat, png, to_proto  # noqa: E402
 
 from tandem.chat import ChatError, ImageInput, Message  # noqa: E402
+from tandem.services.encoder.chat import EncodeJob  # noqa: E402
 from tandem.services.encoder.config import EncoderConfig  # noqa: E402
-from tandem.services.encoder.pipeline import (  # noqa: E402
-    EncodePipeline,
-    MediaPart,
-    grids_outside,
-)
+from tandem.services.encoder.pipeline import NO_HOOKS, EncodePipeline  # noqa: E402
 from tandem.services.encoder.preprocess import GridOnly, ImageGeometry  # noqa: E402
+from tandem.services.encoder.split import MediaPart, grids_outside  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -151,13 +149,13 @@ def test_a_helper_prepares_only_its_share(checkpoint, arch, monkeypatch):
              for part in messages[1].parts if isinstance(part, ImageInput)]
 
     async def encode_all():
-        out = [await p.encode(messages)]
+        out = [await p.encode(EncodeJob(messages))]
         seen = [list(calls)]
         spans, total = out[0].payload.info.images, out[0].payload.num_tokens
         for first, end in shares:
             calls.clear()
             t1 = spans[end].start if end < len(spans) else total
-            out.append(await p.encode(messages, part=MediaPart(0, first, end,
+            out.append(await p.encode(EncodeJob(messages), NO_HOOKS, MediaPart(0, first, end,
                                                                 spans[first].start, t1)))
             seen.append(list(calls))
         return out, seen
@@ -195,17 +193,17 @@ def test_a_helper_reads_only_the_header_of_an_image_outside_its_share(checkpoint
     assert e.value.message.startswith("image data is truncated or corrupt"), e.value.message
 
     async def encode_all():
-        whole = await p.encode(with_first(good))
+        whole = await p.encode(EncodeJob(with_first(good)))
         span = whole.payload.info.images[1]
         part = MediaPart(0, 1, 2, span.start, whole.payload.num_tokens)
-        res = await p.encode(with_first(truncated), part=part)
+        res = await p.encode(EncodeJob(with_first(truncated)), NO_HOOKS, part)
         errors = []
         for chat_, part_ in [
                 (with_first(corrupt), part),  # a header it cannot read
                 # a range whose media are not where its tokens say
                 (with_first(good), MediaPart(0, 0, 1, span.start, whole.payload.num_tokens))]:
             try:
-                await p.encode(chat_, part=part_)
+                await p.encode(EncodeJob(chat_), NO_HOOKS, part_)
                 errors.append(None)
             except ChatError as e:
                 errors.append(e)
@@ -296,18 +294,18 @@ def test_a_helper_given_grids_fetches_nothing_outside_its_share(checkpoint, arch
     first, end = 1, 3  # images 0 and 3 outside the share
 
     async def encode_all():
-        whole = await p.encode(messages)
+        whole = await p.encode(EncodeJob(messages))
         fetched = {path: _Images.gets[path] for path in paths}
         lead = p.preprocessor(messages)  # what the lead sends: its grids of the others
         grids = tuple(grids_outside(lead.media, first, end))
         spans = whole.payload.info.images
         part = MediaPart(0, first, end, spans[first].start, spans[end].start, grids)
         _Images.gets.clear()
-        given = await p.encode(messages, part=part)
+        given = await p.encode(EncodeJob(messages), NO_HOOKS, part)
         with_grids = {path: _Images.gets[path] for path in paths}
         _Images.gets.clear()  # a lead from before image_grids: the headers read
-        old = await p.encode(messages, part=MediaPart(*[getattr(part, f) for f in (
-            "payload_start", "first_media", "end_media", "first_token", "end_token")]))
+        old = await p.encode(EncodeJob(messages), NO_HOOKS, MediaPart(*[getattr(part, f) for f in (
+            "start", "first_media", "end_media", "first_token", "end_token")]))
         without = {path: _Images.gets[path] for path in paths}
         return whole, fetched, grids, given, with_grids, old, without
 
@@ -338,19 +336,19 @@ def test_a_helper_whose_url_answers_differently_refuses_its_range(checkpoint, im
     first, end = 1, 3
 
     async def encode_all():
-        whole = await p.encode(messages)
+        whole = await p.encode(EncodeJob(messages))
         lead = p.preprocessor(messages)
         keys = tuple(m.key for m in lead.media[first:end])
         spans = whole.payload.info.images
         part = MediaPart(0, first, end, spans[first].start, spans[end].start,
                          tuple(grids_outside(lead.media, first, end)), keys)
-        same = await p.encode(messages, part=part)
+        same = await p.encode(EncodeJob(messages), NO_HOOKS, part)
         errors = []
         for part_ in (dataclasses.replace(part, keys=keys[:1]), part):
             if part_ is part:  # image 2's URL now answers with another image, same size
                 _Images.files[paths[2]] = png(120, 90, 999)
             try:
-                await p.encode(messages, part=part_)
+                await p.encode(EncodeJob(messages), NO_HOOKS, part_)
                 errors.append(None)
             except ChatError as e:
                 errors.append(e)

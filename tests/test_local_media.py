@@ -26,6 +26,7 @@ from encoder_peers.chats import png
 from tandem.chat import ChatError, ImageInput, Message, VideoOptions
 from tandem.launch import serve
 from tandem.launch.vllm_flags import To
+from tandem.services.encoder.chat import EncodeJob
 from tandem.services.encoder.config import EncoderConfig
 from tandem.services.encoder.images import (
     ImageLimits,
@@ -170,8 +171,8 @@ def test_a_file_image_encodes_exactly_as_the_same_image_as_a_data_url(checkpoint
     async def both():
         pipe.start()
         try:
-            return (await pipe.encode(chat(f"file://{root}/sub/b%20c.png")),
-                    await pipe.encode(chat(data_url)))
+            return (await pipe.encode(EncodeJob(chat(f"file://{root}/sub/b%20c.png"))),
+                    await pipe.encode(EncodeJob(chat(data_url))))
         finally:
             await pipe.stop()
 

@@ -346,7 +346,11 @@ def _helper(call: _Call, step: str):
         def __getattr__(self, kind):
             return lambda *args, **kwargs: lambda *a, **k: call
 
-    h = HelperRange(Channel(), Share("h:1", 1, 2, 10, 40), encoder_pb2.RangeStart(), 5.0)
+    async def no_fall_back() -> None:  # never lost here: these write, they do not fall back
+        raise AssertionError("fell back")
+
+    h = HelperRange(Channel(), Share("h:1", 1, 2, 10, 40), encoder_pb2.RangeStart(), 5.0,
+                    no_fall_back)
     h.ready, h.step = encoder_pb2.RangeReady(), HelperStep(step)
     return h
 

@@ -24,8 +24,9 @@ import torch
 from video_chats import Image, Video, VideoChat, oracle_results, write_clips
 
 from tandem.chat import VideoOptions
+from tandem.services.encoder.chat import EncodeJob
 from tandem.services.encoder.config import EncoderConfig
-from tandem.services.encoder.pipeline import EncodePipeline
+from tandem.services.encoder.pipeline import EncodeHooks, EncodePipeline
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -85,7 +86,7 @@ def test_payload_equals_transformers(case_id, clips, oracle, checkpoint):
     out, results = oracle
     ref = results[case_id]
     pipe = pipeline(checkpoint, arch)
-    res = run(pipe, lambda: pipe.encode(chat.messages(clips[0])))
+    res = run(pipe, lambda: pipe.encode(EncodeJob(chat.messages(clips[0]))))
     p = res.payload
     assert p.fill_ids.tolist() == ref["input_ids"]
     assert p.mrope_positions.tolist() == ref["positions"]
@@ -114,7 +115,7 @@ def test_repeated_video_is_a_cache_hit_and_another_rate_is_not(arch, clips, chec
     async def go():
         pipe.cache.entries.clear()
         pipe.cache.bytes_used = 0
-        return [await pipe.encode(c.messages(clips[0])) for c in (chat, chat, other)]
+        return [await pipe.encode(EncodeJob(c.messages(clips[0]))) for c in (chat, chat, other)]
 
     hits, misses = pipe.cache.hits, pipe.cache.misses
     first, again, other_rate = run(pipe, go)
@@ -140,7 +141,8 @@ def test_a_video_the_language_side_holds_is_not_decoded(clips, checkpoint):
     async def go():
         pipe.cache.entries.clear()
         pipe.cache.bytes_used = 0
-        return await pipe.encode(chat.messages(clips[0]), announce=holds_through_the_video)
+        return await pipe.encode(EncodeJob(chat.messages(clips[0])),
+                                 EncodeHooks(announce=holds_through_the_video))
 
     res = run(pipe, go)
     (info,) = seen

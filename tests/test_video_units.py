@@ -14,8 +14,9 @@ import torch
 from test_video_payload import run
 from video_chats import Image, Video, VideoChat, write_clips
 
+from tandem.services.encoder.chat import EncodeJob
 from tandem.services.encoder.config import EncoderConfig
-from tandem.services.encoder.pipeline import EncodePipeline
+from tandem.services.encoder.pipeline import EncodeHooks, EncodePipeline
 
 CHAT = VideoChat(("Compare", Image(3, (64, 48)), "with", Video("avi"), "please."))
 
@@ -53,7 +54,7 @@ def test_streamed_video_payload_fills_group_by_group_and_equals_the_whole(clips,
                                                                           arch):
     messages = CHAT.messages(clips[0])
     whole_pipe = pipeline(checkpoint, arch)
-    whole = run(whole_pipe, lambda: whole_pipe.encode(messages)).payload
+    whole = run(whole_pipe, lambda: whole_pipe.encode(EncodeJob(messages))).payload
     probe = whole_pipe.preprocessor(messages)
     t, h, w = probe.videos[0].grid
     pipe = pipeline(checkpoint, arch, chunk=h * w)  # one temporal group per ViT input
@@ -64,8 +65,8 @@ def test_streamed_video_payload_fills_group_by_group_and_equals_the_whole(clips,
         p.arrived.on_advance = lambda: seen.append(p.arrived.rows)
 
     async def twice():
-        first = await pipe.encode(messages, on_payload=on_payload)
-        return first, await pipe.encode(messages)
+        first = await pipe.encode(EncodeJob(messages), EncodeHooks(on_payload=on_payload))
+        return first, await pipe.encode(EncodeJob(messages))
 
     res, again = run(pipe, twice)
     got = res.payload

@@ -176,15 +176,17 @@ def test_capture_failures_reach_the_metrics(checkpoint, parts):
 
     from tandem.services.encoder.config import EncoderConfig
     from tandem.services.encoder.metrics import EncoderMetrics
-    from tandem.services.encoder.pipeline import EncodePipeline
+    from tandem.services.encoder.pipeline import EncodePipeline, PipelineSettings, VisionParts
 
     pipe = EncodePipeline.from_config(EncoderConfig(model=str(checkpoint("qwen2_5_vl")),
                                                     device="cpu", dtype="float32"))
     ok, failed = (VisionRunner(parts["qwen2_5_vl"].visual) for _ in range(2))
     ok.stats, failed.stats = vr.GraphStats(captured=5), vr.GraphStats(captured=3, failed=2)
     registry = CollectorRegistry()
-    EncodePipeline(pipe.preprocessor.processor, pipe.embed_tokens, [ok, failed], pipe.spec,
-                   pipe.preprocessor.limits, 0, 1024, metrics=EncoderMetrics(registry))
+    EncodePipeline(VisionParts(pipe.preprocessor.processor, pipe.embed_tokens, [ok, failed],
+                               pipe.spec),
+                   PipelineSettings(pipe.preprocessor.limits, 0, 1024),
+                   metrics=EncoderMetrics(registry))
     assert registry.get_sample_value("tandem_encoder_vit_graphs") == 8
     assert registry.get_sample_value("tandem_encoder_vit_graph_capture_failures_total") == 2
 
@@ -406,7 +408,7 @@ def test_the_encoder_keeps_the_text_embedding_table_on_the_cpu(checkpoint, monke
     device, and a pipeline refuses one elsewhere."""
     import tandem.models.split as split
     from tandem.services.encoder.config import EncoderConfig
-    from tandem.services.encoder.pipeline import EncodePipeline
+    from tandem.services.encoder.pipeline import EncodePipeline, PipelineSettings, VisionParts
 
     asked = []
     real = split.load_vision_part
@@ -424,8 +426,9 @@ def test_the_encoder_keeps_the_text_embedding_table_on_the_cpu(checkpoint, monke
 
     meta = torch.nn.Embedding(8, 4, device="meta")
     with pytest.raises(ValueError, match="must be on the CPU"):
-        EncodePipeline(pipe.preprocessor.processor, meta, pipe.scheduler.runners, pipe.spec,
-                       pipe.preprocessor.limits, 0, 1024)  # fmt: skip
+        EncodePipeline(VisionParts(pipe.preprocessor.processor, meta, pipe.scheduler.runners,
+                                   pipe.spec),
+                       PipelineSettings(pipe.preprocessor.limits, 0, 1024))
 
 
 # ------------------------------------------------------------------ make gpu-check

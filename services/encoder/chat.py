@@ -16,13 +16,16 @@ from tandem.chat import (
 
 @dataclass
 class EncodeJob:
-    """One Encode call in plain data."""
+    """One Encode call in plain data: what the pipeline encodes, whole (EncodePipeline.encode
+    takes it as it is)."""
 
-    room: int
-    request_id: str
     messages: list[Message]
+    room: int = 0
+    request_id: str = ""
     limits: Limits = field(default_factory=Limits)
-    deadline_unix_ms: int = 0
+    # when the work must end (Unix seconds; None: no bound): the call's deadline, resolved
+    # by the servicer (the request's, or its default timeout)
+    deadline: float | None = None
     tools: list[dict] | None = None  # OpenAI's `tools`, rendered by the chat template
     client_id: str = ""  # the caller's key for the fair share of preprocessing ("" = own)
     # how the chat template renders the chat (chat_template_kwargs, generation prompt)
@@ -49,8 +52,9 @@ def inline_fetched(messages, fetched: dict[int, bytes]) -> None:
             k += 1
 
 
-def job_from_proto(req) -> EncodeJob:
-    """`EncodeRequest` -> `EncodeJob`."""
+def job_from_proto(req, deadline: float | None) -> EncodeJob:
+    """`EncodeRequest` -> `EncodeJob`, bounded by `deadline` (serving.deadline_from_proto's
+    answer for it)."""
     return EncodeJob(
         room=req.room,
         request_id=req.request_id,
@@ -59,7 +63,7 @@ def job_from_proto(req) -> EncodeJob:
             max_prompt_tokens=max(0, req.limits.max_prompt_tokens),
             max_images=max(0, req.limits.max_images),
         ),
-        deadline_unix_ms=req.deadline_unix_ms,
+        deadline=deadline,
         tools=tools_from_json(req.tools_json),
         client_id=req.client_id,
         template=template_options_from_proto(req.template_options),

@@ -123,17 +123,24 @@ def rope_index(
     return positions, delta
 
 
+@dataclass(frozen=True)
+class MergeModel:
+    """What merging needs of the model: its text embedding table, its pad token ids, its
+    MRoPE rule and how many deepstack levels ride beside each row."""
+
+    embed_tokens: torch.nn.Embedding
+    image_token_id: int
+    video_token_id: int
+    rule: RopeRule
+    num_deepstack: int
+
+
 def build_payload(
-    embed_tokens: torch.nn.Embedding,
+    model: MergeModel,
     input_ids: torch.Tensor,
     mm_token_type_ids: torch.Tensor,
     features: list[CachedFeatures | None],
     items: list[VisionGrid],
-    *,
-    image_token_id: int,
-    video_token_id: int,
-    rule: RopeRule,
-    num_deepstack: int,
 ) -> PromptPayload:
     """Splice each image's and video's features into the prompt's text embeddings: images
     in order at the image pads, videos in order at the video pads (transformers'
@@ -143,8 +150,9 @@ def build_payload(
     prefix the language side already holds, which is cut off after): zeros stand in.
     `embed_tokens` is on the CPU: this runs on the preprocessing threads, which run no GPU
     work (EncodePipeline keeps the table there)."""
+    rule, num_deepstack = model.rule, model.num_deepstack
     with torch.inference_mode():
-        text = embed_tokens(input_ids)
+        text = model.embed_tokens(input_ids)
     hidden = text.shape[1]
     feats = [
         f if f is not None else CachedFeatures(
@@ -152,7 +160,8 @@ def build_payload(
         for f, n in zip(features, [it.num_tokens(rule.merge) for it in items], strict=True)
     ]
     cols = [text] + [torch.zeros_like(text) for _ in range(num_deepstack)]
-    for kind, token_id in ((MediaKind.IMAGE, image_token_id), (MediaKind.VIDEO, video_token_id)):
+    for kind, token_id in ((MediaKind.IMAGE, model.image_token_id),
+                           (MediaKind.VIDEO, model.video_token_id)):
         mask = input_ids == token_id
         mine = [f for f, it in zip(feats, items, strict=True) if it.kind is kind]
         have = sum(int(f.embeds.shape[0]) for f in mine)
@@ -199,15 +208,13 @@ class StreamedPayload:
 
     def __init__(
         self,
-        embed_tokens: torch.nn.Embedding,
+        model: MergeModel,
         input_ids: torch.Tensor,
         mm_token_type_ids: torch.Tensor,
         items: list[VisionGrid],
         rows: list[torch.Tensor],
         *,
         start: int,
-        rule: RopeRule,
-        num_deepstack: int,
         groups: list[int] | None = None,
         only: set[tuple[int, int]] | None = None,
     ) -> None:
@@ -215,11 +222,12 @@ class StreamedPayload:
         (units.py); `only`: the (medium, group) units this writer fills (a helper's range
         of a split prompt); the others' rows are another writer's, never waited for (left
         zero here)."""
-        dev = embed_tokens.weight.device
+        num_deepstack = model.num_deepstack
+        dev = model.embed_tokens.weight.device
         with torch.inference_mode():
-            text = embed_tokens(input_ids[start:].to(dev)).cpu()
+            text = model.embed_tokens(input_ids[start:].to(dev)).cpu()
         self.hidden, self.start, self.num_deepstack = int(text.shape[1]), start, num_deepstack
-        positions, delta = rope_index(mm_token_type_ids, items, rule)
+        positions, delta = rope_index(mm_token_type_ids, items, model.rule)
         embeds = torch.zeros((text.shape[0], self.hidden * (1 + num_deepstack)), dtype=text.dtype)
         embeds[:, : self.hidden] = text
         n = int(input_ids.shape[0]) - start

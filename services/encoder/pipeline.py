@@ -1,6 +1,6 @@
 """The encode path without the wire: chat -> preprocess -> cache / ViT -> merged payload.
 
-    EncodePipeline.encode(messages, limits, announce, client, deadline)
+    EncodePipeline.encode(job: EncodeJob, hooks: EncodeHooks, role: split.SplitRole)
         preprocess (worker threads shared fairly among clients: fair_pool.py): images
            ready for the ViT, videos probed and planned (not decoded)
         -> announce(PromptInfo): the language side answers how many leading tokens it
@@ -54,13 +54,15 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem import tracing
-from tandem.chat import ChatError, Limits, Message, TemplateOptions, load_chat_template
+from tandem.chat import load_chat_template
 from tandem.devices import resolve_device, resolve_dtype
 from tandem.services.encoder.cache import CachedFeatures, EmbeddingCache
+from tandem.services.encoder.chat import EncodeJob
 from tandem.services.encoder.fair_pool import FairPool
 from tandem.services.encoder.images import Budget, ImageLimits, local_media_root
 from tandem.services.encoder.merge import (
     MediaKind,
+    MergeModel,
     RopeRule,
     StreamedPayload,
     VisionGrid,
@@ -68,13 +70,20 @@ from tandem.services.encoder.merge import (
     media_rows,
 )
 from tandem.services.encoder.preprocess import (
+    Prepared,
     PreparedImage,
     PreprocessLimits,
     Preprocessor,
     in_namespace,
 )
 from tandem.services.encoder.scheduler import EncoderScheduler, FeatureResult
-from tandem.services.encoder.split import HelperRange, Share, plan_split, units_in, with_media
+from tandem.services.encoder.split import (
+    ALONE,
+    Share,
+    SplitRole,
+    helper_start,
+    units_in,
+)
 from tandem.services.encoder.units import Unit, VideoSlice, VitInput, groups_of, units, vit_inputs
 from tandem.services.encoder.video import PlannedVideo, PreparedVideo, VideoLimits
 from tandem.services.encoder.video_rules import ARCH_RULES, VideoSettings
@@ -114,65 +123,107 @@ class EncodeResult:
 
 
 @dataclass(frozen=True)
-class MediaPart:
-    """A helper's share of another encoder's prompt (EncodeRange): media [first_media,
-    end_media) into payload tokens [first_token, end_token), the payload starting at
-    prompt token `payload_start` (the language side's cached prefix); `other_grids`: the
-    lead's grids of the chat's images outside the share, prompt order (RangeStart's
-    image_grids: those images are not fetched; None: a lead that sent none, their headers
-    are read)."""
+class VisionParts:
+    """The model's side of the pipeline: the processor, the text embedding table (on the
+    CPU: see EncodePipeline), one vision runner per device and the checkpoint's spec."""
 
-    payload_start: int
-    first_media: int
-    end_media: int
-    first_token: int
-    end_token: int
-    other_grids: tuple[tuple[int, int, int], ...] | None = None
-    # the lead's cache keys of media [first_media, end_media) (RangeStart.media_keys; ():
-    # a lead from before them, not checked)
-    keys: tuple[str, ...] = ()
+    processor: object
+    embed_tokens: torch.nn.Embedding
+    runners: list[VisionRunner]
+    spec: object
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """How the pipeline runs (EncoderConfig's fields, resolved: from_config)."""
+
+    pre_limits: PreprocessLimits
+    cache_bytes: int
+    patch_budget: int
+    workers: int = 2
+    client_share: int = 0  # FairPool's per-client share of the workers (0: fair split)
+    chat_template: str | None = None
+    video: VideoSettings | None = None
+    video_chunk_patches: int = 0  # streamed rows: see EncoderConfig
+    vit_stall_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class EncodeHooks:
+    """How one Encode's caller follows it: `on_state(EncodeState)` as the request moves
+    from stage to stage; `announce(info)` returns the leading tokens the language side
+    already holds (None: 0); `on_payload(payload, remote)`: stream it (see the module
+    docstring), called once before the ViT runs with the payload whose rows then fill in
+    (its `arrived` watermark) and the ranges other encoders write (None: the payload
+    whole, in the result); `trace`: the span the stages' spans go under."""
+
+    on_state: Callable[[EncodeState], None] = lambda _s: None
+    announce: Callable[[PromptInfo], Awaitable[int]] | None = None
+    on_payload: Callable[[PromptPayload, list[RemoteRange]], None] | None = None
+    trace: tracing.Span = tracing.OFF
+
+
+NO_HOOKS = EncodeHooks()
+
+
+@dataclass
+class _Encoding:
+    """One Encode's state between the pipeline's steps (each step fills its part)."""
+
+    job: EncodeJob
+    hooks: EncodeHooks
+    role: SplitRole
+    budget: Budget
+    prep: Prepared
+    spans: list[ImageSpan]
+    info: PromptInfo | None  # what the prompt announces (None: a helper's part)
+    cached: int = 0  # the language side's cached prefix: the payload's first token
+    rows: list[torch.Tensor] = field(default_factory=list)  # each medium's pad rows
+    every: list[Unit] = field(default_factory=list)  # each image, each video's group
+    need: list[int] = field(default_factory=list)  # media not wholly in the prefix
+    feats: list = field(default_factory=list)  # cache hits, by medium (None: not one)
+    misses: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    shares: list[Share] = field(default_factory=list)
+    only: set[tuple[int, int]] | None = None  # the units this payload waits for
+    work: list[Unit] = field(default_factory=list)  # the units this encoder runs
+    stream: StreamedPayload | None = None
+    remote: list[RemoteRange] = field(default_factory=list)
+
+    @property
+    def client(self) -> str:
+        return self.job.client_id
 
 
 class EncodePipeline:
-    def __init__(
-        self,
-        processor,
-        embed_tokens,
-        runners: list[VisionRunner],
-        spec,
-        pre_limits: PreprocessLimits,
-        cache_bytes: int,
-        patch_budget: int,
-        workers: int = 2,
-        metrics=None,
-        client_share: int = 0,
-        chat_template: str | None = None,
-        video: VideoSettings | None = None,
-        video_chunk_patches: int = 0,
-        vit_stall_s: float = 60.0,
-    ) -> None:
-        self.spec = spec
+    def __init__(self, model: VisionParts, settings: PipelineSettings,
+                 metrics=None) -> None:
+        spec = self.spec = model.spec
         # NOTE: the text embedding table lives on the CPU: its lookups run on the
         # preprocessing threads (merge.build_payload), which must run no GPU work: a sync
         # there could end a CUDA graph capture, and each lookup's copy back would wait on
         # the ViT's stream. A lookup is a row copy; its result is host memory anyway.
+        embed_tokens = model.embed_tokens
         if embed_tokens.weight.device.type != "cpu":
             raise ValueError(f"the text embedding table must be on the CPU, not "
                              f"{embed_tokens.weight.device} (see EncodePipeline.from_config)")
         self.embed_tokens = embed_tokens
-        self.preprocessor = Preprocessor(processor, pre_limits, chat_template, video)
+        self.preprocessor = Preprocessor(model.processor, settings.pre_limits,
+                                         settings.chat_template, settings.video)
         self.rope = RopeRule(int(spec.spatial_merge_size), spec.arch in ("qwen3_vl", "qwen3_vl_moe"),
                              int(spec.tokens_per_second))
-        self.cache = EmbeddingCache(cache_bytes)
-        self.metrics = metrics
-        self.scheduler = EncoderScheduler(runners, self.cache, patch_budget, metrics,
-                                          vit_stall_s)
-        if metrics:
-            metrics.vit_graphs_recorded([r.stats for r in runners])
-            metrics.vit_stall_seconds.set_function(self.scheduler.stalled_s)
-        self.pool = FairPool(workers, client_share)
         self.num_deepstack = int(spec.num_deepstack)
-        self.video_chunk_patches = video_chunk_patches  # streamed rows: see EncoderConfig
+        self.merge_model = MergeModel(embed_tokens, spec.image_token_id, spec.video_token_id,
+                                      self.rope, self.num_deepstack)
+        self.cache = EmbeddingCache(settings.cache_bytes)
+        self.metrics = metrics
+        self.scheduler = EncoderScheduler(model.runners, self.cache, settings.patch_budget,
+                                          metrics, settings.vit_stall_s)
+        if metrics:
+            metrics.vit_graphs_recorded([r.stats for r in model.runners])
+            metrics.vit_stall_seconds.set_function(self.scheduler.stalled_s)
+        self.pool = FairPool(settings.workers, settings.client_share)
+        self.video_chunk_patches = settings.video_chunk_patches
 
     @classmethod
     def from_config(cls, cfg, metrics=None) -> EncodePipeline:
@@ -227,20 +278,19 @@ class EncodePipeline:
         )
         video = VideoSettings.from_checkpoint(path) if parts[0].spec.arch in ARCH_RULES else None
         return cls(
-            processor,
-            parts[0].embed_tokens,
-            runners,
-            parts[0].spec,
-            limits,
-            cfg.cache_bytes,
-            cfg.patch_budget,
-            cfg.preprocess_workers,
+            VisionParts(processor, parts[0].embed_tokens, runners, parts[0].spec),
+            PipelineSettings(
+                limits,
+                cfg.cache_bytes,
+                cfg.patch_budget,
+                workers=cfg.preprocess_workers,
+                client_share=cfg.preprocess_client_share,
+                chat_template=load_chat_template(cfg.chat_template),
+                video=video,
+                video_chunk_patches=cfg.video_chunk_patches,
+                vit_stall_s=cfg.vit_stall_s,
+            ),
             metrics,
-            cfg.preprocess_client_share,
-            load_chat_template(cfg.chat_template),
-            video,
-            cfg.video_chunk_patches,
-            cfg.vit_stall_s,
         )
 
     def start(self) -> None:
@@ -250,242 +300,215 @@ class EncodePipeline:
         await self.scheduler.stop()
         self.pool.shutdown()
 
-    async def encode(
-        self,
-        messages: list[Message],
-        limits: Limits | None = None,
-        on_state=None,
-        announce: Callable[[PromptInfo], Awaitable[int]] | None = None,
-        tools: list[dict] | None = None,
-        client: str = "",
-        deadline: float | None = None,
-        template: TemplateOptions | None = None,
-        cache_salt: str = "",
-        trace: tracing.Span = tracing.OFF,
-        on_payload: Callable[[PromptPayload, list[RemoteRange]], None] | None = None,
-        helpers: list[str] = (),
-        open_helper: Callable[[Share, int, list[tuple[int, int, int]], list[str],
-                               dict[int, bytes]], HelperRange] | None = None,
-        part: MediaPart | None = None,
-    ) -> EncodeResult:
-        """`on_state(EncodeState)` is called as the request moves from stage to stage;
-        `announce(info)` returns the leading tokens the language side already holds.
-        `client` is the caller's key for the fair share of the worker threads ("" = a
-        client of its own); `deadline` (Unix seconds) bounds the preprocessing;
-        `template`: how the chat template renders the chat; `cache_salt`: the cache
-        namespace (the router's; "" = shared) every medium's key is taken in, for the
-        embedding cache and for the spans announced to the language side alike; `trace`:
-        the span the stages' spans go under; `on_payload(payload)`: stream it (see the
-        module docstring), called once before the ViT runs with the payload whose rows
-        then fill in (its `arrived` watermark) and the ranges other encoders write;
-        `helpers`: encoders that may take ranges of the prompt (split.py), each opened
-        with `open_helper(share, payload_start, grids, keys, fetched)` (the servicer's; it
-        starts the helper's work at once; `grids`: those of the images outside the share,
-        prompt order, so the helper need not fetch them; `keys`: the share's media's cache
-        keys, which the helper checks its own against; `fetched`: the bytes of the share's
-        images that came from http(s) URLs, by media index, for the helper to take instead
-        of fetching them again); `part`: encode only this share of the
-        chat (a helper's EncodeRange: no announce, only these media's images prepared and
-        run, the other images grid-only, the payload's other rows left zero, no
-        PromptInfo)."""
-        left = math.inf if deadline is None else deadline - time.time()
+    async def encode(self, job: EncodeJob, hooks: EncodeHooks = NO_HOOKS,
+                     role: SplitRole = ALONE) -> EncodeResult:
+        """Encode `job`'s chat (its limits, tools, template; `client_id`: the caller's key
+        for the fair share of the worker threads, "" = a client of its own; `deadline`
+        bounds the preprocessing; `cache_salt`: the cache namespace, "" = shared, every
+        medium's key is taken in, for the embedding cache and for the spans announced to
+        the language side alike), followed by `hooks`. `role`: what this encoder is in a
+        split prompt (split.py): alone, a lead that may hand ranges to helpers (each opened
+        by the role's opener, which starts the helper's work at once), or a helper's
+        share (MediaPart)."""
+        left = math.inf if job.deadline is None else job.deadline - time.time()
         budget = Budget(time.monotonic() + left)
         try:
-            return await self._encode(messages, limits, on_state, announce, tools, client,
-                                      budget, template, cache_salt, trace,
-                                      on_payload, list(helpers), open_helper,
-                                      part)  # fmt: skip
+            return await self._encode(job, hooks, role, budget)
         finally:
             budget.stop.set()  # NOTE: a worker still on this request stops at its next check
 
-    async def _encode(self, messages, limits, on_state, announce, tools, client,
-                      budget: Budget, template: TemplateOptions | None,
-                      cache_salt: str, trace: tracing.Span,
-                      on_payload=None, helpers: list[str] = (), open_helper=None,
-                      part: MediaPart | None = None) -> EncodeResult:  # fmt: skip
-        step = on_state or (lambda _s: None)
-        step(EncodeState.PREPROCESSING)
-        queued_ns = time.time_ns()
-        # a helper prepares only its share's images (their pixels and keys); the others'
-        # grids alone lay its rendering out (the lead's, or from their headers)
-        pixels_for = None if part is None else range(part.first_media, part.end_media)
-        # a lead that may split keeps the bytes its URLs answered, for its helpers
-        keep_fetched = bool(helpers) and open_helper is not None and part is None
-        prep = await self.pool.run(client, self.preprocessor, messages, limits, tools, budget,
-                                   template, pixels_for,
-                                   None if part is None else part.other_grids, keep_fetched)
+    async def _encode(self, job: EncodeJob, hooks: EncodeHooks, role: SplitRole,
+                      budget: Budget) -> EncodeResult:
+        e = await self._prepare(job, hooks, role, budget)
+        self._lookup(e)
+        self._plan(e)
+        if hooks.on_payload is not None or e.shares or e.only is not None:
+            # built before any decode or ViT (streamed, split or a helper's part)
+            await self._open_stream(e)
+        if role.keeps_fetched():  # in the helpers' RangeStarts now (if any): not held longer
+            for m in e.prep.media:
+                if isinstance(m, PreparedImage):
+                    m.fetched = None
+        if e.stream is None:  # the whole payload at once: every missed medium whole
+            todo = [VitInput(i, 0, groups_of(e.prep.media[i]), True) for i in e.misses]
+        else:  # streamed rows: a video goes in runs of groups, each sent when it ends
+            todo = vit_inputs(e.work, e.prep.media,
+                              self.video_chunk_patches if hooks.on_payload is not None else 0)
+        to_decode = sorted({v.medium for v in todo if isinstance(e.prep.media[v.medium],
+                                                                  PlannedVideo)})
+        t0 = time.perf_counter()
+        decoded = await self._decode_for(e, to_decode)
+        decode_s = time.perf_counter() - t0
+        got = await self._run_vit(e, todo, decoded)
+        payload = await self._merge(e)
+        return EncodeResult(
+            payload=payload,
+            image_hashes=[im.hash for im in e.prep.images if im.prepared],
+            cached_image_tokens=e.cached_tokens,
+            preprocess_ms=(e.prep.preprocess_s + decode_s) * 1e3,
+            vit_ms=got.vit_s * 1e3,
+            skipped_images=len(e.spans) - len(e.need),
+            video_keys=[v.key for v in e.prep.videos],
+            decoded_videos=len(to_decode),
+            shares=e.shares,
+            remote=e.remote,
+        )
+
+    async def _prepare(self, job: EncodeJob, hooks: EncodeHooks, role: SplitRole,
+                       budget: Budget) -> _Encoding:
+        """Preprocess (a helper prepares only its share's images, their pixels and keys;
+        the others' grids alone lay its rendering out: the lead's, or from their headers;
+        a lead that may split keeps the bytes its URLs answered, for its helpers), then
+        announce the prompt and lay its units out."""
+        hooks.on_state(EncodeState.PREPROCESSING)
+        queued_ns, trace = time.time_ns(), hooks.trace
+        prep = await self.pool.run(job.client_id, self.preprocessor, job.messages, job.limits,
+                                   job.tools, budget, job.template, role.pixels_for(),
+                                   role.other_grids(), role.keeps_fetched())
         if trace.is_recording():
             _trace_preprocess(trace, prep, queued_ns)
-        if cache_salt:
+        if job.cache_salt:
             for m in prep.media:
-                in_namespace(m, cache_salt)
+                in_namespace(m, job.cache_salt)
         if self.metrics:
             self.metrics.preprocess_seconds.observe(prep.preprocess_s, tracing.exemplar(trace))
         spans = media_spans(prep.input_ids, prep.media, self.spec.image_token_id,
                             self.spec.video_token_id)
         # what the prompt announces: a helper announces nothing (its spans name only its
         # share's media) and its payload carries no PromptInfo
-        info = None if part is not None else PromptInfo(prep.input_ids.tolist(), spans)
-        cached = 0 if part is None else part.payload_start
-        if announce is not None and part is None:
-            step(EncodeState.ANNOUNCING)
+        fixed = role.payload_start()
+        info = None if fixed is not None else PromptInfo(prep.input_ids.tolist(), spans)
+        e = _Encoding(job, hooks, role, budget, prep, spans, info, fixed or 0)
+        if hooks.announce is not None and fixed is None:
+            hooks.on_state(EncodeState.ANNOUNCING)
             span = tracing.start("encoder.announce", trace)
-            cached = await announce(info)
-            span.set_attribute("tandem.cached_prefix_tokens", cached)
+            e.cached = await hooks.announce(info)
+            span.set_attribute("tandem.cached_prefix_tokens", e.cached)
             span.end()
-        need = [i for i, sp in enumerate(spans) if sp.start + sp.length > cached]
-        rows = media_rows(prep.input_ids, [m.num_tokens for m in prep.media],
-                          self.spec.image_token_id, self.spec.video_token_id)
-        every = units(prep.media, rows, cached)  # each image, each video's temporal group
-        only = None  # the units this payload waits for (a helper's, a split's lead's)
-        if part is not None:  # a helper: only the media of its share
-            _check_part(part, every, int(prep.input_ids.numel()))
-            _check_keys(part, prep.media)
-            only = {(u.medium, u.g0)
-                    for u in units_in(every, cached, part.first_token, part.end_token)}
-            need = [i for i in need if any(m == i for m, _ in only)]
-        # Each needed medium is looked up once (a counted hit or miss); only then are the
-        # missing videos decoded, so a cached video costs no decode.
-        feats: list = [None] * len(spans)
-        cached_tokens, misses = 0, []
-        for i in need:
-            hit = self.scheduler.lookup(prep.media[i].key)
+        e.need = [i for i, sp in enumerate(spans) if sp.start + sp.length > e.cached]
+        e.rows = media_rows(prep.input_ids, [m.num_tokens for m in prep.media],
+                            self.spec.image_token_id, self.spec.video_token_id)
+        e.every = units(prep.media, e.rows, e.cached)  # each image, each video's group
+        # a helper: only the media of its share (checked against its own rendering)
+        e.only = role.own_units(e.every, int(prep.input_ids.numel()), prep.media)
+        if e.only is not None:
+            e.need = [i for i in e.need if any(m == i for m, _ in e.only)]
+        return e
+
+    def _lookup(self, e: _Encoding) -> None:
+        """Each needed medium looked up once (a counted hit or miss); only then are the
+        missing videos decoded, so a cached video costs no decode."""
+        e.feats = [None] * len(e.spans)
+        for i in e.need:
+            hit = self.scheduler.lookup(e.prep.media[i].key)
             if hit is not None:
-                feats[i] = hit
-                cached_tokens += prep.media[i].num_tokens
+                e.feats[i] = hit
+                e.cached_tokens += e.prep.media[i].num_tokens
             else:
-                misses.append(i)
-        if need and trace.is_recording():
-            tracing.start("encoder.cache", trace, attributes={
-                "tandem.cache.hits": len(need) - len(misses), "tandem.cache.misses": len(misses),
-                "tandem.cached_image_tokens": cached_tokens}).end()
-        # what this encoder runs: its misses, narrowed to its share of a split prompt
-        work = [u for u in every if u.medium in misses]
-        shares: list[Share] = []
-        if helpers and open_helper is not None and part is None:
-            shares = with_media(plan_split(
-                [u.first_pad for u in every], [u.patches if u.medium in misses else 0
-                                               for u in every],
-                cached, int(prep.input_ids.numel()) - cached, helpers), every)
-            if shares:  # the lead's share: the first; its payload waits for those alone
-                # (the helpers' rows are theirs: `_fall_back` adds a lost one's back)
-                only = {(u.medium, u.g0) for u in every[: shares[0].end_unit]}
-        if only is not None:
-            work = [u for u in work if (u.medium, u.g0) in only]
+                e.misses.append(i)
+        if e.need and e.hooks.trace.is_recording():
+            tracing.start("encoder.cache", e.hooks.trace, attributes={
+                "tandem.cache.hits": len(e.need) - len(e.misses),
+                "tandem.cache.misses": len(e.misses),
+                "tandem.cached_image_tokens": e.cached_tokens}).end()
+
+    def _plan(self, e: _Encoding) -> None:
+        """What this encoder runs: its misses, narrowed to its share of a split prompt."""
+        e.work = [u for u in e.every if u.medium in e.misses]
+        e.shares = e.role.plan(e.every, [u.patches if u.medium in e.misses else 0
+                                         for u in e.every],
+                               e.cached, int(e.prep.input_ids.numel()))
+        if e.shares:  # the lead's share: the first; its payload waits for those alone
+            # (the helpers' rows are theirs: `_fall_back` adds a lost one's back)
+            e.only = {(u.medium, u.g0) for u in e.every[: e.shares[0].end_unit]}
+        if e.only is not None:
+            e.work = [u for u in e.work if (u.medium, u.g0) in e.only]
             # a writer of a split prompt counts the hits of its own units alone (a share
             # may hold a unit the lead had cached, which the helper counts or runs; a
             # video may lie in two shares), so the writers' counts add up
-            cached_tokens = sum(_unit_tokens(prep.media[u.medium], u) for u in every
-                                if (u.medium, u.g0) in only and feats[u.medium] is not None)
-        remote: list[RemoteRange] = []
-        stream = None
-        if on_payload is not None or shares or part is not None:
-            # built before any decode or ViT (streamed, split or a helper's part)
-            stream = await self._start_stream(prep, info, cached, feats, client, rows, only)
-            for sh in shares[1:]:  # each helper starts now, beside our own ViT
-                h = open_helper(sh, cached, grids_outside(prep.media, sh.first_media,
-                                                          sh.end_media),
-                                [m.key for m in prep.media[sh.first_media:sh.end_media]],
-                                {k: m.fetched for k, m in enumerate(
-                                    prep.media[sh.first_media:sh.end_media], sh.first_media)
-                                 if isinstance(m, PreparedImage) and m.fetched})
-                h.fall_back = functools.partial(
-                    self._fall_back, stream, prep, units_in(every, cached, sh.first_token,
-                                                            sh.end_token),
-                    feats, client, budget.deadline)
-                remote.append(h.remote())
-            if on_payload is not None:
-                on_payload(stream.payload, remote)
-        if keep_fetched:  # in the helpers' RangeStarts now (if any): not held any longer
-            for m in prep.media:
-                if isinstance(m, PreparedImage):
-                    m.fetched = None
-        if stream is None:  # the whole payload at once: every missed medium whole
-            todo = [VitInput(i, 0, groups_of(prep.media[i]), True) for i in misses]
-        else:  # streamed rows: a video goes in runs of groups, each sent when it ends
-            todo = vit_inputs(work, prep.media,
-                              self.video_chunk_patches if on_payload is not None else 0)
-        to_decode = sorted({v.medium for v in todo if isinstance(prep.media[v.medium],
-                                                                  PlannedVideo)})
-        t0 = time.perf_counter()
-        decoded: dict[int, PreparedVideo] = {}
-        if to_decode:
-            step(EncodeState.DECODING)
-            span = tracing.start("encoder.video_decode", trace,
-                                 attributes={"tandem.videos": len(to_decode)})
-            try:
-                videos = await self._decode([prep.media[i] for i in to_decode], client, budget)
-            finally:
-                span.end()
-            decoded = dict(zip(to_decode, videos, strict=True))
-        decode_s = time.perf_counter() - t0
-        step(EncodeState.ENCODING)
-        inputs = [_input(decoded.get(v.medium, prep.media[v.medium]), v) for v in todo]
-        if stream is not None and on_payload is not None:
-            got = await self._stream_vit(stream, todo, inputs, client)
+            e.cached_tokens = sum(_unit_tokens(e.prep.media[u.medium], u) for u in e.every
+                                  if (u.medium, u.g0) in e.only and e.feats[u.medium] is not None)
+
+    async def _open_stream(self, e: _Encoding) -> None:
+        """The streamed payload, then each helper's range opened (it starts now, beside
+        our own ViT), then the payload handed to `on_payload`."""
+        e.stream = await self._start_stream(e)
+        for sh in e.shares[1:]:
+            mine = units_in(e.every, e.cached, sh.first_token, sh.end_token)
+            h = e.role.open(sh, helper_start(e.prep.media, sh, e.cached),
+                            functools.partial(self._fall_back, e, mine))
+            e.remote.append(h.remote())
+        if e.hooks.on_payload is not None:
+            e.hooks.on_payload(e.stream.payload, e.remote)
+
+    async def _decode_for(self, e: _Encoding, to_decode: list[int]) -> dict[int, PreparedVideo]:
+        """The videos `to_decode` (media indices) decoded, by index."""
+        if not to_decode:
+            return {}
+        e.hooks.on_state(EncodeState.DECODING)
+        span = tracing.start("encoder.video_decode", e.hooks.trace,
+                             attributes={"tandem.videos": len(to_decode)})
+        try:
+            videos = await self._decode([e.prep.media[i] for i in to_decode], e.client,
+                                        e.budget)
+        finally:
+            span.end()
+        return dict(zip(to_decode, videos, strict=True))
+
+    async def _run_vit(self, e: _Encoding, todo: list[VitInput],
+                       decoded: dict[int, PreparedVideo]) -> FeatureResult:
+        """`todo` through the ViT: into the stream as each ends (streamed), else at once
+        (placed into a split's or a part's payload)."""
+        e.hooks.on_state(EncodeState.ENCODING)
+        inputs = [_input(decoded.get(v.medium, e.prep.media[v.medium]), v) for v in todo]
+        if e.stream is not None and e.hooks.on_payload is not None:
+            got = await self._stream_vit(e.stream, todo, inputs, e.client)
         else:
             got = await self.scheduler.encode(inputs)
-            if stream is not None:  # split or a part: whole, then placed
-                await self.pool.run(client, _place_all, stream, todo, got.features)
+            if e.stream is not None:  # split or a part: whole, then placed
+                await self.pool.run(e.client, _place_all, e.stream, todo, got.features)
         for v, f in zip(todo, got.features, strict=True):
             if v.whole:
-                feats[v.medium] = f
-        self._cache_assembled(todo, inputs, got.features, prep.media)
-        if trace.is_recording():
-            _trace_vit(trace, inputs, got.runs)
-        step(EncodeState.MERGING)
-        merge = tracing.start("encoder.merge", trace)
-        items = _grids(prep.media)
-        payload = stream.payload if stream is not None else await self.pool.run(
-            client,
-            lambda: build_payload(
-                self.embed_tokens,
-                prep.input_ids,
-                prep.mm_token_type_ids,
-                feats,
-                items,
-                image_token_id=self.spec.image_token_id,
-                video_token_id=self.spec.video_token_id,
-                rule=self.rope,
-                num_deepstack=self.num_deepstack,
-            ).rows_from(cached),
+                e.feats[v.medium] = f
+        self._cache_assembled(todo, inputs, got.features, e.prep.media)
+        if e.hooks.trace.is_recording():
+            _trace_vit(e.hooks.trace, inputs, got.runs)
+        return got
+
+    async def _merge(self, e: _Encoding) -> PromptPayload:
+        """The payload (the streamed one, or built now from the features), rows from the
+        held prefix's end on."""
+        e.hooks.on_state(EncodeState.MERGING)
+        merge = tracing.start("encoder.merge", e.hooks.trace)
+        prep = e.prep
+        payload = e.stream.payload if e.stream is not None else await self.pool.run(
+            e.client,
+            lambda: build_payload(self.merge_model, prep.input_ids, prep.mm_token_type_ids,
+                                  e.feats, _grids(prep.media)).rows_from(e.cached),
         )
         merge.end()
         if self.metrics:
             self.metrics.cache_bytes.set(self.cache.bytes_used)
             self.metrics.cache_evictions.set(self.cache.evictions)
-        payload.info = info
-        return EncodeResult(
-            payload=payload,
-            image_hashes=[im.hash for im in prep.images if im.prepared],
-            cached_image_tokens=cached_tokens,
-            preprocess_ms=(prep.preprocess_s + decode_s) * 1e3,
-            vit_ms=got.vit_s * 1e3,
-            skipped_images=len(spans) - len(need),
-            video_keys=[v.key for v in prep.videos],
-            decoded_videos=len(to_decode),
-            shares=shares,
-            remote=remote,
-        )
+        payload.info = e.info
+        return payload
 
-    async def _start_stream(self, prep, info: PromptInfo | None, cached: int, feats: list,
-                            client: str, rows: list[torch.Tensor],
-                            only: set[tuple[int, int]] | None = None) -> StreamedPayload:
+    async def _start_stream(self, e: _Encoding) -> StreamedPayload:
         """The streamed payload of rows [cached, L) with the cache hits already in (of the
-        units `only`, when given: a helper's part)."""
+        units `only`, when given: a helper's part, a split's lead)."""
+        prep = e.prep
 
         def build() -> StreamedPayload:
-            out = StreamedPayload(self.embed_tokens, prep.input_ids, prep.mm_token_type_ids,
-                                  _grids(prep.media), rows, start=cached, rule=self.rope,
-                                  num_deepstack=self.num_deepstack,
-                                  groups=[groups_of(m) for m in prep.media], only=only)
-            for i, f in enumerate(feats):
+            out = StreamedPayload(self.merge_model, prep.input_ids, prep.mm_token_type_ids,
+                                  _grids(prep.media), e.rows, start=e.cached,
+                                  groups=[groups_of(m) for m in prep.media], only=e.only)
+            for i, f in enumerate(e.feats):
                 if f is not None and out.needs(i):
                     out.place(i, f)
             return out
 
-        stream = await self.pool.run(client, build)
-        stream.payload.info = info
+        stream = await self.pool.run(e.client, build)
+        stream.payload.info = e.info
         return stream
 
     async def _stream_vit(self, stream: StreamedPayload, todo: list[VitInput], inputs: list,
@@ -519,28 +542,27 @@ class EncodePipeline:
                 torch.cat([f.embeds for f in fs]),
                 tuple(torch.cat([f.deepstack[k] for f in fs]) for k in range(len(fs[0].deepstack)))))
 
-    async def _fall_back(self, stream: StreamedPayload, prep, share_units: list[Unit],
-                         feats: list, client: str, deadline: float) -> None:
-        """A lost helper's units into the lead's own payload (its cache hits `feats`, the
-        rest decoded and through the ViT), so the lead writes the rest of its range
-        (split.py). The payload waits for them again first, so its rows there are never
-        taken for final while zero."""
-        budget = Budget(deadline)
+    async def _fall_back(self, e: _Encoding, share_units: list[Unit]) -> None:
+        """A lost helper's units into the lead's own payload (its cache hits, the rest
+        decoded and through the ViT), so the lead writes the rest of its range (split.py).
+        The payload waits for them again first, so its rows there are never taken for
+        final while zero. Its own budget: the request's ended with its encode."""
+        budget, stream, prep, feats = Budget(e.budget.deadline), e.stream, e.prep, e.feats
         try:
             stream.expect({(u.medium, u.g0) for u in share_units})
             hits = [i for i in dict.fromkeys(u.medium for u in share_units)
                     if feats[i] is not None and stream.needs(i)]
             if hits:
-                await self.pool.run(client, lambda: [stream.place(i, feats[i]) for i in hits])
+                await self.pool.run(e.client, lambda: [stream.place(i, feats[i]) for i in hits])
             todo = vit_inputs([u for u in share_units if stream.needs(u.medium, u.g0)],
                               prep.media)
             videos = sorted({v.medium for v in todo
                              if isinstance(prep.media[v.medium], PlannedVideo)})
             decoded = dict(zip(videos, await self._decode([prep.media[i] for i in videos],
-                                                          client, budget), strict=True))
+                                                          e.client, budget), strict=True))
             got = await self.scheduler.encode(
                 [_input(decoded.get(v.medium, prep.media[v.medium]), v) for v in todo])
-            await self.pool.run(client, _place_all, stream, todo, got.features)
+            await self.pool.run(e.client, _place_all, stream, todo, got.features)
         finally:
             budget.stop.set()
 
@@ -584,59 +606,9 @@ def _input(m, v: VitInput):
     return m if v.whole else VideoSlice(m, v.g0, v.g1)
 
 
-def _check_part(part: MediaPart, every: list[Unit], prompt_tokens: int) -> None:
-    """A helper's own rendering of the chat must put the lead's share where the lead said
-    (the same chat, template and processor): its edges where units start, at least one
-    unit in it, its units of media [first_media, end_media) from the first to the last
-    (the media it prepared). A mismatch is a misconfigured tier."""
-    if not 0 <= part.payload_start < prompt_tokens:
-        raise ChatError(f"range: payload_start {part.payload_start} is outside the prompt's "
-                        f"{prompt_tokens} tokens", "range")
-    total = prompt_tokens - part.payload_start
-    starts = {u.first_pad - part.payload_start for u in every}
-    ok = (0 < part.first_token < part.end_token <= total and part.first_token in starts
-          and (part.end_token == total or part.end_token in starts))
-    if not ok:
-        raise ChatError(f"range: tokens [{part.first_token}, {part.end_token}) of {total} do "
-                        f"not start and end where this encoder's units (images, video "
-                        f"groups) start", "range")
-    media = [u.medium for u in units_in(every, part.payload_start, part.first_token,
-                                        part.end_token)]
-    if (media[0], media[-1] + 1) != (part.first_media, part.end_media):
-        raise ChatError(f"range: tokens [{part.first_token}, {part.end_token}) hold media "
-                        f"[{media[0]}, {media[-1] + 1}) here, not [{part.first_media}, "
-                        f"{part.end_media})", "range")
-
-
-def grids_outside(media: list, first_media: int, end_media: int) -> list[tuple[int, int, int]]:
-    """The grids of the images outside media [first_media, end_media), prompt order: what a
-    helper of that share is sent (RangeStart.image_grids; Preprocessor's `other_grids`)."""
-    return [m.grid for k, m in enumerate(media)
-            if isinstance(m, PreparedImage) and not first_media <= k < end_media]
-
-
 def _unit_tokens(m, u: Unit) -> int:
     """The prompt tokens of unit `u` of medium `m` (its temporal groups' share)."""
     return m.num_tokens * (u.g1 - u.g0) // groups_of(m)
-
-
-def _check_keys(part: MediaPart, media: list) -> None:
-    """A helper's media of its share must be the lead's (the same cache keys): a URL is
-    fetched again here and may answer differently (a signed URL expired, a random-image
-    endpoint); their rows would then go out under the key the lead announced, and the
-    language side's prefix cache would serve them to another chat. ABORTED: this range
-    only (the lead encodes it itself)."""
-    if not part.keys:
-        return
-    mine = [m.key for m in media[part.first_media:part.end_media]]
-    if len(part.keys) != len(mine):
-        raise ChatError(f"media_keys: {len(part.keys)} keys for the range's {len(mine)} media",
-                        "media_keys")
-    for i, (theirs, ours) in enumerate(zip(part.keys, mine, strict=True)):
-        if theirs != ours:
-            raise ChatError(f"medium {part.first_media + i}: its content here differs from "
-                            "the lead's (a URL that answered differently)", "media_keys",
-                            "ABORTED")
 
 
 def _grids(media: list) -> list[VisionGrid]:

@@ -271,7 +271,7 @@ class Preprocessor:
         grid-only: read as far as their header (format, size: a bad one still refused),
         their grids computed as the processor would (ImageGeometry), no pixel touched. A
         helper's share of a split prompt; an index naming no image prepares nothing (the
-        helper checks its range against the rendering: pipeline._check_part).
+        helper checks its range against the rendering: split.MediaPart.own_units).
         `other_grids` (with `pixels_for`): the grids of the images outside it, in prompt
         order (a split's lead's, RangeStart.image_grids): those images are neither fetched
         nor read, each grid checked against this encoder's bounds for its image

@@ -9,7 +9,7 @@
     Encode with helpers (a split prompt, split.py): the pipeline opens one EncodeRange
                    stream per helper share it plans; the sender hands those ranges' pieces
                    to them (and re-encodes the range of a helper that is lost)
-    EncodeRange (this encoder a helper): RangeStart ─▶ pipeline.encode(part=...) (its
+    EncodeRange (this encoder a helper): RangeStart ─▶ pipeline.encode(role=MediaPart) (its
                    media only) ─▶ Ready ─▶ per RangeWrite: sender.write_range ─▶
                    RangeWritten per chunk (AttachWorking meanwhile)
     Attach  ─▶ sender.attach (the transfer layer owns the room protocol)
@@ -36,9 +36,17 @@ import grpc
 from tandem import tracing
 from tandem.chat import ChatError
 from tandem.errors import abort
-from tandem.services.encoder.chat import inline_fetched, job_from_proto
-from tandem.services.encoder.pipeline import EncodePipeline, EncodeState, MediaPart
-from tandem.services.encoder.split import HelperRange, Share
+from tandem.services.encoder.chat import EncodeJob, inline_fetched, job_from_proto
+from tandem.services.encoder.pipeline import EncodeHooks, EncodePipeline, EncodeState
+from tandem.services.encoder.split import (
+    ALONE,
+    FallBack,
+    HelperRange,
+    HelperStart,
+    Lead,
+    MediaPart,
+    Share,
+)
 from tandem.serving import deadline_from_proto
 from tandem.transfer.channels import EncoderChannels
 from tandem.transfer.errors import TransferError, WriteRefused
@@ -142,33 +150,23 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         deadline = deadline_from_proto(request.deadline_unix_ms, self.default_timeout_s, now)
         if deadline <= now:
             raise TimeoutError
-        job = job_from_proto(request)
-
-        def mark(state: EncodeState) -> None:
-            self.states[job.room] = state
-
-        sending: asyncio.Task | None = None  # a streamed payload's delivery, under way
+        job = job_from_proto(request, deadline)
         helpers: list[HelperRange] = []  # a split prompt's (each closed on every path)
 
-        def stream(payload, remote) -> None:  # the payload, before its rows are all in
-            nonlocal sending
-            sending = asyncio.ensure_future(self.sender.send(
-                job.room, payload, deadline=deadline, trace=span, remote=remote))
-
-        def open_helper(share: Share, payload_start: int, grids: list[tuple[int, int, int]],
-                        keys: list[str], fetched: dict[int, bytes]) -> HelperRange:
+        def open_helper(share: Share, start: HelperStart, fall_back: FallBack) -> HelperRange:
             ask = encoder_pb2.EncodeRequest()
             ask.CopyFrom(request)
             del ask.helpers[:]  # NOTE: a helper never splits its share again
-            inline_fetched(ask.messages, fetched)  # its URL images: the bytes we fetched
+            inline_fetched(ask.messages, start.fetched)  # its URL images: the bytes we fetched
             ask.deadline_unix_ms = int(deadline * 1000)  # both ends bound the range by it
             h = HelperRange(self.channels.get(share.helper), share, encoder_pb2.RangeStart(
-                request=ask, payload_start=payload_start, first_media=share.first_media,
+                request=ask, payload_start=start.payload_start, first_media=share.first_media,
                 media=share.end_media - share.first_media, first_token=share.first_token,
                 end_token=share.end_token, image_grids=[
-                    encoder_pb2.ImageGrid(temporal=t, height=y, width=x) for t, y, x in grids],
-                media_keys=keys),
-                self.sender.config.timeout_s,
+                    encoder_pb2.ImageGrid(temporal=t, height=y, width=x)
+                    for t, y, x in start.grids],
+                media_keys=start.keys),
+                self.sender.config.timeout_s, fall_back,
                 metadata=tracing.metadata(span) + ((tracing.REQUEST_ID_HEADER, request.request_id),))
             helpers.append(h)
             return h
@@ -176,30 +174,37 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         if request.helpers and self.channels is None:
             raise ChatError("this encoder cannot split prompts (no channels to helpers)",
                             "helpers", "FAILED_PRECONDITION")
+        role = Lead(list(request.helpers), open_helper) if request.helpers else ALONE
         try:
-            return await self._encode_split(request, job, span, deadline, now, mark, stream,
-                                            open_helper, lambda: sending, helpers)
+            return await self._encode_split(job, role, span, helpers)
         finally:
             for h in helpers:
                 h.close()
 
-    async def _encode_split(self, request, job, span, deadline, now, mark, stream, open_helper,
-                            streaming, helpers: list[HelperRange]) -> encoder_pb2.EncodeResponse:
-        sending = None
-        async with asyncio.timeout(deadline - now):
+    async def _encode_split(self, job: EncodeJob, role, span: tracing.Span,
+                            helpers: list[HelperRange]) -> encoder_pb2.EncodeResponse:
+        deadline = job.deadline
+        sending: asyncio.Task | None = None  # a streamed payload's delivery, under way
+
+        def mark(state: EncodeState) -> None:
+            self.states[job.room] = state
+
+        def stream(payload, remote) -> None:  # the payload, before its rows are all in
+            nonlocal sending
+            sending = asyncio.ensure_future(self.sender.send(
+                job.room, payload, deadline=deadline, trace=span, remote=remote))
+
+        hooks = EncodeHooks(
+            on_state=mark,
+            announce=lambda info: self.sender.announce(job.room, info, deadline=deadline),
+            on_payload=stream if self.sender.config.stream else None,
+            trace=span,
+        )
+        async with asyncio.timeout(deadline - time.time()):
             self.sender.preparing(job.room, True)  # heartbeats on its Attach stream meanwhile
             try:
-                res = await self.pipeline.encode(
-                    job.messages, job.limits, on_state=mark,
-                    announce=lambda info: self.sender.announce(job.room, info,
-                                                               deadline=deadline),
-                    tools=job.tools, client=job.client_id, deadline=deadline,
-                    template=job.template, cache_salt=job.cache_salt, trace=span,
-                    on_payload=stream if self.sender.config.stream else None,
-                    helpers=list(request.helpers), open_helper=open_helper,
-                )  # fmt: skip
+                res = await self.pipeline.encode(job, hooks, role)
             except BaseException:
-                sending = streaming()
                 if sending is not None:  # NOTE: fails the room (CANCELLED) on both sides
                     sending.cancel()
                     await asyncio.gather(sending, return_exceptions=True)
@@ -207,7 +212,6 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             finally:
                 self.sender.preparing(job.room, False)
             mark(EncodeState.SENDING)
-            sending = streaming()
             # transfer_ms: the delivery's time after the ViT (streamed: what the ViT did not
             # hide; otherwise the whole delivery)
             t0 = time.perf_counter()
@@ -275,7 +279,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             now = time.time()
             deadline = deadline_from_proto(start.request.deadline_unix_ms,
                                            self.default_timeout_s, now)
-            job = job_from_proto(start.request)
+            job = job_from_proto(start.request, deadline)
             # NOTE: no image_grids is a lead from before them (or no image outside the
             # range, the same rendering): the helper reads those images' headers
             part = MediaPart(start.payload_start, start.first_media,
@@ -285,11 +289,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             beating = heartbeat(beat, lambda: outbox.put(working), self.sender.vouch)
             try:
                 async with asyncio.timeout(max(0.0, deadline - now)):
-                    res = await self.pipeline.encode(
-                        job.messages, job.limits, tools=job.tools, client=job.client_id,
-                        deadline=deadline, template=job.template, cache_salt=job.cache_salt,
-                        trace=tracing.start("encoder.range", tracing.from_call(context)),
-                        part=part)  # fmt: skip
+                    res = await self.pipeline.encode(job, EncodeHooks(
+                        trace=tracing.start("encoder.range", tracing.from_call(context))),
+                        part)
             finally:
                 beating.cancel()
             outbox.put_nowait(encoder_pb2.EncodeRangeResponse(ready=encoder_pb2.RangeReady(

@@ -68,9 +68,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 
+from tandem.chat import ChatError
+from tandem.services.encoder.preprocess import PreparedImage
+from tandem.services.encoder.units import Unit
 from tandem.transfer.buffers import RangeTag
 from tandem.transfer.errors import TransferError
 from tandem.transfer.sender_room import RangeLost, RemoteRange
@@ -143,6 +147,192 @@ def units_in(units: list, payload_start: int, first_token: int, end_token: int) 
     return [u for u in units if first_token <= u.first_pad - payload_start < end_token]
 
 
+@dataclass(frozen=True)
+class HelperStart:
+    """What a helper of one share is sent beside the chat (RangeStart): the payload's
+    first prompt token (the language side's cached prefix), the grids of the images
+    outside the share, prompt order (so it need not fetch them), the share's media's cache
+    keys (which it checks its own against) and the bytes of the share's images that came
+    from http(s) URLs, by media index (so it takes them instead of fetching again)."""
+
+    payload_start: int
+    grids: list[tuple[int, int, int]]
+    keys: list[str]
+    fetched: dict[int, bytes]
+
+
+# the lead's re-encoding of a lost helper's range into its own payload (the pipeline's)
+FallBack = Callable[[], Awaitable[None]]
+
+
+class HelperOpener(Protocol):
+    """Opens one helper's range (the servicer's: it starts the helper's work at once);
+    `fall_back` puts the range's rows into the lead's payload if the helper is lost."""
+
+    def __call__(self, share: Share, start: HelperStart, fall_back: FallBack) -> HelperRange: ...
+
+
+class SplitRole(Protocol):
+    """What one Encode is in a split prompt, and what that changes in the pipeline: a
+    prompt encoded alone (`Alone`), the lead that may split it (`Lead`), or a helper's
+    share of another encoder's prompt (`MediaPart`). The pipeline asks its role at each
+    step where they differ; the role holds no per-request state of the pipeline. Its
+    methods' bodies here are a prompt encoded alone (the roles subclass it)."""
+
+    def pixels_for(self) -> range | None:
+        """The media whose pixels this encoder prepares (None: all)."""
+        return None
+
+    def other_grids(self) -> tuple[tuple[int, int, int], ...] | None:
+        """The grids of the images it does not prepare, from the lead (None: read them)."""
+        return None
+
+    def keeps_fetched(self) -> bool:
+        """Whether preprocessing keeps the bytes URLs answered (for helpers)."""
+        return False
+
+    def payload_start(self) -> int | None:
+        """The payload's first prompt token when fixed by the lead (None: the prompt is
+        announced and the language side answers)."""
+        return None
+
+    def own_units(self, every: list[Unit], prompt_tokens: int,
+                  media: list) -> set[tuple[int, int]] | None:
+        """The (medium, group) units this encoder writes, checked against its rendering
+        (None: every unit)."""
+        return None
+
+    def plan(self, every: list[Unit], weights: list[int], cached: int,
+             prompt_tokens: int) -> list[Share]:
+        """The writers of the prompt, prompt order (empty: no split)."""
+        return []
+
+    def open(self, share: Share, start: HelperStart, fall_back: FallBack) -> HelperRange:
+        raise TypeError(f"{type(self).__name__} opens no helper")
+
+
+class Alone(SplitRole):
+    """A prompt this encoder encodes whole, no helper."""
+
+
+ALONE = Alone()
+
+
+class Lead(SplitRole):
+    """The lead of a prompt it may split across `helpers` (names, by load), each share
+    opened with `opener`."""
+
+    def __init__(self, helpers: list[str], opener: HelperOpener) -> None:
+        if not helpers:
+            raise ValueError("a lead needs helpers (no helper: Alone)")
+        self.helpers, self._opener = list(helpers), opener
+
+    def keeps_fetched(self) -> bool:
+        return True
+
+    def plan(self, every: list[Unit], weights: list[int], cached: int,
+             prompt_tokens: int) -> list[Share]:
+        return with_media(plan_split([u.first_pad for u in every], weights, cached,
+                                     prompt_tokens - cached, self.helpers), every)
+
+    def open(self, share: Share, start: HelperStart, fall_back: FallBack) -> HelperRange:
+        return self._opener(share, start, fall_back)
+
+
+@dataclass(frozen=True)
+class MediaPart(SplitRole):
+    """A helper's share of another encoder's prompt (EncodeRange): media [first_media,
+    end_media) into payload tokens [first_token, end_token), the payload starting at
+    prompt token `payload_start` (the language side's cached prefix); `other_grids`: the
+    lead's grids of the chat's images outside the share, prompt order (RangeStart's
+    image_grids: those images are not fetched; None: a lead that sent none, their headers
+    are read). No announce, only these media's images prepared and run, the other images
+    grid-only, the payload's other rows left zero, no PromptInfo."""
+
+    start: int
+    first_media: int
+    end_media: int
+    first_token: int
+    end_token: int
+    grids: tuple[tuple[int, int, int], ...] | None = None
+    # the lead's cache keys of media [first_media, end_media) (RangeStart.media_keys; ():
+    # a lead from before them, not checked)
+    keys: tuple[str, ...] = ()
+
+    def pixels_for(self) -> range:
+        return range(self.first_media, self.end_media)
+
+    def other_grids(self) -> tuple[tuple[int, int, int], ...] | None:
+        return self.grids
+
+    def payload_start(self) -> int:
+        return self.start
+
+    def own_units(self, every: list[Unit], prompt_tokens: int,
+                  media: list) -> set[tuple[int, int]]:
+        self._check_range(every, prompt_tokens)
+        self._check_keys(media)
+        return {(u.medium, u.g0)
+                for u in units_in(every, self.start, self.first_token, self.end_token)}
+
+    def _check_range(self, every: list[Unit], prompt_tokens: int) -> None:
+        """A helper's own rendering of the chat must put the lead's share where the lead
+        said (the same chat, template and processor): its edges where units start, at
+        least one unit in it, its units of media [first_media, end_media) from the first
+        to the last (the media it prepared). A mismatch is a misconfigured tier."""
+        if not 0 <= self.start < prompt_tokens:
+            raise ChatError(f"range: payload_start {self.start} is outside the prompt's "
+                            f"{prompt_tokens} tokens", "range")
+        total = prompt_tokens - self.start
+        starts = {u.first_pad - self.start for u in every}
+        ok = (0 < self.first_token < self.end_token <= total and self.first_token in starts
+              and (self.end_token == total or self.end_token in starts))
+        if not ok:
+            raise ChatError(f"range: tokens [{self.first_token}, {self.end_token}) of {total} "
+                            f"do not start and end where this encoder's units (images, video "
+                            f"groups) start", "range")
+        media = [u.medium for u in units_in(every, self.start, self.first_token,
+                                            self.end_token)]
+        if (media[0], media[-1] + 1) != (self.first_media, self.end_media):
+            raise ChatError(f"range: tokens [{self.first_token}, {self.end_token}) hold media "
+                            f"[{media[0]}, {media[-1] + 1}) here, not [{self.first_media}, "
+                            f"{self.end_media})", "range")
+
+    def _check_keys(self, media: list) -> None:
+        """A helper's media of its share must be the lead's (the same cache keys): a URL is
+        fetched again here and may answer differently (a signed URL expired, a random-image
+        endpoint); their rows would then go out under the key the lead announced, and the
+        language side's prefix cache would serve them to another chat. ABORTED: this range
+        only (the lead encodes it itself)."""
+        if not self.keys:
+            return
+        mine = [m.key for m in media[self.first_media:self.end_media]]
+        if len(self.keys) != len(mine):
+            raise ChatError(f"media_keys: {len(self.keys)} keys for the range's {len(mine)} "
+                            "media", "media_keys")
+        for i, (theirs, ours) in enumerate(zip(self.keys, mine, strict=True)):
+            if theirs != ours:
+                raise ChatError(f"medium {self.first_media + i}: its content here differs "
+                                "from the lead's (a URL that answered differently)",
+                                "media_keys", "ABORTED")
+
+
+def grids_outside(media: list, first_media: int, end_media: int) -> list[tuple[int, int, int]]:
+    """The grids of the images outside media [first_media, end_media), prompt order: what a
+    helper of that share is sent (RangeStart.image_grids; Preprocessor's `other_grids`)."""
+    return [m.grid for k, m in enumerate(media)
+            if isinstance(m, PreparedImage) and not first_media <= k < end_media]
+
+
+def helper_start(media: list, share: Share, payload_start: int) -> HelperStart:
+    """What the helper of `share` is sent, from the lead's prepared media."""
+    mine = media[share.first_media:share.end_media]
+    return HelperStart(payload_start, grids_outside(media, share.first_media, share.end_media),
+                       [m.key for m in mine],
+                       {k: m.fetched for k, m in enumerate(mine, share.first_media)
+                        if isinstance(m, PreparedImage) and m.fetched})
+
+
 class HelperStep(enum.Enum):
     """Where one helper's range is, as the lead sees it: whether the helper may be writing
     into the room's blocks now (the module docstring's rule for fall back or fail)."""
@@ -157,13 +347,13 @@ class HelperRange:
     """The lead's side of one helper's EncodeRange stream: started at once (the helper
     preprocesses and runs its ViT while the lead runs its own), then one RangeWrite per
     piece (`write`, the sender's RemoteRange.write), each only after the helper's Ready.
-    `fall_back` (set by the pipeline) puts the range's rows into the lead's payload when
-    the helper is lost. The call is bounded by the request's deadline (`start.request`'s,
+    `fall_back` (the pipeline's, given at opening) puts the range's rows into the lead's
+    payload when the helper is lost. The call is bounded by the request's deadline (`start.request`'s,
     which the lead sets)."""
 
     def __init__(self, channel: grpc.aio.Channel, share: Share, start: encoder_pb2.RangeStart,
-                 timeout_s: float, metadata: tuple = ()) -> None:
-        self.share, self.timeout_s = share, timeout_s
+                 timeout_s: float, fall_back: FallBack, metadata: tuple = ()) -> None:
+        self.share, self.timeout_s, self._fall_back_to = share, timeout_s, fall_back
         self.step = HelperStep.PREPARING
         stub = encoder_pb2_grpc.EncoderStub(channel)
         self._requests: asyncio.Queue = asyncio.Queue()
@@ -172,7 +362,6 @@ class HelperRange:
         self._call = stub.EncodeRange(self._stream(), metadata=metadata, timeout=max(
             0.0, ms / 1000 - time.time()) if ms else None)
         self.ready: encoder_pb2.RangeReady | None = None
-        self.fall_back: Callable[[], Awaitable[None]] | None = None
         # The helper's messages as they come, its end (a failure, judged at the step the
         # lead was at when it came) last: `ended` is known before the next RangeWrite goes
         # out, however long the lead was busy since (read at its piece, a helper that died
@@ -194,7 +383,7 @@ class HelperRange:
 
     async def _fall_back(self) -> None:
         self.close()
-        await self.fall_back()
+        await self._fall_back_to()
 
     def close(self) -> None:
         """End the stream: cleanly (done writing) once the whole range is written, else
