@@ -275,8 +275,8 @@ def gate():
     g.seen = set()
     held = g.wrap(VisionRunner.run)
 
-    def run(runner, pixels, grids):
-        out = held(runner, pixels, grids)
+    def run(runner, pixels, grids, **kw):
+        out = held(runner, pixels, grids, **kw)
         g.seen.update(tuple(int(x) for x in gr) for gr in grids)
         return out
 

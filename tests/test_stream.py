@@ -78,11 +78,11 @@ class Gate:
     def wrap(self, run):
         gate = self
 
-        def gated(runner, pixels, grids):
+        def gated(runner, pixels, grids, **kw):
             if any(tuple(g) in gate.grids for g in grids):
                 gate.entered.set()
                 assert gate.opened.wait(HANG_GUARD_S), "the held ViT input was never let go"
-            return run(runner, pixels, grids)
+            return run(runner, pixels, grids, **kw)
 
         return gated
 

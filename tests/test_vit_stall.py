@@ -69,7 +69,7 @@ class HangFirst:
     def wrap(self, run):
         hang = self
 
-        def gated(runner, pixels, grids):
+        def gated(runner, pixels, grids, **kw):
             with hang._lock:
                 mine = hang.grid is None or hang.grid in map(tuple, grids)
                 first = mine and not hang._taken
@@ -77,7 +77,7 @@ class HangFirst:
             if first:
                 hang.entered.set()
                 assert hang.released.wait(HANG_GUARD_S), "the hung ViT call was never let go"
-            return run(runner, pixels, grids)
+            return run(runner, pixels, grids, **kw)
 
         return gated
 
@@ -94,8 +94,7 @@ def test_a_runner_reports_progress_per_block(checkpoint):
     static = VisionRunner(runner.visual, max_patches=1024, mode="static")
     for r, want in ((runner, blocks), (static, blocks + 1)):
         ticks = []
-        r.on_progress = lambda ticks=ticks: ticks.append(1)
-        r.run(image.pixel_values, [image.grid])
+        r.run(image.pixel_values, [image.grid], on_progress=lambda ticks=ticks: ticks.append(1))
         assert len(ticks) == want, r.mode
 
 
@@ -153,14 +152,17 @@ def test_progress_is_per_block_not_per_call(checkpoint, block_s, stalled):
     now = [0.0]
     sched = EncoderScheduler([runner], EmbeddingCache(0), 1 << 20, stall_s=10.0,
                              clock=lambda: now[0])
-    report, seen = runner.on_progress, []
+    run, seen = runner.run, []
 
-    def slow_block() -> None:  # on the device thread, at the end of each block
-        now[0] += block_s * sched.stall_s
-        seen.append(sched.stalled())
-        report()
+    def slowly(pixels, grids, on_progress):  # the scheduler's report, each block slowed
+        def slow_block() -> None:  # on the device thread, at the end of each block
+            now[0] += block_s * sched.stall_s
+            seen.append(sched.stalled())
+            on_progress()
 
-    runner.on_progress = slow_block
+        return run(pixels, grids, on_progress=slow_block)
+
+    runner.run = slowly
 
     async def go():
         sched.start()

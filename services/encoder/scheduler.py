@@ -156,8 +156,8 @@ class EncoderScheduler:
     ) -> None:
         """`stall_s`: a ViT call that goes this long without progress is a hang
         (`stalled`; EncoderConfig.vit_stall_s); `clock`: monotonic seconds (tests pass
-        their own). The scheduler takes over each runner's `on_progress`: a runner serves
-        one scheduler."""
+        their own). Each ViT call reports its progress to the scheduler (the runner's
+        `run(on_progress=...)`)."""
         self.runners = runners
         self.stall_s = stall_s
         self._clock = clock
@@ -165,8 +165,6 @@ class EncoderScheduler:
         # replay returned; monotonic s), None while it runs none. Written by the device's
         # thread, read by the loop (a float store: no lock).
         self._progress: list[float | None] = [None] * len(runners)
-        for d, r in enumerate(runners):
-            r.on_progress = functools.partial(self._progressed, d)
         self.cache = cache
         self.patch_budget = patch_budget
         self.metrics = metrics
@@ -361,7 +359,8 @@ class EncoderScheduler:
         self._progress[device] = self._clock()
         try:
             pixels = torch.cat([im.pixel_values for im in images])
-            out = runner.run(pixels, [im.grid for im in images])
+            out = runner.run(pixels, [im.grid for im in images],
+                             on_progress=functools.partial(self._progressed, device))
             sizes = [im.num_tokens for im in images]
             embeds = out.embeds.cpu().split(sizes)  # NOTE: a hung device blocks here
             deep = [d.cpu().split(sizes) for d in out.deepstack]

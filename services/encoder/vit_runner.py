@@ -287,10 +287,9 @@ class VisionRunner:
         if self.mode is not RunMode.EAGER and max_patches < 1:
             raise ValueError(f"mode {mode!r} needs max_patches >= 1 (its largest bucket)")
         self._lock = threading.Lock()
-        # Called on the running thread after each block (eager and static runs) and after
-        # each graph replay: the encoder's stall watch (EncoderScheduler.stalled_s) takes a
-        # call that goes long without one for a hang. Must be cheap and never block.
-        self.on_progress: Callable[[], None] = _nothing
+        # The running call's progress report (`run`'s `on_progress`; none while capturing
+        # at construction): written at each call's start, under the lock, by `run` alone
+        self._report: Callable[[], None] = _nothing
         self._varlen, self._varlen_kw = None, {}
         if cuda and self.dtype in (torch.bfloat16, torch.float16):
             try:
@@ -330,8 +329,14 @@ class VisionRunner:
 
     # ------------------------------------------------------------------ public
     @torch.inference_mode()
-    def run(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> VisionOutput:
+    def run(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]],
+            on_progress: Callable[[], None] = _nothing) -> VisionOutput:
+        """`on_progress`: called on the running thread after each block (eager and static
+        runs) and after each graph replay: the encoder's stall watch
+        (EncoderScheduler.stalled_s) takes a call that goes long without one for a hang.
+        Must be cheap and never block."""
         with self._lock, self._on_device():
+            self._report = on_progress
             prep = self._prepare(pixel_values, grids)
             key = self.key_for(grids)
             replay = self._replays.get(key) if key is not None else None
@@ -342,7 +347,7 @@ class VisionRunner:
             else:
                 self._load(key, prep)
                 merged, deep = replay()
-                self.on_progress()
+                self._report()
                 self.stats.replays += 1
                 # clone: the next batch overwrites the buffers; rows past these are padding
                 rows = prep.hidden.shape[0] // self.unit
@@ -417,7 +422,7 @@ class VisionRunner:
             else:
                 seg, mx = cu_window, prep.max_window_len
             h = blk(h, cu_seqlens=seg, max_seqlen=mx, position_embeddings=(prep.cos, prep.sin))
-            self.on_progress()
+            self._report()
             if i in self.deepstack_layers:
                 deep.append(v.deepstack_merger_list[self.deepstack_layers.index(i)](h))
         return v.merger(h), deep
@@ -494,7 +499,7 @@ class VisionRunner:
                 seg, longest = cu_window, self.window_patches
             h = h + self._attention(blk.attn, blk.norm1(h), cos, sin, seg, longest)
             h = h + blk.mlp(blk.norm2(h))
-            self.on_progress()  # NOTE: host code: a capture runs it once, a replay never
+            self._report()  # NOTE: host code: a capture runs it once, a replay never
             if i in self.deepstack_layers:
                 deep.append(v.deepstack_merger_list[self.deepstack_layers.index(i)](h))
         rows = n // self.unit
