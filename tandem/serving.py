@@ -105,9 +105,20 @@ def run_service(prog: str, main: Coroutine[None, None, None], cpu_threads: int =
     return 0
 
 
-def add_health_and_reflection(server: grpc.aio.Server, service: str) -> health.aio.HealthServicer:
-    """Serve grpc.health.v1 and server reflection beside `service` (a full name)."""
-    servicer = health.aio.HealthServicer()
+class Health(health.aio.HealthServicer):
+    """gRPC's health servicer, holding the server of the plaintext probe port that also
+    serves it (None: no probe port): given at construction, kept alive with the servicer."""
+
+    def __init__(self, probe_server: grpc.aio.Server | None = None) -> None:
+        super().__init__()
+        self.probe_server = probe_server
+
+
+def add_health_and_reflection(server: grpc.aio.Server, service: str,
+                              probe_server: grpc.aio.Server | None = None) -> Health:
+    """Serve grpc.health.v1 and server reflection beside `service` (a full name);
+    `probe_server`: the probe port's server, which the caller has serve the same servicer."""
+    servicer = Health(probe_server)
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     reflection.enable_server_reflection(
         (service, health.SERVICE_NAME, reflection.SERVICE_NAME), server
@@ -156,19 +167,18 @@ async def set_serving(servicer: health.aio.HealthServicer, service: str) -> None
 async def start_serving(
     server: grpc.aio.Server, service: str, address: str, prog: str,
     internal: InternalTLS | None = None, health_port: int = 0,
-) -> health.aio.HealthServicer:
+) -> Health:
     """Health and reflection beside `service`, bind `address` (mTLS with `internal`),
     start, and turn SERVING; the health servicer, for the drain. `health_port` > 0 also
     serves that servicer alone, plaintext, on the same host: a Kubernetes gRPC probe
     cannot present a client certificate, and health is all that port answers."""
-    servicer = add_health_and_reflection(server, service)
+    probe = grpc.aio.server(options=list(_SERVER_OPTIONS)) if health_port else None
+    servicer = add_health_and_reflection(server, service, probe)
     bind(server, address, prog, internal)
-    if health_port:
-        probe = grpc.aio.server(options=list(_SERVER_OPTIONS))
+    if probe is not None:
         health_pb2_grpc.add_HealthServicer_to_server(servicer, probe)
         bind(probe, f"{address.rsplit(':', 1)[0]}:{health_port}", prog)
         await probe.start()
-        servicer.probe_server = probe  # NOTE: kept alive with the servicer
     await server.start()
     await set_serving(servicer, service)
     return servicer
