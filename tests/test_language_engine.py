@@ -286,11 +286,13 @@ def test_max_tokens_beyond_the_context_is_refused_not_shortened(checkpoint):
             engine.submit(Request(1, asked, payload), print)
         # no max_tokens: the service's default (256), shortened to what the context leaves
         with pytest.raises(AdmissionError, match=r"min_tokens 11 is more than the default"):
-            engine.submit(Request(4, SamplingParams(min_tokens=11), payload), print)
-        default = Request(2, SamplingParams(), payload)
+            engine.submit(engine.request(4, SamplingParams(min_tokens=11), payload), print)
+        with pytest.raises(AdmissionError, match=r"no token budget"):  # made without one
+            engine.submit(Request(5, SamplingParams(), payload), print)
+        default = engine.request(2, SamplingParams(), payload)  # complete at construction
+        assert default.max_new_tokens == 10 and default.sampling.max_tokens is None
         q: queue.Queue = queue.Queue()
         engine.submit(default, q.put)
-        assert default.max_new_tokens == 10 and default.sampling.max_tokens is None
         fits = Request(3, SamplingParams(max_tokens=10), payload)
         engine.submit(fits, q.put)
         assert fits.max_new_tokens == 10

@@ -205,8 +205,8 @@ def test_lone_request_that_outgrows_the_pool_fails_and_frees():
         sched.commit(
             step, [t if c.samples else None for c, t in zip(step.chunks, toks, strict=True)]
         )
-    assert step.failed == [req] and req.status is RequestStatus.FINISHED_ERROR
-    assert req.error_code == "RESOURCE_EXHAUSTED"
+    assert [f.req for f in step.failed] == [req] and req.status is RequestStatus.FINISHED_ERROR
+    assert step.failed[0].code == "RESOURCE_EXHAUSTED"  # returned, not parked on the request
     assert len(req.output_ids) == 16 - 10 + 1 and pool.num_free == pool.num_total
 
 

@@ -191,7 +191,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                 recv = asyncio.ensure_future(self.receiver.receive(
                     room, request.encoder_address, deadline, client=request.client_id,
                     on_open=opened.set_result if self.stream else None, trace=span,
-                    request_id=request.request_id))
+                    request_id=request.request_id, on_rows=self.engine.wake))
                 recv.add_done_callback(lambda f: self._received(room, f))
                 try:
                     await asyncio.wait({recv, opened}, return_when=asyncio.FIRST_COMPLETED)
@@ -209,20 +209,18 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                     yield error_response(e.code, e.reason, abort=abort)
                     return
                 if prompt.arrived is not None:  # streamed: the engine hears of each row
-                    prompt.arrived.on_advance = self.engine.wake
-                    self.metrics.streamed_prompts.inc()
+                    self.metrics.streamed_prompts.inc()  # (`on_rows`: its watermark wakes it)
                 # its first rows are in place (not streamed: the whole prompt); the metric
                 # and the request's time_to_first_row_ms are this one figure
                 first_row_ms = (time.monotonic() - t0) * 1e3
                 self.metrics.first_row.observe(first_row_ms / 1e3)
             transfer_ms = (time.monotonic() - t0) * 1e3
             # -- 2. the engine generates --
-            req = Request(room, sampling, prompt, request_id=request.request_id,
-                          priority=request.priority, grammar_future=grammar,
-                          cache_salt=request.cache_salt,
-                          deadline=time.monotonic() + (deadline - now))  # fmt: skip
-            if span.is_recording():
-                req.trace = StageTrace(tracing.exemplar(span))
+            req = self.engine.request(
+                room, sampling, prompt, request_id=request.request_id,
+                priority=request.priority, grammar_future=grammar, cache_salt=request.cache_salt,
+                deadline=time.monotonic() + (deadline - now),
+                trace=StageTrace(tracing.exemplar(span)) if span.is_recording() else None)
             q: asyncio.Queue[StreamDelta] = asyncio.Queue()
             loop = asyncio.get_running_loop()
 
@@ -384,8 +382,7 @@ def _trace_stages(span: tracing.Span, req: Request, d: StreamDelta) -> None:
         tracing.INPUT_TOKENS: d.prompt_tokens, tracing.OUTPUT_TOKENS: d.completion_tokens,
         tracing.CACHED_INPUT_TOKENS: d.cached_tokens,
         tracing.FINISH_REASONS: [d.finish_reason.label.removeprefix("finished_")]})
-    if req.max_new_tokens is not None:
-        span.set_attribute(tracing.REQUEST_MAX_TOKENS, req.max_new_tokens)
+    span.set_attribute(tracing.REQUEST_MAX_TOKENS, req.max_new_tokens)  # (Engine.request's)
     if d.error:
         tracing.fail(span, d.error_code or "INTERNAL", d.error)
 

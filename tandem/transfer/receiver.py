@@ -227,7 +227,8 @@ class EmbeddingReceiver:
     async def receive(self, room: int, encoder_address: str, deadline: float | None = None,
                       client: str = "", trace: tracing.Span = tracing.OFF,
                       request_id: str = "",
-                      on_open: Callable[[PromptPayload], None] | None = None) -> PromptPayload:
+                      on_open: Callable[[PromptPayload], None] | None = None,
+                      on_rows: Callable[[], None] | None = None) -> PromptPayload:
         """Reserve, attach to `encoder_address`, and return the room's prompt payload.
         `client` (the router's client key) bounds its rooms' share of the blocks; `trace`:
         the span the room's span goes under; `request_id` names it on the Attach calls.
@@ -235,14 +236,15 @@ class EmbeddingReceiver:
         `on_open(payload)` (streamed rows): called once, on this loop, as soon as the first
         rows are copied out and verified, with the payload that `receive` will return: its
         tensors have every row's place, its `arrived` watermark counts the rows in (raised
-        after each copy-out; set `arrived.on_advance` in `on_open` to hear of it), its
+        after each copy-out; `on_rows()` runs after each raise, on this loop), its
         `mrope_delta` is set just before the last rows are counted. From then on the room
         is not reattached: its first rows may be in a prefill already, and a failure ends
         it (the caller ends the request; the router retries it whole)."""
         if room in self.rooms:
             raise TransferError(f"room {room} is already receiving", "ALREADY_EXISTS")
         r = self.rooms[room] = ReceiverRoom(room, encoder_address, client=client,
-                                            request_id=request_id, on_open=on_open)
+                                            request_id=request_id, on_open=on_open,
+                                            on_rows=on_rows)
         r.trace = tracing.start("language.transfer", trace, attributes={tracing.ROOM: room})
         t0 = time.monotonic()
         payload: PromptPayload | None = None
@@ -496,7 +498,7 @@ class EmbeddingReceiver:
         if r.payload is None:
             e, f, m = r.out
             r.payload = PromptPayload(e, f, m, r.mrope_delta or 0, start=r.cached, info=r.info,
-                                      arrived=RowWatermark(r.total))
+                                      arrived=RowWatermark(r.total, on_advance=r.on_rows))
             r.payload.ranks_key = r.ranks_key
             r.on_open(r.payload)
         elif r.mrope_delta is not None:

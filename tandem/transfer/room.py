@@ -111,6 +111,7 @@ class ReceiverRoom:
     # streamed rows (receiver.receive's `on_open`): the payload handed on at the first rows
     # (then the room is never reattached), and the delta Done names (set before its rows)
     on_open: Callable[[PromptPayload], None] | None = None
+    on_rows: Callable[[], None] | None = None  # its watermark's on_advance (receive)
     payload: PromptPayload | None = None
     mrope_delta: int | None = None
 

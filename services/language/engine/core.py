@@ -20,7 +20,7 @@ NOTE: every way out of the engine for a request (finish, stop string, deadline, 
 runner failure, shutdown) goes through `_finish()`, which frees its KV pages and sends
 exactly one final delta.
 
-Traces: a traced request (`req.trace`, set by the server) gets each prefill chunk's step
+Traces: a traced request (`req.trace`, given at its construction) gets each prefill chunk's step
 recorded on it (`StageTrace.chunks`); a step reads the clock for it only while some live
 request is traced (`_traced`, a count), so tracing off costs one integer test per step.
 """
@@ -36,6 +36,7 @@ from concurrent.futures import CancelledError
 
 from prometheus_client import CollectorRegistry
 
+from tandem.sampling import SamplingParams
 from tandem.services.language.engine.detokenizer import IncrementalDetokenizer
 from tandem.services.language.engine.grammar import GrammarError, Grammars, matcher
 from tandem.services.language.engine.kv_pages import KVPagePool
@@ -46,7 +47,7 @@ from tandem.services.language.engine.sampler import sample
 from tandem.services.language.engine.scheduler import AdmissionError, Scheduler
 from tandem.services.language.engine.types import Abort, EngineConfig, Live, Sink, Submit
 from tandem.services.language.metrics import LanguageMetrics
-from tandem.transfer.payload import PromptInfo
+from tandem.transfer.payload import PromptInfo, PromptPayload
 
 log = logging.getLogger("tandem.language.engine")
 
@@ -133,13 +134,29 @@ class Engine:
         """Something a waiting request needs arrived (a streamed prompt's rows). Any thread."""
         self._wake.set()
 
+    def max_new_tokens(self, sampling: SamplingParams, prompt_len: int) -> int:
+        """The token budget a request is made with (`Request(max_new_tokens=...)`): its
+        max_tokens when given, else the service's default shortened to what the context
+        leaves. `submit` checks it (after the prompt's own checks)."""
+        if sampling.max_tokens is not None:
+            return sampling.max_tokens
+        return max(min(self.cfg.default_max_tokens, self.cfg.max_model_len - prompt_len), 0)
+
+    def request(self, room: int, sampling: SamplingParams, prompt: PromptPayload,
+                **kwargs) -> Request:
+        """A `Request` made complete with its token budget (`max_new_tokens`); `kwargs`
+        are Request's other keywords."""
+        return Request(room, sampling, prompt,
+                       max_new_tokens=self.max_new_tokens(sampling, prompt.end), **kwargs)
+
     def submit(self, req: Request, sink: Sink) -> None:
         """Queue a request; raises AdmissionError on bad input. Its prompt is complete, or
         streamed (`prompt.arrived`: the engine prefills the rows that have arrived and
-        waits for the rest; `prompt.arrived.on_advance` should call `wake`).
+        waits for the rest; its watermark's `on_advance`, given at its construction, should
+        call `wake`).
         A prompt that starts after a pinned prefix (`prompt.start` > 0) takes the pin. A
         structured-output request's grammar starts compiling here unless the caller
-        started it earlier (`req.sampler.grammar_future = engine.grammars.compile(spec)`)."""
+        started it earlier (`Request(grammar_future=engine.grammars.compile(spec))`)."""
         vocab = self.runner.vocab_size
         outside = sorted(t for t in req.sampling.logit_bias if t >= vocab)
         if outside:  # as vLLM: a bias on no token is a mistake, not a no-op
@@ -148,20 +165,22 @@ class Engine:
         self.scheduler.check(req)
         if req.sampling.grammar is not None and req.sampler.grammar_future is None:
             req.sampler.grammar_future = self.grammars.compile(req.sampling.grammar)
+        budget, sp = req.max_new_tokens, req.sampling
+        if budget is None:  # made with neither a budget nor max_tokens
+            raise AdmissionError(f"request {req.room} has no token budget (make it with "
+                                 f"Engine.request)", "INTERNAL")
         tokens_left = self.cfg.max_model_len - req.prompt_len  # > 0: check() passed
-        asked = req.sampling.max_tokens
-        if asked is not None and asked > tokens_left:
+        if budget > tokens_left:
             raise AdmissionError(
-                f"max_tokens {asked} is more than the context leaves: "
+                f"max_tokens {budget} is more than the context leaves: "
                 f"{self.cfg.max_model_len} (max_model_len) - {req.prompt_len} (prompt) = "
                 f"{tokens_left}", field="sampling.max_tokens")
-        if asked is None:  # the service's default, shortened to fit
-            req.max_new_tokens = min(self.cfg.default_max_tokens, tokens_left)
-            if req.sampling.min_tokens > req.max_new_tokens:
-                raise AdmissionError(
-                    f"min_tokens {req.sampling.min_tokens} is more than the default "
-                    f"max_tokens here ({req.max_new_tokens}): give max_tokens",
-                    field="sampling.min_tokens")
+        if sp.min_tokens > budget:  # (validate_sampling holds it for a given max_tokens)
+            raise AdmissionError(
+                f"min_tokens {sp.min_tokens} is more than the "
+                f"{'default ' if sp.max_tokens is None else ''}max_tokens here ({budget})"
+                f"{': give max_tokens' if sp.max_tokens is None else ''}",
+                field="sampling.min_tokens")
         with self._known_lock:
             if req.room in self._known:
                 raise AdmissionError(f"request {req.room} is already running")
@@ -176,9 +195,7 @@ class Engine:
             with self._known_lock:
                 self._known.discard(req.room)
             raise AdmissionError(f"request {req.room}: {e}", "INTERNAL") from None
-        req.kv.block_table = pages
-        req.kv.num_pinned_pages = req.kv.num_keyed_pages = len(pages)
-        req.kv.num_computed_tokens = start
+        self.scheduler.adopt_pin(req, pages)
         self._inbox.put(Submit(req, sink))
         self._wake.set()
 
@@ -246,7 +263,7 @@ class Engine:
                     if req.trace is not None:
                         self._traced += 1
                     if req.sampler.grammar_future is not None:  # joins the queue once compiled
-                        req.status = RequestStatus.WAITING_FOR_GRAMMAR
+                        self.scheduler.await_grammar(req)
                         self._compiling.append(live)
                         req.sampler.grammar_future.add_done_callback(lambda _f: self._wake.set())
                         continue
@@ -298,8 +315,8 @@ class Engine:
         self._update_gauges()
         if step is None:
             return False
-        for req in step.failed:
-            self._finish(self._live[req.room], req.status, req.error, req.error_code)
+        for f in step.failed:
+            self._finish(self._live[f.req.room], f.req.status, f.message, f.code)
         if not step.chunks:
             return True
         self.num_steps += 1
@@ -329,7 +346,7 @@ class Engine:
             for i, t, lp, top in zip(rows, res.token_ids, res.logprobs, res.top_logprobs,
                                      strict=True):
                 tokens[i], logprobs[i], tops[i] = t, lp, top
-        self.scheduler.commit(step, tokens)
+        self.scheduler.commit(step, tokens, logprobs)
         now = time.monotonic()
         t2 = time.perf_counter()
         if traced_at:
@@ -361,8 +378,7 @@ class Engine:
             self._finish(live, RequestStatus.FINISHED_ERROR,
                          f"token {token} breaks the request's grammar", "INTERNAL", delta)
             return
-        if logprob is not None:
-            req.output_logprobs.append(logprob)
+        if logprob is not None:  # (on the request since the scheduler's commit)
             delta.logprobs = [logprob]
             delta.top_logprobs = [top]
         if (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids:
@@ -389,11 +405,10 @@ class Engine:
         delta: StreamDelta | None = None,
     ) -> None:
         req = live.req
-        self.scheduler.finish(req, status)  # frees its pages (idempotent)
+        self.scheduler.finish(req, status)  # frees its pages, ends its status (idempotent)
         if live in self._compiling:  # ended while its grammar compiles: it wants it no more
             self._compiling.remove(live)
             self.grammars.abandon(req.sampler.grammar_future)
-        req.status = status
         self._live.pop(req.room, None)
         if req.trace is not None:
             self._traced -= 1
@@ -408,7 +423,7 @@ class Engine:
         delta.completion_tokens = len(req.output_ids)
         delta.timings_ms = req.times.ms()
         delta.early_prefill_tokens = req.early_prefill_tokens
-        delta.error, delta.error_code = error or req.error, code or req.error_code
+        delta.error, delta.error_code = error, code
         m = self.metrics
         m.finished.labels(status.label).inc()
         m.request_finished(req, time.monotonic())

@@ -3,6 +3,8 @@
 - `WaitingQueue`: who is next? (FCFS, or priority then FCFS)
 - `NewTokenRatio`: how much of a running request's remaining output do we expect to need?
 - `PrefillAdder`: which prompt chunks fit this step's token budget and the KV headroom?
+  It answers with a `Grant` (tokens, pages taken from the pool) and never writes the
+  request: the scheduler applies the grant to the request's KV state (its one writer).
 
 Page accounting (all in pages of `page_size` tokens):
 
@@ -18,9 +20,10 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
-from tandem.services.language.engine.request import Request, RequestStatus
+from tandem.services.language.engine.request import Request
 from tandem.units import ceil_div
 
 
@@ -91,6 +94,18 @@ class NewTokenRatio:
         return int(min(req.remaining_tokens, clip) * self.value)
 
 
+@dataclass(frozen=True)
+class Grant:
+    """One chunk `PrefillAdder` fitted in this step: `num_tokens` from the request's
+    computed end, on `pages` already taken from the pool for it; the first `num_cached`
+    of them are cached pages (their positions count as computed). The scheduler appends
+    `pages` to the request's block table."""
+
+    num_tokens: int
+    pages: list[int]
+    num_cached: int = 0
+
+
 class PrefillAdder:
     """Fills one step's prompt budget: first continuing chunks, then new admissions.
 
@@ -116,42 +131,43 @@ class PrefillAdder:
         # large request can always make progress in an otherwise idle pool.
         self.nothing_scheduled = nothing_scheduled
 
-    def chunk_len(self, req: Request) -> int:
-        """Its next chunk: to the end of its prompt's arrived rows (a streamed prompt), of
-        its prompt, or of its sequence, within the budget (0: nothing to compute yet)."""
-        start = req.kv.num_computed_tokens
+    def chunk_len(self, req: Request, start: int) -> int:
+        """Its next chunk from `start`: to the end of its prompt's arrived rows (a streamed
+        prompt), of its prompt, or of its sequence, within the budget (0: nothing to
+        compute yet)."""
         end = req.seq_len if start >= req.prompt_len else min(req.prompt_len, req.rows_end)
         return max(min(end - start, self.budget), 0)
 
-    def _grow(self, req: Request, n_tokens: int) -> int:
-        """Allocate pages for `n_tokens` more; shrink to what free pages allow."""
-        start = req.kv.num_computed_tokens
-        held = len(req.kv.block_table)
+    def _grow(self, start: int, held: int, n_tokens: int) -> tuple[int, list[int]]:
+        """Allocate pages for `n_tokens` more after `start` on `held` pages; shrink to
+        what free pages allow. Returns the tokens granted and the new pages."""
         need = ceil_div(start + n_tokens, self.page_size) - held
         if need > 0 and not self.pool.can_alloc(need):
             n_tokens = min(n_tokens, (held + self.pool.num_free) * self.page_size - start)
             if n_tokens <= 0:
-                return 0
+                return 0, []
             need = ceil_div(start + n_tokens, self.page_size) - held
-        if need > 0:
-            req.kv.block_table.extend(self.pool.alloc(need))
+        pages = self.pool.alloc(need) if need > 0 else []
         self.budget -= n_tokens
-        return n_tokens
+        return n_tokens, pages
 
-    def add_continuing(self, req: Request) -> int:
-        """Next chunk of an admitted request; 0 when no budget or no pages are left."""
+    def add_continuing(self, req: Request) -> Grant | None:
+        """Next chunk of an admitted request; None when no budget or no pages are left."""
         if self.budget <= 0:
-            return 0
-        return self._grow(req, self.chunk_len(req))
+            return None
+        start = req.kv.num_computed_tokens
+        n, pages = self._grow(start, len(req.kv.block_table), self.chunk_len(req, start))
+        return Grant(n, pages) if n else None
 
-    def try_admit(self, req: Request, reserve_tokens: int, cached: list[int]) -> int:
-        """Admit a waiting request with its first chunk, or return 0 (caller stops: FCFS).
+    def try_admit(self, req: Request, reserve_tokens: int, cached: list[int]) -> Grant | None:
+        """Admit a waiting request with its first chunk, or return None (caller stops:
+        FCFS).
 
         `cached` are cached pages extending the pages `req` already holds (its pinned
         prefix, if any); on admission it takes them and computes only what follows. An
         idle cached page it takes stops counting as free, so it costs headroom too."""
         if self.budget <= 0 or self.free_slots <= 0:
-            return 0
+            return None
         held = len(req.kv.block_table) + len(cached)
         revived = self.pool.num_idle_in(cached)
         if self.nothing_scheduled:
@@ -161,19 +177,15 @@ class PrefillAdder:
             need = ceil_div(req.seq_len + reserve_tokens, self.page_size) - held + revived
             fits = need <= self.headroom
         if not fits:
-            return 0
+            return None
         assert req.kv.num_computed_tokens == len(req.kv.block_table) * self.page_size
         self.pool.acquire(cached)
-        req.kv.block_table.extend(cached)
-        req.kv.num_computed_tokens = held * self.page_size
-        n = self._grow(req, self.chunk_len(req))
+        start = held * self.page_size
+        n, pages = self._grow(start, held, self.chunk_len(req, start))
         if n == 0:  # no page for the first chunk after all: give the cached pages back
             self.pool.free(cached)
-            del req.kv.block_table[len(req.kv.block_table) - len(cached):]
-            req.kv.num_computed_tokens = len(req.kv.block_table) * self.page_size
-            return 0
+            return None
         self.headroom -= need
         self.free_slots -= 1
         self.nothing_scheduled = False
-        req.status = RequestStatus.PREFILLING
-        return n
+        return Grant(n, cached + pages, len(cached))

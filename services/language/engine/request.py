@@ -1,11 +1,19 @@
 """One generation request inside the language tier, its state split by who writes it:
 
-    spec     RequestSpec: room, sampling, prompt, id, priority, deadline  (frozen)
-    kv       KVState: block table, computed tokens, pins, page keys       (scheduler)
-    sampler  SamplingState: generator, penalty state, grammar             (sampler, grammar)
-    times    Timings: when each stage began                               (engine)
-    trace    StageTrace: each prefill chunk's step, when traced (else None) (engine)
-    and      status, output ids / logprobs, the token budget, the error   (engine)
+    spec            RequestSpec: room, sampling, prompt, id, priority, deadline (frozen)
+    max_new_tokens  its token budget                              (given at construction)
+    trace           StageTrace when traced (else None)            (given at construction;
+                                                                   its chunks: the engine)
+    status          through `transition()` only, which checks the order  (scheduler)
+    output          through `append_output(token, logprob)` only         (scheduler)
+    kv              KVState: block table, computed tokens, pins, keys    (scheduler)
+    sampler         SamplingState: generator, penalty state, grammar     (sampler, engine)
+    times           Timings: when each stage began                       (engine)
+    early_prefill_tokens                                                 (engine)
+
+Each owner is one module, and tests/test_request_ownership.py fails when another module of
+services/ writes an owned field. A failure is not parked on the request: the scheduler
+returns it (`Step.failed`: `Failure`s) and the engine reports it in the final delta.
 
 A request's sequence is its prompt followed by its generated tokens:
 
@@ -73,6 +81,23 @@ class RequestStatus(enum.IntEnum):
         return self.name.lower()
 
 
+class TransitionError(AssertionError):
+    """A status change the order does not allow (a bug in the engine, never bad input)."""
+
+
+def allowed(old: RequestStatus, new: RequestStatus) -> bool:
+    """The order's one rule: forward only, never out of a finished status; the exceptions
+    are a retraction (an admitted request back to WAITING) and a streamed prompt's pause
+    (WAITING_FOR_ROWS back to PREFILLING)."""
+    S = RequestStatus
+    if old.finished:
+        return False
+    if new > old:
+        return True
+    return (new is S.WAITING and old.scheduled) or (old, new) == (S.WAITING_FOR_ROWS,
+                                                                    S.PREFILLING)
+
+
 # The one map from a finished status to the wire's finish reason.
 FINISH_REASONS: dict[RequestStatus, int] = {
     RequestStatus.FINISHED_STOP: common_pb2.FINISH_REASON_STOP,
@@ -128,7 +153,8 @@ class RequestSpec:
 
 @dataclass
 class KVState:
-    """Where the request's KV lives. Written by the scheduler and its prefix cache only."""
+    """Where the request's KV lives. Written by the scheduler only (prefix_cache.py keeps
+    the pages' own state, never the request's)."""
 
     block_table: list[int] = field(default_factory=list)  # KV page ids, in order
     num_computed_tokens: int = 0  # leading positions whose K/V are in the cache
@@ -143,8 +169,8 @@ class KVState:
 
 @dataclass
 class SamplingState:
-    """What drawing the request's tokens needs across steps. Written by the sampler
-    (generator, penalty state) and by the engine thread (the grammar's future and matcher)."""
+    """What drawing the request's tokens needs across steps. Written by sampler.py
+    (generator, penalties) and by core.py (seed, the grammar's future and matcher)."""
 
     generator: torch.Generator | None = None  # made on first use
     seed: int | None = None  # the engine's seed for a request without one (EngineConfig.seed)
@@ -155,7 +181,8 @@ class SamplingState:
 
 @dataclass
 class Timings:
-    """time.monotonic() of each stage's start (0: not reached). Written by the engine."""
+    """time.monotonic() of each stage's start (0: not reached). Written by scheduler.py
+    (queued, first_scheduled) and core.py (first_token, last_token)."""
 
     created: float = field(default_factory=time.monotonic)
     queued: float = 0.0  # entered the waiting queue
@@ -186,31 +213,46 @@ class StageTrace:
 
 
 class Request:
-    """A request from submission to finish: its spec (read-only) and the state each owner
-    writes — `kv` (scheduler), `sampler` (sampler and grammar), `times`; the rest (status,
-    output, the token budget, the early prefill count, the error) is the engine's. Owned
-    by the engine thread once submitted."""
+    """A request from submission to finish: its spec (read-only), its token budget and
+    trace (given at construction) and the state each owner writes (module docstring).
+    Owned by the engine thread once submitted."""
 
     def __init__(self, room: int, sampling: SamplingParams, prompt: PromptPayload, *,
                  request_id: str = "", priority: int = 0, deadline: float = float("inf"),
-                 grammar_future: Future | None = None, cache_salt: str = "") -> None:
+                 grammar_future: Future | None = None, cache_salt: str = "",
+                 max_new_tokens: int | None = None, trace: StageTrace | None = None) -> None:
+        """`max_new_tokens`: the tokens it may generate; None takes the spec's max_tokens.
+        Without either the engine refuses it: `Engine.request` builds one with the
+        service's default budget (shortened to what the context leaves)."""
         self.spec = RequestSpec(room, sampling, prompt, request_id, priority, deadline,
                                 cache_salt)
+        self.max_new_tokens: int | None = (max_new_tokens if max_new_tokens is not None
+                                           else sampling.max_tokens)
+        self.trace = trace  # None: not traced
         self.status = RequestStatus.NEW
         self.arrival = next(_arrival)  # FCFS order
-        # Tokens it may generate: the spec's max_tokens when given; else the engine grants
-        # the service's default, shortened to what the context leaves, at `submit`.
-        self.max_new_tokens: int | None = sampling.max_tokens
         self.output_ids: list[int] = []
-        self.output_logprobs: list[float] = []
-        self.error, self.error_code = "", ""
+        self.output_logprobs: list[float] = []  # one per output id when logprobs are asked
         self.kv = KVState()
         self.sampler = SamplingState(grammar_future=grammar_future)
         self.times = Timings()
         # Prompt tokens computed while its streamed prompt's later rows were still on their
         # way (recomputed ones after a retraction count again, as in the engine's counter)
         self.early_prefill_tokens = 0
-        self.trace: StageTrace | None = None  # set by the server when the request is traced
+
+    def transition(self, status: RequestStatus) -> None:
+        """The one writer of `status` (the scheduler calls it): raises TransitionError on
+        a change the order does not allow (`allowed`)."""
+        if not allowed(self.status, status):
+            raise TransitionError(f"request {self.room}: {self.status.name} -> {status.name}")
+        self.status = status
+
+    def append_output(self, token: int, logprob: float | None) -> None:
+        """The one writer of the output (the scheduler's commit): a generated token and its
+        logprob (None when the request asked for none)."""
+        self.output_ids.append(int(token))
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
 
     # the spec's fields, read-only
     room = property(lambda self: self.spec.room)

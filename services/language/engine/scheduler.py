@@ -42,6 +42,12 @@ max_model_len, embedding width, KV pages for prompt + 1 token). The engine calls
 `submit()` on the caller's thread to fail fast, and `add()` calls it again; it reads only
 limits fixed at construction, so it is safe from any thread.
 
+Ownership: the scheduler is the one writer of a request's status (through
+`Request.transition`, which checks the order), its output (`Request.append_output`, in
+`commit`) and its KV state (`req.kv`: the policy's `PrefillAdder` only answers with a
+`Grant`, the engine hands a pinned prefix over with `adopt_pin`). A request it ends here
+comes back in `Step.failed` as a `Failure` with its message: nothing is parked on it.
+
 NOTE: every path that ends a request goes through `finish()`, which frees its pages.
 Everything here runs under the page cache's lock (`PrefixCache.lock`): the language
 server pins cached prefixes from its own thread.
@@ -55,7 +61,12 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.errors import ServiceError
-from tandem.services.language.engine.policy import NewTokenRatio, PrefillAdder, WaitingQueue
+from tandem.services.language.engine.policy import (
+    Grant,
+    NewTokenRatio,
+    PrefillAdder,
+    WaitingQueue,
+)
 from tandem.services.language.engine.prefix_cache import (
     PrefixCache,
     namespace_root,
@@ -86,11 +97,20 @@ class ScheduledChunk:
     samples: bool  # reaches the end of the known sequence: its logits give a new token
 
 
+@dataclass(frozen=True)
+class Failure:
+    """A request the scheduler ended (FINISHED_ERROR) this step, and why."""
+
+    req: Request
+    message: str
+    code: str  # a gRPC code name
+
+
 @dataclass
 class Step:
     chunks: list[ScheduledChunk]
     batch: ForwardBatch
-    failed: list[Request] = field(default_factory=list)  # ended by the scheduler this step
+    failed: list[Failure] = field(default_factory=list)  # ended by the scheduler this step
 
     @property
     def num_tokens(self) -> int:
@@ -155,7 +175,7 @@ class Scheduler:
     def add(self, req: Request) -> None:
         """Queue a request whose prompt is complete."""
         self.check(req)
-        req.status = RequestStatus.WAITING
+        req.transition(RequestStatus.WAITING)
         req.times.queued = req.times.queued or time.monotonic()
         self.waiting.push(req)
 
@@ -170,7 +190,19 @@ class Scheduler:
             else:
                 self.waiting.remove(req)
             self._free_pages(req)
-        req.status = status
+        req.transition(status)
+
+    def await_grammar(self, req: Request) -> None:
+        """A submitted request whose grammar compiles first (`add` once it has)."""
+        req.transition(RequestStatus.WAITING_FOR_GRAMMAR)
+
+    def adopt_pin(self, req: Request, pages: list[int]) -> None:
+        """Hand a new request the pinned pages of its cached prefix (the room's pin, taken
+        at submit): it holds them for its whole life and computes from `prompt.start`."""
+        assert req.status is RequestStatus.NEW and not req.kv.block_table
+        req.kv.block_table = list(pages)
+        req.kv.num_pinned_pages = req.kv.num_keyed_pages = len(pages)
+        req.kv.num_computed_tokens = req.prompt.start
 
     @property
     def num_waiting(self) -> int:
@@ -197,7 +229,7 @@ class Scheduler:
 
     def _schedule(self) -> Step | None:
         chunks: dict[Request, int] = {}
-        failed: list[Request] = []
+        failed: list[Failure] = []
         for _ in range(len(self.running) + len(self.waiting) + 1):
             self._schedule_decode(chunks, failed)
             self._schedule_prefill(chunks)
@@ -212,12 +244,9 @@ class Scheduler:
                 need = ceil_div(head.seq_len + 1, self.page_size) - len(head.kv.block_table)
                 if need <= self.pool.num_free + self.pool.num_pinned_for_rooms:
                     break  # rooms in transfer hold the pages it needs: they come back soon
-                head.error, head.error_code = (
-                    "KV pool too small for this prompt",
-                    "RESOURCE_EXHAUSTED",
-                )
                 self.finish(head, RequestStatus.FINISHED_ERROR)
-                failed.append(head)
+                failed.append(Failure(head, "KV pool too small for this prompt",
+                                      "RESOURCE_EXHAUSTED"))
         if not chunks:
             return Step([], ForwardBatch(), failed) if failed else None
         if any(r.status is RequestStatus.RUNNING for r in chunks):
@@ -230,18 +259,22 @@ class Scheduler:
             scheduled.append(ScheduledChunk(req, start, n, start + n == req.seq_len))
         return Step(scheduled, ForwardBatch([self._seq_chunk(c) for c in scheduled]), failed)
 
-    def commit(self, step: Step, new_tokens: list[int | None]) -> None:
-        """Advance counters after the forward; `new_tokens[i]` for chunks that sample."""
+    def commit(self, step: Step, new_tokens: list[int | None],
+               logprobs: list[float | None] | None = None) -> None:
+        """Advance counters after the forward; `new_tokens[i]` (and its logprob, None when
+        not asked) for chunks that sample."""
+        logprobs = logprobs or [None] * len(step.chunks)
         with self.pool.lock:
-            for chunk, token in zip(step.chunks, new_tokens, strict=True):
+            for chunk, token, logprob in zip(step.chunks, new_tokens, logprobs, strict=True):
                 req = chunk.req
                 if req.status.finished:
                     continue
                 req.kv.num_computed_tokens = chunk.start + chunk.num_tokens
                 if chunk.samples:
                     assert token is not None
-                    req.output_ids.append(int(token))
-                    req.status = RequestStatus.RUNNING
+                    req.append_output(token, logprob)
+                    if req.status is not RequestStatus.RUNNING:
+                        req.transition(RequestStatus.RUNNING)
                 assert req.kv.num_computed_tokens <= len(req.kv.block_table) * self.page_size
                 self._offer_pages(req)
 
@@ -285,7 +318,7 @@ class Scheduler:
 
     # ---- policy pieces ----------------------------------------------------------------
 
-    def _schedule_decode(self, chunks: dict[Request, int], failed: list[Request]) -> None:
+    def _schedule_decode(self, chunks: dict[Request, int], failed: list[Failure]) -> None:
         retracted = False
         for req in sorted(self.running, key=lambda r: r.sort_key(self.by_priority)):
             if req.status is not RequestStatus.RUNNING or req in chunks:
@@ -302,10 +335,9 @@ class Scheduler:
                     retracted = True
                     break
                 if victim is req and len(self.running) == 1:
-                    req.error = "KV pool exhausted by a single request"
-                    req.error_code = "RESOURCE_EXHAUSTED"
                     self.finish(req, RequestStatus.FINISHED_ERROR)
-                    failed.append(req)
+                    failed.append(Failure(req, "KV pool exhausted by a single request",
+                                          "RESOURCE_EXHAUSTED"))
                     break
                 self._retract(victim)
                 chunks.pop(victim, None)
@@ -321,7 +353,7 @@ class Scheduler:
     def _schedule_prefill(self, chunks: dict[Request, int]) -> None:
         for req in self.running:  # every arrived row computed: wait, holding no slot
             if req.status is RequestStatus.PREFILLING and req.rows_pending:
-                req.status = RequestStatus.WAITING_FOR_ROWS
+                req.transition(RequestStatus.WAITING_FOR_ROWS)
         adder = PrefillAdder(
             self.pool,
             self.page_size,
@@ -334,16 +366,16 @@ class Scheduler:
             if req in chunks:
                 continue
             if req.status is RequestStatus.PREFILLING:
-                n = adder.add_continuing(req)
-                if n:
-                    chunks[req] = n
+                grant = adder.add_continuing(req)
+                if grant:
+                    chunks[req] = self._apply(req, grant)
             elif (req.status is RequestStatus.WAITING_FOR_ROWS and not req.rows_pending
                     and adder.free_slots > 0):  # rows arrived: on, in a slot again
-                n = adder.add_continuing(req)
-                if n:
-                    req.status = RequestStatus.PREFILLING
+                grant = adder.add_continuing(req)
+                if grant:
+                    req.transition(RequestStatus.PREFILLING)
                     adder.free_slots -= 1
-                    chunks[req] = n
+                    chunks[req] = self._apply(req, grant)
         blocked = False
         for req in list(self.waiting):
             if req.rows_pending:  # a streamed prompt whose next row has not arrived
@@ -351,20 +383,27 @@ class Scheduler:
             if blocked and not (req.kv.num_pinned_pages and not chunks and not self.running):
                 continue
             cached = self.cached_pages(req)
-            n = adder.try_admit(req, self.ratio.reserve_tokens(req, self.clip), cached)
-            if n == 0:
+            grant = adder.try_admit(req, self.ratio.reserve_tokens(req, self.clip), cached)
+            if grant is None:
                 if chunks or self.running:
                     break  # FCFS: the head of the queue blocks the rest
                 # NOTE: with nothing running, the one exception to FCFS: a waiter holding a
                 # pinned prefix may go first, since only its run frees those pages
                 blocked = True
                 continue
+            chunks[req] = self._apply(req, grant)
             self._admitted(req)
-            chunks[req] = n
             if blocked:
                 break
 
+    def _apply(self, req: Request, grant: Grant) -> int:
+        """Put a grant's pages in `req`'s table (its cached ones count as computed)."""
+        req.kv.block_table.extend(grant.pages)
+        req.kv.num_computed_tokens += grant.num_cached * self.page_size
+        return grant.num_tokens
+
     def _admitted(self, req: Request) -> None:
+        req.transition(RequestStatus.PREFILLING)
         if req.kv.cached_tokens is None:  # first admission: what the cache saved it
             req.kv.cached_tokens = req.kv.num_computed_tokens
             self.pool.count_query(shareable_pages(req.seq_len, self.page_size),
@@ -394,7 +433,7 @@ class Scheduler:
         req.kv.num_keyed_pages = min(req.kv.num_keyed_pages, keep)
         req.kv.num_retractions += 1
         self.num_retractions += 1
-        req.status = RequestStatus.WAITING
+        req.transition(RequestStatus.WAITING)
         self.waiting.push(req)
 
     def _free_pages(self, req: Request) -> None:
