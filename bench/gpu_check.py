@@ -134,7 +134,7 @@ def part_function(module: str, name: str) -> Callable:
 PART_FUNCTIONS = {
     "attention_long_context": ("paged_attention", "check_long_context"),  # bench/paged_attention.py
     "vit_graphs": ("vit_graphs", "check_vit_graphs"),  # bench/vit_graphs.py
-    "host_syncs": ("tandem.services.language.step_syncs", "decode_step_host_syncs"),
+    "host_syncs": ("step_syncs", "decode_step_host_syncs"),  # bench/step_syncs.py
 }
 
 
@@ -515,8 +515,9 @@ def check_host_syncs(ctx: Ctx) -> list[Row]:
                 last = fn(runner, batch_size=8, shaped=shaped, steps=2)[-1]
             else:  # on the CPU nothing is a device sync: count on a fake CUDA device, with
                 # the gather attention (compiled flex cannot lower for a device that is not)
+                from step_syncs import fake_cuda_runner  # bench/ (on the path: part_function)
+
                 from tandem.host_syncs import fake_cuda
-                from tandem.services.language.step_syncs import fake_cuda_runner
 
                 weights = load_text_weights(ckpt, dtype=ctx.torch_dtype, device="cpu")
                 with fake_cuda():

@@ -10,6 +10,9 @@ names is counted, the ops that are no sync are not.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -17,7 +20,9 @@ from tandem.host_syncs import HostSyncCounter, IncompleteCount, SyncKind, fake_c
 from tandem.models.split import load_text_weights
 from tandem.services.language.model.decoder import SparseMoE
 from tandem.services.language.runner.model_runner import RunnerSettings
-from tandem.services.language.step_syncs import decode_step_host_syncs, fake_cuda_runner
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from step_syncs import decode_step_host_syncs, fake_cuda_runner  # noqa: E402  (bench/)
 
 # gather attention: the compiled flex attention CUDA takes by default cannot be lowered for a
 # fake device (its own claim of no host sync is checked on a GPU, `make gpu-check`)

@@ -14,6 +14,7 @@ import hashlib
 
 import pytest
 import torch
+from language_engine_helpers import num_idle
 
 from tandem.sampling import SamplingParams
 from tandem.services.language.engine.kv_pages import KVPagePool
@@ -126,7 +127,7 @@ def test_pages_are_free_idle_or_referenced_and_evicted_lru():
     b = cache.alloc(2)
     assert not cache.insert(b[0], b"k0")  # a key has one page: b[0] stays private
     cache.free(a)
-    assert cache.num_idle == 2 and cache.num_free == 2 and cache.num_cached == 2
+    assert num_idle(cache) == 2 and cache.num_free == 2 and cache.num_cached == 2
     cache.free(b)
     assert cache.pool.num_free == 2 and cache.num_free == 4  # uncached pages: free
     assert cache.match([b"k0", b"k1", b"k2"]) == a
@@ -233,7 +234,7 @@ def test_concurrent_sharers_retraction_and_a_pool_full_of_cached_pages():
     run(ref_sched, refs)
     assert [r.output_ids for r in reqs] == [r.output_ids for r in refs]
     all_idle_or_free(cache)
-    assert cache.num_idle > 0
+    assert num_idle(cache) > 0
     # the pool is now full of idle cached pages: a new, unrelated prompt still gets in
     other = make_request(list(range(500, 590)), max_tokens=2)  # 23 pages
     sched.add(other)
@@ -260,16 +261,15 @@ def test_a_head_blocked_by_rooms_pins_waits_instead_of_failing():
     assert cache.num_pinned_for_rooms == 0
 
 
-def pinned_request(cache: PrefixCache, ids: list[int], max_tokens: int) -> Request:
+def pinned_request(sched: Scheduler, cache: PrefixCache, ids: list[int],
+                   max_tokens: int) -> Request:
     """A request as the engine submits one whose cached prefix was pinned during its
     transfer: it holds the pinned pages, its payload's rows start after them."""
     full = make_request(ids, max_tokens=max_tokens)
     start = cache.pin(full.room, ids, [])
     assert start > 0
     req = Request(full.room, full.sampling, full.prompt.rows_from(start))
-    req.kv.block_table = cache.take_pin(req.room, start)
-    req.kv.num_pinned_pages = req.kv.num_keyed_pages = len(req.kv.block_table)
-    req.kv.num_computed_tokens = start
+    sched.adopt_pin(req, cache.take_pin(req.room, start))
     return req
 
 
@@ -282,7 +282,7 @@ def test_an_older_head_blocked_by_a_pinned_waiter_lets_it_go_first():
     run(sched, [warm])
     head = make_request(list(range(600, 670)), max_tokens=2)
     sched.add(head)
-    waiter = pinned_request(cache, PROMPT + [1, 2], max_tokens=2)
+    waiter = pinned_request(sched, cache, PROMPT + [1, 2], max_tokens=2)
     sched.add(waiter)
     order = []
     model = sched.model
@@ -290,7 +290,7 @@ def test_an_older_head_blocked_by_a_pinned_waiter_lets_it_go_first():
         step = sched.schedule()
         if step is None:
             break
-        assert not step.failed, [r.error for r in step.failed]
+        assert not step.failed, step.failed
         order += [c.req.room for c in step.chunks if c.req.room not in order]
         tokens = model.forward(step.batch, {r.room: r for r in (head, waiter)})
         sched.commit(step, [t if c.samples else None for c, t in zip(step.chunks, tokens, strict=True)])
@@ -313,7 +313,7 @@ def test_a_lone_runner_short_of_a_pinned_waiters_pages_steps_aside():
     run(sched, [warm])
     a = make_request(list(range(700, 716)), max_tokens=12)
     sched.add(a)
-    b = pinned_request(cache, PROMPT + [3], max_tokens=2)
+    b = pinned_request(sched, cache, PROMPT + [3], max_tokens=2)
     sched.add(b)
     run(sched, [a, b])
     assert a.kv.num_retractions >= 1 and a.kv.num_retractions <= sched.MAX_YIELDS

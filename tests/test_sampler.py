@@ -7,16 +7,12 @@ import math
 
 import pytest
 import torch
+from language_engine_helpers import filter_logits, sampling_probs, shape_logits
 
 from tandem.sampling import SamplingParams
 from tandem.services.language.engine import sampler
 from tandem.services.language.engine.request import Request
-from tandem.services.language.engine.sampler import (
-    filter_logits,
-    sample,
-    sampling_probs,
-    shape_logits,
-)
+from tandem.services.language.engine.sampler import sample
 from tandem.transfer.payload import PromptPayload
 
 P = torch.tensor([0.1, 0.2, 0.3, 0.4])
@@ -164,7 +160,7 @@ def test_every_knob_keeps_a_seeds_tokens_whatever_shares_the_batch(mine, pass_ro
             logits[position] = row
             res = sample(logits, batch, frozenset({2}))
             for r, t in zip(batch, res.token_ids, strict=True):
-                r.output_ids.append(t)
+                r.append_output(t, None)
             out.append((res.token_ids[position], res.logprobs[position],
                         res.top_logprobs[position]))
         return out
@@ -189,7 +185,8 @@ def test_rows_pick_the_requests_rows_of_the_logits():
 def test_penalty_state_stays_on_the_device_and_grows_by_what_each_step_adds():
     r = req(1, temperature=0.0, repetition_penalty=1.4, frequency_penalty=0.5,
             presence_penalty=0.25)
-    r.output_ids = [9, 9]
+    r.append_output(9, None)
+    r.append_output(9, None)
     g = torch.Generator().manual_seed(5)
     first = None
     for _ in range(8):
@@ -205,7 +202,7 @@ def test_penalty_state_stays_on_the_device_and_grows_by_what_each_step_adds():
         assert r.sampler.penalties is first  # kept across steps, never remade
         t = sample(logits, [r]).token_ids[0]
         assert t == int(want.argmax())
-        r.output_ids.append(t)
+        r.append_output(t, None)
     st = r.sampler.penalties
     assert sorted(st.seen_ids.tolist()) == sorted(set(r.prompt_token_ids() + r.output_ids[:-1]))
     counts = dict(zip(st.out_ids.tolist(), st.out_counts.tolist(), strict=True))

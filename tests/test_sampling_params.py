@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from language_engine_helpers import filter_logits, shape_logits
 from transformers.generation.logits_process import (
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
@@ -19,7 +20,7 @@ from transformers.generation.logits_process import (
 from tandem.sampling import SamplingParams
 from tandem.services.language.engine.detokenizer import IncrementalDetokenizer
 from tandem.services.language.engine.request import Request
-from tandem.services.language.engine.sampler import filter_logits, sample, shape_logits
+from tandem.services.language.engine.sampler import sample
 from tandem.transfer.payload import PromptPayload
 
 V = 50
@@ -37,7 +38,8 @@ def request(rid=1, **kw) -> Request:
     payload = PromptPayload(torch.zeros(len(PROMPT), 4), ids,
                             torch.zeros(3, len(PROMPT), dtype=torch.int32), 0)
     r = Request(rid, SamplingParams(**kw), payload)
-    r.output_ids = list(OUTPUT)
+    for t in OUTPUT:
+        r.append_output(t, None)
     return r
 
 

@@ -122,10 +122,6 @@ class PrefixCache:
         """Pages with a key (idle or referenced)."""
         return len(self._key)
 
-    @property
-    def num_idle(self) -> int:
-        return len(self._idle)
-
     def can_alloc(self, n_pages: int) -> bool:
         return 0 <= n_pages <= self.num_free
 

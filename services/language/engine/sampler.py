@@ -175,17 +175,6 @@ def _shape_row(x: torch.Tensor, req: Request, st: PenaltyState) -> None:
         x[st.ends] = NEG_INF
 
 
-def shape_logits(x: torch.Tensor, req: Request, eos: frozenset[int]) -> torch.Tensor:
-    """One row [V] of float32 logits with the request's bias, penalties and min_tokens
-    applied (a new tensor; the module docstring gives the order)."""
-    staged = _Staged()
-    news = _penalty_news(0, req, x.shape[-1], x.device, eos, staged)
-    _apply_news(news, staged.upload(x.device))
-    out = x.float().clone()
-    _shape_row(out, req, news.state)
-    return out
-
-
 def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Host values on `device` without a host sync: a non_blocking copy (from page-locked
     memory on a real GPU; torch's caching host allocator keeps it until the copy ran)."""
@@ -268,19 +257,6 @@ def _typical(x: torch.Tensor, mass: float) -> torch.Tensor:
     drop_sorted = distance > distance[last]
     drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
     return x.masked_fill(drop, NEG_INF)
-
-
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """One row [V] of logits -> temperature-scaled float32 logits with truncated tokens
-    at -inf (`_filter` on a batch of one). Greedy params are not filtered here."""
-    staged = _Staged()
-    _stage_filters(staged, [params], logits.shape[-1])
-    return _filter(logits.float()[None], [params], staged.upload(logits.device))[0]
-
-
-def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution a non-greedy request draws from (for tests and debugging)."""
-    return torch.softmax(filter_logits(logits, params), dim=-1)
 
 
 def _generator(req: Request, device: torch.device) -> torch.Generator:

@@ -14,6 +14,8 @@ commit does, so the second step is the steady state (penalty state made, not re-
 
 What must hold (tests/test_host_syncs.py on a fake CUDA device; `make gpu-check` on a
 GPU): no sync in the captured body, at most one outside it (the drawn ids to the host).
+It lives in bench/ beside gpu_check.py, not in the package: it serves only that check and
+the test (and imports unittest.mock).
 
 `fake_cuda_runner` builds a runner whose tensors live on a fake CUDA device (no GPU),
 inside an open `fake_cuda()`: nothing is captured (no graphs exist there), so its graph
@@ -99,7 +101,8 @@ def decode_step_host_syncs(runner: ModelRunner, batch_size: int = 8, shaped: boo
     for i in range(batch_size):
         prompt = [(7 * i + j) % vocab for j in range(CONTEXT - 2)]
         req = Request(i, _params(i, shaped), PromptPayload.of_token_ids(prompt))
-        req.output_ids = [(5 * i + 1) % vocab, (5 * i + 2) % vocab]  # generated so far
+        for t in ((5 * i + 1) % vocab, (5 * i + 2) % vocab):  # generated so far
+            req.append_output(t, None)
         reqs.append(req)
         pages = list(range(i * per_row, (i + 1) * per_row))
         chunks.append(SeqChunk(i, CONTEXT - 1, decode_positions(CONTEXT - 1, 0), pages,
@@ -123,7 +126,7 @@ def decode_step_host_syncs(runner: ModelRunner, batch_size: int = 8, shaped: boo
             out.append(StepSyncs(counter.in_region(CAPTURED), counter.in_region(None),
                                  stopped))
             for i, (req, c) in enumerate(zip(reqs, chunks, strict=True)):  # the commit
-                req.output_ids.append(int(tokens[i]))
+                req.append_output(int(tokens[i]), None)
                 nxt = c.start + 1
                 chunks[i] = SeqChunk(i, nxt, decode_positions(nxt, 0), c.block_table,
                                      token_ids=torch.tensor([int(tokens[i])]))
