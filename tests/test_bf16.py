@@ -24,9 +24,10 @@ teacher-forced along transformers' greedy tokens):
   attention).
 At least half the rows of every case are compared, so no case passes on ties alone.
 
-On the CPU, bfloat16 runs on torch's linears (the packed kernels are float32 only: `auto`
-falls back, `packed_cpu` is refused) and on the paged decode kernel in bfloat16 (`auto`)
-or gather + SDPA (`gather`): both are checked. `pytest --device cuda` runs the runner on
+On the CPU, bfloat16 runs either on torch's bfloat16 linears and the paged decode kernel in
+bfloat16 (`cpu_bf16_compute=bfloat16`; the packed kernels are float32 only), or, what
+`auto` picks on a CPU without AVX512-BF16 or AMX, with float32 products and attention over
+widened weights and KV (`float32`, the runner's NOTE); both are checked. `pytest --device cuda` runs the runner on
 the GPU against the same CPU oracle (`make gpu-check`).
 """
 
@@ -247,23 +248,58 @@ def test_bf16_tp2_within_bound_of_transformers(arch, checkpoint, record_property
         stop(engine)
 
 
-@pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU's bfloat16 fallbacks")
-def test_bf16_on_cpu_runs_torch_linears_and_a_bf16_kv_cache(checkpoint):
-    """The packed linear kernels are float32 only: in bfloat16 `auto` keeps torch's linears
-    (every parameter stays bfloat16, nothing is upcast behind the caller's back) and
-    `packed_cpu` is refused with the reason; the KV cache is bfloat16 and the decode
-    kernel, where built, runs in it (its results: the `auto` cases above)."""
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU's bfloat16 paths")
+def test_bf16_on_cpu_torch_gemm_keeps_every_tensor_bf16(checkpoint):
+    """cpu_bf16_compute='bfloat16': torch's bfloat16 linears (the packed kernels are float32
+    only: `auto` falls back, `packed_cpu` is refused with the reason), every parameter and
+    the KV cache bfloat16, the decode kernel, where built, in bfloat16."""
     from tandem.cpu_kernels import paged_decode_op
 
     weights = oracle.text_weights(checkpoint("qwen3_vl_moe"), BF16)
-    runner = ModelRunner(weights.copy(), RunnerSettings(page_size=PAGE), num_pages=8, dtype=BF16)
-    assert runner.linear_kernels is None
+    native = RunnerSettings(page_size=PAGE, cpu_bf16_compute="bfloat16")
+    runner = ModelRunner(weights.copy(), native, num_pages=8, dtype=BF16)
+    assert runner.linear_kernels is None and runner.linear_dtype == BF16
     assert {p.dtype for p in runner.model.parameters()} == {BF16}
     assert {t.dtype for t in (*runner.kv.k, *runner.kv.v)} == {BF16}
     assert runner.decode_op is paged_decode_op()
     with pytest.raises(ValueError, match="float32"):
-        ModelRunner(weights.copy(), RunnerSettings(page_size=PAGE, linear_backend="packed_cpu"),
+        ModelRunner(weights.copy(), RunnerSettings(page_size=PAGE, linear_backend="packed_cpu",
+                                                   cpu_bf16_compute="bfloat16"),
                     num_pages=8, dtype=BF16)  # fmt: skip
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU's bfloat16 paths")
+def test_bf16_on_cpu_float32_products_widen_weights_and_kv_only(checkpoint):
+    """cpu_bf16_compute='float32' (what `auto` picks on a CPU without AVX512-BF16 or AMX):
+    the projections' weights and the KV cache held in float32 (the same values), packed
+    where the kernels build; norms and every step's activations stay bfloat16."""
+    from tandem.services.language.model.linear import DenseLinear
+
+    weights = oracle.text_weights(checkpoint("qwen3_vl"), BF16)
+    runner = ModelRunner(weights, RunnerSettings(page_size=PAGE, cpu_bf16_compute="float32"),
+                         num_pages=8, dtype=BF16)  # fmt: skip
+    assert runner.linear_dtype == torch.float32 and runner.dtype == BF16
+    assert {t.dtype for t in (*runner.kv.k, *runner.kv.v)} == {torch.float32}
+    linears = [m for m in runner.model.modules() if isinstance(m, DenseLinear)]
+    assert linears and all(m.compute_dtype == torch.float32 for m in linears)
+    assert runner.model.norm.weight.dtype == BF16
+    assert runner.model.embed(torch.tensor([1, 2])).dtype == BF16
+    with pytest.raises(ValueError, match="cpu_bf16_compute"):
+        ModelRunner(oracle.text_weights(checkpoint("qwen3_vl"), BF16),
+                    RunnerSettings(page_size=PAGE, cpu_bf16_compute="fp8"), num_pages=8, dtype=BF16)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU's bfloat16 paths")
+@pytest.mark.parametrize("compute", ["bfloat16", "float32"])
+def test_bf16_each_cpu_compute_within_bound(compute, checkpoint, record_property):
+    """Both ways of computing bfloat16 on the CPU, whichever `auto` picks on this host,
+    within the bound (qwen3_vl tiny: q/k norms, interleaved MRoPE, deepstack)."""
+    path = checkpoint("qwen3_vl")
+    prompts = bf16_oracle(path, "qwen3_vl", "tiny")
+    runner = ModelRunner(oracle.text_weights(path, BF16),
+                         RunnerSettings(page_size=PAGE, cpu_bf16_compute=compute),
+                         num_pages=64, device=DEVICE, dtype=BF16)  # fmt: skip
+    finish(run_case(runner, 64, prompts, f"qwen3_vl tiny {compute}"), record_property)
 
 
 @pytest.mark.gpu

@@ -100,6 +100,16 @@ class LanguageConfig(ModelServiceSettings):
         "sgemm on AMD CPUs) and RMSNorm, rotary and SiLU-mul as one call each (float32 on "
         "CPU only); 'torch' uses torch's ops; 'auto' is packed_cpu where it applies and builds.",
     )
+    cpu_bf16_compute: str = Field(
+        "auto",
+        pattern="^(auto|bfloat16|float32)$",
+        description="A bfloat16 model on the CPU: 'float32' runs its linear products and "
+        "attention in float32 over the same weight and K/V values (weights and KV cache "
+        "held in float32, twice their memory; activations stay bfloat16), on the packed "
+        "kernels where they apply; 'bfloat16' keeps torch's bfloat16 GEMM; 'auto' is "
+        "bfloat16 where the CPU has AVX512-BF16 or AMX, float32 where it has not (there "
+        "torch's bfloat16 GEMM is 10-60x slower than float32).",
+    )
     prefix_cache: bool = Field(
         True,
         description="Share whole KV pages between requests whose prompts start alike "

@@ -106,6 +106,7 @@ def runner_settings(cfg: LanguageConfig, device, max_len: int):
         attention_backend=cfg.attention_backend, linear_backend=cfg.linear_backend,
         cpu_parallel_min_tokens=cfg.cpu_parallel_min_tokens,
         cpu_small_step_pool=cfg.cpu_small_step_pool, cpu_pool_spin_us=cfg.cpu_pool_spin_us,
+        cpu_bf16_compute=cfg.cpu_bf16_compute,
     )  # fmt: skip
 
 

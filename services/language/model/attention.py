@@ -316,7 +316,16 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Attention output [T, H, D] for every token of the step."""
+    """Attention output [T, H, D] for every token of the step, in q's dtype.
+
+    A cache wider than the activations (bfloat16 on a CPU without bfloat16 matrix
+    instructions: the runner's `cpu_bf16_compute`) holds their values exactly: q, k, v are
+    widened, attention runs in the cache's dtype (the float32 kernels), and the output is
+    rounded back to q's dtype."""
+    if q.dtype != k_cache.dtype:
+        out = paged_attention(q.to(k_cache.dtype), k.to(k_cache.dtype), v.to(k_cache.dtype),
+                              k_cache, v_cache, meta, scale)
+        return out.to(q.dtype)
     write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
     if meta.flex is not None:
         return _flex_attention(q, k_cache, v_cache, meta, scale)

@@ -112,9 +112,9 @@ class RowParallel(DenseLinear):
         super().pack(kernels)
         self.bias = bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def product(self, x: torch.Tensor) -> torch.Tensor:
         if self.reduce is _no_reduce:
-            return super().forward(x)
+            return super().product(x)
         y = self.reduce(self.packed(x) if self.packed is not None else x @ self.weight_t)
         return y if self.bias is None else y + self.bias
 
@@ -270,6 +270,9 @@ class QwenVLDecoder(nn.Module):
         self.rope = MRope(
             cfg.head_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved, device
         )
+        # The activations' dtype where the embedding table is held wider (set by
+        # compute_linears_in_float32), else None: rows come out as the table holds them.
+        self.act_dtype: torch.dtype | None = None
 
     @classmethod
     def build(
@@ -302,16 +305,38 @@ class QwenVLDecoder(nn.Module):
             if isinstance(m, SparseMoE):
                 m.dispatch = dispatch
 
-    def adopt_cpu_kernels(self, kernels) -> None:
+    def adopt_cpu_kernels(self, kernels, pointwise: bool = True) -> None:
         """Run on the CPU kernels (`cpu_kernels`, float32): every projection (and an untied
-        head) in the packed layout, RMSNorm, rotary and SiLU-mul as one call each.
+        head) in the packed layout, and with `pointwise` RMSNorm, rotary and SiLU-mul as
+        one call each (float32 activations only: a bfloat16 model whose products run in
+        float32 packs its projections alone).
         NOTE: a tied head keeps reading the embedding table through F.linear (packing it
         would keep a second vocab x hidden copy)."""
         for m in self.modules():
             if isinstance(m, DenseLinear):
                 m.pack(kernels)
-            elif isinstance(m, (RMSNorm, SelfAttention, MLP)):
+            elif pointwise and isinstance(m, (RMSNorm, SelfAttention, MLP)):
                 m.kernels = kernels
+
+    def compute_linears_in_float32(self) -> None:
+        """A bfloat16 (or float16) decoder on a CPU without matrix instructions for it (the
+        runner's `cpu_bf16_compute`, linear.py's NOTE): every projection and the head run
+        their products in float32 over float32 copies of the same values (which replace
+        the originals); a tied head's embedding table is widened likewise (the head reads
+        it; `embed` returns its rows in the model's dtype). Activations, norms and the KV
+        cache keep the model's dtype."""
+        self.act_dtype = self.norm.weight.dtype
+        for m in self.modules():
+            if isinstance(m, DenseLinear):
+                m.compute_in_float32()
+        if self.lm_head is None:
+            w = self.embed_tokens.weight
+            self.embed_tokens.weight = nn.Parameter(w.detach().float(), requires_grad=False)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token rows [T, hidden] in the model's dtype."""
+        rows = self.embed_tokens(ids)
+        return rows if self.act_dtype is None else rows.to(self.act_dtype)
 
     def forward(
         self,
@@ -333,5 +358,6 @@ class QwenVLDecoder(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, hidden] final-normed -> [T, vocab] float32."""
         if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
+            w = self.embed_tokens.weight
+            return F.linear(hidden.to(w.dtype), w).float()
         return self.lm_head(hidden).float()

@@ -5,6 +5,16 @@ a checkpoint's separate ones.
                  or, once `pack`ed (CPU, float32), the same product by our own kernel over
                  column strips (`cpu_kernels`: 2-6x MKL's sgemm on this AMD CPU; the
                  packed copy replaces weight_t)
+                 or, once `compute_in_float32` (a bfloat16 model on a CPU without bfloat16
+                 matrix instructions), the product in float32 over float32 weights that
+                 hold the checkpoint's bfloat16 values exactly: x is cast up, y back down.
+
+NOTE (why float32 products for bfloat16 on such CPUs): torch 2.13's bfloat16 GEMM on an AMD
+EPYC with AVX2 alone (no AVX512-BF16, no AMX) runs 10-60x slower than its float32 GEMM at
+the decoder's shapes (docs/benchmarks.md, "bfloat16 on an AVX2 host"); the float32 product
+of bfloat16 values, rounded once to bfloat16, is what a bfloat16 GEMM with float32
+accumulation computes (up to the order of the sums). The price: those weights take twice
+the memory.
 
 NOTE (why transposed): with MKL on this CPU (float32), `F.linear(x, W)` over a
 checkpoint's W [out, in] costs 1.7-4x more than `x @ Wt` over a contiguous [in, out]
@@ -33,6 +43,17 @@ class DenseLinear(nn.Module):
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed = None  # set by pack(): the same product on the CPU kernels
+        # set by compute_in_float32(): the dtype the product runs in, when not x's
+        self.compute_dtype: torch.dtype | None = None
+
+    def compute_in_float32(self) -> None:
+        """Hold weight_t and bias in float32 (exactly the values they had: bfloat16 and
+        float16 widen without rounding) and run the product in float32; `forward` casts x
+        up and the result back to x's dtype. Before `pack`, which then packs these."""
+        self.weight_t = nn.Parameter(self.weight_t.detach().float(), requires_grad=False)
+        if self.bias is not None:
+            self.bias = nn.Parameter(self.bias.detach().float(), requires_grad=False)
+        self.compute_dtype = torch.float32
 
     def pack(self, kernels) -> None:
         """Run on the CPU kernels' packed layout (`cpu_kernels.PackedLinear`); weight_t and
@@ -42,7 +63,13 @@ class DenseLinear(nn.Module):
         self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] -> [T, out]."""
+        """x [T, in] -> [T, out], in x's dtype."""
+        if self.compute_dtype is not None and x.dtype != self.compute_dtype:
+            return self.product(x.to(self.compute_dtype)).to(x.dtype)
+        return self.product(x)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight_t (+ bias) with x already in the weights' dtype."""
         if self.packed is not None:
             return self.packed(x)
         if self.bias is None:

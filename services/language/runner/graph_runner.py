@@ -196,7 +196,7 @@ class GraphRunner:
             page_size=self.page_size,
             cache_pages=self.kv.k[0].shape[0],
         )
-        hidden = model.embed_tokens(self.token_ids[:bs])
+        hidden = model.embed(self.token_ids[:bs])
         out = model(hidden, self.positions[:, :bs], meta, self.kv.k, self.kv.v)
         return self.compute_logits(out)
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.cpu_kernels import linear_kernels
+from tandem.cpu_kernels import cpu_flags, linear_kernels
 from tandem.services.language.model import DecoderConfig, QwenVLDecoder
 from tandem.services.language.model.attention import (
     AttentionBackend,
@@ -41,6 +41,26 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.language")
 
+CPU_BF16_COMPUTE = ("auto", "bfloat16", "float32")
+# x86 flags of bfloat16 matrix instructions oneDNN uses (Intel Cooper Lake / Sapphire Rapids
+# on, AMD Zen 4 on); without them torch's bfloat16 GEMM is 10-60x its float32 GEMM here
+# (an AMD EPYC with AVX2 alone: docs/benchmarks.md, "bfloat16 on an AVX2 host").
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def linear_compute_dtype(choice: str, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a runner's linear products run in (`RunnerSettings.cpu_bf16_compute`):
+    the model's, except for a bfloat16 model on a CPU, where `float32` widens the weights
+    and computes in float32 (linear.py), `bfloat16` keeps torch's bfloat16 GEMM, and `auto`
+    is bfloat16 where the CPU has bfloat16 matrix instructions, float32 where it has not."""
+    if choice not in CPU_BF16_COMPUTE:
+        raise ValueError(f"cpu_bf16_compute must be one of {CPU_BF16_COMPUTE}, got {choice!r}")
+    if device.type != "cpu" or dtype != torch.bfloat16 or choice == "bfloat16":
+        return dtype
+    if choice == "auto" and cpu_flags() & NATIVE_BF16_FLAGS:
+        return dtype
+    return torch.float32
+
 @dataclass(frozen=True)
 class RunnerSettings:
     """How a runner runs its model, the same on every tensor-parallel rank (rank 0 sends
@@ -61,6 +81,9 @@ class RunnerSettings:
     cpu_parallel_min_tokens: int = 0
     cpu_small_step_pool: bool = False
     cpu_pool_spin_us: int = 1000
+    # A bfloat16 model on the CPU: its linear products in float32 over widened weights, or
+    # in torch's bfloat16 GEMM (`linear_compute_dtype`: auto | bfloat16 | float32)
+    cpu_bf16_compute: str = "auto"
 
 
 class ModelRunner:
@@ -109,9 +132,21 @@ class ModelRunner:
         # Sparse MoE blocks: a decode graph's batch (<= cuda_graph_max_bs rows) never syncs.
         self.model.set_moe_dispatch(
             MoEDispatch.for_device(self.device, dtype, settings.cuda_graph_max_bs))
-        self.linear_kernels = linear_kernels(s.linear_backend, self.device, dtype)
+        # The products' dtype: the model's, or float32 for bfloat16 on a CPU without its
+        # matrix instructions (weights widened, activations and KV stay bfloat16).
+        # NOTE: and the KV cache then holds the bfloat16 K/V values in float32, so decode
+        # and prefill attention run the float32 kernels (the bfloat16 decode kernel's
+        # generic path is 7-9x slower on AVX2; its math is float32 too): twice the KV memory.
+        self.linear_dtype = linear_compute_dtype(s.cpu_bf16_compute, self.device, dtype)
+        self.kv_dtype = self.linear_dtype
+        if self.linear_dtype != dtype:
+            self.model.compute_linears_in_float32()
+            log.info("bfloat16 on a CPU without bfloat16 matrix instructions: linear products "
+                     "and attention in float32 over the same weight and K/V values, weights "
+                     "and KV cache held in float32 (cpu_bf16_compute=%s)", s.cpu_bf16_compute)
+        self.linear_kernels = linear_kernels(s.linear_backend, self.device, self.linear_dtype)
         if self.linear_kernels is not None:
-            self.model.adopt_cpu_kernels(self.linear_kernels)
+            self.model.adopt_cpu_kernels(self.linear_kernels, pointwise=dtype == torch.float32)
 
         c = self.cfg
         # What the engine, the scheduler and the limits read; fixed for the runner's life
@@ -152,8 +187,8 @@ class ModelRunner:
     def _allocate_kv(self, num_pages: int) -> None:
         c, ps = self.cfg, self.page_size
         self.kv = None  # (a provisional cache goes before the next is allocated)
-        self.kv = KVCache(c.num_layers, num_pages, ps, c.local_kv_heads, c.head_dim, self.dtype,
-                          self.device)
+        self.kv = KVCache(c.num_layers, num_pages, ps, c.local_kv_heads, c.head_dim,
+                          self.kv_dtype, self.device)
         self.num_pages = num_pages
         self.limits = ChunkLimits(c.vocab_size, c.embed_dim, c.hidden_size, num_pages, ps)
 
@@ -185,7 +220,7 @@ class ModelRunner:
         self.kv = None
         free = memory.free_bytes()
         per_page = KVCache.bytes_per_page(c.num_layers, self.page_size, c.local_kv_heads,
-                                          c.head_dim, self.dtype)
+                                          c.head_dim, self.kv_dtype)
         pages = pages_for(fraction, free, eager + graphs, per_page)
         log.info("KV pool: %d pages of %d tokens (%.2f GiB free after the weights; set aside "
                  "%.2f GiB for the largest step, %.2f GiB for the decode graphs; fraction %g)",
@@ -356,5 +391,5 @@ class ModelRunner:
                 deepstack[a : a + c.num_tokens] = e[:, hs:]
         if tok_ids:
             ids = torch.cat(tok_ids).to(self.device, torch.int64)
-            hidden[torch.cat(tok_rows).to(self.device)] = self.model.embed_tokens(ids)
+            hidden[torch.cat(tok_rows).to(self.device)] = self.model.embed(ids)
         return hidden, deepstack
