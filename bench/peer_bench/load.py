@@ -73,7 +73,21 @@ def client(base_url: str):
                        http_client=httpx.AsyncClient(limits=limits, timeout=900))
 
 
-async def _run(base_url: str, model: str, reqs: list[Req], concurrency: int) -> dict:
+@dataclass(frozen=True)
+class Sampling:
+    """What every request of a load asks: greedy (temperature 0) or sampled."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    def describe(self) -> str:
+        if self.temperature == 0:
+            return "temperature 0"
+        return f"temperature {self.temperature:g}, top-p {self.top_p:g}"
+
+
+async def _run(base_url: str, model: str, reqs: list[Req], concurrency: int,
+               sampling: Sampling = Sampling()) -> dict:  # noqa: B008 (frozen)
     bodies = [messages(r) for r in reqs]  # NOTE: built before the clock starts
     sem = asyncio.Semaphore(concurrency)
     ttft, tpot, errors = [], [], []
@@ -87,8 +101,8 @@ async def _run(base_url: str, model: str, reqs: list[Req], concurrency: int) -> 
             n = 0
             try:
                 stream = await api.chat.completions.create(
-                    model=model, messages=msgs, max_tokens=r.max_tokens, temperature=0,
-                    stream=True, stream_options={"include_usage": True},
+                    model=model, messages=msgs, max_tokens=r.max_tokens,
+                    temperature=sampling.temperature, top_p=sampling.top_p, stream=True, stream_options={"include_usage": True},
                     extra_body={"ignore_eos": True})
                 async for chunk in stream:
                     if chunk.choices and chunk.choices[0].delta.content:
@@ -115,8 +129,9 @@ async def _run(base_url: str, model: str, reqs: list[Req], concurrency: int) -> 
             "tpot": tpot, "failures": len(errors), "errors": errors[:3]}
 
 
-def run_load(base_url: str, model: str, reqs: list[Req], concurrency: int) -> dict:
-    return asyncio.run(_run(base_url, model, reqs, concurrency))
+def run_load(base_url: str, model: str, reqs: list[Req], concurrency: int,
+             sampling: Sampling = Sampling()) -> dict:  # noqa: B008 (frozen)
+    return asyncio.run(_run(base_url, model, reqs, concurrency, sampling))
 
 
 def summary(runs: list[dict]) -> dict:
