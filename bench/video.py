@@ -225,7 +225,7 @@ async def scenario(url: str, clips: list[bytes], concurrency: int, fps: float,
 
 def baseline(model: Path, arch: str, clips: list[tuple[str, bytes]], warmup: list[bytes],
              fps: float, max_tokens: int, tmp: Path) -> dict:
-    from tandem.services.encoder.video_rules import Sampling, VideoSettings
+    from tandem.services.encoder.media.video_rules import Sampling, VideoSettings
 
     if not ORACLE_PY.exists():
         raise SystemExit(".oracle-venv is missing: `make oracle-venv` builds it")

@@ -1,5 +1,5 @@
 """ViT graphs over a mix of image sizes: captures counted, replay equal to eager, speed-up,
-capture memory (the `make gpu-check` row for services/encoder/vit_runner.py).
+capture memory (the `make gpu-check` row for services/encoder/vit/runner.py).
 
     .venv/bin/python bench/vit_graphs.py [--dry-run] [--arch qwen2_5_vl] [--size small]
         [--dtype bfloat16] [--max-patches 4096] [--repeats 5]
@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from latency import checkpoint  # noqa: E402  (bench/, the script's own folder)
 
 from tandem.devices import DTYPES  # noqa: E402
-from tandem.services.encoder.vit_runner import VisionRunner  # noqa: E402
+from tandem.services.encoder.vit.runner import VisionRunner  # noqa: E402
 
 # Batches of images (width, height); the last one is over the largest bucket.
 MIX = [[(448, 336)], [(224, 224)], [(640, 480), (224, 224)], [(320, 320), (512, 256), (160, 400)],

@@ -23,10 +23,10 @@ from waiting import wait_until  # noqa: E402
 from tandem.chat import ChatError, ImageInput, Message  # noqa: E402
 from tandem.services.encoder.cache import CachedFeatures, EmbeddingCache  # noqa: E402
 from tandem.services.encoder.config import EncoderConfig  # noqa: E402
-from tandem.services.encoder.images import ImageLimits, image_bytes  # noqa: E402
+from tandem.services.encoder.media.images import ImageLimits, image_bytes  # noqa: E402
 from tandem.services.encoder.pipeline import EncodePipeline  # noqa: E402
 from tandem.services.encoder.scheduler import lb_assign  # noqa: E402
-from tandem.services.encoder.vit_runner import VisionRunner  # noqa: E402
+from tandem.services.encoder.vit.runner import VisionRunner  # noqa: E402
 
 
 def feats(rows: int, width: int = 8, deep: int = 0) -> CachedFeatures:
@@ -446,7 +446,7 @@ def test_budget_stops_a_fetch_once_the_request_has_ended(http_server):
     only the budget can end the fetch: TimeoutError (the url's own timeout would be a
     ChatError, and the server giving up, at ENDLESS_BYTES, a ChatError for the cut body),
     and it is the client that hung up, mid-body."""
-    from tandem.services.encoder.images import Budget
+    from tandem.services.encoder.media.images import Budget
 
     lim = ImageLimits(10**6, 10**7, ("127.0.0.1",), allow_private_urls=True,
                       url_timeout_s=3600)
@@ -526,7 +526,7 @@ def test_transparency_is_composited_onto_white_as_transformers_does(mode):
     from PIL import Image
     from transformers.image_transforms import convert_to_rgb
 
-    from tandem.services.encoder.images import decode_image
+    from tandem.services.encoder.media.images import decode_image
 
     rng = np.random.default_rng(7)
     rgba = rng.integers(0, 256, (24, 40, 4), dtype=np.uint8)

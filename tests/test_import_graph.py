@@ -168,7 +168,7 @@ def test_the_layering_checker_sees_lazy_and_named_imports(tmp_path):
     assert allowed("tandem.services.language.engine.core", "tandem.transfer.payload")
     assert allowed("tandem.services.language.engine.core", "tandem.services.language.model.decoder")
     assert not allowed("tandem.transfer.receiver", "tandem.services.language.engine.request")
-    assert not allowed("tandem.services.router.core", "tandem.services.encoder.images")
+    assert not allowed("tandem.services.router.core", "tandem.services.encoder.media.images")
 
 
 def test_no_tier_imports_another_and_tandem_imports_no_tier():
@@ -185,6 +185,9 @@ ROLES = {
     "tandem.services.language.runner": {"model", "tp"},  # tp: its TensorParallel, as a type
     "tandem.services.language.tp": {"model", "runner"},
     "tandem.services.language.engine": {"runner.forward_batch", "metrics"},
+    # encoder: decoding the media and the vision tower use nothing else of the tier
+    "tandem.services.encoder.media": set(),
+    "tandem.services.encoder.vit": set(),
     # router: picking and calling the tiers knows nothing of the front doors above it
     "tandem.services.router.dispatch": {"config", "errors", "metrics", "request"},
 }

@@ -28,17 +28,17 @@ from tandem.launch import serve
 from tandem.launch.vllm_flags import To
 from tandem.services.encoder.chat import EncodeJob
 from tandem.services.encoder.config import EncoderConfig
-from tandem.services.encoder.images import (
+from tandem.services.encoder.media.images import (
     ImageLimits,
     SourceRules,
     image_bytes,
     local_media_root,
     source_bytes,
 )
+from tandem.services.encoder.media.video import VideoLimits
+from tandem.services.encoder.media.video_frames import plan_frames_source
+from tandem.services.encoder.media.video_rules import VideoSettings
 from tandem.services.encoder.pipeline import EncodePipeline
-from tandem.services.encoder.video import VideoLimits
-from tandem.services.encoder.video_frames import plan_frames_source
-from tandem.services.encoder.video_rules import VideoSettings
 
 IMAGE = png(40, 30, 7)
 FIELD = "messages[0].content[1].image"

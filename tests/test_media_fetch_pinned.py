@@ -31,11 +31,11 @@ from encoder_peers.chats import png
 
 from tandem import pki
 from tandem.chat import ChatError, ImageInput, VideoOptions
-from tandem.services.encoder import images
-from tandem.services.encoder.images import ImageLimits, SourceRules, image_bytes, source_bytes
-from tandem.services.encoder.video import VideoLimits
-from tandem.services.encoder.video_frames import plan_frames_source
-from tandem.services.encoder.video_rules import VideoSettings
+from tandem.services.encoder.media import images
+from tandem.services.encoder.media.images import ImageLimits, SourceRules, image_bytes, source_bytes
+from tandem.services.encoder.media.video import VideoLimits
+from tandem.services.encoder.media.video_frames import plan_frames_source
+from tandem.services.encoder.media.video_rules import VideoSettings
 
 BODY = png(32, 24, 5)
 PUBLIC = "93.184.216.34"  # a global address: passes the check, never dialed (`dialed`)

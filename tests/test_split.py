@@ -269,7 +269,7 @@ def metric(port: int, name: str) -> float:
 def gate():
     """The ViT gate (test_stream.Gate), and `gate.seen`: every grid the ViTs of this
     process have finished."""
-    from tandem.services.encoder.vit_runner import VisionRunner
+    from tandem.services.encoder.vit.runner import VisionRunner
 
     g = Gate()
     g.seen = set()

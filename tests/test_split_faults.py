@@ -56,7 +56,7 @@ pytestmark = pytest.mark.timeout(420)
 
 @pytest.fixture
 def gate():
-    from tandem.services.encoder.vit_runner import VisionRunner
+    from tandem.services.encoder.vit.runner import VisionRunner
 
     g = Gate()
     with pytest.MonkeyPatch.context() as mp:

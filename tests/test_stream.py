@@ -199,7 +199,7 @@ def assert_idle(pair: Pair) -> None:
 def patched():
     """Every scheduled chunk (room, start, tokens, rows arrived, prompt length, complete),
     and the ViT gate; patched at class level for the services in this process."""
-    from tandem.services.encoder.vit_runner import VisionRunner
+    from tandem.services.encoder.vit.runner import VisionRunner
     from tandem.services.language.engine.scheduler import Scheduler
 
     chunks: list[tuple] = []

@@ -16,7 +16,7 @@ naming each one that NEWER_THAN_2_11 lists:
 
 A reference through a private module (torch._x) is checked only where the list covers
 that module (COVERED_PRIVATE); any other fails as not covered, so a new private import
-never passes unseen. A newer API kept behind a run-time test (vit_runner's `num_splits`,
+never passes unseen. A newer API kept behind a run-time test (vit/runner.py's `num_splits`,
 passed only where `inspect.signature` shows it) is not a call this scan sees: that is the
 fallback the issue allows, chosen at run time.
 

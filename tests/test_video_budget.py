@@ -25,14 +25,14 @@ import pytest
 
 from tandem.chat import VideoOptions
 from tandem.services.encoder.config import EncoderConfig
-from tandem.services.encoder.video import (
+from tandem.services.encoder.media.video import (
     DecodeWork,
     VideoLimits,
     decode,
     plan_source,
     prepare_video,
 )
-from tandem.services.encoder.video_rules import VideoError, VideoRefusal, VideoSettings
+from tandem.services.encoder.media.video_rules import VideoError, VideoRefusal, VideoSettings
 
 SETTINGS = dataclasses.replace(VideoSettings.defaults("qwen2_vl"), fps=2.0)
 # the sampling a ten-minute deck needs to fit max_video_tokens
@@ -117,7 +117,7 @@ def deck(request) -> tuple[str, bytes]:
 
 
 def test_the_bomb_is_refused_from_its_header_before_a_frame_is_decoded(bomb, monkeypatch):
-    import tandem.services.encoder.video as video
+    import tandem.services.encoder.media.video as video
 
     def no_decode(*a, **k):
         raise AssertionError("the bomb reached the decoder")
@@ -152,7 +152,7 @@ def test_the_budget_counts_this_threads_cpu_not_the_wall(monkeypatch):
     all) passes a CPU budget of 0.3 s that a wall clock would have refused."""
     import threading
 
-    import tandem.services.encoder.video as video
+    import tandem.services.encoder.media.video as video
 
     raw = _mp4(64, 64, [_black(64)] * 16, 8, "ultrafast")
     real = video.resize_frame

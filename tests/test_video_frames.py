@@ -1,4 +1,4 @@
-"""A video given as frames (services/encoder/video_frames.py) against transformers' own video
+"""A video given as frames (services/encoder/media/video_frames.py) against transformers' own video
 processor fed the same frames, and its limits and refusals.
 
 The oracle (tests/oracle/video_oracle.py in `.oracle-venv`, as tests/test_video_preprocess.py
@@ -25,10 +25,10 @@ from encoder_peers.chats import png
 from test_video_preprocess import ORACLE_PY, ORACLE_SCRIPT, ROOT
 
 from tandem.chat import ChatError, ImageInput, VideoOptions
-from tandem.services.encoder.images import Budget, ImageLimits
-from tandem.services.encoder.video import VideoLimits
-from tandem.services.encoder.video_frames import decode_frames, plan_frames_source
-from tandem.services.encoder.video_rules import (
+from tandem.services.encoder.media.images import Budget, ImageLimits
+from tandem.services.encoder.media.video import VideoLimits
+from tandem.services.encoder.media.video_frames import decode_frames, plan_frames_source
+from tandem.services.encoder.media.video_rules import (
     Sampling,
     VideoError,
     VideoRefusal,

@@ -169,7 +169,7 @@ def _vit_inputs(pipe: EncodePipeline, clips) -> tuple[torch.Tensor, list]:
 def test_the_static_vit_path_takes_videos_as_the_eager_one(clips, checkpoint, arch):
     """The graph-safe block loop (CUDA graphs' path, run eagerly on the CPU) over a batch
     holding a video: each frame is a segment of its own, as in transformers' tower."""
-    from tandem.services.encoder.vit_runner import VisionRunner
+    from tandem.services.encoder.vit.runner import VisionRunner
 
     pipe = pipeline(checkpoint, arch)
     pixels, grids = _vit_inputs(pipe, clips)
@@ -188,7 +188,7 @@ def test_the_static_vit_path_takes_videos_as_the_eager_one(clips, checkpoint, ar
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
 def test_cuda_graphs_take_videos_as_eager(clips, checkpoint, arch, dtype):
     from tandem.models.split import load_vision_part
-    from tandem.services.encoder.vit_runner import VisionRunner
+    from tandem.services.encoder.vit.runner import VisionRunner
 
     pixels, grids = _vit_inputs(pipeline(checkpoint, arch), clips)
     part = load_vision_part(checkpoint(arch), dtype, "cuda")

@@ -1,4 +1,4 @@
-"""Video preprocessing (services/encoder/video.py, video_rules.py) against transformers' own
+"""Video preprocessing (services/encoder/media/video.py, video_rules.py) against transformers' own
 video processor, and every limit and refusal.
 
 The oracle is transformers itself: tests/oracle/video_oracle.py runs in `.oracle-venv` (made
@@ -29,14 +29,14 @@ import av
 import numpy as np
 import pytest
 
-from tandem.services.encoder.images import Budget
-from tandem.services.encoder.video import (
+from tandem.services.encoder.media.images import Budget
+from tandem.services.encoder.media.video import (
     VideoLimits,
     decode_frames,
     prepare_video,
     probe,
 )
-from tandem.services.encoder.video_rules import (
+from tandem.services.encoder.media.video_rules import (
     Sampling,
     VideoError,
     VideoOptions,

@@ -1,4 +1,4 @@
-"""The ViT's static and graph paths (services/encoder/vit_runner.py) without a GPU.
+"""The ViT's static and graph paths (services/encoder/vit/runner.py) without a GPU.
 
 - Buckets: a batch is padded up to a patch bucket; its features equal the eager path's bit
   for bit on the CPU (where the step runs eagerly over the same buffers, attending per
@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_encoder_units import _images  # noqa: E402
 from waiting import wait_until  # noqa: E402
 
-import tandem.services.encoder.vit_runner as vr  # noqa: E402
-from tandem.services.encoder.vit_runner import (  # noqa: E402
+import tandem.services.encoder.vit.runner as vr  # noqa: E402
+from tandem.services.encoder.vit.runner import (  # noqa: E402
     GraphKey,
     StepAttention,
     VisionRunner,

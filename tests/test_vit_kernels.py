@@ -1,4 +1,4 @@
-"""The vision tower on the CPU kernels (services/encoder/vit_kernels.py): which modules it
+"""The vision tower on the CPU kernels (services/encoder/vit/kernels.py): which modules it
 swaps, that the rotary split out of qkv and the MLP's silu and product in place give
 transformers' bits and the attention kernel its values, that the whole
 tower stays within the packed path's tolerance of transformers' (torch's linears) on
@@ -14,14 +14,14 @@ import torch
 from encoder_peers.chats import FEATURE_ATOL_OF_MAX, FEATURE_RTOL
 
 from tandem.cpu_kernels import kernels, pack_linears
-from tandem.services.encoder.vit_kernels import (
+from tandem.services.encoder.vit.kernels import (
     InPlaceGatedMLP,
     KernelRMSNorm,
     KernelVisionAttention,
     PackedPatchEmbed,
     pack_vision_tower,
 )
-from tandem.services.encoder.vit_runner import StepAttention, VisionRunner
+from tandem.services.encoder.vit.runner import StepAttention, VisionRunner
 
 KERNELS = kernels()
 pytestmark = [pytest.mark.skipif(KERNELS is None, reason="no C++ toolchain to build the kernels"), pytest.mark.usefixtures("one_torch_thread")]

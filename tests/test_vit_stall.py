@@ -88,7 +88,7 @@ def test_a_runner_reports_progress_per_block(checkpoint):
     """Eager: one report per block. Static (what a CUDA graph records, run on the CPU):
     one per block of the step, and one when the replay returns (on CUDA a replay runs no
     host code: that one alone)."""
-    from tandem.services.encoder.vit_runner import VisionRunner
+    from tandem.services.encoder.vit.runner import VisionRunner
 
     runner, image, blocks = _tower(checkpoint)
     static = VisionRunner(runner.visual, max_patches=1024, mode="static")
@@ -101,7 +101,7 @@ def test_a_runner_reports_progress_per_block(checkpoint):
 def test_the_stall_watch_follows_progress_and_ends_with_the_call(checkpoint):
     from tandem.services.encoder.cache import EmbeddingCache
     from tandem.services.encoder.scheduler import EncoderScheduler
-    from tandem.services.encoder.vit_runner import VisionRunner
+    from tandem.services.encoder.vit.runner import VisionRunner
 
     runner, image, _ = _tower(checkpoint)
 
@@ -132,7 +132,7 @@ def _tower(checkpoint):
     import torch
 
     from tandem.models.split import load_vision_part
-    from tandem.services.encoder.vit_runner import VisionRunner
+    from tandem.services.encoder.vit.runner import VisionRunner
 
     part = load_vision_part(checkpoint("qwen2_5_vl"), torch.float32, "cpu")
     runner = VisionRunner(part.visual, mode="eager")
@@ -182,7 +182,7 @@ def test_a_stalled_call_does_not_hold_the_stop(checkpoint):
     used to join it, blocking the event loop and the process's exit for ever)."""
     from tandem.services.encoder.cache import EmbeddingCache
     from tandem.services.encoder.scheduler import EncoderScheduler
-    from tandem.services.encoder.vit_runner import VisionRunner
+    from tandem.services.encoder.vit.runner import VisionRunner
 
     runner, image, _ = _tower(checkpoint)
     sched = EncoderScheduler([runner], EmbeddingCache(0), 1 << 20, stall_s=STALL_S)
@@ -394,7 +394,7 @@ class Cluster:
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_hung_vit_fails_its_room_and_the_request_is_retried_elsewhere(checkpoint, stream):
     """(`stream`: the rows streamed, so the room waits for its rows, not its payload.)"""
-    from tandem.services.encoder.vit_runner import VisionRunner
+    from tandem.services.encoder.vit.runner import VisionRunner
 
     ckpt = checkpoint("qwen2_5_vl")
     data = png(64, 48, 27)
@@ -452,7 +452,7 @@ def test_a_hung_vit_fails_its_room_and_the_request_is_retried_elsewhere(checkpoi
 def test_a_helper_whose_vit_hangs_is_lost_and_its_range_re_encoded(checkpoint):
     from test_split import Trio, _grid, assert_fell_back, assert_idle, four_image_chat
 
-    from tandem.services.encoder.vit_runner import VisionRunner
+    from tandem.services.encoder.vit.runner import VisionRunner
 
     ckpt = checkpoint("qwen2_5_vl")
     chat = four_image_chat(31)

@@ -133,7 +133,7 @@ def oracle_results(
     """transformers' results for {case id: (arch, chat)} (tests/oracle/video_generate.py):
     {id: {"input_ids", "positions", "delta", "tokens", ...}}; with `payload` the prompt
     embeddings in tmp/<id>.npy. A case transformers refuses fails the calling test."""
-    from tandem.services.encoder.video_rules import Sampling, VideoSettings
+    from tandem.services.encoder.media.video_rules import Sampling, VideoSettings
 
     if not ORACLE_PY.exists():
         raise AssertionError(

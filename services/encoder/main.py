@@ -37,7 +37,7 @@ SERVICE = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name
 
 
 def serve(cfg: EncoderConfig) -> int:
-    # NOTE: with one CPU thread, float32 rows do not depend on the batch (see vit_runner).
+    # NOTE: with one CPU thread, float32 rows do not depend on the batch (see vit/runner.py).
     return serving.run_service("tandem encoder", run(cfg), cfg.cpu_threads, cfg.log_format,
                                cfg.log_level, cfg.tracing)
 

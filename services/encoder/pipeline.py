@@ -59,7 +59,9 @@ from tandem.devices import resolve_device, resolve_dtype
 from tandem.services.encoder.cache import CachedFeatures, EmbeddingCache
 from tandem.services.encoder.chat import EncodeJob
 from tandem.services.encoder.fair_pool import FairPool
-from tandem.services.encoder.images import Budget, ImageLimits, local_media_root
+from tandem.services.encoder.media.images import Budget, ImageLimits, local_media_root
+from tandem.services.encoder.media.video import PlannedVideo, PreparedVideo, VideoLimits
+from tandem.services.encoder.media.video_rules import ARCH_RULES, VideoSettings
 from tandem.services.encoder.merge import (
     MediaKind,
     MergeModel,
@@ -85,10 +87,8 @@ from tandem.services.encoder.split import (
     units_in,
 )
 from tandem.services.encoder.units import Unit, VideoSlice, VitInput, groups_of, units, vit_inputs
-from tandem.services.encoder.video import PlannedVideo, PreparedVideo, VideoLimits
-from tandem.services.encoder.video_rules import ARCH_RULES, VideoSettings
-from tandem.services.encoder.vit_kernels import pack_vision_tower
-from tandem.services.encoder.vit_runner import VisionRunner
+from tandem.services.encoder.vit.kernels import pack_vision_tower
+from tandem.services.encoder.vit.runner import VisionRunner
 from tandem.transfer.payload import ImageSpan, PromptInfo, PromptPayload
 from tandem.transfer.sender_room import RemoteRange
 

@@ -6,10 +6,10 @@ apply (Qwen `smart_resize`); a helper of a split prompt prepares only its share'
 (`pixels_for`), the others grid-only: their grids as the lead sends them (`other_grids`,
 checked against this encoder's bounds; the images never fetched), or from their sizes by
 the processor's own `smart_resize` (ImageGeometry), nothing resized, patchified or
-hashed. Each video is read and probed and its frames planned (services/encoder/video.py:
+hashed. Each video is read and probed and its frames planned (services/encoder/media/video.py:
 indices, size, grid, timing) but not decoded: that is `decode`, a later job of the same
 pool, run only for the videos whose features no cache holds (a video given as frames:
-services/encoder/video_frames.py, the same two steps).
+services/encoder/media/video_frames.py, the same two steps).
 The chat template is rendered with one placeholder per image and video, each
 expanded as the processor expands it (an image's pads; a video's pads, and for Qwen3-VL
 its frames' timestamps), and the text tokenized — the same steps `processor(text=...,
@@ -46,7 +46,7 @@ from tandem.chat import (
     VideoInput,
     invalid,
 )
-from tandem.services.encoder.images import (
+from tandem.services.encoder.media.images import (
     Budget,
     ImageLimits,
     SourceRules,
@@ -56,15 +56,15 @@ from tandem.services.encoder.images import (
     open_image,
     source_bytes,
 )
-from tandem.services.encoder.video import (
+from tandem.services.encoder.media.video import (
     PlannedVideo,
     PreparedVideo,
     VideoLimits,
     decode,
     plan_source,
 )
-from tandem.services.encoder.video_frames import decode_frames, plan_frames_source
-from tandem.services.encoder.video_rules import (
+from tandem.services.encoder.media.video_frames import decode_frames, plan_frames_source
+from tandem.services.encoder.media.video_rules import (
     VideoError,
     VideoRefusal,
     VideoSettings,

@@ -44,7 +44,7 @@ from typing import Protocol
 import torch
 
 from tandem.services.encoder.cache import CachedFeatures, EmbeddingCache
-from tandem.services.encoder.vit_runner import VisionRunner
+from tandem.services.encoder.vit.runner import VisionRunner
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Video bytes -> `PreparedVideo`: decoded with PyAV under limits, then sampled, resized and
 patchified by transformers' rules for the checkpoint's architecture
-(services/encoder/video_rules.py), bit for bit what its video processor makes
+(services/encoder/media/video_rules.py), bit for bit what its video processor makes
 (tests/test_video_preprocess.py).
 
 Two steps, both in the encoder's preprocessing pool, so that a video whose features the
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from tandem.chat import VideoOptions
-from tandem.services.encoder.images import Budget
-from tandem.services.encoder.video_rules import (
+from tandem.services.encoder.media.images import Budget
+from tandem.services.encoder.media.video_rules import (
     Sampling,
     VideoError,
     VideoHeader,
@@ -170,7 +170,7 @@ class _FromPlan:
 class PlannedVideo(_FromPlan):
     """One probed video, not decoded: its file, what it will be, and under which rules.
     `key` is its embedding cache identity (equal keys: bit-identical pixel_values).
-    A video given as frames (services/encoder/video_frames.py) has `frames`, each frame's
+    A video given as frames (services/encoder/media/video_frames.py) has `frames`, each frame's
     image file in order, and an empty `raw`."""
 
     raw: bytes

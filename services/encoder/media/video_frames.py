@@ -3,7 +3,7 @@
 processor makes of the same frames, `processor(videos=[[frame, ...]], video_metadata=[{
 "total_num_frames": n, "fps": fps, "frames_indices": range(n)}], do_sample_frames=False)`
 (tests/test_video_preprocess.py). Both steps run in the encoder's preprocessing pool, as a
-file's do (services/encoder/video.py), so a video a cache holds is never decoded:
+file's do (services/encoder/media/video.py), so a video a cache holds is never decoded:
 
     plan_frames_source: the controls (fps required, nothing sampled: video_rules.
                  Sampling.resolve_frames) --limits on the count: max_video_frames,
@@ -33,14 +33,14 @@ import numpy as np
 import torch
 
 from tandem.chat import ImageInput, VideoOptions
-from tandem.services.encoder.images import (
+from tandem.services.encoder.media.images import (
     Budget,
     ImageLimits,
     decode_image,
     image_bytes,
     open_image,
 )
-from tandem.services.encoder.video import (
+from tandem.services.encoder.media.video import (
     DecodeClock,
     DecodeWork,
     PlannedVideo,
@@ -49,7 +49,7 @@ from tandem.services.encoder.video import (
     check_work,
     over,
 )
-from tandem.services.encoder.video_rules import (
+from tandem.services.encoder.media.video_rules import (
     Sampling,
     VideoError,
     VideoHeader,

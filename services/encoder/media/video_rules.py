@@ -2,7 +2,7 @@
 `Qwen2VLVideoProcessor`, which Qwen2.5-VL uses, and `Qwen3VLVideoProcessor`): which frames
 are sampled, the size they are resized to, the grid, the timing positions need, and the
 normalization and patch order of `pixel_values_videos`. Pure arithmetic over a
-`VideoHeader`; decoding and its limits are services/encoder/video.py.
+`VideoHeader`; decoding and its limits are services/encoder/media/video.py.
 
     header (N frames, rate r, H x W) + Sampling (checkpoint settings + request options)
       -> sample_indices: qwen2_vl  n from fps (or num_frames), floored (rounded) to a multiple

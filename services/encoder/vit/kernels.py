@@ -17,10 +17,10 @@ Qwen3-VL tower for ones that call the kernels, then packs every nn.Linear left
     RMSNorm       Qwen2.5-VL's: `rms_norm` (Qwen3-VL's LayerNorms stay torch's)
 
 Each module keeps the call signature and the attributes the vision runner reads
-(`attn.qkv`, `attn.proj`, `attn.num_heads`, `attn.scaling`: vit_runner's static step), so
+(`attn.qkv`, `attn.proj`, `attn.num_heads`, `attn.scaling`: runner.py's static step), so
 the eager and the static paths both run them.
 
-Row invariance (vit_runner's module doc) holds: the packed linear is batch-invariant,
+Row invariance (runner.py's module doc) holds: the packed linear is batch-invariant,
 `rope_qk`, `rms_norm` and the MLP's pointwise steps work row by row, and a segment's
 attention reads that segment alone. Against transformers: `rope_qk` rounds each product
 before the sum, as torch does, and the MLP runs torch's own silu and product (the same
