@@ -233,3 +233,12 @@ check-netpol: setup $(HELM)
 	@command -v nft >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq nftables; }
 	$(PY) -m pytest -q -rs --run-slow tests/test_netpol.py
+
+# The chart's own pods without Kubernetes (opt-in, root, `ip`, Debian's dnsmasq-base): the
+# rendered Deployments as network namespaces on a private subnet, Services through a
+# dnsmasq, Secrets and ConfigMaps mounted, probes polled as the kubelet does (~2.5 min).
+.PHONY: check-pods
+check-pods: setup $(HELM)
+	@command -v dnsmasq >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq dnsmasq-base; }
+	$(PY) -m pytest -q -rs --run-slow tests/test_deploy_pods.py
