@@ -56,7 +56,7 @@ import torch.distributed as dist
 from tandem.services.language.tp import wire
 
 if TYPE_CHECKING:  # NOTE: not imported at run time: a worker imports this module before
-    # it joins the process group, and rank 0 waits for that only tp_timeout_s
+    # it joins the process group, so its imports count against the rank's start-up bound
     from tandem.services.language.model.shard import Shard
     from tandem.services.language.tp.buffers import RankBuffers
 
@@ -132,17 +132,31 @@ class TensorParallel:
         return torch.cat(parts, dim=1)[:, : self.shard.vocab_size]
 
 
+# A rank's start (process spawn, torch's import, the group's rendezvous) is bounded by
+# max(tp_timeout_s, this): it is seconds of imports that a loaded host stretches, not a
+# collective, so a tp_timeout_s sized for hung collectives (a few seconds) must not fail it.
+START_TIMEOUT_FLOOR_S = 120.0
+
+
+def start_timeout_s(timeout_s: float) -> float:
+    return max(timeout_s, START_TIMEOUT_FLOOR_S)
+
+
 def init_group(rank: int, size: int, address: str, device: torch.device, timeout_s: float) -> None:
-    """Join the process group from `device` (this rank's, `rank_device`). On CUDA the
-    process is bound to it first (set_device: torch.cuda.graph, streams and NCCL's own
-    calls use the current device) and NCCL gets it as `device_id` (its communicator is
-    made for that GPU, at once)."""
+    """Join the process group from `device` (this rank's, `rank_device`): the rendezvous
+    waits start_timeout_s for every rank, the group's collectives then timeout_s. On CUDA
+    the process is bound to the device first (set_device: torch.cuda.graph, streams and
+    NCCL's own calls use the current device) and NCCL gets it as `device_id` (its
+    communicator is made for that GPU, at once)."""
     kw = {"timeout": datetime.timedelta(seconds=timeout_s)}
     if device.type == "cuda":
         torch.cuda.set_device(device)
         kw["device_id"] = device
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            init_method=f"tcp://{address}", rank=rank, world_size=size, **kw)
+    host, port = address.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), size, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=start_timeout_s(timeout_s)))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store,
+                            rank=rank, world_size=size, **kw)
 
 
 class Ranks:
@@ -234,7 +248,8 @@ def start_ranks(args: RankArgs, device: torch.device, shard: Shard) -> TensorPar
     ]
     try:
         init_group(0, args.size, args.dist_address, device, args.timeout_s)
-        listener._listener._socket.settimeout(args.timeout_s)  # bounded accept
+        # bounded accept: a rank connects right after it joined the group
+        listener._listener._socket.settimeout(start_timeout_s(args.timeout_s))
         conns: list[Connection | None] = [None] * (args.size - 1)
         data_conns: list[Connection | None] = [None] * (args.size - 1)
         for _ in range(2 * (args.size - 1)):  # a step socket and a data socket per rank

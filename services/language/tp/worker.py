@@ -44,8 +44,8 @@ def main(rank: int, args: RankArgs) -> int:
     conn.send_bytes(wire.encode_json({"rank": rank, "channel": "step"}))
     data_conn = Client((host, int(port)), authkey=authkey)
     data_conn.send_bytes(wire.encode_json({"rank": rank, "channel": "data"}))
-    # NOTE: imported once in the group: rank 0 waits for this rank to join only
-    # tp_timeout_s, and the model's modules take seconds to import on a loaded host
+    # NOTE: imported once in the group: the join is bounded by the start-up timeout
+    # (ranks.start_timeout_s), and the model's modules take seconds to import on a loaded host
     from tandem.config import TransferConfig
     from tandem.devices import DTYPES
     from tandem.models.checkpoint import read_spec, resolve_model_path
