@@ -76,7 +76,7 @@ class Baseline:
         x = self.proc.image_processor(images=[pil], return_tensors="pt")
         pixels = x["pixel_values"].to(self.device, self.dtype)
         out = self.model.model.get_image_features(pixels, x["image_grid_thw"].to(self.device),
-                                                  return_dict=True)  # fmt: skip
+                                                  return_dict=True)
         torch.cat(out.pooler_output).cpu()
 
     def images_per_s(self, images: list[bytes]) -> float:

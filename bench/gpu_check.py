@@ -156,7 +156,7 @@ def part_rows(check: str, case_field: str, rows, ok: Callable[[dict], bool] | No
         good = ok(f) if ok is not None else bool(f.pop("ok", True))
         figures = ", ".join(f"{k} {show(v)}" for k, v in f.items() if k != case_field)
         out.append(Row(check, str(f.get(case_field, "")), Status.PASS if good else Status.FAIL,
-                       figures))  # fmt: skip
+                       figures))
     return out
 
 
@@ -175,14 +175,14 @@ def check_device(ctx: Ctx) -> list[Row]:
     t0 = time.perf_counter()
     kernels()
     cpu = (f"{cpu_model()}, {os.cpu_count()} cores, CPU kernels {isa() or 'unavailable'} "
-           f"({time.perf_counter() - t0:.0f} s)")  # fmt: skip
+           f"({time.perf_counter() - t0:.0f} s)")
     if ctx.device == "cpu":
         return [Row("device", "cpu", Status.PASS, f"{cpu}, torch {torch.__version__}")]
     p = torch.cuda.get_device_properties(0)
     figures = (f"{p.name}, {p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor}, "
                f"{p.multi_processor_count} SMs, torch {torch.__version__}, CUDA "
                f"{torch.version.cuda}, bf16 {torch.cuda.is_bf16_supported()}, "
-               f"Python {platform.python_version()}; {cpu}")  # fmt: skip
+               f"Python {platform.python_version()}; {cpu}")
     return [Row("device", p.name, Status.PASS, figures)]
 
 
@@ -192,7 +192,7 @@ def _pytest(ctx: Ctx, name: str, args: list[str]) -> tuple[int, ET.Element | Non
     xml.unlink(missing_ok=True)
     # NOTE: junit_family xunit1 keeps record_property's figures (tests/test_bf16.py's)
     cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider",
-           f"--junitxml={xml}", "-o", "junit_family=xunit1", f"--device={ctx.device}", *args]  # fmt: skip
+           f"--junitxml={xml}", "-o", "junit_family=xunit1", f"--device={ctx.device}", *args]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     out = p.stdout + p.stderr
     print(out[-TAIL:], flush=True)
@@ -206,7 +206,7 @@ def _counts(root: ET.Element | None) -> dict[str, int]:
     for c in cases:
         kinds = {child.tag for child in c}
         key = ("failed" if "failure" in kinds else "errors" if "error" in kinds
-               else "skipped" if "skipped" in kinds else "passed")  # fmt: skip
+               else "skipped" if "skipped" in kinds else "passed")
         n[key] += 1
     return n
 
@@ -241,7 +241,7 @@ def gpu_test_files() -> list[str]:
     """The files with `gpu` tests, less the exactness suites (their checks run them whole)."""
     return sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").glob("test_*.py")
                   if "mark.gpu" in p.read_text() and p.relative_to(ROOT).as_posix()
-                  not in FP32_SUITE + BF16_SUITE)  # fmt: skip
+                  not in FP32_SUITE + BF16_SUITE)
 
 
 def check_gpu_tests(ctx: Ctx) -> list[Row]:
@@ -259,7 +259,7 @@ def check_gpu_tests(ctx: Ctx) -> list[Row]:
         mine.extend(c for c in root.iter("testcase")
                     if c.get("file") == f or (c.get("classname") or c.get("name") or "").startswith(dotted))
         text = "\n".join(e.text or e.get("message", "") for c in mine for e in c
-                         if e.tag in ("failure", "error"))  # fmt: skip
+                         if e.tag in ("failure", "error"))
         bad = _counts(mine)["failed"] + _counts(mine)["errors"]
         rows.append(_suite_row("gpu_tests", f, 1 if bad or not len(mine) else 0, mine, text or out, want_run=True))
     return rows
@@ -278,14 +278,14 @@ def check_exactness_fp32(ctx: Ctx) -> list[Row]:
     sel = ["-k", DRY_SELECT["fp32"]] if ctx.dry_run else []
     code, root, out = _pytest(ctx, "exactness-fp32", [*sel, *FP32_SUITE])
     return [_suite_row("exactness_fp32", "float32 exact (1e-4), " + " ".join(FP32_SUITE),
-                       code, root, out, want_run=False)]  # fmt: skip
+                       code, root, out, want_run=False)]
 
 
 def check_exactness_bf16(ctx: Ctx) -> list[Row]:
     sel = ["-k", DRY_SELECT["bf16"]] if ctx.dry_run else []
     code, root, out = _pytest(ctx, "exactness-bf16", [*sel, *BF16_SUITE])
     rows = [_suite_row("exactness_bf16", "bfloat16 within 0.375, " + " ".join(BF16_SUITE),
-                       code, root, out, want_run=False)]  # fmt: skip
+                       code, root, out, want_run=False)]
     for case in [] if root is None else root.iter("testcase"):
         props = {p.get("name"): p.get("value") for p in case.iter("property")}
         if "bf16_case" not in props:
@@ -295,7 +295,7 @@ def check_exactness_bf16(ctx: Ctx) -> list[Row]:
                         f"{props['bf16_compared']}/{props['bf16_rows']} rows within the bound, "
                         f"max abs diff {float(props['bf16_max_diff']):.4f}, greedy ids compared "
                         f"{props['bf16_greedy_compared']}, near ties {props['bf16_near_ties']}, "
-                        f"router near ties {props['bf16_routing_ties']}"))  # fmt: skip
+                        f"router near ties {props['bf16_routing_ties']}"))
     return rows
 
 
@@ -322,7 +322,7 @@ def check_build(ctx: Ctx) -> list[Row]:
     return [Row("build", f"tiny-model --size {ctx.size}", Status.PASS if ok else Status.FAIL,
                 f"{plan.num_parameters:,} parameters, {on_disk / 1e9:.3f} GB on disk, "
                 + ("reused" if reused else f"written in {secs:.0f} s ({on_disk / 1e9 / secs:.2f} GB/s)"
-                   f" from values made on {ctx.device}"))]  # fmt: skip
+                   f" from values made on {ctx.device}"))]
 
 
 def _need_model(ctx: Ctx) -> Path:
@@ -378,7 +378,7 @@ def check_decode_graphs(ctx: Ctx) -> list[Row]:
         load_text_weights(path, dtype=dtype, device=device),
         RunnerSettings(page_size=page, cuda_graph_max_bs=max_bs, max_seq_len=context + page),
         num_pages=max_bs * per_seq + 1, device=device, dtype=dtype,
-    )  # fmt: skip
+    )
     gr = runner.graph_runner
     captured = len(gr.graphs) if gr is not None else 0
     if device.type == "cuda" and not captured:
@@ -393,7 +393,7 @@ def check_decode_graphs(ctx: Ctx) -> list[Row]:
             pos = torch.arange(context).expand(3, context)
             runner.forward_eager(ForwardBatch([SeqChunk(i, 0, pos, pages, token_ids=ids)]))
             chunks.append(SeqChunk(i, context, decode_positions(context, 0), pages,
-                                   token_ids=torch.tensor([int(ids[-1])])))  # fmt: skip
+                                   token_ids=torch.tensor([int(ids[-1])])))
     tol = 1e-4 if dtype == torch.float32 else BF16_LOGITS_TOL
     steps = 3 if ctx.dry_run else DECODE_STEPS
     rows = []
@@ -417,7 +417,7 @@ def check_decode_graphs(ctx: Ctx) -> list[Row]:
                             f"max abs diff {diff:.3g} (bound {tol}), greedy ids equal {same}/"
                             f"{n_clear} (rows with a top-2 margin over the bound), "
                             f"eager {te * 1e3:.2f} ms, replay {tg * 1e3:.2f} ms, "
-                            f"speed-up {te / tg:.2f}x{target}, graphs {captured}"))  # fmt: skip
+                            f"speed-up {te / tg:.2f}x{target}, graphs {captured}"))
     return rows
 
 
@@ -431,10 +431,10 @@ def check_attention_long_context(ctx: Ctx) -> list[Row]:
         # the row (flex on the CPU, compiled, costs CI ~45 s; tests/test_paged_attention.py
         # checks that path against the reference)
         rows = fn("cpu", torch.float32, contexts=(512,), chunk=160, heads=4, kv_heads=2,
-                  head_dim=32, runs=1, backend="auto")  # fmt: skip
+                  head_dim=32, runs=1, backend="auto")
     else:
         rows = fn(ctx.device, ctx.torch_dtype, contexts=LONG_CONTEXTS, chunk=LONG_CHUNK,
-                  heads=LONG_HEADS, head_dim=LONG_HEAD_DIM, runs=LONG_RUNS)  # fmt: skip
+                  heads=LONG_HEADS, head_dim=LONG_HEAD_DIM, runs=LONG_RUNS)
 
     def ok(f: dict) -> bool:
         peak = f.get("peak_extra_bytes")
@@ -463,14 +463,14 @@ def check_e2e(ctx: Ctx) -> list[Row]:
     n = "2" if ctx.dry_run else str(E2E_REQUESTS)
     cmd = [sys.executable, str(ROOT / "bench" / "language.py"), "--model", str(path),
            "--device", ctx.device, "--dtype", ctx.dtype, "--requests", n, "--concurrency",
-           *conc, "--runs", "1", "--out", str(out)]  # fmt: skip
+           *conc, "--runs", "1", "--out", str(out)]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     text = p.stdout + p.stderr
     print(text[-TAIL:], flush=True)
     if p.returncode != 0 or not out.exists():
         return [Row("e2e", "bench/language.py", Status.ERROR, f"exit {p.returncode}", text[-TAIL:])]
     greedy = next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
-                   if ln.startswith("greedy check:")), "?")  # fmt: skip
+                   if ln.startswith("greedy check:")), "?")
     rows = []
     for line in out.read_text().splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
@@ -482,7 +482,7 @@ def check_e2e(ctx: Ctx) -> list[Row]:
             target = f", target >= 3x padded {'met' if float(r_pad.rstrip('x')) >= 3 else 'MISSED'}"
         rows.append(Row("e2e", f"concurrency {c}", Status.PASS,
                         f"engine {eng} tok/s, HF one at a time {one}, HF padded {pad}, "
-                        f"{r_one} / {r_pad} of them{target}; greedy check {greedy}"))  # fmt: skip
+                        f"{r_one} / {r_pad} of them{target}; greedy check {greedy}"))
     if not rows:
         return [Row("e2e", "bench/language.py", Status.ERROR, "no table rows", out.read_text())]
     return rows
@@ -511,7 +511,7 @@ def check_host_syncs(ctx: Ctx) -> list[Row]:
                 runner = ModelRunner(
                     load_text_weights(ckpt, dtype=ctx.torch_dtype, device=ctx.device),
                     settings, num_pages=64, device=ctx.device, dtype=ctx.torch_dtype,
-                )  # fmt: skip
+                )
                 last = fn(runner, batch_size=8, shaped=shaped, steps=2)[-1]
             else:  # on the CPU nothing is a device sync: count on a fake CUDA device, with
                 # the gather attention (compiled flex cannot lower for a device that is not)
@@ -529,13 +529,13 @@ def check_host_syncs(ctx: Ctx) -> list[Row]:
             raise
         except Exception as e:  # this case only: the others still run
             rows.append(Row("host_syncs", case, Status.FAIL, f"{type(e).__name__}: {e}"[:300],
-                            traceback.format_exc()[-TAIL:]))  # fmt: skip
+                            traceback.format_exc()[-TAIL:]))
             continue
         ok = not last.captured and len(last.outside) <= 1 and last.complete
         rows.append(Row("host_syncs", case, Status.PASS if ok else Status.FAIL,
                         f"in the graph body {len(last.captured)} (must be 0), outside "
                         f"{len(last.outside)} (at most 1)" + ("" if last.complete else
-                        f", stopped early: {last.stopped}"), last.describe()[-TAIL:]))  # fmt: skip
+                        f", stopped early: {last.stopped}"), last.describe()[-TAIL:]))
         del runner
         if ctx.device == "cuda":
             torch.cuda.empty_cache()
@@ -566,7 +566,7 @@ class Machine:
 
 H200 = Machine("NVIDIA H200", bf16_flops=790e12, hbm_bytes_s=4.3e12, process_s=8.0,
                compile_s=30.0, disk_bytes_s=1.0e9, h2d_bytes_s=20e9, launch_s=10e-6,
-               pytest_case_s=3.0)  # fmt: skip
+               pytest_case_s=3.0)
 EFFICIENCY = 0.5  # the share of the peak figures real kernels reach (decode GEMVs, small GEMMs)
 
 
@@ -589,7 +589,7 @@ class Work:
         device = self.flops / (m.bf16_flops * EFFICIENCY) + self.hbm_bytes / (m.hbm_bytes_s * EFFICIENCY)
         return (max(device, self.launches * m.launch_s) + self.disk_bytes / m.disk_bytes_s
                 + self.h2d_bytes / m.h2d_bytes_s + self.processes * m.process_s
-                + self.compiles * m.compile_s + self.pytest_cases * m.pytest_case_s)  # fmt: skip
+                + self.compiles * m.compile_s + self.pytest_cases * m.pytest_case_s)
 
 
 @dataclass(frozen=True)
@@ -637,7 +637,7 @@ VIT_CAPTURES = 24  # ViT graph keys captured (buckets x bounds)
 def _decode_step(shape: Shape, bs: int, context: int) -> Work:
     """One decode step of `bs` rows: the weights read once, each row's KV, its GEMMs."""
     return Work(flops=2 * shape.text_params * bs, processes=0,
-                hbm_bytes=shape.text_bytes + bs * context * shape.kv_bytes_per_token)  # fmt: skip
+                hbm_bytes=shape.text_bytes + bs * context * shape.kv_bytes_per_token)
 
 
 def _sum(works: list[Work]) -> Work:
@@ -686,7 +686,7 @@ def _load_text(shape: Shape) -> Work:
 def estimate_decode_graphs(shape: Shape) -> Work:
     rows = max(DECODE_SIZES)
     prefill = Work(flops=2 * shape.text_params * rows * DECODE_CONTEXT, processes=0,
-                   launches=rows * shape.layers * ENGINE_LAUNCHES_PER_LAYER)  # fmt: skip
+                   launches=rows * shape.layers * ENGINE_LAUNCHES_PER_LAYER)
     # a capture per graph batch size (1, 2, 4, 8, 16, 24, 32: at most 2 x log2 + 1): a warm-up
     # step and the recorded one, each with its eager launches
     captures = 2 * (2 * rows.bit_length() + 1)
@@ -722,11 +722,11 @@ def estimate_e2e(shape: Shape) -> Work:
     hf_one = _scaled(hf_token, 2 * tokens)  # the greedy check and the timed run
     hf_padded = [_scaled(_sum([_decode_step(shape, c, E2E_MEAN_PROMPT),
                                Work(launches=shape.layers * HF_LAUNCHES_PER_LAYER, processes=0)]),
-                         E2E_MAX_OUTPUT * -(-E2E_REQUESTS // c)) for c in E2E_CONCURRENCY]  # fmt: skip
+                         E2E_MAX_OUTPUT * -(-E2E_REQUESTS // c)) for c in E2E_CONCURRENCY]
     engine = [_scaled(_decode_step(shape, c, E2E_MEAN_PROMPT), -(-tokens // c)) for c in E2E_CONCURRENCY]
     prefill = Work(flops=2 * shape.text_params * E2E_REQUESTS * E2E_MEAN_PROMPT * (3 + 3), processes=0)
     return _sum([Work(compiles=1), _load_text(shape), _load_text(shape), hf_one, *hf_padded,
-                 *engine, prefill])  # fmt: skip
+                 *engine, prefill])
 
 
 def estimate_vit_graphs(shape: Shape) -> Work:
@@ -794,7 +794,7 @@ class Plan:
         shape = Shape.of("7b")
         return cls(m, budget_s, INSTALL.seconds(m),
                    {c.name: c.estimate(shape).seconds(m) for c in CHECKS},
-                   frozenset(c.name for c in CHECKS if not c.first_call))  # fmt: skip
+                   frozenset(c.name for c in CHECKS if not c.first_call))
 
     @property
     def total_s(self) -> float:
@@ -816,11 +816,11 @@ class Plan:
 
         lines = [f"gpu-check plan on the {self.machine.name} ({self.machine.bf16_flops / 1e12:.0f} "
                  f"bf16 TFLOP/s, {self.machine.hbm_bytes_s / 1e12:.1f} TB/s), estimated seconds:",
-                 f"  {'install (make gpu-check)':<26} {self.install_s:5.0f}"]  # fmt: skip
+                 f"  {'install (make gpu-check)':<26} {self.install_s:5.0f}"]
         lines += [f"  {n:<26} {s:5.0f}" for n, s in self.estimates.items() if n not in self.resume]
         lines.append(f"  the first call: {verdict(self.total_s, self.budget_s)}")
         lines += [f"  {n:<26} {s:5.0f}  (--resume; the first call runs it if time is left)"
-                  for n, s in self.estimates.items() if n in self.resume]  # fmt: skip
+                  for n, s in self.estimates.items() if n in self.resume]
         lines.append(f"  a second call (--resume): {verdict(self.resume_s, RESUME_BUDGET_S)}")
         return "\n".join(lines)
 
@@ -837,7 +837,7 @@ def check_modules() -> list[str]:
         *sorted(tests), "language",
         "xgrammar",  # imported inside a function: an engine warms its grammar masks at start
         *(module for module, _ in PART_FUNCTIONS.values()),
-    ]  # fmt: skip
+    ]
 
 
 # The Python packages of the lent H200's image ('cuda'), as the device notes list them
@@ -900,7 +900,7 @@ def wheel_specs() -> list[str]:
     if "protobuf" in dists:  # `google` is a namespace: only protobuf is imported under it
         dists = {d for d in dists if not d.startswith(("google-", "googleapis"))}
     carried = {d for d in dists if _norm(d) not in NOT_WHEELS
-               and (_norm(d) not in IMAGE_HAS or _norm(d) in CARRIED_ANYWAY)}  # fmt: skip
+               and (_norm(d) not in IMAGE_HAS or _norm(d) in CARRIED_ANYWAY)}
     return sorted(f"{d}=={md.version(d)}" for d in carried)
 
 
@@ -909,7 +909,7 @@ def check_carry(wheels: Path) -> int:
     untracked-not-ignored files, the stubs) within CARRY_LIMIT_BYTES, else exit 1 naming the
     largest wheels to drop."""
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                            cwd=ROOT, capture_output=True, text=True, check=True).stdout  # fmt: skip
+                            cwd=ROOT, capture_output=True, text=True, check=True).stdout
     tree = sum((ROOT / f).stat().st_size for f in listed.split("\0") if f and (ROOT / f).is_file())
     stubs = sum(f.stat().st_size for f in (ROOT / "tandem" / "v1").glob("*") if f.is_file())
     whl = sorted(((f.stat().st_size, f.name) for f in wheels.glob("*.whl")), reverse=True)
@@ -917,7 +917,7 @@ def check_carry(wheels: Path) -> int:
     mib = 2**20
     print(f"gpu-wheels: {len(whl)} wheels {sum(n for n, _ in whl) / mib:.1f} MiB + tree "
           f"{tree / mib:.1f} MiB + stubs {stubs / mib:.2f} MiB = {total / mib:.1f} MiB of "
-          f"{CARRY_LIMIT_BYTES / mib:.0f} MiB")  # fmt: skip
+          f"{CARRY_LIMIT_BYTES / mib:.0f} MiB")
     if total <= CARRY_LIMIT_BYTES:
         return 0
     over, drop = total - CARRY_LIMIT_BYTES, []
@@ -928,7 +928,7 @@ def check_carry(wheels: Path) -> int:
         over -= n
     print(f"gpu-wheels: over the {CARRY_LIMIT_BYTES / mib:.0f} MiB a call carries by "
           f"{(total - CARRY_LIMIT_BYTES) / mib:.1f} MiB; drop (add to NOT_CARRIED in "
-          f"bench/gpu_check.py, naming the checks that need it): {', '.join(drop)}")  # fmt: skip
+          f"bench/gpu_check.py, naming the checks that need it): {', '.join(drop)}")
     return 1
 
 
@@ -944,11 +944,11 @@ def check_install(site: Path, python: str) -> int:
     the image holds (IMAGE_HAS; torch and the rest cannot be installed here); any other
     missing module is one the set lacks: exit 1 naming it."""
     tops = sorted({p.name.split(".")[0] for p in site.iterdir() if not p.name.endswith(
-        (".dist-info", ".libs", ".data")) and not p.name.startswith(("_", "bin"))})  # fmt: skip
+        (".dist-info", ".libs", ".data")) and not p.name.startswith(("_", "bin"))})
     lacking = []
     for top in tops:
         p = subprocess.run([python, "-c", f"import {top}"], env={**os.environ, "PYTHONPATH": str(site)},
-                           capture_output=True, text=True)  # fmt: skip
+                           capture_output=True, text=True)
         err = p.stderr.strip().splitlines()[-1:] or [""]
         missing = err[0].split("No module named ")[-1].strip("'").split(".")[0] if "No module named" in err[0] else ""
         if p.returncode == 0:
@@ -990,7 +990,7 @@ def run_check(check: Check, ctx: Ctx, limit_s: float) -> list[Row]:
     result = Path(ctx.work) / f"{check.name}.json"
     result.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "--child", check.name, "--ctx",
-           json.dumps(dataclasses.asdict(ctx)), "--result", str(result)]  # fmt: skip
+           json.dumps(dataclasses.asdict(ctx)), "--result", str(result)]
     log = Path(ctx.work) / f"{check.name}.log"
     t0 = time.perf_counter()
     with open(log, "w") as f:
@@ -1019,7 +1019,7 @@ def run_check(check: Check, ctx: Ctx, limit_s: float) -> list[Row]:
 def markdown(rows: list[Row], ctx: Ctx, started: str, total_s: float, plan: Plan) -> str:
     device = next((r for r in rows if r.check == "device" and r.status is Status.PASS), None)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip() or "?"  # fmt: skip
+                            capture_output=True, text=True).stdout.strip() or "?"
     mode = "DRY RUN on the CPU (tiny sizes, float32)" if ctx.dry_run else "CUDA"
     counts = {s: sum(r.status is s for r in rows) for s in Status}
     lines = [
@@ -1046,7 +1046,7 @@ def markdown(rows: list[Row], ctx: Ctx, started: str, total_s: float, plan: Plan
         lines += ["", "## Failures and errors", ""]
         for r in details:
             lines += [f"### {r.check}: {r.case or r.status.value}", "", "```",
-                      r.detail.rstrip(), "```", ""]  # fmt: skip
+                      r.detail.rstrip(), "```", ""]
     return "\n".join(lines) + "\n"
 
 
@@ -1081,7 +1081,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", action="store_true",
                     help="run only the checks the last table (--out) lacks, and keep its rows")
     ap.add_argument("--out", help="the table (default bench/results/gpu.md; dry run: "
-                    ".cache/gpu-check/gpu-dry-run.md)")  # fmt: skip
+                    ".cache/gpu-check/gpu-dry-run.md)")
     ap.add_argument("--budget-s", type=float, default=BUDGET_S, help="the whole run's limit")
     ap.add_argument("--started-at", type=float, default=None,
                     help="epoch seconds the budget counts from (make gpu-check's start)")
@@ -1133,7 +1133,7 @@ def main(argv: list[str] | None = None) -> int:
     size = "tiny" if a.dry_run else "7b"
     ctx = Ctx(dry_run=a.dry_run, device="cpu" if a.dry_run else "cuda",
               dtype="float32" if a.dry_run else "bfloat16", work=str(work),
-              model=str(work / f"model-{size}"), size=size)  # fmt: skip
+              model=str(work / f"model-{size}"), size=size)
     started = time.strftime("%Y-%m-%d %H:%M %Z")
     # the budget counts from make's start (the wheels' install spent part of it)
     t0 = time.monotonic() - (time.time() - a.started_at if a.started_at else 0.0)
@@ -1146,16 +1146,16 @@ def main(argv: list[str] | None = None) -> int:
         elif not a.dry_run and est > left:
             rows.append(Row(check.name, "", Status.SKIPPED,
                             f"no time left: estimated {est:.0f} s, {max(left, 0):.0f} s of the "
-                            f"{a.budget_s:.0f} s budget left (--resume runs it)"))  # fmt: skip
+                            f"{a.budget_s:.0f} s budget left (--resume runs it)"))
         else:
             limit = DRY_LIMIT_S if a.dry_run else min(left, max(LIMIT_FACTOR * est, LIMIT_FLOOR_S))
             print(f"gpu-check: {check.name} (estimated {est:.0f} s on the GPU, limit {limit:.0f} s)",
-                  flush=True)  # fmt: skip
+                  flush=True)
             try:
                 rows += run_check(check, ctx, limit)
             except Exception:  # the parent's own trouble with one check stops no other
                 rows.append(Row(check.name, "", Status.ERROR, "the parent failed to run it",
-                                traceback.format_exc()[-TAIL:]))  # fmt: skip
+                                traceback.format_exc()[-TAIL:]))
         for r in rows[-1:]:
             print(f"gpu-check: {r.check}: {r.status.value} {r.figures}"[:300], flush=True)
     order = {c.name: i for i, c in enumerate(CHECKS)}

@@ -114,7 +114,7 @@ def hf_generate(hf, batch: list[tuple[list[int], int]], pad_id: int) -> list[lis
         input_ids=input_ids.to(hf.device), attention_mask=mask.to(hf.device),
         max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, eos_token_id=None,
         pad_token_id=pad_id,
-    )  # fmt: skip
+    )
     return [out[r, width : width + n].tolist() for r, (_, n) in enumerate(batch)]
 
 
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
         model=str(ckpt), device=a.device, dtype=a.dtype, kv_pages=4096, kv_page_size=16,
         max_prefill_tokens=a.max_prefill_tokens, max_running_requests=max(a.concurrency),
         cuda_graph_max_bs=max(a.concurrency), tp=a.tp,
-    )  # fmt: skip
+    )
     engine, spec, _ = build_engine(cfg, LanguageMetrics(CollectorRegistry()))
     device, dtype = engine.runner.device, engine.runner.dtype
     hf = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=dtype).to(device).eval()
@@ -247,14 +247,14 @@ def main(argv=None) -> int:
     lines += ["", "Where the engine's time goes (last run; seconds of forward+sampling per step "
               "kind, host = scheduling, detokenization, streaming):", "",
               "| concurrency | wall s | prefill/mixed steps | their s | decode steps | their s "
-              "| host s |", "|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+              "| host s |", "|---:|---:|---:|---:|---:|---:|---:|"]
     for c, p in prof.items():
         lines.append(
             f"| {c} | {p['wall_s']:.1f} | {p['mixed_steps']:.0f} | {p['mixed_s']:.1f} "
             f"| {p['decode_steps']:.0f} | {p['decode_s']:.1f} | {p['host_s']:.1f} |"
         )
     lines += ["", f"HF forward over every prompt once (prefill only, no generation): "
-              f"{prefill_s:.1f} s."]  # fmt: skip
+              f"{prefill_s:.1f} s."]
     table = "\n".join(lines)
     print("\n" + table)
     if a.out:

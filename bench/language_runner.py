@@ -103,7 +103,7 @@ def main(argv=None) -> int:
                                 attention_backend=args.attention_backend,
                                 cpu_bf16_compute=args.cpu_bf16_compute),
         num_pages=max_bs * per_seq + 1, device=device, dtype=dtype,
-    )  # fmt: skip
+    )
     setup_s = time.perf_counter() - t0
     pool = KVPagePool(runner.num_pages, runner.page_size)
     gr = runner.graph_runner
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
           f"attention {args.attention_backend} | threads {torch.get_num_threads()}")
     print(f"model {path} | device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'})"
           f" | dtype {str(dtype).removeprefix('torch.')} | context {args.context} | graphs {len(gr.graphs)}"
-          f" captured in {setup_s:.1f}s (incl. KV alloc)")  # fmt: skip
+          f" captured in {setup_s:.1f}s (incl. KV alloc)")
 
     if args.profile:
         profile(runner, pool, args, args.sampler_vocab)
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
             pos = torch.arange(args.context).expand(3, args.context)
             runner.forward_eager(ForwardBatch([SeqChunk(i, 0, pos, pages, token_ids=ids)]))
             chunks.append(SeqChunk(i, args.context, decode_positions(args.context, 0), pages,
-                                   token_ids=torch.tensor([int(ids[-1])])))  # fmt: skip
+                                   token_ids=torch.tensor([int(ids[-1])])))
         batch = ForwardBatch(chunks)
         eager, graph = [], []
         for _ in range(args.repeats):
@@ -228,7 +228,7 @@ def _sampler_ms(vocab: int, bs: int, sampled: bool, steps: int) -> float:
     from tandem.transfer.payload import PromptPayload
 
     sp = (SamplingParams(max_tokens=8, temperature=0.8, top_p=0.95, seed=1) if sampled
-          else SamplingParams(max_tokens=8))  # fmt: skip
+          else SamplingParams(max_tokens=8))
     pay = PromptPayload(torch.zeros(1, 8), torch.zeros(1, dtype=torch.int32),
                         torch.zeros(3, 1, dtype=torch.int32), 0)
     reqs = [Request(i + 1, sp, pay) for i in range(bs)]
@@ -264,7 +264,7 @@ def profile(runner, pool, args, vocab_sizes: list[int]) -> None:
             runner.forward_eager(ForwardBatch([c]))
         decode = ForwardBatch([SeqChunk(c.seq_id, args.context, decode_positions(args.context, 0),
                                         c.block_table, token_ids=torch.tensor([1]))
-                               for c in chunks])  # fmt: skip
+                               for c in chunks])
         kinds = [(f"decode bs={bs}", decode)] + ([("prefill 1x" + str(args.context), prefill)]
                                                  if bs == args.batch_sizes[0] else [])
         for name, batch in kinds:

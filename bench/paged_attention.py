@@ -85,18 +85,18 @@ def check_long_context(
         empty = torch.zeros(0, 0, dtype=torch.int64, device=device)
 
         def step(k_cache=k_cache, v_cache=v_cache, q=q, k=k, v=v, slots=slots, tab=tab,
-                 context=context, empty=empty):  # fmt: skip
+                 context=context, empty=empty):
             meta = path.metadata(
                 slot_mapping=slots, block_tables=empty, seq_lens=empty.new_zeros(0), page_size=page_size,
                 cache_pages=k_cache.shape[0], prefill=[PrefillChunkMeta(0, chunk, context, tab)],
-            )  # fmt: skip
+            )
             return paged_attention(q, k, v, k_cache, v_cache, meta, head_dim**-0.5)
 
         math_fallback = False
         times: list[float] = []
         peak = None
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                          SDPBackend.CUDNN_ATTENTION]):  # fmt: skip
+                          SDPBackend.CUDNN_ATTENTION]):
             try:
                 out = step()  # warm-up: compiles
                 if cuda:
@@ -122,7 +122,7 @@ def check_long_context(
             bound_bytes=4 * chunk * heads * head_dim * q.element_size() + (64 << 20),
             math_scores_bytes=4 * heads * chunk * context,
             max_abs_err=err, seconds=statistics.median(times) if times else float("nan"),
-        ))  # fmt: skip
+        ))
     return rows
 
 
@@ -152,26 +152,26 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[16384, 32768])
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--dry-run", action="store_true",
-                    help="CPU, float32, tiny sizes: proves the script, measures nothing")  # fmt: skip
+                    help="CPU, float32, tiny sizes: proves the script, measures nothing")
     a = ap.parse_args()
     if a.device is None and not torch.cuda.is_available():
         print("no CUDA here: the dry run (CPU, tiny sizes)")
         a.dry_run = True
     if a.dry_run:
         rows = check_long_context("cpu", torch.float32, contexts=(512,), chunk=160, heads=4,
-                                  kv_heads=2, head_dim=32, runs=1, backend="flex")  # fmt: skip
+                                  kv_heads=2, head_dim=32, runs=1, backend="flex")
     else:
         rows = check_long_context(a.device or "cuda", getattr(torch, a.dtype), tuple(a.contexts),
-                                  a.chunk)  # fmt: skip
+                                  a.chunk)
     print("| device | dtype | path | context | chunk | math fallback | peak extra MiB | bound MiB "
-          "| math scores MiB | max abs err | ms |")  # fmt: skip
+          "| math scores MiB | max abs err | ms |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         d = asdict(r)
         peak = "n/a" if r.peak_extra_bytes is None else f"{r.peak_extra_bytes / 2**20:.0f}"
         print(f"| {d['device']} | {r.dtype} | {r.backend} | {r.context} | {r.chunk} | "
               f"{'YES' if r.math_fallback else 'no'} | {peak} | {r.bound_bytes / 2**20:.0f} | "
-              f"{r.math_scores_bytes / 2**20:.0f} | {r.max_abs_err:.2e} | {r.seconds * 1e3:.1f} |")  # fmt: skip
+              f"{r.math_scores_bytes / 2**20:.0f} | {r.max_abs_err:.2e} | {r.seconds * 1e3:.1f} |")
 
 
 if __name__ == "__main__":

@@ -109,7 +109,7 @@ async def ttfts(url: str, prompt: Prompt, requests: int, concurrency: int, max_t
     bodies = [{"model": "", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
                "stream": True, "messages": [{"role": "user", "content": prompt.content(
                    seed * 1_000_003 + i * 101, image_size, clip)}]}
-              for i in range(requests)]  # fmt: skip
+              for i in range(requests)]
 
     async def one(http, body: dict) -> None:
         nonlocal failures

@@ -1,5 +1,5 @@
 """Embeddings to every tensor-parallel rank: direct (the encoder writes each rank's buffers,
-seeds/001's N destinations) vs broadcast (rank 0 receives, then sends the rows to the
+docs/architecture.md, "N destinations") vs broadcast (rank 0 receives, then sends the rows to the
 other ranks over the process group, gloo here). Run by `make bench` (with the other
 bench/*.py), or alone: `python bench/transfer_tp.py`; the table goes to
 bench/results/transfer_tp.md.

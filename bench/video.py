@@ -290,7 +290,7 @@ def peer_clips(a, lengths: list[float], concs: list[int], rnd: int) -> dict:
     seed = iter(range(10_000 + rnd * 1000, 10_000 + (rnd + 1) * 1000))
     rows = {(sec, c): [make_clip(sec, next(seed), size, a.rate)
                        for _ in range(a.c1_requests if c == 1 else c)]
-            for sec in lengths for c in concs}  # fmt: skip
+            for sec in lengths for c in concs}
     return {"warm": [make_clip(lengths[0], next(seed), size, a.rate) for _ in range(2)],
             "rows": rows}
 
@@ -300,7 +300,7 @@ def peer_system(name: str, a, ckpt: Path, rnd: int, clips: dict, say) -> dict:
     log = ROOT / ".cache" / "peer" / "logs" / f"video-{name}-round{rnd}.log"
     srv = (systems.tandem_server(ckpt, "float32", log, a.language_args) if name == "tandem"
            else systems.vllm_server(Path(a.peer_venv), ckpt, "float32", a.kv_gib, log,
-                                    videos=1))  # fmt: skip
+                                    videos=1))
     tandem = name == "tandem"
     try:
         srv.start(a.ready_timeout)
@@ -317,7 +317,7 @@ def peer_system(name: str, a, ckpt: Path, rnd: int, clips: dict, say) -> dict:
             tokens = sorted({r["usage"].get("prompt_tokens", 0) for r in res})
             out["rows"][(sec, c)] = {"ttft": [r["ttft"] for r in res], "rps": len(res) / wall,
                                      "failures": len(errors), "errors": errors[:2],
-                                     "prompt_tokens": tokens}  # fmt: skip
+                                     "prompt_tokens": tokens}
             ttft = statistics.median(r["ttft"] for r in res) * 1e3 if res else float("nan")
             say(f"round {rnd} {name} {sec:g}s c={c}: TTFT p50 {ttft:.0f} ms, "
                 f"{len(res) / wall:.2f} req/s, prompt tokens {tokens}, {len(errors)} failed "

@@ -47,9 +47,9 @@ from tandem.services.encoder.vit.runner import VisionRunner  # noqa: E402
 
 # Batches of images (width, height); the last one is over the largest bucket.
 MIX = [[(448, 336)], [(224, 224)], [(640, 480), (224, 224)], [(320, 320), (512, 256), (160, 400)],
-       [(384, 384)], [(448, 336), (640, 480), (320, 320), (224, 224)]]  # fmt: skip
+       [(384, 384)], [(448, 336), (640, 480), (320, 320), (224, 224)]]
 DRY_MIX = [[(64, 48)], [(200, 130)], [(120, 90), (40, 150)], [(300, 260)],
-           [(400, 300), (64, 48)]]  # fmt: skip
+           [(400, 300), (64, 48)]]
 SKIPPED = "skipped (CUDA only)"
 
 
@@ -84,7 +84,7 @@ class VitGraphCheck:
         return (self.captured == self.keys and self.failed == 0
                 and self.captured_after_mix == self.captured and self.eager_batches == 1
                 and self.replays == self.batches - 1 and self.replay_equals_static
-                and self.max_diff_vs_eager <= self.tolerance)  # fmt: skip
+                and self.max_diff_vs_eager <= self.tolerance)
 
     def markdown(self) -> str:
         mode = "dry run, static step for graphs" if self.dry_run else "CUDA graphs"
@@ -102,7 +102,7 @@ class VitGraphCheck:
                 else f"{self.eager_ms:.1f} ms / {self.graph_ms:.1f} ms"),
             ("speed-up", SKIPPED if self.speedup is None else f"{self.speedup:.2f}x"),
             ("row", "pass" if self.ok() else "FAIL"),
-        ]  # fmt: skip
+        ]
         head = (f"### ViT graphs over a mix of image sizes ({self.model}, {self.dtype}, "
                 f"{self.device}; {mode})\n\n| check | result |\n|---|---|\n")
         return head + "\n".join(f"| {a} | {b} |" for a, b in rows) + "\n"
@@ -120,7 +120,7 @@ def _batches(path: Path, mix) -> list[tuple[torch.Tensor, list[tuple[int, int, i
     out = []
     for sizes in mix:
         images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
-                  for w, h in sizes]  # fmt: skip
+                  for w, h in sizes]
         x = proc(images=images, return_tensors="pt")
         out.append((x["pixel_values"], [tuple(g) for g in x["image_grid_thw"].tolist()]))
     return out
@@ -169,7 +169,7 @@ def vit_graph_check(path: Path, device: str | torch.device, dtype: torch.dtype, 
     for pixels, grids in batches:
         g, s, e = graph.run(pixels, grids), static.run(pixels, grids), eager.run(pixels, grids)
         for a, b, c in zip([g.embeds, *g.deepstack], [s.embeds, *s.deepstack],
-                           [e.embeds, *e.deepstack], strict=True):  # fmt: skip
+                           [e.embeds, *e.deepstack], strict=True):
             equal &= torch.equal(a, b)
             diff = max(diff, (a.float() - c.float()).abs().max().item())
     replays, eager_batches = graph.stats.replays, graph.stats.eager
@@ -224,7 +224,7 @@ def main() -> None:
         checkpoint(args.arch, args.size or ("tiny" if args.dry_run else "small"))
     dtype = DTYPES[args.dtype or ("float32" if args.dry_run else "bfloat16")]
     report = vit_graph_check(path, "cpu" if args.dry_run else args.device, dtype, args.dry_run,
-                             args.max_patches, args.repeats)  # fmt: skip
+                             args.max_patches, args.repeats)
     print(report.markdown())
     sys.exit(0 if report.ok() else 1)
 

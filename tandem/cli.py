@@ -51,7 +51,7 @@ def _tiny_model(argv: list[str]) -> int:
     except ValueError as e:
         p.error(str(e))
     path = build_tiny_model(args.dir, arch=args.arch, size=args.size, seed=args.seed,
-                            dry_run=args.dry_run, device=args.device)  # fmt: skip
+                            dry_run=args.dry_run, device=args.device)
     if args.dry_run:
         plan = plan_tiny_model(args.arch, args.size)
         file_of = {n: f for f, names in plan.shards.items() for n in names}

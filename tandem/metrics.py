@@ -84,7 +84,7 @@ class ModelInfo:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.info = Info("tandem_model", "The model this service serves (value 1).",
-                         registry=registry)  # fmt: skip
+                         registry=registry)
 
     def set(self, tier: str, model_name: str) -> None:
         self.info.info({"model_name": model_name, "tier": tier})

@@ -75,7 +75,7 @@ class Knob:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (
                 self.type is int and not isinstance(value, int)) or value != value:
             raise SamplingError(self.name, f"must be a{'n integer' if self.type is int else ' number'}"
-                                f", got {value!r}")  # fmt: skip
+                                f", got {value!r}")
         low = self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo)
         high = self.hi is not None and (value >= self.hi if self.hi_open else value > self.hi)
         if low or high:
@@ -148,19 +148,19 @@ def _check(p) -> None:
     if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(
             not 0 <= t < 1 << 31 for t in p.stop_token_ids):
         raise SamplingError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} token ids, each "
-                            "in [0, 2^31)")  # fmt: skip
+                            "in [0, 2^31)")
     bad = [t for t, b in p.logit_bias.items() if t < 0 or not -100 <= b <= 100]
     if bad or len(p.logit_bias) > MAX_LOGIT_BIAS:
         raise SamplingError("logit_bias", f"token ids >= 0, biases in [-100, 100], at most "
-                            f"{MAX_LOGIT_BIAS} entries (bad: {bad[:5]})")  # fmt: skip
+                            f"{MAX_LOGIT_BIAS} entries (bad: {bad[:5]})")
     if p.max_tokens is not None and p.min_tokens > p.max_tokens:
         raise SamplingError("min_tokens", f"{p.min_tokens} is more than max_tokens "
-                            f"{p.max_tokens}")  # fmt: skip
+                            f"{p.max_tokens}")
     if p.top_logprobs and not p.logprobs:
         raise SamplingError("top_logprobs", "needs logprobs")
     if p.grammar is not None and p.ignore_eos:
         raise SamplingError("ignore_eos", "cannot go with structured output (the grammar "
-                            "ends the output)")  # fmt: skip
+                            "ends the output)")
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,7 @@ def pytest_addoption(parser):
         "--device", default=None,
         help="run the exactness tests' runner on this device (cpu, cuda, cuda:N); "
              "sets TANDEM_TEST_DEVICE (tests/language_oracle.py), which subprocesses inherit",
-    )  # fmt: skip
+    )
 
 
 def pytest_configure(config):

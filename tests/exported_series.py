@@ -20,7 +20,7 @@ from prometheus_client.metrics import MetricWrapperBase
 # Labels Prometheus adds to every scraped series (the target's, and the Prometheus
 # Operator's ServiceMonitor ones): a query may group or match on them.
 TARGET_LABELS = frozenset({"instance", "job", "namespace", "pod", "service", "endpoint",
-                           "container"})  # fmt: skip
+                           "container"})
 
 _SELECTOR = re.compile(r"\b(tandem_[a-z0-9_]+)\b(?:\{([^}]*)\})?")
 _MATCHER = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)\s*"')

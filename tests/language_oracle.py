@@ -125,7 +125,7 @@ def generate(model, inputs: dict, max_new_tokens: int) -> tuple[list[int], torch
     out = model.generate(
         **inputs, max_new_tokens=max_new_tokens, do_sample=False,
         output_logits=True, return_dict_in_generate=True,
-    )  # fmt: skip
+    )
     tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
     return tokens, torch.cat([step[0:1] for step in out.logits]).float()
 

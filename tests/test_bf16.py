@@ -188,7 +188,7 @@ def bf16_oracle(path, arch: str, size: str) -> list[Prompt]:
         n = inputs["input_ids"].shape[1]
         margins = rm.per_call([n, n] + [1] * (len(tokens) - 1))
         prompts.append(Prompt(payload, prompt_ref, margins[0], tokens, step_ref,
-                              torch.cat([margins[1][-1:], *margins[2:]])))  # fmt: skip
+                              torch.cat([margins[1][-1:], *margins[2:]])))
     _ORACLES[(arch, size)] = prompts
     return prompts
 
@@ -201,7 +201,7 @@ def run_case(runner, num_pages: int, prompts: list[Prompt], name: str) -> Agreem
         s = Seq(0, p.payload, pool)
         half = p.payload.num_tokens // 2
         got = torch.cat([runner.forward(ForwardBatch([s.prompt_chunk(k)])).prompt_logits[0]
-                         for k in (half, p.payload.num_tokens - half)])  # fmt: skip
+                         for k in (half, p.payload.num_tokens - half)])
         a.check(got.float().cpu(), p.prompt_ref, p.prompt_margin)
         rows = [got[-1]]
         for t in p.tokens[:-1]:
@@ -220,7 +220,7 @@ def test_bf16_runner_within_bound_of_transformers(arch, backend, checkpoint, rec
     runner = ModelRunner(
         oracle.text_weights(path, BF16), RunnerSettings(page_size=PAGE, attention_backend=backend),
         num_pages=64, device=DEVICE, dtype=BF16,
-    )  # fmt: skip
+    )
     finish(run_case(runner, 64, prompts, f"{arch} tiny {backend}"), record_property)
 
 
@@ -230,7 +230,7 @@ def test_bf16_small_preset_within_bound(arch, checkpoint, record_property):
     path = checkpoint(arch, "small")
     prompts = bf16_oracle(path, arch, "small")
     runner = ModelRunner(oracle.text_weights(path, BF16), RunnerSettings(page_size=16),
-                         num_pages=16, device=DEVICE, dtype=BF16)  # fmt: skip
+                         num_pages=16, device=DEVICE, dtype=BF16)
     finish(run_case(runner, 16, prompts, f"{arch} small"), record_property)
 
 
@@ -265,7 +265,7 @@ def test_bf16_on_cpu_torch_gemm_keeps_every_tensor_bf16(checkpoint):
     with pytest.raises(ValueError, match="float32"):
         ModelRunner(weights.copy(), RunnerSettings(page_size=PAGE, linear_backend="packed_cpu",
                                                    cpu_bf16_compute="bfloat16"),
-                    num_pages=8, dtype=BF16)  # fmt: skip
+                    num_pages=8, dtype=BF16)
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU's bfloat16 paths")
@@ -277,7 +277,7 @@ def test_bf16_on_cpu_float32_products_widen_weights_and_kv_only(checkpoint):
 
     weights = oracle.text_weights(checkpoint("qwen3_vl"), BF16)
     runner = ModelRunner(weights, RunnerSettings(page_size=PAGE, cpu_bf16_compute="float32"),
-                         num_pages=8, dtype=BF16)  # fmt: skip
+                         num_pages=8, dtype=BF16)
     assert runner.linear_dtype == torch.float32 and runner.dtype == BF16
     assert {t.dtype for t in (*runner.kv.k, *runner.kv.v)} == {torch.float32}
     linears = [m for m in runner.model.modules() if isinstance(m, DenseLinear)]
@@ -298,7 +298,7 @@ def test_bf16_each_cpu_compute_within_bound(compute, checkpoint, record_property
     prompts = bf16_oracle(path, "qwen3_vl", "tiny")
     runner = ModelRunner(oracle.text_weights(path, BF16),
                          RunnerSettings(page_size=PAGE, cpu_bf16_compute=compute),
-                         num_pages=64, device=DEVICE, dtype=BF16)  # fmt: skip
+                         num_pages=64, device=DEVICE, dtype=BF16)
     finish(run_case(runner, 64, prompts, f"qwen3_vl tiny {compute}"), record_property)
 
 
@@ -316,7 +316,7 @@ def test_bf16_on_cuda_within_bound_and_graph_replay_equals_eager(arch, checkpoin
     path = checkpoint(arch)
     prompts = bf16_oracle(path, arch, "tiny")
     runner = ModelRunner(oracle.text_weights(path, BF16), RunnerSettings(page_size=PAGE),
-                         num_pages=64, device="cuda", dtype=BF16)  # fmt: skip
+                         num_pages=64, device="cuda", dtype=BF16)
     finish(run_case(runner, 64, prompts, f"{arch} tiny cuda"), record_property)
 
     max_seq = 256
@@ -324,7 +324,7 @@ def test_bf16_on_cuda_within_bound_and_graph_replay_equals_eager(arch, checkpoin
         oracle.text_weights(path, BF16),
         RunnerSettings(page_size=PAGE, cuda_graph_max_bs=8, max_seq_len=max_seq),
         num_pages=10 * ceil_div(max_seq, PAGE), device="cuda", dtype=BF16,
-    )  # fmt: skip
+    )
     gr = graphs.graph_runner
     assert gr is not None and gr.use_graphs and gr.graphs
     seqs = _prefill(graphs, KVPagePool(graphs.num_pages, PAGE), 8, seed=2)

@@ -39,7 +39,7 @@ DASHBOARD_PY = ROOT / "deploy" / "k8s" / "dashboard.py"
 ALERT_TESTS = Path(__file__).parent / "promtool" / "alerts_test.yaml"
 ALERTS = {"TandemErrorRatioHigh", "TandemTTFTHigh", "TandemTransferFaults", "TandemKVCacheFull",
           "TandemTierDown", "TandemRoomStuck", "TandemRetryStorm", "TandemEncoderCacheThrash",
-          "TandemPrefixCacheThrash"}  # fmt: skip
+          "TandemPrefixCacheThrash"}
 # the thresholds tests/promtool/alerts_test.yaml is written for (set explicitly, so a new
 # default in values.yaml does not move them)
 THRESHOLDS = {"prometheusRule.errorRatio": "0.05", "prometheusRule.ttftP99Seconds": "10",
@@ -48,7 +48,7 @@ THRESHOLDS = {"prometheusRule.errorRatio": "0.05", "prometheusRule.ttftP99Second
               "prometheusRule.retryRatio": "0.1", "prometheusRule.retriesPerSecond": "0.05",
               "prometheusRule.cacheThrash.hitRatio": "0.2",
               "prometheusRule.cacheThrash.encoderEvictionsPerSecond": "1",
-              "prometheusRule.cacheThrash.prefixEvictionsPerSecond": "50"}  # fmt: skip
+              "prometheusRule.cacheThrash.prefixEvictionsPerSecond": "50"}
 # what each row of the dashboard must show (series its queries read)
 SHOWN = {
     "Saturation": {"tandem_encoder_pending_patches", "tandem_encoder_vit_seconds_sum",

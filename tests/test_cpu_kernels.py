@@ -199,11 +199,11 @@ def test_pointwise_kernels_equal_the_torch_steps_they_replace():
     with torch.no_grad():
         norm.weight.normal_(generator=g)
     torch.testing.assert_close(mod.rms_norm(x, norm.weight.detach(), 1e-6), norm(x).detach(),
-                               atol=1e-6, rtol=1e-6)  # fmt: skip
+                               atol=1e-6, rtol=1e-6)
     gu = torch.randn(t, 2 * 40, generator=g)
     gate, up = gu.split(40, dim=1)
     torch.testing.assert_close(mod.silu_mul(gu), torch.nn.functional.silu(gate) * up,
-                               atol=1e-6, rtol=1e-6)  # fmt: skip
+                               atol=1e-6, rtol=1e-6)
     qkv = torch.randn(t, (h + 2 * hkv) * d, generator=g)
     angles = torch.randn(t, d // 2, generator=g)
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
@@ -222,7 +222,7 @@ def test_pack_linears_swaps_every_linear_and_keeps_results():
     tower = torch.nn.Sequential(
         torch.nn.Linear(40, 70), torch.nn.GELU(),
         torch.nn.Sequential(torch.nn.Linear(70, 33, bias=False)),
-    )  # fmt: skip
+    )
     x = torch.randn(2, 5, 40)  # leading dims pass through, as with nn.Linear
     with torch.inference_mode():
         before = tower(x)
@@ -436,7 +436,7 @@ def test_each_path_within_its_bound_of_torch(path_outputs, isa):
         gu = torch.randn(9, 2 * d, generator=g) * 4
         gate, up = gu.split(d, dim=1)
         torch.testing.assert_close(out[f"silu_mul/d{d}"], torch.nn.functional.silu(gate) * up,
-                                   atol=1e-6, rtol=1e-6)  # fmt: skip
+                                   atol=1e-6, rtol=1e-6)
 
 
 @needs_kernel

@@ -45,7 +45,7 @@ def overlay(tmp_path_factory, checkpoint) -> Path:
     f = tmp_path_factory.mktemp("pods") / "cpu.yaml"
     f.write_text(f"image: {{variant: cpu}}\n"
                  f"model: {{source: hostPath, hostPath: {checkpoint('qwen2_5_vl')}}}\n"
-                 "encoder: {gpus: 0}\nlanguage: {gpus: 0, kvPages: 256}\n")  # fmt: skip
+                 "encoder: {gpus: 0}\nlanguage: {gpus: 0, kvPages: 256}\n")
     return f
 
 
@@ -93,18 +93,18 @@ def _png() -> str:
 
 def _run_on(c: pods.Cluster, node: str, argv: list[str], env: dict | None = None):
     return subprocess.run(c.net.argv(node, argv), capture_output=True, text=True, timeout=300,
-                          env=env)  # fmt: skip
+                          env=env)
 
 
 def _helm_test(c: pods.Cluster, objs: list[dict]) -> subprocess.CompletedProcess:
     """The chart's own `helm test` pod (templates/tests/test-chat.yaml), as rendered, on
     the client node: its command/args/env; python3 is the image's (this venv's)."""
     test = next(o for o in objs if o.get("kind") == "Pod"
-                and o["metadata"].get("annotations", {}).get("helm.sh/hook") == "test")  # fmt: skip
+                and o["metadata"].get("annotations", {}).get("helm.sh/hook") == "test")
     ctr = test["spec"]["containers"][0]
     img = pods.image_config(ctr["image"])
     env = {**img.env, "PATH": pods._host_path_env(img.env["PATH"]),
-           **{e["name"]: e["value"] for e in ctr.get("env", [])}}  # fmt: skip
+           **{e["name"]: e["value"] for e in ctr.get("env", [])}}
     argv = [*ctr["command"], *ctr["args"]]
     argv[0] = str(pods.VENV_BIN / argv[0]) if argv[0] == "python3" else argv[0]
     return _run_on(c, "client", argv, env=env)
@@ -124,7 +124,7 @@ def _image_chat(c: pods.Cluster) -> dict:
 def _wait_ready(c: pods.Cluster, comp: str, index: int = 0) -> None:
     pod = c.pod(comp, index)
     wait_until(lambda: pod.ready, timeout_s=HANG_S, poll_s=0.5,
-               what=f"{comp}-{index} ready", state=lambda: c.describe(pod))  # fmt: skip
+               what=f"{comp}-{index} ready", state=lambda: c.describe(pod))
 
 
 @pytest.mark.slow
@@ -185,18 +185,18 @@ def test_a_pod_bound_to_loopback_never_passes_a_probe(overlay):
     with pods.Cluster(objs, no_build=("/cache/kernels",)) as c:
         enc = c.start("encoder")
         probe = {"kind": "grpc", "port": 8090, "timeout": 3.0, "service": "tandem.v1.Encoder",
-                 "path": "/"}  # fmt: skip
+                 "path": "/"}
 
         def on_loopback() -> bool:
             code = f"import sys;sys.path.insert(0,{str(pods.HERE)!r});import pods;print(pods._probe_once({ {**probe, 'host': '127.0.0.1'} !r})[0])"
             return _run_on(c, enc.node, [sys.executable, "-c", code]).stdout.strip() == "True"
 
         wait_until(on_loopback, timeout_s=HANG_S, poll_s=1.0, what="encoder serving on its loopback",
-                   state=lambda: c.describe(enc))  # fmt: skip
+                   state=lambda: c.describe(enc))
         seen = len(enc.probes["startup"])
         # three more probes from the kubelet, every one failed, after the server was up
         wait_until(lambda: len(enc.probes["startup"]) >= seen + 3, timeout_s=HANG_S, poll_s=0.5,
-                   what="three kubelet probes", state=lambda: c.describe(enc))  # fmt: skip
+                   what="three kubelet probes", state=lambda: c.describe(enc))
         assert not any(enc.probes["startup"]) and not enc.ready, c.describe(enc)
         assert "UNAVAILABLE" in enc.last_failure or "connect" in enc.last_failure, enc.last_failure
         assert c.resolve("client", "t-tandem-encoder-headless") == []

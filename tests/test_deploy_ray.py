@@ -46,7 +46,7 @@ def _alive(pid: int) -> bool:
 
 def _ours(ray, namespace: str) -> list[str]:
     return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"] == namespace]  # fmt: skip
+            if a["namespace"] == namespace]
 
 
 @pytest.mark.timeout(300)
@@ -61,16 +61,16 @@ def test_ray_launcher_serves_a_chat_and_leaves_nothing_behind(checkpoint, monkey
 
     model = checkpoint("qwen2_5_vl")
     ctx = ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False,
-                   namespace="tandem-test", log_to_driver=False)  # fmt: skip
+                   namespace="tandem-test", log_to_driver=False)
     namespace = "tandem-ray-e2e"
     http_port, grpc_port = free_port(), free_port()
     argv = [sys.executable, "-m", "tandem.cli", "up", "--ray", ctx.address_info["gcs_address"],
             "--ray-namespace", namespace, "--encoder-gpus", "0", "--language-gpus", "0",
             "--model", str(model), "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-            "--ready-timeout", "180", "--stop-timeout", "20"]  # fmt: skip
+            "--ready-timeout", "180", "--stop-timeout", "20"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))  # fmt: skip
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
     lines: list[str] = []
     ready = threading.Event()
 
@@ -108,7 +108,7 @@ def test_ray_launcher_serves_a_chat_and_leaves_nothing_behind(checkpoint, monkey
             ]}],
             "max_tokens": 8,
             "temperature": 0,
-        }  # fmt: skip
+        }
         r = httpx.post(f"{base}/chat/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         out = r.json()
@@ -122,7 +122,7 @@ def test_ray_launcher_serves_a_chat_and_leaves_nothing_behind(checkpoint, monkey
         assert lines[-1] == "[up] stopped"
         assert _ours(ray, namespace) == []
         pgs = [pg for pg in placement_group_table().values()
-               if pg["name"] == f"tandem-{proc.pid}"]  # fmt: skip
+               if pg["name"] == f"tandem-{proc.pid}"]
         assert pgs and all(pg["state"] == "REMOVED" for pg in pgs)
         # the reaper of a killed actor's child may lag (a hang guard: the claim is none left)
         wait_until(lambda: not any(_alive(p) for p in pids.values()), timeout_s=60, poll_s=0.2,
@@ -165,7 +165,7 @@ def test_ray_launcher_with_token_auth_against_ray_start(checkpoint, tmp_path):
         argv = [sys.executable, "-m", "tandem.cli", "up", "--ray", f"127.0.0.1:{port}",
                 "--encoder-gpus", "0", "--language-gpus", "0", "--model", str(checkpoint("qwen2_5_vl")),
                 "--http-port", str(free_port()), "--grpc-port", str(free_port()),
-                "--api-key", "s3cret", "--demo", "--ready-timeout", "180"]  # fmt: skip
+                "--api-key", "s3cret", "--demo", "--ready-timeout", "180"]
         out = subprocess.run(argv, env={**env, "DEMO_ONLY": "1"}, capture_output=True,
                              text=True, timeout=240)
         log = out.stdout + out.stderr

@@ -103,7 +103,7 @@ def _chat(base: str, model: str, seed: int = 0) -> dict:
         ]}],
         "max_tokens": 8,
         "temperature": 0,
-    }  # fmt: skip
+    }
     r = httpx.post(f"{base}/chat/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
     return r.json()
@@ -121,13 +121,13 @@ def _ray_start(net, node: str, temp: Path, env: dict, head: bool) -> None:
     resources = {"tandem_language": 1} if head else {"tandem_encoder": 1}
     argv = [ray_bin, "start", f"--node-ip-address={net.nodes[node].address}",
             "--num-gpus=0", f"--resources={json.dumps(resources)}",
-            "--disable-usage-stats", f"--temp-dir={temp / node}"]  # fmt: skip
+            "--disable-usage-stats", f"--temp-dir={temp / node}"]
     if head:
         argv += ["--head", f"--port={GCS_PORT}", "--num-cpus=2", "--include-dashboard=false"]
     else:
         argv += [f"--address={net.nodes['head'].address}:{GCS_PORT}", "--num-cpus=1"]
     r = subprocess.run(net.argv(node, argv), env=env, capture_output=True, text=True,
-                       timeout=180)  # fmt: skip
+                       timeout=180)
     assert r.returncode == 0, f"[{node}] ray start: {r.stdout[-2000:]}{r.stderr[-2000:]}"
 
 
@@ -266,14 +266,14 @@ def test_three_node_ray_cluster_serves_survives_a_worker_loss_and_leaves_nothing
                 "--language-resources", '{"tandem_language": 1}',
                 "--model", str(model), "--host", "127.0.0.1",
                 "--http-port", str(HTTP_PORT), "--grpc-port", str(GRPC_PORT),
-                "--ready-timeout", "400", "--stop-timeout", "20"]  # fmt: skip
+                "--ready-timeout", "400", "--stop-timeout", "20"]
         launcher = net.popen("head", argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL, env=env, start_new_session=True)  # fmt: skip
+                             stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         out = Lines(launcher)
         out.wait_for(r"^\[up\] pids:", "the launcher serving")
         placed = {m.group(1): (m.group(2), m.group(3)) for m in (
             re.match(r"^\[up\] ((?:encoder|language)-\d+) +ready +(\S+) +\(node (\S+),", ln)
-            for ln in out.lines) if m}  # fmt: skip
+            for ln in out.lines) if m}
         # the tiers on the nodes their resources name, each service on its node's address
         assert placed["language-0"][1] == ips["head"], placed
         assert {placed["encoder-0"][1], placed["encoder-1"][1]} == {ips["w1"], ips["w2"]}, placed
@@ -294,12 +294,12 @@ def test_three_node_ray_cluster_serves_survives_a_worker_loss_and_leaves_nothing
             during = [pool.submit(net.call_in, "head", _chat, base, name, k) for k in seeds]
             wait_until(lambda: net.call_in("head", _metric, base, "tandem_router_inflight")
                        >= len(seeds) or any(f.done() for f in during),
-                       timeout_s=120, poll_s=0.2, what="the chats in flight")  # fmt: skip
+                       timeout_s=120, poll_s=0.2, what="the chats in flight")
             assert net.kill_all(lost) > 0
             net.isolate(lost)
             during = [f.result() for f in during]  # each answered: 200 (else _chat fails)
         retries = {m: net.call_in("head", _metric, base, f"tandem_router_{m}")
-                   for m in ("encoder_retries", "request_retries")}  # fmt: skip
+                   for m in ("encoder_retries", "request_retries")}
         print(f"chats in flight at the loss: {len(seeds)}; router retries: {retries}")
         # NOTE: 448-pixel images keep each Encode busy long enough that the loss, as soon
         # as all are in flight, finds some on the lost encoder: retried on the other one
@@ -315,7 +315,7 @@ def test_three_node_ray_cluster_serves_survives_a_worker_loss_and_leaves_nothing
         out.wait_for(r"^\[up\] encoder-0 lost at", "the launcher seeing encoder-0 lost")
         wait_until(lambda: net.call_in("head", _metric, base, "tandem_router_healthy_instances",
                                        '{tier="encoder"}') == 1,
-                   timeout_s=120, poll_s=1, what="the router down to one healthy encoder")  # fmt: skip
+                   timeout_s=120, poll_s=1, what="the router down to one healthy encoder")
 
         # capacity returns: the node rejoins with the same address and resources
         net.reconnect(lost)
@@ -325,7 +325,7 @@ def test_three_node_ray_cluster_serves_survives_a_worker_loss_and_leaves_nothing
         assert (m.group(1), m.group(2)) == placed["encoder-0"], (m.groups(), placed, out.tail())
         wait_until(lambda: net.call_in("head", _metric, base, "tandem_router_healthy_instances",
                                        '{tier="encoder"}') == 2,
-                   timeout_s=120, poll_s=1, what="the router re-admitting encoder-0")  # fmt: skip
+                   timeout_s=120, poll_s=1, what="the router re-admitting encoder-0")
         again = net.call_in("head", chats, 2)
         assert [a["choices"][0]["message"]["content"] for a in again] == [answer] * 2
         # the chats that lived through the loss answer as the same images do undisturbed
@@ -350,7 +350,7 @@ def test_three_node_ray_cluster_serves_survives_a_worker_loss_and_leaves_nothing
         out.wait_for(r"^\[up\] router +ready again", "the router restarted")
         wait_until(lambda: net.call_in("head", _metric, base, "tandem_router_healthy_instances",
                                        '{tier="encoder"}') == 2,
-                   timeout_s=120, poll_s=1, what="the new router with both encoders")  # fmt: skip
+                   timeout_s=120, poll_s=1, what="the new router with both encoders")
         moved = net.call_in("head", chats, 2)
         assert [a["choices"][0]["message"]["content"] for a in moved] == [answer] * 2
 

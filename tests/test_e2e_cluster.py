@@ -144,7 +144,7 @@ def wait_idle(cluster) -> dict:
 def log_tiers(cluster, rid: str) -> set[str]:
     """The tiers (router, encoder, language) whose log lines name `rid`."""
     return {ln.split("|")[0].strip().split("-")[0]
-            for ln in cluster.log_text().splitlines() if rid in ln}  # fmt: skip
+            for ln in cluster.log_text().splitlines() if rid in ln}
 
 
 def request_log_lines(cluster, rid: str) -> dict[str, str]:
@@ -485,7 +485,7 @@ def test_request_id_is_echoed_and_greps_across_the_three_tiers(cluster):
     for stream in (False, True):
         rid = f"abc-123-{int(stream)}"
         r = httpx.post(url, json={**body, "stream": stream}, headers={"X-Request-Id": rid},
-                       timeout=30)  # fmt: skip
+                       timeout=30)
         assert r.status_code == 200 and r.headers["x-request-id"] == rid
         first = r.json() if not stream else json.loads(r.text.split("data: ", 2)[1])
         assert first["id"] == f"chatcmpl-{rid}"

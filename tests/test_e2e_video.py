@@ -115,7 +115,7 @@ def sdk_parts(chat: VideoChat, clips) -> list:
     controls = {k: v for k, v in dataclasses.asdict(chat.options).items() if v is not None}
     return [p if isinstance(p, str) else image(p.png()) if isinstance(p, Image)
             else video(p.files(), **controls) if isinstance(p, Frames)
-            else video(clips[0][p.clip], **controls) for p in chat.parts]  # fmt: skip
+            else video(clips[0][p.clip], **controls) for p in chat.parts]
 
 
 def sdk_messages(chat: VideoChat, clips) -> list:
@@ -355,7 +355,7 @@ def test_each_limit_is_a_4xx_naming_it_and_others_are_served(
     with ThreadPoolExecutor(len(cases) + 1) as pool:
         served = pool.submit(post, limited, good.openai(raw))
         refused = {name: pool.submit(post, limited, msgs)
-                   for name, (msgs, _, _) in cases.items()}  # fmt: skip
+                   for name, (msgs, _, _) in cases.items()}
         for name, (_, status, names) in cases.items():
             r = refused[name].result()
             err = r.json()["error"]

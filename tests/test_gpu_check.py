@@ -45,7 +45,7 @@ def rows_of(table: str) -> list[dict]:
 def test_dry_run_writes_a_row_for_every_check(tmp_path):
     out = tmp_path / "gpu.md"
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry-run",
-                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "the first call: " in p.stdout and "fits" in p.stdout, p.stdout[:3000]
     table = out.read_text()
@@ -99,7 +99,7 @@ def test_a_hang_and_a_crash_are_rows_and_the_next_check_runs(tmp_path, monkeypat
     # the rows kept keep their details
     script.write_text('echo \'[{"check": "\'$2\'", "case": "again", "status": "pass"}]\' > "$6"\n')
     assert gpu_check.main(["--dry-run", "--only", "device,build,decode_graphs,vit_graphs",
-                           "--resume", "--out", str(out)]) == 0  # fmt: skip
+                           "--resume", "--out", str(out)]) == 0
     table = out.read_text()
     rows = rows_of(table)
     assert [(r["check"], r["case"]) for r in rows] == [
@@ -114,7 +114,7 @@ def test_the_plan_fits_the_lease_and_a_grown_check_fails_the_dry_run(tmp_path, m
     # derived from the model's shape: the 7B checkpoint is ~16.5 GB, written at the assumed disk rate
     assert 15e9 < gpu_check.Shape.of("7b").checkpoint_bytes < 18e9
     grown = [dataclasses.replace(c, estimate=lambda shape: gpu_check.Work(processes=100))
-             if c.name == "e2e" else c for c in gpu_check.CHECKS]  # fmt: skip
+             if c.name == "e2e" else c for c in gpu_check.CHECKS]
     monkeypatch.setattr(gpu_check, "CHECKS", grown)
     monkeypatch.setattr(gpu_check, "WORK", tmp_path / "work")
     assert gpu_check.main(["--dry-run", "--out", str(tmp_path / "gpu.md")]) == 1
@@ -127,7 +127,7 @@ def test_a_check_that_does_not_fit_the_time_left_is_skipped(tmp_path, monkeypatc
     import types
 
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(
-        cuda=types.SimpleNamespace(is_available=lambda: True)))  # fmt: skip
+        cuda=types.SimpleNamespace(is_available=lambda: True)))
     monkeypatch.setattr(gpu_check, "WORK", tmp_path / "work")
     monkeypatch.setattr(gpu_check, "run_check", lambda *a: pytest.fail("nothing may run"))
     out = tmp_path / "gpu.md"
@@ -135,7 +135,7 @@ def test_a_check_that_does_not_fit_the_time_left_is_skipped(tmp_path, monkeypatc
     rows = rows_of(out.read_text())
     assert [r["check"] for r in rows] == [c.name for c in gpu_check.CHECKS]
     assert all(r["status"] == "skipped" and "no time left: estimated" in r["figures"]
-               and "--resume runs it" in r["figures"] for r in rows), rows  # fmt: skip
+               and "--resume runs it" in r["figures"] for r in rows), rows
 
 
 def test_a_package_not_carried_is_a_skip_naming_it():

@@ -49,7 +49,7 @@ def _decode_batch(seqs) -> ForwardBatch:
     return ForwardBatch(
         [SeqChunk(i, n, decode_positions(n, 0), pages, token_ids=torch.tensor([tok]))
          for i, n, pages, tok in seqs]
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_vl_moe"])  # MoE: graphed too
@@ -58,7 +58,7 @@ def runner(request, checkpoint):
         oracle.text_weights(checkpoint(request.param)),
         RunnerSettings(page_size=PAGE, cuda_graph_max_bs=MAX_BS, max_seq_len=MAX_SEQ),
         num_pages=40 * ceil_div(MAX_SEQ, PAGE),
-    )  # fmt: skip
+    )
     pool = KVPagePool(r.num_pages, PAGE)
     return r, pool, _prefill(r, pool, 36, seed=0)
 
@@ -94,14 +94,14 @@ def test_batches_the_graph_runner_cannot_serve_fall_back(runner):
     i, n, pages, _tok = seqs[0]
     mixed = ForwardBatch([_decode_batch(seqs[1:3]).chunks[0],
                           SeqChunk(i, n - 2, torch.arange(n - 2, n).expand(3, 2), pages,
-                                   token_ids=torch.tensor([5, 6]))])  # fmt: skip
+                                   token_ids=torch.tensor([5, 6]))])
     assert not mixed.is_pure_decode and not gr.can_run(mixed)
     with pytest.raises(ValueError, match="cannot serve"):
         gr.run(mixed)
     long_pages = pool.alloc(ceil_div(MAX_SEQ + 1, PAGE))
     try:
         too_long = ForwardBatch([SeqChunk(99, MAX_SEQ, decode_positions(MAX_SEQ, 0), long_pages,
-                                          token_ids=torch.tensor([1]))])  # fmt: skip
+                                          token_ids=torch.tensor([1]))])
         assert not gr.can_run(too_long)
         assert r.forward(too_long).last_logits.shape == (1, r.vocab_size)
     finally:
@@ -114,7 +114,7 @@ def test_cuda_graph_replay_equals_eager(checkpoint):
         oracle.text_weights(checkpoint("qwen2_5_vl")),
         RunnerSettings(page_size=PAGE, cuda_graph_max_bs=MAX_BS, max_seq_len=MAX_SEQ),
         num_pages=40 * ceil_div(MAX_SEQ, PAGE), device="cuda",
-    )  # fmt: skip
+    )
     gr = r.graph_runner
     assert gr.use_graphs and len(gr.graphs) == len(gr.batch_sizes) * len(gr.widths)
     seqs = _prefill(r, KVPagePool(r.num_pages, PAGE), MAX_BS, seed=1)

@@ -126,7 +126,7 @@ def test_cluster_flood_from_one_address_leaves_another_served(checkpoint, trickl
         str(path), encoders=1, languages=1,
         encoder_args=f"--allowed-url-hosts 127.0.0.1 --allow-private-urls "
         f"--url-timeout-s {URL_TIMEOUT_S} --preprocess-workers 2",
-    )  # fmt: skip
+    )
 
     def body(messages, timeout_ms):
         return {"model": "", "messages": messages, "max_tokens": 4, "temperature": 0,

@@ -184,7 +184,7 @@ def test_stop_string_stop_token_and_eos(checkpoint):
                     case.payloads[3]),
             Request(2, SamplingParams(max_tokens=len(ref), ignore_eos=True,
                                       stop_token_ids=[ref[2]]), case.payloads[3]),
-        ]  # fmt: skip
+        ]
         out = collect(engine, reqs)
         text = "".join(d.text for d in out[1])
         assert text == expected and stop not in text
@@ -201,7 +201,7 @@ def test_stop_string_stop_token_and_eos(checkpoint):
             Request(3, SamplingParams(max_tokens=len(ref)), case.payloads[3]),
             Request(4, SamplingParams(max_tokens=len(ref), include_stop_str_in_output=True,
                                       skip_special_tokens=False), case.payloads[3]),
-        ])  # fmt: skip
+        ])
         upto = ref[: ref.index(ref[1]) + 1]
         for room in (3, 4):
             assert [t for d in out[room] for t in d.token_ids] == upto

@@ -80,7 +80,7 @@ SHAPES = {
                                  intermediate_size=6144, qkv_bias=False, qk_norm=True,
                                  tied=False, num_experts=128, num_experts_per_tok=8,
                                  moe_intermediate_size=768),
-}  # fmt: skip
+}
 
 
 def config(shape: dict) -> DecoderConfig:
@@ -105,19 +105,19 @@ def meta_weights(shape: dict) -> dict[str, torch.Tensor]:
                 f"{a}q_proj.weight": t(c.num_heads * d, h),
                 f"{a}k_proj.weight": t(c.num_kv_heads * d, h),
                 f"{a}v_proj.weight": t(c.num_kv_heads * d, h),
-                f"{a}o_proj.weight": t(h, c.num_heads * d)}  # fmt: skip
+                f"{a}o_proj.weight": t(h, c.num_heads * d)}
         if c.qkv_bias:
             out |= {f"{a}q_proj.bias": t(c.num_heads * d), f"{a}k_proj.bias": t(c.num_kv_heads * d),
-                    f"{a}v_proj.bias": t(c.num_kv_heads * d)}  # fmt: skip
+                    f"{a}v_proj.bias": t(c.num_kv_heads * d)}
         if c.qk_norm:
             out |= {f"{a}q_norm.weight": t(d), f"{a}k_norm.weight": t(d)}
         if n in c.moe_layers:
             e, mi = c.num_experts, c.moe_intermediate_size
             out |= {f"{m}gate.weight": t(e, h), f"{m}experts.gate_up_proj": t(e, 2 * mi, h),
-                    f"{m}experts.down_proj": t(e, h, mi)}  # fmt: skip
+                    f"{m}experts.down_proj": t(e, h, mi)}
         else:
             out |= {f"{m}gate_proj.weight": t(i, h), f"{m}up_proj.weight": t(i, h),
-                    f"{m}down_proj.weight": t(h, i)}  # fmt: skip
+                    f"{m}down_proj.weight": t(h, i)}
     return out
 
 

@@ -46,7 +46,7 @@ class Seq:
         return SeqChunk(
             self.id, a, self.p.mrope_positions[:, a : a + n].long(), list(self.pages),
             input_embeds=self.p.input_embeds[a : a + n], want_prompt_logits=want,
-        )  # fmt: skip
+        )
 
     def decode_chunk(self, token: int) -> SeqChunk:
         a = self.done
@@ -140,7 +140,7 @@ def test_mixed_batch_matches_each_sequence_alone(case):
     out = runner.forward(
         ForwardBatch([a.prompt_chunk(half_a), c.decode_chunk(c.generated[-1]),
                       b.prompt_chunk(half_b), d.decode_chunk(d.generated[-1])])
-    )  # fmt: skip
+    )
     pa, pb = out.prompt_logits[10], out.prompt_logits[11]
     c.generated.append(int(out.last_logits[1].argmax()))
     d.generated.append(int(out.last_logits[3].argmax()))
@@ -149,7 +149,7 @@ def test_mixed_batch_matches_each_sequence_alone(case):
     out = runner.forward(
         ForwardBatch([c.decode_chunk(c.generated[-1]), a.prompt_chunk(a.p.num_tokens - half_a),
                       d.decode_chunk(d.generated[-1]), b.prompt_chunk(5)])
-    )  # fmt: skip
+    )
     pa, pb = torch.cat([pa, out.prompt_logits[10]]), torch.cat([pb, out.prompt_logits[11]])
     c.generated.append(int(out.last_logits[0].argmax()))
     d.generated.append(int(out.last_logits[2].argmax()))
@@ -241,7 +241,7 @@ def test_small_checkpoint_prompt_logits_and_greedy(arch, checkpoint):
     s = Seq(0, payload, KVPagePool(16, 16))
     half = payload.num_tokens // 2
     got = torch.cat([runner.forward(ForwardBatch([s.prompt_chunk(n)])).prompt_logits[0]
-                     for n in (half, payload.num_tokens - half)])  # fmt: skip
+                     for n in (half, payload.num_tokens - half)])
     assert (got - ref).abs().max().item() < TOL
     s.generated.append(int(got[-1].argmax()))
     for _ in range(3):

@@ -44,7 +44,7 @@ class EncoderPeer:
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / "language_peers" / "encoder_peer.py"), str(ckpt), *flags],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "wb"), text=True,
-        )  # fmt: skip
+        )
         self.log = log
         self.sent: dict[int, dict] = {}
         self._cond = threading.Condition()
@@ -96,7 +96,7 @@ class Language:
             "--default-reservation-tokens", "32", "--max-prefill-tokens", "64",
             "--drain-timeout-s", "1.5", "--reattach-grace-s", "0.5",
             "--transfer.timeout-s", "20", "--cpu-threads", "2", "--insecure-internal", *extra,
-        ]  # fmt: skip
+        ]
         self.log = log
         self.proc = subprocess.Popen(args, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
@@ -118,7 +118,7 @@ class Language:
     def generate(self, room, encoder, max_tokens=8, deadline_ms=0, **sampling):
         req = language_pb2.LanguageGenerateRequest(
             room=room, encoder_address=encoder, deadline_unix_ms=deadline_ms,
-            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, **sampling))  # fmt: skip
+            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, **sampling))
         return self.stub.Generate(req, timeout=60)
 
     def load(self) -> language_pb2.LanguageGetLoadResponse:
@@ -131,7 +131,7 @@ class Language:
             ld = self.load()
             return (ld.free_kv_pages == ld.total_kv_pages
                     and ld.free_embedding_blocks == ld.total_embedding_blocks
-                    and ld.running == ld.waiting == ld.transferring == 0)  # fmt: skip
+                    and ld.running == ld.waiting == ld.transferring == 0)
 
         wait_until(free, timeout_s=60, what="every KV page and embedding block free",
                    state=self.load)

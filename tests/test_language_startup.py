@@ -137,7 +137,7 @@ def test_kv_pool_is_sized_after_the_largest_step_and_the_graphs(checkpoint, monk
         ("graph step", *widest), "reset", ("graph step", *widest),  # the graphs' (warm, measure)
         "empty_cache", ("mem_get_info", 0),  # every weight adopted by then
         ("kv", runner.num_pages), "capture",
-    ]  # fmt: skip
+    ]
     c = runner.cfg
     per_page = KVCache.bytes_per_page(c.num_layers, 4, c.local_kv_heads, c.head_dim, runner.dtype)
     pool = GRAPH + 4 * runner.vocab_size * sum(gr.batch_sizes) * len(gr.widths)
@@ -225,13 +225,13 @@ class _FakeCuda:
 def test_graphs_are_captured_on_the_runners_device(checkpoint, monkeypatch):
     runner = ModelRunner(oracle.text_weights(checkpoint("qwen2_5_vl")),
                          RunnerSettings(page_size=4, max_seq_len=64, cuda_graph_max_bs=1),
-                         num_pages=8)  # fmt: skip
+                         num_pages=8)
     gr = runner.graph_runner
     fake = _FakeCuda()
     for name, value in [("device", fake.device), ("graph", fake.graph),
                         ("graph_pool_handle", lambda: object()), ("Stream", fake.stream_of),
                         ("current_stream", fake.stream_of), ("stream", lambda s: contextlib.nullcontext()),
-                        ("CUDAGraph", lambda: object()), ("synchronize", fake.synchronize)]:  # fmt: skip
+                        ("CUDAGraph", lambda: object()), ("synchronize", fake.synchronize)]:
         monkeypatch.setattr(torch.cuda, name, value)
     gr.device, gr.use_graphs = torch.device("cuda", 1), True  # as a runner on cuda:1 is
     gr.capture()
@@ -295,7 +295,7 @@ def test_on_cuda_the_sized_pool_leaves_room_for_the_graphs_and_the_largest_step(
                               max_prefill_tokens=1024, max_decode_rows=16)
     runner = ModelRunner(oracle.text_weights(checkpoint("qwen2_5_vl"), torch.bfloat16), settings,
                          num_pages=0, kv_memory_fraction=0.9, device="cuda",
-                         dtype=torch.bfloat16)  # fmt: skip
+                         dtype=torch.bfloat16)
     gr = runner.graph_runner
     assert len(gr.graphs) == len(gr.batch_sizes) * len(gr.widths)
     c = runner.cfg
@@ -314,7 +314,7 @@ def test_a_runner_on_the_second_gpu_captures_there(checkpoint):
 
     runner = ModelRunner(oracle.text_weights(checkpoint("qwen2_5_vl")),
                          RunnerSettings(page_size=4, max_seq_len=256, cuda_graph_max_bs=8),
-                         num_pages=512, device="cuda:1")  # fmt: skip
+                         num_pages=512, device="cuda:1")
     from tandem.services.language.engine.kv_pages import KVPagePool
 
     seqs = _prefill(runner, KVPagePool(runner.num_pages, 4), 8, seed=3)

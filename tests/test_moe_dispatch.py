@@ -34,7 +34,7 @@ def moe(request, checkpoint) -> SparseMoE:
     path = checkpoint("qwen3_vl_moe", "small")  # 8 experts, 2 per token, 512 wide
     runner = ModelRunner(load_text_weights(path, dtype=torch.float32, device="cpu"),
                          RunnerSettings(page_size=16, linear_backend="torch"), num_pages=4,
-                         dtype=request.param)  # fmt: skip
+                         dtype=request.param)
     return next(m for m in runner.model.modules() if isinstance(m, SparseMoE))
 
 

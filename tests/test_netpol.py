@@ -82,7 +82,7 @@ def _world(values: list[Path], addresses: dict[str, str]):
     assert sorted(p.name for p in pods) == sorted(TIERS)
     pods += [netpol.Pod(n, ns, {"app": n}, addresses[n]) for n, ns in OUTSIDERS.items()]
     namespaces = [netpol.Namespace(ns, {"kubernetes.io/metadata.name": ns})
-                  for ns in {RELEASE_NS, *OUTSIDERS.values()}]  # fmt: skip
+                  for ns in {RELEASE_NS, *OUTSIDERS.values()}]
     return objs, pods, namespaces
 
 
@@ -115,7 +115,7 @@ def test_selectors_peers_and_ports():
     ns = [netpol.Namespace("a", {"team": "x"}), netpol.Namespace("b", {"team": "y"})]
     pods = [netpol.Pod("p1", "a", {"role": "db", "tier": "1"}, "10.0.0.1", {"pg": ("tcp", 5432)}),
             netpol.Pod("p2", "a", {"role": "web"}, "10.0.0.2"),
-            netpol.Pod("p3", "b", {"role": "web"}, "10.0.0.3")]  # fmt: skip
+            netpol.Pod("p3", "b", {"role": "web"}, "10.0.0.3")]
     pol = {"metadata": {"name": "db", "namespace": "a"}, "spec": {
         "podSelector": {"matchExpressions": [{"key": "role", "operator": "In", "values": ["db"]}]},
         "ingress": [
@@ -126,7 +126,7 @@ def test_selectors_peers_and_ports():
                 {"key": "tier", "operator": "DoesNotExist"}]}}]},
             {"from": [{"ipBlock": {"cidr": "10.0.0.0/24", "except": ["10.0.0.3/32"]}}],
              "ports": [{"port": 22}]},
-        ]}}  # fmt: skip
+        ]}}
     plans = netpol.translate([pol], pods, ns)
     assert not plans["p2"].isolated and not plans["p3"].isolated
     a = plans["p1"].allows
@@ -252,7 +252,7 @@ def test_policy_enforced_between_pod_namespaces(production):
             with ThreadPoolExecutor(32) as pool:
                 got = dict(zip(flows, pool.map(attempt, flows), strict=True))
             want = {f: Outcome.CONNECTED if _expected(intent, f[1], f[0], f[2]) else Outcome.DROPPED
-                    for f in flows}  # fmt: skip
+                    for f in flows}
             wrong = {f: (got[f].value, want[f].value) for f in flows if got[f] != want[f]}
             assert not wrong, wrong
             admitted = sum(o is Outcome.CONNECTED for o in got.values())

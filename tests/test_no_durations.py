@@ -20,7 +20,7 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 WAITING = TESTS / "waiting.py"
 _ANY_OBJECT = {f"{c}{ns}" for c in ("monotonic", "perf_counter", "process_time", "thread_time")
-               for ns in ("", "_ns")}  # fmt: skip
+               for ns in ("", "_ns")}
 _CLOCK_NAMES = _ANY_OBJECT | {"time", "time_ns"}
 
 
@@ -29,7 +29,7 @@ def clock_reads(source: str) -> list[tuple[int, str]]:
     tree = ast.parse(source)
     by_name = {a.asname or a.name for node in ast.walk(tree)
                if isinstance(node, ast.ImportFrom) and node.module == "time"
-               for a in node.names if a.name in _CLOCK_NAMES}  # fmt: skip
+               for a in node.names if a.name in _CLOCK_NAMES}
     exempt: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.keyword) and node.arg and "deadline" in node.arg.lower():

@@ -96,7 +96,7 @@ class Step:
             slot_mapping=torch.cat(slots).to(dev), block_tables=tables.to(dev),
             seq_lens=lens.to(dev), page_size=ps, cache_pages=self.k_cache.shape[0],
             prefill=prefill,
-        )  # fmt: skip
+        )
 
     def run(self, path: AttentionPath, **kw) -> torch.Tensor:
         """paged_attention on fresh copies of the caches (the step writes its K/V into them);
@@ -110,7 +110,7 @@ class Step:
             return torch.cat([x[:ns], x.new_zeros(pad, *x.shape[1:]), x[ns:]])
 
         out = paged_attention(padded(self.q), padded(self.k), padded(self.v), kc, vc, meta,
-                              self.q.shape[-1] ** -0.5)  # fmt: skip
+                              self.q.shape[-1] ** -0.5)
         return torch.cat([out[:ns], out[ns + pad :]])
 
     def reference(self) -> torch.Tensor:
@@ -141,7 +141,7 @@ class Step:
 def make_step(spec: list[tuple[int, int]], page_size: int, heads: int, kv_heads: int,
               head_dim: int = 16, spare_pages: int = 7, seed: int = 0,
               dtype: torch.dtype = torch.float32, device: str = "cpu",
-              num_pages: int | None = None) -> Step:  # fmt: skip
+              num_pages: int | None = None) -> Step:
     """A step over `spec` = [(start, n)] (rows first), pages shuffled over a random cache of
     `num_pages` pages (default: the step's own + `spare_pages`) and the dummy page."""
     g = torch.Generator().manual_seed(seed)
@@ -159,7 +159,7 @@ def make_step(spec: list[tuple[int, int]], page_size: int, heads: int, kv_heads:
 
     cache = (num_pages + 1, page_size, kv_heads, head_dim)
     return Step(rnd(t, heads, head_dim), rnd(t, kv_heads, head_dim), rnd(t, kv_heads, head_dim),
-                rnd(*cache), rnd(*cache), seqs, page_size)  # fmt: skip
+                rnd(*cache), rnd(*cache), seqs, page_size)
 
 
 # Decode rows (start, 1) of mixed lengths: one ends a page exactly, one is in its first
@@ -228,7 +228,7 @@ class FunctionLog(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             self.sdpa.append({"mask": kwargs.get("attn_mask") is not None,
-                              "gqa": bool(kwargs.get("enable_gqa"))})  # fmt: skip
+                              "gqa": bool(kwargs.get("enable_gqa"))})
         return func(*args, **kwargs)
 
 
@@ -242,7 +242,7 @@ class AtenLog(TorchDispatchMode):
     # What may touch the cache outside the kernel: views of it and the K/V write.
     VIEWS_AND_WRITE = {"view", "_unsafe_view", "transpose", "unsqueeze", "squeeze", "slice",
                        "select", "as_strided", "detach", "alias", "expand", "permute",
-                       "index_copy_"}  # fmt: skip
+                       "index_copy_"}
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -269,7 +269,7 @@ class AtenLog(TorchDispatchMode):
         if "repeat_interleave" in name or name.startswith("aten.repeat."):
             self.repeats += 1
         reads = [a for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                 if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in self.storages]  # fmt: skip
+                 if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in self.storages]
         op = func.overloadpacket.__name__
         if reads and op not in self.VIEWS_AND_WRITE:
             self.cache_reads.append(name)
@@ -308,7 +308,7 @@ def test_the_cpu_kernel_path_takes_chunks_without_a_prefix_on_the_segment_kernel
     with FunctionLog() as fn:
         meta = bf16.metadata(path)
         paged_attention(bf16.q, bf16.k, bf16.v, bf16.k_cache.clone(), bf16.v_cache.clone(),
-                        meta, 0.25)  # fmt: skip
+                        meta, 0.25)
     assert len(fn.sdpa) == 1
 
 
@@ -375,7 +375,7 @@ def test_flex_shapes_settle_without_hitting_the_recompile_limit():
     compiled kernels go dynamic after a recompile or two (hitting the limit would raise,
     never fall back to the dense path)."""
     shapes = [(1, 3), (2, 17), (5, 64), (9, 130), (3, 250), (12, 7), (7, 129), (4, 40),
-              (16, 2), (6, 300)]  # fmt: skip
+              (16, 2), (6, 300)]
     for i, (rows, chunk) in enumerate(shapes):
         spec = [(7 * j + i, 1) for j in range(rows)] + [(i * 5, chunk)]
         step = make_step(spec, 4, 6, 2, seed=10 + i, num_pages=400)
@@ -413,7 +413,7 @@ def _five_steps(r: ModelRunner) -> list:
         out.append(r.forward(ForwardBatch([
             SeqChunk(0, 41 + i, decode_positions(41 + i, 0), pages_a, token_ids=ids[i : i + 1]),
             SeqChunk(1, 6 + i, decode_positions(6 + i, 0), pages_b, token_ids=ids[i : i + 1])])))
-    return out  # fmt: skip
+    return out
 
 
 def _assert_same_steps(got: list, want: list, atol: float) -> None:
@@ -447,7 +447,7 @@ def test_flex_runner_matches_transformers(arch, checkpoint):
     path = checkpoint(arch)
     model, proc = oracle.load(path)
     inputs = oracle.make_inputs(proc, "Describe the picture in a few words.",
-                                [oracle.make_image(3, (56, 84))])  # fmt: skip
+                                [oracle.make_image(3, (56, 84))])
     ref = oracle.prompt_logits(model, inputs)
     want_tokens, want_logits = oracle.generate(model, inputs, 6)
     p = oracle.payload(model, inputs)
@@ -455,19 +455,19 @@ def test_flex_runner_matches_transformers(arch, checkpoint):
         oracle.text_weights(path),
         RunnerSettings(page_size=PAGE, attention_backend="flex", cuda_graph_max_bs=4, max_seq_len=256),
         num_pages=64,
-    )  # fmt: skip
+    )
     n = p.num_tokens
     pages = list(range(3, 3 + ceil_div(n + 8, PAGE)))
     got = []
     for a, b in ((0, 9), (9, n - 7), (n - 7, n)):
         chunk = SeqChunk(0, a, p.mrope_positions[:, a:b].long(), pages,
-                         input_embeds=p.input_embeds[a:b], want_prompt_logits=True)  # fmt: skip
+                         input_embeds=p.input_embeds[a:b], want_prompt_logits=True)
         got.append(runner.forward(ForwardBatch([chunk])).prompt_logits[0])
     assert (torch.cat(got) - ref).abs().max().item() < 1e-4
     tokens, logits = [int(got[-1][-1].argmax())], [got[-1][-1]]
     for i in range(5):
         step = SeqChunk(0, n + i, decode_positions(n + i, p.mrope_delta), pages,
-                        token_ids=torch.tensor([tokens[-1]]))  # fmt: skip
+                        token_ids=torch.tensor([tokens[-1]]))
         assert runner.graph_runner.can_run(ForwardBatch([step]))
         logits.append(runner.forward(ForwardBatch([step])).last_logits[0])
         tokens.append(int(logits[-1].argmax()))
@@ -486,7 +486,7 @@ def test_gather_workspace_is_bounded_by_one_layer_of_kv(runners):
         [SeqChunk(0, 150, decode_positions(150, 0), long, token_ids=torch.tensor([1]))]
         + [SeqChunk(1 + i, 0, decode_positions(0, 0), [41 + i], token_ids=torch.tensor([2]))
            for i in range(4)]
-    )  # fmt: skip
+    )
     r.forward(batch)  # 5 rows x 38 columns = 190 pages gathered > 97
     assert 5 * 38 > cap
     assert r._workspace is None or r._workspace[0].shape[0] <= cap
@@ -506,7 +506,7 @@ def test_cuda_flex_equals_reference_without_math_fallback(dtype, atol):
     # NOTE: math is not among the allowed backends, so any SDPA call that would fall back to
     # it raises; the flex path makes none.
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                      SDPBackend.CUDNN_ATTENTION]):  # fmt: skip
+                      SDPBackend.CUDNN_ATTENTION]):
         got = step.run(path)
     torch.testing.assert_close(got.float(), step.reference().float(), rtol=0, atol=atol)
 
@@ -521,12 +521,12 @@ def test_cuda_runner_attends_on_flex_without_math_fallback(checkpoint):
 
     def make(device, **kw):
         return ModelRunner(oracle.text_weights(path), RunnerSettings(page_size=16, **kw),
-                           num_pages=64, device=device)  # fmt: skip
+                           num_pages=64, device=device)
 
     gpu = make("cuda", cuda_graph_max_bs=4, max_seq_len=256)
     assert gpu.attention.backend is AttentionBackend.FLEX and gpu.graph_runner.use_graphs
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                      SDPBackend.CUDNN_ATTENTION]):  # fmt: skip
+                      SDPBackend.CUDNN_ATTENTION]):
         got = _five_steps(gpu)
     _assert_same_steps(got, _five_steps(make("cpu")), atol=1e-3)
 

@@ -103,10 +103,10 @@ def test_dry_run_is_what_transformers_and_the_language_tier_build(size, tmp_path
     spec = read_spec(ckpt)
     cfg = json.loads((ckpt / "config.json").read_text())
     assert spec.torch_dtype == cfg["dtype"] == "bfloat16" and spec.vocab_size == listed[
-        "lm_head.weight"][0]  # fmt: skip
+        "lm_head.weight"][0]
     names = text_tensor_names(spec)
     tensors = {n: torch.empty(listed[s], dtype=torch.bfloat16, device="meta")
-               for n, s in names.items()}  # fmt: skip
+               for n, s in names.items()}
     for i in spec.moe_layers:
         _normalize_experts(tensors, spec, f"layers.{i}.mlp.", spec.moe_intermediate_size)
     dcfg = DecoderConfig.from_weights(spec, tensors)
@@ -114,7 +114,7 @@ def test_dry_run_is_what_transformers_and_the_language_tier_build(size, tmp_path
     decoder = QwenVLDecoder.build(dcfg, tensors, torch.device("meta"), torch.bfloat16)
     assert sum(p.numel() for p in decoder.parameters()) == n_text
     want = dict(hidden_size=spec.hidden_size, num_heads=spec.num_attention_heads,
-                num_kv_heads=spec.num_key_value_heads, head_dim=128)  # fmt: skip
+                num_kv_heads=spec.num_key_value_heads, head_dim=128)
     assert {k: getattr(dcfg, k) for k in want} == want
 
 
@@ -125,14 +125,14 @@ def test_streamed_tiny_is_what_save_pretrained_writes(arch, checkpoint, tmp_path
     def header(ckpt):
         with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
             return {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype())
-                    for k in f.keys()}  # fmt: skip
+                    for k in f.keys()}
 
     ref = checkpoint(arch)
     a = build_tiny_model(tmp_path / "a", arch, "tiny", seed=3, stream=True)
     assert header(a) == header(ref)
     drop = {"transformers_version"}
     conf = [{k: v for k, v in json.loads((c / "config.json").read_text()).items() if k not in drop}
-            for c in (a, ref)]  # fmt: skip
+            for c in (a, ref)]
     assert conf[0] == conf[1]
     model, info = AutoModelForImageTextToText.from_pretrained(a, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
@@ -183,7 +183,7 @@ def test_the_writer_streams(tmp_path):
             print(name, plan.total_bytes, (kb("VmHWM") - start) * 1024)
     """)
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                       timeout=240)  # fmt: skip
+                       timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     lines = p.stdout.split()
     assert lines[0::3] == ["small", "big"], p.stdout
@@ -191,7 +191,7 @@ def test_the_writer_streams(tmp_path):
         assert int(written) > 100e6 and int(peak) < 40e6, p.stdout
     with safe_open(str(tmp_path / "small" / "model.safetensors"), "pt") as f:
         assert {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()} == {
-            t.name: t.shape for t in small.tensors}  # fmt: skip
+            t.name: t.shape for t in small.tensors}
     with safe_open(str(tmp_path / "big" / "model.safetensors"), "pt") as f:
         w = f.get_tensor("w")
     assert w.shape == (4096, 8192) and abs(w.std().item() - 0.02) < 1e-3

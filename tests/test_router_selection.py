@@ -253,7 +253,7 @@ def test_a_tiers_resource_exhausted_is_413_never_retried_only_overload_is_429():
     async def over_the_limit() -> grpc.RpcError:
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 1024)])
         language_pb2_grpc.add_LanguageServicer_to_server(language_pb2_grpc.LanguageServicer(),
-                                                         server)  # fmt: skip
+                                                         server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
@@ -280,7 +280,7 @@ def test_a_tiers_resource_exhausted_is_413_never_retried_only_overload_is_429():
         assert err.code not in RETRYABLE_ENCODER | RETRYABLE_REQUEST
     in_stream = from_error_info(common_pb2.ErrorInfo(code="RESOURCE_EXHAUSTED",
                                                      message="prompt needs 900 KV pages"),
-                                Tier.LANGUAGE)  # fmt: skip
+                                Tier.LANGUAGE)
     assert in_stream.http_status == 413 and in_stream.code == "TOO_LARGE"
     overloaded = RouterError("OVERLOADED", "router at capacity")  # the router's own
     assert (overloaded.http_status, openai_type(overloaded)) == (429, "rate_limit_error")

@@ -207,7 +207,7 @@ async def router(encoders: dict[str, FakeEncoder], extra_encoders: list[str] = (
         await asyncio.gather(registry.encoders.poll(), registry.languages.poll())
         metrics = RouterMetrics(CollectorRegistry())
         selectors = {k: Selector(config.policy, config.affinity_slack)
-                     for k in ("encoder", "language")}  # fmt: skip
+                     for k in ("encoder", "language")}
         try:
             yield (Dispatcher(registry, selectors, config, metrics),
                    dict(zip(encoders, eas, strict=True)), metrics, language)

@@ -295,7 +295,7 @@ def test_flat_hub_config_reads_the_same(checkpoint, tmp_path):
         "head_dim", "intermediate_size", "rms_norm_eps", "rope_theta", "mrope_section",
         "mrope_interleaved", "vocab_size", "tie_word_embeddings", "embed_dim", "image_token_id",
         "vision_start_token_id", "eos_token_ids", "torch_dtype", "patch_size", "spatial_merge_size",
-    ]  # fmt: skip
+    ]
     assert {f: getattr(b, f) for f in fields} == {f: getattr(a, f) for f in fields}
     pv, grid = pixels(src, [(60, 60)])
     ea, _ = load_vision_part(src).encode_images(pv, grid)

@@ -1,4 +1,4 @@
-"""Streamed rows end to end (issue 27, DESIGN "Streamed rows"): a real encoder service and
+"""Streamed rows end to end (issue 27, docs/architecture.md, "Streamed rows"): a real encoder service and
 a real language service (their `run()`s, in this process so the test can hold a ViT input
 back and read the engine's chunks), driven as the router drives them: Generate(room,
 encoder) on the language side and Encode(room, chat) on the encoder, concurrently.

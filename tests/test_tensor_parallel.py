@@ -111,7 +111,7 @@ def test_prompt_logits_and_greedy_small_preset_and_tp4(arch, size, tp, checkpoin
         s = Seq(0, payload, KVPagePool(16, 16))
         half = payload.num_tokens // 2
         got = torch.cat([runner.forward(ForwardBatch([s.prompt_chunk(n)])).prompt_logits[0]
-                         for n in (half, payload.num_tokens - half)])  # fmt: skip
+                         for n in (half, payload.num_tokens - half)])
         assert (got - ref).abs().max().item() < TOL
         s.generated.append(int(got[-1].argmax()))
         for _ in range(3):
@@ -235,7 +235,7 @@ def test_step_messages_are_plain_data_not_pickle():
                  want_prompt_logits=True),
         SeqChunk(5, 4, torch.arange(3).expand(3, 3), [2, 3], input_embeds=rows[0:3],
                  embeds_key=77, embeds_row=4),
-    ])  # fmt: skip
+    ])
     held = {77: torch.cat([torch.zeros(4, 8), rows[0:3]])}  # payload 77's rows on a rank
     data = wire.encode_step(batch)
     assert not data.startswith(b"\x80")  # pickle protocol 2+ header

@@ -264,6 +264,6 @@ def test_stock_transformers_with_torchvision_loads_the_processor(checkpoint, arc
     code = ("import sys; from transformers import AutoProcessor; "
             "p = AutoProcessor.from_pretrained(sys.argv[1]); print(type(p.video_processor).__name__)")
     r = subprocess.run([str(peer), "-c", code, str(ckpt)], capture_output=True, text=True,
-                       timeout=240)  # fmt: skip
+                       timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "VideoProcessor" in r.stdout

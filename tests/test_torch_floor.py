@@ -49,14 +49,14 @@ SCANNED_FILES = (
     "tests/test_paged_attention.py", "tests/test_encoder_units.py", "tests/test_vit_graphs.py",
     "tests/test_language_startup.py", "tests/test_upload_staging.py",
     "tests/test_video_payload.py",
-)  # fmt: skip
+)
 # The modules whose private names the list holds too (torch: its private ATen ops, such as
 # torch._local_scalar_dense), and the private modules the code uses (their own names, not
 # their submodules').
 COVERED_PRIVATE = (
     "torch", "torch._dynamo", "torch._dynamo.config", "torch._ops", "torch._subclasses",
     "torch._subclasses.fake_tensor", "torch.utils._python_dispatch", "torch.utils._pytree",
-)  # fmt: skip
+)
 
 
 @dataclass(frozen=True)
@@ -130,10 +130,10 @@ def private_uncovered(ref: str) -> bool:
     if not any(p.startswith("_") and not p.startswith("__") for p in parts):
         return False
     covered = max((i for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in COVERED_PRIVATE),
-                  default=0)  # fmt: skip
+                  default=0)
     return len(parts) - covered > 2 or any(
         p.startswith("_") and not p.startswith("__") and not (i < covered or i == covered == len(parts) - 1)
-        for i, p in enumerate(parts))  # fmt: skip
+        for i, p in enumerate(parts))
 
 
 def torch_refs(tree: ast.Module) -> list[tuple[int, str, ast.AST]]:
@@ -149,7 +149,7 @@ def torch_refs(tree: ast.Module) -> list[tuple[int, str, ast.AST]]:
                     alias[a.asname or "torch"] = a.name if a.asname else "torch"
                     refs.append((node.lineno, a.name, node))
         elif (isinstance(node, ast.ImportFrom) and not node.level and node.module
-              and (node.module == "torch" or node.module.startswith("torch."))):  # fmt: skip
+              and (node.module == "torch" or node.module.startswith("torch."))):
             for a in node.names:
                 alias[a.asname or a.name] = f"{node.module}.{a.name}"
                 refs.append((node.lineno, f"{node.module}.{a.name}", node))
@@ -188,18 +188,18 @@ def scan_file(path: Path, floor: Floor) -> list[Finding]:
             for kw in call.keywords:
                 if kw.arg and (leaf, kw.arg) in floor.params:
                     out.append(Finding(f"{rel}:{line}", f"{ref}({kw.arg}=...)",
-                                       "a keyword torch 2.11 does not take"))  # fmt: skip
+                                       "a keyword torch 2.11 does not take"))
     for node in ast.walk(tree):  # Tensor methods, on any receiver
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and node.func.attr in floor.tensor_methods):  # fmt: skip
+                and node.func.attr in floor.tensor_methods):
             out.append(Finding(f"{rel}:{node.lineno}", f"Tensor.{node.func.attr}",
-                               "a Tensor method torch 2.11 lacks"))  # fmt: skip
+                               "a Tensor method torch 2.11 lacks"))
     return out
 
 
 def scanned_files() -> list[Path]:
     files = [p for d in SCANNED_DIRS for p in sorted((ROOT / d).rglob("*.py"))
-             if "v1" not in p.relative_to(ROOT).parts]  # generated gRPC stubs  # fmt: skip
+             if "v1" not in p.relative_to(ROOT).parts]  # generated gRPC stubs
     return files + [ROOT / f for f in SCANNED_FILES]
 
 
@@ -295,7 +295,7 @@ def _api(root: Path) -> tuple[dict[str, set[str]], dict[str, dict[str, set[str]]
     for k, v in sigs.get(vf, {}).items():
         sigs["torch"].setdefault(k, set()).update(v)
     names["torch"] |= {"Tensor." + n.split(".", 1)[1] for n in names.get("torch._C", ())
-                       if n.startswith("TensorBase.")}  # fmt: skip
+                       if n.startswith("TensorBase.")}
     names["torch"] |= {n for n in names.get("torch._tensor", ()) if n.startswith("Tensor.")}
     for mod in list(names):
         if "." in mod and mod.rsplit(".", 1)[0] in names:
@@ -319,13 +319,13 @@ def derive(old: Path, new: Path) -> list[str]:
                 lines.append(f"module {mod}")
             continue
         lines += [f"name {mod}.{n}" for n in sorted(new_names[mod] - old_names[mod])
-                  if kept(mod, n) and not n.split(".")[-1].startswith("__")]  # fmt: skip
+                  if kept(mod, n) and not n.split(".")[-1].startswith("__")]
         for fn, ps in sorted(new_sigs[mod].items()):
             if fn in old_sigs[mod] and kept(mod, fn):
                 lines += [f"param {fn.rsplit('.', 1)[-1]}({p})" for p in sorted(ps - old_sigs[mod][fn])
-                          if not p.startswith("_")]  # fmt: skip
+                          if not p.startswith("_")]
     tensor = [f"name torch.Tensor.{n.split('.', 1)[1]}" for n in
-              sorted(new_names["torch"] - old_names["torch"]) if n.startswith("Tensor.")]  # fmt: skip
+              sorted(new_names["torch"] - old_names["torch"]) if n.startswith("Tensor.")]
     return sorted(set(lines) | set(tensor))
 
 

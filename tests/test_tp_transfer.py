@@ -1,4 +1,4 @@
-"""Embeddings reach every tensor-parallel rank straight from the encoder (seeds/001's
+"""Embeddings reach every tensor-parallel rank straight from the encoder (docs/architecture.md's "N destinations":
 N destinations): a real `tandem language --tp 2` process (rank 0 + a rank-1 worker, each
 with its own Mooncake engine and buffers) fed by real encoder-side transfer peers.
 

@@ -238,7 +238,7 @@ def test_one_client_holds_at_most_its_share_of_the_blocks():
 
     async def main():
         res = BlockReservations(BlockAllocator(8, 16), transfer_metrics(CollectorRegistry()),
-                                client_share=0.5)  # fmt: skip
+                                client_share=0.5)
         assert res.client_quota == 4
         a1, a2, a3 = (ReceiverRoom(i, "e", client="A") for i in (1, 2, 3))
         b, anon = ReceiverRoom(4, "e", client="B"), ReceiverRoom(5, "e")

@@ -98,10 +98,10 @@ def test_graph_runner_uploads_from_its_static_mirror_behind_a_fence(checkpoint, 
     real_host_empty = graph_runner.host_empty
     monkeypatch.setattr(graph_runner, "host_empty",
                         lambda shape, dtype, device: made.append(device) or
-                        real_host_empty(shape, dtype, device))  # fmt: skip
+                        real_host_empty(shape, dtype, device))
     runner = ModelRunner(oracle.text_weights(checkpoint("qwen2_5_vl")),
                          RunnerSettings(page_size=PAGE, max_seq_len=64, cuda_graph_max_bs=4),
-                         num_pages=64)  # fmt: skip
+                         num_pages=64)
     gr = runner.graph_runner
     assert made == [runner.device]  # the mirror: host memory for this device (pinned on CUDA)
     pool, seqs = KVPagePool(runner.num_pages, PAGE), []
@@ -115,7 +115,7 @@ def test_graph_runner_uploads_from_its_static_mirror_behind_a_fence(checkpoint, 
     for rows in (3, 1, 2):
         batch = ForwardBatch([SeqChunk(i, n, decode_positions(n, 0), pages,
                                        token_ids=torch.tensor([i + 1]))
-                              for i, n, pages in seqs[:rows]])  # fmt: skip
+                              for i, n, pages in seqs[:rows]])
         want = runner.forward_eager(batch).last_logits
         with HostTraffic(gr._host_inputs, events):
             got = gr.run(batch).last_logits
@@ -134,7 +134,7 @@ def test_on_cuda_the_uploaded_rows_are_pinned_and_replays_follow_each_batch(chec
     assert EmbeddingBuffers(2, 4, 8, torch.float32, upload_device="cuda").private_embeds(3).is_pinned()
     runner = ModelRunner(oracle.text_weights(checkpoint("qwen2_5_vl")),
                          RunnerSettings(page_size=PAGE, max_seq_len=64, cuda_graph_max_bs=4),
-                         num_pages=64, device="cuda")  # fmt: skip
+                         num_pages=64, device="cuda")
     gr = runner.graph_runner
     assert gr._host_inputs.is_pinned() and gr.use_graphs
     pool, seqs = KVPagePool(runner.num_pages, PAGE), []
@@ -147,6 +147,6 @@ def test_on_cuda_the_uploaded_rows_are_pinned_and_replays_follow_each_batch(chec
     for rows in (3, 1, 2, 3, 1):
         batch = ForwardBatch([SeqChunk(i, n, decode_positions(n, 0), pages,
                                        token_ids=torch.tensor([i + rows]))
-                              for i, n, pages in seqs[:rows]])  # fmt: skip
+                              for i, n, pages in seqs[:rows]])
         got = gr.run(batch).last_logits
         torch.testing.assert_close(got, runner.forward_eager(batch).last_logits, rtol=0, atol=1e-4)

@@ -42,7 +42,7 @@ SLIDES_SAMPLING = VideoOptions(fps=0.5, max_pixels=128 * 28 * 28)
 def default_limits(**changes) -> VideoLimits:
     """VideoLimits as the encoder builds them from its config's defaults."""
     fields = {f.name: EncoderConfig.model_fields[f.name].default
-              for f in dataclasses.fields(VideoLimits)}  # fmt: skip
+              for f in dataclasses.fields(VideoLimits)}
     return VideoLimits(**{**fields, **changes})
 
 

@@ -49,7 +49,7 @@ class Frames:
 
     def files(self) -> list[bytes]:
         return [png(self.width, self.height, self.seed * 1000 + i, self.fmt)
-                for i in range(self.count)]  # fmt: skip
+                for i in range(self.count)]
 
 
 VIDEOS = {
@@ -83,7 +83,7 @@ def _case(case_id: str, ckpt):
 def prepare(files: list[bytes], settings, options, limits=None, budget=None):
     lim = limits or VideoLimits()
     planned = plan_frames_source(tuple(ImageInput(data=f) for f in files), settings, options,
-                                 lim, IMAGE, "v.frames", budget)  # fmt: skip
+                                 lim, IMAGE, "v.frames", budget)
     return decode_frames(planned, lim, IMAGE, budget)
 
 
@@ -105,7 +105,7 @@ def frames(tmp_path_factory) -> dict[str, tuple[list[bytes], list[str]]]:
 def oracle(frames, checkpoint, tmp_path_factory) -> tuple[Path, dict]:
     if not ORACLE_PY.exists():
         pytest.fail(f"{ORACLE_PY.relative_to(ROOT)} is missing: `make test` builds it "
-                    "(or `make oracle-venv` alone)")  # fmt: skip
+                    "(or `make oracle-venv` alone)")
     out = tmp_path_factory.mktemp("oracle")
     jobs = []
     for case_id in CASES:
@@ -113,7 +113,7 @@ def oracle(frames, checkpoint, tmp_path_factory) -> tuple[Path, dict]:
         init, call = Sampling.resolve_frames(settings, options).processor_kwargs(frames=True)
         jobs.append({"id": case_id, "frames": frames[video][1], "fps": options.fps,
                      "arch": arch, "checkpoint": str(checkpoint(arch)), "init": init,
-                     "call": call})  # fmt: skip
+                     "call": call})
     (out / "job.json").write_text(json.dumps(jobs))
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     cmd = [str(ORACLE_PY), str(ORACLE_SCRIPT), str(out / "job.json"), str(out)]
@@ -153,7 +153,7 @@ def test_matches_transformers(case_id, frames, oracle, checkpoint):
         assert list(plan.timestamps_s) == ref["timestamps"]
         per_group = plan.grid[1] * plan.grid[2] // settings.merge_size**2
         body = "".join(f"{t}<|vision_start|>{pad * per_group}<|vision_end|>"
-                       for t in plan.timestamp_text())  # fmt: skip
+                       for t in plan.timestamp_text())
     assert ref["text"] == f"<|vision_start|>{body}<|vision_end|>"
     assert got.frames_decoded == len(files)
 
@@ -167,7 +167,7 @@ def test_cache_key_holds_the_frames_and_their_rate(checkpoint):
 
     def key(fs, fps):
         return plan_frames_source(tuple(ImageInput(data=f) for f in fs), s,
-                                  VideoOptions(fps=fps), VideoLimits(), IMAGE).key  # fmt: skip
+                                  VideoOptions(fps=fps), VideoLimits(), IMAGE).key
 
     assert key(files, 2.0) == key(list(files), 2.0)
     # the same pixels, another time axis: another key (the prefix cache keys pages by it)
@@ -190,7 +190,7 @@ def settings(checkpoint) -> VideoSettings:
     VideoOptions(fps=2.0, min_frames=2),
     VideoOptions(fps=2.0, max_frames=8),
     VideoOptions(fps=-1.0),
-])  # fmt: skip
+])
 def test_controls_that_do_not_apply_are_refused(settings, options):
     with pytest.raises(VideoError) as e:
         prepare(VIDEOS["odd"].files(), settings, options)
@@ -227,19 +227,19 @@ def test_each_frame_is_an_image_under_the_image_rules(settings):
         prepare(files[:3] + [other] + files[3:], settings, options)
     assert (e.value.reason, e.value.field) == (VideoRefusal.UNSUPPORTED, "v.frames[3]")
     for bad, says in [(b"not an image", "decodable"), (b"", "empty"),
-                      (files[0] + b"x" * IMAGE.max_image_bytes, "over the limit")]:  # fmt: skip
+                      (files[0] + b"x" * IMAGE.max_image_bytes, "over the limit")]:
         with pytest.raises(ChatError) as e:
             prepare(files[:2] + [bad], settings, options)
         assert e.value.field == "v.frames[2]" and says in e.value.message, e.value.message
     url = ImageInput(url="https://example.com/f.png")  # no host is allow-listed here
     with pytest.raises(ChatError) as e:
         plan_frames_source((ImageInput(data=files[0]), url), settings, options, VideoLimits(),
-                           IMAGE, "v.frames")  # fmt: skip
+                           IMAGE, "v.frames")
     assert e.value.field == "v.frames[1]" and "allowed_url_hosts" in e.value.message
     data_url = "data:image/png;base64," + base64.b64encode(files[1]).decode()
     a = prepare(files[:2], settings, options)
     planned = plan_frames_source((ImageInput(data=files[0]), ImageInput(url=data_url)), settings,
-                                 options, VideoLimits(), IMAGE, "v.frames")  # fmt: skip
+                                 options, VideoLimits(), IMAGE, "v.frames")
     b = decode_frames(planned, VideoLimits(), IMAGE)
     assert a.key == b.key and np.array_equal(a.pixel_values, b.pixel_values)
 

@@ -75,7 +75,7 @@ def run(pipe: EncodePipeline, coro_fn):
         finally:
             await pipe.scheduler.stop()
             pipe.scheduler.__init__(pipe.scheduler.runners, pipe.cache, pipe.scheduler.patch_budget,
-                                    None)  # fmt: skip
+                                    None)
 
     return asyncio.run(main())
 

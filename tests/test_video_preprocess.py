@@ -154,7 +154,7 @@ def oracle(clips, checkpoint, tmp_path_factory) -> tuple[Path, dict]:
         arch, clip, options, settings = _case(case_id, checkpoint)
         init, call = Sampling.resolve(settings, options).processor_kwargs()
         jobs.append({"id": case_id, "clip": str(clips[clip]), "arch": arch,
-                     "checkpoint": str(checkpoint(arch)), "init": init, "call": call})  # fmt: skip
+                     "checkpoint": str(checkpoint(arch)), "init": init, "call": call})
     (out / "job.json").write_text(json.dumps(jobs))
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     cmd = [str(ORACLE_PY), str(ORACLE_SCRIPT), str(out / "job.json"), str(out)]
@@ -200,7 +200,7 @@ def test_matches_transformers(case_id, clips, oracle, checkpoint):
         assert list(plan.timestamps_s) == ref["timestamps"]
         per_group = plan.grid[1] * plan.grid[2] // settings.merge_size**2
         body = "".join(f"{t}<|vision_start|>{pad * per_group}<|vision_end|>"
-                       for t in plan.timestamp_text())  # fmt: skip
+                       for t in plan.timestamp_text())
     assert ref["text"] == f"<|vision_start|>{body}<|vision_end|>"
 
 
@@ -262,7 +262,7 @@ def test_cache_key_follows_the_sampled_frames(checkpoint):
     assert plan(fps=1.0).indices == plan(fps=1.1).indices
     assert plan(fps=1.0).cache_key == plan(fps=1.1).cache_key
     assert plan(fps=1.0).cache_key != plan_video(header, Sampling.resolve(s, VideoOptions(fps=1.0)),
-                                                 "other content").cache_key  # fmt: skip
+                                                 "other content").cache_key
 
 
 # -- limits and refusals -------------------------------------------------------------------

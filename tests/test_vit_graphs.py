@@ -50,7 +50,7 @@ from tandem.services.encoder.vit.runner import (  # noqa: E402
 # Batches of images (w, h): 16 to 1008 patches with the tiny Qwen2.5-VL (patch 14; 16 to 768
 # with Qwen3-VL's patch 16) in buckets 256 to 1024, then one batch over 1024.
 MIX = [[(64, 48)], [(200, 130)], [(120, 90), (40, 150)], [(300, 260)], [(400, 300), (64, 48)],
-       [(500, 400)], [(500, 400), (400, 300)]]  # fmt: skip
+       [(500, 400)], [(500, 400), (400, 300)]]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def parts(checkpoint):
     from tandem.models.split import load_vision_part
 
     return {a: load_vision_part(checkpoint(a), torch.float32, "cpu")
-            for a in ("qwen2_5_vl", "qwen3_vl")}  # fmt: skip
+            for a in ("qwen2_5_vl", "qwen3_vl")}
 
 
 def _patches(grids) -> int:
@@ -131,7 +131,7 @@ class SyncCounter(TorchDispatchMode):
 
 def test_the_masked_step_makes_no_host_sync(parts):
     runner = VisionRunner(parts["qwen3_vl"].visual, max_patches=512, mode="static",
-                          attention=StepAttention.MASKED)  # fmt: skip
+                          attention=StepAttention.MASKED)
     with torch.inference_mode(), SyncCounter() as c:
         runner._step(GraphKey(512, 0))
     assert c.syncs == 0
@@ -139,7 +139,7 @@ def test_the_masked_step_makes_no_host_sync(parts):
 
 # ----------------------------------------------------------------------- failures
 def test_a_failed_capture_is_logged_once_counted_and_its_bucket_runs_eagerly(
-        checkpoint, parts, monkeypatch, caplog):  # fmt: skip
+        checkpoint, parts, monkeypatch, caplog):
     visual = parts["qwen2_5_vl"].visual
     bad = GraphKey(256, 0)
     calls: dict[GraphKey, int] = {}
@@ -265,7 +265,7 @@ def fake_cuda(monkeypatch):
         "stream": lambda s: contextlib.nullcontext(), "current_stream": lambda d=None: fc.Stream(d),
         "graph_pool_handle": lambda: (0, 1), "synchronize": lambda d=None: None,
         "memory_reserved": lambda d=None: 0,
-    }.items():  # fmt: skip
+    }.items():
         monkeypatch.setattr(torch.cuda, name, value)
     monkeypatch.setattr(torch.Tensor, "copy_", _fake_copy(torch.Tensor.copy_))
     fc.mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -374,7 +374,7 @@ class VarlenSpy:
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
 def test_varlen_bounds_are_the_longest_segment_and_the_step_never_syncs(
-        checkpoint, fake_cuda, monkeypatch, arch):  # fmt: skip
+        checkpoint, fake_cuda, monkeypatch, arch):
     import torch.nn.attention.varlen as varlen
 
     spy = VarlenSpy(varlen.varlen_attn)
@@ -419,7 +419,7 @@ def test_the_encoder_keeps_the_text_embedding_table_on_the_cpu(checkpoint, monke
 
     monkeypatch.setattr(split, "load_vision_part", load)
     cfg = EncoderConfig(model=str(checkpoint("qwen2_5_vl")), devices=["cuda:0", "cuda:1"],
-                        dtype="float32", linear_backend="torch")  # fmt: skip
+                        dtype="float32", linear_backend="torch")
     pipe = EncodePipeline.from_config(cfg)
     assert asked == [("cuda:0", "cpu"), ("cuda:1", "cpu")]
     assert pipe.embed_tokens.weight.device.type == "cpu"

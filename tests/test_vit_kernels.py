@@ -172,7 +172,7 @@ def test_the_encoder_runs_the_swapped_tower_where_its_linears_are_packed(checkpo
 
     for backend, swapped in (("packed_cpu", True), ("torch", False)):
         cfg = EncoderConfig(model=str(checkpoint("qwen2_5_vl")), device="cpu", dtype="float32",
-                            linear_backend=backend)  # fmt: skip
+                            linear_backend=backend)
         visual = EncodePipeline.from_config(cfg).scheduler.runners[0].visual
         assert isinstance(visual.patch_embed, PackedPatchEmbed) == swapped, backend
         assert isinstance(visual.blocks[0].attn, KernelVisionAttention) == swapped, backend

@@ -67,7 +67,7 @@ class VideoChat:
                  else VideoInput(frames=tuple(ImageInput(data=f) for f in p.files()),
                                  options=self.options) if isinstance(p, Frames)
                  else VideoInput(data=clips[p.clip], options=self.options)
-                 for p in self.parts]  # fmt: skip
+                 for p in self.parts]
         return [Message("system", (self.system,)), Message("user", tuple(parts))]
 
     def openai(self, clips: dict[str, bytes]) -> list[dict]:
@@ -102,7 +102,7 @@ class VideoChat:
                 paths = []
                 for i, f in enumerate(p.files()):
                     paths.append(str(tmp / f"frame-{p.seed}-{p.size[0]}x{p.size[1]}-{i}."
-                                     f"{p.fmt.lower()}"))  # fmt: skip
+                                     f"{p.fmt.lower()}"))
                     Path(paths[-1]).write_bytes(f)
                 content.append({"type": "video", "frames": paths, "fps": self.options.fps})
             else:
@@ -150,7 +150,7 @@ def oracle_results(
             init, call = Sampling.resolve(settings, chat.options).processor_kwargs()
         jobs.append({"id": case_id, "arch": arch, "checkpoint": str(checkpoint(arch)),
                      "messages": chat.oracle_messages(files, tmp), "init": init, "call": call,
-                     "max_new_tokens": max_new_tokens, "payload": payload})  # fmt: skip
+                     "max_new_tokens": max_new_tokens, "payload": payload})
     (tmp / "job.json").write_text(json.dumps(jobs))
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     cmd = [str(ORACLE_PY), str(GENERATE_SCRIPT), str(tmp / "job.json"), str(tmp)]

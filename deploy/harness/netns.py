@@ -165,11 +165,11 @@ class Network:
                 self._add_netns(node.netns)
                 # both ends born inside their namespaces: nothing appears in the root one
                 _ip("link", "add", "name", "eth0", "netns", node.netns, "type", "veth",
-                    "peer", "name", node.port_name, "netns", self.switch)  # fmt: skip
+                    "peer", "name", node.port_name, "netns", self.switch)
                 self.sw("ip", "link", "set", node.port_name, "master", "br0", "up")
                 self.exec(node.name, "ip", "link", "set", "lo", "up")
                 self.exec(node.name, "ip", "addr", "add",
-                          f"{node.address}/{self.subnet.prefixlen}", "dev", "eth0")  # fmt: skip
+                          f"{node.address}/{self.subnet.prefixlen}", "dev", "eth0")
                 self.exec(node.name, "ip", "link", "set", "eth0", "up")
         except BaseException:
             self.close()
@@ -216,14 +216,14 @@ class Network:
 
     def exec(self, node: str, *argv: str, timeout_s: float = 60) -> str:
         r = subprocess.run(self.argv(node, list(argv)), capture_output=True, text=True,
-                           timeout=timeout_s)  # fmt: skip
+                           timeout=timeout_s)
         if r.returncode != 0:
             raise RuntimeError(f"[{node}] {' '.join(argv)}: {r.stderr.strip() or r.stdout}")
         return r.stdout
 
     def sw(self, *argv: str) -> str:
         r = subprocess.run(["ip", "netns", "exec", self.switch, *argv], capture_output=True,
-                           text=True, timeout=30)  # fmt: skip
+                           text=True, timeout=30)
         if r.returncode != 0:
             raise RuntimeError(f"[switch] {' '.join(argv)}: {r.stderr.strip()}")
         return r.stdout

@@ -105,7 +105,7 @@ class PodPlan:
 
     def nft(self) -> str:
         lines = [f"table inet {TABLE} {{", "  chain ingress {",
-                 "    type filter hook input priority filter; policy accept;"]  # fmt: skip
+                 "    type filter hook input priority filter; policy accept;"]
         if self.isolated:
             lines += ["    ct state established,related accept", '    iifname "lo" accept']
             lines += [f"    {ln}" for a in self.allows for ln in a.nft_lines()]
@@ -221,11 +221,11 @@ def translate(policies: list[dict], pods: list[Pod],
             meta, spec = pol["metadata"], pol["spec"]
             policy_ns = meta.get("namespace", pod.namespace)
             types = spec.get("policyTypes") or (["Ingress", "Egress"] if "egress" in spec
-                                                 else ["Ingress"])  # fmt: skip
+                                                 else ["Ingress"])
             if "Egress" in types:
                 raise Untranslatable(f"{meta['name']}: Egress policies are not translated")
             if policy_ns != pod.namespace or not selector_matches(spec.get("podSelector"),
-                                                                  pod.labels):  # fmt: skip
+                                                                  pod.labels):
                 continue
             isolated = True
             for i, rule in enumerate(spec.get("ingress") or []):
@@ -240,7 +240,7 @@ def translate(policies: list[dict], pods: list[Pod],
                 else:
                     sources, excepts = None, []
                 allows.append(Allow(meta["name"], i, sources, tuple(excepts),
-                                    _ports(rule.get("ports"), pod)))  # fmt: skip
+                                    _ports(rule.get("ports"), pod)))
         plans[pod.name] = PodPlan(pod, isolated, tuple(allows))
     return plans
 
@@ -258,7 +258,7 @@ def admits(plan: PodPlan, source: str, protocol: str, port: int) -> bool:
         if any(ipaddress.ip_address(source) in ipaddress.ip_network(e) for e in a.excepts):
             continue
         if a.ports is None or any(p.protocol == protocol and p.first <= port <= p.last
-                                  for p in a.ports):  # fmt: skip
+                                  for p in a.ports):
             return True
     return False
 
@@ -270,6 +270,6 @@ def apply(net, plan: PodPlan) -> None:
     if f"table inet {TABLE}" in tables:
         net.exec(node, "nft", "delete", "table", "inet", TABLE)
     r = subprocess.run(net.argv(node, ["nft", "-f", "-"]), input=plan.nft(), text=True,
-                       capture_output=True, timeout=30)  # fmt: skip
+                       capture_output=True, timeout=30)
     if r.returncode != 0:
         raise RuntimeError(f"[{node}] nft -f: {r.stderr.strip()}\n{plan.nft()}")

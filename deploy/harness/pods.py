@@ -161,20 +161,20 @@ def internal_tls_secrets(objs: list[dict], workdir: Path) -> list[dict]:
     ROLE=NAME ...`), made with `tandem certs DIR` the same way; [] when no such Job."""
     job = next((o for o in objs if o.get("kind") == "Job"
                 and "certs" in (o["spec"]["template"]["spec"]["containers"][0].get("args") or [])),
-               None)  # fmt: skip
+               None)
     if job is None:
         return []
     args = job["spec"]["template"]["spec"]["containers"][0]["args"]
     roles = dict(a.removeprefix("--kube-secret=").split("=", 1) for a in args
-                 if a.startswith("--kube-secret="))  # fmt: skip
+                 if a.startswith("--kube-secret="))
     ns = next(a.split("=", 1)[1] for a in args if a.startswith("--kube-namespace="))
     out = workdir / "certs"
     subprocess.run([str(VENV_BIN / "tandem"), "certs", str(out)], check=True,
-                   capture_output=True, timeout=120)  # fmt: skip
+                   capture_output=True, timeout=120)
     secrets = []
     for role, name in roles.items():
         data = {"ca.crt": (out / "ca.crt").read_text(), "tls.crt": (out / f"{role}.crt").read_text(),
-                "tls.key": (out / f"{role}.key").read_text()}  # fmt: skip
+                "tls.key": (out / f"{role}.key").read_text()}
         secrets.append({"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
                         "metadata": {"name": name, "namespace": ns}, "stringData": data})
     return secrets
@@ -230,11 +230,11 @@ class Cluster:
         if not self.workloads:
             raise ChartError("the rendered chart has no Deployment or StatefulSet")
         self.slots = {c: (slots or {}).get(c, int(w["spec"].get("replicas", 1)))
-                      for c, w in self.workloads.items()}  # fmt: skip
+                      for c, w in self.workloads.items()}
         names = [f"{c[:8]}{i}" for c, n in self.slots.items() for i in range(n)]
         self.net = netns.Network([DNS_NODE, KUBELET_NODE, *extra_nodes, *names], subnet=subnet)
         self.pods = {(c, i): PodState(c, i, f"{c[:8]}{i}", self.net.nodes[f"{c[:8]}{i}"].address)
-                     for c, n in self.slots.items() for i in range(n)}  # fmt: skip
+                     for c, n in self.slots.items() for i in range(n)}
         self.workdir = ROOT / ".cache" / "pods-unbuilt"  # made by build()
         self.configmaps = _by_name(objs, "ConfigMap")
         self.secrets = _by_name(objs, "Secret")
@@ -270,7 +270,7 @@ class Cluster:
             self._start_dnsmasq()
             self._prober = self.net.popen(KUBELET_NODE, [sys.executable, __file__, "--prober"],
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                          text=True)  # fmt: skip
+                                          text=True)
         except BaseException:
             self.close()
             raise
@@ -326,7 +326,7 @@ class Cluster:
             for svc in (o for o in self.objs if o.get("kind") == "Service"):
                 sel = svc["spec"].get("selector") or {}
                 addrs = [p.address for (c, _), p in sorted(self.pods.items()) if p.ready and sel
-                         and all(self._labels(c).get(k) == v for k, v in sel.items())]  # fmt: skip
+                         and all(self._labels(c).get(k) == v for k, v in sel.items())]
                 out[f"{svc['metadata']['name']}.{ns}.svc.{self.domain}"] = addrs
         return out
 
@@ -347,11 +347,11 @@ class Cluster:
         argv = ["dnsmasq", "--keep-in-foreground", "--conf-file=/dev/null", "--no-resolv",
                 "--no-hosts", f"--addn-hosts={self.workdir / 'hosts'}", f"--listen-address={addr}",
                 "--bind-interfaces", "--local-ttl=0", "--no-negcache", "--user=root",
-                f"--local=/{self.domain}/", "--pid-file=", "--log-facility=-"]  # fmt: skip
+                f"--local=/{self.domain}/", "--pid-file=", "--log-facility=-"]
         self._dnsmasq = self.net.popen(DNS_NODE, argv, stdout=subprocess.DEVNULL,
-                                       stderr=open(self.workdir / "dnsmasq.log", "w"))  # fmt: skip
+                                       stderr=open(self.workdir / "dnsmasq.log", "w"))
         self._wait(lambda: self.resolve(KUBELET_NODE, "nonexistent") == [] and
-                   self._dnsmasq.poll() is None, "dnsmasq answering")  # fmt: skip
+                   self._dnsmasq.poll() is None, "dnsmasq answering")
 
     def _dns_changed(self) -> None:
         self._write_hosts()
@@ -363,9 +363,9 @@ class Cluster:
         process in its namespace, as a pod's getaddrinfo sees them); sorted."""
         code = ("import socket,sys\ntry: print(' '.join(sorted({a[4][0] for a in "
                 "socket.getaddrinfo(sys.argv[1], 1, socket.AF_INET, socket.SOCK_STREAM)})))\n"
-                "except socket.gaierror: print('')")  # fmt: skip
+                "except socket.gaierror: print('')")
         r = subprocess.run(self.net.argv(node, [sys.executable, "-c", code, name]),
-                           capture_output=True, text=True, timeout=60)  # fmt: skip
+                           capture_output=True, text=True, timeout=60)
         return r.stdout.split()
 
     # -- pods ----------------------------------------------------------------------------------
@@ -378,7 +378,7 @@ class Cluster:
         pod = self.pod(component, index)
         self._launch(pod)
         t = threading.Thread(target=self._kubelet, args=(pod,), daemon=True,
-                             name=f"kubelet-{pod.node}")  # fmt: skip
+                             name=f"kubelet-{pod.node}")
         t.start()
         self._threads.append(t)
         return pod
@@ -405,7 +405,7 @@ class Cluster:
             elif "secretRef" in src:
                 env.update(_secret_data(self._secret(src["secretRef"]["name"], w)))
         fields = {"status.podIP": pod.address, "metadata.name": env["HOSTNAME"],
-                  "metadata.namespace": ns}  # fmt: skip
+                  "metadata.namespace": ns}
         for e in c.get("env") or []:
             if "value" in e:
                 env[e["name"]] = str(e["value"])
@@ -430,7 +430,7 @@ class Cluster:
     def _secret(self, name: str, w: dict) -> dict:
         if name not in self.secrets:
             raise ChartError(f"{w['metadata']['name']}: Secret {name!r} neither rendered "
-                             "nor made by the chart's hook Job")  # fmt: skip
+                             "nor made by the chart's hook Job")
         return self.secrets[name]
 
     def _mount_script(self, pod: PodState) -> list[str]:
@@ -488,7 +488,7 @@ class Cluster:
         for it in items:
             if it["key"] not in data:
                 raise ChartError(f"{w['metadata']['name']}: volume {vol['name']!r}: key "
-                                 f"{it['key']!r} not in its object")  # fmt: skip
+                                 f"{it['key']!r} not in its object")
             f = d / it["path"]
             f.parent.mkdir(parents=True, exist_ok=True)
             f.write_text(data[it["key"]])
@@ -513,13 +513,13 @@ class Cluster:
             uid = None
         drop = ["setpriv", f"--reuid={uid}", f"--regid={gid}",
                 f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups",
-                "--inh-caps=-all", "--bounding-set=-all", "--"] if uid is not None else []  # fmt: skip
+                "--inh-caps=-all", "--bounding-set=-all", "--"] if uid is not None else []
         script = "set -e\n" + "\n".join(self._mount_script(pod)) + "\nexec \"$@\"\n"
         pod.log = self.workdir / f"{pod.node}.log"
         log = open(pod.log, "a")
         pod.proc = self.net.popen(pod.node, ["sh", "-c", script, "sh", "env", "-i",
                                              *[f"{k}={v}" for k, v in env.items()], *drop, *argv],
-                                  stdout=log, stderr=subprocess.STDOUT, cwd="/")  # fmt: skip
+                                  stdout=log, stderr=subprocess.STDOUT, cwd="/")
         with self._lock:
             pod.phase, pod.ready = Phase.STARTING, False
 
@@ -540,7 +540,7 @@ class Cluster:
         port = spec[kind]["port"]
         req = {"kind": kind, "host": pod.address, "port": ports.get(port, port),
                "timeout": float(spec.get("timeoutSeconds", 1)),
-               "path": spec[kind].get("path", "/"), "service": spec[kind].get("service", "")}  # fmt: skip
+               "path": spec[kind].get("path", "/"), "service": spec[kind].get("service", "")}
         with self._prober_lock:
             self._prober.stdin.write(json.dumps(req) + "\n")
             self._prober.stdin.flush()

@@ -46,7 +46,7 @@ class EncoderConfig(ModelServiceSettings):
     max_video_duration_s: float = Field(
         600.0, gt=0, description="Longest video accepted: frames / frame rate, as its header "
         "says (seconds).",
-    )  # fmt: skip
+    )
     max_video_frames: int = Field(
         18_000, ge=2, description="Most frames a video file may hold (header, or counted).",
     )
@@ -54,14 +54,14 @@ class EncoderConfig(ModelServiceSettings):
         4_000_000_000, ge=1,
         description="Most pixels (width * height, summed over every frame decoded up to the "
         "last one sampled) one video may decode.",
-    )  # fmt: skip
+    )
     max_video_decode_s: float = Field(
         60.0, gt=0, le=3600, description="Longest one video's decode may run (seconds).",
     )
     max_video_tokens: int = Field(
         32_768, ge=1, description="Most vision tokens one video may become after sampling and "
         "resizing (refused before it is decoded).",
-    )  # fmt: skip
+    )
     # How the defaults of the three fields below were chosen (libx264 mp4s decoded here, one
     # decoding thread, torch on one thread; 'work' = pixels decoded + 12 x pixels sampled,
     # a sampled pixel's RGB conversion and resize costing 8-15x its decode):
@@ -83,7 +83,7 @@ class EncoderConfig(ModelServiceSettings):
         "tiny file declaring huge frames is refused at once. The default is 1.7x the most "
         "compressible slide video measured (one 1080p slide throughout, x264 medium: 34,400 "
         "per byte) and half a 58 KB 4096x4096 x 230-frame mp4's 125,000.",
-    )  # fmt: skip
+    )
     video_decode_s_per_mib: float = Field(
         90.0, gt=0,
         description="Decode CPU time each MiB of a video buys (the file's bytes, at least "
@@ -93,13 +93,13 @@ class EncoderConfig(ModelServiceSettings):
         "stops at what its bytes paid for. Slide videos measured 1.3-36 s per MiB of wall "
         "time on a loaded machine (36: one 1080p slide throughout, x264 medium), so 90 "
         "leaves the slowest 2.5x; a 58 KB file gets 5 s, not max_video_decode_s.",
-    )  # fmt: skip
+    )
     video_decode_min_bytes: int = Field(
         32 * 1024, ge=1,
         description="A video smaller than this is budgeted (video_decode_pixels_per_byte, "
         "video_decode_s_per_mib) as if it were this size: a short clip's floor (32 KiB buy "
         "2.0e9 work and 2.8 s).",
-    )  # fmt: skip
+    )
     allowed_url_hosts: list[str] = Field(
         default_factory=list,
         description="Hosts whose http(s) image and video URLs may be fetched; empty refuses "
@@ -128,14 +128,14 @@ class EncoderConfig(ModelServiceSettings):
         "runs of whole temporal groups of at most this many patches (at least one group), "
         "each run's rows sent as it ends; 0 = the whole video as one input. Without "
         "streaming a video is always one input.",
-    )  # fmt: skip
+    )
     preprocess_workers: int = Field(2, ge=1, le=64, description="Preprocessing worker threads.")
     preprocess_client_share: int = Field(
         0, ge=0, le=64,
         description="Most preprocessing threads one client (the router's client_id) may hold "
         "at once; free threads serve waiting clients in turn. 0 = half the threads (at least "
         "1), so one client's slow image URLs or huge inputs never hold them all.",
-    )  # fmt: skip
+    )
     cache_bytes: int = Field(
         512 * 1024 * 1024, ge=0, description="Embedding cache byte budget; 0 disables it."
     )
@@ -166,7 +166,7 @@ class EncoderConfig(ModelServiceSettings):
         "of the longest image, 256, 512, ... up to the bucket), all captured at start-up; a "
         "batch is padded up to its bucket, a bigger one runs eagerly. 0 disables graphs; "
         "CUDA only (the CPU runs eagerly).",
-    )  # fmt: skip
+    )
     vit_stall_s: float = Field(
         60.0, gt=0, le=3600,
         description="A ViT call that goes this long without finishing a layer is taken "
@@ -177,7 +177,7 @@ class EncoderConfig(ModelServiceSettings):
         "replay) returns once queued, so there the bound is on one whole call's GPU time. "
         "Raise it for a real-size tower on a few CPU cores, where one layer of the largest "
         "input (a batch's first input runs whatever its size) may take tens of seconds.",
-    )  # fmt: skip
+    )
     staging_tokens: int = Field(
         4096, ge=16, description="Tokens per staging slot (>= the language block size)."
     )

@@ -102,7 +102,7 @@ def rope_index(
         run = next(runs, None)
         if run is None or run.kind != kind:
             raise ValueError(f"a run of token type {kind} where the media give "
-                             f"{run.kind if run else 'none'}")  # fmt: skip
+                             f"{run.kind if run else 'none'}")
         t, h, w = run.grid
         gt, gh, gw = t, h // merge, w // merge
         if gt * gh * gw != length:
@@ -167,7 +167,7 @@ def build_payload(
         have = sum(int(f.embeds.shape[0]) for f in mine)
         if int(mask.sum()) != have:
             raise ValueError(f"{int(mask.sum())} {kind.name.lower()} tokens but {have} "
-                             "feature rows")  # fmt: skip
+                             "feature rows")
         if not mine:
             continue
         cols[0] = cols[0].masked_scatter(mask[:, None],
@@ -194,7 +194,7 @@ def media_rows(input_ids: torch.Tensor, counts: list[int], image_token_id: int,
 
 
 class StreamedPayload:
-    """A prompt payload filled in as its media's features come (DESIGN "Streamed rows").
+    """A prompt payload filled in as its media's features come (docs/architecture.md, "Streamed rows").
 
     Built before any ViT runs: the text rows (token embeddings), every token id, the MRoPE
     positions and the delta (from the grids alone), and zeros where features go. `place(i,

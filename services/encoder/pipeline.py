@@ -12,7 +12,7 @@
         -> merge.build_payload (same threads, same client), rows from the held prefix's end on
         -> EncodeResult(payload, keys, cached tokens, timings)
 
-Streamed (`on_payload` given: `--transfer.stream`, DESIGN "Streamed rows"): after the
+Streamed (`on_payload` given: `--transfer.stream`, docs/architecture.md, "Streamed rows"): after the
 cache lookups the payload is built at once without features (merge.StreamedPayload: text
 rows, ids, positions and delta from the grids) and handed to `on_payload` (the servicer
 starts sending it), the cache hits are spliced in, then each miss goes through the ViT
@@ -571,7 +571,7 @@ class EncodePipeline:
         """Decode `videos` at once, each a job in `client`'s share of the pool; the first
         failure cancels the jobs not started (started ones stop at their budget's end)."""
         jobs = [asyncio.ensure_future(self.pool.run(client, self.preprocessor.decode, v, budget))
-                for v in videos]  # fmt: skip
+                for v in videos]
         try:
             out = await asyncio.gather(*jobs)
         except BaseException:
@@ -615,7 +615,7 @@ def _grids(media: list) -> list[VisionGrid]:
     """Each medium's place in the MRoPE layout (known before any ViT: from its grid)."""
     return [VisionGrid(MediaKind.IMAGE, m.grid) if isinstance(m, PreparedImage)
             else VisionGrid(MediaKind.VIDEO, m.grid, m.plan.second_per_grid_t)
-            for m in media]  # fmt: skip
+            for m in media]
 
 
 def _trace_preprocess(trace: tracing.Span, prep, queued_ns: int) -> None:

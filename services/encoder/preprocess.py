@@ -299,7 +299,7 @@ class Preprocessor:
         media = [self._image(where, p, budget, fetch, pixels_for is None or k in pixels_for,
                              grids.get(k), keep_fetched)
                  if isinstance(p, ImageInput) else self._video(where, p, budget, fetch)
-                 for k, (where, p) in enumerate(parts)]  # fmt: skip
+                 for k, (where, p) in enumerate(parts)]
         budget.check()
         ids = self.template.token_ids(
             messages, hf_messages, [self._placeholder(m) for m in media], max_prompt_tokens,
@@ -404,7 +404,7 @@ class Preprocessor:
             raise invalid(where, "this model takes no video")
         if part.frames:  # NOTE: refusals name the wire's field, `...video.frames[k]`
             return plan_frames_source(part.frames, self.video, part.options, lim.video,
-                                      lim.image, f"{where}.frames", budget)  # fmt: skip
+                                      lim.image, f"{where}.frames", budget)
         rules = SourceRules("video", lim.video.max_video_bytes, "video/", _video_oversize)
         with fetch:
             raw = source_bytes(part.data, part.url, where, lim.image, rules, budget)

@@ -133,7 +133,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             rid = request.request_id or "-"  # NOTE: one line per request, greppable by its id
             if code != "OK":
                 log.info("%s room %d: %s while %s", rid, request.room, code,
-                         state.value if state else "starting")  # fmt: skip
+                         state.value if state else "starting")
             else:
                 log.info("%s room %d: delivered", rid, request.room)
             if code != "OK":
@@ -224,7 +224,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                 "tandem.videos": len(res.video_keys), "tandem.cached_prefix_tokens":
                 res.payload.start, "tandem.cached_image_tokens": res.cached_image_tokens,
                 "tandem.skipped_images": res.skipped_images, "tandem.transfer.resumes":
-                stats.resumes})  # fmt: skip
+                stats.resumes})
         return encoder_pb2.EncodeResponse(
             room=job.room,
             prompt_tokens=res.payload.end,

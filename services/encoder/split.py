@@ -1,4 +1,4 @@
-"""One prompt's media split across encoders (DESIGN "Streamed rows"; issue 27 step 3).
+"""One prompt's media split across encoders (docs/architecture.md, "Streamed rows"; issue 27 step 3).
 
 The encoder the router sent `Encode` to is the room's *lead*: it owns the Attach stream
 (Init, Prompt/Cached, Progress, Resume, Done), renders and preprocesses the chat, and

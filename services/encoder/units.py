@@ -6,7 +6,7 @@ embeddings depend on (h, w) only, and the merger works on 2x2 patches within a g
 groups [g0, g1) of a video through the ViT give the rows [g0, g1) of the whole video's
 features (bit for bit where the linears are batch-invariant: the packed CPU kernels;
 tests/test_video_units.py), and a long video can stream its rows group by group and be
-split across encoders like a run of images (DESIGN "Streamed rows").
+split across encoders like a run of images (docs/architecture.md, "Streamed rows").
 
     units(media, rows, start)      every group of every medium past the cached prefix
     vit_inputs(picked, media, cap) the units to run, coalesced: one input per contiguous

@@ -21,11 +21,11 @@ from tandem.metrics import model_info
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _PHASE = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
-          120)  # fmt: skip
+          120)
 _TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _REQUEST_TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000,
-                   50000, 100000)  # fmt: skip
+                   50000, 100000)
 
 
 def _value(gauge: Gauge) -> float:
@@ -57,46 +57,46 @@ class LanguageMetrics:
             _REQUEST_TOKENS)
         self.waiting = Gauge(p + "waiting_requests", "Requests in the waiting queue.", registry=r)
         self.running = Gauge(p + "running_requests", "Requests prefilling or decoding.",
-                             registry=r)  # fmt: skip
+                             registry=r)
         self.transferring = Gauge(p + "transferring_requests", "Rooms waiting for their prompt.",
-                                  registry=r)  # fmt: skip
+                                  registry=r)
         self.kv_used = Gauge(p + "kv_pages_used", "KV pages held by requests.", registry=r)
         self.kv_total = Gauge(p + "kv_pages_capacity", "KV pages in the pool.", registry=r)
         self.kv_usage = Gauge(p + "kv_cache_usage_ratio",
                               "KV pages held by requests over the pool (0 to 1).",
-                              registry=r)  # fmt: skip
+                              registry=r)
         # NOTE: derived at scrape time from the two gauges the engine sets, so the ratio
         # can never disagree with them.
         self.kv_usage.set_function(self._kv_ratio)
         self.retractions = Counter(p + "retractions", "Requests retracted for KV pages.",
-                                   registry=r)  # fmt: skip
+                                   registry=r)
         self.batch_size = Histogram(p + "batch_size", "Sequences per forward step.",
-                                    buckets=_BATCH, registry=r)  # fmt: skip
+                                    buckets=_BATCH, registry=r)
         self.batch_tokens = Histogram(p + "batch_tokens", "Tokens per forward step.",
                                       buckets=(1, 8, 32, 128, 512, 1024, 2048, 4096, 8192),
-                                      registry=r)  # fmt: skip
+                                      registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens prefilled.", registry=r)
         self.busy_seconds = Counter(p + "busy_seconds", "Time spent in forward steps (its "
                                     "rate is the instance's busy fraction).", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated.",
-                                         registry=r)  # fmt: skip
+                                         registry=r)
         self.tokens_per_s = Gauge(p + "generation_tokens_per_second",
                                   "Generated tokens per second over the last few seconds.",
-                                  registry=r)  # fmt: skip
+                                  registry=r)
         self.finished = Counter(p + "requests_finished", "Finished requests by reason.",
-                                ["reason"], registry=r)  # fmt: skip
+                                ["reason"], registry=r)
         self.cache_query_tokens = Counter(
             p + "prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache "
-            "(whole pages, at first admission).", registry=r)  # fmt: skip
+            "(whole pages, at first admission).", registry=r)
         self.cache_hit_tokens = Counter(p + "prefix_cache_hit_tokens",
                                         "Prompt tokens found in the prefix cache.",
-                                        registry=r)  # fmt: skip
+                                        registry=r)
         self.cache_pages = Gauge(p + "prefix_cache_pages", "KV pages with a prefix-cache key "
-                                 "(idle or in use).", registry=r)  # fmt: skip
+                                 "(idle or in use).", registry=r)
         self.cache_evictions = Counter(p + "prefix_cache_evictions",
                                        "Idle cached KV pages evicted for new allocations.",
-                                       registry=r)  # fmt: skip
-        # streamed rows (DESIGN "Streamed rows"): the prompt's first rows reach the engine
+                                       registry=r)
+        # streamed rows (docs/architecture.md, "Streamed rows"): the prompt's first rows reach the engine
         # before the rest, and the prefill of what arrived overlaps the encoder's ViT
         self.first_row = hist("time_to_first_row_seconds", "Per encoded prompt: Generate to "
                               "its first rows in place (copied out and verified; without "
@@ -105,7 +105,7 @@ class LanguageMetrics:
                                         "the engine before all their rows arrived.", registry=r)
         self.streamed_rows = Counter(p + "streamed_rows", "Rows of streamed prompts counted "
                                      "in as they arrived (copied out and verified).",
-                                     registry=r)  # fmt: skip
+                                     registry=r)
         self.early_prefill_tokens = Counter(
             p + "early_prefill_tokens", "Prompt tokens prefilled while their prompt's later "
             "rows were still on their way (the encode they overlapped).", registry=r)

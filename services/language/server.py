@@ -87,13 +87,13 @@ def delta_to_proto(
         out.usage.CopyFrom(common_pb2.Usage(
             prompt_tokens=d.prompt_tokens, completion_tokens=d.completion_tokens,
             total_tokens=d.prompt_tokens + d.completion_tokens,
-            cached_tokens=d.cached_tokens))  # fmt: skip
+            cached_tokens=d.cached_tokens))
         t = d.timings_ms
         out.timings.CopyFrom(common_pb2.StageTimings(
             transfer_ms=0.0 if bypassed else transfer_ms, queue_ms=t.get("queue", 0.0),
             prefill_ms=t.get("prefill", 0.0), decode_ms=t.get("decode", 0.0),
             encoder_bypassed=bypassed, time_to_first_row_ms=0.0 if bypassed else first_row_ms,
-            early_prefill_tokens=d.early_prefill_tokens))  # fmt: skip
+            early_prefill_tokens=d.early_prefill_tokens))
         if d.error:
             out.error.CopyFrom(common_pb2.ErrorInfo(code=d.error_code or "INTERNAL",
                                                     message=d.error, field=d.error_field))

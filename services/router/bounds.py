@@ -40,11 +40,11 @@ def check(query: Query, cfg: RouterConfig) -> None:
         raise RouterError("INVALID_ARGUMENT", f"n must be in [1, {MAX_N}]", "n")
     if query.timeout_ms is not None and not 1 <= query.timeout_ms <= MAX_TIMEOUT_MS:
         raise RouterError("INVALID_ARGUMENT", f"timeout_ms must be in [1, {MAX_TIMEOUT_MS}] "
-                          "(absent: the router's default)", "timeout_ms")  # fmt: skip
+                          "(absent: the router's default)", "timeout_ms")
     for s in query.sampling.stop:
         if len(s) > MAX_STOP_CHARS:
             raise RouterError("INVALID_ARGUMENT", f"a stop string is longer than "
-                              f"{MAX_STOP_CHARS} characters", "stop")  # fmt: skip
+                              f"{MAX_STOP_CHARS} characters", "stop")
     if query.n > 1 and query.tools.mode is not ToolMode.NONE:
         raise RouterError("INVALID_ARGUMENT", "n > 1 with tools is not served", "n")
     for i, m in enumerate(query.messages):
@@ -66,7 +66,7 @@ def _video(video: common_pb2.VideoPart, cfg: RouterConfig, param: str) -> None:
     together as a video's."""
     if len(video.data) > cfg.max_video_bytes:
         raise RouterError("TOO_LARGE", f"video larger than {cfg.max_video_bytes} bytes "
-                          "(the router's max_video_bytes)", param)  # fmt: skip
+                          "(the router's max_video_bytes)", param)
     total = 0
     for k, frame in enumerate(video.frames.frames):
         _image(frame, cfg, f"{param}.frames[{k}]")
@@ -74,4 +74,4 @@ def _video(video: common_pb2.VideoPart, cfg: RouterConfig, param: str) -> None:
     if total > cfg.max_video_bytes:
         raise RouterError("TOO_LARGE", f"the frames are larger than {cfg.max_video_bytes} "
                           "bytes together (the router's max_video_bytes)",
-                          f"{param}.frames")  # fmt: skip
+                          f"{param}.frames")

@@ -27,7 +27,7 @@ class RouterConfig(ServiceSettings):
         "content, as vLLM's qwen3 parser; `none` leaves the whole output in content. Chat "
         "API only; an output bound by a grammar (response_format, structured_outputs, a "
         "forced tool call) is never split (services/router/reasoning.py).",
-    )  # fmt: skip
+    )
     http_port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP port.")
     grpc_port: int = Field(50051, ge=1, le=65535, description="gRPC Router port (SDK).")
     http_keep_alive_s: int = Field(
@@ -35,14 +35,14 @@ class RouterConfig(ServiceSettings):
         description="Idle HTTP keep-alive before the router closes a connection. Longer than "
         "common clients' own pool expiry (5 s in httpx/aiohttp), so a client never reuses a "
         "connection the router is closing at that moment (a reset under load).",
-    )  # fmt: skip
+    )
     http_request_timeout_s: float = Field(
         60.0, gt=0, le=3600,
         description="Time a client has to send a whole HTTP request once it starts one: its "
         "headers (and, on a new connection, its first byte), then its body. Past it the "
         "router answers 408 and closes the connection, so a stalled or trickling client "
         "(slowloris) cannot hold connections.",
-    )  # fmt: skip
+    )
     encoders: list[str] = Field(
         default_factory=list, description="Static encoder addresses (host:port)."
     )
@@ -87,7 +87,7 @@ class RouterConfig(ServiceSettings):
         "client, e.g. 'x-forwarded-for', for the encoders' fair share of preprocessing per "
         "client. Set it only behind a proxy that sets it (a client could forge it); empty = "
         "the connection's remote address.",
-    )  # fmt: skip
+    )
     refusal_bytes_per_s: int = Field(
         256 * 1024, ge=0,
         description="Per client (its address, see client_id_header), the budget of refused "
@@ -95,15 +95,15 @@ class RouterConfig(ServiceSettings):
         "(at least 4 KiB); a client past its budget has its next requests held, unread, one "
         "at a time until it is repaid (services/router/refusals.py). Served requests cost "
         "nothing. 0 turns it off.",
-    )  # fmt: skip
+    )
     refusal_burst_bytes: int = Field(
         4 * 1024 * 1024, ge=0, description="Refused bytes a client may send at once before "
         "it is held (the budget's size)."
-    )  # fmt: skip
+    )
     refusal_max_hold_s: float = Field(
         30.0, gt=0, le=3600, description="Longest a client in debt is held; a request that "
         "would wait longer is answered 429 with Retry-After."
-    )  # fmt: skip
+    )
     tls_cert: str = Field("", description="PEM certificate for the gRPC port (enables TLS).")
     tls_key: str = Field("", description="PEM private key for the gRPC port.")
     max_image_bytes: int = Field(
@@ -113,7 +113,7 @@ class RouterConfig(ServiceSettings):
         64 * 1024 * 1024, ge=1024,
         description="Largest inline video accepted (bytes); 413 above. A data URL is also "
         "bounded by max_request_bytes; the encoders' own max_video_bytes applies after.",
-    )  # fmt: skip
+    )
     max_request_bytes: int = Field(
         64 * 1024 * 1024, ge=1024, description="Largest HTTP/gRPC request body (bytes); 413 above."
     )
@@ -128,14 +128,14 @@ class RouterConfig(ServiceSettings):
         "least loaded other healthy encoders serving the same model, never more than its "
         "media count-1 without a video; the encoder it is sent to decides the ranges. "
         "1 = never split.",
-    )  # fmt: skip
+    )
     split_max_helper_load: float = Field(
         0, ge=0,
         description="A helper of a split prompt carries at most this many requests in "
         "flight (this router's and, from GetLoad, others'); 0 = idle encoders only: under "
         "load every encoder's ViT is busy with its own requests, and a split would only "
         "move work around (plus the helper's own rendering of the whole chat).",
-    )  # fmt: skip
+    )
     encoder_bypass: bool = Field(
         True, description="Send chats without an image straight to a language instance, "
         "which tokenizes them itself (no encoder, room or transfer); --no-encoder-bypass "

@@ -26,10 +26,10 @@ _STATUS = {
     "OVERLOADED": 429,
     "RESOURCE_EXHAUSTED": 413, "CANCELLED": 499, "UNAVAILABLE": 503, "ABORTED": 503,
     "DEADLINE_EXCEEDED": 504,
-}  # fmt: skip
+}
 # Router-internal codes that are not gRPC names, and what gRPC callers see instead.
 _GRPC_ALIAS = {"TOO_LARGE": "RESOURCE_EXHAUSTED", "OVERLOADED": "RESOURCE_EXHAUSTED",
-               "REQUEST_TIMEOUT": "DEADLINE_EXCEEDED"}  # fmt: skip
+               "REQUEST_TIMEOUT": "DEADLINE_EXCEEDED"}
 
 
 class Tier(enum.Enum):

@@ -53,7 +53,7 @@ _HELPER_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32, 63)  # split_encoders <= 64
 
 # The `handler` label's values (bounded: any other path is "other").
 _HANDLERS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize",
-                       "/detokenize", "/health", "/ready", "/metrics"})  # fmt: skip
+                       "/detokenize", "/health", "/ready", "/metrics"})
 
 
 class RouterMetrics:
@@ -99,12 +99,12 @@ class RouterMetrics:
         self.split_prompts = Counter(
             "tandem_router_split_prompts", "Encodes sent with at least one helper encoder "
             "(EncodeRequest.helpers; a failover's Encode counts again).", registry=r,
-        )  # fmt: skip
+        )
         self.encode_helpers = Histogram(
             "tandem_router_encode_helpers", "Helper encoders named per Encode of a prompt "
             "that may be split (split_encoders > 1, at least 2 images/videos); 0: no other "
             "encoder of its model was eligible.", buckets=_HELPER_BUCKETS, registry=r,
-        )  # fmt: skip
+        )
         self.encoder_bypassed = Counter(
             "tandem_router_encoder_bypassed", "Text-only chats sent straight to a language "
             "instance (no encoder).", registry=r,
@@ -117,7 +117,7 @@ class RouterMetrics:
             "tandem_router_refusal_holds", "Requests held because their client's "
             "refused requests were over its budget, by outcome (passed, refused: 429).",
             ["outcome"], registry=r,
-        )  # fmt: skip
+        )
         self.healthy = Gauge(
             "tandem_router_healthy_instances", "Healthy instances per tier.", ["tier"], registry=r
         )
@@ -151,23 +151,23 @@ class VllmAliases:
                              "tier's running batches (vLLM's name).", m, registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for the "
                              "language tier's prefill, prompts in transfer included (vLLM's "
-                             "name).", m, registry=r)  # fmt: skip
+                             "name).", m, registry=r)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = full: the "
                               "mean over the language instances (vLLM's name).", m, registry=r)
         self.gpu_kv_usage = Gauge("vllm:gpu_cache_usage_perc", "KV-cache usage, 1 = full "
                                   "(vLLM's older name of vllm:kv_cache_usage_perc).", m,
-                                  registry=r)  # fmt: skip
+                                  registry=r)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token "
                               "(vLLM's name).", m, buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("vllm:time_per_output_token_seconds", "Time per output token "
                               "after the first, one observation per request (vLLM's name).",
-                              m, buckets=_TPOT_BUCKETS, registry=r)  # fmt: skip
+                              m, buckets=_TPOT_BUCKETS, registry=r)
         self.request_tpot = Histogram(
             "vllm:request_time_per_output_token_seconds", "Time per output token after the "
             "first, per request (vLLM's name).", m, buckets=_TPOT_BUCKETS, registry=r)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, start "
                              "to last token (vLLM's name).", m, buckets=_LATENCY_BUCKETS,
-                             registry=r)  # fmt: skip
+                             registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished "
                                      "requests (vLLM's name).", m, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Output tokens of "

@@ -49,7 +49,7 @@ class HeldTooLong(Exception):
 
     def __init__(self, retry_after_s: int) -> None:
         super().__init__(f"too many refused requests from this client: retry in "
-                         f"{retry_after_s} s")  # fmt: skip
+                         f"{retry_after_s} s")
         self.retry_after_s = retry_after_s
 
 
@@ -83,7 +83,7 @@ class RefusalBudget:
 
     def __init__(self, rate: float, burst: float, max_hold_s: float,
                  clock: Callable[[], float] = time.monotonic,
-                 on_hold: Callable[[str], None] | None = None) -> None:  # fmt: skip
+                 on_hold: Callable[[str], None] | None = None) -> None:
         self.rate, self.burst, self.max_hold_s = rate, burst, max_hold_s
         self.clock = clock
         self.on_hold = on_hold or (lambda outcome: None)  # "passed" | "refused"

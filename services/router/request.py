@@ -120,7 +120,7 @@ class Route:
     def fields(self) -> dict:
         """The extension fields of a response (`resumes` only once known)."""
         out = {"attempts": self.attempts, "language": self.language, "encoder": self.encoder,
-               "encoder_attempts": self.encoder_attempts}  # fmt: skip
+               "encoder_attempts": self.encoder_attempts}
         if self.resumes is not None:
             out["resumes"] = self.resumes
         return out
@@ -243,7 +243,7 @@ def image_hashes(messages: list[common_pb2.ChatMessage]) -> list[str]:
                 src = part.image if kind == "image" else part.video
                 if src.WhichOneof("source") == "frames":  # each frame's bytes or URL, in order
                     raw = b"".join(hashlib.sha256(f.data or f.url.encode()).digest()
-                                   for f in src.frames.frames)  # fmt: skip
+                                   for f in src.frames.frames)
                 else:
                     raw = src.data if src.WhichOneof("source") == "data" else src.url.encode()
                 out.append(hashlib.sha256(raw).hexdigest())

@@ -110,7 +110,7 @@ def tools_from_json(text: str) -> list[Tool] | None:
         return _TOOLS.validate_json(text)
     except ValidationError as e:
         raise RouterError("INVALID_ARGUMENT", f"tools: {e.errors()[0]['msg']}",
-                          "tools") from None  # fmt: skip
+                          "tools") from None
 
 
 def tool_setup_of(tools_in: list[Tool] | None,
@@ -127,7 +127,7 @@ def tool_setup_of(tools_in: list[Tool] | None,
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
             raise RouterError("INVALID_ARGUMENT", f"tool_choice names {choice.function.name!r}, "
-                              "which is not in tools", "tool_choice")  # fmt: skip
+                              "which is not in tools", "tool_choice")
         choice = choice.function.name
     return tool_setup(tools, choice)
 
@@ -141,7 +141,7 @@ def forced(grammar: common_pb2.StructuredOutput | None,
         return asked
     if asked is not None:
         raise RouterError("INVALID_ARGUMENT", "a forced tool call and another output "
-                          "constraint cannot go together", "tool_choice")  # fmt: skip
+                          "constraint cannot go together", "tool_choice")
     return grammar
 
 

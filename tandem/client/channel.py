@@ -19,7 +19,7 @@ from tandem.client.results import build_request
 from tandem.v1 import router_pb2, router_pb2_grpc
 
 _OPTIONS = [("grpc.max_send_message_length", 256 << 20),
-            ("grpc.max_receive_message_length", 256 << 20)]  # fmt: skip
+            ("grpc.max_receive_message_length", 256 << 20)]
 
 
 @dataclass(frozen=True)
@@ -39,11 +39,11 @@ class RouterChannel:
     def __init__(self, address: str = "127.0.0.1:50051", *, api_key: str | None = None,
                  timeout: float = 120.0, retries: int = 3, backoff: float = 0.2,
                  tls: bool = False, root_certificates: bytes | None = None,
-                 tls_server_name: str = "") -> None:  # fmt: skip
+                 tls_server_name: str = "") -> None:
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         opts = _OPTIONS + ([("grpc.ssl_target_name_override", tls_server_name)]
-                           if tls_server_name else [])  # fmt: skip
+                           if tls_server_name else [])
         if tls:
             creds = grpc.ssl_channel_credentials(root_certificates)
             self._channel = self._grpc.secure_channel(address, creds, options=opts)

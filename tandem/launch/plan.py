@@ -306,7 +306,7 @@ def instance_argv(
     lo, hi = ports
     return [*CLI, kind, "--model", model, "--host", host, "--port", str(port),
             "--transfer.host", host, "--transfer.min-port", str(lo),
-            "--transfer.max-port", str(hi), *extra]  # fmt: skip
+            "--transfer.max-port", str(hi), *extra]
 
 
 def served_name(args: argparse.Namespace, model: str) -> str:
@@ -336,7 +336,7 @@ def router_child(
             "--log-level", args.log_level,
             "--http-port", str(args.http_port), "--grpc-port", str(args.grpc_port),
             "--encoders", ",".join(encoders), "--languages", ",".join(languages),
-            *shlex.split(args.router_args)]  # fmt: skip
+            *shlex.split(args.router_args)]
     router = Child("router", argv, f"{args.host}:{args.grpc_port}", ROUTER_HEALTH)
     if args.api_key:  # NOTE: through the environment, not argv (which `ps` shows to all)
         router.env_extra["TANDEM_API_KEY"] = args.api_key
@@ -434,6 +434,6 @@ def plan(args: argparse.Namespace, model: str, pki: PKIPaths | None = None
             child.probe_tls = operator_tls(pki)
             out.append(child)
     router = router_child(args, model, [c.grpc_address for c in encoders],
-                          [c.grpc_address for c in languages])  # fmt: skip
+                          [c.grpc_address for c in languages])
     router.env_extra.update(tls_env(pki, "router"))
     return encoders, languages, router

@@ -113,7 +113,7 @@ class ServiceHost:
             raise
         return {"name": self.name, "address": self.child.grpc_address,
                 "pid": self.child.proc.pid, "node_ip": ip,
-                "gpus": env.get("CUDA_VISIBLE_DEVICES", "")}  # fmt: skip
+                "gpus": env.get("CUDA_VISIBLE_DEVICES", "")}
 
     def alive(self) -> bool:
         return self.child is not None and self.child.alive
@@ -157,7 +157,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]
     p.add_argument("--language-resources", type=_resources, default={}, metavar="JSON",
                    help="Ray custom resources per language actor.")
     p.add_argument("--ray-num-cpus", type=int, default=None,
-                   help="CPUs of a local instance started here (default: all).")  # fmt: skip
+                   help="CPUs of a local instance started here (default: all).")
     p.add_argument("--ray-namespace", default="", help="Ray namespace (default: tandem-<pid>).")
     if "-h" in argv or "--help" in argv:
         p.print_help()
@@ -176,7 +176,7 @@ def _connect(ray_args: argparse.Namespace):
 
     address = ray_args.ray or None
     kwargs = {"namespace": ray_args.ray_namespace or f"tandem-{os.getpid()}",
-              "include_dashboard": False, "log_to_driver": True}  # fmt: skip
+              "include_dashboard": False, "log_to_driver": True}
     if address == "local" and ray_args.ray_num_cpus is not None:
         kwargs["num_cpus"] = ray_args.ray_num_cpus
     ray.init(address=address, **kwargs)
@@ -190,13 +190,13 @@ def _check_resources(ray, rargs: argparse.Namespace, args: argparse.Namespace) -
     if need_gpu > have.get("GPU", 0):
         raise RuntimeError(
             f"the Ray cluster has {have.get('GPU', 0):g} GPUs, the instances need {need_gpu:g} "
-            "(--encoder-gpus 0 --language-gpus 0 runs them on CPU)")  # fmt: skip
+            "(--encoder-gpus 0 --language-gpus 0 runs them on CPU)")
     if need_cpu > have.get("CPU", 0):
         raise RuntimeError(f"the Ray cluster has {have.get('CPU', 0):g} CPUs, the instances "
-                           f"need {need_cpu:g} (see --encoder-cpus/--language-cpus)")  # fmt: skip
+                           f"need {need_cpu:g} (see --encoder-cpus/--language-cpus)")
     need: dict[str, float] = {}
     for n, res in ((args.encoders, rargs.encoder_resources),
-                   (args.languages, rargs.language_resources)):  # fmt: skip
+                   (args.languages, rargs.language_resources)):
         for k, v in res.items():
             need[k] = need.get(k, 0.0) + n * v
     for k, v in need.items():
@@ -243,10 +243,10 @@ def main(argv: list[str] | None = None) -> int:
 
     Host = ray.remote(ServiceHost)
     slots = [Slot("encoder", i, rargs.encoder_cpus, rargs.encoder_gpus, rargs.encoder_resources,
-                  args.encoder_args, i) for i in range(args.encoders)]  # fmt: skip
+                  args.encoder_args, i) for i in range(args.encoders)]
     slots += [Slot("language", i, rargs.language_cpus, rargs.language_gpus,
                    rargs.language_resources, args.language_args, args.encoders + i)
-              for i in range(args.languages)]  # fmt: skip
+              for i in range(args.languages)]
     pg, router, code, pki, model, probe_pem = None, None, 0, None, "", None
 
     def launch(slot: Slot) -> None:
@@ -256,13 +256,13 @@ def main(argv: list[str] | None = None) -> int:
             resources=slot.resources, max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 pg, placement_group_bundle_index=slot.bundle),
-        ).remote(slot.name, slot.kind)  # fmt: skip
+        ).remote(slot.name, slot.kind)
         slot.info, slot.checks = None, []
         port = int(slot.address.rsplit(":", 1)[1]) if slot.address else 0
         slot.pending = slot.actor.start.remote(
             model, ["--log-level", args.log_level, *shlex.split(slot.extra)], args.ready_timeout,
             args.encoder_nice if slot.kind == "encoder" else 0,
-            launch_plan.tls_env(pki, slot.kind, inline=True), probe_pem, port)  # fmt: skip
+            launch_plan.tls_env(pki, slot.kind, inline=True), probe_pem, port)
 
     def addresses(kind: str) -> list[str]:
         return [s.address for s in slots if s.kind == kind]
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         # a bundle's custom resources confine it to the nodes that have them.
         pg = placement_group([{"CPU": s.cpus, **({"GPU": s.gpus} if s.gpus else {}),
                                **s.resources} for s in slots],
-                             strategy="SPREAD", name=f"tandem-{os.getpid()}")  # fmt: skip
+                             strategy="SPREAD", name=f"tandem-{os.getpid()}")
         ray.get(pg.ready(), timeout=args.ready_timeout)
         for slot in slots:  # every start runs in parallel, each on its actor
             launch(slot)
@@ -300,12 +300,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise KeyboardInterrupt
             info = slot.info
             say(f"[up] {slot.name:<11} ready   {info['address']:<21} "
-                f"(node {info['node_ip']}, gpus [{info['gpus']}])")  # fmt: skip
+                f"(node {info['node_ip']}, gpus [{info['gpus']}])")
         router = start_router()
         say(f"[up] ready: OpenAI API http://{args.host}:{args.http_port}/v1   "
-            f"gRPC {args.host}:{args.grpc_port}   model {model}   (Ray)")  # fmt: skip
+            f"gRPC {args.host}:{args.grpc_port}   model {model}   (Ray)")
         say("[up] pids: " + " ".join(f"{s.name}={s.info['pid']}" for s in slots)
-            + f" router={router.proc.pid}")  # fmt: skip
+            + f" router={router.proc.pid}")
         if args.demo:
             from tandem.launch.demo import run_demo
 
@@ -365,7 +365,7 @@ def _watch(ray, slots: list[Slot], launch) -> bool:
                 launch(slot)
                 continue
             say(f"[up] {slot.name:<11} re-placed {slot.info['address']:<21} "
-                f"(node {slot.info['node_ip']}, replacement {slot.replaced})")  # fmt: skip
+                f"(node {slot.info['node_ip']}, replacement {slot.replaced})")
             moved |= slot.lost_address != slot.address
             slot.lost_address = ""
             continue

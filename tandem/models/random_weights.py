@@ -125,7 +125,7 @@ def _header(plan: WeightPlan, names: tuple[str, ...]) -> bytes:
     for n in names:
         t = by_name[n]
         header[n] = {"dtype": st_dtype, "shape": list(t.shape),
-                     "data_offsets": [offset, offset + t.numel * size]}  # fmt: skip
+                     "data_offsets": [offset, offset + t.numel * size]}
         offset += t.numel * size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -166,7 +166,7 @@ def write_weights(plan: WeightPlan, out: Path, seed: int = 0, device="cpu") -> N
                     if time.monotonic() - last >= PROGRESS_S:
                         last = time.monotonic()
                         log.info("random weights: %.1f of %.1f GB written (%s, %.0f s)",
-                                 done / 1e9, plan.total_bytes / 1e9, file, last - t0)  # fmt: skip
+                                 done / 1e9, plan.total_bytes / 1e9, file, last - t0)
     if len(plan.shards) > 1:
         write_index(plan, out)
 

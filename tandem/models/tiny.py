@@ -46,12 +46,12 @@ _TEXT = {
         hidden_size=512, intermediate_size=1536, num_hidden_layers=12,
         num_attention_heads=8, num_key_value_heads=2, head_dim=64,
     ),
-}  # fmt: skip
+}
 _MROPE = {  # per arch and head_dim: sections of the rotary half-dim (t, h, w)
     ("qwen2_5_vl", 16): [2, 3, 3], ("qwen2_5_vl", 64): [8, 12, 12],
     ("qwen3_vl", 16): [4, 2, 2], ("qwen3_vl", 64): [12, 10, 10],
     ("qwen3_vl_moe", 16): [4, 2, 2], ("qwen3_vl_moe", 64): [12, 10, 10],
-}  # fmt: skip
+}
 # Qwen3-VL-MoE's text decoder: experts, experts per token, expert width; every second
 # layer sparse (decoder_sparse_step 2) and the last one dense (mlp_only_layers), so both
 # kinds of MLP and both config rules are exercised.
@@ -60,7 +60,7 @@ _MOE = {
                  decoder_sparse_step=1, mlp_only_layers=[1]),
     "small": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=320,
                   decoder_sparse_step=2, mlp_only_layers=[11]),
-}  # fmt: skip
+}
 _VISION = {
     "tiny": dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2),
     "small": dict(depth=6, hidden_size=384, intermediate_size=1024, num_heads=6),
@@ -97,7 +97,7 @@ _REAL = {
                     deepstack_visual_indexes=[8, 16, 24]),
         mrope=[24, 20, 20], pixels=(64, 16384),
     ),
-}  # fmt: skip
+}
 REAL_DTYPE = "bfloat16"  # as released
 
 
@@ -130,15 +130,15 @@ def make_config(arch: str, size: str):
         real = _REAL[size]
         text = dict(real["text"], **ids_text, tie_word_embeddings=False, initializer_range=0.02)
         vision = dict(real["vision"], out_hidden_size=text["hidden_size"], spatial_merge_size=2,
-                      temporal_patch_size=2, initializer_range=0.02)  # fmt: skip
+                      temporal_patch_size=2, initializer_range=0.02)
         mrope = real["mrope"]
     else:
         text = dict(_TEXT[size], vocab_size=tk.VOCAB_SIZE, max_position_embeddings=32768,
                     **ids_text, tie_word_embeddings=_TIED[arch],
-                    initializer_range=_init_std(size))  # fmt: skip
+                    initializer_range=_init_std(size))
         mrope = _MROPE[(arch, text["head_dim"])]
         vision = dict(_VISION[size], out_hidden_size=text["hidden_size"], spatial_merge_size=2,
-                      temporal_patch_size=2, initializer_range=_init_std(size))  # fmt: skip
+                      temporal_patch_size=2, initializer_range=_init_std(size))
         depth = vision["depth"]
         if arch == "qwen2_5_vl":
             vision["fullatt_block_indexes"] = (
@@ -174,7 +174,7 @@ def make_config(arch: str, size: str):
 
     text["rope_parameters"] = {
         "rope_type": "default", "rope_theta": 5e6, "mrope_section": mrope, "mrope_interleaved": True,
-    }  # fmt: skip
+    }
     vision.update(
         patch_size=16,
         hidden_act="gelu_pytorch_tanh",
@@ -325,7 +325,7 @@ def write_video_processor_config(ckpt: Path) -> None:
     img = cfg["image_processor"]
     keep = ("do_convert_rgb", "do_normalize", "do_rescale", "do_resize", "image_mean",
             "image_std", "merge_size", "patch_size", "resample", "rescale_factor", "size",
-            "temporal_patch_size")  # fmt: skip
+            "temporal_patch_size")
     video = {k: img[k] for k in keep if k in img}
     video["video_processor_type"] = "Qwen2VLVideoProcessor"
     (ckpt / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")

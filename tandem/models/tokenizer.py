@@ -29,7 +29,7 @@ SPECIAL_TOKENS = [
     "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>",
     "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
     "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>",
-]  # fmt: skip
+]
 # Tokens that `skip_special_tokens` removes (Qwen marks the tool/think tags as non-special).
 _NOT_SPECIAL = {
     "<tool_call>",

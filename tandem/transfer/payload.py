@@ -46,7 +46,7 @@ class PromptInfo:
 
 
 class RowWatermark:
-    """How many leading rows of a payload are final: a streamed prompt (DESIGN "Streamed
+    """How many leading rows of a payload are final: a streamed prompt (docs/architecture.md, "Streamed
     rows") is handed on before all its rows exist, and this count says how far it may be
     read. It only grows; `rows == total` once every row is in.
 
@@ -126,7 +126,7 @@ class PromptPayload:
     mrope_delta     int             decode position of token i is i + mrope_delta.
     (L rows: tokens [start, start + L) of the prompt.)
 
-    `arrived` (a streamed payload, DESIGN "Streamed rows"): only rows [0, arrived.rows)
+    `arrived` (a streamed payload, docs/architecture.md, "Streamed rows"): only rows [0, arrived.rows)
     are final yet; the tensors have every row's place, the rest fill in order. None: every
     row is there. On the language side `mrope_delta` is set once the last row is in (it
     is read only past the prompt).
@@ -151,7 +151,7 @@ class PromptPayload:
         if self.input_embeds is not None and (
                 self.input_embeds.dim() != 2 or self.input_embeds.shape[0] != n):
             raise ValueError(f"input_embeds must be [{n}, D], got "
-                             f"{tuple(self.input_embeds.shape)}")  # fmt: skip
+                             f"{tuple(self.input_embeds.shape)}")
         if tuple(self.mrope_positions.shape) != (3, n):
             raise ValueError(
                 f"mrope_positions must be [3, {n}], got {tuple(self.mrope_positions.shape)}"

@@ -22,7 +22,7 @@ registered once at start-up):
               ⇅ WAITING_FOR_ROWS (a streamed payload: its next rows are still in the ViT)
     any state ─▶ FAILED (a timeout, a bad message, a broken or closed stream, a failed write)
 
-A streamed payload (`payload.arrived`, DESIGN "Streamed rows") may be sent before its rows
+A streamed payload (`payload.arrived`, docs/architecture.md, "Streamed rows") may be sent before its rows
 exist: each staging round covers only rows below its watermark, in whole destination
 blocks (the last block of the prompt excepted), and waits (with AttachWorking heartbeats)
 while not one block is final. Every round's chunks are reported as usual, so the Progress

@@ -86,7 +86,7 @@ class RangeLost(Exception):
 
 @dataclass
 class RemoteRange:
-    """Payload tokens [start, end) of a room that another encoder writes (DESIGN "Streamed
+    """Payload tokens [start, end) of a room that another encoder writes (docs/architecture.md, "Streamed
     rows", split across encoders). The lead's sender cuts its pieces at `start` and `end`
     and hands every piece inside to `write`; when that raises RangeLost it awaits
     `fall_back()` (which puts the range's rows into the lead's own payload) and writes
@@ -114,7 +114,7 @@ MAX_RANKS = 64  # destinations one Init may name (tensor-parallel ranks of one i
 
 def destinations(room: int, init: encoder_pb2.AttachInit, staging: StagingArea,
                  payload: PromptPayload) -> list[Destination]:
-    """Rank 0's buffers, then each other tensor-parallel rank's (seeds/001's
+    """Rank 0's buffers, then each other tensor-parallel rank's (docs/architecture.md's "N destinations":
     required_dst_info_num destinations); every one must take this payload, and mirror rank
     0's pool (one list of block ids serves them all). Raises INVALID_ARGUMENT."""
     dests = [Destination(init.session_id, BufferLayout.from_proto(init.layout))]

@@ -90,7 +90,7 @@ async def main() -> None:
     cfg = TransferConfig(timeout_s=10.0)
     engine = MooncakeEngine(cfg)
     staging = StagingArea(4, 512, model.config.text_config.hidden_size * (
-        1 + oracle.num_deepstack(model)), dtype=model.dtype)  # fmt: skip
+        1 + oracle.num_deepstack(model)), dtype=model.dtype)
     staging.register(engine)
     if "--rank0-only" in sys.argv:
         import dataclasses

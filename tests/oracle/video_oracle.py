@@ -94,7 +94,7 @@ def given_frames(paths: list[str], fps: float):
     frames = [Image.open(p) for p in paths]
     # NOTE: an array, as sampling makes it: Qwen3VLProcessor pads a list of indices in place
     md = VideoMetadata(total_num_frames=len(frames), fps=fps,
-                       frames_indices=np.arange(len(frames)))  # fmt: skip
+                       frames_indices=np.arange(len(frames)))
     return frames, md
 
 

@@ -143,7 +143,7 @@ def check_work(work: DecodeWork, nbytes: int, field: str, lim: VideoLimits) -> N
         raise over(field, VideoRefusal.DECODE_WORK,
                    f"decoding this video is {work.units} pixel-equivalents of work for "
                    f"{nbytes} bytes (at most {allowed})",
-                   lim.video_decode_pixels_per_byte)  # fmt: skip
+                   lim.video_decode_pixels_per_byte)
 
 
 class _FromPlan:
@@ -385,7 +385,7 @@ def decode(
     pixel_values = normalize_and_patchify(frames, video.settings)
     return PreparedVideo(hashlib.sha256(video.raw).hexdigest(), video.header, video.plan,
                          pixel_values, video.field, decoded, video.plan_s + t1 - t0,
-                         time.perf_counter() - t1)  # fmt: skip
+                         time.perf_counter() - t1)
 
 
 def prepare_video(

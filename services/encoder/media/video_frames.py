@@ -85,7 +85,7 @@ def plan_frames_source(
     if n / smp.fps > limits.max_video_duration_s:
         raise over(field, VideoRefusal.DURATION,
                    f"video is {n / smp.fps:.1f} s long ({n} frames at fps {smp.fps:g})",
-                   limits.max_video_duration_s)  # fmt: skip
+                   limits.max_video_duration_s)
     raws: list[bytes] = []
     total, size, formats = 0, None, set()
     for k, frame in enumerate(frames):
@@ -95,27 +95,27 @@ def plan_frames_source(
         total += len(raw)
         if total > limits.max_video_bytes:
             raise over(field, VideoRefusal.BYTES, f"the frames are {total} bytes or more",
-                       limits.max_video_bytes)  # fmt: skip
+                       limits.max_video_bytes)
         img = open_image(raw, where, image)
         size = size or img.size
         if img.size != size:
             raise VideoError(where, VideoRefusal.UNSUPPORTED,
                              f"frame {k} is {img.size[0]}x{img.size[1]}, frame 0 "
-                             f"{size[0]}x{size[1]}: a video's frames are one size")  # fmt: skip
+                             f"{size[0]}x{size[1]}: a video's frames are one size")
         formats.add(img.format)
         raws.append(raw)
     w, h = size
     if n * w * h > limits.max_video_decoded_pixels:
         raise over(field, VideoRefusal.DECODED_PIXELS, f"{n} frames of {w}x{h} pixels",
-                   limits.max_video_decoded_pixels)  # fmt: skip
+                   limits.max_video_decoded_pixels)
     header = VideoHeader(n, smp.fps, w, h, FORMAT, "/".join(sorted(formats)))
     plan = plan_frames(header, smp, content_hash(raws), field)
     if plan.num_tokens > limits.max_video_tokens:
         raise over(field, VideoRefusal.TOKENS, f"video is {plan.num_tokens} tokens",
-                   limits.max_video_tokens)  # fmt: skip
+                   limits.max_video_tokens)
     check_work(DecodeWork.of(header, plan.indices), total, field, limits)
     return PlannedVideo(b"", header, plan, settings, field, time.perf_counter() - t0,
-                        tuple(raws))  # fmt: skip
+                        tuple(raws))
 
 
 def decode_frames(
@@ -139,7 +139,7 @@ def decode_frames(
     pixel_values = normalize_and_patchify(out, video.settings)
     return PreparedVideo(content_hash(video.frames), header, plan, pixel_values, video.field,
                          len(video.frames), video.plan_s + t1 - t0,
-                         time.perf_counter() - t1)  # fmt: skip
+                         time.perf_counter() - t1)
 
 
 def content_hash(frames) -> str:

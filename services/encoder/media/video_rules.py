@@ -37,7 +37,7 @@ from tandem.chat import ChatError, VideoOptions
 
 RULES = ("qwen2_vl", "qwen3_vl")  # the video processor classes whose rules are built here
 ARCH_RULES = {"qwen2_5_vl": "qwen2_vl", "qwen2_vl": "qwen2_vl", "qwen3_vl": "qwen3_vl",
-              "qwen3_vl_moe": "qwen3_vl"}  # fmt: skip
+              "qwen3_vl_moe": "qwen3_vl"}
 # transformers' Qwen2VLVideoProcessor has no frame rate of its own (it keeps every frame unless
 # told): ours samples at qwen-vl-utils' 2 frames per second when neither side names a rate.
 DEFAULT_FPS = 2.0
@@ -110,7 +110,7 @@ class VideoSettings:
             return cls("qwen2_vl", 14, 2, 2, 128 * 28 * 28, 28 * 28 * 768, *clip)
         if rules == "qwen3_vl":
             return cls("qwen3_vl", 16, 2, 2, 128 * 32 * 32, 32 * 32 * 768, (0.5,) * 3, (0.5,) * 3,
-                       fps=2.0, max_video_tokens=768)  # fmt: skip
+                       fps=2.0, max_video_tokens=768)
         raise ValueError(f"no video rules {rules!r} (known: {', '.join(RULES)})")
 
     @classmethod
@@ -128,14 +128,14 @@ class VideoSettings:
         if rules == "qwen2_vl":  # Qwen2VLVideoProcessor.__init__: these keys override `size`
             lo, hi = d.get("min_pixels") or lo, d.get("max_pixels") or hi
         keys = ("patch_size", "temporal_patch_size", "merge_size", "rescale_factor", "fps",
-                "num_frames", "min_frames", "max_frames", "max_video_tokens")  # fmt: skip
+                "num_frames", "min_frames", "max_frames", "max_video_tokens")
         over = {k: d[k] for k in keys if k in d}
         return dataclasses.replace(
             s, min_pixels=int(lo), max_pixels=int(hi),
             image_mean=tuple(d.get("image_mean", s.image_mean)),
             image_std=tuple(d.get("image_std", s.image_std)),
             cap_pixels_per_frame=bool(d.get("cap_pixels_per_frame")), **over,
-        )  # fmt: skip
+        )
 
     @classmethod
     def from_checkpoint(cls, path: str | Path) -> VideoSettings:
@@ -183,10 +183,10 @@ class Sampling:
         if o.fps is not None and o.num_frames is not None:
             raise bad("fps and num_frames are mutually exclusive")
         if o.fps is not None and (isinstance(o.fps, bool) or not isinstance(o.fps, (int, float))
-                                  or not (math.isfinite(o.fps) and o.fps > 0)):  # fmt: skip
+                                  or not (math.isfinite(o.fps) and o.fps > 0)):
             raise bad(f"fps must be a positive number, got {o.fps!r}")
         ints = ("num_frames", "min_frames", "max_frames", "min_pixels", "max_pixels",
-                "total_pixels")  # fmt: skip
+                "total_pixels")
         for k in ints:
             v = getattr(o, k)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -241,7 +241,7 @@ class Sampling:
             return init, {"do_sample_frames": False}
         init: dict = {"min_frames": self.min_frames, "max_frames": self.max_frames,
                       "cap_pixels_per_frame": self.cap_pixels_per_frame,
-                      "max_video_tokens": self.max_video_tokens}  # fmt: skip
+                      "max_video_tokens": self.max_video_tokens}
         if self.settings.rules == "qwen2_vl":
             init |= {"min_pixels": self.min_pixels, "max_pixels": self.max_pixels}
         else:
@@ -253,7 +253,7 @@ class Sampling:
         """What besides the indices and target size decides the pixels (for cache keys)."""
         s = self.settings
         return repr((s.rules, s.patch_size, s.temporal_patch_size, s.merge_size,
-                     s.image_mean, s.image_std, s.rescale_factor))  # fmt: skip
+                     s.image_mean, s.image_std, s.rescale_factor))
 
 
 @dataclass(frozen=True)
@@ -391,12 +391,12 @@ def target_size(smp: Sampling, n_sampled: int, height: int, width: int) -> tuple
         if smp.cap_pixels_per_frame:  # an even share of the clip's budget, with a floor
             total = int(smp.max_video_tokens * f * f * 0.9)
             max_pixels = max(min(max_pixels, total * tps // n_sampled),
-                             int(smp.min_pixels * 1.05))  # fmt: skip
+                             int(smp.min_pixels * 1.05))
         return smart_resize_qwen2(height, width, f, smp.min_pixels, max_pixels)
     max_pixels = smp.max_pixels
     if smp.cap_pixels_per_frame:  # at most max_video_tokens a frame, and an even share
         per_frame = max(min(smp.max_video_tokens * f * f, smp.max_pixels // n_sampled),
-                        int(smp.min_pixels * 1.05))  # fmt: skip
+                        int(smp.min_pixels * 1.05))
         max_pixels = per_frame * n_sampled
     return smart_resize_qwen3(n_sampled, height, width, tps, f, smp.min_pixels, max_pixels)
 
@@ -457,7 +457,7 @@ def _plan(header: VideoHeader, smp: Sampling, indices: list[int], identity: tupl
     stamps = tuple((times[i] + times[i + tps - 1]) / 2 for i in range(0, len(times), tps))
     key = hashlib.sha256(repr((*identity, size, smp.key())).encode()).hexdigest()
     return VideoPlan(tuple(indices), size, grid, grid[0] * grid[1] * grid[2] // s.merge_size**2,
-                     tps / sampled_fps, stamps, key)  # fmt: skip
+                     tps / sampled_fps, stamps, key)
 
 
 @dataclass(frozen=True)
@@ -478,7 +478,7 @@ def placeholder_text(plan: VideoPlan, s: VideoSettings, tokens: VideoTokens) -> 
         return tokens.pad * plan.num_tokens
     per_group = plan.grid[1] * plan.grid[2] // s.merge_size**2
     return "".join(f"{stamp}{tokens.vision_start}{tokens.pad * per_group}{tokens.vision_end}"
-                   for stamp in plan.timestamp_text())  # fmt: skip
+                   for stamp in plan.timestamp_text())
 
 
 def normalize_and_patchify(frames: torch.Tensor, s: VideoSettings) -> torch.Tensor:

@@ -40,7 +40,7 @@ from tandem.cpu_kernels import PackedLinear, pack_linears
 # transformers' vision attention classes this module's attention replaces (the same
 # forward: qkv, rotate-half rotary, per-segment SDPA, proj), by class name
 ATTENTION_CLASSES = ("Qwen2_5_VLVisionAttention", "Qwen3VLVisionAttention",
-                     "Qwen3VLMoeVisionAttention")  # fmt: skip
+                     "Qwen3VLMoeVisionAttention")
 GATED_MLP_CLASSES = ("Qwen2_5_VLMLP",)  # gate_proj, up_proj, down_proj; silu
 RMS_NORM_CLASSES = ("Qwen2_5_VLRMSNorm",)  # weight, variance_epsilon
 
@@ -77,7 +77,7 @@ class KernelVisionAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor], max_seqlen=None,
-                **kwargs) -> torch.Tensor:  # fmt: skip
+                **kwargs) -> torch.Tensor:
         n, h, d = hidden_states.shape[0], self.num_heads, self.head_dim
         qkv = self.qkv(hidden_states)  # [n, 3 * h * d]: q heads, k heads, v heads
         cos, sin = position_embeddings
@@ -133,7 +133,7 @@ def pack_vision_tower(visual: nn.Module, kernels) -> dict[str, int]:
         counts["patch_embed"] += 1
     swaps = ((ATTENTION_CLASSES, KernelVisionAttention, "attention"),
              (GATED_MLP_CLASSES, InPlaceGatedMLP, "gated_mlp"),
-             (RMS_NORM_CLASSES, KernelRMSNorm, "rms_norm"))  # fmt: skip
+             (RMS_NORM_CLASSES, KernelRMSNorm, "rms_norm"))
     for parent in list(visual.modules()):
         for name, child in list(parent.named_children()):
             for classes, cls, what in swaps:
@@ -149,7 +149,7 @@ def _is_patchwise(conv) -> bool:
     """A Conv3d that is one product per patch: kernel == stride, no padding, no groups."""
     return (isinstance(conv, nn.Conv3d) and tuple(conv.kernel_size) == tuple(conv.stride)
             and all(x == 0 for x in conv.padding) and all(x == 1 for x in conv.dilation)
-            and conv.groups == 1 and conv.padding_mode == "zeros")  # fmt: skip
+            and conv.groups == 1 and conv.padding_mode == "zeros")
 
 
 def _fits(module: nn.Module, what: str) -> bool:
@@ -157,7 +157,7 @@ def _fits(module: nn.Module, what: str) -> bool:
     if what == "attention":
         return (isinstance(module.qkv, nn.Linear) and isinstance(module.proj, nn.Linear)
                 and module.head_dim % 2 == 0
-                and module.qkv.out_features == 3 * module.num_heads * module.head_dim)  # fmt: skip
+                and module.qkv.out_features == 3 * module.num_heads * module.head_dim)
     if what == "gated_mlp":
         return _is_silu(module.act_fn) and all(
             isinstance(getattr(module, n), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))

@@ -184,7 +184,7 @@ class _Buffers:
     leaves in the shared pool is scratch that any other graph's replay may overwrite."""
 
     def __init__(self, n: int, d: int, hd: int, unit: int, out: int, deep: int, device,
-                 dtype) -> None:  # fmt: skip
+                 dtype) -> None:
         self.hidden = torch.zeros(n, d, device=device, dtype=dtype)
         self.cos = torch.zeros(n, hd, device=device, dtype=torch.float32)
         self.sin = torch.zeros(n, hd, device=device, dtype=torch.float32)
@@ -316,16 +316,16 @@ class VisionRunner:
         self.buckets = [] if self.mode is RunMode.EAGER else patch_buckets(max_patches, self.unit)
         varlen = attention is StepAttention.VARLEN
         self.keys = [GraphKey(n, bound) for n in self.buckets
-                     for bound in (longest_buckets(n) if varlen else [0])]  # fmt: skip
+                     for bound in (longest_buckets(n) if varlen else [0])]
         self.failed_keys: set[GraphKey] = set()
         self._replays: dict[GraphKey, Callable[[], Outputs]] = {}
         if self.keys:
             hd = self.cfg.hidden_size // self.cfg.num_heads
             self._buf = _Buffers(self.buckets[-1], self.cfg.hidden_size, hd, self.unit,
                                  self.cfg.out_hidden_size, len(self.deepstack_layers),
-                                 self.device, self.dtype)  # fmt: skip
+                                 self.device, self.dtype)
             self._record_all(_CudaRecorder(self.device) if self.mode is RunMode.GRAPH
-                             else _EagerRecorder())  # fmt: skip
+                             else _EagerRecorder())
 
     # ------------------------------------------------------------------ public
     @torch.inference_mode()

@@ -94,7 +94,7 @@ class Engine:
         # where the engine thread's time goes: forward seconds of steps with prompt
         # tokens (prefill/mixed) and of pure decode steps, and the rest of the step
         self.profile = {"mixed_s": 0.0, "mixed_steps": 0, "decode_s": 0.0, "decode_steps": 0,
-                        "host_s": 0.0}  # fmt: skip
+                        "host_s": 0.0}
 
     # ---- any thread -------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ engine thread. `schedule()` builds a mixed batch:
     3. admit   waiting requests in queue order while budget, slots and headroom allow
                (FCFS: the head blocks the queue; no skipping ahead)
 
-Streamed prompts (DESIGN "Streamed rows"; `PromptPayload.arrived`): a request may be
+Streamed prompts (docs/architecture.md, "Streamed rows"; `PromptPayload.arrived`): a request may be
 submitted with only its first rows. Its chunks end at its rows (`Request.rows_end`), so it
 never samples before the whole prompt is in (a chunk samples only at the sequence's end).
 With every arrived row computed it becomes WAITING_FOR_ROWS: it keeps its KV pages (they

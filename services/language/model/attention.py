@@ -169,7 +169,7 @@ class AttentionPath:
                 flex_block_mask(
                     c.pages[None], torch.full((1,), c.kv_len, device=c.pages.device),
                     c.q_len, page_size, cache_pages,
-                )  # fmt: skip
+                )
                 for c in prefill
             ]
             flex, workspace = FlexMasks(single, chunks), None
@@ -209,7 +209,7 @@ class AttentionPath:
                 block_tables=torch.full((rows, width), dummy, dtype=torch.int64, device=dev),
                 seq_lens=torch.ones(rows, dtype=torch.int64, device=dev),
                 page_size=ps, cache_pages=pages, prefill=chunk,
-            )  # fmt: skip
+            )
             q = torch.zeros(t, heads, head_dim, dtype=dtype, device=dev)
             kv = torch.zeros(t, kv_heads, head_dim, dtype=dtype, device=dev)
             with torch.inference_mode():  # as the runner's steps (dynamo guards on it)
@@ -338,7 +338,7 @@ def paged_attention(
             meta.decode_op(
                 q[:ns].contiguous(), k_cache, v_cache, meta.single_block_tables,
                 meta.single_seq_lens, scale,
-            )  # fmt: skip
+            )
         )
     elif ns:
         bt = meta.single_block_tables  # [B, W]

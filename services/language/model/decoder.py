@@ -290,7 +290,7 @@ class QwenVLDecoder(nn.Module):
         tensors = fuse_checkpoint_tensors(
             tensors, cfg.num_layers, cfg.moe_layers,
             place=lambda t: t.to(device=device, dtype=dtype),
-            copy_transposes=copies_transposes(device))  # fmt: skip
+            copy_transposes=copies_transposes(device))
         missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
         if missing or unexpected:
             raise ValueError(

@@ -200,7 +200,7 @@ class ModelRunner:
         return GraphRunner(
             self.model, self.kv, self.compute_logits, self.limits, self.device,
             max_bs=s.cuda_graph_max_bs, max_seq_len=s.max_seq_len, attention=self.attention,
-        )  # fmt: skip
+        )
 
     @torch.inference_mode()
     def _pages_for_memory(self, fraction: float) -> int:

@@ -1,4 +1,4 @@
-"""Embeddings delivered to every tensor-parallel rank (seeds/001's N destinations).
+"""Embeddings delivered to every tensor-parallel rank (docs/architecture.md, "N destinations").
 
 Each rank of a `--tp N` instance has its own Mooncake engine and its own
 `EmbeddingBuffers`, a mirror of rank 0's pool (same block count, block size, width and

@@ -48,7 +48,7 @@ def encode_step(batch: ForwardBatch) -> bytes:
     for i, c in enumerate(batch.chunks):
         chunks.append({"seq_id": c.seq_id, "start": c.start, "block_table": list(c.block_table),
                        "want_prompt_logits": c.want_prompt_logits,
-                       "embeds_key": c.embeds_key, "embeds_row": c.embeds_row})  # fmt: skip
+                       "embeds_key": c.embeds_key, "embeds_row": c.embeds_row})
         for name in _TENSORS:
             t = getattr(c, name)
             if name == "input_embeds" and c.embeds_key is not None:

@@ -185,6 +185,6 @@ def pick_helpers(
     model = by_address[lead].model
     pool = [e for e in encoders
             if e.healthy and e.takes_work and e.model == model and e.load <= max_load
-            and e.address != lead and e.address not in exclude]  # fmt: skip
+            and e.address != lead and e.address not in exclude]
     pool.sort(key=lambda e: (e.load, e.queued_patches, e.address))
     return [e.address for e in pool[:limit]]

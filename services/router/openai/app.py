@@ -69,7 +69,7 @@ def _loc(loc) -> str:
     parts = [str(p) for p in loc if p != "body" and not _UNION_MEMBER.match(str(p))]
     parts = [p for i, p in enumerate(parts)
              if not (i >= 2 and parts[i - 2] == "content" and parts[i - 1].isdigit())
-             and not (i + 1 < len(parts) and parts[i + 1] == p)]  # fmt: skip
+             and not (i + 1 < len(parts) and parts[i + 1] == p)]
     out = ""
     for p in parts:
         out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
@@ -241,7 +241,7 @@ def _continuous_usage(body) -> bool:
     if not opts.include_usage:
         raise RouterError("INVALID_ARGUMENT", "continuous_usage_stats needs include_usage "
                           "(usage is streamed only when included, as in vLLM)",
-                          "stream_options.continuous_usage_stats")  # fmt: skip
+                          "stream_options.continuous_usage_stats")
     return True
 
 

@@ -166,7 +166,7 @@ def _image_part(url: str, param: str) -> common_pb2.ImagePart:
             raise RouterError("INVALID_ARGUMENT", "image data URL must be base64-encoded", param)
         if not header.startswith("data:image/"):  # e.g. data:text/plain: not an image
             raise RouterError("INVALID_ARGUMENT", "image data URL must have an image/* type",
-                              param)  # fmt: skip
+                              param)
         try:
             data = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
@@ -191,7 +191,7 @@ def _video_part(v: VideoURL, param: str) -> common_pb2.VideoPart:
     along as given (the encoder checks them against the checkpoint's rules)."""
     if v.fps is not None and v.num_frames is not None:
         raise RouterError("INVALID_ARGUMENT", "fps and num_frames cannot go together: "
-                          "sample at a rate or a count", param)  # fmt: skip
+                          "sample at a rate or a count", param)
     controls = {k: getattr(v, k) for k in VIDEO_CONTROLS if getattr(v, k) is not None}
     url = v.url
     if url.startswith("data:"):
@@ -200,7 +200,7 @@ def _video_part(v: VideoURL, param: str) -> common_pb2.VideoPart:
             raise RouterError("INVALID_ARGUMENT", "video data URL must be base64-encoded", param)
         if not header.startswith("data:video/"):  # e.g. data:image/png: not a video
             raise RouterError("INVALID_ARGUMENT", "video data URL must have a video/* type "
-                              "(video/mp4, video/webm, ...)", param)  # fmt: skip
+                              "(video/mp4, video/webm, ...)", param)
         try:
             data = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
@@ -222,10 +222,10 @@ def _frames_part(p: VideoFramesPart, where: str) -> common_pb2.VideoPart:
     if isinstance(p.video, str):
         raise RouterError("INVALID_ARGUMENT", "a `video` part is a list of frames (image "
                           "URLs); a video file is a video_url part ({\"type\": \"video_url\", "
-                          "\"video_url\": {\"url\": ...}})", f"{where}.video.frames")  # fmt: skip
+                          "\"video_url\": {\"url\": ...}})", f"{where}.video.frames")
     if None not in (p.fps, p.sample_fps) and p.fps != p.sample_fps:
         raise RouterError("INVALID_ARGUMENT", "fps and sample_fps name the same rate and "
-                          "differ", f"{where}.sample_fps")  # fmt: skip
+                          "differ", f"{where}.sample_fps")
     fps = p.fps if p.fps is not None else p.sample_fps
     if fps is None:
         raise RouterError("INVALID_ARGUMENT", "a video given as frames needs fps (or "
@@ -235,7 +235,7 @@ def _frames_part(p: VideoFramesPart, where: str) -> common_pb2.VideoPart:
         img = _image_part(url, f"{where}.video.frames[{k}]")
         frames.frames.add(**{img.WhichOneof("source"): getattr(img, img.WhichOneof("source"))})
     pixels = {k: getattr(p, k) for k in ("min_pixels", "max_pixels", "total_pixels")
-              if getattr(p, k) is not None}  # fmt: skip
+              if getattr(p, k) is not None}
     return common_pb2.VideoPart(frames=frames, fps=fps, **pixels)
 
 
@@ -256,7 +256,7 @@ class DetokenizeBody(_Model):
 def to_tokenize_request(body: TokenizeBody) -> language_pb2.TokenizeRequest:
     if (body.prompt is None) == (body.messages is None):
         raise RouterError("INVALID_ARGUMENT", "give exactly one of prompt and messages",
-                          "prompt")  # fmt: skip
+                          "prompt")
     if body.prompt is not None:
         return language_pb2.TokenizeRequest(prompt=_utf8(body.prompt, "prompt"))
     msgs = chat_messages(body.messages)
@@ -275,7 +275,7 @@ def request_id_from_header(value: str | None) -> str:
         return uuid.uuid4().hex[:24]
     if not _REQUEST_ID.fullmatch(value):
         raise RouterError("INVALID_ARGUMENT", "X-Request-Id must be 1-128 characters of "
-                          "letters, digits and ._:-", "X-Request-Id")  # fmt: skip
+                          "letters, digits and ._:-", "X-Request-Id")
     return value
 
 
@@ -288,10 +288,10 @@ def chat_messages(body_messages: list[Message]) -> list[common_pb2.ChatMessage]:
                                      name=_utf8(m.name or "", f"messages[{i}].name"))
         if m.role == "tool" and not m.tool_call_id:
             raise RouterError("INVALID_ARGUMENT", "a tool message needs tool_call_id",
-                              f"messages[{i}].tool_call_id")  # fmt: skip
+                              f"messages[{i}].tool_call_id")
         if m.tool_calls and m.role != "assistant":
             raise RouterError("INVALID_ARGUMENT", "only an assistant message has tool_calls",
-                              f"messages[{i}].tool_calls")  # fmt: skip
+                              f"messages[{i}].tool_calls")
         for j, call in enumerate(m.tool_calls or []):
             param = f"messages[{i}].tool_calls[{j}].function.arguments"
             try:
@@ -337,18 +337,18 @@ def _mm_kwarg(key: str, value) -> None:
     if key not in MM_PROCESSOR_KWARGS:
         raise RouterError("INVALID_ARGUMENT", f"{param} is not supported: only "
                           f"{', '.join(MM_PROCESSOR_KWARGS)} (the images' and videos' resize "
-                          "bounds, the videos' frame sampling) are honoured", param)  # fmt: skip
+                          "bounds, the videos' frame sampling) are honoured", param)
     if key == "fps":
         if (isinstance(value, bool) or not isinstance(value, int | float)
                 or not 0 < value <= 1000):
             raise RouterError("INVALID_ARGUMENT", f"{param} must be a number in (0, 1000]",
-                              param)  # fmt: skip
+                              param)
         return
     top = 1 << 63 if key == "total_pixels" else 1 << 31
     low = 2 if key == "num_frames" else 1
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value < top:
         raise RouterError("INVALID_ARGUMENT", f"{param} must be an integer in [{low}, "
-                          f"2^{top.bit_length() - 1})", param)  # fmt: skip
+                          f"2^{top.bit_length() - 1})", param)
 
 
 def apply_mm_processor_kwargs(kwargs: dict | None,
@@ -366,11 +366,11 @@ def apply_mm_processor_kwargs(kwargs: dict | None,
         _mm_kwarg(key, value)
     if "fps" in kwargs and "num_frames" in kwargs:
         raise RouterError("INVALID_ARGUMENT", "fps and num_frames cannot go together: sample "
-                          "at a rate or a count", "mm_processor_kwargs.num_frames")  # fmt: skip
+                          "at a rate or a count", "mm_processor_kwargs.num_frames")
     lo, hi = (kwargs.get(k, 0) for k in MM_IMAGE_KWARGS)
     if lo and hi and lo > hi:
         raise RouterError("INVALID_ARGUMENT", f"min_pixels {lo} is more than max_pixels {hi}",
-                          "mm_processor_kwargs.min_pixels")  # fmt: skip
+                          "mm_processor_kwargs.min_pixels")
     for m in messages:
         for part in m.content:
             kind = part.WhichOneof("part")
@@ -382,7 +382,7 @@ def apply_mm_processor_kwargs(kwargs: dict | None,
                         raise RouterError("INVALID_ARGUMENT", f"{key} does not apply to a "
                                           "video given as frames (the chat has one): every "
                                           "frame is used, at the rate its part's fps states",
-                                          f"mm_processor_kwargs.{key}")  # fmt: skip
+                                          f"mm_processor_kwargs.{key}")
                     if not getattr(part.video, key):
                         setattr(part.video, key, value)
             elif kind == "video":

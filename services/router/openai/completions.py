@@ -46,12 +46,12 @@ def to_completion_request(body: CompletionRequest, request_id: str) -> Query:
         raise RouterError("INVALID_ARGUMENT", "the prompt is empty", "prompt")
     if body.suffix is not None:
         raise RouterError("INVALID_ARGUMENT", "suffix (fill-in-the-middle) is not served",
-                          "suffix")  # fmt: skip
+                          "suffix")
     if body.best_of is not None and body.best_of != 1:
         raise RouterError("INVALID_ARGUMENT", "best_of > 1 is not served; use n", "best_of")
     if body.echo and body.logprobs is not None:
         raise RouterError("INVALID_ARGUMENT", "echo with logprobs needs the prompt's "
-                          "logprobs, which are not computed", "echo")  # fmt: skip
+                          "logprobs, which are not computed", "echo")
     wants_lp = body.logprobs is not None
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     sampling = sampling_params(body, max_tokens, wants_lp,

@@ -13,7 +13,7 @@ _OPENAI_TYPE = {
     400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
     401: "authentication_error", 403: "permission_error", 408: "timeout_error",
     429: "rate_limit_error", 504: "timeout_error",
-}  # fmt: skip
+}
 
 # The wire's parts of a chat message that an OpenAI body spells otherwise: a content
 # part's `image` / `video` (the encoder's names for them) is the body's `image_url` /

@@ -102,7 +102,7 @@ def timings(t: common_pb2.StageTimings | None) -> dict:
          "first_media": r.first_media, "media": r.media, "fell_back": r.fell_back,
          "vit_ms": r.vit_ms, "cached_image_tokens": r.cached_image_tokens,
          "preprocess_ms": r.preprocess_ms}
-        for r in t.encoder_ranges]  # fmt: skip
+        for r in t.encoder_ranges]
     return out
 
 

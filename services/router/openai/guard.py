@@ -136,7 +136,7 @@ class Guard:
                         break
         except TimeoutError:
             err = RouterError("REQUEST_TIMEOUT", f"request body not received within "
-                              f"{self.cfg.http_request_timeout_s:g}s")  # fmt: skip
+                              f"{self.cfg.http_request_timeout_s:g}s")
         if err is not None:
             await error_response(err, close=True)(scope, receive, send)
             return None

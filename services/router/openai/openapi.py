@@ -39,7 +39,7 @@ ERROR_STATUSES = {
     504: "the request's deadline passed",
 }
 ERROR_RESPONSES = {code: {"model": ErrorBody, "description": text}
-                   for code, text in ERROR_STATUSES.items()}  # fmt: skip
+                   for code, text in ERROR_STATUSES.items()}
 
 
 def document(app: FastAPI) -> None:

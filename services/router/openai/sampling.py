@@ -156,7 +156,7 @@ def _utf8(text: str, param: str) -> str:
         text.encode("utf-8")
     except UnicodeEncodeError:
         raise RouterError("INVALID_ARGUMENT", "text is not valid Unicode (lone surrogate)",
-                          param) from None  # fmt: skip
+                          param) from None
     return text
 
 
@@ -173,7 +173,7 @@ def _schema_text(schema, param: str) -> str:
             schema = json.loads(schema)
         except ValueError:
             raise RouterError("INVALID_ARGUMENT", "the JSON schema is not valid JSON",
-                              param) from None  # fmt: skip
+                              param) from None
     if not isinstance(schema, dict):
         raise RouterError("INVALID_ARGUMENT", "a JSON schema must be an object", param)
     return json.dumps(schema)
@@ -189,7 +189,7 @@ def structured_output(body: SamplingFields) -> common_pb2.StructuredOutput | Non
     elif rf is not None and rf.type == "json_schema":
         if rf.json_schema is None or rf.json_schema.schema_ is None:
             raise RouterError("INVALID_ARGUMENT", "response_format json_schema needs "
-                              "json_schema.schema", "response_format")  # fmt: skip
+                              "json_schema.schema", "response_format")
         asked.append(("response_format", common_pb2.StructuredOutput(
             json_schema=_schema_text(rf.json_schema.schema_, "response_format"))))
     for param, value in (("guided_json", body.guided_json),
@@ -214,7 +214,7 @@ def structured_output(body: SamplingFields) -> common_pb2.StructuredOutput | Non
             asked.append((param, common_pb2.StructuredOutput(ebnf=ebnf)))
     if len(asked) > 1:
         raise RouterError("INVALID_ARGUMENT", "at most one output constraint (response_format, "
-                          "guided_*, structured_outputs)", asked[1][0])  # fmt: skip
+                          "guided_*, structured_outputs)", asked[1][0])
     return asked[0][1] if asked else None
 
 
@@ -231,7 +231,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     for key, value in (bias or {}).items():
         if not key.isdigit() or int(key) >= 1 << 31:
             raise RouterError("INVALID_ARGUMENT", f"logit_bias key {key!r}: keys are token ids",
-                              "logit_bias")  # fmt: skip
+                              "logit_bias")
         out[int(key)] = float(value)
     return out
 

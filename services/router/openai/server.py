@@ -92,4 +92,4 @@ def http_config(app, cfg: RouterConfig) -> uvicorn.Config:
         log_config=None,
         timeout_keep_alive=cfg.http_keep_alive_s,
         http=request_deadline_protocol(cfg.http_request_timeout_s),
-    )  # fmt: skip
+    )
