@@ -315,7 +315,10 @@ class Cluster:
     def _resolv_conf(self, netns_name: str) -> None:
         ns, d = self._namespace(), self.domain
         path = Path("/etc/netns") / netns_name / "resolv.conf"
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.parent.parent.exists():
+            path.parent.parent.mkdir()
+            self._made_dirs.append(path.parent.parent)  # removed at close, when empty
+        path.parent.mkdir(exist_ok=True)
         path.write_text(f"nameserver {self.net.nodes[DNS_NODE].address}\n"
                         f"search {ns}.svc.{d} svc.{d} {d}\noptions ndots:5\n")
 
