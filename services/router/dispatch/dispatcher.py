@@ -37,6 +37,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -74,6 +75,18 @@ from tandem.v1 import common_pb2, encoder_pb2, language_pb2
 log = logging.getLogger("tandem.router")
 
 REATTACH_TIMEOUT_S = 5.0  # a Reattach is bookkeeping: an instance silent this long is stuck
+
+@dataclass
+class Avoid:
+    """The instances a request's later attempts stay off: one per request, shared by its
+    attempts (`_generate` makes it), written as attempts fail."""
+
+    encoders: set[str] = field(default_factory=set)  # failed an attempt, or blamed
+    languages: set[str] = field(default_factory=set)  # failed an attempt (or DATA_LOSS)
+    # encoders a lead named as the culprit of a stalled room (`_encode`): taken again only
+    # when nothing else is left
+    blamed: set[str] = field(default_factory=set)
+
 
 class _Ejected(Exception):
     """The instance a call waited on was ejected while the call was in flight."""
@@ -160,19 +173,16 @@ class Dispatcher:
 
     async def _encode(
         self, req: ChatRequest, room: int, enc: Instance, lang: Instance, deadline: float,
-        route: Route, trace: tracing.Span, avoid: set[str] | None = None,
-        blamed: set[str] | None = None,
+        route: Route, trace: tracing.Span, avoid: Avoid,
     ) -> encoder_pb2.EncodeResponse | None:
         """Deliver the prompt, retrying on other encoders. None: the language side
         declined a Reattach (it already holds the prompt, or the room is gone) and its
-        stream tells which. `trace`: the attempt's span; `avoid`: the request's encoders
-        to stay off (those that failed an earlier attempt: never named as helpers); a
-        helper an encoder blames for a stalled room (`RouterError.culprit`) is added to it
-        and to `blamed`, so no later attempt of the request leads with it or names it
-        either (`_pick_avoiding`: not even when nothing else is left, unless it is the
-        last)."""
-        avoid = set() if avoid is None else avoid
-        blamed = set() if blamed is None else blamed
+        stream tells which. `trace`: the attempt's span; `avoid.encoders`: the request's
+        encoders to stay off (those that failed an earlier attempt: never named as
+        helpers); a helper an encoder blames for a stalled room (`RouterError.culprit`) is
+        added to it and to `avoid.blamed`, so no later attempt of the request leads with it
+        or names it either (`_pick_avoiding`: not even when nothing else is left, unless it
+        is the last)."""
         hashes = image_hashes(req.messages)
         videos = sum(p.WhichOneof("part") == "video" for m in req.messages for p in m.content)
         tried: set[str] = set()
@@ -182,7 +192,7 @@ class Dispatcher:
             route.encoder_attempts = attempt + 1
             # NOTE: recomputed on every attempt: a failover's lead is another encoder, and
             # those that failed this request are no helpers.
-            helpers = self._helpers(enc, len(hashes), avoid | tried, videos)
+            helpers = self._helpers(enc, len(hashes), avoid.encoders | tried, videos)
             # A helper's range is this router's work on it too (counted at once, so a
             # burst before the next load report spreads over the encoders).
             for inst in (enc, *helpers):
@@ -220,8 +230,8 @@ class Dispatcher:
                 # names is not its to blame): neither lead nor helper again
                 if err.culprit in {h.address for h in helpers}:
                     tried.add(err.culprit)  # again for this request, and health-checked
-                    avoid.add(err.culprit)
-                    blamed.add(err.culprit)
+                    avoid.encoders.add(err.culprit)
+                    avoid.blamed.add(err.culprit)
                     self._spawn(self.registry.encoders.verify(err.culprit))
                 if err.code not in RETRYABLE_ENCODER or attempt == self.cfg.encoder_retries:
                     raise err from None
@@ -286,8 +296,7 @@ class Dispatcher:
 
     async def _generate(self, req: ChatRequest, start: float) -> AsyncIterator[Output]:
         deadline = start + req.timeout_s
-        # blamed: encoders a lead named as the culprit of a stalled room (`_encode`)
-        avoid: dict[str, set[str]] = {"encoder": set(), "language": set(), "blamed": set()}
+        avoid = Avoid()
         for attempt in range(self.cfg.request_retries + 1):
             route = Route(attempts=attempt + 1)
             span = tracing.start("router.attempt", req.trace,
@@ -312,12 +321,12 @@ class Dispatcher:
                             req.request_id, attempt + 1, err)
                 span.set_attribute("tandem.retried", True)
                 self.metrics.request_retries.inc()
-                avoid["encoder"].add(route.encoder)
+                avoid.encoders.add(route.encoder)
                 # DATA_LOSS: the rows failed the language side's check, whoever reports it
                 # (the lead's Encode carries it too, now with its code): its buffers may be
                 # written by another process, so the retry goes to another instance
                 if err.tier is Tier.LANGUAGE or err.code == "DATA_LOSS":
-                    avoid["language"].add(route.language)
+                    avoid.languages.add(route.language)
             finally:
                 # NOTE: close the attempt now (cancels its calls, aborts its room) rather
                 # than at garbage collection; it has no awaits in its own finally.
@@ -337,16 +346,16 @@ class Dispatcher:
         return self._pick(kind, hashes, trace=trace)
 
     async def _attempt(
-        self, req: ChatRequest, start: float, deadline: float, avoid: dict, route: Route,
+        self, req: ChatRequest, start: float, deadline: float, avoid: Avoid, route: Route,
         trace: tracing.Span,
     ) -> AsyncIterator[Output]:
         hashes = image_hashes(req.messages)
         # NOTE: a raw prompt always goes straight to a language instance (no chat to encode)
         bypass = bool(req.prompt) or (self.cfg.encoder_bypass and not hashes)
         key = prompt_key(req.prompt) if req.prompt else conversation_key(req.messages)
-        lang = self._pick_avoiding("language", [key], avoid["language"], trace)
-        enc = None if bypass else self._pick_avoiding("encoder", hashes, avoid["encoder"], trace,
-                                                      avoid["blamed"])
+        lang = self._pick_avoiding("language", [key], avoid.languages, trace)
+        enc = None if bypass else self._pick_avoiding("encoder", hashes, avoid.encoders, trace,
+                                                      avoid.blamed)
         room = secrets.randbits(63)
         trace.set_attribute(tracing.ROOM, room)
         span = tracing.start("router.language", trace, kind=tracing.SpanKind.CLIENT,
@@ -374,8 +383,7 @@ class Dispatcher:
         if enc is not None:
             route.encoder, route.encoder_attempts = enc.address, 1
             encode_task = asyncio.ensure_future(
-                self._encode(req, room, enc, lang, deadline, route, trace,
-                             avoid["encoder"], avoid["blamed"]))
+                self._encode(req, room, enc, lang, deadline, route, trace, avoid))
         else:  # nothing to deliver: an Encode that is already done, with no answer
             self.metrics.encoder_bypassed.inc()
             encode_task = asyncio.get_running_loop().create_future()
