@@ -20,7 +20,7 @@ from tandem.sampling import SamplingParams
 from tandem.services.language.engine.kv_pages import KVPagePool
 from tandem.services.language.engine.prefix_cache import PrefixCache, page_keys
 from tandem.services.language.engine.request import Request, RequestStatus
-from tandem.services.language.engine.scheduler import Scheduler
+from tandem.services.language.engine.scheduler import ScheduleLimits, Scheduler
 from tandem.services.language.runner.forward_batch import ForwardBatch
 from tandem.transfer.payload import ImageSpan, PromptInfo, PromptPayload
 
@@ -89,7 +89,7 @@ def run(sched: Scheduler, reqs: list[Request]) -> ContentModel:
 
 def make_sched(pages=64, budget=32, enabled=True, max_running=64):
     cache = PrefixCache(KVPagePool(pages, PAGE), enabled=enabled)
-    sched = Scheduler(cache, PAGE, budget, max_running)
+    sched = Scheduler(cache, PAGE, ScheduleLimits(budget, max_running))
     sched.model = ContentModel()
     return sched, cache
 

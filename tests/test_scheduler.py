@@ -20,7 +20,7 @@ from tandem.services.language.engine.kv_pages import KVPagePool
 from tandem.services.language.engine.policy import NewTokenRatio
 from tandem.services.language.engine.prefix_cache import PrefixCache
 from tandem.services.language.engine.request import Request, RequestStatus
-from tandem.services.language.engine.scheduler import AdmissionError, Scheduler
+from tandem.services.language.engine.scheduler import AdmissionError, ScheduleLimits, Scheduler
 from tandem.services.language.runner.forward_batch import ForwardBatch
 from tandem.transfer.payload import PromptPayload
 
@@ -91,7 +91,8 @@ def run(sched: Scheduler, reqs: list[Request], max_steps: int = 2000, on_step=No
 
 def make_sched(pages=256, budget=32, max_running=64, policy="fcfs", ratio=None):
     pool = PrefixCache(KVPagePool(pages, PAGE), enabled=False)
-    return Scheduler(pool, PAGE, budget, max_running, policy=policy, ratio=ratio), pool
+    return Scheduler(pool, PAGE, ScheduleLimits(budget, max_running, policy=policy),
+                     ratio=ratio), pool
 
 
 def test_chunked_prefill_respects_budget_then_decodes():

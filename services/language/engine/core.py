@@ -44,7 +44,7 @@ from tandem.services.language.engine.policy import NewTokenRatio
 from tandem.services.language.engine.prefix_cache import PrefixCache
 from tandem.services.language.engine.request import Request, RequestStatus, StreamDelta
 from tandem.services.language.engine.sampler import sample
-from tandem.services.language.engine.scheduler import AdmissionError, Scheduler
+from tandem.services.language.engine.scheduler import AdmissionError, ScheduleLimits, Scheduler
 from tandem.services.language.engine.types import Abort, EngineConfig, Live, Sink, Submit
 from tandem.services.language.metrics import LanguageMetrics
 from tandem.transfer.payload import PromptInfo, PromptPayload
@@ -71,16 +71,11 @@ class Engine:
         # unseeded requests' seeds, in submit order (under _known_lock); None: the OS's
         self._seeds = random.Random(cfg.seed) if cfg.seed is not None else None
         self._compiling: list[Live] = []  # WAITING_FOR_GRAMMAR (engine thread only)
-        self.scheduler = Scheduler(
-            self.pool,
-            runner.page_size,
-            cfg.max_prefill_tokens,
-            cfg.max_running_requests,
-            policy=cfg.schedule_policy,
-            ratio=NewTokenRatio(init=cfg.init_new_token_ratio),
-            max_model_len=cfg.max_model_len,
-            embed_dims=(runner.embed_dim, runner.hidden_size),
-        )
+        limits = ScheduleLimits(cfg.max_prefill_tokens, cfg.max_running_requests,
+                                policy=cfg.schedule_policy, max_model_len=cfg.max_model_len,
+                                embed_dims=(runner.embed_dim, runner.hidden_size))
+        self.scheduler = Scheduler(self.pool, runner.page_size, limits,
+                                   ratio=NewTokenRatio(init=cfg.init_new_token_ratio))
         self.metrics.kv_total.set(self.pool.num_total)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()

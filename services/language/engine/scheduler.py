@@ -117,38 +117,39 @@ class Step:
         return sum(c.num_tokens for c in self.chunks)
 
 
+@dataclass(frozen=True)
+class ScheduleLimits:
+    """What the scheduler admits and how much it batches (the engine's config, read once)."""
+
+    max_prefill_tokens: int  # prompt tokens one step may compute
+    max_running_requests: int
+    policy: str = "fcfs"  # or "priority"
+    clip_max_new_tokens: int = 4096  # the largest budget a request counts for admission
+    max_model_len: int | None = None  # None: no length check at admission
+    embed_dims: tuple[int, ...] = ()  # widths a prompt's embeddings may have; (): no check
+
+
 class Scheduler:
     # A lone running request that lacks pages a pinned waiter holds steps aside at most
     # this many times before it is failed instead (no endless ping-pong).
     MAX_YIELDS = 3
 
-    def __init__(
-        self,
-        pool: PrefixCache,
-        page_size: int,
-        max_prefill_tokens: int,
-        max_running_requests: int,
-        policy: str = "fcfs",
-        clip_max_new_tokens: int = 4096,
-        ratio: NewTokenRatio | None = None,
-        max_model_len: int | None = None,
-        embed_dims: tuple[int, ...] = (),
-    ) -> None:
-        """`max_model_len` None and `embed_dims` () leave those admission checks out."""
-        if policy not in ("fcfs", "priority"):
-            raise ValueError(f"unknown schedule policy {policy!r}")
+    def __init__(self, pool: PrefixCache, page_size: int, limits: ScheduleLimits,
+                 ratio: NewTokenRatio | None = None) -> None:
+        if limits.policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown schedule policy {limits.policy!r}")
         self.pool = pool
         self.page_size = page_size
-        self.max_prefill_tokens = max_prefill_tokens
-        self.max_running = max_running_requests
-        self.by_priority = policy == "priority"
-        self.clip = clip_max_new_tokens
+        self.max_prefill_tokens = limits.max_prefill_tokens
+        self.max_running = limits.max_running_requests
+        self.by_priority = limits.policy == "priority"
+        self.clip = limits.clip_max_new_tokens
         self.ratio = ratio or NewTokenRatio()
         self.waiting = WaitingQueue(self.by_priority)
         self.running: list[Request] = []  # PREFILLING and RUNNING, i.e. may hold pages
         self.num_retractions = 0
-        self.max_model_len = max_model_len
-        self.embed_dims = embed_dims  # widths a prompt's embeddings may have
+        self.max_model_len = limits.max_model_len
+        self.embed_dims = limits.embed_dims  # widths a prompt's embeddings may have
 
     # ---- requests in and out ----------------------------------------------------------
 
