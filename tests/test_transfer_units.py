@@ -79,7 +79,7 @@ def test_staged_writes_land_bit_exact_in_scattered_blocks(dtype):
             t1 = min(t0 + 16, start + n)
             plan, _aux = st.stage(0, p, room, 3, layout, ids, start, n, t0, t1, at=(t0 - start) % 32)
             _apply(plan)
-        buf.check_piece(ids, room, 3, total, start, n, n)
+        buf.check_piece(B.PieceCheck(ids, room, 3, total, start, n, n))
         rows = buf.aux[torch.tensor(ids)]
         lo, hi = B.room_words(room)
         for i, row in enumerate(rows.tolist()):
@@ -89,13 +89,13 @@ def test_staged_writes_land_bit_exact_in_scattered_blocks(dtype):
     assert torch.equal(out[0].view(torch.uint8), p.input_embeds.view(torch.uint8))
     assert torch.equal(out[1], p.fill_ids) and torch.equal(out[2], p.mrope_positions)
     with pytest.raises(TransferError, match="aux mismatch") as ei:
-        buf.check_piece([5, 4, 10], room + 1, 3, total, 40, 21, 21)  # another room's blocks
+        buf.check_piece(B.PieceCheck([5, 4, 10], room + 1, 3, total, 40, 21, 21))  # another room's
     assert ei.value.code == "DATA_LOSS"
     with pytest.raises(TransferError, match="aux mismatch") as ei:
-        buf.check_piece([5, 4, 10], room, 4, total, 40, 21, 21)  # an earlier attempt's
+        buf.check_piece(B.PieceCheck([5, 4, 10], room, 4, total, 40, 21, 21))  # an earlier attempt's
     assert ei.value.code == "DATA_LOSS"
     with pytest.raises(TransferError, match="index"):
-        buf.check_piece([4, 5, 10], room, 3, total, 40, 21, 21)  # blocks out of their order
+        buf.check_piece(B.PieceCheck([4, 5, 10], room, 3, total, 40, 21, 21))  # out of order
 
 
 def test_layout_roundtrip_and_checks():

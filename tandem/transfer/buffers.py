@@ -106,6 +106,24 @@ class BufferLayout:
                                 f"(pool of {self.num_blocks})", "INVALID_ARGUMENT")
 
 
+
+@dataclass(frozen=True)
+class PieceCheck:
+    """What a copy-out checks the blocks against: `n_tokens` tokens in `block_ids` (from
+    block `first_index` of the piece that starts at prompt token `start` and has
+    `piece_tokens` tokens) must carry the aux row their writer stamped for this room's
+    attempt (`generation`) of a `total`-token payload. Plain data: it crosses to the
+    tensor-parallel ranks as JSON (`asdict`)."""
+
+    block_ids: list[int]
+    room: int
+    generation: int
+    total: int
+    start: int
+    piece_tokens: int
+    n_tokens: int
+    first_index: int = 0
+
 class EmbeddingBuffers:
     """The four per-block tensors, allocated (and pre-faulted) once; register them once."""
 
@@ -190,25 +208,22 @@ class EmbeddingBuffers:
         nb = ceil_div(n_tokens, self.block_size)
         return self.aux[torch.tensor(block_ids[:nb], dtype=torch.long)]  # (a gather: a copy)
 
-    def check_piece(
-        self, block_ids: list[int], room: int, generation: int, total: int, start: int,
-        piece_tokens: int, n_tokens: int, first_index: int = 0,
-        rows: torch.Tensor | None = None,
-    ) -> None:
-        """Raise DATA_LOSS unless the blocks holding `n_tokens` tokens (from block
-        `first_index` of the piece starting at token `start`) carry this piece's aux row
-        (in `rows`, a private copy from `aux_rows`, when given; else read now)."""
-        aux = rows if rows is not None else self.aux_rows(block_ids, n_tokens)
-        lo, hi = room_words(room)
+    def check_piece(self, piece: PieceCheck, rows: torch.Tensor | None = None) -> None:
+        """Raise DATA_LOSS unless the blocks holding the piece's `n_tokens` tokens carry its
+        aux row (in `rows`, a private copy from `aux_rows`, when given; else read now)."""
+        p = piece
+        aux = rows if rows is not None else self.aux_rows(p.block_ids, p.n_tokens)
+        lo, hi = room_words(p.room)
         for i, row in enumerate(aux.tolist()):
-            want = {AUX_TOTAL: total, AUX_PIECE_START: start, AUX_PIECE_TOKENS: piece_tokens,
-                    AUX_BLOCK_INDEX: first_index + i, AUX_ROOM_LO: lo, AUX_ROOM_HI: hi,
-                    AUX_EMBED_DIM: self.embed_dim, AUX_GENERATION: generation}
+            want = {AUX_TOTAL: p.total, AUX_PIECE_START: p.start,
+                    AUX_PIECE_TOKENS: p.piece_tokens, AUX_BLOCK_INDEX: p.first_index + i,
+                    AUX_ROOM_LO: lo, AUX_ROOM_HI: hi, AUX_EMBED_DIM: self.embed_dim,
+                    AUX_GENERATION: p.generation}
             bad = {k: row[k] for k, v in want.items() if row[k] != v}
             if bad:
                 raise TransferError(
-                    f"room {room}: block {block_ids[i]} (piece at token {start}, index "
-                    f"{first_index + i}) does not hold this piece's data: aux mismatch {bad} "
+                    f"room {p.room}: block {p.block_ids[i]} (piece at token {p.start}, index "
+                    f"{p.first_index + i}) does not hold this piece's data: aux mismatch {bad} "
                     f"(stale or misdirected write)", "DATA_LOSS")
 
     def gather_into(

@@ -79,6 +79,7 @@ from tandem.transfer.allocator import BlockAllocator
 from tandem.transfer.buffers import (
     AUX_MROPE_DELTA,
     EmbeddingBuffers,
+    PieceCheck,
     RangeSeal,
     RangeTag,
     RowProtection,
@@ -470,14 +471,14 @@ class EmbeddingReceiver:
         a, bs = r.copied, self.buffers.block_size
         i0 = (a - start) // bs
         piece_tokens = min(r.total - start, len(ids) * bs)
-        check = (ids[i0:], r.room, r.attempt + 1, r.total, start, piece_tokens, upto - a, i0)
+        check = PieceCheck(ids[i0:], r.room, r.attempt + 1, r.total, start, piece_tokens,
+                           upto - a, i0)
         seals = self._seals(r, start, upto)
-        self.buffers.check_piece(*check)  # early: a stale write is named as such
+        self.buffers.check_piece(check)  # early: a stale write is named as such
         copy = functools.partial(self._gather, check, r.out, a, seals, f"room {r.room}: ")
         if self.ranks is not None:  # every rank copies and proves its own blocks
             copy = functools.partial(
-                self.ranks.gather, r.ranks_key, ids[i0:], upto - a, a, r.total, r.room,
-                r.attempt + 1, start, piece_tokens, i0, local=copy,
+                self.ranks.gather, r.ranks_key, check, a, local=copy,
                 seals=[seal.for_rank(tag) for seal, tag in seals],
                 trace=_rank_trace(r))
         await asyncio.get_running_loop().run_in_executor(None, copy)
@@ -505,15 +506,15 @@ class EmbeddingReceiver:
             r.payload.mrope_delta = r.mrope_delta  # NOTE: before the last rows count
         r.payload.arrived.advance(r.copied)
 
-    def _gather(self, check: tuple, out: tuple, at: int, seals: list, where: str) -> None:
+    def _gather(self, check: PieceCheck, out: tuple, at: int, seals: list, where: str) -> None:
         """Executor side of `_copy_out` (rank 0's copy). NOTE: everything checked is the
         private copy, taken after the rows were copied: a write into the registered blocks
         after this point cannot reach a prefill, one during it is seen."""
         b = self.buffers
-        ids, n = check[0], check[6]
+        ids, n = check.block_ids, check.n_tokens
         b.gather_into(ids, n, *out, at)
         aux = b.aux_rows(ids, n)
-        b.check_piece(*check, rows=aux)
+        b.check_piece(check, rows=aux)
         for seal, tag in seals:
             k = (seal.start - at) // b.block_size
             open_range(seal, tag, *out, aux[k : k + ceil_div(seal.end - seal.start, b.block_size)],

@@ -32,6 +32,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import asdict
 from multiprocessing.connection import Connection
 
 import torch
@@ -39,7 +40,7 @@ import torch
 from tandem import tracing
 from tandem.services.language.tp import wire
 from tandem.transfer import EmbeddingBuffers, TransferError
-from tandem.transfer.buffers import BufferLayout, RangeSeal, open_range
+from tandem.transfer.buffers import BufferLayout, PieceCheck, RangeSeal, open_range
 from tandem.v1 import encoder_pb2
 
 log = logging.getLogger("tandem.language.tp")
@@ -89,17 +90,13 @@ class RankBuffers:
             self._fail(f"rank {rank} did not answer within {self.timeout_s:g} s")
         return wire.decode_json(c.recv_bytes())
 
-    def gather(self, key: int, ids: list[int], n: int, at: int, total: int, room: int,
-               generation: int, start: int, piece_tokens: int, first_index: int,
-               local: Callable[[], None], seals: list[dict] = (),
-               trace: dict[str, str] | None = None) -> None:
-        """Every rank (rank 0 through `local`) checks and copies `n` tokens of blocks `ids`
-        into its rows of payload `key` at row `at`, and opens its copy of each range in
-        `seals` (`RangeSeal.for_rank`). Raises TransferError (DATA_LOSS). `trace`: the
-        room's trace context (tracing.carrier), for each rank's `tp.gather` span."""
-        self._call({"op": "gather", "key": key, "ids": ids, "n": n, "at": at, "total": total,
-                    "room": room, "generation": generation, "start": start,
-                    "piece_tokens": piece_tokens, "first_index": first_index,
+    def gather(self, key: int, piece: PieceCheck, at: int, local: Callable[[], None],
+               seals: list[dict] = (), trace: dict[str, str] | None = None) -> None:
+        """Every rank (rank 0 through `local`) checks and copies the piece's tokens into its
+        rows of payload `key` at row `at`, and opens its copy of each range in `seals`
+        (`RangeSeal.for_rank`). Raises TransferError (DATA_LOSS). `trace`: the room's trace
+        context (tracing.carrier), for each rank's `tp.gather` span."""
+        self._call({"op": "gather", "key": key, "piece": asdict(piece), "at": at,
                     "seals": list(seals), "trace": trace or {}}, answer=True, local=local)
 
     def clear(self, ids: list[int]) -> None:
@@ -118,7 +115,7 @@ def _rank_span(m: dict):
         yield
         return
     span = tracing.start("tp.gather", parent, attributes={
-        tracing.ROOM: m["room"], "tandem.transfer.tokens": m["n"]})
+        tracing.ROOM: m["piece"]["room"], "tandem.transfer.tokens": m["piece"]["n_tokens"]})
     try:
         yield
     except TransferError as e:
@@ -171,14 +168,13 @@ class WorkerBuffers:
 
     def _gather(self, m: dict) -> None:
         b = self.buffers
-        check = (m["ids"], m["room"], m["generation"], m["total"], m["start"],
-                 m["piece_tokens"], m["n"], m["first_index"])
-        b.check_piece(*check)
+        piece = PieceCheck(**m["piece"])
+        b.check_piece(piece)
         with self._lock:
             out = self.rows.get(m["key"])
             if out is None:
-                out = self.rows[m["key"]] = b.private_embeds(m["total"])
-        b.gather_into(m["ids"], m["n"], out, None, None, m["at"])
-        b.check_piece(*check)  # NOTE: and after: a stale write landing during the copy
+                out = self.rows[m["key"]] = b.private_embeds(piece.total)
+        b.gather_into(piece.block_ids, piece.n_tokens, out, None, None, m["at"])
+        b.check_piece(piece)  # NOTE: and after: a stale write landing during the copy
         for d in m.get("seals", ()):  # NOTE: on the private copy: what this rank's steps use
             open_range(*RangeSeal.of_rank(d), out)
