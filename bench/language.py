@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from tandem.sampling import SamplingParams  # noqa: E402
 from tandem.services.language.config import LanguageConfig  # noqa: E402
-from tandem.services.language.engine.request import Request  # noqa: E402
+from tandem.services.language.engine.request import Request, RequestSpec  # noqa: E402
 from tandem.services.language.main import build_engine  # noqa: E402
 from tandem.services.language.metrics import LanguageMetrics  # noqa: E402
 from tandem.transfer.payload import PromptPayload  # noqa: E402
@@ -87,7 +87,7 @@ def run_engine(engine, work, payloads, concurrency: int) -> tuple[float, list[li
         order.append(rid)
         outs[rid] = []
         sp = SamplingParams(max_tokens=work[i][1], ignore_eos=True)
-        engine.submit(Request(rid, sp, payloads[i]), lambda d, rid=rid: q.put((rid, d)))
+        engine.submit(Request(RequestSpec(rid, sp, payloads[i])), lambda d, rid=rid: q.put((rid, d)))
 
     while done < len(work):
         while inflight < concurrency and nxt < len(work):

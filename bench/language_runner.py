@@ -223,7 +223,7 @@ def _sampler_ms(vocab: int, bs: int, sampled: bool, steps: int) -> float:
     """CPU ms of one `sample()` over [bs, vocab] logits (greedy, or temperature 0.8 +
     top-p 0.95), the engine's sampler as a step calls it."""
     from tandem.sampling import SamplingParams
-    from tandem.services.language.engine.request import Request
+    from tandem.services.language.engine.request import Request, RequestSpec
     from tandem.services.language.engine.sampler import sample
     from tandem.transfer.payload import PromptPayload
 
@@ -231,7 +231,7 @@ def _sampler_ms(vocab: int, bs: int, sampled: bool, steps: int) -> float:
           else SamplingParams(max_tokens=8))
     pay = PromptPayload(torch.zeros(1, 8), torch.zeros(1, dtype=torch.int32),
                         torch.zeros(3, 1, dtype=torch.int32), 0)
-    reqs = [Request(i + 1, sp, pay) for i in range(bs)]
+    reqs = [Request(RequestSpec(i + 1, sp, pay)) for i in range(bs)]
     logits = torch.randn(bs, vocab, generator=torch.Generator().manual_seed(0))
     for _ in range(2):
         sample(logits, reqs)

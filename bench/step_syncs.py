@@ -32,7 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from tandem.host_syncs import HostSync, HostSyncCounter, IncompleteCount
 from tandem.sampling import SamplingParams
-from tandem.services.language.engine.request import Request
+from tandem.services.language.engine.request import Request, RequestSpec
 from tandem.services.language.engine.sampler import sample
 from tandem.services.language.runner.forward_batch import (
     ForwardBatch,
@@ -100,7 +100,7 @@ def decode_step_host_syncs(runner: ModelRunner, batch_size: int = 8, shaped: boo
     reqs, chunks = [], []
     for i in range(batch_size):
         prompt = [(7 * i + j) % vocab for j in range(CONTEXT - 2)]
-        req = Request(i, _params(i, shaped), PromptPayload.of_token_ids(prompt))
+        req = Request(RequestSpec(i, _params(i, shaped), PromptPayload.of_token_ids(prompt)))
         for t in ((5 * i + 1) % vocab, (5 * i + 2) % vocab):  # generated so far
             req.append_output(t, None)
         reqs.append(req)

@@ -19,6 +19,7 @@ from tandem.models.split import load_text_weights
 from tandem.services.language.engine.core import Engine, EngineConfig
 from tandem.services.language.engine.request import (
     Request,
+    RequestSpec,
     RequestStatus,
     SamplingParams,
     StreamDelta,
@@ -78,7 +79,7 @@ def collect(engine: Engine, reqs: list[Request], timeout: float = 120) -> dict[i
 
 def greedy_requests(case: Case, base: int) -> list[Request]:
     return [
-        Request(base + i, SamplingParams(max_tokens=n), p)
+        Request(RequestSpec(base + i, SamplingParams(max_tokens=n), p))
         for i, (p, n) in enumerate(zip(case.payloads, case.max_new, strict=True))
     ]
 
@@ -126,10 +127,10 @@ def test_seeded_sampling_is_independent_of_batch_composition(checkpoint):
         params = dict(temperature=1.0, top_p=0.9, top_k=50, max_tokens=12, ignore_eos=True)
 
         def mine(rid, seed=7):
-            return Request(rid, SamplingParams(seed=seed, **params), case.payloads[5])
+            return Request(RequestSpec(rid, SamplingParams(seed=seed, **params), case.payloads[5]))
 
         alone = collect(engine, [mine(1)])[1]
-        crowd = [Request(10 + i, SamplingParams(**params), p) for i, p in enumerate(case.payloads)]
+        crowd = [Request(RequestSpec(10 + i, SamplingParams(**params), p)) for i, p in enumerate(case.payloads)]
         together = collect(engine, crowd[:6] + [mine(2)] + crowd[6:])[2]
         other_seed = collect(engine, [mine(3, seed=8)])[3]
 
@@ -157,7 +158,7 @@ def test_the_engine_seed_replays_unseeded_requests_and_yields_to_a_request_seed(
         try:
             out = []
             for i in range(3):  # one after another: the engine's draw order is the arrival order
-                req = Request(i, SamplingParams(seed=request_seed, **params), case.payloads[i])
+                req = Request(RequestSpec(i, SamplingParams(seed=request_seed, **params), case.payloads[i]))
                 out.append([t for d in collect(engine, [req])[i] for t in d.token_ids])
             assert engine.pool.num_free == engine.pool.num_total
             return out
@@ -180,10 +181,9 @@ def test_stop_string_stop_token_and_eos(checkpoint):
         assert stop and stop in full
         expected = full[: full.index(stop)]
         reqs = [
-            Request(1, SamplingParams(max_tokens=len(ref), ignore_eos=True, stop=[stop]),
-                    case.payloads[3]),
-            Request(2, SamplingParams(max_tokens=len(ref), ignore_eos=True,
-                                      stop_token_ids=[ref[2]]), case.payloads[3]),
+            Request(RequestSpec(1, SamplingParams(max_tokens=len(ref), ignore_eos=True, stop=[stop]), case.payloads[3])),
+            Request(RequestSpec(2, SamplingParams(max_tokens=len(ref), ignore_eos=True,
+                                      stop_token_ids=[ref[2]]), case.payloads[3])),
         ]
         out = collect(engine, reqs)
         text = "".join(d.text for d in out[1])
@@ -198,9 +198,9 @@ def test_stop_string_stop_token_and_eos(checkpoint):
         engine.stop()
         engine = eos_engine.start()
         out = collect(engine, [
-            Request(3, SamplingParams(max_tokens=len(ref)), case.payloads[3]),
-            Request(4, SamplingParams(max_tokens=len(ref), include_stop_str_in_output=True,
-                                      skip_special_tokens=False), case.payloads[3]),
+            Request(RequestSpec(3, SamplingParams(max_tokens=len(ref)), case.payloads[3])),
+            Request(RequestSpec(4, SamplingParams(max_tokens=len(ref), include_stop_str_in_output=True,
+                                      skip_special_tokens=False), case.payloads[3])),
         ])
         upto = ref[: ref.index(ref[1]) + 1]
         for room in (3, 4):
@@ -221,9 +221,9 @@ def test_abort_deadline_and_shutdown_free_every_page(checkpoint):
     try:
         q: queue.Queue = queue.Queue()
         long = dict(max_tokens=10_000, ignore_eos=True)
-        a = Request(1, SamplingParams(**long), case.payloads[9])
-        b = Request(2, SamplingParams(**long), case.payloads[10], deadline=time.monotonic() - 1)
-        c = Request(3, SamplingParams(**long), case.payloads[11])
+        a = Request(RequestSpec(1, SamplingParams(**long), case.payloads[9]))
+        b = Request(RequestSpec(2, SamplingParams(**long), case.payloads[10], deadline=time.monotonic() - 1))
+        c = Request(RequestSpec(3, SamplingParams(**long), case.payloads[11]))
         for r in (a, b, c):
             engine.submit(r, lambda d, rid=r.room: q.put((rid, d)))
         finals: dict[int, StreamDelta] = {}
@@ -258,13 +258,12 @@ def test_bad_input_is_rejected_before_queueing(checkpoint):
     engine = case.engine(num_pages=8, max_model_len=64)
     try:
         with pytest.raises(AdmissionError, match="max_model_len"):
-            engine.submit(Request(1, SamplingParams(), case.payloads[15]), print)
+            engine.submit(Request(RequestSpec(1, SamplingParams(), case.payloads[15])), print)
         with pytest.raises(AdmissionError, match="needs"):
             big = Engine(engine.runner, case.tokenizer, EngineConfig())
-            big.submit(Request(2, SamplingParams(), case.payloads[15]), print)
+            big.submit(Request(RequestSpec(2, SamplingParams(), case.payloads[15])), print)
         with pytest.raises(AdmissionError, match="outside the vocabulary") as e:
-            big.submit(Request(3, SamplingParams(logit_bias={1_000_000_000: 5.0}),
-                               case.payloads[0]), print)
+            big.submit(Request(RequestSpec(3, SamplingParams(logit_bias={1_000_000_000: 5.0}), case.payloads[0])), print)
         assert e.value.field == "sampling.logit_bias"
         assert engine.num_active == 0
     finally:
@@ -283,17 +282,17 @@ def test_max_tokens_beyond_the_context_is_refused_not_shortened(checkpoint):
     try:
         asked = SamplingParams(max_tokens=11)
         with pytest.raises(AdmissionError, match=rf"max_tokens 11 .* - {prompt} \(prompt\) = 10"):
-            engine.submit(Request(1, asked, payload), print)
+            engine.submit(Request(RequestSpec(1, asked, payload)), print)
         # no max_tokens: the service's default (256), shortened to what the context leaves
         with pytest.raises(AdmissionError, match=r"min_tokens 11 is more than the default"):
-            engine.submit(engine.request(4, SamplingParams(min_tokens=11), payload), print)
+            engine.submit(engine.request(RequestSpec(4, SamplingParams(min_tokens=11), payload)), print)
         with pytest.raises(AdmissionError, match=r"no token budget"):  # made without one
-            engine.submit(Request(5, SamplingParams(), payload), print)
-        default = engine.request(2, SamplingParams(), payload)  # complete at construction
+            engine.submit(Request(RequestSpec(5, SamplingParams(), payload)), print)
+        default = engine.request(RequestSpec(2, SamplingParams(), payload))  # complete at construction
         assert default.max_new_tokens == 10 and default.sampling.max_tokens is None
         q: queue.Queue = queue.Queue()
         engine.submit(default, q.put)
-        fits = Request(3, SamplingParams(max_tokens=10), payload)
+        fits = Request(RequestSpec(3, SamplingParams(max_tokens=10), payload))
         engine.submit(fits, q.put)
         assert fits.max_new_tokens == 10
     finally:
@@ -323,10 +322,10 @@ def test_shaped_rows_leave_free_rows_equal_to_generate(checkpoint):
     try:
         free = greedy_requests(case, 3000)[:8]
         twins = [
-            Request(4000 + i, SamplingParams(
+            Request(RequestSpec(4000 + i, SamplingParams(
                 max_tokens=n, repetition_penalty=1.8, presence_penalty=1.5,
                 frequency_penalty=1.0, min_tokens=n, logit_bias={7: 4.0},
-                logprobs=True, top_logprobs=4), p)
+                logprobs=True, top_logprobs=4), p))
             for i, (p, n) in enumerate(zip(case.payloads[:8], case.max_new[:8], strict=True))
         ]
         streams = collect(engine, free + twins)

@@ -19,7 +19,7 @@ from language_engine_helpers import num_idle
 from tandem.sampling import SamplingParams
 from tandem.services.language.engine.kv_pages import KVPagePool
 from tandem.services.language.engine.prefix_cache import PrefixCache, page_keys
-from tandem.services.language.engine.request import Request, RequestStatus
+from tandem.services.language.engine.request import Request, RequestSpec, RequestStatus
 from tandem.services.language.engine.scheduler import ScheduleLimits, Scheduler
 from tandem.services.language.runner.forward_batch import ForwardBatch
 from tandem.transfer.payload import ImageSpan, PromptInfo, PromptPayload
@@ -34,7 +34,7 @@ def make_request(ids: list[int], max_tokens: int = 6, images=(), info=True) -> R
     pos = torch.arange(len(ids), dtype=torch.int32).expand(3, -1).clone()
     payload = PromptPayload(embeds, t, pos, 0, info=PromptInfo(list(ids), list(images))
                             if info else None)
-    return Request(next(_rid), SamplingParams(max_tokens=max_tokens), payload)
+    return Request(RequestSpec(next(_rid), SamplingParams(max_tokens=max_tokens), payload))
 
 
 class ContentModel:
@@ -268,7 +268,7 @@ def pinned_request(sched: Scheduler, cache: PrefixCache, ids: list[int],
     full = make_request(ids, max_tokens=max_tokens)
     start = cache.pin(full.room, ids, [])
     assert start > 0
-    req = Request(full.room, full.sampling, full.prompt.rows_from(start))
+    req = Request(RequestSpec(full.room, full.sampling, full.prompt.rows_from(start)))
     sched.adopt_pin(req, cache.take_pin(req.room, start))
     return req
 

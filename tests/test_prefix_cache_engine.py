@@ -17,7 +17,7 @@ from test_language_engine import collect
 from tandem.models.split import load_text_weights
 from tandem.sampling import SamplingParams
 from tandem.services.language.engine.core import Engine, EngineConfig
-from tandem.services.language.engine.request import Request
+from tandem.services.language.engine.request import Request, RequestSpec
 from tandem.services.language.runner.model_runner import ModelRunner, RunnerSettings
 
 SYSTEM = "You are a careful assistant. " * 6
@@ -41,7 +41,7 @@ class Chat:
         payload = oracle.payload(self.model, inputs)
         payload.info = oracle.prompt_info(self.model, inputs, keys)
         ref, _ = oracle.generate(self.model, inputs, max_tokens)
-        return Request(rid, SamplingParams(max_tokens=max_tokens), payload), ref
+        return Request(RequestSpec(rid, SamplingParams(max_tokens=max_tokens), payload)), ref
 
 
 _chats: dict[str, Chat] = {}

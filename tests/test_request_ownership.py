@@ -17,7 +17,12 @@ from pathlib import Path
 import pytest
 
 from tandem.sampling import SamplingParams
-from tandem.services.language.engine.request import Request, RequestStatus, TransitionError
+from tandem.services.language.engine.request import (
+    Request,
+    RequestSpec,
+    RequestStatus,
+    TransitionError,
+)
 from tandem.transfer.payload import PromptPayload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -167,7 +172,8 @@ def test_the_scan_sees_each_form_of_write(tmp_path):
 
 
 def _req(**kw) -> Request:
-    return Request(1, SamplingParams(max_tokens=4), PromptPayload.of_token_ids([1, 2, 3]), **kw)
+    return Request(RequestSpec(1, SamplingParams(max_tokens=4),
+                               PromptPayload.of_token_ids([1, 2, 3])), **kw)
 
 
 def test_transition_follows_the_order():
@@ -205,4 +211,4 @@ def test_append_output_keeps_ids_and_logprobs_together():
 def test_budget_and_trace_are_given_at_construction():
     assert _req().max_new_tokens == 4
     assert _req(max_new_tokens=2).max_new_tokens == 2
-    assert Request(1, SamplingParams(), PromptPayload.of_token_ids([1])).max_new_tokens is None
+    assert Request(RequestSpec(1, SamplingParams(), PromptPayload.of_token_ids([1]))).max_new_tokens is None

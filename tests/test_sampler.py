@@ -11,7 +11,7 @@ from language_engine_helpers import filter_logits, sampling_probs, shape_logits
 
 from tandem.sampling import SamplingParams
 from tandem.services.language.engine import sampler
-from tandem.services.language.engine.request import Request
+from tandem.services.language.engine.request import Request, RequestSpec
 from tandem.services.language.engine.sampler import sample
 from tandem.transfer.payload import PromptPayload
 
@@ -20,7 +20,7 @@ LOGITS = P.log()
 
 
 def req(rid=1, **kw) -> Request:
-    return Request(rid, SamplingParams(**kw), PromptPayload.of_token_ids([1, 2, 3]))
+    return Request(RequestSpec(rid, SamplingParams(**kw), PromptPayload.of_token_ids([1, 2, 3])))
 
 
 def test_greedy_is_argmax_and_top_k_one_is_greedy():

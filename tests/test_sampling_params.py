@@ -19,7 +19,7 @@ from transformers.generation.logits_process import (
 
 from tandem.sampling import SamplingParams
 from tandem.services.language.engine.detokenizer import IncrementalDetokenizer
-from tandem.services.language.engine.request import Request
+from tandem.services.language.engine.request import Request, RequestSpec
 from tandem.services.language.engine.sampler import sample
 from tandem.transfer.payload import PromptPayload
 
@@ -37,7 +37,7 @@ def request(rid=1, **kw) -> Request:
     ids = torch.tensor(PROMPT, dtype=torch.int32)
     payload = PromptPayload(torch.zeros(len(PROMPT), 4), ids,
                             torch.zeros(3, len(PROMPT), dtype=torch.int32), 0)
-    r = Request(rid, SamplingParams(**kw), payload)
+    r = Request(RequestSpec(rid, SamplingParams(**kw), payload))
     for t in OUTPUT:
         r.append_output(t, None)
     return r

@@ -19,7 +19,7 @@ from tandem.sampling import SamplingParams
 from tandem.services.language.engine.kv_pages import KVPagePool
 from tandem.services.language.engine.policy import NewTokenRatio
 from tandem.services.language.engine.prefix_cache import PrefixCache
-from tandem.services.language.engine.request import Request, RequestStatus
+from tandem.services.language.engine.request import Request, RequestSpec, RequestStatus
 from tandem.services.language.engine.scheduler import AdmissionError, ScheduleLimits, Scheduler
 from tandem.services.language.runner.forward_batch import ForwardBatch
 from tandem.transfer.payload import PromptPayload
@@ -33,7 +33,7 @@ def make_request(prompt_len: int, max_tokens: int = 8, priority: int = 0, delta:
     embeds = ids.to(torch.float32)[:, None].repeat(1, 4)  # column 0 carries the token id
     pos = torch.arange(prompt_len, dtype=torch.int32).expand(3, -1).clone()
     payload = PromptPayload(embeds, ids, pos, delta)
-    return Request(next(_rid), SamplingParams(max_tokens=max_tokens), payload, priority=priority)
+    return Request(RequestSpec(next(_rid), SamplingParams(max_tokens=max_tokens), payload, priority=priority))
 
 
 class SlotModel:

@@ -23,7 +23,7 @@ from test_language_engine import collect
 from tandem.models.split import load_text_weights
 from tandem.sampling import GrammarKind, GrammarSpec, SamplingParams
 from tandem.services.language.engine.core import Engine, EngineConfig
-from tandem.services.language.engine.request import Request, RequestStatus
+from tandem.services.language.engine.request import Request, RequestSpec, RequestStatus
 from tandem.services.language.runner.model_runner import ModelRunner, RunnerSettings
 
 
@@ -79,9 +79,8 @@ def text_of(stream) -> str:
 
 
 def structured(rid, setup, spec, seed, max_tokens=400, logit_bias=None):
-    return Request(rid, SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens,
-                                       grammar=spec, logit_bias=logit_bias or {}),
-                   setup.payload)
+    return Request(RequestSpec(rid, SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens,
+                                       grammar=spec, logit_bias=logit_bias or {}), setup.payload))
 
 
 def test_json_schema_regex_and_choice_are_always_valid(setup):
@@ -120,7 +119,7 @@ def test_free_requests_batched_with_structured_ones_equal_generate(setup):
     engine = setup.engine()
     try:
         spec = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(Shape.model_json_schema()))
-        free = [Request(10 + i, SamplingParams(max_tokens=12), setup.payload) for i in range(3)]
+        free = [Request(RequestSpec(10 + i, SamplingParams(max_tokens=12), setup.payload)) for i in range(3)]
         shaped = [structured(20 + i, setup, spec, i) for i in range(3)]
         streams = collect(engine, [free[0], shaped[0], free[1], shaped[1], free[2], shaped[2]])
         for r in free:
@@ -142,7 +141,7 @@ def test_a_large_schema_compiles_while_decoding_goes_on(setup):
             {"type": "object", "properties": props, "required": list(props)}))
         steps: dict[str, int] = {}
         compiled = threading.Event()
-        long = Request(1, SamplingParams(max_tokens=300, ignore_eos=True), setup.payload)
+        long = Request(RequestSpec(1, SamplingParams(max_tokens=300, ignore_eos=True), setup.payload))
         got = {}
         engine.submit(long, lambda d: got.setdefault("first", engine.num_steps))
         while "first" not in got:  # the free request decodes before the compile starts
@@ -151,7 +150,7 @@ def test_a_large_schema_compiles_while_decoding_goes_on(setup):
         fut = engine.grammars.compile(big)
         fut.add_done_callback(lambda _f: (steps.setdefault("end", engine.num_steps),
                                           compiled.set()))
-        req = Request(2, SamplingParams(max_tokens=1, grammar=big), setup.payload)
+        req = Request(RequestSpec(2, SamplingParams(max_tokens=1, grammar=big), setup.payload))
         req.sampler.grammar_future = fut
         out = collect(engine, [req])
         assert compiled.wait(30)
@@ -169,7 +168,7 @@ def test_a_grammar_that_does_not_compile_fails_its_request_alone(setup, kind, te
     engine = setup.engine()
     try:
         bad = structured(1, setup, GrammarSpec(kind, text), 0)
-        ok = Request(2, SamplingParams(max_tokens=12), setup.payload)
+        ok = Request(RequestSpec(2, SamplingParams(max_tokens=12), setup.payload))
         streams = collect(engine, [bad, ok])
         last = streams[1][-1]
         assert last.finish_reason is RequestStatus.FINISHED_ERROR

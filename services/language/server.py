@@ -52,6 +52,7 @@ from tandem.services.language.engine.core import Engine
 from tandem.services.language.engine.request import (
     FINISH_REASONS,
     Request,
+    RequestSpec,
     StageTrace,
     StreamDelta,
 )
@@ -217,9 +218,10 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             transfer_ms = (time.monotonic() - t0) * 1e3
             # -- 2. the engine generates --
             req = self.engine.request(
-                room, sampling, prompt, request_id=request.request_id,
-                priority=request.priority, grammar_future=grammar, cache_salt=request.cache_salt,
-                deadline=time.monotonic() + (deadline - now),
+                RequestSpec(room, sampling, prompt, request_id=request.request_id,
+                            priority=request.priority, cache_salt=request.cache_salt,
+                            deadline=time.monotonic() + (deadline - now)),
+                grammar_future=grammar,
                 trace=StageTrace(tracing.exemplar(span)) if span.is_recording() else None)
             q: asyncio.Queue[StreamDelta] = asyncio.Queue()
             loop = asyncio.get_running_loop()

@@ -32,7 +32,7 @@ import queue
 import random
 import threading
 import time
-from concurrent.futures import CancelledError
+from concurrent.futures import CancelledError, Future
 
 from prometheus_client import CollectorRegistry
 
@@ -42,12 +42,18 @@ from tandem.services.language.engine.grammar import GrammarError, Grammars, matc
 from tandem.services.language.engine.kv_pages import KVPagePool
 from tandem.services.language.engine.policy import NewTokenRatio
 from tandem.services.language.engine.prefix_cache import PrefixCache
-from tandem.services.language.engine.request import Request, RequestStatus, StreamDelta
+from tandem.services.language.engine.request import (
+    Request,
+    RequestSpec,
+    RequestStatus,
+    StageTrace,
+    StreamDelta,
+)
 from tandem.services.language.engine.sampler import sample
 from tandem.services.language.engine.scheduler import AdmissionError, ScheduleLimits, Scheduler
 from tandem.services.language.engine.types import Abort, EngineConfig, Live, Sink, Submit
 from tandem.services.language.metrics import LanguageMetrics
-from tandem.transfer.payload import PromptInfo, PromptPayload
+from tandem.transfer.payload import PromptInfo
 
 log = logging.getLogger("tandem.language.engine")
 
@@ -137,12 +143,11 @@ class Engine:
             return sampling.max_tokens
         return max(min(self.cfg.default_max_tokens, self.cfg.max_model_len - prompt_len), 0)
 
-    def request(self, room: int, sampling: SamplingParams, prompt: PromptPayload,
-                **kwargs) -> Request:
-        """A `Request` made complete with its token budget (`max_new_tokens`); `kwargs`
-        are Request's other keywords."""
-        return Request(room, sampling, prompt,
-                       max_new_tokens=self.max_new_tokens(sampling, prompt.end), **kwargs)
+    def request(self, spec: RequestSpec, *, grammar_future: Future | None = None,
+                trace: StageTrace | None = None) -> Request:
+        """A `Request` made complete with its token budget (`max_new_tokens`)."""
+        return Request(spec, grammar_future=grammar_future, trace=trace,
+                       max_new_tokens=self.max_new_tokens(spec.sampling, spec.prompt.end))
 
     def submit(self, req: Request, sink: Sink) -> None:
         """Queue a request; raises AdmissionError on bad input. Its prompt is complete, or

@@ -217,17 +217,14 @@ class Request:
     trace (given at construction) and the state each owner writes (module docstring).
     Owned by the engine thread once submitted."""
 
-    def __init__(self, room: int, sampling: SamplingParams, prompt: PromptPayload, *,
-                 request_id: str = "", priority: int = 0, deadline: float = float("inf"),
-                 grammar_future: Future | None = None, cache_salt: str = "",
+    def __init__(self, spec: RequestSpec, *, grammar_future: Future | None = None,
                  max_new_tokens: int | None = None, trace: StageTrace | None = None) -> None:
         """`max_new_tokens`: the tokens it may generate; None takes the spec's max_tokens.
         Without either the engine refuses it: `Engine.request` builds one with the
         service's default budget (shortened to what the context leaves)."""
-        self.spec = RequestSpec(room, sampling, prompt, request_id, priority, deadline,
-                                cache_salt)
+        self.spec = spec
         self.max_new_tokens: int | None = (max_new_tokens if max_new_tokens is not None
-                                           else sampling.max_tokens)
+                                           else spec.sampling.max_tokens)
         self.trace = trace  # None: not traced
         self.status = RequestStatus.NEW
         self.arrival = next(_arrival)  # FCFS order
