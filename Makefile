@@ -120,8 +120,8 @@ $(PROMTOOL): | $(STAMPS)/sysdeps
 	dpkg -x .tools/promtool.d/prometheus_*.deb .tools/promtool.d/x
 	cp .tools/promtool.d/x/usr/bin/promtool $@ && rm -rf .tools/promtool.d
 
-# Everything the suite needs: independent steps, so `make -j3 test-setup` (what .ci/run does)
-# builds the kernels while the oracle venv, helm and promtool download (~1.5 min less).
+# Everything the suite needs (.ci/run makes it first). The steps are independent, but on 2
+# cores `make -j3` is slower: the kernels' compile and the oracle venv's install contend.
 test-setup: setup $(STAMPS)/oracle $(if $(wildcard deploy/scripts/install-helm.sh),$(HELM)) $(PROMTOOL)
 
 # The suite on TEST_WORKERS processes (pytest-xdist; 0 runs it in this one). --dist loadfile
