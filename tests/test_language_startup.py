@@ -187,7 +187,12 @@ def test_a_cuda_rank_binds_its_device_before_joining_the_group(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
     monkeypatch.setattr(dist, "init_process_group",
                         lambda backend, **kw: calls.append((backend, kw.get("device_id"))))
+    # the rendezvous store: made first, waiting the start-up bound, not the collectives'
+    stores = []
+    monkeypatch.setattr(dist, "TCPStore", lambda host, port, size, **kw: stores.append(
+        (host, port, size, kw["is_master"], kw["timeout"].total_seconds())))
     ranks.init_group(1, 2, "127.0.0.1:1", torch.device("cuda", 3), 5.0)
+    assert stores == [("127.0.0.1", 1, 2, False, ranks.START_TIMEOUT_FLOOR_S)]
     assert calls == [("set_device", torch.device("cuda", 3)), ("nccl", torch.device("cuda", 3))]
     calls.clear()
     ranks.init_group(1, 2, "127.0.0.1:1", torch.device("cpu"), 5.0)
