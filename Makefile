@@ -124,11 +124,13 @@ $(PROMTOOL): | $(STAMPS)/sysdeps
 # cores `make -j3` is slower: the kernels' compile and the oracle venv's install contend.
 test-setup: setup $(STAMPS)/oracle $(if $(wildcard deploy/scripts/install-helm.sh),$(HELM)) $(PROMTOOL)
 
-# The suite on TEST_WORKERS processes (pytest-xdist; 0 runs it in this one). --dist loadfile
-# keeps each test file on one worker, so a module's cluster fixture starts once; files are
-# independent (own ports, temp dirs, tiny checkpoints built once under a file lock).
+# The suite on TEST_WORKERS processes (pytest-xdist; 0, the default, runs it in this one).
+# --dist loadfile keeps each test file on one worker, so a module's cluster fixture starts
+# once. NOTE: 0 by default: with 2 workers on this 2-core host a fresh-clone run took 24 min
+# of pytest (one worker: ~27), and tests that take fixed port ranges (test_up_restart)
+# found them held by the other worker's clusters.
 # --durations: the slowest calls at the end of every run, so CI's time is watched where it goes.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 0
 test: test-setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
