@@ -61,14 +61,6 @@ def _image_data_url(seed: int = 0, side: int = 64) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 class Lines:
     """The launcher's output, line by line, pumped on a thread."""
 
