@@ -570,3 +570,31 @@ async def test_reattach_while_the_init_cannot_be_written():
         await server.stop(None)
         await rx.close()
         await rx_quick.close()
+
+
+async def test_the_encoders_answer_may_be_read_before_the_init_write_completes():
+    """On a loaded host the encoder's first message (its answer to the Init) can be read
+    before the Init's own write is seen to complete: it is the protocol's next step, kept
+    in order and handled, not an interruption (it once failed the room: "unexpected
+    prompt from the encoder"). The Init's write here completes only once that answer is
+    in the room's events."""
+    engine, cfg = make_engine(timeout_s=10)
+    sender, server, address = await start_sender(engine, cfg)
+    rx = make_receiver(engine, cfg, blocks=8, block_size=16, reserve=64)
+    write = rx._write
+
+    async def init_seen_late(r, req):
+        await write(r, req)
+        if req.WhichOneof("msg") == "init":
+            await until(r.wake.is_set, "the encoder's answer read")  # set by each event
+
+    rx._write = init_seen_late
+    try:
+        room = asyncio.create_task(rx.receive(41, address))
+        p = make_payload(50, 32, "float32", 41)
+        await asyncio.wait_for(sender.send(41, p), HANG_GUARD_S)
+        assert digest(await asyncio.wait_for(room, HANG_GUARD_S)) == digest(p)
+        assert_rx_clean(rx)
+    finally:
+        await server.stop(None)
+        await rx.close()

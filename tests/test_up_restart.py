@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import io
 import os
+import random
 import signal
 import sys
 
@@ -33,8 +34,10 @@ from tandem.launch.procs import (
     PORT_RANGE_ENV,
     Child,
     PortRange,
+    PortsExhausted,
     free_block,
     free_port,
+    port_bindable,
     stop_all,
 )
 from tandem.launch.supervise import InstanceState, RestartPolicy, Supervisor
@@ -123,10 +126,31 @@ def _flag(c: Child, name: str) -> int:
     return int(c.argv[c.argv.index(name) + 1])
 
 
-def test_every_port_of_the_plan_comes_from_the_port_range():
-    r = PortRange(29100, 29179)
+@pytest.fixture
+def no_ports_handed_out(monkeypatch):
+    """free_port never hands a port out twice in one process; by the time a whole suite
+    reaches these tests, earlier tests' random picks can cover every block of a range
+    (seen in CI: PortsExhausted). The plan is made as a fresh `tandem up` makes it."""
+    from tandem.launch import procs
+
+    monkeypatch.setattr(procs, "_HANDED_OUT", set())
+
+
+def _bindable_range(width: int) -> PortRange:
+    """`width` ports below 32768 (Mooncake's part), every one free now: not a fixed range,
+    which another test's cluster (another pytest worker's) may hold a port of."""
+    starts = list(range(28000, 32768 - width, width))
+    random.shuffle(starts)
+    for lo in starts:
+        if all(port_bindable("127.0.0.1", p) for p in range(lo, lo + width)):
+            return PortRange(lo, lo + width - 1)
+    raise PortsExhausted(f"no {width} free ports below 32768")
+
+
+def test_every_port_of_the_plan_comes_from_the_port_range(no_ports_handed_out):
+    r = _bindable_range(80)
     args = parse_args(["--model", "/m", "--encoders", "2", "--languages", "2",
-                       "--port-range", str(r), "--http-port", "29100",
+                       "--port-range", str(r), "--http-port", str(r.lo),
                        "--language-args", "--tp 2"])
     encoders, languages, router = plan(args, "/m")
     ports = []
@@ -141,18 +165,19 @@ def test_every_port_of_the_plan_comes_from_the_port_range():
         block = PortRange.parse(c.env_extra[PORT_RANGE_ENV])
         ports += range(block.lo, block.hi + 1)
     assert all(p in r for p in ports) and len(set(ports)) == len(ports)
-    assert 29100 not in ports  # the router's --http-port, named by the caller
+    assert r.lo not in ports  # the router's --http-port, named by the caller
 
 
-def test_a_child_picks_its_own_ports_from_its_range(monkeypatch):
+def test_a_child_picks_its_own_ports_from_its_range(monkeypatch, no_ports_handed_out):
     """A tier given TANDEM_PORT_RANGE (a tensor-parallel language instance under
     --port-range) takes its own ports from it, and its settings still parse (the variable
     is the launcher's, not a setting)."""
     from tandem.config import parse_settings
     from tandem.tiers import TIERS
 
-    monkeypatch.setenv(PORT_RANGE_ENV, "29190-29193")
-    assert {free_port() for _ in range(4)} <= set(range(29190, 29194))
+    r = _bindable_range(4)
+    monkeypatch.setenv(PORT_RANGE_ENV, str(r))
+    assert {free_port() for _ in range(4)} == set(range(r.lo, r.hi + 1))
     cfg = parse_settings(TIERS["language"].config(), ["--model", "/m", "--insecure-internal"],
                          "tandem language")
     assert cfg.port
@@ -247,7 +272,8 @@ def _listening_ports(pid: int) -> set[int]:
 
 
 @pytest.mark.timeout(300)
-def test_a_killed_instance_is_restarted_and_the_cluster_answers_again(checkpoint):
+def test_a_killed_instance_is_restarted_and_the_cluster_answers_again(checkpoint,
+                                                                     no_ports_handed_out):
     from tandem.launch.cluster import LocalCluster
 
     # 64 ports below 32768 (Mooncake's part), the first two free: the router's

@@ -214,7 +214,7 @@ class EmbeddingReceiver:
                                     e.code or "UNKNOWN", r.room)
             case StreamMessage(msg=msg):
                 raise TransferError(f"room {r.room}: unexpected {msg.WhichOneof('msg')} from "
-                                    f"the encoder while waiting for blocks", "INTERNAL", r.room)
+                                    f"the encoder ({r.state.value})", "INTERNAL", r.room)
 
     def _timeout(self, deadline: float | None) -> float:
         t = self.config.timeout_s
@@ -366,13 +366,13 @@ class EmbeddingReceiver:
             room=r.room, session_id=self.engine.session_id, layout=self._layout,
             block_ids=r.ids, allocated_tokens=r.allocated, generation=r.attempt + 1,
             ranks=self._rank_dests, **r.protection.init_fields())
-        await self._write_init(r, encoder_pb2.AttachRequest(init=init), deadline)
+        early = await self._write_init(r, encoder_pb2.AttachRequest(init=init), deadline)
         r.state = ReceiverState.WAITING_FOR_INPUT
         r.progressed = time.monotonic()
         while True:
             timeout = self._timeout(deadline)
             try:
-                ev = await asyncio.wait_for(r.events.get(), timeout)
+                ev = early.pop(0) if early else await asyncio.wait_for(r.events.get(), timeout)
             except asyncio.TimeoutError:
                 raise timed_out(
                     f"room {r.room}: no data from encoder {r.address} ({r.state.value}, "
@@ -582,30 +582,41 @@ class EmbeddingReceiver:
 
     # ---- the stream -----------------------------------------------------------------------
     async def _write_init(self, r: ReceiverRoom, req: encoder_pb2.AttachRequest,
-                          deadline: float | None) -> None:
-        """Write the Init while still answering the room's events. NOTE: a first Attach to
-        an encoder that froze before answering (no connection yet: the kernel accepts it,
-        nothing reads it) never completes the write; a Reattach or an Abort must still end
-        the attempt at once, and silence fails it at the transfer timeout, as anywhere."""
+                          deadline: float | None) -> list[StreamMessage]:
+        """Write the Init while still answering the room's events; return the encoder's
+        messages of this attempt read meanwhile, in order, for the caller to handle first.
+        NOTE: the encoder may answer the Init (its Prompt) before this write's completion
+        is seen here (a loaded host): that answer is the protocol's next step, not an
+        interruption; once it is in, the write has landed, so later events stay queued for
+        the caller (an encoder's end of stream after its Done is no break). A first Attach to an encoder that froze before answering (no
+        connection yet: the kernel accepts it, nothing reads it) never completes the write;
+        a Reattach or an Abort must still end the attempt at once, and silence fails it at
+        the transfer timeout, as anywhere."""
         write = asyncio.ensure_future(self._write(r, req))
+        early: list[StreamMessage] = []
         try:
             timeout = self._timeout(deadline)
             end = time.monotonic() + timeout
-            while not write.done():
+            while not write.done() and not early:
                 ev = asyncio.ensure_future(r.events.get())
                 done, _ = await asyncio.wait({write, ev}, timeout=max(0.0, end - time.monotonic()),
                                              return_when=asyncio.FIRST_COMPLETED)
                 if ev in done:
-                    self._interrupt(r, ev.result())  # raises for an Abort, a Reattach, a break
+                    got = ev.result()
+                    if isinstance(got, StreamMessage) and got.attempt == r.attempt:
+                        early.append(got)
+                    else:
+                        self._interrupt(r, got)  # raises for an Abort, a Reattach, a break
                     continue
                 ev.cancel()
                 if not done:
                     raise timed_out(f"room {r.room}: encoder {r.address} does not take the "
                                     f"Attach stream's Init", timeout, deadline, r.room)
-            write.result()
+            await write
         finally:
             if not write.done():
                 write.cancel()
+        return early
 
     async def _write(self, r: ReceiverRoom, req: encoder_pb2.AttachRequest) -> None:
         try:
