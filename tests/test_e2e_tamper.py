@@ -106,8 +106,14 @@ def test_tampered_rows_are_retried_on_another_instance_with_the_exact_answer(
                 seed, text = 100 + sent, "Describe the picture."
                 want, _ = generate(
                     model, make_inputs(processor, text, [make_image(seed, SIZE)]), MAX_NEW)
-                got = c.chat([{"role": "user", "content": [image(png(seed, SIZE)), text]}],
-                             max_tokens=MAX_NEW, temperature=0)
+                try:
+                    got = c.chat([{"role": "user", "content": [image(png(seed, SIZE)), text]}],
+                                 max_tokens=MAX_NEW, temperature=0)
+                except Exception as e:  # what the router did with it, for whoever reads CI
+                    said = [ln for ln in cluster.lines if "router" in ln and (
+                        "attempt" in ln or "retrying" in ln or "DATA_LOSS" in ln)]
+                    raise AssertionError(f"chat {sent + 1} failed: {e}\n" +
+                                         "\n".join(said[-12:])) from e
                 sent, rid = sent + 1, got.request_id
                 assert strip_eos(got.token_ids, eos) == strip_eos(want, eos), (sent, got)
                 retried = [ln for ln in cluster.lines
