@@ -28,7 +28,9 @@ from tandem.services.language.engine.request import RequestStatus
 
 SLOW = GrammarSpec(GrammarKind.JSON_SCHEMA,
                    json.dumps({"enum": [f"v{i}" for i in range(20_000)]}))
-ROOMY = dict(max_enum_values=100_000, max_spec_bytes=1 << 20)  # lets SLOW past the size checks
+# lets SLOW past the size checks, and its compile run as long as a test's deadline says
+ROOMY = dict(max_enum_values=100_000, max_enum_chars=1 << 20, max_spec_bytes=1 << 20,
+             max_compile_cpu_s=600)
 CHOICE = GrammarSpec(GrammarKind.CHOICE, json.dumps(["yes", "no"]))
 
 
@@ -57,6 +59,16 @@ def nested(depth: int) -> dict:
 
 @pytest.mark.parametrize("spec,limit", [
     (schema({"enum": list(range(30_000))}), "grammar_max_enum_values"),
+    # the probe's enum: 4,000 values of 60 characters, under every count limit
+    (schema({"enum": [f"{i:04d}" + "x" * 56 for i in range(4000)]}), "grammar_max_enum_chars"),
+    (schema({"const": "c" * 140_000}), "grammar_max_enum_chars"),
+    # a property named like a data keyword is a schema all the same
+    (schema({"type": "object", "properties": {"default": {"type": "string",
+                                                          "maxLength": 100_000}}}),
+     "grammar_max_count"),
+    (schema({"$defs": {"enum": {"enum": list(range(30_000))}}, "$ref": "#/$defs/enum"}),
+     "grammar_max_enum_values"),
+    (GrammarSpec(GrammarKind.CHOICE, json.dumps(["y" * 100] * 1400)), "grammar_max_enum_chars"),
     (schema({"type": "string", "maxLength": 100_000}), "grammar_max_count"),
     (schema({"type": "array", "items": {"type": "string"}, "minItems": 10_000}),
      "grammar_max_count"),
@@ -70,7 +82,7 @@ def nested(depth: int) -> dict:
     (GrammarSpec(GrammarKind.CHOICE, json.dumps([str(i) for i in range(5000)])),
      "grammar_max_enum_values"),
     (schema({"description": "x" * (300 << 10)}), "grammar_max_spec_bytes"),
-])  # fmt: skip
+])
 def test_a_spec_over_a_limit_is_refused_at_once(setup, spec, limit):
     g = grammars(setup)
     try:
@@ -93,7 +105,8 @@ def test_a_compile_past_its_deadline_is_refused_killed_and_others_are_served(set
         assert last.error_code == "INVALID_ARGUMENT" and last.error_field == "response_format"
         assert "grammar_compile_timeout_s" in last.error
         assert "".join(d.text for d in streams[2]) in ("yes", "no")
-        assert engine.grammars.timed_out == 1
+        assert engine.grammars.timed_out == 1 and engine.grammars.over_cpu == 0
+        assert engine.grammars.local_compiles == 1  # CHOICE's alone: SLOW never compiled here
         # the same spec again is refused at once (cached), with no second compile
         again = collect(engine, [structured(3, setup, SLOW, 0)])[3][-1]
         assert again.finish_reason is RequestStatus.FINISHED_ERROR and engine.grammars.timed_out == 1
@@ -125,9 +138,14 @@ def test_a_compile_nobody_waits_for_stops_and_stop_never_waits(setup):
     assert engine.pool.num_free == engine.pool.num_total
 
 
+def heavy(i: int) -> GrammarSpec:
+    """A spec of the other lane (a count over LIGHT_MAX_COUNT) that compiles at once."""
+    return GrammarSpec(GrammarKind.REGEX, f"[a-z]{{{300 + i}}}")
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_clients_take_turns_and_one_holds_at_most_its_share(setup, workers):
-    """One slot: clients' queued compiles alternate. Two slots: a client compiling a slow
+    """One shared slot: clients' queued compiles alternate. Two: a client compiling a slow
     spec holds one, and another client's compile runs beside it, not after."""
     g = grammars(setup, workers=workers, **ROOMY)
     try:
@@ -140,13 +158,14 @@ def test_clients_take_turns_and_one_holds_at_most_its_share(setup, workers):
 
         ask("a1", SLOW, "a")
         for i in (2, 3):
-            ask(f"a{i}", GrammarSpec(GrammarKind.REGEX, f"[a-z]{{{i}}}"), "a")
-        ask("b1", GrammarSpec(GrammarKind.REGEX, "[0-9]{4}"), "b")
+            ask(f"a{i}", heavy(i), "a")
+        ask("b1", heavy(1), "b")
         wait_until(lambda: len(order) == 4, timeout_s=120, what="four compiles")
         assert [f.exception() for f in futures] == [None] * 4  # each compiled
         assert order.index("b1") < order.index("a3"), order
         if workers == 2:  # a1 holds a's share: a2 and a3 wait for it, b1 does not
             assert order[0] == "b1" and order[1] == "a1", order
+        assert g.demoted == 0
     finally:
         g.close()
 
@@ -197,11 +216,10 @@ def test_references_with_a_base_case_pass_the_check(fine):
     check_spec(GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(fine)), GrammarLimits())
 
 
-def test_the_cache_reads_each_grammars_size_once_and_keeps_its_byte_budget(setup, monkeypatch):
-    """`memory_size_bytes` walks a grammar's token-mask cache (60 ms for a 4,000-value
-    enum); it is read once per compiled grammar, never again by later requests' compile
-    calls (which once summed it over the whole cache under the lock, stalling every other
-    request's compile call behind a flood of big grammars)."""
+def test_the_cache_charges_what_the_worker_measured_and_keeps_its_byte_budget(setup, monkeypatch):
+    """Each grammar is charged the bytes its compile grew the worker's heap by, read there
+    once: never `memory_size_bytes` in this process (it walks a grammar's token-mask cache:
+    60 ms for a 4,000-value enum, which once stalled every other request's compile call)."""
     import xgrammar as xgr
 
     reads = []
@@ -213,13 +231,15 @@ def test_the_cache_reads_each_grammars_size_once_and_keeps_its_byte_budget(setup
     try:
         for spec in specs[:-1]:
             g.compile(spec).result(timeout=120)
-        assert len(reads) == len(specs) - 1  # one read per compile, none per trim
-        cached = [real.fget(f.result()) for f in g._cache.values()]
-        assert len(cached) == len(specs) - 1
-        g.limits = GrammarLimits(cache_bytes=sum(cached) // 2)
+        assert reads == []  # the worker read what it grew by; nothing read here
+        charged = dict(g._sizes)
+        assert len(charged) == len(specs) - 1 and all(n > 0 for n in charged.values())
+        for spec, n in charged.items():  # at least what xgrammar itself counts
+            assert n >= real.fget(g._cache[spec].result()), spec
+        assert g.cached_bytes == sum(charged.values())
+        g.limits = GrammarLimits(cache_bytes=sum(charged.values()) // 2)
         g.compile(specs[-1]).result(timeout=120)
-        kept = [real.fget(f.result()) for f in g._cache.values()]
-        assert 0 < len(kept) < len(specs) and sum(kept) <= sum(cached) // 2
-        assert len(reads) == len(specs)
+        assert 0 < len(g._sizes) < len(specs) and g.cached_bytes <= sum(charged.values()) // 2
+        assert g.cached_bytes == sum(g._sizes.values())
     finally:
         g.close()

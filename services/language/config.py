@@ -54,30 +54,51 @@ class LanguageConfig(ModelServiceSettings):
         10.0, gt=0, le=600,
         description="A grammar still compiling after this long is refused (its compile "
         "process killed); the same spec is then refused at once.",
-    )  # fmt: skip
+    )
+    grammar_max_compile_cpu_s: float = Field(
+        0.5, gt=0, le=600,
+        description="A grammar whose compile takes more CPU than this (timed in its compile "
+        "process, killed past it) is refused; the same spec is then refused at once. The "
+        "language process compiles each admitted spec once more itself (a compiled grammar "
+        "cannot be handed over cheaply), where nothing can stop a compile: this bounds that "
+        "compile, and so how long one can outlive its request. Raise it to accept costlier "
+        "schemas (on a 150,000-token vocabulary an object of 100 fields holding short "
+        "strings takes about 1.5 s).",
+    )
     grammar_workers: int = Field(
         2, ge=1, le=64,
         description="Grammar compiles run at once, each in its own process (at a lower "
         "priority than decoding); queued compiles are taken one client at a time, in turn, "
-        "and one client holds at most half of them (at least one).",
-    )  # fmt: skip
+        "and one client holds at most half of them (at least one). One more process "
+        "compiles small specs only (a few KiB, no large enum or count), so clients "
+        "flooding costly specs never hold the process another client's small schema needs.",
+    )
     grammar_max_spec_bytes: int = Field(
         256 << 10, ge=1024, description="Largest JSON schema, regex or grammar accepted."
     )
     grammar_max_enum_values: int = Field(
         4096, ge=1, description="Enum values (all of a schema's enums together), or choices."
     )
+    grammar_max_enum_chars: int = Field(
+        32 << 10, ge=1,
+        description="Characters of all of a schema's enum and const values together (or of "
+        "the choices): the grammar matches each one, and its compile costs about 10-15 µs "
+        "of CPU per character on a 150,000-token vocabulary (32 KiB: about 0.4 s).",
+    )
     grammar_max_count: int = Field(
         4096, ge=1,
         description="Largest count a grammar unrolls: a schema's maxLength/minLength/"
         "maxItems/minItems/maxProperties/minProperties, a regex's or pattern's {n,m}.",
-    )  # fmt: skip
+    )
     grammar_max_properties: int = Field(
         4096, ge=1, description="Properties of all of a JSON schema's objects together."
     )
     grammar_max_depth: int = Field(32, ge=1, le=1024, description="Deepest JSON-schema nesting.")
     grammar_cache_bytes: int = Field(
-        256 << 20, ge=0, description="Memory of compiled grammars kept for reuse."
+        256 << 20, ge=0,
+        description="Memory of compiled grammars kept for reuse, each counted as what its "
+        "compile grew the heap by (the language process's only grammar cache: xgrammar's "
+        "own is off); the least recently used go first, their memory back to the OS.",
     )
     cuda_graph_max_bs: int = Field(
         32, ge=0, le=1024, description="Largest decode batch captured in a CUDA graph; 0 = off."

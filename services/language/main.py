@@ -83,9 +83,11 @@ def build_engine(cfg: LanguageConfig, metrics: LanguageMetrics):
             prefix_cache=cfg.prefix_cache,
             seed=cfg.seed,
             grammar=GrammarLimits(
-                compile_timeout_s=cfg.grammar_compile_timeout_s, workers=cfg.grammar_workers,
+                compile_timeout_s=cfg.grammar_compile_timeout_s,
+                max_compile_cpu_s=cfg.grammar_max_compile_cpu_s, workers=cfg.grammar_workers,
                 max_spec_bytes=cfg.grammar_max_spec_bytes,
-                max_enum_values=cfg.grammar_max_enum_values, max_count=cfg.grammar_max_count,
+                max_enum_values=cfg.grammar_max_enum_values,
+                max_enum_chars=cfg.grammar_max_enum_chars, max_count=cfg.grammar_max_count,
                 max_properties=cfg.grammar_max_properties, max_depth=cfg.grammar_max_depth,
                 cache_bytes=cfg.grammar_cache_bytes),
         ),

@@ -2,15 +2,27 @@
 
     spec (GrammarSpec: JSON schema | any JSON object | regex | choice | EBNF)
       └─ Grammars.compile(spec, client) ─▶ Future[compiled]   cached by spec
-           1. check_spec: size limits and `$ref` loops, at once (a GrammarError naming
-              response_format)
-           2. queued per client; `workers` slots take one job at a time, clients in turn
-           3. a slot's worker process compiles it first (xgrammar): past
-              `compile_timeout_s`, or once no request wants it (`abandon`), the process is
-              killed (the next job gets a fresh one) and the spec is refused
-           4. a spec the worker compiled in time is compiled again in this process, by the
-              slot's thread (so it too ends within about the time the worker took)
-           5. a grammar that admits no output at all is refused (a self-referencing schema)
+           1. check_spec: size limits (bytes, enum characters, counts) and `$ref` loops, at
+              once (a GrammarError naming response_format); it also says whether the spec
+              is light (a few KiB, no enum or count of any size)
+           2. queued per client, in one of two lanes: light specs, and the rest. `workers`
+              shared slots take the other lane's jobs, clients in turn, one client holding
+              at most half of them (at least one); one slot more takes light specs only
+              (the shared ones help while it is busy), so clients flooding costly specs
+              never hold the slot another client's small schema needs
+           3. the slot's worker process compiles it (xgrammar), timing its CPU and
+              measuring how much it grew the heap by. Past `compile_timeout_s`, past
+              `max_compile_cpu_s` of its CPU, or once no request wants it (`abandon`), the
+              process is killed (the next job gets a fresh one) and the spec is refused. A
+              light spec past LIGHT_CPU_S on the light-only slot is moved to the other lane
+              instead, and so are its client's later light specs
+           4. a grammar that admits no output at all is refused (a self-referencing schema)
+           5. compiled again here, on a niced thread of the slot's (see "Why compile
+              twice"): the same work, so about the worker's CPU, at most
+              `max_compile_cpu_s`: the one compile in this process, and how long one can
+              outlive its request
+           6. cached, charged what the worker's heap grew by; past `cache_bytes` the least
+              recently asked are dropped and the memory freed goes back to the OS
     engine: a request whose grammar is still compiling waits in WAITING_FOR_GRAMMAR (never
             in the batch); once compiled it gets its own matcher and joins the queue; a
             request that ends meanwhile abandons its compile
@@ -18,19 +30,36 @@
             its grammar allows next; the engine feeds every chosen token back (`accept`)
 
 Why processes: xgrammar compiles in C++ without deadlines or cancellation, and some schemas
-under any reasonable size limit still take minutes (a long enum over a large vocabulary).
-A thread cannot be stopped; a process can, so one client's pathological schema costs at
-most `compile_timeout_s` of one slot, never the instance's CPU after its request is gone,
-and never blocks drain. The workers are forks of one forkserver that has imported xgrammar,
-so a fresh worker after a kill starts in milliseconds; only the instance's first
-structured-output request pays the forkserver's start (about a second and a half).
+under any reasonable size limit still take minutes (an object with a few thousand optional
+properties; a long enum over a large vocabulary). A thread cannot be stopped; a process
+can, so one client's pathological schema costs at most `max_compile_cpu_s` of one slot,
+never the instance's CPU after its request is gone, and never blocks drain. The workers
+are forks of one forkserver that has imported xgrammar, so a fresh worker after a kill
+starts in milliseconds; only the instance's first structured-output request pays the
+forkserver's start (about a second and a half).
 
-Why compile twice: a compiled grammar cannot come back from the worker cheaply (xgrammar's
-`serialize_json` grows with the square of the grammar: 121 MB and 3.6 s for a 100-property
-schema that compiles in 27 ms). So the worker only proves the spec compiles in time, and
-this process compiles it again with its own compiler, whose cache is bounded in bytes. The
-price is twice the CPU of each distinct spec (milliseconds for typical schemas); a
-repeated spec is compiled by neither.
+Why compile twice: a compiled grammar cannot come back from the worker cheaply, nor be made
+here more cheaply than by compiling it. Measured on xgrammar 0.2.9 with a 150,000-token
+vocabulary: a 4,000-value enum of 60-character strings compiles in 3.3 s of CPU, and
+`serialize_json` takes 3.3 s more (47 MB of JSON), `deserialize_json` 2.0 s here; an
+object of 100 small fields compiles in 1.4 s, serializes in 8 s (160 MB) and deserializes
+in 3.5 s. CompiledGrammar does not pickle (tvm_ffi: no JSON graph for it). Compiling here
+without the token masks (`enable_dynamic_compilation`) takes milliseconds, but then
+decoding makes each mask the first time it needs it, unbounded: the enum's second state
+took 85 s (its whole eager compile: 1.7 s). So the worker proves the spec compiles within
+`max_compile_cpu_s`, and this process compiles it again, the same code on the same input:
+its CPU is the worker's (within a few percent), so that compile, which nothing can stop
+once started, is bounded before it starts. The price is twice the CPU of each distinct
+spec (milliseconds for typical schemas); a repeated spec is compiled by neither.
+
+One cache, ours: xgrammar's own compiler cache is off, here and in the workers. With it
+on, that enum took 15.6 s of CPU to compile here instead of 1.7 s (the tiny test
+vocabulary), and each new 1,500-value enum grew the process by ~8 MB with no plateau
+whatever its limit (1.37 GB after 150). Each grammar in our cache is charged what its
+compile grew the worker's heap by (glibc's bytes in use; about 1.3x xgrammar's own
+`memory_size_bytes`, which counts only its larger arrays), which is what the same compile
+allocates here. Evicting frees it (once no request's matcher holds it) and hands the memory
+back to the OS (`malloc_trim`) rather than leaving it in the allocator's free lists.
 
 The grammar engine is xgrammar (CPU and CUDA; vLLM's and SGLang's). Its tokenizer view is
 built once, on first use, and handed to each worker serialized.
@@ -39,9 +68,13 @@ built once, on first use, and handed to each worker serialized.
 from __future__ import annotations
 
 import collections
+import ctypes
+import functools
 import json
 import logging
 import multiprocessing
+import os
+import queue
 import re
 import threading
 import time
@@ -78,64 +111,134 @@ class GrammarLimits:
     grammar_* fields document each)."""
 
     compile_timeout_s: float = 10.0
+    max_compile_cpu_s: float = 0.5
     workers: int = 2
     max_spec_bytes: int = 256 << 10
     max_enum_values: int = 4096
+    max_enum_chars: int = 32 << 10
     max_count: int = 4096
     max_properties: int = 4096
     max_depth: int = 32
     cache_bytes: int = 256 << 20
 
 
-def check_spec(spec: GrammarSpec, limits: GrammarLimits) -> None:
-    """Refuse a spec over a limit before it reaches the compiler (GrammarError)."""
+# A light spec: what a typical response_format schema is, and what the light-only slot
+# takes. Compiling one takes milliseconds (tens on a 150,000-token vocabulary); one that
+# still runs past LIGHT_CPU_S on that slot is moved to the other lane.
+LIGHT_MAX_BYTES = 8 << 10
+LIGHT_MAX_ENUM_CHARS = 4 << 10
+LIGHT_MAX_COUNT = 256
+LIGHT_CPU_S = 0.25
+
+
+@dataclass(frozen=True)
+class SpecCost:
+    """What check_spec read of a spec's cost: its bytes, the characters of its enum values
+    (or choices), which the compiled grammar matches one by one, and its largest count."""
+
+    bytes: int = 0
+    enum_chars: int = 0
+    largest_count: int = 0
+
+    @property
+    def light(self) -> bool:
+        return (self.bytes <= LIGHT_MAX_BYTES and self.enum_chars <= LIGHT_MAX_ENUM_CHARS
+                and self.largest_count <= LIGHT_MAX_COUNT)
+
+
+def check_spec(spec: GrammarSpec, limits: GrammarLimits) -> SpecCost:
+    """Refuse a spec over a limit before it reaches the compiler (GrammarError); else what
+    it costs, as far as its text says."""
     size = len(spec.text.encode())
     if size > limits.max_spec_bytes:
         raise GrammarError(f"the {spec.kind.value} is {size} bytes, over the limit of "
                            f"{limits.max_spec_bytes} (grammar_max_spec_bytes)")
+    enum_chars = largest = 0
     match spec.kind:
         case GrammarKind.JSON_SCHEMA:
             try:
                 schema = json.loads(spec.text)
             except ValueError:
                 raise GrammarError("the JSON schema is not valid JSON") from None
-            _check_schema(schema, limits)
+            enum_chars, largest = _check_schema(schema, limits)
             _check_ref_cycles(schema)
         case GrammarKind.CHOICE:
-            n = len(json.loads(spec.text))
+            choices = json.loads(spec.text)
+            n = len(choices)
             if n > limits.max_enum_values:
                 raise GrammarError(f"{n} choices, over the limit of {limits.max_enum_values} "
                                    "(grammar_max_enum_values)")
+            enum_chars = sum(len(str(x)) for x in choices)
+            _check_enum_chars(enum_chars, "choices", limits)
         case GrammarKind.REGEX | GrammarKind.EBNF:
-            _check_repeats(spec.text, spec.kind.value, limits)
+            largest = _check_repeats(spec.text, spec.kind.value, limits)
+    return SpecCost(size, enum_chars, largest)
 
 
-def _check_repeats(text: str, what: str, limits: GrammarLimits) -> None:
+def _check_enum_chars(n: int, what: str, limits: GrammarLimits) -> None:
+    if n > limits.max_enum_chars:
+        raise GrammarError(f"the {what} have {n} characters in all, over the limit of "
+                           f"{limits.max_enum_chars} (grammar_max_enum_chars)")
+
+
+def _check_repeats(text: str, what: str, limits: GrammarLimits) -> int:
+    """The largest counted repetition in `text` (0: none); GrammarError over the limit."""
+    largest = 0
     for m in _REPEAT.finditer(text):
         n = max(int(m.group(1)), int(m.group(2) or 0))
         if n > limits.max_count:
             raise GrammarError(f"the {what} repeats {n} times ({m.group(0)}), over the limit "
                                f"of {limits.max_count} (grammar_max_count)")
+        largest = max(largest, n)
+    return largest
 
 
-def _check_schema(schema, limits: GrammarLimits) -> None:
-    """Walk the schema once: nesting depth, enum values and properties in total, and every
-    count the compiled grammar unrolls (string lengths, array and object sizes, a pattern's
-    repetitions)."""
-    enums = props = 0
-    stack = [(schema, 1)]
+# Keys whose value is data, not a schema: a schema's walk does not go into them (a flat
+# 4,000-value enum is 4,000 strings it would otherwise push and pop one by one). Keys whose
+# value maps names to schemas: every value there is a schema, whatever its name (a
+# property called "enum" is walked like any other).
+_DATA = frozenset({"enum", "const", "default", "examples"})
+_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                   "dependentSchemas", "dependencies"})
+
+
+def _children(node: dict, is_map: bool):
+    """(child, is_map) for each dict or list under a schema node (or a map of them)."""
+    for k, v in node.items():
+        if isinstance(v, dict | list) and (is_map or k not in _DATA):
+            yield v, not is_map and k in _MAPS
+
+
+def _literal_chars(value) -> int:
+    """Characters the compiled grammar matches for one enum or const value."""
+    return len(value) if isinstance(value, str) else len(json.dumps(value))
+
+
+def _check_schema(schema, limits: GrammarLimits) -> tuple[int, int]:
+    """Walk the schema once: nesting depth, enum values (and their characters) and
+    properties in total, and every count the compiled grammar unrolls (string lengths,
+    array and object sizes, a pattern's repetitions). Returns (enum characters, the
+    largest count)."""
+    enums = props = chars = largest = 0
+    stack = [(schema, 1, False)]
     while stack:
-        node, depth = stack.pop()
+        node, depth, is_map = stack.pop()
         if depth > limits.max_depth:
             raise GrammarError(f"the JSON schema nests deeper than {limits.max_depth} "
                                "(grammar_max_depth)")
         if isinstance(node, list):
-            stack.extend((x, depth + 1) for x in node)
+            stack.extend((x, depth + 1, False) for x in node)
             continue
         if not isinstance(node, dict):
             continue
+        stack.extend((v, depth + 1, m) for v, m in _children(node, is_map))
+        if is_map:
+            continue
         if isinstance(node.get("enum"), list):
             enums += len(node["enum"])
+            chars += sum(_literal_chars(v) for v in node["enum"])
+        if "const" in node:
+            chars += _literal_chars(node["const"])
         if isinstance(node.get("properties"), dict):
             props += len(node["properties"])
         for key in _COUNT_KEYS:
@@ -143,15 +246,18 @@ def _check_schema(schema, limits: GrammarLimits) -> None:
             if isinstance(v, int | float) and v > limits.max_count:
                 raise GrammarError(f"{key} {v} is over the limit of {limits.max_count} "
                                    "(grammar_max_count)")
+            if isinstance(v, int | float):
+                largest = max(largest, int(v))
         if isinstance(node.get("pattern"), str):
-            _check_repeats(node["pattern"], "pattern", limits)
-        stack.extend((v, depth + 1) for v in node.values() if isinstance(v, dict | list))
+            largest = max(largest, _check_repeats(node["pattern"], "pattern", limits))
     if enums > limits.max_enum_values:
         raise GrammarError(f"the JSON schema has {enums} enum values, over the limit of "
                            f"{limits.max_enum_values} (grammar_max_enum_values)")
+    _check_enum_chars(chars, "JSON schema's enum and const values", limits)
     if props > limits.max_properties:
         raise GrammarError(f"the JSON schema has {props} properties, over the limit of "
                            f"{limits.max_properties} (grammar_max_properties)")
+    return chars, largest
 
 
 # Keys that say nothing about the value a schema admits: a node with only these beside its
@@ -197,15 +303,17 @@ def _check_ref_cycles(schema) -> None:
             return node["$ref"]
         return None
 
-    stack = [schema]
+    stack = [(schema, False)]
     while stack:
-        node = stack.pop()
+        node, is_map = stack.pop()
         if isinstance(node, list):
-            stack.extend(node)
+            stack.extend((x, False) for x in node)
             continue
         if not isinstance(node, dict) or (node is not schema and "$id" in node):
             continue
-        stack.extend(v for v in node.values() if isinstance(v, dict | list))
+        stack.extend(_children(node, is_map))
+        if is_map:
+            continue
         chain, seen, ref = [], set(), pure_ref(node)
         while ref is not None:
             if ref in seen:
@@ -222,9 +330,19 @@ def _check_ref_cycles(schema) -> None:
 
 @dataclass(frozen=True)
 class _Checked:
-    """A worker's answer: the spec compiled (error empty), or why it does not."""
+    """A worker's answer: the spec compiled (error empty) or why it does not; the CPU its
+    compile took; the bytes that compile grew the heap by; whether the grammar admits no
+    output."""
 
     error: str = ""
+    cpu_s: float = 0.0
+    bytes: int = 0
+    no_output: bool = False
+
+
+# How a worker's run ended without an answer: the request's end (or close), the wall-clock
+# deadline, or the CPU bound.
+_STOPPED, _TIMED_OUT, _OVER_CPU = "stopped", "timed out", "over CPU"
 
 
 def _compile_with(compiler, spec: GrammarSpec):
@@ -249,14 +367,58 @@ def _why(e: Exception) -> str:
     return _CPP_PREFIX.sub("", str(e)).strip()  # "[hh:mm:ss] file.cc:83: " off
 
 
-def _worker_main(conn, tokenizer_info_json: str) -> None:
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+@functools.cache
+def _libc():
+    try:
+        return ctypes.CDLL(None)
+    except OSError:
+        return None
+
+
+def _heap_bytes() -> int | None:
+    """Bytes the C heap holds in use (glibc's mallinfo2: small blocks and mmapped ones);
+    None where there is no mallinfo2 (musl, glibc < 2.33)."""
+    libc = _libc()
+    f = getattr(libc, "mallinfo2", None)
+    if f is None:
+        return None
+    f.restype = _MallInfo2
+    m = f()
+    return m.uordblks + m.hblkhd
+
+
+def _trim_heap() -> None:
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim; else a no-op)."""
+    f = getattr(_libc(), "malloc_trim", None)
+    if f is not None:
+        f(0)
+
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _cpu_s_of(pid: int) -> float | None:
+    """A process's CPU time so far (user + system, from /proc); None where unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _TICKS
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _worker_main(conn, tokenizer_info_json: str, nice: int) -> None:
     """A worker process: compile each spec received, answer with a _Checked, until the
     pipe closes. Killed from outside when a compile runs too long or is abandoned."""
-    import os
-
     import xgrammar as xgr
 
-    os.nice(10)  # below the engine's decode steps: a slow compile takes idle time first
+    os.nice(nice)  # below the engine's decode steps: a slow compile takes idle time first
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     conn.send(_Checked())  # ready: a spec's deadline starts only now
@@ -265,11 +427,20 @@ def _worker_main(conn, tokenizer_info_json: str) -> None:
             spec = conn.recv()
         except EOFError:
             return
+        heap = _heap_bytes()
+        t0 = time.thread_time()
         try:
-            _compile_with(compiler, spec)
-            conn.send(_Checked())
+            compiled = _compile_with(compiler, spec)
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse errors
-            conn.send(_Checked(error=_why(e)))
+            conn.send(_Checked(error=_why(e), cpu_s=time.thread_time() - t0))
+            continue
+        cpu_s = time.thread_time() - t0
+        # NOTE: at least xgrammar's own count (a small grammar may reuse freed blocks)
+        counted = compiled.memory_size_bytes
+        grown = _heap_bytes() - heap if heap is not None else int(counted * 1.3)
+        no_output = not _admits_output(compiled)
+        del compiled
+        conn.send(_Checked(cpu_s=cpu_s, bytes=max(grown, counted), no_output=no_output))
 
 
 _CONTEXT = None
@@ -288,36 +459,50 @@ def _context():
 class _Worker:
     """One compile process, started on demand, killed when a compile must stop."""
 
-    def __init__(self, tokenizer_info_json: str) -> None:
+    def __init__(self, tokenizer_info_json: str, nice: int = 10) -> None:
         self.info_json = tokenizer_info_json
+        self.nice = nice
         self.proc = None
         self.conn = None
 
     START_TIMEOUT_S = 120.0  # a fresh worker's start (the forkserver's too, the first time)
+    POLL_S = 0.02  # how often a running compile's end, deadline and CPU are looked at
 
-    def run(self, spec: GrammarSpec, timeout_s: float, stop: threading.Event
-            ) -> _Checked | None:
-        """The worker's answer; None when `stop` was set or `timeout_s` passed first, and
-        then the process is killed (the next run starts a fresh one). The time a fresh
-        worker takes to start is not the spec's."""
+    def run(self, spec: GrammarSpec, timeout_s: float, cpu_s: float, stop: threading.Event
+            ) -> _Checked | str:
+        """The worker's answer; else how the run ended (_STOPPED: `stop` was set,
+        _TIMED_OUT: `timeout_s` passed, _OVER_CPU: the compile took more than `cpu_s` of
+        the process's CPU), and then the process is killed (the next run starts a fresh
+        one). The time a fresh worker takes to start is not the spec's."""
         if self.proc is None or not self.proc.is_alive():
             self._start()
         try:
+            cpu0 = _cpu_s_of(self.proc.pid)
             self.conn.send(spec)
             deadline = time.monotonic() + timeout_s
-            while not stop.is_set() and time.monotonic() < deadline:
-                if self.conn.poll(0.05):
+            while True:
+                if stop.is_set():
+                    ended = _STOPPED
+                    break
+                if self.conn.poll(self.POLL_S):
                     return self.conn.recv()
+                if time.monotonic() >= deadline:
+                    ended = _TIMED_OUT
+                    break
+                used = _cpu_s_of(self.proc.pid)
+                if cpu0 is not None and used is not None and used - cpu0 > cpu_s:
+                    ended = _OVER_CPU
+                    break
         except (EOFError, OSError):  # the worker died under it (out of memory, killed)
             self.kill()
             return _Checked(error="the compiler's process died (out of memory?)")
         self.kill()
-        return None
+        return ended
 
     def _start(self) -> None:
         ctx = _context()
         self.conn, theirs = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(theirs, self.info_json),
+        self.proc = ctx.Process(target=_worker_main, args=(theirs, self.info_json, self.nice),
                                 name="grammar-compile", daemon=True)
         self.proc.start()
         theirs.close()
@@ -337,10 +522,41 @@ class _Worker:
             self.proc = None
 
 
+class _Niced:
+    """A thread below the process's priority that runs one call at a time for its slot."""
+
+    def __init__(self, nice: int, name: str) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, args=(nice,), name=name,
+                                       daemon=True)
+        self.thread.start()
+
+    def _loop(self, nice: int) -> None:
+        if hasattr(os, "setpriority"):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        while (item := self._calls.get()) is not None:
+            fn, fut = item
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # handed to the caller
+                fut.set_exception(e)
+            del fn, fut, item  # NOTE: no reference here outlives the call
+
+    def call(self, fn):
+        """fn() on this thread; its result (or exception) here."""
+        fut: Future = Future()
+        self._calls.put((fn, fut))
+        return fut.result()
+
+    def close(self) -> None:
+        self._calls.put(None)
+
+
 @dataclass(eq=False)
 class _Job:
     spec: GrammarSpec
     client: str
+    light: bool = False  # in the light lane (SpecCost.light, and its client not moved out)
     future: Future = field(default_factory=Future)
     interest: int = 1  # requests that want it; 0: abandoned
     stop: threading.Event = field(default_factory=threading.Event)
@@ -348,6 +564,11 @@ class _Job:
 
 class Grammars:
     """Compiles grammars for one tokenizer and vocabulary; thread-safe."""
+
+    HEAVY_CLIENTS_KEPT = 4096  # clients whose light specs go to the other lane (LRU)
+    # Evicted bytes between two malloc_trim calls: at least this, and a quarter of the
+    # budget (a trim walks the whole heap, its arenas locked: ~50 ms on a large one)
+    TRIM_EVERY_BYTES = 32 << 20
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...],
                  limits: GrammarLimits | None = None, cache_size: int = 256) -> None:
@@ -358,15 +579,19 @@ class Grammars:
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()  # compiled or compiling
-        # Bytes of each compiled grammar in the cache, read once as it is compiled
-        # (`memory_size_bytes` walks the grammar's token-mask cache: 60 ms for a 4,000-value
-        # enum; summed on every trim under the lock, it stalled every other request's compile
-        # call). Invariant: _cached_bytes == sum(_sizes.values()), keys a subset of _cache's.
+        # Bytes charged to each compiled grammar in the cache: what its compile grew the
+        # worker's heap by (read there, once). Invariant: _cached_bytes ==
+        # sum(_sizes.values()), keys a subset of _cache's.
         self._sizes: dict[GrammarSpec, int] = {}
         self._cached_bytes = 0
+        self._evicted_bytes = 0  # since the last malloc_trim
         self._jobs: dict[Future, _Job] = {}  # not yet done
-        self._queues: OrderedDict[str, collections.deque[_Job]] = OrderedDict()  # per client
-        self._running: collections.Counter[str] = collections.Counter()  # compiles per client
+        # per lane (True: light), per client, in turn from the longest waiting
+        self._queues: dict[bool, OrderedDict[str, collections.deque[_Job]]] = {
+            True: OrderedDict(), False: OrderedDict()}
+        self._running: collections.Counter[str] = collections.Counter()  # on shared slots
+        self._heavy_clients: OrderedDict[str, None] = OrderedDict()
+        self._light_busy = False  # the light-only slot is running a job
         self._closed = False
         self._info = None  # xgrammar.TokenizerInfo, made on first use
         self._info_json = ""  # ... serialized, for the workers
@@ -374,9 +599,16 @@ class Grammars:
         self._info_lock = threading.Lock()
         self._slots: list[threading.Thread] = []
         self._workers: list[_Worker] = []  # one per slot, once it has run a job
+        self._niced: list[_Niced] = []  # one per slot: its compiles here
         self.compiled = 0  # grammars compiled (cache misses)
-        self.timed_out = 0
+        self.timed_out = 0  # refused: past compile_timeout_s
+        self.over_cpu = 0  # refused: past max_compile_cpu_s
         self.abandoned = 0
+        self.demoted = 0  # light specs moved to the other lane
+        self.compiling_here = 0  # compiles in this process right now
+        self.local_compiles = 0  # compiles done in this process ...
+        self.local_cpu_s = 0.0  # ... and their CPU (the slot threads')
+        self.expected_cpu_s = 0.0  # the worker's CPU for the same compiles
 
     # -- the engine's side --
 
@@ -385,29 +617,42 @@ class Grammars:
         GrammarError). Each call is one request's interest: the caller `abandon`s it if
         the request ends before the future is done."""
         with self._lock:
-            fut = self._cache.get(spec)
-            if fut is not None and _reusable(fut):
-                self._cache.move_to_end(spec)
-                job = self._jobs.get(fut)
-                if job is not None:
-                    job.interest += 1
+            fut = self._shared(spec)
+        if fut is not None:
+            return fut
+        try:  # NOTE: off the lock: parsing a 256 KB schema takes milliseconds
+            cost = check_spec(spec, self.limits)
+        except GrammarError as e:
+            fut = Future()
+            fut.set_exception(e)
+            return fut
+        with self._lock:
+            fut = self._shared(spec)  # asked by another request meanwhile
+            if fut is not None:
                 return fut
-            job = _Job(spec, client)
-            try:
-                check_spec(spec, self.limits)
-            except GrammarError as e:
-                job.future.set_exception(e)
-                return job.future
+            job = _Job(spec, client, light=cost.light and client not in self._heavy_clients)
             if self._closed:
                 job.future.cancel()
                 return job.future
             self._cache[spec] = job.future
             self._jobs[job.future] = job
-            self._queues.setdefault(client, collections.deque()).append(job)
+            self._queues[job.light].setdefault(client, collections.deque()).append(job)
             self._start_slots()
-            self._work.notify()
-            self._trim_cache()
-            return job.future
+            self._work.notify_all()
+            evicted = self._trim_cache()
+        self._release(evicted)
+        return job.future
+
+    def _shared(self, spec: GrammarSpec) -> Future | None:  # lock held
+        """The cached future of `spec`, with one more request's interest; None if none."""
+        fut = self._cache.get(spec)
+        if fut is None or not _reusable(fut):
+            return None
+        self._cache.move_to_end(spec)
+        job = self._jobs.get(fut)
+        if job is not None:
+            job.interest += 1
+        return fut
 
     def abandon(self, fut: Future) -> None:
         """One request no longer wants `fut`: when none does, its compile stops (dropped
@@ -444,54 +689,110 @@ class Grammars:
             procs = [w.proc for w in self._workers]
         return [p.pid for p in procs if p is not None and p.is_alive()]
 
+    def slot_thread_ids(self) -> list[int]:
+        """The native ids of the slots' threads and of the threads that compile here for
+        them: the only threads that work for compiles in this process."""
+        with self._lock:
+            threads = self._slots + [n.thread for n in self._niced]
+        return [t.native_id for t in threads if t.native_id is not None]
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes charged to the compiled grammars in the cache now."""
+        with self._lock:
+            return self._cached_bytes
+
     # -- internals (the lock is held where a name says so) --
 
     def _forget(self, job: _Job) -> None:  # lock held
         self._jobs.pop(job.future, None)
         if self._cache.get(job.spec) is job.future:
             self._uncache(job.spec)
-        q = self._queues.get(job.client)
+        lane = self._queues[job.light]
+        q = lane.get(job.client)
         if q is not None and job in q:
             q.remove(job)
             if not q:
-                del self._queues[job.client]
+                del lane[job.client]
 
-    def _uncache(self, spec: GrammarSpec) -> None:  # lock held
-        del self._cache[spec]
+    def _uncache(self, spec: GrammarSpec) -> Future:  # lock held
+        self._evicted_bytes += self._sizes.get(spec, 0)
         self._cached_bytes -= self._sizes.pop(spec, 0)
+        return self._cache.pop(spec)
 
-    def _trim_cache(self) -> None:  # lock held
+    def _trim_cache(self) -> list[Future]:  # lock held
         """Keep at most `cache_size` grammars and `cache_bytes` of compiled ones; the least
-        recently asked go first (a compiling one is kept: requests wait on it)."""
+        recently asked go first (a compiling one is kept: requests wait on it). Returns the
+        futures dropped: the caller lets go of them off the lock (`_release`)."""
+        dropped = []
         for spec in list(self._cache):
             if (len(self._cache) <= self.cache_size
                     and self._cached_bytes <= self.limits.cache_bytes):
-                return
+                break
             if self._cache[spec].done():
-                self._uncache(spec)
+                dropped.append(self._uncache(spec))
+        return dropped
+
+    def _release(self, dropped: list[Future]) -> None:
+        """Free the grammars dropped from the cache (those no request still holds), and
+        hand the memory back to the OS once enough was dropped since the last time."""
+        if not dropped:
+            return
+        dropped.clear()  # NOTE: the last reference here: a grammar no matcher holds is freed
+        with self._lock:
+            trim = self._evicted_bytes >= max(self.TRIM_EVERY_BYTES,
+                                              self.limits.cache_bytes // 4)
+            if trim:
+                self._evicted_bytes = 0
+        if trim:
+            _trim_heap()
 
     def _start_slots(self) -> None:  # lock held
-        while len(self._slots) < self.limits.workers:
-            t = threading.Thread(target=self._slot, name=f"grammar-{len(self._slots)}",
+        while len(self._slots) < self.limits.workers + 1:
+            light_only = len(self._slots) == self.limits.workers  # the last one
+            name = "grammar-light" if light_only else f"grammar-{len(self._slots)}"
+            t = threading.Thread(target=self._slot, args=(light_only,), name=name,
                                  daemon=True)
             self._slots.append(t)
             t.start()
 
     def _share(self) -> int:
-        """Slots one client may hold at once: half of them (at least one), so a client
-        flooding with slow specs always leaves a slot for everyone else."""
+        """Shared slots one client may hold at once: half of them (at least one), so a
+        client flooding with slow specs always leaves a slot for everyone else."""
         return max(1, self.limits.workers // 2)
 
-    def _next_job(self) -> _Job | None:  # lock held: the next client's oldest job
+    def _take(self, lane: OrderedDict[str, collections.deque[_Job]], share: int | None
+              ) -> _Job | None:  # lock held: the next client's oldest job in `lane`
+        for client, q in lane.items():  # in turn, from the longest waiting
+            if share is not None and self._running[client] >= share:
+                continue  # it holds its share: the next client's job goes first
+            job = q.popleft()
+            del lane[client]
+            if q:
+                lane[client] = q  # to the back: clients take turns
+            return job
+        return None
+
+    def _next_job(self, light_only: bool) -> _Job | None:  # lock held
+        """A light-only slot's next job: the light lane's next client's. A shared slot's:
+        while the light-only slot is busy, the light lane's; else the other lane's; from a
+        client under its share. (A light spec waits for the light-only slot when it is
+        free: its worker and thread run above the shared ones.)"""
         while not self._closed:
-            for client, q in self._queues.items():  # in turn, from the longest waiting
-                if self._running[client] >= self._share():
-                    continue  # it holds its share: the next client's job goes first
-                job = q.popleft()
-                del self._queues[client]
-                if q:
-                    self._queues[client] = q  # to the back: clients take turns
-                self._running[client] += 1
+            if light_only:
+                job = self._take(self._queues[True], None)
+                self._light_busy = job is not None
+                if job is not None and self._queues[True]:
+                    self._work.notify_all()  # busy now: the shared slots may take the rest
+            else:
+                job = None
+                if self._light_busy:
+                    job = self._take(self._queues[True], self._share())
+                if job is None:
+                    job = self._take(self._queues[False], self._share())
+                if job is not None:
+                    self._running[job.client] += 1
+            if job is not None:
                 return job
             self._work.wait()
         return None
@@ -513,21 +814,27 @@ class Grammars:
             self._info = xgr.TokenizerInfo.from_huggingface(
                 self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
             self._info_json = self._info.serialize_json()
+            # NOTE: no cache of xgrammar's own (see "One cache, ours")
             self._compiler = xgr.GrammarCompiler(self._info, max_threads=1,
-                                                 cache_limit_bytes=self.limits.cache_bytes)
+                                                 cache_enabled=False)
         return self._info
 
-    def _slot(self) -> None:
+    def _slot(self, light_only: bool) -> None:
         """One compile at a time on this slot's worker, until close()."""
-        import os
-
-        if hasattr(os, "setpriority"):  # NOTE: on Linux a thread's nice value is its own
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # as the workers'
+        # NOTE: the slot's own thread keeps the process's priority: it holds the GIL for
+        # its bookkeeping and to free evicted grammars (milliseconds each), and a thread
+        # descheduled while holding it stalls every other (the engine's) for as long. Its
+        # worker and its compiles here run below decoding (on Linux a thread's nice value
+        # is its own), the light-only slot's above the shared ones' (a small schema first).
+        nice = 10 if light_only else 15
+        below = _Niced(nice, f"{threading.current_thread().name}-here")
+        with self._lock:
+            self._niced.append(below)
         worker = None
         try:
             while True:
                 with self._lock:
-                    job = self._next_job()
+                    job = self._next_job(light_only)
                 if job is None:
                     return
                 try:
@@ -535,10 +842,10 @@ class Grammars:
                         continue
                     self._tokenizer_info()
                     if worker is None:
-                        worker = _Worker(self._info_json)
+                        worker = _Worker(self._info_json, nice)
                         with self._lock:
                             self._workers.append(worker)
-                    self._run(job, worker)
+                    self._run(job, worker, light_only, below)
                 except Exception as e:  # the grammar engine itself failed: not the caller's
                     log.exception("compiling a %s failed", job.spec.kind.value)
                     with self._lock:
@@ -546,42 +853,102 @@ class Grammars:
                     if job.future.set_running_or_notify_cancel():
                         job.future.set_exception(e)
                 finally:
-                    with self._lock:
-                        self._done_running(job)
+                    if not light_only:
+                        with self._lock:
+                            self._done_running(job)
         finally:
+            below.close()
             if worker is not None:
                 worker.kill()
 
-    def _run(self, job: _Job, worker: _Worker) -> None:
-        answer = worker.run(job.spec, self.limits.compile_timeout_s, job.stop)
+    def _run(self, job: _Job, worker: _Worker, light_only: bool, below: _Niced
+             ) -> None:
+        limits = self.limits
+        bound = min(LIGHT_CPU_S, limits.max_compile_cpu_s) if light_only \
+            else limits.max_compile_cpu_s
+        answer = worker.run(job.spec, limits.compile_timeout_s, bound, job.stop)
+        if answer == _OVER_CPU and bound < limits.max_compile_cpu_s:
+            self._to_other_lane(job)
+            return
+        over_cpu = answer == _OVER_CPU or (
+            isinstance(answer, _Checked) and answer.cpu_s > limits.max_compile_cpu_s)
         with self._lock:
             self.compiled += 1
-            self._jobs.pop(job.future, None)
+            self.timed_out += answer == _TIMED_OUT
+            self.over_cpu += over_cpu
+        compiled = error = None
+        what = job.spec.kind.value
         if job.stop.is_set():  # abandoned or closing: the future is cancelled already
-            return
-        if answer is None:  # NOTE: kept in the cache: the same spec would time out again
-            self.timed_out += 1
-            error = GrammarError(f"the {job.spec.kind.value} did not compile within "
-                                 f"{self.limits.compile_timeout_s:g} s "
-                                 "(grammar_compile_timeout_s): make it smaller or simpler")
+            pass
+        elif answer == _TIMED_OUT:  # NOTE: kept in the cache: the same spec would time out again
+            error = GrammarError(f"the {what} did not compile within "
+                                 f"{limits.compile_timeout_s:g} s (grammar_compile_timeout_s): "
+                                 "make it smaller or simpler")
+        elif over_cpu:  # NOTE: kept in the cache too
+            error = GrammarError(f"the {what} takes more than {limits.max_compile_cpu_s:g} s "
+                                 "of CPU to compile (grammar_max_compile_cpu_s): make it "
+                                 "smaller or simpler (fewer or shorter enum values, fewer "
+                                 "optional properties, smaller counts)")
         elif answer.error:
-            error = GrammarError(f"{job.spec.kind.value} does not compile: {answer.error}")
-        else:  # it compiles in time: now here (see "Why compile twice")
-            compiled = _compile_with(self._compiler, job.spec)
-            error = None if _admits_output(compiled) else no_output_error(
+            error = GrammarError(f"{what} does not compile: {answer.error}")
+        elif answer.no_output:
+            error = no_output_error(
                 job.spec.kind, "no token can start it: a reference without a base case?")
-            size = compiled.memory_size_bytes  # read here, off the lock (see _sizes)
-        if not job.future.set_running_or_notify_cancel():
+        else:  # it compiles within the CPU bound: now here (see "Why compile twice")
+            compiled = below.call(lambda: self._compile_here(job.spec, answer.cpu_s))
+        self._finished(job)
+        if job.stop.is_set() or not job.future.set_running_or_notify_cancel():
             return
         if error is not None:
             job.future.set_exception(error)
-        else:
-            job.future.set_result(compiled)
+            return
+        job.future.set_result(compiled)
+        with self._lock:
+            if self._cache.get(job.spec) is job.future:
+                self._sizes[job.spec] = answer.bytes
+                self._cached_bytes += answer.bytes
+            evicted = self._trim_cache()
+        self._release(evicted)
+
+    def _finished(self, job: _Job) -> None:
+        with self._lock:
+            self._jobs.pop(job.future, None)
+
+    def _compile_here(self, spec: GrammarSpec, worker_cpu_s: float):
+        """This process's compile of a spec its worker compiled in `worker_cpu_s` (at most
+        max_compile_cpu_s): the same work, which nothing can stop once started. On the
+        slot's niced thread."""
+        with self._lock:
+            self.compiling_here += 1
+        t0 = time.thread_time()
+        try:
+            return _compile_with(self._compiler, spec)
+        finally:
+            cpu_s = time.thread_time() - t0
             with self._lock:
-                if self._cache.get(job.spec) is job.future:
-                    self._sizes[job.spec] = size
-                    self._cached_bytes += size
-                self._trim_cache()
+                self.compiling_here -= 1
+                self.local_compiles += 1
+                self.local_cpu_s += cpu_s
+                self.expected_cpu_s += worker_cpu_s
+            log.debug("compiled a %s here in %.3f s of CPU (its worker: %.3f s)",
+                      spec.kind.value, cpu_s, worker_cpu_s)
+
+    def _to_other_lane(self, job: _Job) -> None:
+        """A light spec that ran past LIGHT_CPU_S on the light-only slot: queued again in
+        the other lane, first of its client's; its client's later light specs go there
+        too."""
+        with self._lock:
+            self.demoted += 1
+            self._heavy_clients[job.client] = None
+            self._heavy_clients.move_to_end(job.client)
+            while len(self._heavy_clients) > self.HEAVY_CLIENTS_KEPT:
+                self._heavy_clients.popitem(last=False)
+            if job.stop.is_set() or self._jobs.get(job.future) is not job:
+                return  # abandoned meanwhile
+            job.light = False
+            lane = self._queues[False]
+            lane.setdefault(job.client, collections.deque()).appendleft(job)
+            self._work.notify_all()
 
 
 def _reusable(fut: Future) -> bool:
