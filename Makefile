@@ -124,13 +124,13 @@ $(PROMTOOL): | $(STAMPS)/sysdeps
 # cores `make -j3` is slower: the kernels' compile and the oracle venv's install contend.
 test-setup: setup $(STAMPS)/oracle $(if $(wildcard deploy/scripts/install-helm.sh),$(HELM)) $(PROMTOOL)
 
-# The suite on TEST_WORKERS processes (pytest-xdist; 0, the default, runs it in this one).
-# --dist loadfile keeps each test file on one worker, so a module's cluster fixture starts
-# once. NOTE: 0 by default: with 2 workers on this 2-core host a fresh-clone run took 24 min
-# of pytest (one worker: ~27), and tests that take fixed port ranges (test_up_restart)
-# found them held by the other worker's clusters.
+# The suite on TEST_WORKERS processes (pytest-xdist; 0 runs it in this one). By default 2
+# where the host has 2 cores or more: the suite's clusters wait on each other much of the
+# time (one process used ~0.9 of 2 cores), so two workers took 13 min of pytest where one
+# took 21 (2-core AMD EPYC, quiet). More would crowd 2 cores and 24 GiB. --dist loadfile
+# keeps each test file on one worker, so a module's cluster fixture starts once.
 # --durations: the slowest calls at the end of every run, so CI's time is watched where it goes.
-TEST_WORKERS ?= 0
+TEST_WORKERS ?= $(shell [ "$$(nproc)" -ge 2 ] && echo 2 || echo 0)
 test: test-setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
