@@ -346,7 +346,7 @@ class HelperStep(enum.Enum):
 class HelperRange:
     """The lead's side of one helper's EncodeRange stream: started at once (the helper
     preprocesses and runs its ViT while the lead runs its own), then one RangeWrite per
-    piece (`write`, the sender's RemoteRange.write), each only after the helper's Ready.
+    piece (`write`: it is the sender's RangeWriter), each only after the helper's Ready.
     `fall_back` (the pipeline's, given at opening) puts the range's rows into the lead's
     payload when the helper is lost. The call is bounded by the request's deadline (`start.request`'s,
     which the lead sets)."""
@@ -379,9 +379,9 @@ class HelperRange:
 
     def remote(self) -> RemoteRange:
         s = self.share
-        return RemoteRange(s.first_token, s.end_token, s.helper, self.write, self._fall_back)
+        return RemoteRange(s.first_token, s.end_token, s.helper, self)
 
-    async def _fall_back(self) -> None:
+    async def fall_back(self) -> None:
         self.close()
         await self._fall_back_to()
 

@@ -507,7 +507,7 @@ class EmbeddingSender:
                     # that judgement (a silent helper would fail the room there first)
                     with self._heartbeat(r):
                         wrote = await self._race(
-                            r, owner.write(dest, start, piece, payload.num_tokens,
+                            r, owner.writer.write(dest, start, piece, payload.num_tokens,
                                            payload.mrope_delta, chunk, working),
                             deadline, f"helper {owner.address} writing tokens {start}..{end}",
                             stall=False)
@@ -524,7 +524,7 @@ class EmbeddingSender:
                     # NOTE: the re-encode is ViT work, not a stall: heartbeats meanwhile
                     # (the language side fails a silent room at its transfer timeout)
                     with self._heartbeat(r):
-                        await self._race(r, owner.fall_back(), deadline,
+                        await self._race(r, owner.writer.fall_back(), deadline,
                                          f"re-encoding tokens {owner.start}..{owner.end}",
                                          stall=False)
             r.to(SenderState.TRANSFERRING)
@@ -550,7 +550,7 @@ class EmbeddingSender:
     async def write_range(self, room: int, init: encoder_pb2.AttachInit,
                           payload: PromptPayload, start: int, piece: int,
                           deadline: float | None, on_chunk, on_working, ended) -> int:
-        """A helper's side of RemoteRange.write: tokens [start, start+piece) of `payload`
+        """A helper's side of RangeWriter.write: tokens [start, start+piece) of `payload`
         (its rows there final, or becoming so: its watermark) into the blocks `init` names,
         for the lead's room. `on_chunk(end, tags)` per written chunk (the last ends at
         start+piece), `on_working()` while the rows are not ready; `ended()` true once the

@@ -9,6 +9,7 @@ import enum
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tandem import tracing
 from tandem.transfer.buffers import BufferLayout, RangeTag, RowProtection
@@ -84,28 +85,38 @@ class RangeLost(Exception):
     the lead re-encodes the range itself."""
 
 
-@dataclass
-class RemoteRange:
-    """Payload tokens [start, end) of a room that another encoder writes (docs/architecture.md, "Streamed
-    rows", split across encoders). The lead's sender cuts its pieces at `start` and `end`
-    and hands every piece inside to `write`; when that raises RangeLost it awaits
-    `fall_back()` (which puts the range's rows into the lead's own payload) and writes
-    the rest of the piece itself. Implemented by services/encoder/split.py HelperRange.
+class RangeWriter(Protocol):
+    """Who writes a RemoteRange: another encoder, through the lead's stream to it
+    (services/encoder/split.py HelperRange)."""
 
-    write(init, start, piece, total, delta, on_chunk, on_working) -> bytes written by
-        this process (0 for a helper's: the helper counts them):
-        write payload tokens [start, start + piece) into the blocks `init` names;
+    async def write(self, init: encoder_pb2.AttachInit, start: int, piece: int, total: int,
+                    delta: int, on_chunk: Callable[[int, RangeTag | None], None],
+                    on_working: Callable[[], None]) -> int:
+        """Write payload tokens [start, start + piece) into the blocks `init` names; return
+        the bytes this process wrote (0 for a helper's: the helper counts them).
         `on_chunk(end, tags)` as each chunk reached every destination (in order; the last
         ends at start + piece), `on_working()` at each heartbeat of the helper's. Raises
         RangeLost (the helper is gone, nothing of it in flight), or TransferError (the
         room's failure: a helper that failed with a write outstanding, or stalled, cut at
         the transfer timeout)."""
+        ...
+
+    async def fall_back(self) -> None:
+        """After RangeLost: put the range's rows into the lead's own payload."""
+        ...
+
+
+@dataclass
+class RemoteRange:
+    """Payload tokens [start, end) of a room that another encoder writes (docs/architecture.md, "Streamed
+    rows", split across encoders). The lead's sender cuts its pieces at `start` and `end`
+    and hands every piece inside to `writer.write`; when that raises RangeLost it awaits
+    `writer.fall_back()` once (`fell_back` then holds) and writes the rest itself."""
 
     start: int
     end: int
     address: str
-    write: Callable
-    fall_back: Callable
+    writer: RangeWriter
     fell_back: bool = False
 
 
