@@ -7,8 +7,10 @@ with its own private address (deploy/harness/netns.py), end to end (`make check-
     w2   10.231.0.4: the other encoder
     w3   10.231.0.5: no Ray node at first; where capacity returns for a node lost for good
 
-A chat is answered; the worker holding encoder-0 is lost (every process in its namespace
-SIGKILLed, its link cut); chats go on through the other encoder with the same answer; the
+A chat is answered exactly (transformers' greedy tokens); the worker holding encoder-0 is
+frozen, chats are sent (half of them to encoder-0 by the router's affinity), and once all
+are in flight it is lost (every process in its namespace SIGKILLed, its link cut): the
+ones on it are retried on the other encoder; chats go on through the other encoder with the same answer; the
 node comes back (link up, `ray start --address` again), the launcher re-places encoder-0
 in its bundle at its old address and the router counts two healthy encoders again; the
 other worker is then lost for good and w3 joins: encoder-1 is re-placed there, at a new
@@ -20,6 +22,7 @@ only inside the namespaces this test makes. Needs root and `ip`; slow (minutes).
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
 import os
@@ -41,7 +44,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "deploy" / "harness"))
 import netns  # noqa: E402
 
+from tandem.services.router.dispatch.selection import rendezvous_order  # noqa: E402
+
 GCS_PORT = 6379
+TEXT, MAX_NEW = "What colour is this?", 8
 HTTP_PORT, GRPC_PORT = 8000, 50051
 
 
@@ -86,19 +92,51 @@ class Lines:
         return wait_until(seen, timeout_s=timeout_s, poll_s=0.5, what=what, state=self.tail)
 
 
+def _image_hash(seed: int) -> str:
+    """The router's affinity key of `_chat`'s image (services/router/request.py)."""
+    url = _image_data_url(seed, 448 if seed else 64)
+    return hashlib.sha256(base64.b64decode(url.split(",", 1)[1])).hexdigest()
+
+
 def _chat(base: str, model: str, seed: int = 0) -> dict:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": _image_data_url(seed, 448 if seed else 64)}},
-            {"type": "text", "text": "What colour is this?"},
+            {"type": "text", "text": TEXT},
         ]}],
-        "max_tokens": 8,
+        "max_tokens": MAX_NEW,
         "temperature": 0,
+        "logprobs": True,
+        "return_tokens_as_token_ids": True,  # each token spelled `token_id:N`
     }
     r = httpx.post(f"{base}/chat/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def _token_ids(resp: dict) -> list[int]:
+    return [int(t["token"].split(":", 1)[1]) for t in resp["choices"][0]["logprobs"]["content"]]
+
+
+def _oracle(model: Path) -> list[int]:
+    """transformers' greedy answer to `_chat`'s first chat (seed 0), end-of-text stripped."""
+    from language_oracle import generate, load, make_inputs
+    from PIL import Image
+
+    hf, processor = load(model)
+    url = _image_data_url(0, 64)
+    img = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB")
+    tokens, _ = generate(hf, make_inputs(processor, TEXT, [img]), MAX_NEW)
+    return _without_eos(tokens, hf.generation_config.eos_token_id)
+
+
+def _without_eos(tokens: list[int], eos) -> list[int]:
+    eos = set(eos if isinstance(eos, list | tuple) else [eos])
+    tokens = list(tokens)
+    while tokens and tokens[-1] in eos:
+        tokens.pop()
+    return tokens
 
 
 def _metric(base: str, name: str, labels: str = "") -> float:
@@ -277,11 +315,23 @@ def test_three_node_ray_cluster_serves_survives_a_worker_loss_and_leaves_nothing
         first = net.call_in("head", _chat, base, name)
         answer = first["choices"][0]["message"]["content"]
         assert answer and first["usage"]["prompt_tokens"] > 8, first
+        # exact: the tokens transformers' greedy generate() gives for the same chat
+        eos = json.loads((Path(model) / "generation_config.json").read_text())["eos_token_id"]
+        assert _without_eos(_token_ids(first), eos) == _oracle(model), first
 
         # the worker holding encoder-0 is lost (its processes killed, its link cut) while
-        # chats with large, distinct images are in flight through the router
+        # chats with large, distinct images are in flight through the router. Half of them
+        # are chats whose images the router's affinity sends to encoder-0 first; the node
+        # is frozen (SIGSTOP) before they are sent, so they are still on it when it dies,
+        # however fast an encode is here
         lost = next(n for n in ("w1", "w2") if ips[n] == placed["encoder-0"][1])
-        seeds = list(range(1, 9))
+        encoders = [placed["encoder-0"][0], placed["encoder-1"][0]]
+        first = {k: rendezvous_order(_image_hash(k), encoders)[0] for k in range(1, 64)}
+        seeds = ([k for k, a in first.items() if a == encoders[0]][:4]
+                 + [k for k, a in first.items() if a == encoders[1]][:4])
+        frozen = net.pids(lost)
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
         with ThreadPoolExecutor(len(seeds)) as pool:
             during = [pool.submit(net.call_in, "head", _chat, base, name, k) for k in seeds]
             wait_until(lambda: net.call_in("head", _metric, base, "tandem_router_inflight")
@@ -292,9 +342,9 @@ def test_three_node_ray_cluster_serves_survives_a_worker_loss_and_leaves_nothing
             during = [f.result() for f in during]  # each answered: 200 (else _chat fails)
         retries = {m: net.call_in("head", _metric, base, f"tandem_router_{m}")
                    for m in ("encoder_retries", "request_retries")}
-        print(f"chats in flight at the loss: {len(seeds)}; router retries: {retries}")
-        # NOTE: 448-pixel images keep each Encode busy long enough that the loss, as soon
-        # as all are in flight, finds some on the lost encoder: retried on the other one
+        print(f"chats in flight at the loss: {len(seeds)} ({len(frozen)} processes frozen on "
+              f"{lost}); router retries: {retries}")
+        # the chats sent to the frozen encoder-0 were retried on the other one
         assert retries["encoder_retries"] + retries["request_retries"] >= 1, retries
 
         def chats(n: int) -> list[dict]:
