@@ -296,6 +296,28 @@ def pack_linears(module: torch.nn.Module, kernels) -> int:
     return n
 
 
+CPU_BF16_COMPUTE = ("auto", "bfloat16", "float32")
+# x86 flags of bfloat16 matrix instructions oneDNN uses (Intel Cooper Lake / Sapphire Rapids
+# on, AMD Zen 4 on); without them torch's bfloat16 GEMM is 10-60x its float32 GEMM here
+# (an AMD EPYC with AVX2 alone: docs/benchmarks.md, "bfloat16 on an AVX2 host").
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def linear_compute_dtype(choice: str, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tier's linear products run in (its `cpu_bf16_compute` setting: the
+    language runner's, the encoder's vision tower's): the model's, except for a bfloat16
+    model on a CPU, where `float32` widens the weights and computes in float32, `bfloat16`
+    keeps torch's bfloat16 GEMM, and `auto` is bfloat16 where the CPU has bfloat16 matrix
+    instructions, float32 where it has not."""
+    if choice not in CPU_BF16_COMPUTE:
+        raise ValueError(f"cpu_bf16_compute must be one of {CPU_BF16_COMPUTE}, got {choice!r}")
+    if device.type != "cpu" or dtype != torch.bfloat16 or choice == "bfloat16":
+        return dtype
+    if choice == "auto" and cpu_flags() & NATIVE_BF16_FLAGS:
+        return dtype
+    return torch.float32
+
+
 LINEAR_BACKENDS = ("auto", "torch", "packed_cpu")
 
 

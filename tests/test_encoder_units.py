@@ -546,3 +546,31 @@ def test_transparency_is_composited_onto_white_as_transformers_does(mode):
     assert ours.mode == "RGB" and np.array_equal(np.asarray(ours), want)
     if mode in ("RGBA", "LA"):
         assert (np.asarray(ours)[:8] == 255).all()
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_a_bfloat16_tower_widened_on_the_cpu_rounds_its_rows_once(checkpoint, arch):
+    """A bfloat16 encoder on the CPU with cpu_bf16_compute float32 (`auto` where the CPU has
+    no bfloat16 matrix instructions): the tower is loaded in float32 (the checkpoint's
+    bfloat16 weights widened, its rotary tables computed in float32) and rounds its rows to
+    bfloat16 once, so they lie within a bfloat16 step of transformers' float32 tower, nearer
+    than transformers' bfloat16 tower comes; the text table stays bfloat16."""
+    from tandem.models.split import load_vision_part
+
+    path = checkpoint(arch)
+    pipe = EncodePipeline.from_config(EncoderConfig(
+        model=str(path), device="cpu", dtype="bfloat16", cpu_bf16_compute="float32"))
+    (runner,) = pipe.scheduler.runners
+    assert (runner.dtype, runner.out_dtype) == (torch.float32, torch.bfloat16)
+    assert pipe.embed_tokens.weight.dtype == torch.bfloat16  # the payload's rows
+    pixels, grids = _images(path, [(64, 48), (120, 90)])
+    ours = runner.run(pixels, grids)
+    wide = load_vision_part(path, torch.float32, "cpu").encode_images(pixels, torch.tensor(grids))
+    hf = load_vision_part(path, torch.bfloat16, "cpu").encode_images(pixels, torch.tensor(grids))
+    for got, ref, theirs in zip([ours.embeds, *ours.deepstack], [wide[0], *wide[1]],
+                                [hf[0], *hf[1]], strict=True):
+        assert got.dtype == torch.bfloat16
+        # one rounding (2**-8 relative), or two where the packed kernels' float32 sum and
+        # torch's land on either side of a bfloat16 boundary
+        torch.testing.assert_close(got.float(), ref, rtol=2**-7, atol=1e-6)
+        assert (got.float() - ref).abs().max() <= (theirs.float() - ref).abs().max()

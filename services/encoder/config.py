@@ -159,6 +159,16 @@ class EncoderConfig(ModelServiceSettings):
         "at ViT sizes on AMD CPUs), 'torch' with nn.Linear; 'auto' is packed_cpu where it "
         "applies and builds.",
     )
+    cpu_bf16_compute: str = Field(
+        "auto",
+        pattern="^(auto|bfloat16|float32)$",
+        description="A bfloat16 model on the CPU: 'float32' runs the vision tower in float32 "
+        "over the same weight values (the tower's weights held in float32, twice their "
+        "memory; on the packed kernels where they apply) and sends its rows in bfloat16; "
+        "'bfloat16' keeps torch's bfloat16 ops; 'auto' is bfloat16 where the CPU has "
+        "AVX512-BF16 or AMX, float32 where it has not (there a 448x336 image took 7.7x as "
+        "long in bfloat16 as in float32).",
+    )
     cuda_graph_max_patches: int = Field(
         16384, ge=0, le=1 << 20,
         description="Largest ViT batch (patches) the CUDA graphs cover: one graph per bucket "

@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import functools
+import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -91,6 +92,8 @@ from tandem.services.encoder.vit.kernels import pack_vision_tower
 from tandem.services.encoder.vit.runner import VisionRunner
 from tandem.transfer.payload import ImageSpan, PromptInfo, PromptPayload
 from tandem.transfer.sender_room import RemoteRange
+
+log = logging.getLogger(__name__)
 
 
 class EncodeState(enum.Enum):
@@ -231,22 +234,35 @@ class EncodePipeline:
         from transformers import AutoProcessor
 
         import tandem  # noqa: F401  (registers the image-only processors)
-        from tandem.cpu_kernels import linear_kernels
+        from tandem.cpu_kernels import linear_compute_dtype, linear_kernels
         from tandem.models.checkpoint import resolve_model_path
         from tandem.models.split import load_vision_part
 
         path = resolve_model_path(cfg.model)
         processor = AutoProcessor.from_pretrained(path)
         devs = [resolve_device(d) for d in (cfg.devices or [cfg.device])]
-        parts = [load_vision_part(path, resolve_dtype(cfg.dtype, d), d, embed_device="cpu")
-                 for d in devs]  # the text table on the CPU: see __init__
-        for p, d in zip(parts, devs, strict=True):  # float32 on CPU: our packed linears,
-            kernels = linear_kernels(cfg.linear_backend, d, resolve_dtype(cfg.dtype, d))
-            if kernels is not None:  # and the tower's other steps on the same kernels
-                pack_vision_tower(p.visual, kernels)
+        dtypes = [resolve_dtype(cfg.dtype, d) for d in devs]
+        # bfloat16 on a CPU without its matrix instructions: the tower loaded in float32 (the
+        # checkpoint's values widened, its rotary tables computed in float32), its rows
+        # rounded to bfloat16 once (VisionRunner's out_dtype); the text table, whose rows
+        # the payload carries, stays in the model's dtype
+        computes = [linear_compute_dtype(cfg.cpu_bf16_compute, d, dt)
+                    for d, dt in zip(devs, dtypes, strict=True)]
+        parts = [load_vision_part(path, c, d, embed_device="cpu")
+                 for d, c in zip(devs, computes, strict=True)]  # the text table on the CPU: see __init__
+        for p, d, dt, c in zip(parts, devs, dtypes, computes, strict=True):
+            if c != dt:
+                p.embed_tokens.to(dt)
+                log.info("bfloat16 on a CPU without bfloat16 matrix instructions: the vision "
+                         "tower runs in float32 over the same weight values, its rows sent "
+                         "in bfloat16 (cpu_bf16_compute=%s)", cfg.cpu_bf16_compute)
+            kernels = linear_kernels(cfg.linear_backend, d, c)
+            if kernels is not None:  # float32 on CPU: our packed linears, and the tower's
+                pack_vision_tower(p.visual, kernels)  # other steps on the same kernels
         # NOTE: graph mode captures every graph here, at start-up, one runner at a time:
         # no pool or device thread exists yet, so no other GPU work runs during a capture.
-        runners = [VisionRunner(p.visual, max_patches=cfg.cuda_graph_max_patches) for p in parts]
+        runners = [VisionRunner(p.visual, max_patches=cfg.cuda_graph_max_patches, out_dtype=dt)
+                   for p, dt in zip(parts, dtypes, strict=True)]
         size = processor.image_processor.size
         lo = cfg.min_pixels or int(size["shortest_edge"])
         hi = max(cfg.max_pixels or int(size["longest_edge"]), lo)

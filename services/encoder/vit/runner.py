@@ -262,10 +262,15 @@ class VisionRunner:
     where torch has it, masked elsewhere on CUDA, per_segment on the CPU)."""
 
     def __init__(self, visual: torch.nn.Module, max_patches: int = 0, mode: str = "auto",
-                 attention: StepAttention | None = None) -> None:
+                 attention: StepAttention | None = None,
+                 out_dtype: torch.dtype | None = None) -> None:
         self.visual = visual.eval()
         p = next(visual.parameters())
         self.device, self.dtype = p.device, p.dtype
+        # the rows' dtype (the payload's); the tower's own when None. A bfloat16 model whose
+        # tower was widened to float32 (a CPU without bfloat16 matrix instructions) runs in
+        # float32 and rounds its rows once, here
+        self.out_dtype = out_dtype or self.dtype
         self.cfg = visual.config
         self.merge = int(self.cfg.spatial_merge_size)
         self.unit = self.merge * self.merge  # patches per merged token
@@ -354,6 +359,8 @@ class VisionRunner:
                 merged, deep = _rows(merged, rows).clone(), [_rows(d, rows).clone() for d in deep]
             if prep.reverse is not None:
                 merged = merged.index_select(0, prep.reverse)
+            if self.out_dtype != self.dtype:
+                merged, deep = merged.to(self.out_dtype), [d.to(self.out_dtype) for d in deep]
             return VisionOutput(embeds=merged, deepstack=deep)
 
     def key_for(self, grids: list[tuple[int, int, int]]) -> GraphKey | None:
