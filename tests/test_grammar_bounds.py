@@ -14,14 +14,13 @@ import json
 import psutil
 import pytest
 from test_language_engine import collect
-from test_structured_output import Setup, _setups, structured
+from test_structured_output import grammars, setup_of, structured
 from waiting import wait_until
 
 from tandem.sampling import GrammarKind, GrammarSpec
 from tandem.services.language.engine.grammar import (
     GrammarError,
     GrammarLimits,
-    Grammars,
     check_spec,
 )
 from tandem.services.language.engine.request import RequestStatus
@@ -36,14 +35,7 @@ CHOICE = GrammarSpec(GrammarKind.CHOICE, json.dumps(["yes", "no"]))
 
 @pytest.fixture
 def setup(checkpoint):
-    if "qwen2_5_vl" not in _setups:
-        _setups["qwen2_5_vl"] = Setup(checkpoint("qwen2_5_vl"))
-    return _setups["qwen2_5_vl"]
-
-
-def grammars(setup, **limits) -> Grammars:
-    return Grammars(setup.tokenizer, len(setup.tokenizer), (setup.tokenizer.eos_token_id,),
-                    GrammarLimits(**limits))
+    return setup_of("qwen2_5_vl", checkpoint)
 
 
 def schema(s) -> GrammarSpec:

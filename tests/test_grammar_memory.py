@@ -15,24 +15,17 @@ import string
 
 import psutil
 import pytest
-from test_structured_output import Setup, _setups
+from test_structured_output import grammars, setup_of
 
 from tandem.sampling import GrammarKind, GrammarSpec
-from tandem.services.language.engine.grammar import GrammarLimits, Grammars
+from tandem.services.language.engine.grammar import Grammars
 
 MB = 1 << 20
 
 
 @pytest.fixture
 def setup(checkpoint):
-    if "qwen2_5_vl" not in _setups:
-        _setups["qwen2_5_vl"] = Setup(checkpoint("qwen2_5_vl"))
-    return _setups["qwen2_5_vl"]
-
-
-def grammars(setup, **limits) -> Grammars:
-    return Grammars(setup.tokenizer, len(setup.tokenizer), (setup.tokenizer.eos_token_id,),
-                    GrammarLimits(**limits))
+    return setup_of("qwen2_5_vl", checkpoint)
 
 
 def enum(seed: int, values: int = 1500, chars: int = 18) -> GrammarSpec:

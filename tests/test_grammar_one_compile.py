@@ -20,7 +20,7 @@ import string
 import psutil
 import pytest
 from test_language_engine import collect
-from test_structured_output import Setup, _setups, structured
+from test_structured_output import grammars, setup_of, structured
 from waiting import wait_until
 
 import tandem.services.language.engine.grammar as grammar_mod
@@ -34,14 +34,7 @@ ROOMY = dict(max_enum_values=100_000, max_enum_chars=1 << 20, max_spec_bytes=1 <
 
 @pytest.fixture
 def setup(checkpoint):
-    if "qwen2_5_vl" not in _setups:
-        _setups["qwen2_5_vl"] = Setup(checkpoint("qwen2_5_vl"))
-    return _setups["qwen2_5_vl"]
-
-
-def grammars(setup, **limits) -> Grammars:
-    return Grammars(setup.tokenizer, len(setup.tokenizer), (setup.tokenizer.eos_token_id,),
-                    GrammarLimits(**limits))
+    return setup_of("qwen2_5_vl", checkpoint)
 
 
 def enum(values: int, chars: int, seed: int) -> GrammarSpec:

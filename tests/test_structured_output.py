@@ -23,7 +23,7 @@ from test_language_engine import collect
 from tandem.models.split import load_text_weights
 from tandem.sampling import GrammarKind, GrammarSpec, SamplingParams
 from tandem.services.language.engine.core import Engine, EngineConfig
-from tandem.services.language.engine.grammar import GrammarLimits
+from tandem.services.language.engine.grammar import GrammarLimits, Grammars
 from tandem.services.language.engine.request import Request, RequestSpec, RequestStatus
 from tandem.services.language.runner.model_runner import ModelRunner, RunnerSettings
 
@@ -68,11 +68,22 @@ class Setup:
 _setups: dict[str, Setup] = {}
 
 
+def setup_of(arch: str, checkpoint) -> Setup:
+    """One Setup per architecture in a test process (the grammar tests share it)."""
+    if arch not in _setups:
+        _setups[arch] = Setup(checkpoint(arch))
+    return _setups[arch]
+
+
+def grammars(setup: Setup, **limits) -> Grammars:
+    """A Grammars component over `setup`'s tokenizer, with `limits` (GrammarLimits')."""
+    return Grammars(setup.tokenizer, len(setup.tokenizer), (setup.tokenizer.eos_token_id,),
+                    GrammarLimits(**limits))
+
+
 @pytest.fixture(params=["qwen2_5_vl", "qwen3_vl"])
 def setup(request, checkpoint):
-    if request.param not in _setups:
-        _setups[request.param] = Setup(checkpoint(request.param))
-    return _setups[request.param]
+    return setup_of(request.param, checkpoint)
 
 
 def text_of(stream) -> str:
