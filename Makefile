@@ -128,11 +128,12 @@ test-setup: setup $(STAMPS)/oracle $(if $(wildcard deploy/scripts/install-helm.s
 # where the host has 2 cores or more: the suite's clusters wait on each other much of the
 # time (one process used ~0.9 of 2 cores), so two workers took 13 min of pytest where one
 # took 21 (2-core AMD EPYC, quiet). More would crowd 2 cores and 24 GiB. --dist loadfile
-# keeps each test file on one worker, so a module's cluster fixture starts once.
+# keeps each test file on one worker, so a module's cluster fixture starts once;
+# --no-loadscope-reorder keeps the collection's order (tests/conftest.py: longest files first).
 # --durations: the slowest calls at the end of every run, so CI's time is watched where it goes.
 TEST_WORKERS ?= $(shell [ "$$(nproc)" -ge 2 ] && echo 2 || echo 0)
 test: test-setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 # The tests marked `slow` (more cases of what CI's tests already show; minutes, not seconds).
 test-slow: test-setup

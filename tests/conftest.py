@@ -85,6 +85,26 @@ def pytest_configure(config):
         raise pytest.UsageError(str(e)) from None
 
 
+# The longest files, longest first (the totals of a whole run's --durations, which `make
+# test` prints): collected first, so that on pytest-xdist workers (`--dist loadfile
+# --no-loadscope-reorder`, the Makefile's) they start first and the many short files fill
+# in behind them; xdist's own order (most tests first) left a one-minute cluster file for
+# last on one worker while the other stood idle. Order only: nothing here is timed.
+LONGEST_FIRST = (
+    "test_e2e_tp", "test_e2e_video", "test_tensor_parallel", "test_gpu_check",
+    "test_e2e_frozen_encoder", "test_deploy_ray", "test_split", "test_language_integrity",
+    "test_tp_transfer", "test_split_faults", "test_transfer_faults", "test_up_procs",
+    "test_vit_stall", "test_deploy_dockerfile", "test_grammar_memory", "test_e2e_cluster",
+    "test_e2e_split", "test_e2e_qwen3_auth", "test_e2e_reuse", "test_e2e_tracing",
+    "test_internal_tls", "test_paged_attention", "test_up_restart", "test_hostile_flood",
+)
+
+
+def _longest_first(item) -> int:
+    name = item.path.stem
+    return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
     slow = None if config.getoption("--run-slow") else pytest.mark.skip(
         reason="slow: run with --run-slow (make test-slow)")
@@ -94,6 +114,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(slow)
         if gpu is not None and "gpu" in item.keywords:
             item.add_marker(gpu)
+    items.sort(key=_longest_first)  # stable: each file's own order is kept
 
 
 @pytest.fixture(scope="module")
