@@ -19,6 +19,7 @@ import base64
 import io
 import os
 import random
+import re
 import signal
 import sys
 
@@ -107,8 +108,13 @@ def test_restarts_age_out_of_the_window_and_a_signal_is_named(capsys):
         stop_all([[child]], 1.0)
     assert s.restarts == 3 and not sup.failed
     out = capsys.readouterr().out
-    assert out.count("encoder-0 exited unexpectedly (signal SIGKILL); restart 1 of 1 "
-                     "within 10 s in 0.5 s") == 3, out
+    # each exit past the window: restart 1 of 1 again, at the first delay, its signal named.
+    # NOTE: SIGKILL as a rule; once in CI a restarted child forked by this (gRPC-laden)
+    # pytest process aborted before its exec (SIGABRT, gRPC's poller: epoll_wait EBADF),
+    # which the supervisor names and restarts as it should
+    exits = re.findall(r"encoder-0 exited unexpectedly \(signal (SIG\w+)\); restart 1 of 1 "
+                       r"within 10 s in 0\.5 s", out)
+    assert len(exits) == 3 and "SIGKILL" in exits and set(exits) <= {"SIGKILL", "SIGABRT"}, out
 
 
 def test_max_restarts_0_never_restarts(capsys):
