@@ -132,11 +132,9 @@ def _oracle(model: Path) -> list[int]:
 
 
 def _without_eos(tokens: list[int], eos) -> list[int]:
-    eos = set(eos if isinstance(eos, list | tuple) else [eos])
-    tokens = list(tokens)
-    while tokens and tokens[-1] in eos:
-        tokens.pop()
-    return tokens
+    from test_e2e_cluster import strip_eos
+
+    return strip_eos(tokens, set(eos if isinstance(eos, list | tuple) else [eos]))
 
 
 def _metric(base: str, name: str, labels: str = "") -> float:
