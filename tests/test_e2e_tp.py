@@ -1,6 +1,7 @@
 """Tensor parallelism through the whole cluster: `tandem up --language-args "--tp 2"`
-(1 encoder + 1 language instance of 2 rank processes, float32 CPU, gloo) for every
-architecture; greedy answers through the official `openai` client equal transformers
+(1 encoder + 1 language instance of 2 rank processes, float32 CPU, gloo) for qwen3_vl in
+CI and for every architecture under `make test-slow` (the cluster's path is the same for
+each; tests/test_tensor_parallel.py shows tp 2 exact for every architecture in CI); greedy answers through the official `openai` client equal transformers
 `generate()`: an image, text only (the bypass), a transfer that needs resumes, and a
 concurrent round on a KV pool small enough that the scheduler retracts."""
 
@@ -27,7 +28,9 @@ CHATS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
+@pytest.fixture(scope="module", params=[pytest.param("qwen2_5_vl", marks=pytest.mark.slow),
+                                        "qwen3_vl",
+                                        pytest.param("qwen3_vl_moe", marks=pytest.mark.slow)])
 def setup(request, checkpoint):
     ckpt = checkpoint(request.param)
     # 40 pages x 4 tokens: the five chats (and their replies) do not fit at once

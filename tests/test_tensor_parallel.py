@@ -94,7 +94,8 @@ def test_tp2_prompt_logits_and_concurrent_greedy_equal_transformers(case):
 
 
 @pytest.mark.parametrize("arch,size,tp", [(a, "small", 2) for a in ARCHS]
-                         + [("qwen2_5_vl", "tiny", 4), ("qwen3_vl", "tiny", 4)])
+                         + [pytest.param("qwen2_5_vl", "tiny", 4, marks=pytest.mark.slow),
+                            ("qwen3_vl", "tiny", 4)])
 def test_prompt_logits_and_greedy_small_preset_and_tp4(arch, size, tp, checkpoint):
     """The small preset at --tp 2 (12 layers, 8 heads, 2 KV heads), and --tp 4 on the tiny
     one, where the 2 KV heads are fewer than the ranks (each rank holds the one its query
