@@ -33,7 +33,6 @@ import torch
 
 from tandem.config import TransferConfig
 from tandem.transfer import (
-    BlockAllocator,
     EmbeddingBuffers,
     EmbeddingReceiver,
     EmbeddingSender,
@@ -43,7 +42,7 @@ from tandem.transfer import (
     StagingArea,
 )
 from tandem.transfer.buffers import RowProtection, open_range
-from tandem.transfer.staging import tag_range
+from tandem.transfer.staging import PieceTarget, tag_range
 
 D, DTYPE, BS = 3584, torch.bfloat16, 1024
 POOL_BLOCKS, SLOT_TOKENS = 32, 16384
@@ -81,7 +80,7 @@ async def language() -> None:
     engine = MooncakeEngine(cfg)
     buffers = EmbeddingBuffers(POOL_BLOCKS, BS, D, DTYPE)
     buffers.register(engine)
-    rx = EmbeddingReceiver(engine, buffers, BlockAllocator(POOL_BLOCKS, BS), cfg)
+    rx = EmbeddingReceiver(engine, buffers, cfg)
     sink = torch.empty(POOL_BLOCKS * BS * (D * 2 + 16), dtype=torch.uint8).zero_()
 
     async def put(request_iterator, context):
@@ -274,7 +273,7 @@ async def main_tables(ours, raw, grpc_bytes, last_send_s, staging, med) -> list[
         st, ga = [], []
         for _ in range(RUNS):
             t0 = time.monotonic()
-            staging.stage(0, p, 1, 1, layout, ids, 0, n, 0, n)
+            staging.stage(0, p, PieceTarget(1, 1, ids, 0, n), layout, 0, n)
             st.append(time.monotonic() - t0)
             t0 = time.monotonic()
             local.gather_into(ids, n, *out, 0)
@@ -365,7 +364,7 @@ def range_costs(staging: StagingArea, p: PromptPayload) -> dict[str, float]:
 
     for _ in range(RUNS + 1):  # the first is a warm-up, dropped below
         with timed("copy"):
-            staging.stage(0, p, 1, 1, dest.layout(), ids, 0, n, 0, n)
+            staging.stage(0, p, PieceTarget(1, 1, ids, 0, n), dest.layout(), 0, n)
         aux = staging.aux[0][:nb].clone()
         with timed("tag"):
             mac_tag = mac.tag(p.input_embeds, p.fill_ids, p.mrope_positions, aux)
@@ -374,7 +373,7 @@ def range_costs(staging: StagingArea, p: PromptPayload) -> dict[str, float]:
         with timed("verify"):
             open_range(mac, mac_tag, *out, aux)
         with timed("seal"):
-            _, aux = staging.stage(0, p, 1, 1, dest.layout(), ids, 0, n, 0, n, seal=enc)
+            _, aux = staging.stage(0, p, PieceTarget(1, 1, ids, 0, n), dest.layout(), 0, n, seal=enc)
             enc_tag = tag_range(enc, p, 0, n, aux)
         out[0].copy_(staging.embeds[0][:n])  # ciphertext, as it lands
         out[1].copy_(staging.fill[0][:n])

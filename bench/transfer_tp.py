@@ -32,13 +32,14 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from tandem.config import TransferConfig  # noqa: E402
-from tandem.transfer import (  # noqa: E402
-    BlockAllocator,
+from tandem.transfer import (
+    # noqa: E402,
     EmbeddingBuffers,
     EmbeddingReceiver,
     EmbeddingSender,
     MooncakeEngine,
     PromptPayload,
+    ReceiverLimits,
     SenderState,
     StagingArea,
 )
@@ -114,10 +115,9 @@ async def rank0() -> None:
     group(0, dist_address)
     ranks = RankBuffers([data], [ready], fail=lambda why: sys.exit(f"rank 1: {why}"))
     ranks.check_mirror(direct_buf.layout())
-    direct = EmbeddingReceiver(engine, direct_buf, BlockAllocator(POOL_BLOCKS, BS), cfg,
-                               reserve_tokens=POOL_BLOCKS * BS, ranks=ranks)
-    bcast = EmbeddingReceiver(engine, bcast_buf, BlockAllocator(POOL_BLOCKS, BS), cfg,
-                              reserve_tokens=POOL_BLOCKS * BS)
+    whole = ReceiverLimits(reserve_tokens=POOL_BLOCKS * BS)
+    direct = EmbeddingReceiver(engine, direct_buf, cfg, whole, ranks=ranks)
+    bcast = EmbeddingReceiver(engine, bcast_buf, cfg, whole)
     emit(event="ready")
 
     def broadcast(rows: torch.Tensor) -> None:

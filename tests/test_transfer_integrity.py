@@ -39,7 +39,7 @@ from tandem.transfer.buffers import (  # noqa: E402
     RowProtection,
     open_range,
 )
-from tandem.transfer.staging import tag_range  # noqa: E402
+from tandem.transfer.staging import PieceTarget, tag_range  # noqa: E402
 from tandem.units import ceil_div  # noqa: E402
 from tandem.v1 import encoder_pb2  # noqa: E402
 
@@ -62,8 +62,8 @@ def _stage_all(prot: RowProtection, p, buf: EmbeddingBuffers, ids: list[int], ro
     for t0 in range(0, p.num_tokens, chunk):
         t1 = min(t0 + chunk, p.num_tokens)
         seal = prot.seal(room, gen, t0, t1)
-        plan, aux = st.stage(0, p, room, gen, buf.layout(), ids, 0, p.num_tokens, t0, t1,
-                             at=t0 % 32, seal=seal)
+        plan, aux = st.stage(0, p, PieceTarget(room, gen, ids, 0, p.num_tokens), buf.layout(),
+                             t0, t1, at=t0 % 32, seal=seal)
         _apply(plan)
         sealed.append((seal, tag_range(seal, p, t0, t1, aux)))
     return sealed

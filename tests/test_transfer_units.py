@@ -25,7 +25,7 @@ from tandem.transfer import (  # noqa: E402
     transfer_metrics,
 )
 from tandem.transfer import buffers as B  # noqa: E402
-from tandem.transfer.staging import coalesce  # noqa: E402
+from tandem.transfer.staging import PieceTarget, coalesce  # noqa: E402
 from tandem.units import ceil_div  # noqa: E402
 
 
@@ -77,7 +77,8 @@ def test_staged_writes_land_bit_exact_in_scattered_blocks(dtype):
     for start, n, ids in pieces:
         for t0 in range(start, start + n, 16):  # chunks of 2 blocks, at offsets in the slot
             t1 = min(t0 + 16, start + n)
-            plan, _aux = st.stage(0, p, room, 3, layout, ids, start, n, t0, t1, at=(t0 - start) % 32)
+            plan, _aux = st.stage(0, p, PieceTarget(room, 3, ids, start, n), layout, t0, t1,
+                                  at=(t0 - start) % 32)
             _apply(plan)
         buf.check_piece(B.PieceCheck(ids, room, 3, total, start, n, n))
         rows = buf.aux[torch.tensor(ids)]

@@ -48,12 +48,33 @@ from tandem.services.encoder.split import (
     Share,
 )
 from tandem.serving import deadline_from_proto
+from tandem.transfer.buffers import RangeTag
 from tandem.transfer.channels import EncoderChannels
 from tandem.transfer.errors import TransferError, WriteRefused
+from tandem.transfer.sender import RangeListener
 from tandem.transfer.sender_room import heartbeat
 from tandem.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+
+class _LeadStream(RangeListener):
+    """A helper's range write told to the lead: each written chunk and heartbeat becomes a
+    message on the EncodeRange stream's outbox; the write ends with the stream."""
+
+    def __init__(self, outbox: asyncio.Queue, working: encoder_pb2.EncodeRangeResponse,
+                 context) -> None:
+        self.outbox, self.heartbeat, self.context = outbox, working, context
+
+    def written(self, end: int, tag: RangeTag | None) -> None:
+        self.outbox.put_nowait(encoder_pb2.EncodeRangeResponse(written=encoder_pb2.RangeWritten(
+            sent_tokens=end, tag=tag.to_proto() if tag is not None else None)))
+
+    def working(self) -> None:
+        self.outbox.put_nowait(self.heartbeat)
+
+    def ended(self) -> bool:
+        return self.context.cancelled()
 
 
 class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
@@ -316,12 +337,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                     try:
                         await self.sender.write_range(
                             room, w.destination, payload, w.piece_start, w.piece_tokens,
-                            deadline, on_chunk=lambda end, tag: outbox.put_nowait(
-                                encoder_pb2.EncodeRangeResponse(written=encoder_pb2.RangeWritten(
-                                    sent_tokens=end,
-                                    tag=tag.to_proto() if tag is not None else None))),
-                            on_working=lambda: outbox.put_nowait(working),
-                            ended=context.cancelled)
+                            deadline, _LeadStream(outbox, working, context))
                     except WriteRefused:
                         in_flight = False  # refused before any row went out
                         raise

@@ -152,7 +152,7 @@ async def run(
     cfg: LanguageConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None
 ) -> None:
     from tandem.internal_tls import load_internal_tls
-    from tandem.transfer import BlockAllocator, EmbeddingBuffers, EmbeddingReceiver
+    from tandem.transfer import EmbeddingBuffers, EmbeddingReceiver, ReceiverLimits
     from tandem.transfer.engine import MooncakeEngine
 
     serving.require_free_ports("tandem language", cfg.host, {"--port": cfg.port, "--metrics-port":
@@ -171,19 +171,20 @@ async def run(
         upload_device=engine.runner.device,
     )
     buffers.register(transfer)
-    allocator = BlockAllocator(cfg.embedding_blocks, cfg.embedding_block_size)
     ranks = engine.runner.tp.workers.buffers if engine.runner.tp is not None else None
     if ranks is not None:
         ranks.check_mirror(buffers.layout())
-    receiver = EmbeddingReceiver(
-        transfer, buffers, allocator, cfg.transfer, ranks=ranks, tls=tls,
+    receiver_limits = ReceiverLimits(
         reserve_tokens=cfg.default_reservation_tokens,
         client_share=cfg.embedding_client_share,
         reattach_grace_s=cfg.reattach_grace_s,
         max_prompt_tokens=cfg.max_model_len or spec.max_position_embeddings,
-        registry=registry,
+    )
+    receiver = EmbeddingReceiver(
+        transfer, buffers, cfg.transfer, receiver_limits, registry=registry, ranks=ranks, tls=tls,
         on_prompt=engine.pin_prefix,  # the prefix cache answers what it holds (pinned)
-    )  # fmt: skip
+    )
+    allocator = receiver.allocator
 
     # NOTE: a request as large as the router accepts (64 MiB) reaches the tier, whose own
     # checks name what is too large (`messages`: more text than max_prompt_tokens can hold);

@@ -12,7 +12,7 @@ from tandem.transfer.engine import MooncakeEngine
 from tandem.transfer.errors import TransferError
 from tandem.transfer.metrics import transfer_metrics
 from tandem.transfer.payload import PromptPayload
-from tandem.transfer.receiver import EmbeddingReceiver
+from tandem.transfer.receiver import EmbeddingReceiver, ReceiverLimits
 from tandem.transfer.room import ReceiverState
 from tandem.transfer.sender import EmbeddingSender
 from tandem.transfer.sender_room import SenderState, SendStats
@@ -20,6 +20,6 @@ from tandem.transfer.staging import StagingArea
 
 __all__ = [
     "BlockAllocator", "BufferLayout", "EmbeddingBuffers", "EmbeddingReceiver", "EmbeddingSender",
-    "MooncakeEngine", "PromptPayload", "ReceiverState", "RowProtection", "SendStats", "SenderState",
+    "MooncakeEngine", "PromptPayload", "ReceiverLimits", "ReceiverState", "RowProtection", "SendStats", "SenderState",
     "StagingArea", "TransferError", "transfer_metrics",
 ]

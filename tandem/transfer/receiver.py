@@ -5,10 +5,11 @@ allocator registered once at start-up):
 
     engine = MooncakeEngine(cfg.transfer)
     buffers = EmbeddingBuffers(num_blocks, block_size, embed_dim, dtype); buffers.register(engine)
-    receiver = EmbeddingReceiver(engine, buffers, BlockAllocator(num_blocks, block_size),
-                                 cfg.transfer, reserve_tokens=8192, reattach_grace_s=1.0,
-                                 max_prompt_tokens=1 << 20, resume_tokens=None, registry=None,
-                                 on_prompt=None)
+    receiver = EmbeddingReceiver(engine, buffers, cfg.transfer, ReceiverLimits(
+                                     reserve_tokens=8192, reattach_grace_s=1.0,
+                                     max_prompt_tokens=1 << 20, resume_tokens=None),
+                                 registry=None, on_prompt=None)
+    receiver.allocator  # BlockAllocator of the buffers' blocks: the receiver owns it
     payload = await receiver.receive(room, encoder_address, deadline=None)  # PromptPayload
     receiver.reattach(room, other_encoder_address) -> bool   # router retry before Done
     receiver.abort(room) -> bool                             # any stage; frees everything
@@ -69,6 +70,7 @@ import functools
 import itertools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -104,31 +106,41 @@ from tandem.units import ceil_div
 from tandem.v1 import encoder_pb2, encoder_pb2_grpc
 
 
+@dataclass(frozen=True)
+class ReceiverLimits:
+    """How much a room may reserve, hold and wait for (the language tier's config maps
+    its flags onto these: services/language/main.py)."""
+
+    # tokens a room reserves at Attach, before the prompt's size is known
+    reserve_tokens: int = 8192
+    # the share of the pool one client's rooms may hold while others wait (BlockReservations)
+    client_share: float = 1.0
+    # how long a room whose Attach stream broke before Done waits for `reattach()`
+    reattach_grace_s: float = 1.0
+    # the longest prompt a room accepts (AttachPrompt / Progress totals past it: refused)
+    max_prompt_tokens: int = 1 << 20
+    # tokens reserved per Resume: None reserves the whole rest (fewest round trips), capped
+    # by the pool; a number bounds how much one room holds at a time
+    resume_tokens: int | None = None
+
+
 class EmbeddingReceiver:
     def __init__(
         self,
         engine,
         buffers: EmbeddingBuffers,
-        allocator: BlockAllocator,
         config: TransferConfig,
-        reserve_tokens: int = 8192,
-        client_share: float = 1.0,
-        reattach_grace_s: float = 1.0,
-        max_prompt_tokens: int = 1 << 20,
-        resume_tokens: int | None = None,
+        limits: ReceiverLimits = ReceiverLimits(),
         registry=None,
         on_prompt: Callable[[int, PromptInfo], int] | None = None,
         ranks=None,
         tls=None,
     ) -> None:
-        if allocator.block_size != buffers.block_size or allocator.num_total != buffers.num_blocks:
-            raise ValueError("allocator and buffers disagree on block size or block count")
+        # NOTE: the receiver owns the allocator of its buffers' blocks (one id per buffer
+        # block, so the two cannot disagree); others read it as `receiver.allocator`
+        allocator = BlockAllocator(buffers.num_blocks, buffers.block_size)
         self.engine, self.buffers, self.allocator, self.config = engine, buffers, allocator, config
-        self.reserve_tokens, self.reattach_grace_s = reserve_tokens, reattach_grace_s
-        self.max_prompt_tokens = max_prompt_tokens
-        # Tokens reserved per Resume: None reserves the whole rest (fewest round trips),
-        # capped by the pool; a number bounds how much one room holds at a time.
-        self.resume_tokens = resume_tokens
+        self.limits = limits
         self.on_prompt = on_prompt
         self.metrics = transfer_metrics(registry)
         self.rooms: dict[int, ReceiverRoom] = {}
@@ -143,7 +155,7 @@ class EmbeddingReceiver:
         self._rank_dests = list(ranks.destinations) if ranks is not None else []
         self._keys = itertools.count(1)  # the ranks' name for a payload's rows
         self.blocks = BlockReservations(allocator, self.metrics, clear=self._clear,
-                                        client_share=client_share)
+                                        client_share=limits.client_share)
 
     # ---- public control ---------------------------------------------------------------
     def state(self, room: int) -> ReceiverState | None:
@@ -254,9 +266,9 @@ class EmbeddingReceiver:
             # bounded by the transfer timeout), not a stalled transfer: it may last until the
             # request's own deadline.
             wait = tracing.start("language.room_wait", r.trace,
-                                 attributes={"tandem.transfer.reserve_tokens": self.reserve_tokens})
+                                 attributes={"tandem.transfer.reserve_tokens": self.limits.reserve_tokens})
             r.key, r.ids = await self.blocks.alloc(
-                r, self.reserve_tokens, self._queue_timeout(deadline),
+                r, self.limits.reserve_tokens, self._queue_timeout(deadline),
                 lambda ev: self._interrupt(r, ev),
                 timeout_code="UNAVAILABLE" if deadline is None else "DEADLINE_EXCEEDED")
             wait.end()
@@ -336,7 +348,7 @@ class EmbeddingReceiver:
             call.cancel()
 
     async def _await_reattach(self, r: ReceiverRoom, reason: str, deadline: float | None) -> str:
-        grace = self.reattach_grace_s
+        grace = self.limits.reattach_grace_s
         if deadline is not None:
             grace = min(grace, deadline - time.time())
         end = time.monotonic() + grace
@@ -406,8 +418,8 @@ class EmbeddingReceiver:
                           [ImageSpan(im.start, im.length, im.hash) for im in p.images])
         n = len(info.token_ids)
         why = ("sent twice" if r.info is not None else "after data" if r.out is not None
-               else f"{n} tokens (limit {self.max_prompt_tokens})"
-               if not 0 < n <= self.max_prompt_tokens else info.check())
+               else f"{n} tokens (limit {self.limits.max_prompt_tokens})"
+               if not 0 < n <= self.limits.max_prompt_tokens else info.check())
         if why:
             raise TransferError(f"room {r.room}: bad AttachPrompt: {why}", "INVALID_ARGUMENT")
         r.info = info
@@ -419,9 +431,9 @@ class EmbeddingReceiver:
         """Validate a Progress/Done against the room; allocate the output on first sight.
         `r.sent` is where the current piece starts; it holds `r.allocated` tokens."""
         expect = r.total or (len(r.info.token_ids) - r.cached if r.info is not None else None)
-        if not 0 < total <= self.max_prompt_tokens or (expect is not None and total != expect):
+        if not 0 < total <= self.limits.max_prompt_tokens or (expect is not None and total != expect):
             raise TransferError(f"room {r.room}: bad total_tokens {total} (expected "
-                                f"{expect or f'<= {self.max_prompt_tokens}'})", "INVALID_ARGUMENT")
+                                f"{expect or f'<= {self.limits.max_prompt_tokens}'})", "INVALID_ARGUMENT")
         if not r.copied < sent <= min(total, r.sent + r.allocated) or (final and sent != total):
             raise TransferError(f"room {r.room}: encoder reports {sent}/{total} tokens; piece "
                                 f"at {r.sent} holds {r.allocated}, {r.copied} copied out",
@@ -532,8 +544,8 @@ class EmbeddingReceiver:
         self._take_tags(r, p.sent_tokens, p.tag)
         old_key, old_ids, start, sent = r.key, r.ids, r.sent, p.sent_tokens
         cap = self.allocator.num_total * self.allocator.block_size
-        if self.resume_tokens:
-            cap = min(cap, self.resume_tokens)
+        if self.limits.resume_tokens:
+            cap = min(cap, self.limits.resume_tokens)
         want = min(p.total_tokens - sent, cap)
         span = tracing.start("transfer.resume", r.attach_trace, attributes={
             "tandem.transfer.sent_tokens": sent, "tandem.transfer.reserve_tokens": want})

@@ -76,6 +76,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 from tandem import tracing
 from tandem.config import TransferConfig
@@ -94,11 +95,32 @@ from tandem.transfer.sender_room import (
     heartbeat,
     working_msg,
 )
-from tandem.transfer.staging import Destination, StagingArea, WriteRound, write_round
+from tandem.transfer.staging import (
+    Destination,
+    PieceTarget,
+    StagingArea,
+    WriteRound,
+    write_round,
+)
 from tandem.v1 import encoder_pb2
 
 log = logging.getLogger(__name__)
 _ABANDONED_KEPT = 4096  # rooms remembered as abandoned before their Init came
+
+
+class RangeListener(Protocol):
+    """Who a helper's range write reports to (`EmbeddingSender.write_range`): the lead's
+    stream, which services/encoder/server.py relays each call to."""
+
+    def written(self, end: int, tag: RangeTag | None) -> None:
+        """A chunk reached every destination: the range is written up to token `end`,
+        with the chunk's tags (None without protection)."""
+
+    def working(self) -> None:
+        """The range's rows are not final yet (a heartbeat: the write is alive)."""
+
+    def ended(self) -> bool:
+        """True once the lead's stream is gone: the write stops."""
 
 
 class EmbeddingSender:
@@ -549,14 +571,12 @@ class EmbeddingSender:
 
     async def write_range(self, room: int, init: encoder_pb2.AttachInit,
                           payload: PromptPayload, start: int, piece: int,
-                          deadline: float | None, on_chunk, on_working, ended) -> int:
+                          deadline: float | None, lead: RangeListener) -> int:
         """A helper's side of RangeWriter.write: tokens [start, start+piece) of `payload`
         (its rows there final, or becoming so: its watermark) into the blocks `init` names,
-        for the lead's room. `on_chunk(end, tags)` per written chunk (the last ends at
-        start+piece), `on_working()` while the rows are not ready; `ended()` true once the
-        lead's stream is gone (the writes stop). Returns bytes written; raises
-        TransferError. The room is not one of ours (no Attach stream here): a record of
-        its own, never in `rooms`."""
+        for the lead's room, told to `lead` as it goes (the last chunk written ends at
+        start+piece). Returns bytes written; raises TransferError. The room is not one of
+        ours (no Attach stream here): a record of its own, never in `rooms`."""
         r = SenderRoom(room, SenderState.TRANSFERRING, init=init)
         r.protection = RowProtection.of_init(init)
         # NOTE: refusals before any row goes out are WriteRefused (nothing in flight: the
@@ -579,17 +599,17 @@ class EmbeddingSender:
         def handle(msg: encoder_pb2.AttachResponse) -> None:  # the write's own messages
             kind = msg.WhichOneof("msg")
             if kind == "progress":
-                on_chunk(msg.progress.sent_tokens, RangeTag.from_proto(msg.progress.tag)
-                         if msg.progress.HasField("tag") else None)
+                lead.written(msg.progress.sent_tokens, RangeTag.from_proto(msg.progress.tag)
+                             if msg.progress.HasField("tag") else None)
             elif kind == "working":
-                on_working()
+                lead.working()
 
         async def relay() -> None:  # chunks and heartbeats, as they come
             while True:
                 handle(await r.outbox.get())
 
         async def watch() -> None:
-            while not ended():
+            while not lead.ended():
                 await asyncio.sleep(0.2)
             self._fail(r, TransferError(f"room {room}: the lead's stream ended",
                                         "CANCELLED"))
@@ -607,7 +627,7 @@ class EmbeddingSender:
             last = r.piece_tag
             if last is None or last[0] != start + piece:
                 raise TransferError(f"room {room}: no tags for the piece's end", "INTERNAL")
-            on_chunk(last[0], last[1])
+            lead.written(last[0], last[1])
             self.metrics.bytes.labels("encoder").inc(wrote)  # the lead counts the tokens
             return wrote
         finally:
@@ -651,8 +671,9 @@ class EmbeddingSender:
                 "tandem.transfer.first_token": t0, "tandem.transfer.tokens": t1 - t0})
             slot = await self._acquire_slot(r, deadline)
             job = WriteRound(
-                self.engine, self.staging, dests, slot, payload, r.room, r.init.generation,
-                ids, start, reserved, t0, t1, chunk, lambda: r.terminal,
+                self.engine, self.staging, dests, slot, payload,
+                PieceTarget(r.room, r.init.generation, ids, start, reserved),
+                t0, t1, chunk, lambda: r.terminal,
                 # NOTE: queued on the loop before the round's result: the piece's last tags
                 # are in `r.piece_tag` by the time this round's await returns
                 on_chunk=lambda c_end, tag: loop.call_soon_threadsafe(reported, c_end, tag),

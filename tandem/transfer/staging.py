@@ -121,26 +121,23 @@ class StagingArea:
         self,
         slot: int,
         payload: PromptPayload,
-        room: int,
-        generation: int,
+        piece: PieceTarget,
         layout: BufferLayout,
-        block_ids: list[int],
-        piece_start: int,
-        piece_tokens: int,
         t0: int,
         t1: int,
         at: int = 0,
         seal: RangeSeal | None = None,
     ) -> tuple[tuple[list[int], list[int], list[int]], torch.Tensor]:
-        """Copy payload tokens [t0, t1) of the piece into `slot` at token offset `at`;
+        """Copy payload tokens [t0, t1) of `piece` into `slot` at token offset `at`;
         return the writes (srcs, dsts, lengths) into `layout`'s buffers (`writes` gives
         those into any other rank's) and a private copy of the aux rows staged (what the
         range's tags cover, `tag_range`). An encrypting `seal` (the range's keys) puts
         ciphertext in the slot: plaintext never lands in registered memory.
 
-        The piece starts at token `piece_start` and lands in `block_ids` (token order);
-        t0 - piece_start and `at` are multiples of the block size (whole blocks only).
+        t0 - piece.start and `at` are multiples of the block size (whole blocks only).
         """
+        room, generation, block_ids = piece.room, piece.generation, piece.block_ids
+        piece_start, piece_tokens = piece.start, piece.tokens
         bs, d = layout.block_size, self.embed_dim
         n, i0 = t1 - t0, (t0 - piece_start) // bs
         nb = ceil_div(n, bs)
@@ -230,6 +227,19 @@ def tag_range(seal: RangeSeal, payload: PromptPayload, t0: int, t1: int,
 
 
 @dataclass(frozen=True)
+class PieceTarget:
+    """A piece of a room's prompt and where it lands: prompt tokens [start, start + tokens)
+    into the blocks `block_ids` (token order; the same ids in every destination: the ranks'
+    pools mirror each other), under the reservation `generation` of `room` (AttachInit)."""
+
+    room: int
+    generation: int
+    block_ids: list[int]
+    start: int
+    tokens: int
+
+
+@dataclass(frozen=True)
 class Destination:
     """One rank's buffers: where a piece goes (every rank gets every piece)."""
 
@@ -240,20 +250,14 @@ class Destination:
 @dataclass
 class WriteRound:
     """One staging round of a room's piece, handed to a writer thread: tokens [t0, t1)
-    of the piece that starts at token `start` (piece number `piece`), destined for the
-    blocks `ids` of every destination's buffers (rank 0 first; the same block ids in each:
-    the ranks' pools mirror each other)."""
+    of the piece `target`, into every destination's buffers (rank 0 first)."""
 
     engine: Any  # MooncakeEngine
     staging: StagingArea
     dests: list[Destination]
     slot: int  # staging slot this round stages into (held by the caller)
     payload: PromptPayload
-    room: int
-    generation: int  # the destination reservation's (AttachInit.generation)
-    ids: list[int]
-    start: int
-    piece: int
+    target: PieceTarget
     t0: int
     t1: int
     chunk: int  # tokens per staged chunk
@@ -274,7 +278,7 @@ def write_round(w: WriteRound) -> int:
     failure, before the leftovers are drained, so the room ends at once. Stops submitting once the room ended. Returns
     the bytes written (all destinations); raises TransferStuck when writes from the slot
     never ended (the caller must retire it)."""
-    engine, room, t0, t1 = w.engine, w.room, w.t0, w.t1
+    engine, room, generation, t0, t1 = w.engine, w.target.room, w.target.generation, w.t0, w.t1
     first, bs = w.dests[0].layout, w.dests[0].layout.block_size
     # (per destination: (peer, started transfers)), bytes, end token, the chunk's tags
     pending: list[tuple[list[tuple[str, list]], int, int, RangeTag | None]] = []
@@ -286,12 +290,12 @@ def write_round(w: WriteRound) -> int:
                 raise TransferError(f"room {room}: ended during the write", "ABORTED", room)
             c1 = min(c0 + w.chunk, t1)
             at = c0 - t0
-            seal = w.protection.seal(room, w.generation, c0, c1)
-            plan, aux = w.staging.stage(w.slot, w.payload, room, w.generation, first, w.ids,
-                                        w.start, w.piece, c0, c1, at=at, seal=seal)
+            seal = w.protection.seal(room, generation, c0, c1)
+            plan, aux = w.staging.stage(w.slot, w.payload, w.target, first, c0, c1, at=at,
+                                        seal=seal)
             plans = [plan]
-            i0 = (c0 - w.start) // bs
-            plans += [w.staging.writes(w.slot, d.layout, w.ids, i0, c1 - c0, at)
+            i0 = (c0 - w.target.start) // bs
+            plans += [w.staging.writes(w.slot, d.layout, w.target.block_ids, i0, c1 - c0, at)
                       for d in w.dests[1:]]
             started_all: list[tuple[str, list]] = []
             try:

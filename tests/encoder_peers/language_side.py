@@ -5,10 +5,9 @@ from __future__ import annotations
 import torch
 
 from tandem.config import TransferConfig
-from tandem.transfer.allocator import BlockAllocator
 from tandem.transfer.buffers import EmbeddingBuffers
 from tandem.transfer.engine import MooncakeEngine
-from tandem.transfer.receiver import EmbeddingReceiver
+from tandem.transfer.receiver import EmbeddingReceiver, ReceiverLimits
 
 
 class LanguageSide:
@@ -26,7 +25,7 @@ class LanguageSide:
         self.engine = MooncakeEngine(cfg)
         self.buffers = EmbeddingBuffers(num_blocks, block_size, embed_dim, torch.float32)
         self.buffers.register(self.engine)
-        self.allocator = BlockAllocator(num_blocks, block_size)
         self.receiver = EmbeddingReceiver(
-            self.engine, self.buffers, self.allocator, cfg, reserve_tokens=reserve_tokens
+            self.engine, self.buffers, cfg, ReceiverLimits(reserve_tokens=reserve_tokens)
         )
+        self.allocator = self.receiver.allocator

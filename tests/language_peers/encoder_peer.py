@@ -108,10 +108,10 @@ async def main() -> None:
         honest_round = sender_module.write_round
 
         def holding(w):
-            go = released.setdefault(w.room, threading.Event())
+            go = released.setdefault(w.target.room, threading.Event())
 
             def on_chunk(end, tag, report=w.on_chunk):  # the writer thread: the rows landed
-                emit(event="held", room=w.room, sessions=[d.peer for d in w.dests],
+                emit(event="held", room=w.target.room, sessions=[d.peer for d in w.dests],
                      lengths=[d.layout.num_blocks * d.layout.embed_row_bytes for d in w.dests])
                 go.wait()
                 report(end, tag)

@@ -12,11 +12,11 @@ import grpc
 
 from tandem.config import TransferConfig
 from tandem.transfer import (
-    BlockAllocator,
     EmbeddingBuffers,
     EmbeddingReceiver,
     EmbeddingSender,
     MooncakeEngine,
+    ReceiverLimits,
     StagingArea,
 )
 from tandem.transfer.buffers import DTYPES
@@ -117,8 +117,9 @@ def make_receiver(engine, cfg, blocks=64, block_size=16, embed_dim=32, dtype="fl
     buffers = EmbeddingBuffers(blocks, block_size, embed_dim, DTYPES[dtype])
     buffers.register(engine)
     _REGISTERED.append(buffers)
-    return EmbeddingReceiver(engine, buffers, BlockAllocator(blocks, block_size), cfg,
-                             reserve_tokens=reserve, reattach_grace_s=grace, registry=registry)
+    return EmbeddingReceiver(engine, buffers, cfg,
+                             ReceiverLimits(reserve_tokens=reserve, reattach_grace_s=grace),
+                             registry=registry)
 
 
 async def start_sender(engine, cfg, slots=2, slot_tokens=256, embed_dim=32, dtype="float32",

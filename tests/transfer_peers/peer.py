@@ -42,12 +42,13 @@ from harness import Attach  # noqa: E402
 from peerlib import digest, emit, make_payload  # noqa: E402
 
 from tandem.config import TransferConfig  # noqa: E402
-from tandem.transfer import (  # noqa: E402
-    BlockAllocator,
+from tandem.transfer import (
+    # noqa: E402,
     EmbeddingBuffers,
     EmbeddingReceiver,
     EmbeddingSender,
     MooncakeEngine,
+    ReceiverLimits,
     StagingArea,
     TransferError,
 )
@@ -96,7 +97,9 @@ async def main() -> None:
 
         honest = sender_module.write_round
         sender_module.write_round = lambda w: honest(dataclasses.replace(
-            w, generation=w.generation + a.rogue_generation_delta, room=w.room ^ a.rogue_room_xor))
+            w, target=dataclasses.replace(
+                w.target, generation=w.target.generation + a.rogue_generation_delta,
+                room=w.target.room ^ a.rogue_room_xor)))
     released: dict[int, threading.Event] = {}  # --hold: room -> its `go`
     if a.hold:
         import dataclasses
@@ -106,10 +109,10 @@ async def main() -> None:
         honest_round = sender_module.write_round
 
         def holding(w):
-            go = released.setdefault(w.room, threading.Event())
+            go = released.setdefault(w.target.room, threading.Event())
 
             def on_chunk(end, tag, report=w.on_chunk):  # the writer thread: the rows landed
-                emit(event="held", room=w.room, end=end, sessions=[d.peer for d in w.dests])
+                emit(event="held", room=w.target.room, end=end, sessions=[d.peer for d in w.dests])
                 go.wait()
                 report(end, tag)
 
@@ -143,9 +146,9 @@ async def main() -> None:
     else:
         buffers = EmbeddingBuffers(a.blocks, a.block_size, a.embed_dim, dtype)
         buffers.register(engine)
-        alloc = BlockAllocator(a.blocks, a.block_size)
-        receiver = EmbeddingReceiver(engine, buffers, alloc, cfg, reserve_tokens=a.reserve,
-                                     reattach_grace_s=a.grace)
+        receiver = EmbeddingReceiver(engine, buffers, cfg, ReceiverLimits(
+            reserve_tokens=a.reserve, reattach_grace_s=a.grace))
+        alloc = receiver.allocator
         emit(event="ready", session=engine.session_id)
 
     reader = asyncio.StreamReader()
