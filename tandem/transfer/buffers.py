@@ -282,7 +282,7 @@ _MAC_SLICE = 4 << 20
 PART_EMBEDS, PART_FILL, PART_MROPE = 0, 1, 2  # cipher nonces; positions axis k uses 2 + k
 
 
-def _mem(t: torch.Tensor):
+def host_bytes(t: torch.Tensor):
     """The bytes of `t` in row-major order, as a flat uint8 array: a view of a contiguous
     CPU tensor's own memory (no copy), else a private host copy."""
     t = t.detach()
@@ -291,10 +291,10 @@ def _mem(t: torch.Tensor):
     return t.contiguous().view(torch.uint8).reshape(-1).numpy()
 
 
-def _feed(mac: Poly1305, t: torch.Tensor) -> None:
+def feed_mac(mac: Poly1305, t: torch.Tensor) -> None:
     """mac.update over t's bytes in slices: pyca's Poly1305 holds the GIL while it runs
     (~14 GB/s here), so no single hold outlasts a few hundred microseconds."""
-    mem = _mem(t)
+    mem = host_bytes(t)
     for i in range(0, len(mem), _MAC_SLICE):
         mac.update(mem[i : i + _MAC_SLICE])
 
@@ -339,13 +339,13 @@ class RangeSeal:
             aux: torch.Tensor) -> RangeTag:
         """Tags over plaintext rows: embeds [n, D], fill [n], mrope [3, n], aux [nb, 16]."""
         e = Poly1305(self.mac_embeds)
-        _feed(e, embeds)
+        feed_mac(e, embeds)
         return RangeTag(e.finalize(), self._rows_mac(fill, mrope, aux).finalize())
 
     def _rows_mac(self, fill: torch.Tensor, mrope: torch.Tensor, aux: torch.Tensor) -> Poly1305:
         m = Poly1305(self.mac_rows)
         for part in (fill, mrope[0], mrope[1], mrope[2], aux):
-            _feed(m, part)
+            feed_mac(m, part)
         return m
 
     def verify(self, tag: RangeTag, embeds: torch.Tensor, fill: torch.Tensor | None = None,
@@ -355,7 +355,7 @@ class RangeSeal:
         `fill` is None: a rank > 0). Constant-time comparisons."""
         what = f"{where}tokens [{self.start}, {self.end})"
         e = Poly1305(self.mac_embeds)
-        _feed(e, embeds)
+        feed_mac(e, embeds)
         try:
             e.verify(tag.embeds)
             if fill is not None:
@@ -372,12 +372,12 @@ class RangeSeal:
         so plaintext never lands in it."""
         if dst.device.type != "cpu" or not dst.is_contiguous():
             raise ValueError("encrypt_into writes a contiguous CPU tensor")
-        self._cipher(part).update_into(_mem(src), _mem(dst))
+        self._cipher(part).update_into(host_bytes(src), host_bytes(dst))
 
     def decrypt_(self, part: int, t: torch.Tensor) -> None:
         """Decrypt `t` in place (a contiguous private tensor)."""
         if t.device.type == "cpu" and t.is_contiguous():
-            buf = _mem(t)
+            buf = host_bytes(t)
             self._cipher(part).update_into(buf, buf)
         else:  # NOTE: e.g. CUDA rows: through a host copy
             host = t.cpu().contiguous()

@@ -1,0 +1,181 @@
+"""KV pages between two caches through Mooncake (tandem/transfer/kv.py), in this process's
+one engine writing to itself over loopback TCP: page-major staging (one descriptor per run
+of slots, whatever the layer count), exact pages on arrival, a keyed tag checked in
+private memory before a page is used, ciphertext on the wire under `encrypt`, and caches
+that no Mooncake peer can write."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transfer_peers.harness import make_engine
+
+from tandem.services.language.runner.kv_cache import KVCache
+from tandem.transfer.buffers import RowProtection
+from tandem.transfer.errors import TransferError
+from tandem.transfer.kv import (
+    KVKeys,
+    KVPageLayout,
+    KVStaging,
+    pack,
+    runs,
+    send_pages,
+    unpack_into,
+)
+
+LAYERS, PAGE, HEADS, DIM, PAGES = 6, 4, 2, 8, 16
+
+
+def cache(seed: int | None = None, dtype=torch.float32) -> KVCache:
+    c = KVCache(LAYERS, PAGES, PAGE, HEADS, DIM, dtype, "cpu")
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        for t in c.k + c.v:
+            t.copy_(torch.randn(t.shape, generator=g).to(dtype))
+    return c
+
+
+def same_pages(a: KVCache, pa: list[int], b: KVCache, pb: list[int]) -> bool:
+    return all(torch.equal(x[pa], y[pb]) for x, y in zip(a.k + a.v, b.k + b.v, strict=True))
+
+
+@pytest.fixture
+def wire():
+    """This process's engine, a registered outbox (prefill side) and inbox (decode side)."""
+    engine, _cfg = make_engine()
+    layout = KVPageLayout(LAYERS, PAGE, HEADS, DIM, torch.float32)
+    outbox, inbox = KVStaging(layout, 8), KVStaging(layout, 8)
+    outbox.register(engine)
+    inbox.register(engine)
+    yield engine, outbox, inbox
+    engine.unregister(outbox.rows)
+    engine.unregister(inbox.rows)
+
+
+def test_pack_then_unpack_moves_pages_exactly_between_caches():
+    src, dst = cache(1), cache()
+    unpack_into(dst, [5, 0, 11], pack(src, [2, 9, 3]))
+    assert same_pages(src, [2, 9, 3], dst, [5, 0, 11])
+    assert not dst.k[0][[1, 2, 3]].any()  # nothing else written
+
+
+def test_one_descriptor_per_run_of_slots_whatever_the_layer_count():
+    bs = KVPageLayout(LAYERS, PAGE, HEADS, DIM, torch.float32).page_bytes
+    srcs, dsts, lens = runs(1000, [0, 1, 2, 3], 5000, [4, 5, 6, 7], bs)
+    assert (srcs, dsts, lens) == ([1000], [5000 + 4 * bs], [4 * bs])
+    srcs, dsts, lens = runs(1000, [0, 1, 2, 3], 5000, [4, 5, 9, 10], bs)
+    assert len(srcs) == 2 and lens == [2 * bs, 2 * bs]
+    # a direct write into a per-layer cache would cost 2 x layers descriptors per run
+    assert 2 * LAYERS > len(srcs)
+
+
+@pytest.mark.parametrize("mode", ["none", "mac", "encrypt"])
+def test_pages_arrive_exact_and_verified(wire, mode):
+    engine, outbox, inbox = wire
+    src, dst = cache(2), cache()
+    pages_src, pages_dst = [3, 8, 1, 14, 6], [0, 1, 2, 3, 4]
+    secret = RowProtection.new(mode)  # the decode side's, sent over the control stream
+    slots = inbox.reserve(len(pages_src), "room-7")
+    assert slots == [0, 1, 2, 3, 4]  # lowest free run: one descriptor
+    rows = pack(src, pages_src)
+    sent = send_pages(engine, engine.session_id, rows,
+                      KVKeys.derive(secret, 7, 1, len(pages_src)), outbox, inbox.base, slots)
+    assert sent.descriptors == 1 and sent.bytes == len(slots) * inbox.layout.page_bytes
+    assert outbox.num_free == 8 and not outbox.rows.any()  # the outbox wiped, freed
+    on_wire = inbox.rows[slots].clone()
+    assert torch.equal(on_wire, rows) == (mode != "encrypt")  # ciphertext under encrypt
+    got = inbox.take("room-7")
+    assert inbox.num_free == 8 and not inbox.rows.any()  # taken: wiped and freed
+    keys = KVKeys.derive(secret, 7, 1, len(pages_src))
+    if keys is not None:
+        keys.open(got, sent.tag)
+    else:
+        assert sent.tag == b""
+    unpack_into(dst, pages_dst, got)
+    assert same_pages(src, pages_src, dst, pages_dst)
+
+
+@pytest.mark.parametrize("mode", ["mac", "encrypt"])
+def test_a_page_overwritten_in_staging_by_another_writer_is_data_loss(wire, mode):
+    """Another Mooncake writer (here a registered buffer of this process, through the
+    engine as any peer would) overwrites one staged page between the transfer and the
+    take: the check in private memory fails, and no page of the cache changes."""
+    engine, outbox, inbox = wire
+    src, dst = cache(3), cache()
+    secret = RowProtection.new(mode)
+    slots = inbox.reserve(3, "room-8")
+    sent = send_pages(engine, engine.session_id, pack(src, [0, 1, 2]),
+                      KVKeys.derive(secret, 8, 1, 3), outbox, inbox.base, slots)
+    rogue = torch.full(inbox.layout.slot_shape, 7.0)
+    engine.register(rogue)
+    try:
+        bs = inbox.layout.page_bytes
+        engine.write(engine.session_id, [rogue.data_ptr()], [inbox.base + slots[1] * bs], [bs])
+    finally:
+        engine.unregister(rogue)
+    got = inbox.take("room-8")
+    with pytest.raises(TransferError) as e:
+        KVKeys.derive(secret, 8, 1, 3).open(got, sent.tag)
+    assert e.value.code == "DATA_LOSS"
+    assert not any(t.any() for t in dst.k + dst.v)  # nothing reached the cache
+
+
+def test_keys_differ_per_room_generation_and_page_count():
+    secret = RowProtection.new("mac")
+    keys = {KVKeys.derive(secret, r, g, n).mac for r, g, n in
+            [(1, 1, 4), (2, 1, 4), (1, 2, 4), (1, 1, 5)]}
+    assert len(keys) == 4
+    assert KVKeys.derive(RowProtection.new("none"), 1, 1, 4) is None
+
+
+def test_the_cache_itself_is_not_writable_by_a_peer(wire):
+    """Only staging is registered: a write aimed at a page of a cache is refused by
+    Mooncake (outside the registered memory), whoever sends it."""
+    engine, outbox, _inbox = wire
+    dst = cache()
+    target = dst.k[0][2]
+    assert not engine.owns(target.data_ptr(), target.numel() * target.element_size())
+    with pytest.raises(TransferError):
+        engine.write(engine.session_id, [outbox.base],
+                     [target.data_ptr()], [target.numel() * target.element_size()])
+    assert not dst.k[0].any()
+
+
+def test_a_dropped_reservation_is_wiped_and_freed_and_a_full_inbox_refuses(wire):
+    engine, outbox, inbox = wire
+    assert inbox.reserve(8, "a") is not None
+    assert inbox.reserve(1, "b") is None  # full: the caller waits or refuses
+    with pytest.raises(KeyError):
+        inbox.reserve(1, "a")  # one reservation per owner
+    inbox.rows[0].fill_(1.0)
+    inbox.drop("a")
+    assert inbox.num_free == 8 and not inbox.rows.any()
+    with pytest.raises(KeyError):
+        inbox.drop("a")  # a double free is caught where it happens
+    big = torch.zeros((9, *outbox.layout.slot_shape))
+    with pytest.raises(TransferError) as e:
+        send_pages(engine, engine.session_id, big, None, outbox, inbox.base, list(range(9)))
+    assert e.value.code == "RESOURCE_EXHAUSTED" and outbox.num_free == 8
+
+
+def test_slots_come_as_the_lowest_run_that_fits_else_the_lowest_free():
+    s = KVStaging(KVPageLayout(LAYERS, PAGE, HEADS, DIM, torch.float32), 8)
+    assert s.reserve(2, "a") == [0, 1] and s.reserve(3, "b") == [2, 3, 4]
+    s.drop("a")
+    assert s.reserve(3, "c") == [5, 6, 7]  # [0, 1] is too short: the run after b
+    assert s.reserve(2, "d") == [0, 1]
+    s.drop("b")
+    s.drop("d")
+    s.drop("c")
+    s.reserve(1, "e")  # [0]
+    s.reserve(1, "f")  # [1]
+    s.drop("e")
+    assert s.reserve(7, "g") == [0, 2, 3, 4, 5, 6, 7]  # no run of 7: fragmented, 2 runs
+
+
+def test_layouts_must_agree():
+    a = KVPageLayout.of_cache(cache())
+    assert a == KVPageLayout(LAYERS, PAGE, HEADS, DIM, torch.float32)
+    with pytest.raises(TransferError) as e:
+        a.check(KVPageLayout(LAYERS, PAGE, HEADS, DIM, torch.bfloat16))
+    assert e.value.code == "FAILED_PRECONDITION"
