@@ -124,33 +124,28 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         try:
             return await self._encode(request, span)
         except ChatError as e:
-            code = e.code
+            code = self._end_unsent(request.room, e.code)
             await abort(context, e.grpc_code, e.detail, field=e.field or "")
         except TimeoutError:
-            code = "DEADLINE_EXCEEDED"
+            code = self._end_unsent(request.room, "DEADLINE_EXCEEDED")
             stage = self.states.get(request.room, EncodeState.PREPROCESSING).value
             await context.abort(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"room {request.room}: deadline passed while {stage}",
             )
         except TransferError as e:
-            code = e.code
+            code = self._end_unsent(request.room, e.code)
             # a split prompt's silent helper is named, so the router's retry avoids it
             await abort(context, _status(e.code), f"transfer: {e.reason}", culprit=e.culprit)
         except asyncio.CancelledError:
-            code = "CANCELLED"
+            code = self._end_unsent(request.room, "CANCELLED")
             raise
         except Exception as e:  # a bug must not take the server down; it is reported
             log.exception("room %d: encode failed", request.room)
-            code = "INTERNAL"
+            code = self._end_unsent(request.room, "INTERNAL")
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {e!r}")
         finally:
             state = self.states.pop(request.room, None)
-            if code != "OK" and state is not EncodeState.SENDING:
-                # failed before its payload was handed to the transfer (bad input, its
-                # deadline or cancellation, a bug): the request's failure, its room ends
-                # with it. A failure while SENDING is the transfer's, counted by it.
-                self.sender.abandon(request.room, f"request failed: {code}")
             rid = request.request_id or "-"  # NOTE: one line per request, greppable by its id
             if code != "OK":
                 log.info("%s room %d: %s while %s", rid, request.room, code,
@@ -165,6 +160,17 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             self._gauge()
             if self.metrics:
                 self.metrics.requests.labels(code).inc()
+
+    def _end_unsent(self, room: int, code: str) -> str:
+        """A failure before the payload was handed to the transfer (bad input, its deadline
+        or cancellation, a bug) is the request's: its room ends with it (CANCELLED, reason
+        "request"). NOTE: before the caller hears of the failure, which makes the router
+        cancel the language side: that side's hang-up must find the room already ended,
+        or it is counted a transfer fault. A failure while SENDING is the transfer's,
+        counted by it. Returns `code`."""
+        if self.states.get(room) is not EncodeState.SENDING:
+            self.sender.abandon(room, f"request failed: {code}")
+        return code
 
     async def _encode(self, request, span: tracing.Span) -> encoder_pb2.EncodeResponse:
         now = time.time()
