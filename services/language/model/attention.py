@@ -63,7 +63,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch._dynamo
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
@@ -398,8 +397,18 @@ def paged_attention(
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
+def _dynamo():
+    """torch._dynamo, imported on the flex path's first use: importing it costs ~1.3 s of
+    CPU, which every language process (and tensor-parallel rank) paid at start-up when
+    it was imported with this module, though only the flex path compiles."""
+    import torch._dynamo as dynamo
+
+    return dynamo
+
+
 def _flex_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """The flex path: every row and chunk reads its pages where they lie."""
+    dynamo = _dynamo()
     pages, page_size, kv_heads, head_dim = k_cache.shape
     slots = pages * page_size
     # [pages, page_size, Hkv, D] -> [1, Hkv, slots, D]: a view, the pages are not moved.
@@ -408,7 +417,7 @@ def _flex_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) 
     # NOTE: heads, head size and the cache are fixed for a runner's life: compiled as
     # constants, never as dynamic sizes (only rows, widths and chunk lengths vary).
     for t in (k_cache, v_cache, keys, values):
-        torch._dynamo.mark_static(t)
+        dynamo.mark_static(t)
     gqa = q.shape[1] != kv_heads
     options = _flex_kernel_options(q.device, page_size)
     geometry = (q.device.type, q.dtype, pages, page_size, q.shape[1], kv_heads, head_dim)
@@ -416,12 +425,12 @@ def _flex_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) 
     ns = meta.num_single
     if ns:
         qr = q[:ns].unsqueeze(2)  # [B, H, 1, D]
-        torch._dynamo.mark_static(qr, [1, 2, 3])
+        dynamo.mark_static(qr, [1, 2, 3])
         out = _compiled_flex("rows", geometry)(qr, keys, values, meta.flex.single, scale, gqa, options)
         parts.append(out.squeeze(2))  # [B, H, 1, D] -> [B, H, D]
     for c, mask in zip(meta.prefill, meta.flex.chunks, strict=True):
         qc = q[c.q_start : c.q_start + c.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        torch._dynamo.mark_static(qc, [0, 1, 3])
+        dynamo.mark_static(qc, [0, 1, 3])
         out = _compiled_flex("chunk", geometry)(qc, keys, values, mask, scale, gqa, options)
         parts.append(out[0].transpose(0, 1))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
@@ -462,7 +471,7 @@ def _compiled_flex(kind: str, geometry: tuple) -> Callable:
         compiled = torch.compile(types.FunctionType(code, _flex.__globals__), fullgraph=True)
 
         def fn(*args, compiled=compiled):
-            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            with _dynamo().config.patch(fail_on_recompile_limit_hit=True):
                 return compiled(*args)
 
         _compiled[key] = fn
