@@ -13,6 +13,7 @@ Nothing here starts a process; `up.py` and `ray_up.py` run what this plans.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import random
 import shlex
@@ -344,12 +345,27 @@ def router_child(
 
 
 def _cpu_only() -> bool:
-    try:
-        import torch
-
-        return not torch.cuda.is_available()
-    except ImportError:
+    """No GPU for the language tier here. A CPU build of torch says so in its
+    torch/version.py (no CUDA, no HIP), read without importing torch: the import costs
+    ~2 s of CPU before the launcher starts any instance. Only a GPU build is imported and
+    asked whether a device is there."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
         return True
+    probe = importlib.util.spec_from_file_location(
+        "_tandem_torch_version", Path(spec.origin).parent / "version.py")
+    if probe is not None and probe.loader is not None:
+        build = importlib.util.module_from_spec(probe)
+        try:
+            probe.loader.exec_module(build)
+        except OSError:
+            build = None
+        if build is not None and getattr(build, "cuda", "") is None and getattr(
+                build, "hip", "") is None:
+            return True
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 def internal_pki(args: argparse.Namespace) -> PKIPaths | None:
