@@ -5,6 +5,8 @@ processes (a child that ignores SIGTERM and has a grandchild is killed with its 
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -12,9 +14,10 @@ import threading
 
 import psutil
 import pytest
+from waiting import wait_until
 
 from tandem.launch.plan import parse_args, plan, transfer_ranges
-from tandem.launch.procs import Child, stop_all, wait_ready
+from tandem.launch.procs import Child, ChildLaunch, stop_all, wait_ready
 from tandem.pki import make_pki
 
 
@@ -204,9 +207,28 @@ def test_encoders_run_at_a_lower_priority_than_the_other_tiers():
     child = Child("c", [sys.executable, "-c", "import time; time.sleep(30)"], "", nice=7)
     child.start(None)
     try:
-        assert psutil.Process(child.proc.pid).nice() == min(base + 7, 19)
+        proc = psutil.Process(child.proc.pid)
+        # the pid execs setpriv, then nice, then the command (ChildLaunch): read it there
+        wait_until(lambda: proc.cmdline()[:1] == [sys.executable], timeout_s=30,
+                   what="the exec of the command", state=proc.cmdline)
+        assert proc.nice() == min(base + 7, 19)
     finally:
         child.kill_group()
+
+
+def test_children_are_started_with_no_python_between_fork_and_exec():
+    """Where util-linux's setpriv exists (Debian's images: always), the death signal and
+    niceness are set by programs exec'd in front of the command, so subprocess runs no
+    Python hook in the forked child (a child forked from a process with gRPC's threads
+    aborted in such a hook once); elsewhere the hook does it."""
+    launch = ChildLaunch.of(["prog", "arg"], death=signal.SIGKILL, nice=3)
+    if shutil.which("setpriv") is None:
+        assert launch.argv == ["prog", "arg"] and launch.preexec is not None
+        return
+    assert launch.preexec is None
+    assert launch.argv[1:3] == ["--pdeathsig=KILL", "--"] and launch.argv[-2:] == ["prog", "arg"]
+    assert launch.argv[4:6] == ["-n", "3"]
+    assert ChildLaunch.of(["prog"]).argv[1:] == ["--pdeathsig=TERM", "--", "prog"]
 
 
 def test_up_help_names_the_ray_launcher():

@@ -15,12 +15,14 @@ import functools
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 _PRINT = threading.Lock()
@@ -161,31 +163,52 @@ def free_block(host: str, width: int, within: PortRange) -> PortRange:
     raise PortsExhausted(f"no {width} consecutive free ports left in {within}")
 
 
-# NOTE: libc is loaded here, in the parent: the hook below runs between fork and exec while
-# log-forwarding threads exist, so it must not import, dlopen or take locks.
+# A child started here dies with the process that started it (PR_SET_PDEATHSIG) and may
+# run at a lower priority. NOTE: both are set by programs exec'd in front of the command
+# (util-linux's `setpriv --pdeathsig`, coreutils' `nice`), not by Python code run between
+# fork and exec (`preexec_fn`): the launcher probes over gRPC (so does the test suite), and
+# a child forked from a process with gRPC's threads aborted (SIGABRT, gRPC's poller:
+# epoll_wait EBADF) before its exec, once in CI. Without `preexec_fn` subprocess forks
+# with vfork and runs no Python in the child. Where setpriv is missing, the hook below
+# does it (libc is loaded here, in the parent: the hook runs between fork and exec while
+# log-forwarding threads exist, so it must not import, dlopen or take locks).
+_SETPRIV = shutil.which("setpriv")
+_NICE = shutil.which("nice")
 try:
     _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 except (OSError, AttributeError):
     _PRCTL = None
 _PR_SET_PDEATHSIG = 1
-_SIGTERM = int(signal.SIGTERM)
 
 
-def _die_with_parent(sig: int = _SIGTERM) -> None:  # runs in the child between fork and exec
+def _die_with_parent(sig: int) -> None:  # runs in the child between fork and exec
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, sig)
 
 
-def _child_setup(nice: int):
-    """The hook run in the child between fork and exec: die with the parent, then lower
-    the child's scheduling priority by `nice` (inherited by every thread it starts)."""
+@dataclass(frozen=True)
+class ChildLaunch:
+    """How to start `argv` as a child that dies with its parent (by signal `death`) at
+    niceness `nice`: the argv to exec and the hook to run before it (None: none)."""
 
-    def setup() -> None:
-        _die_with_parent()
-        if nice:
-            os.nice(nice)
+    argv: list[str]
+    preexec: Callable[[], None] | None = None
 
-    return setup
+    @classmethod
+    def of(cls, argv: list[str], death: signal.Signals = signal.SIGTERM,
+           nice: int = 0) -> ChildLaunch:
+        if _SETPRIV is not None and (_NICE is not None or not nice):
+            front = [_SETPRIV, f"--pdeathsig={death.name.removeprefix('SIG')}", "--"]
+            if nice:
+                front += [_NICE, "-n", str(nice)]
+            return cls(front + list(argv))
+
+        def setup() -> None:
+            _die_with_parent(int(death))
+            if nice:
+                os.nice(nice)
+
+        return cls(list(argv), setup)
 
 
 # Mooncake's transfer engine logs through glog, straight to the tier's stderr: a line like
@@ -251,9 +274,10 @@ def filtered(argv: list[str], log_level: str, log_format: str) -> int:
     stop signal; if this process is killed outright, the child is SIGKILLed with it
     (PR_SET_PDEATHSIG), as a pod's whole container would be. The child's stdout is this
     process's own."""
-    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, env={**os.environ, FILTERED_ENV: "1"},
-                            start_new_session=True,
-                            preexec_fn=functools.partial(_die_with_parent, int(signal.SIGKILL)))
+    launch = ChildLaunch.of(argv, death=signal.SIGKILL)
+    proc = subprocess.Popen(launch.argv, stderr=subprocess.PIPE,
+                            env={**os.environ, FILTERED_ENV: "1"},
+                            start_new_session=True, preexec_fn=launch.preexec)
     for sig in _FORWARDED:
         signal.signal(sig, lambda s, _frame: proc.send_signal(s))
     import logging
@@ -296,15 +320,16 @@ class Child:
 
     def start(self, env: dict[str, str]) -> None:
         self.started_at = time.monotonic()
+        launch = ChildLaunch.of(self.argv, nice=self.nice)
         self.proc = subprocess.Popen(
-            self.argv,
+            launch.argv,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             # its output is filtered here (_forward): the tier need not filter it again
             env={**(os.environ if env is None else env), **self.env_extra, FILTERED_ENV: "1"},
             start_new_session=True,
-            preexec_fn=_child_setup(self.nice),
+            preexec_fn=launch.preexec,
         )
         self._pump = threading.Thread(target=self._forward, name=f"log-{self.name}", daemon=True)
         self._pump.start()

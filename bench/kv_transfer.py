@@ -1,0 +1,182 @@
+"""KV pages between two language-instance processes over Mooncake TCP (tandem/transfer/kv.py)
+against a raw Mooncake write of the same bytes (issue 39's transfer benchmark).
+
+This process is the prefill side (its KV cache, a registered outbox); a child process
+started from this file (`--role decode`) is the decode side (a registered inbox and its
+own cache). A 7B-class KV shape (Qwen2.5-VL-7B: 28 layers, 4 KV heads of 128, bfloat16,
+pages of 16 tokens: 56 KiB per token), prompts of 4K and 16K tokens, protection `mac`
+(the default) and `none`. Per transfer, the time of each step:
+
+    prefill   pack (cache -> private page-major rows), tag (Poly1305), stage (-> outbox),
+              write (Mooncake, one descriptor per run of slots)
+    decode    take (inbox -> private copy, wipe), open (verify), unpack (-> cache pages)
+
+and the raw write: the same bytes from one registered buffer into the child's registered
+memory in one descriptor. Medians of --runs, raw and KV alternating. Writes
+bench/results/kv-transfer.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tandem.config import TransferConfig
+
+LAYERS, HEADS, DIM, PAGE, DTYPE = 28, 4, 128, 16, torch.bfloat16
+OUT = Path(__file__).resolve().parent / "results" / "kv-transfer.md"
+
+
+def _cpu() -> str:
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def decode_side(conn, pages: int, ports: tuple[int, int]) -> None:
+    from tandem.services.language.runner.kv_cache import KVCache
+    from tandem.transfer.buffers import RowProtection
+    from tandem.transfer.engine import MooncakeEngine
+    from tandem.transfer.kv import KVKeys, KVPageLayout, KVStaging, unpack_into
+
+    torch.set_num_threads(1)
+    engine = MooncakeEngine(TransferConfig(min_port=ports[0], max_port=ports[1]))
+    cache = KVCache(LAYERS, pages, PAGE, HEADS, DIM, DTYPE, "cpu")
+    inbox = KVStaging(KVPageLayout.of_cache(cache), pages)
+    inbox.register(engine)
+    conn.send((engine.session_id, inbox.base))
+    while (msg := conn.recv()) is not None:
+        n, mode, key, room = msg
+        if mode == "raw":  # the raw write landed; nothing to do but free the slots
+            conn.send({})
+            continue
+        slots = inbox.reserve(n, room)
+        assert slots == list(range(n)), slots
+        conn.send(slots)
+        tag = conn.recv()  # the write is done, and its tag (the control stream's message)
+        t = {}
+        t0 = time.perf_counter()
+        rows = inbox.take(room)
+        t["take"] = time.perf_counter() - t0
+        keys = KVKeys.derive(RowProtection(mode, key), room, 1, n)
+        t0 = time.perf_counter()
+        if keys is not None:
+            keys.open(rows, tag)
+        t["open"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        unpack_into(cache, list(range(n)), rows)
+        t["unpack"] = time.perf_counter() - t0
+        conn.send(t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="4096,16384")
+    ap.add_argument("--modes", default="mac,none")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=OUT)
+    a = ap.parse_args()
+    from tandem.services.language.runner.kv_cache import KVCache
+    from tandem.transfer.buffers import RowProtection
+    from tandem.transfer.engine import MooncakeEngine
+    from tandem.transfer.kv import KVKeys, KVPageLayout, KVStaging, pack, send_pages
+
+    torch.set_num_threads(1)
+    sizes = [int(x) for x in a.tokens.split(",")]
+    pages = max(sizes) // PAGE
+    engine = MooncakeEngine(TransferConfig(min_port=16600, max_port=16699))
+    parent, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=decode_side, args=(child, pages, (16700, 16799)))
+    proc.start()
+    peer, inbox_base = parent.recv()
+    cache = KVCache(LAYERS, pages, PAGE, HEADS, DIM, DTYPE, "cpu")
+    for t in cache.k + cache.v:
+        t.normal_()
+    layout = KVPageLayout.of_cache(cache)
+    outbox = KVStaging(layout, pages)
+    outbox.register(engine)
+    rows_out: list[dict] = []
+    room = 0
+    for tokens in sizes:
+        n = tokens // PAGE
+        nbytes = n * layout.page_bytes
+        for mode in a.modes.split(","):
+            raw_s, kv_runs = [], []
+            for run in range(a.runs):
+                for kind in (("raw", "kv") if run % 2 == 0 else ("kv", "raw")):
+                    room += 1
+                    if kind == "raw":
+                        parent.send((n, "raw", b"", room))
+                        t0 = time.perf_counter()
+                        engine.write(peer, [outbox.base], [inbox_base], [nbytes])
+                        raw_s.append(time.perf_counter() - t0)
+                        parent.recv()
+                        continue
+                    secret = RowProtection.new(mode)
+                    parent.send((n, mode, secret.key, room))
+                    slots = parent.recv()
+                    t = {}
+                    t0 = time.perf_counter()
+                    rows = pack(cache, list(range(n)))
+                    t["pack"] = time.perf_counter() - t0
+                    keys = KVKeys.derive(secret, room, 1, n)
+                    t0 = time.perf_counter()
+                    sent = send_pages(engine, peer, rows, keys, outbox, inbox_base, slots)
+                    t["tag+stage+write"] = time.perf_counter() - t0
+                    parent.send(sent.tag)  # what the prefill side's Done carries
+                    t.update(parent.recv())
+                    t["descriptors"] = sent.descriptors
+                    kv_runs.append(t)
+            med = {k: statistics.median(r[k] for r in kv_runs) for k in kv_runs[0]}
+            total = sum(v for k, v in med.items() if k != "descriptors")
+            raw = statistics.median(raw_s)
+            rows_out.append({"tokens": tokens, "mode": mode, "mib": nbytes / 2**20, "raw": raw,
+                             "med": med, "total": total})
+            print(f"[kv] {tokens} tokens {mode}: raw {raw * 1e3:.0f} ms "
+                  f"({nbytes / raw / 1e9:.2f} GB/s), KV path {total * 1e3:.0f} ms "
+                  f"({raw / total:.2f}x raw), " + ", ".join(
+                      f"{k} {v * 1e3:.0f} ms" if k != "descriptors" else f"{k} {v:.0f}"
+                      for k, v in med.items()), flush=True)
+    parent.send(None)
+    proc.join(30)
+    write_table(a, rows_out)
+
+
+def write_table(a, rows_out: list[dict]) -> None:
+    lines = [
+        "# KV pages between two processes over Mooncake TCP (`bench/kv_transfer.py`)", "",
+        f"Host: {_cpu()}, {os.cpu_count()} CPUs (shared), torch {torch.__version__}, one "
+        f"torch thread per process. KV shape of a 7B-class model ({LAYERS} layers, {HEADS} "
+        f"KV heads of {DIM}, bfloat16, pages of {PAGE} tokens); medians of {a.runs} runs, "
+        "raw and KV alternating. Raw: one Mooncake write of the same bytes between two "
+        "registered buffers (one descriptor). KV path: every step from the prefill "
+        "instance's cache to the decode instance's cache pages.", "",
+        "| tokens | protect | MiB | raw ms | raw GB/s | KV path ms | KV / raw throughput "
+        "| descriptors | pack | tag+stage+write | take | open | unpack |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows_out:
+        m = r["med"]
+        lines.append(
+            f"| {r['tokens']} | {r['mode']} | {r['mib']:.0f} | {r['raw'] * 1e3:.0f} | "
+            f"{r['mib'] * 2**20 / r['raw'] / 1e9:.2f} | {r['total'] * 1e3:.0f} | "
+            f"{r['raw'] / r['total']:.2f}x | {m['descriptors']:.0f} | "
+            + " | ".join(f"{m[k] * 1e3:.0f}" for k in
+                         ("pack", "tag+stage+write", "take", "open", "unpack")) + " |")
+    lines += ["", "Regenerate: `.venv/bin/python bench/kv_transfer.py` (`--help`)."]
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
