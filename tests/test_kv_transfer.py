@@ -54,7 +54,8 @@ def wire():
 
 def test_pack_then_unpack_moves_pages_exactly_between_caches():
     src, dst = cache(1), cache()
-    unpack_into(dst, [5, 0, 11], pack(src, [2, 9, 3]))
+    scratch = torch.empty((4, *KVPageLayout.of_cache(src).slot_shape))
+    unpack_into(dst, [5, 0, 11], pack(src, [2, 9, 3], scratch))
     assert same_pages(src, [2, 9, 3], dst, [5, 0, 11])
     assert not dst.k[0][[1, 2, 3]].any()  # nothing else written
 
@@ -77,21 +78,21 @@ def test_pages_arrive_exact_and_verified(wire, mode):
     secret = RowProtection.new(mode)  # the decode side's, sent over the control stream
     slots = inbox.reserve(len(pages_src), "room-7")
     assert slots == [0, 1, 2, 3, 4]  # lowest free run: one descriptor
-    rows = pack(src, pages_src)
-    sent = send_pages(engine, engine.session_id, rows,
-                      KVKeys.derive(secret, 7, 1, len(pages_src)), outbox, inbox.base, slots)
-    assert sent.descriptors == 1 and sent.bytes == len(slots) * inbox.layout.page_bytes
+    rows = pack(src, pages_src, torch.empty((5, *inbox.layout.slot_shape)))
+    sent = send_pages(engine, engine.session_id, src, pages_src,
+                      KVKeys.derive(secret, 7, 1, len(pages_src)), outbox, inbox.base, slots,
+                      chunk_pages=2)  # 3 chunks, pipelined: one descriptor each
+    assert sent.descriptors == 3 and sent.bytes == len(slots) * inbox.layout.page_bytes
     assert outbox.num_free == 8 and not outbox.rows.any()  # the outbox wiped, freed
     on_wire = inbox.rows[slots].clone()
     assert torch.equal(on_wire, rows) == (mode != "encrypt")  # ciphertext under encrypt
-    got = inbox.take("room-7")
-    assert inbox.num_free == 8 and not inbox.rows.any()  # taken: wiped and freed
+    inbox.land("room-7", dst, pages_dst)
+    assert inbox.num_free == 8 and not inbox.rows.any()  # landed: wiped and freed
     keys = KVKeys.derive(secret, 7, 1, len(pages_src))
     if keys is not None:
-        keys.open(got, sent.tag)
+        keys.open_pages(dst, pages_dst, sent.tag)  # decrypts in place under encrypt
     else:
         assert sent.tag == b""
-    unpack_into(dst, pages_dst, got)
     assert same_pages(src, pages_src, dst, pages_dst)
 
 
@@ -99,12 +100,12 @@ def test_pages_arrive_exact_and_verified(wire, mode):
 def test_a_page_overwritten_in_staging_by_another_writer_is_data_loss(wire, mode):
     """Another Mooncake writer (here a registered buffer of this process, through the
     engine as any peer would) overwrites one staged page between the transfer and the
-    take: the check in private memory fails, and no page of the cache changes."""
+    landing: the check of the landed pages fails (the caller then frees them unread)."""
     engine, outbox, inbox = wire
     src, dst = cache(3), cache()
     secret = RowProtection.new(mode)
     slots = inbox.reserve(3, "room-8")
-    sent = send_pages(engine, engine.session_id, pack(src, [0, 1, 2]),
+    sent = send_pages(engine, engine.session_id, src, [0, 1, 2],
                       KVKeys.derive(secret, 8, 1, 3), outbox, inbox.base, slots)
     rogue = torch.full(inbox.layout.slot_shape, 7.0)
     engine.register(rogue)
@@ -113,11 +114,44 @@ def test_a_page_overwritten_in_staging_by_another_writer_is_data_loss(wire, mode
         engine.write(engine.session_id, [rogue.data_ptr()], [inbox.base + slots[1] * bs], [bs])
     finally:
         engine.unregister(rogue)
-    got = inbox.take("room-8")
+    inbox.land("room-8", dst, [4, 5, 6])
     with pytest.raises(TransferError) as e:
-        KVKeys.derive(secret, 8, 1, 3).open(got, sent.tag)
+        KVKeys.derive(secret, 8, 1, 3).open_pages(dst, [4, 5, 6], sent.tag)
     assert e.value.code == "DATA_LOSS"
-    assert not any(t.any() for t in dst.k + dst.v)  # nothing reached the cache
+    assert inbox.num_free == 8 and not inbox.rows.any()
+
+
+def test_a_write_refused_midway_frees_the_outbox_and_the_error_names_the_peer(wire):
+    """The second chunk's destination lies outside the peer's registered memory: the
+    transfer fails (UNAVAILABLE), its leftovers are drained and the outbox freed."""
+    engine, outbox, inbox = wire
+    with pytest.raises(TransferError) as e:
+        send_pages(engine, engine.session_id, cache(4), [0, 1, 2, 3], None, outbox,
+                   inbox.base, [0, 1, 1 << 30, (1 << 30) + 1], chunk_pages=2)
+    assert e.value.code == "UNAVAILABLE" and outbox.num_free == 8 and not outbox.rows.any()
+
+
+def test_a_change_in_any_page_or_a_wrong_tag_fails_the_check(wire):
+    """Every byte of every layer of every page is covered, in order: one flipped value in
+    the last layer's V of the middle page, or pages checked in another order, fails."""
+    engine, outbox, inbox = wire
+    src = cache(5)
+    secret = RowProtection.new("mac")
+    for change in ("value", "order", "tag"):
+        dst = cache()
+        inbox.reserve(3, change)
+        sent = send_pages(engine, engine.session_id, src, [0, 1, 2],
+                          KVKeys.derive(secret, 9, 1, 3), outbox, inbox.base, [0, 1, 2])
+        inbox.land(change, dst, [0, 1, 2])
+        pages, tag = [0, 1, 2], sent.tag
+        if change == "value":
+            dst.v[-1][1, -1, -1, -1] += 1.0
+        elif change == "order":
+            pages = [1, 0, 2]
+        else:
+            tag = bytes(16)
+        with pytest.raises(TransferError):
+            KVKeys.derive(secret, 9, 1, 3).open_pages(dst, pages, tag)
 
 
 def test_keys_differ_per_room_generation_and_page_count():
@@ -152,9 +186,10 @@ def test_a_dropped_reservation_is_wiped_and_freed_and_a_full_inbox_refuses(wire)
     assert inbox.num_free == 8 and not inbox.rows.any()
     with pytest.raises(KeyError):
         inbox.drop("a")  # a double free is caught where it happens
-    big = torch.zeros((9, *outbox.layout.slot_shape))
+    big = KVCache(LAYERS, 9, PAGE, HEADS, DIM, torch.float32, "cpu")
     with pytest.raises(TransferError) as e:
-        send_pages(engine, engine.session_id, big, None, outbox, inbox.base, list(range(9)))
+        send_pages(engine, engine.session_id, big, list(range(9)), None, outbox, inbox.base,
+                   list(range(9)))
     assert e.value.code == "RESOURCE_EXHAUSTED" and outbox.num_free == 8
 
 

@@ -12,30 +12,34 @@ travel through staging areas laid out *page-major*:
                                                              K of layer 1, ... (one page)
 
 A run of consecutive slots is one contiguous region, so a transfer costs one descriptor
-per run of slots whatever the layer count (`KVStaging.reserve` hands out the lowest free
-run it can, so a request's slots are usually one run: one descriptor).
+per run of slots within a chunk (`CHUNK_PAGES`), whatever the layer count;
+`KVStaging.reserve` hands out the lowest free run that fits, so a request's slots are
+usually one run.
 
-The sender (the prefill instance):
-    rows = pack(cache, pages)                 # private copy, page-major
-    keys = KVKeys.derive(secret, room, generation, n)  # None without protection
-    tag = keys.tag(rows)                      # over the private plaintext, never staging
-    keys.encrypt_into(rows, out) / out.copy_(rows)   # into its registered send staging
-    engine.write(peer, *runs(...))            # one descriptor per run of slots
+The sender (the prefill instance), `send_pages`, per chunk of pages while the previous
+chunk is on the wire: pack into private memory, feed the tag (Poly1305, one over the whole
+transfer in page order), stage into its registered outbox (encrypted under `encrypt`:
+one ChaCha20 stream per transfer), write (one descriptor per run of slots). Unprotected
+(`none`), a chunk is packed straight into the outbox.
 
-The receiver (the decode instance), which made `secret` and handed it to the sender over
+The receiver (the decode instance), which made the secret and handed it to the sender over
 the authenticated stream (as the embedding rooms do: AttachInit.protection_key):
-    rows = staging.take(owner)                # private copy of its slots; slots wiped, freed
-    keys.open(rows, tag)                      # decrypt, then verify: DATA_LOSS on any change
-    unpack_into(cache, pages, rows)           # only verified rows reach the cache
+    inbox.land(room, cache, pages)            # slots -> its reserved pages; slots wiped, freed
+    keys.open_pages(cache, pages, tag)        # decrypt, verify in place: DATA_LOSS on change
 
-Invariant: a page of the cache only ever holds rows that were verified in private memory
-(`open` before `unpack_into`); a write into a staging slot after `take` reaches nothing.
+Invariant: no step reads a page landed from the wire before `open_pages` passed on it (a
+failed check frees the pages unread); the cache is never registered, so once landed a
+page is out of every Mooncake peer's reach, and a write into a staging slot after `land`
+reaches nothing. The tag is taken over the sender's private rows, so a write into either
+staging area by another process fails the check.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import struct
+import threading
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -45,7 +49,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from tandem.transfer.buffers import KEY_BYTES, TAG_BYTES, RowProtection, feed_mac, host_bytes
-from tandem.transfer.errors import TransferError
+from tandem.transfer.errors import TransferError, TransferStuck
 
 
 @dataclass(frozen=True)
@@ -79,16 +83,27 @@ class KVPageLayout:
                                 "FAILED_PRECONDITION")
 
 
-def pack(cache, pages: list[int]) -> torch.Tensor:
-    """A private, page-major copy of `pages` of `cache`: [len(pages), 2 * layers, ...]."""
-    layout = KVPageLayout.of_cache(cache)
+def pack(cache, pages: list[int], out: torch.Tensor) -> torch.Tensor:
+    """Copy `pages` of `cache` page-major into `out` ([>= len(pages), 2 * layers, ...],
+    private memory; reused by the caller: first-touching fresh memory cost ~5x the copy
+    itself here); returns the filled part."""
     idx = torch.tensor(pages, dtype=torch.long, device=cache.k[0].device)
-    out = torch.empty((len(pages), *layout.slot_shape), dtype=layout.dtype,
-                      device=cache.k[0].device)
-    for layer in range(layout.layers):
+    out = out[: len(pages)]
+    for layer in range(len(cache.k)):
         torch.index_select(cache.k[layer], 0, idx, out=out[:, 2 * layer])
         torch.index_select(cache.v[layer], 0, idx, out=out[:, 2 * layer + 1])
     return out
+
+
+def page_order(cache, pages: list[int]):
+    """The bytes of `pages` of `cache` in page-major order (page, layer, K then V), as
+    numpy views of the cache's own memory: the order the wire carries and the tag covers."""
+    ks = [host_bytes(t).reshape(t.shape[0], -1) for t in cache.k]
+    vs = [host_bytes(t).reshape(t.shape[0], -1) for t in cache.v]
+    for p in pages:
+        for k, v in zip(ks, vs, strict=True):
+            yield k[p]
+            yield v[p]
 
 
 def unpack_into(cache, pages: list[int], rows: torch.Tensor) -> None:
@@ -140,6 +155,9 @@ class KVStaging:
         self.rows = torch.zeros((slots, *layout.slot_shape), dtype=layout.dtype)
         self._free = bytearray(b"\1" * slots)  # 1 where the slot is free
         self._owned: dict[Hashable, list[int]] = {}
+        # the senders' packing buffers (`scratch`), kept: one per concurrent send at most
+        self._spare: list[torch.Tensor] = []
+        self._lock = threading.Lock()
 
     @property
     def base(self) -> int:
@@ -180,16 +198,41 @@ class KVStaging:
             self._free[i] = 1
         return torch.tensor(held, dtype=torch.long)
 
-    def take(self, owner: Hashable) -> torch.Tensor:
-        """A private copy of `owner`'s slots (in slot order), which are wiped and freed."""
+    def land(self, owner: Hashable, cache, pages: list[int]) -> None:
+        """Copy `owner`'s slots (in slot order) into `pages` of `cache`, then wipe and free
+        them. NOTE: the rows are not checked yet: the caller checks them in the cache
+        (`KVKeys.open_pages`) before any step reads those pages, and frees the pages
+        when the check fails. A write into the slots after this reaches nothing."""
+        held = self.held(owner)
+        if len(held) != len(pages):
+            raise ValueError(f"{len(held)} slots held for {len(pages)} pages")
         idx = self._release(owner)
-        out = self.rows.index_select(0, idx)
-        self.rows.index_fill_(0, idx, 0)
-        return out
+        run = held == list(range(held[0], held[0] + len(held)))
+        rows = self.rows[held[0] : held[0] + len(held)] if run else self.rows.index_select(0, idx)
+        unpack_into(cache, pages, rows)
+        if run:
+            rows.zero_()
+        else:
+            self.rows.index_fill_(0, idx, 0)
 
     def drop(self, owner: Hashable) -> None:
         """Wipe and free `owner`'s slots unread (a failed or cancelled transfer)."""
         self.rows.index_fill_(0, self._release(owner), 0)
+
+    @contextlib.contextmanager
+    def scratch(self, pages: int):
+        """Private (unregistered) memory for `pages` packed pages, reused across calls."""
+        with self._lock:
+            spare = next((t for t in self._spare if t.shape[0] >= pages), None)
+            if spare is not None:
+                self._spare.remove(spare)
+        if spare is None:
+            spare = torch.empty((pages, *self.layout.slot_shape), dtype=self.layout.dtype)
+        try:
+            yield spare
+        finally:
+            with self._lock:
+                self._spare.append(spare)
 
 
 @dataclass(frozen=True)
@@ -217,26 +260,22 @@ class KVKeys:
     def _cipher(self):
         return Cipher(algorithms.ChaCha20(self.cipher, b"\0" * 16), mode=None).encryptor()
 
-    def tag(self, rows: torch.Tensor) -> bytes:
-        """Poly1305 over private plaintext rows."""
-        m = Poly1305(self.mac)
-        feed_mac(m, rows)
-        return m.finalize()
-
     def sealer(self) -> KVSealer:
         """Stages one transfer's pages in order (`KVSealer.put`): encrypted under
         `encrypt`, as one ChaCha20 stream over the pages in order (never restarted per
         page: a restarted stream would reuse the keystream), else copied."""
         return KVSealer(self._cipher() if self.cipher else None)
 
-    def open(self, rows: torch.Tensor, tag: bytes) -> None:
-        """Decrypt (when encrypted) and verify private `rows` in place; DATA_LOSS when
-        they do not carry `tag`."""
-        if self.cipher:
-            buf = host_bytes(rows)
-            self._cipher().update_into(buf, buf)
+    def open_pages(self, cache, pages: list[int], tag: bytes) -> None:
+        """Decrypt (when encrypted) and verify `pages` of `cache` in place, in the wire's
+        page order; DATA_LOSS when they do not carry `tag` (the caller then frees the
+        pages: no step has read them)."""
+        cipher = self._cipher() if self.cipher else None
         m = Poly1305(self.mac)
-        feed_mac(m, rows)
+        for part in page_order(cache, pages):
+            if cipher is not None:
+                cipher.update_into(part, part)
+            m.update(part)
         try:
             if len(tag) != TAG_BYTES:
                 raise InvalidSignature
@@ -272,29 +311,66 @@ class KVSent:
     bytes: int
 
 
-def send_pages(engine, peer: str, rows: torch.Tensor, keys: KVKeys | None,
-               outbox: KVStaging, dst_base: int, dst_slots: list[int]) -> KVSent:
-    """Write page-major private `rows` into slots `dst_slots` of the peer's staging area at
-    `dst_base`, through this side's registered `outbox` (blocking: an executor thread).
-    The tag is taken over `rows` before they are staged, so a change to the outbox by
-    another process fails the receiver's check. Raises TransferError (RESOURCE_EXHAUSTED
-    when the outbox has too few free slots: retry later)."""
-    n = rows.shape[0]
-    if n != len(dst_slots):
-        raise ValueError(f"{n} pages of rows for {len(dst_slots)} destination slots")
-    owner = object()  # NOTE: this call's own slots, freed on every path below
+# Pages per staged chunk: chunk k+1 is packed, tagged and staged while chunk k is on the
+# wire. 64 pages of a 7B-class model (16-token pages) are 56 MiB: a 16K-token prompt goes
+# as 16 descriptors, where per-layer tensors would take 56 per run of pages.
+CHUNK_PAGES = 64
+
+
+def send_pages(engine, peer: str, cache, pages: list[int], keys: KVKeys | None,
+               outbox: KVStaging, dst_base: int, dst_slots: list[int],
+               chunk_pages: int = CHUNK_PAGES) -> KVSent:
+    """Write `pages` of `cache` into slots `dst_slots` of the peer's staging area at
+    `dst_base`, through this side's registered `outbox`, in chunks of `chunk_pages`
+    pipelined with the wire (blocking: an executor thread). Each chunk is packed into
+    private memory and tagged there before it is staged (one tag over the whole
+    transfer, in page order), so a change to the outbox by another process fails the
+    receiver's check. Raises TransferError (RESOURCE_EXHAUSTED when the outbox has too few
+    free slots: retry later; TransferStuck when writes never ended: their slots stay held,
+    retired, so nothing reuses memory a transfer may still read)."""
+    n = len(pages)
+    if n != len(dst_slots) or n < 1:
+        raise ValueError(f"{n} pages for {len(dst_slots)} destination slots")
+    owner = object()  # NOTE: this call's own slots, freed on every path but a stuck one
     slots = outbox.reserve(n, owner)
     if slots is None:
         raise TransferError(f"KV outbox: {n} slots asked, {outbox.num_free} free",
                             "RESOURCE_EXHAUSTED")
+    mac = Poly1305(keys.mac) if keys is not None else None
+    sealer = keys.sealer() if keys is not None else KVSealer(None)
+    # NOTE: `in_flight` always lists what was started and is not being waited for, and a
+    # failed submit or wait puts its own leftovers in `e.pending`: the two never overlap,
+    # so the drain below polls no transfer id twice
+    in_flight: list[tuple[int, int]] = []
+    descriptors = nbytes = 0
     try:
-        tag = keys.tag(rows) if keys is not None else b""
-        sealer = keys.sealer() if keys is not None else KVSealer(None)
-        for i, s in enumerate(slots):
-            sealer.put(rows[i], outbox.rows[s])
-        srcs, dsts, lens = runs(outbox.base, slots, dst_base, dst_slots,
-                                outbox.layout.page_bytes)
-        engine.write(peer, srcs, dsts, lens)
-        return KVSent(tag, len(srcs), sum(lens))
+        with outbox.scratch(min(n, chunk_pages)) as scratch:
+            for c0 in range(0, n, chunk_pages):
+                c1 = min(n, c0 + chunk_pages)
+                run = slots[c0:c1] == list(range(slots[c0], slots[c0] + c1 - c0))
+                if keys is None and run:  # unprotected: nothing to tag, straight to staging
+                    pack(cache, pages[c0:c1], outbox.rows[slots[c0] : slots[c0] + c1 - c0])
+                else:
+                    rows = pack(cache, pages[c0:c1], scratch)
+                    if mac is not None:
+                        feed_mac(mac, rows)
+                    for i in range(c0, c1):
+                        sealer.put(rows[i - c0], outbox.rows[slots[i]])
+                srcs, dsts, lens = runs(outbox.base, slots[c0:c1], dst_base,
+                                        dst_slots[c0:c1], outbox.layout.page_bytes)
+                started = engine.submit(peer, srcs, dsts, lens)
+                descriptors, nbytes = descriptors + len(srcs), nbytes + sum(lens)
+                waiting, in_flight = in_flight, started
+                if waiting:  # the previous chunk, on the wire while this one was staged
+                    engine.wait(peer, waiting)
+        waiting, in_flight = in_flight, []
+        engine.wait(peer, waiting)
+        return KVSent(mac.finalize() if mac is not None else b"", descriptors, nbytes)
+    except TransferError as e:
+        if not engine.drain(in_flight + list(getattr(e, "pending", []))):
+            owner = None  # retired: never freed
+            raise TransferStuck(f"KV writes to {peer} never finished", "UNAVAILABLE") from e
+        raise
     finally:
-        outbox.drop(owner)
+        if owner is not None:
+            outbox.drop(owner)
