@@ -14,6 +14,7 @@ from tandem.services.language.runner.kv_cache import KVCache
 from tandem.transfer.buffers import RowProtection
 from tandem.transfer.errors import TransferError
 from tandem.transfer.kv import (
+    KVDestination,
     KVKeys,
     KVPageLayout,
     KVStaging,
@@ -33,6 +34,24 @@ def cache(seed: int | None = None, dtype=torch.float32) -> KVCache:
         for t in c.k + c.v:
             t.copy_(torch.randn(t.shape, generator=g).to(dtype))
     return c
+
+
+def to(engine, inbox: KVStaging, slots: list[int], room: int, secret: RowProtection,
+       base: int | None = None) -> KVDestination:
+    return KVDestination(engine.session_id, inbox.base if base is None else base, slots, room,
+                         1, secret)
+
+
+def land_and_check(inbox, owner, dst, pages, sent, secret, room) -> None:
+    """The decode side, chunk by chunk as `on_chunk` reports them."""
+    for c in sent.chunks:
+        part = pages[c.first : c.first + c.pages]
+        inbox.land(owner, dst, part, first=c.first)
+        keys = KVKeys.derive(secret, room, 1, c.first, c.pages)
+        if keys is not None:
+            keys.open_pages(dst, part, c.tag)  # decrypts in place under encrypt
+        else:
+            assert c.tag == b""
 
 
 def same_pages(a: KVCache, pa: list[int], b: KVCache, pb: list[int]) -> bool:
@@ -79,20 +98,17 @@ def test_pages_arrive_exact_and_verified(wire, mode):
     slots = inbox.reserve(len(pages_src), "room-7")
     assert slots == [0, 1, 2, 3, 4]  # lowest free run: one descriptor
     rows = pack(src, pages_src, torch.empty((5, *inbox.layout.slot_shape)))
-    sent = send_pages(engine, engine.session_id, src, pages_src,
-                      KVKeys.derive(secret, 7, 1, len(pages_src)), outbox, inbox.base, slots,
-                      chunk_pages=2)  # 3 chunks, pipelined: one descriptor each
+    reported = []
+    sent = send_pages(engine, src, pages_src, outbox, to(engine, inbox, slots, 7, secret),
+                      on_chunk=reported.append, chunk_pages=2)  # 3 chunks, pipelined
     assert sent.descriptors == 3 and sent.bytes == len(slots) * inbox.layout.page_bytes
+    assert reported == sent.chunks and [(c.first, c.pages) for c in reported] == [
+        (0, 2), (2, 2), (4, 1)]
     assert outbox.num_free == 8 and not outbox.rows.any()  # the outbox wiped, freed
     on_wire = inbox.rows[slots].clone()
     assert torch.equal(on_wire, rows) == (mode != "encrypt")  # ciphertext under encrypt
-    inbox.land("room-7", dst, pages_dst)
+    land_and_check(inbox, "room-7", dst, pages_dst, sent, secret, 7)
     assert inbox.num_free == 8 and not inbox.rows.any()  # landed: wiped and freed
-    keys = KVKeys.derive(secret, 7, 1, len(pages_src))
-    if keys is not None:
-        keys.open_pages(dst, pages_dst, sent.tag)  # decrypts in place under encrypt
-    else:
-        assert sent.tag == b""
     assert same_pages(src, pages_src, dst, pages_dst)
 
 
@@ -105,8 +121,7 @@ def test_a_page_overwritten_in_staging_by_another_writer_is_data_loss(wire, mode
     src, dst = cache(3), cache()
     secret = RowProtection.new(mode)
     slots = inbox.reserve(3, "room-8")
-    sent = send_pages(engine, engine.session_id, src, [0, 1, 2],
-                      KVKeys.derive(secret, 8, 1, 3), outbox, inbox.base, slots)
+    sent = send_pages(engine, src, [0, 1, 2], outbox, to(engine, inbox, slots, 8, secret))
     rogue = torch.full(inbox.layout.slot_shape, 7.0)
     engine.register(rogue)
     try:
@@ -114,9 +129,8 @@ def test_a_page_overwritten_in_staging_by_another_writer_is_data_loss(wire, mode
         engine.write(engine.session_id, [rogue.data_ptr()], [inbox.base + slots[1] * bs], [bs])
     finally:
         engine.unregister(rogue)
-    inbox.land("room-8", dst, [4, 5, 6])
     with pytest.raises(TransferError) as e:
-        KVKeys.derive(secret, 8, 1, 3).open_pages(dst, [4, 5, 6], sent.tag)
+        land_and_check(inbox, "room-8", dst, [4, 5, 6], sent, secret, 8)
     assert e.value.code == "DATA_LOSS"
     assert inbox.num_free == 8 and not inbox.rows.any()
 
@@ -126,8 +140,9 @@ def test_a_write_refused_midway_frees_the_outbox_and_the_error_names_the_peer(wi
     transfer fails (UNAVAILABLE), its leftovers are drained and the outbox freed."""
     engine, outbox, inbox = wire
     with pytest.raises(TransferError) as e:
-        send_pages(engine, engine.session_id, cache(4), [0, 1, 2, 3], None, outbox,
-                   inbox.base, [0, 1, 1 << 30, (1 << 30) + 1], chunk_pages=2)
+        send_pages(engine, cache(4), [0, 1, 2, 3], outbox,
+                   to(engine, inbox, [0, 1, 1 << 30, (1 << 30) + 1], 1,
+                      RowProtection.new("none")), chunk_pages=2)
     assert e.value.code == "UNAVAILABLE" and outbox.num_free == 8 and not outbox.rows.any()
 
 
@@ -140,10 +155,10 @@ def test_a_change_in_any_page_or_a_wrong_tag_fails_the_check(wire):
     for change in ("value", "order", "tag"):
         dst = cache()
         inbox.reserve(3, change)
-        sent = send_pages(engine, engine.session_id, src, [0, 1, 2],
-                          KVKeys.derive(secret, 9, 1, 3), outbox, inbox.base, [0, 1, 2])
+        sent = send_pages(engine, src, [0, 1, 2], outbox,
+                          to(engine, inbox, [0, 1, 2], 9, secret))
         inbox.land(change, dst, [0, 1, 2])
-        pages, tag = [0, 1, 2], sent.tag
+        pages, tag = [0, 1, 2], sent.chunks[0].tag
         if change == "value":
             dst.v[-1][1, -1, -1, -1] += 1.0
         elif change == "order":
@@ -151,15 +166,15 @@ def test_a_change_in_any_page_or_a_wrong_tag_fails_the_check(wire):
         else:
             tag = bytes(16)
         with pytest.raises(TransferError):
-            KVKeys.derive(secret, 9, 1, 3).open_pages(dst, pages, tag)
+            KVKeys.derive(secret, 9, 1, 0, 3).open_pages(dst, pages, tag)
 
 
-def test_keys_differ_per_room_generation_and_page_count():
+def test_keys_differ_per_room_generation_and_chunk():
     secret = RowProtection.new("mac")
-    keys = {KVKeys.derive(secret, r, g, n).mac for r, g, n in
-            [(1, 1, 4), (2, 1, 4), (1, 2, 4), (1, 1, 5)]}
-    assert len(keys) == 4
-    assert KVKeys.derive(RowProtection.new("none"), 1, 1, 4) is None
+    keys = {KVKeys.derive(secret, r, g, f, n).mac for r, g, f, n in
+            [(1, 1, 0, 4), (2, 1, 0, 4), (1, 2, 0, 4), (1, 1, 0, 5), (1, 1, 4, 4)]}
+    assert len(keys) == 5
+    assert KVKeys.derive(RowProtection.new("none"), 1, 1, 0, 4) is None
 
 
 def test_the_cache_itself_is_not_writable_by_a_peer(wire):
@@ -184,12 +199,21 @@ def test_a_dropped_reservation_is_wiped_and_freed_and_a_full_inbox_refuses(wire)
     inbox.rows[0].fill_(1.0)
     inbox.drop("a")
     assert inbox.num_free == 8 and not inbox.rows.any()
+    # a transfer failed after its first chunk landed: the rest is dropped, unread
+    inbox.reserve(4, "c")
+    inbox.rows[:4].fill_(1.0)
+    inbox.land("c", cache(), [0, 1], first=0)
+    assert inbox.held("c") == [2, 3] and inbox.num_free == 6
+    with pytest.raises(KeyError):
+        inbox.land("c", cache(), [5, 6], first=0)  # landed already
+    inbox.drop("c")
+    assert inbox.num_free == 8 and not inbox.rows.any()
     with pytest.raises(KeyError):
         inbox.drop("a")  # a double free is caught where it happens
     big = KVCache(LAYERS, 9, PAGE, HEADS, DIM, torch.float32, "cpu")
     with pytest.raises(TransferError) as e:
-        send_pages(engine, engine.session_id, big, list(range(9)), None, outbox, inbox.base,
-                   list(range(9)))
+        send_pages(engine, big, list(range(9)), outbox,
+                   to(engine, inbox, list(range(9)), 1, RowProtection.new("none")))
     assert e.value.code == "RESOURCE_EXHAUSTED" and outbox.num_free == 8
 
 

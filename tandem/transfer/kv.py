@@ -17,15 +17,17 @@ per run of slots within a chunk (`CHUNK_PAGES`), whatever the layer count;
 usually one run.
 
 The sender (the prefill instance), `send_pages`, per chunk of pages while the previous
-chunk is on the wire: pack into private memory, feed the tag (Poly1305, one over the whole
-transfer in page order), stage into its registered outbox (encrypted under `encrypt`:
-one ChaCha20 stream per transfer), write (one descriptor per run of slots). Unprotected
-(`none`), a chunk is packed straight into the outbox.
+chunk is on the wire: pack into private memory, tag it there (Poly1305 under keys derived
+for that chunk), stage into its registered outbox (encrypted under `encrypt`: one ChaCha20
+stream per chunk, under the chunk's own key), write (one descriptor per run of slots), and
+report the chunk written with its tag (`KVChunk`). Unprotected (`none`), a chunk is packed
+straight into the outbox.
 
 The receiver (the decode instance), which made the secret and handed it to the sender over
-the authenticated stream (as the embedding rooms do: AttachInit.protection_key):
-    inbox.land(room, cache, pages)            # slots -> its reserved pages; slots wiped, freed
-    keys.open_pages(cache, pages, tag)        # decrypt, verify in place: DATA_LOSS on change
+the authenticated stream (as the embedding rooms do: AttachInit.protection_key), per chunk
+as it is reported, while later chunks are still on the wire:
+    inbox.land(room, cache, pages[c.first:c.first + c.pages], first=c.first)  # wiped, freed
+    KVKeys.derive(secret, room, generation, c.first, c.pages).open_pages(cache, part, c.tag)
 
 Invariant: no step reads a page landed from the wire before `open_pages` passed on it (a
 failed check frees the pages unread); the cache is never registered, so once landed a
@@ -40,7 +42,7 @@ import contextlib
 import hashlib
 import struct
 import threading
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -142,11 +144,12 @@ def runs(src_base: int, src_slots: list[int], dst_base: int, dst_slots: list[int
 class KVStaging:
     """`slots` page-sized slots of registered memory, handed out per owner (a room).
 
-    Invariant: a slot is free or held by exactly one owner; `take` copies an owner's slots
-    out, wipes them (registered memory other processes may read) and frees them, so nothing
-    of a request stays readable or in use there after its transfer. `reserve` gives the
-    lowest run of free consecutive slots that fits (one descriptor on the wire), else the
-    lowest free slots (one descriptor per run)."""
+    Invariant: a slot is free or held by exactly one owner; `land` copies a part of an
+    owner's slots into cache pages, wipes them (registered memory other processes may
+    read) and frees them, `drop` wipes and frees the rest, so nothing of a request stays
+    readable or in use there after its transfer. `reserve` gives the lowest run of free
+    consecutive slots that fits (one descriptor on the wire), else the lowest free slots
+    (one descriptor per run)."""
 
     def __init__(self, layout: KVPageLayout, slots: int) -> None:
         if slots < 1:
@@ -154,7 +157,8 @@ class KVStaging:
         self.layout = layout
         self.rows = torch.zeros((slots, *layout.slot_shape), dtype=layout.dtype)
         self._free = bytearray(b"\1" * slots)  # 1 where the slot is free
-        self._owned: dict[Hashable, list[int]] = {}
+        # owner -> {page index in its transfer: slot}, the slots not landed or dropped yet
+        self._owned: dict[Hashable, dict[int, int]] = {}
         # the senders' packing buffers (`scratch`), kept: one per concurrent send at most
         self._spare: list[torch.Tensor] = []
         self._lock = threading.Lock()
@@ -183,41 +187,57 @@ class KVStaging:
                else [i for i, f in enumerate(self._free) if f][:pages])
         for i in got:
             self._free[i] = 0
-        self._owned[owner] = got
+        self._owned[owner] = dict(enumerate(got))
         return list(got)
 
     def held(self, owner: Hashable) -> list[int]:
-        return list(self._owned.get(owner, ()))
+        return list(self._owned.get(owner, {}).values())
 
-    def _release(self, owner: Hashable) -> torch.Tensor:
-        try:
-            held = self._owned.pop(owner)
-        except KeyError:
-            raise KeyError(f"free of unknown or already freed owner {owner!r}") from None
-        for i in held:
-            self._free[i] = 1
-        return torch.tensor(held, dtype=torch.long)
+    def _release(self, owner: Hashable, first: int, count: int) -> list[int]:
+        """Free slots [first, first + count) of `owner`'s transfer (all that are left when
+        count is None); the owner goes when it holds none."""
+        held = self._owned.get(owner)
+        if held is None:
+            raise KeyError(f"free of unknown or already freed owner {owner!r}")
+        part = range(first, first + count)
+        if any(i not in held for i in part):
+            raise KeyError(f"{owner!r}: pages [{first}, {first + count}) not all held")
+        slots = [held.pop(i) for i in part]
+        if not held:
+            del self._owned[owner]
+        for s in slots:
+            self._free[s] = 1
+        return slots
 
-    def land(self, owner: Hashable, cache, pages: list[int]) -> None:
-        """Copy `owner`'s slots (in slot order) into `pages` of `cache`, then wipe and free
-        them. NOTE: the rows are not checked yet: the caller checks them in the cache
-        (`KVKeys.open_pages`) before any step reads those pages, and frees the pages
-        when the check fails. A write into the slots after this reaches nothing."""
-        held = self.held(owner)
-        if len(held) != len(pages):
-            raise ValueError(f"{len(held)} slots held for {len(pages)} pages")
-        idx = self._release(owner)
-        run = held == list(range(held[0], held[0] + len(held)))
-        rows = self.rows[held[0] : held[0] + len(held)] if run else self.rows.index_select(0, idx)
+    def _wipe(self, slots: list[int]) -> None:
+        if slots and slots == list(range(slots[0], slots[0] + len(slots))):
+            self.rows[slots[0] : slots[0] + len(slots)].zero_()
+        elif slots:
+            self.rows.index_fill_(0, torch.tensor(slots, dtype=torch.long), 0)
+
+    def land(self, owner: Hashable, cache, pages: list[int], first: int = 0) -> None:
+        """Copy the slots of pages [first, first + len(pages)) of `owner`'s transfer into
+        `pages` of `cache`, then wipe and free them. NOTE: the rows are not checked yet:
+        the caller checks them in the cache (`KVKeys.open_pages`) before any step reads
+        those pages, and frees the pages when the check fails. A write into the slots
+        after this reaches nothing."""
+        slots = self._release(owner, first, len(pages))
+        run = slots == list(range(slots[0], slots[0] + len(slots)))
+        rows = (self.rows[slots[0] : slots[0] + len(slots)] if run
+                else self.rows.index_select(0, torch.tensor(slots, dtype=torch.long)))
         unpack_into(cache, pages, rows)
-        if run:
-            rows.zero_()
-        else:
-            self.rows.index_fill_(0, idx, 0)
+        self._wipe(slots)
 
     def drop(self, owner: Hashable) -> None:
-        """Wipe and free `owner`'s slots unread (a failed or cancelled transfer)."""
-        self.rows.index_fill_(0, self._release(owner), 0)
+        """Wipe and free what `owner` still holds, unread (a failed or cancelled transfer,
+        or the rest after a failed check)."""
+        held = self._owned.pop(owner, None)
+        if held is None:
+            raise KeyError(f"free of unknown or already freed owner {owner!r}")
+        slots = sorted(held.values())
+        for s in slots:
+            self._free[s] = 1
+        self._wipe(slots)
 
     @contextlib.contextmanager
     def scratch(self, pages: int):
@@ -237,19 +257,20 @@ class KVStaging:
 
 @dataclass(frozen=True)
 class KVKeys:
-    """The keys of one KV transfer: pages of room `room` under reservation `generation`
-    (a retry gets a new generation, so no key is used for two messages)."""
+    """The keys of one chunk of a KV transfer: pages [first, first + pages) of room
+    `room` under reservation `generation` (a retry gets a new generation, so no key is
+    used for two messages)."""
 
     mac: bytes
     cipher: bytes = b""
 
     @classmethod
-    def derive(cls, protection: RowProtection, room: int, generation: int,
+    def derive(cls, protection: RowProtection, room: int, generation: int, first: int,
                pages: int) -> KVKeys | None:
         """None when the transfer is unprotected (--transfer.protect none)."""
         if not protection.on:
             return None
-        header = struct.pack("<QIq", room, generation, pages)
+        header = struct.pack("<QIqq", room, generation, first, pages)
 
         def key(label: bytes) -> bytes:
             return hashlib.blake2b(label + header, key=protection.key, digest_size=KEY_BYTES,
@@ -261,9 +282,9 @@ class KVKeys:
         return Cipher(algorithms.ChaCha20(self.cipher, b"\0" * 16), mode=None).encryptor()
 
     def sealer(self) -> KVSealer:
-        """Stages one transfer's pages in order (`KVSealer.put`): encrypted under
-        `encrypt`, as one ChaCha20 stream over the pages in order (never restarted per
-        page: a restarted stream would reuse the keystream), else copied."""
+        """Stages one chunk's pages in order (`KVSealer.put`): encrypted under `encrypt`,
+        as one ChaCha20 stream over the chunk's pages in order (never restarted per page:
+        a restarted stream would reuse the keystream), else copied."""
         return KVSealer(self._cipher() if self.cipher else None)
 
     def open_pages(self, cache, pages: list[int], tag: bytes) -> None:
@@ -302,75 +323,119 @@ class KVSealer:
 
 
 @dataclass(frozen=True)
-class KVSent:
-    """What one `send_pages` did: the tag the receiver must verify (b"" unprotected), and
-    the descriptors and bytes it put on the wire."""
+class KVDestination:
+    """Where one transfer's pages go: the peer's transfer session, its inbox's base
+    address and the slots reserved there (page order), under the room's reservation
+    (`room`, `generation`) and the secret its receiver made (`protection`)."""
 
+    peer: str
+    base: int
+    slots: list[int]
+    room: int
+    generation: int
+    protection: RowProtection
+
+
+@dataclass(frozen=True)
+class KVChunk:
+    """One chunk written: pages [first, first + pages) of the transfer, and its tag (b""
+    unprotected). The receiver lands and checks it (`KVStaging.land`,
+    `KVKeys.open_pages` under `KVKeys.derive(..., first, pages)`) while later chunks are
+    still on the wire."""
+
+    first: int
+    pages: int
     tag: bytes
+
+
+@dataclass(frozen=True)
+class KVSent:
+    """What one `send_pages` did: its chunks, and the descriptors and bytes it put on the
+    wire."""
+
+    chunks: list[KVChunk]
     descriptors: int
     bytes: int
 
 
 # Pages per staged chunk: chunk k+1 is packed, tagged and staged while chunk k is on the
-# wire. 64 pages of a 7B-class model (16-token pages) are 56 MiB: a 16K-token prompt goes
-# as 16 descriptors, where per-layer tensors would take 56 per run of pages.
+# wire, and the receiver lands and checks chunk k meanwhile. 64 pages of a 7B-class model
+# (16-token pages) are 56 MiB: a 16K-token prompt goes as 16 descriptors, where
+# per-layer tensors would take 56 per run of pages.
 CHUNK_PAGES = 64
 
 
-def send_pages(engine, peer: str, cache, pages: list[int], keys: KVKeys | None,
-               outbox: KVStaging, dst_base: int, dst_slots: list[int],
+def send_pages(engine, cache, pages: list[int], outbox: KVStaging, dest: KVDestination,
+               on_chunk: Callable[[KVChunk], object] | None = None,
                chunk_pages: int = CHUNK_PAGES) -> KVSent:
-    """Write `pages` of `cache` into slots `dst_slots` of the peer's staging area at
-    `dst_base`, through this side's registered `outbox`, in chunks of `chunk_pages`
-    pipelined with the wire (blocking: an executor thread). Each chunk is packed into
-    private memory and tagged there before it is staged (one tag over the whole
-    transfer, in page order), so a change to the outbox by another process fails the
-    receiver's check. Raises TransferError (RESOURCE_EXHAUSTED when the outbox has too few
-    free slots: retry later; TransferStuck when writes never ended: their slots stay held,
-    retired, so nothing reuses memory a transfer may still read)."""
+    """Write `pages` of `cache` into `dest`'s slots through this side's registered
+    `outbox`, in chunks of `chunk_pages` pipelined with the wire (blocking: an executor
+    thread); `on_chunk` as each chunk's write completes (in order). Each chunk is packed
+    into private memory and tagged there before it is staged, so a change to the outbox
+    by another process fails the receiver's check. Raises TransferError
+    (RESOURCE_EXHAUSTED when the outbox has too few free slots: retry later;
+    TransferStuck when writes never ended: their slots stay held, retired, so nothing
+    reuses memory a transfer may still read)."""
     n = len(pages)
-    if n != len(dst_slots) or n < 1:
-        raise ValueError(f"{n} pages for {len(dst_slots)} destination slots")
+    if n != len(dest.slots) or n < 1:
+        raise ValueError(f"{n} pages for {len(dest.slots)} destination slots")
     owner = object()  # NOTE: this call's own slots, freed on every path but a stuck one
     slots = outbox.reserve(n, owner)
     if slots is None:
         raise TransferError(f"KV outbox: {n} slots asked, {outbox.num_free} free",
                             "RESOURCE_EXHAUSTED")
-    mac = Poly1305(keys.mac) if keys is not None else None
-    sealer = keys.sealer() if keys is not None else KVSealer(None)
     # NOTE: `in_flight` always lists what was started and is not being waited for, and a
     # failed submit or wait puts its own leftovers in `e.pending`: the two never overlap,
     # so the drain below polls no transfer id twice
     in_flight: list[tuple[int, int]] = []
+    chunks: list[KVChunk] = []
+    pending: KVChunk | None = None  # written once `in_flight` ends
     descriptors = nbytes = 0
     try:
         with outbox.scratch(min(n, chunk_pages)) as scratch:
             for c0 in range(0, n, chunk_pages):
                 c1 = min(n, c0 + chunk_pages)
+                keys = KVKeys.derive(dest.protection, dest.room, dest.generation, c0, c1 - c0)
                 run = slots[c0:c1] == list(range(slots[c0], slots[c0] + c1 - c0))
+                tag = b""
                 if keys is None and run:  # unprotected: nothing to tag, straight to staging
                     pack(cache, pages[c0:c1], outbox.rows[slots[c0] : slots[c0] + c1 - c0])
                 else:
                     rows = pack(cache, pages[c0:c1], scratch)
-                    if mac is not None:
-                        feed_mac(mac, rows)
+                    sealer = keys.sealer() if keys is not None else KVSealer(None)
                     for i in range(c0, c1):
                         sealer.put(rows[i - c0], outbox.rows[slots[i]])
-                srcs, dsts, lens = runs(outbox.base, slots[c0:c1], dst_base,
-                                        dst_slots[c0:c1], outbox.layout.page_bytes)
-                started = engine.submit(peer, srcs, dsts, lens)
+                    if keys is not None:
+                        mac = Poly1305(keys.mac)
+                        feed_mac(mac, rows)
+                        tag = mac.finalize()
+                srcs, dsts, lens = runs(outbox.base, slots[c0:c1], dest.base,
+                                        dest.slots[c0:c1], outbox.layout.page_bytes)
+                started = engine.submit(dest.peer, srcs, dsts, lens)
                 descriptors, nbytes = descriptors + len(srcs), nbytes + sum(lens)
                 waiting, in_flight = in_flight, started
                 if waiting:  # the previous chunk, on the wire while this one was staged
-                    engine.wait(peer, waiting)
+                    engine.wait(dest.peer, waiting)
+                    _written(chunks, pending, on_chunk)
+                pending = KVChunk(c0, c1 - c0, tag)
         waiting, in_flight = in_flight, []
-        engine.wait(peer, waiting)
-        return KVSent(mac.finalize() if mac is not None else b"", descriptors, nbytes)
+        engine.wait(dest.peer, waiting)
+        _written(chunks, pending, on_chunk)
+        return KVSent(chunks, descriptors, nbytes)
     except TransferError as e:
         if not engine.drain(in_flight + list(getattr(e, "pending", []))):
             owner = None  # retired: never freed
-            raise TransferStuck(f"KV writes to {peer} never finished", "UNAVAILABLE") from e
+            raise TransferStuck(f"KV writes to {dest.peer} never finished",
+                                "UNAVAILABLE") from e
         raise
     finally:
         if owner is not None:
             outbox.drop(owner)
+
+
+def _written(chunks: list[KVChunk], chunk: KVChunk | None,
+             on_chunk: Callable[[KVChunk], object] | None) -> None:
+    if chunk is not None:
+        chunks.append(chunk)
+        if on_chunk is not None:
+            on_chunk(chunk)
