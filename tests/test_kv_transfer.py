@@ -238,3 +238,12 @@ def test_layouts_must_agree():
     with pytest.raises(TransferError) as e:
         a.check(KVPageLayout(LAYERS, PAGE, HEADS, DIM, torch.bfloat16))
     assert e.value.code == "FAILED_PRECONDITION"
+
+
+def test_landed_pages_are_checked_in_a_cpu_cache_only():
+    """A cache on another device is refused by name (its bytes would be a host copy that
+    an in-place decrypt could not reach), not checked wrongly."""
+    meta = KVCache(LAYERS, PAGES, PAGE, HEADS, DIM, torch.float32, "meta")
+    keys = KVKeys.derive(RowProtection.new("encrypt"), 1, 1, 0, 1)
+    with pytest.raises(ValueError, match="CPU cache"):
+        keys.open_pages(meta, [0], bytes(16))

@@ -99,7 +99,11 @@ def pack(cache, pages: list[int], out: torch.Tensor) -> torch.Tensor:
 
 def page_order(cache, pages: list[int]):
     """The bytes of `pages` of `cache` in page-major order (page, layer, K then V), as
-    numpy views of the cache's own memory: the order the wire carries and the tag covers."""
+    numpy views of the cache's own memory: the order the wire carries and the tag covers.
+    A CPU cache only: a CUDA cache's bytes would be a host copy, which decrypting in place
+    would not reach (landing on a GPU through a host copy is not built)."""
+    if cache.k[0].device.type != "cpu":
+        raise ValueError(f"KV pages are checked in a CPU cache, not {cache.k[0].device}")
     ks = [host_bytes(t).reshape(t.shape[0], -1) for t in cache.k]
     vs = [host_bytes(t).reshape(t.shape[0], -1) for t in cache.v]
     for p in pages:
@@ -109,8 +113,8 @@ def page_order(cache, pages: list[int]):
 
 
 def unpack_into(cache, pages: list[int], rows: torch.Tensor) -> None:
-    """Write page-major `rows` ([len(pages), 2 * layers, ...], verified) into `pages` of
-    `cache`, in order."""
+    """Write page-major `rows` ([len(pages), 2 * layers, ...]) into `pages` of `cache`, in
+    order. NOTE: rows from the wire are checked after, in the cache (`KVStaging.land`)."""
     if rows.shape[0] != len(pages):
         raise ValueError(f"{rows.shape[0]} pages of rows for {len(pages)} pages")
     idx = torch.tensor(pages, dtype=torch.long, device=cache.k[0].device)
