@@ -73,7 +73,7 @@ class TransferConfig(BaseModel):
     )
     stream: bool = Field(
         False,
-        description="Streamed rows (DESIGN 'Streamed rows'; off by default: on one host "
+        description="Streamed rows (docs/architecture.md, 'Streamed rows'; off by default: on one host "
         "whose cores both tiers share it bought no TTFT, docs/benchmarks.md). Encoder: send a prompt's rows "
         "in order as they become final (the text at once, each image's as soon as its ViT "
         "features exist; a request's images then go through the ViT one at a time). "

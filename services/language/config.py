@@ -23,7 +23,7 @@ class LanguageConfig(ModelServiceSettings):
         "client_id) may hold at once; a client's further first reservations wait while "
         "others are served (a client holding none may always take what it needs; resumes "
         "are not limited). Bounds how much a flood of stalled requests can pin.",
-    )  # fmt: skip
+    )
     default_reservation_tokens: int = Field(
         8192, ge=16, description="Tokens reserved per room before the first transfer."
     )
@@ -143,16 +143,16 @@ class LanguageConfig(ModelServiceSettings):
         "the n-th unseeded request to reach the engine after a start always draws the same "
         "seed, so a replayed sequence of requests gives the same tokens. Unset: each "
         "unseeded request draws from the OS's randomness. A request's own `seed` wins.",
-    )  # fmt: skip
+    )
     init_new_token_ratio: float = Field(
         0.7, gt=0, le=1.0,
         description="Share of a request's max_tokens reserved in KV pages at admission; "
         "decays towards ~0.1 while nothing is retracted.",
-    )  # fmt: skip
+    )
     reattach_grace_s: float = Field(
         1.0, ge=0, le=600,
         description="How long a room whose encoder broke before Done waits for Reattach.",
-    )  # fmt: skip
+    )
     cpu_threads: int = Field(0, ge=0, le=1024, description="torch CPU threads; 0 = default.")
     tp: int = Field(
         1, ge=1, le=64,
@@ -160,12 +160,12 @@ class LanguageConfig(ModelServiceSettings):
         "per GPU on CUDA, NCCL; on CPU gloo, the threads split among them), each holding "
         "its shard of the weights and KV cache. Heads, KV heads (or ranks, when fewer), "
         "intermediate sizes must divide evenly.",
-    )  # fmt: skip
+    )
     tp_timeout_s: float = Field(
         60.0, gt=0, le=3600,
         description="Longest wait of a tensor-parallel collective (or rank start-up): a "
         "rank that hangs past it ends the instance.",
-    )  # fmt: skip
+    )
     cpu_small_step_pool: bool = Field(
         True,
         description="On CPU with cpu_threads > 1, a small step (under cpu_parallel_min_tokens) "
@@ -173,16 +173,16 @@ class LanguageConfig(ModelServiceSettings):
         "and cpu_threads - 1 helpers take column strips from one counter, so the step never "
         "waits for a helper that was descheduled (csrc/strip_pool.cpp). "
         "--no-cpu-small-step-pool runs small steps wholly on one thread.",
-    )  # fmt: skip
+    )
     cpu_pool_spin_us: int = Field(
         1000, ge=0, le=100_000,
         description="How long a pool helper spins after a job before it sleeps (µs): longer "
         "than the gaps between one step's linears, so it stays awake through a step.",
-    )  # fmt: skip
+    )
     cpu_parallel_min_tokens: int = Field(
         16, ge=0, le=1 << 20,
         description="On CPU, a step of fewer tokens (a small decode batch) runs on one "
         "thread and larger ones on cpu_threads: with other processes on the same cores a "
         "small step loses more to waiting for a descheduled thread than it gains; 0 = "
         "always cpu_threads.",
-    )  # fmt: skip
+    )

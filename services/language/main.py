@@ -65,7 +65,7 @@ def build_engine(cfg: LanguageConfig, metrics: LanguageMetrics):
     runner = ModelRunner(
         load_text_weights(spec, dtype=dtype, device=device, shard=tp.shard if tp else None),
         settings, num_pages=cfg.kv_pages, kv_memory_fraction=cfg.kv_memory_fraction,
-        device=device, dtype=dtype, tp=tp)  # fmt: skip
+        device=device, dtype=dtype, tp=tp)
     if tp is not None:  # the workers built theirs meanwhile, phase by phase with this one
         tp.workers.wait_ready(runner.num_pages)
     warm_masks(runner.device, runner.vocab_size)  # not on the first structured request
@@ -109,7 +109,7 @@ def runner_settings(cfg: LanguageConfig, device, max_len: int):
         cpu_parallel_min_tokens=cfg.cpu_parallel_min_tokens,
         cpu_small_step_pool=cfg.cpu_small_step_pool, cpu_pool_spin_us=cfg.cpu_pool_spin_us,
         cpu_bf16_compute=cfg.cpu_bf16_compute,
-    )  # fmt: skip
+    )
 
 
 def start_tensor_parallel(cfg: LanguageConfig, spec, device, dtype, settings):
@@ -132,7 +132,7 @@ def start_tensor_parallel(cfg: LanguageConfig, spec, device, dtype, settings):
         timeout_s=cfg.tp_timeout_s, threads=threads, transfer=cfg.transfer.model_dump(),
         embedding_blocks=cfg.embedding_blocks, embedding_block_size=cfg.embedding_block_size,
         tracing=cfg.tracing.model_dump(),
-    )  # fmt: skip
+    )
     log.info("starting %d tensor-parallel ranks", cfg.tp)
     return start_ranks(args, device, shard)
 
@@ -206,7 +206,7 @@ async def run(
         "language ready on %s (model %s, %s %s, %d KV pages of %d, transfer %s)",
         address, cfg.model, engine.runner.device, engine.runner.dtype,
         engine.pool.num_total, engine.runner.page_size, transfer.session_id,
-    )  # fmt: skip
+    )
     if ready is not None:
         ready.set()
     await stop.wait()
@@ -224,4 +224,4 @@ async def run(
     log.info(
         "language stopped (KV pages free %d/%d, embedding blocks free %d/%d)",
         engine.pool.num_free, engine.pool.num_total, allocator.num_free, allocator.num_total,
-    )  # fmt: skip
+    )
