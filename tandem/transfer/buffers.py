@@ -436,11 +436,17 @@ class RowProtection:
         header = struct.pack("<QIqq", room, generation, start, end)
 
         def derive(label: bytes) -> bytes:
-            return hashlib.blake2b(label + header, key=self.key, digest_size=KEY_BYTES,
-                                   person=b"tandem-rows-v1").digest()
+            return self.derive(b"tandem-rows-v1", label, header)
 
         return RangeSeal(start, end, derive(b"mac-embeds"), derive(b"mac-rows"),
                          derive(b"cipher") if self.mode == "encrypt" else b"")
+
+    def derive(self, person: bytes, label: bytes, header: bytes) -> bytes:
+        """A one-use key from this attempt's secret: BLAKE2b keyed by it, personalised per
+        use (`person`: embedding rows, KV pages), over the key's role (`label`) and what it
+        covers (`header`: room, generation, range). The one rule for every derived key."""
+        return hashlib.blake2b(label + header, key=self.key, digest_size=KEY_BYTES,
+                               person=person).digest()
 
 
 def open_range(seal: RangeSeal, tag: RangeTag, embeds: torch.Tensor,

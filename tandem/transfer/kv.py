@@ -39,7 +39,6 @@ staging area by another process fails the check.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import struct
 import threading
 from collections.abc import Callable, Hashable
@@ -50,7 +49,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
-from tandem.transfer.buffers import KEY_BYTES, TAG_BYTES, RowProtection, feed_mac, host_bytes
+from tandem.transfer.buffers import TAG_BYTES, RowProtection, feed_mac, host_bytes
 from tandem.transfer.errors import TransferError, TransferStuck
 
 
@@ -275,12 +274,10 @@ class KVKeys:
         if not protection.on:
             return None
         header = struct.pack("<QIqq", room, generation, first, pages)
-
-        def key(label: bytes) -> bytes:
-            return hashlib.blake2b(label + header, key=protection.key, digest_size=KEY_BYTES,
-                                   person=b"tandem-kv-v1").digest()
-
-        return cls(key(b"mac"), key(b"cipher") if protection.mode == "encrypt" else b"")
+        mac = protection.derive(b"tandem-kv-v1", b"mac", header)
+        if protection.mode != "encrypt":
+            return cls(mac)
+        return cls(mac, protection.derive(b"tandem-kv-v1", b"cipher", header))
 
     def _cipher(self):
         return Cipher(algorithms.ChaCha20(self.cipher, b"\0" * 16), mode=None).encryptor()
