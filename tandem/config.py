@@ -181,7 +181,9 @@ def format_validation_error(prog: str, err: ValidationError) -> str:
 NOT_CONFIG_ENV = ("TANDEM_CACHE_DIR", "TANDEM_KERNEL_DIR", "TANDEM_TP_AUTHKEY",
                   "TANDEM_KERNEL_ISA",  # cpu_kernels.ISA_ENV: the vector path to build
                   "TANDEM_NATIVE_LOG_FILTERED",  # launch/procs.py FILTERED_ENV
-                  "TANDEM_PORT_RANGE")  # launch/procs.py PORT_RANGE_ENV (tandem up --port-range)
+                  "TANDEM_PORT_RANGE",  # launch/procs.py PORT_RANGE_ENV (tandem up --port-range)
+                  # launch/procs.py port_window: a launcher's share of the port windows
+                  "TANDEM_SERVICE_PORTS", "TANDEM_MOONCAKE_PORTS")
 # TANDEM_TEST_DEVICE: the device the exactness tests run on (tests/language_oracle.py)
 NOT_CONFIG_ENV_PREFIXES = ("TANDEM_BENCH_", "TANDEM_SOAK_", "TANDEM_TEST_")
 

@@ -7,6 +7,22 @@ from pathlib import Path
 
 import pytest
 
+# The suite's xdist workers pick ports at random from the same windows: a port one worker
+# found free could be bound by the other before its child bound it (seen in CI: a language
+# instance's "address already in use"). Each worker takes its own share of the service
+# and Mooncake windows (tandem/launch/procs.port_window, read at import by this process
+# and by every launcher and tier it starts).
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER.startswith("gw"):
+    _i, _n = int(_WORKER[2:]), max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+    def _share(lo: int, hi: int) -> str:
+        step = (hi - lo) // _n
+        return f"{lo + _i * step}-{lo + (_i + 1) * step - 1}"
+
+    os.environ.setdefault("TANDEM_SERVICE_PORTS", _share(28000, 32768))
+    os.environ.setdefault("TANDEM_MOONCAKE_PORTS", _share(20000, 28000))
+
 # NOTE: set before torch is imported anywhere in the session. The suite runs several
 # processes at once (servers under test, the test process) on a 2-core machine; torch's
 # default of one OpenMP thread per core oversubscribes it and slows index/SDPA kernels

@@ -28,6 +28,7 @@ from tandem.launch.procs import (
     free_block,
     free_port,
     port_bindable,
+    port_window,
     reserve_ports,
     say,
 )
@@ -38,7 +39,7 @@ ROUTER_HEALTH = "tandem.v1.Router"
 PORT_RANGE = 40  # Mooncake RPC ports per instance
 # where the instances' Mooncake RPC ranges are drawn: below 32768 (Mooncake ignores a range
 # reaching past 32767) and clear of the service-port window (procs.SERVICE_WINDOW)
-MOONCAKE_WINDOW = (20000, 28000)
+MOONCAKE_WINDOW = port_window("TANDEM_MOONCAKE_PORTS", (20000, 28000))
 # NOTE: the language tier sizes its KV pool from free GPU memory; an instance without a
 # GPU needs an explicit page count, so it gets this one unless the caller gave --kv-pages.
 CPU_KV_PAGES = 4096

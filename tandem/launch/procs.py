@@ -40,7 +40,24 @@ _HANDED_OUT: set[int] = set()
 # port "already in use"); outside it only an explicit bind can. The window also stays clear
 # of the Mooncake RPC windows (plan.MOONCAKE_WINDOW; Mooncake's own default 15000-17000)
 # and of Ray's worker ports (10002-19999), which `ray start` refuses to share.
-SERVICE_WINDOW = (28000, 32768)
+def port_window(name: str, default: tuple[int, int]) -> tuple[int, int]:
+    """[lo, hi) of a window of ports, narrowed by the environment variable `name`
+    ("LO-HI", inclusive): launchers that share a host (or the test suite's workers) each
+    take a share, so no two pick the same port. A share outside the default is refused."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    lo, _, hi = text.partition("-")
+    try:
+        window = (int(lo), int(hi) + 1)
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected LO-HI") from None
+    if not default[0] <= window[0] < window[1] <= default[1]:
+        raise ValueError(f"{name}={text!r}: must lie within {default[0]}-{default[1] - 1}")
+    return window
+
+
+SERVICE_WINDOW = port_window("TANDEM_SERVICE_PORTS", (28000, 32768))
 
 
 @functools.cache
