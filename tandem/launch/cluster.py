@@ -57,9 +57,18 @@ class LocalCluster:
     grpc_port: int = 0
     metrics_url: str = ""  # the launcher's own /metrics (instance states, restarts)
     instances: dict[str, InstanceInfo] = field(default_factory=dict)
-    lines: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4000))
+    # The reader thread appends while tests read: every read goes through `lines`, a copy
+    # taken under the lock (iterating the deque itself raced the reader: "deque mutated").
+    _lines: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4000))
+    _lines_lock: threading.Lock = field(default_factory=threading.Lock)
     proc: subprocess.Popen | None = None
     _own_pki: str = ""
+
+    @property
+    def lines(self) -> list[str]:
+        """The cluster's last 4,000 log lines, as a snapshot."""
+        with self._lines_lock:
+            return list(self._lines)
 
     @property
     def http_url(self) -> str:
@@ -110,14 +119,15 @@ class LocalCluster:
         while not ready.wait(0.2):
             if self.proc.poll() is not None or time.monotonic() > end:
                 self.stop(signal.SIGTERM)
-                tail = "\n".join(list(self.lines)[-60:])
+                tail = "\n".join(self.lines[-60:])
                 raise RuntimeError(f"tandem up did not get ready:\n{tail}")
         return self
 
     def _read(self, ready: threading.Event) -> None:
         for raw in iter(self.proc.stdout.readline, b""):
             line = raw.decode(errors="replace").rstrip()
-            self.lines.append(line)
+            with self._lines_lock:
+                self._lines.append(line)
             if self.echo:
                 print(line, flush=True)
             if m := _READY.match(line):
@@ -191,7 +201,7 @@ class LocalCluster:
         time.sleep(1.0)
         ps = subprocess.run(["ps", "-o", "pid,stat,wchan:24,etime,args", "-p", str(self.proc.pid),
                              "--ppid", str(self.proc.pid)], capture_output=True, text=True).stdout
-        return "\n".join(list(self.lines)[-200:]) + "\n" + ps
+        return "\n".join(self.lines[-200:]) + "\n" + ps
 
     def __enter__(self) -> LocalCluster:
         return self.start()
