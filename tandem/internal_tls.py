@@ -39,6 +39,9 @@ ANY_ROLE = frozenset(ROLES)
 POLICY: dict[str, frozenset[str]] = {
     "/tandem.v1.Language/": frozenset({"router"}),
     "/tandem.v1.Language/GetLoad": frozenset({"router", "operator"}),
+    # E/P/D: a decode instance has a prefill instance run a prompt (a language instance
+    # serving `both` refuses it: only `--role prefill` serves it)
+    "/tandem.v1.Language/Prefill": frozenset({"language"}),
     "/tandem.v1.Encoder/": frozenset({"router"}),
     "/tandem.v1.Encoder/GetLoad": frozenset({"router", "operator"}),
     "/tandem.v1.Encoder/Attach": frozenset({"language"}),

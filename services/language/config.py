@@ -11,6 +11,20 @@ class LanguageConfig(ModelServiceSettings):
     """The prefill/decode tier: embedding buffers, paged KV cache, scheduler, sampler."""
 
     port: int = Field(50071, ge=1, le=65535, description="gRPC port (Generate, Abort, GetLoad).")
+    role: str = Field(
+        "both", pattern="^(both|prefill|decode)$",
+        description="E/P/D (docs/architecture.md, 'Prefill and decode apart'): 'both' "
+        "prefills and decodes; 'prefill' runs prompts for decode instances and writes their "
+        "KV pages there (its Prefill rpc); 'decode' takes requests that name a prefill "
+        "instance, reserves their pages, and decodes. tp 1 and the CPU only (refused "
+        "otherwise: the KV pages are packed and checked in host memory).",
+    )
+    kv_staging_pages: int = Field(
+        256, ge=1, le=1 << 20,
+        description="Prefill and decode roles: page-sized slots of the registered KV staging "
+        "area (the prefill side's outbox, the decode side's inbox); a prompt needs one per "
+        "KV page while its pages move. Unused (nothing registered) by 'both'.",
+    )
     embedding_block_size: int = Field(
         1024, ge=16, le=65536, description="Tokens per embedding-buffer block."
     )

@@ -26,6 +26,7 @@ from tandem.services.language.config import LanguageConfig
 from tandem.services.language.engine.core import Engine
 from tandem.services.language.engine.grammar import GrammarLimits, warm_masks
 from tandem.services.language.engine.types import EngineConfig
+from tandem.services.language.handoff import KVPort, refuse_role
 from tandem.services.language.metrics import LanguageMetrics
 from tandem.services.language.server import LanguageServicer, ServiceLimits
 from tandem.v1 import language_pb2, language_pb2_grpc
@@ -80,7 +81,9 @@ def build_engine(cfg: LanguageConfig, metrics: LanguageMetrics):
             max_model_len=max_len,
             default_max_tokens=cfg.default_max_tokens,
             init_new_token_ratio=cfg.init_new_token_ratio,
-            prefix_cache=cfg.prefix_cache,
+            # a decode instance's prompt pages come from its prefill instances (whose
+            # caches serve the prefixes): it never matches a prefix, so it keys none
+            prefix_cache=cfg.prefix_cache and cfg.role != "decode",
             seed=cfg.seed,
             grammar=GrammarLimits(
                 compile_timeout_s=cfg.grammar_compile_timeout_s,
@@ -154,10 +157,14 @@ async def run(
     from tandem.internal_tls import load_internal_tls
     from tandem.transfer import EmbeddingBuffers, EmbeddingReceiver, ReceiverLimits
     from tandem.transfer.engine import MooncakeEngine
+    from tandem.transfer.kv import KVPageLayout, KVStaging
 
     serving.require_free_ports("tandem language", cfg.host, {"--port": cfg.port, "--metrics-port":
                        cfg.metrics_port, "--health-port": cfg.health_port})
     tls = load_internal_tls(cfg, "tandem language", "language")  # before the model loads
+    why = refuse_role(cfg.role, cfg.tp, resolve_device(cfg.device))
+    if why:
+        raise SystemExit(f"tandem language: {why}")
     registry = service_registry()
     metrics = metric_set(LanguageMetrics, registry)
     engine, spec, _ = build_engine(cfg, metrics)
@@ -185,6 +192,11 @@ async def run(
         on_prompt=engine.pin_prefix,  # the prefix cache answers what it holds (pinned)
     )
     allocator = receiver.allocator
+    port = None
+    if cfg.role != "both":  # E/P/D: the registered KV staging (outbox or inbox)
+        staging = KVStaging(KVPageLayout.of_cache(engine.runner.kv), cfg.kv_staging_pages)
+        staging.register(transfer)
+        port = KVPort(cfg.role, transfer, staging, engine.runner.kv, cfg.transfer)
 
     # NOTE: a request as large as the router accepts (64 MiB) reaches the tier, whose own
     # checks name what is too large (`messages`: more text than max_prompt_tokens can hold);
@@ -194,7 +206,8 @@ async def run(
     limits = ServiceLimits(cfg.request_timeout_s, cfg.model,
                            max_prompt_tokens=engine.cfg.max_model_len - 1)
     servicer = LanguageServicer(engine, receiver, allocator, limits, metrics,
-                                template=chat_template(spec.path, cfg.chat_template))
+                                template=chat_template(spec.path, cfg.chat_template),
+                                port=port, tls=tls)
     language_pb2_grpc.add_LanguageServicer_to_server(servicer, server)
     if cfg.metrics_port:
         serve_metrics(cfg.metrics_port, cfg.host, registry)
@@ -203,9 +216,9 @@ async def run(
                                           cfg.health_port)
     stop = serving.stop_on_signals(stop)
     log.info(
-        "language ready on %s (model %s, %s %s, %d KV pages of %d, transfer %s)",
+        "language ready on %s (model %s, %s %s, %d KV pages of %d, role %s, transfer %s)",
         address, cfg.model, engine.runner.device, engine.runner.dtype,
-        engine.pool.num_total, engine.runner.page_size, transfer.session_id,
+        engine.pool.num_total, engine.runner.page_size, cfg.role, transfer.session_id,
     )
     if ready is not None:
         ready.set()

@@ -46,6 +46,7 @@ from tandem.chat import (
     tools_from_json,
 )
 from tandem.errors import abort
+from tandem.internal_tls import InternalTLS, aio_channel
 from tandem.sampling import SamplingError
 from tandem.sampling import from_proto as sampling_from_proto
 from tandem.services.language.engine.core import Engine
@@ -53,10 +54,18 @@ from tandem.services.language.engine.request import (
     FINISH_REASONS,
     Request,
     RequestSpec,
+    RequestStatus,
     StageTrace,
     StreamDelta,
 )
 from tandem.services.language.engine.scheduler import AdmissionError
+from tandem.services.language.handoff import (
+    DecodeLink,
+    HandOffError,
+    KVPort,
+    PrefillLink,
+    layout_from_proto,
+)
 from tandem.services.language.metrics import LanguageMetrics
 from tandem.serving import deadline_from_proto
 from tandem.transfer import BlockAllocator, EmbeddingReceiver, TransferError
@@ -124,10 +133,17 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         limits: ServiceLimits,
         metrics: LanguageMetrics,
         template: ChatTemplate | None = None,
+        port: KVPort | None = None,
+        tls: InternalTLS | None = None,
     ) -> None:
         self.engine, self.receiver, self.allocator = engine, receiver, allocator
         self.template = template  # None: text-only chats are refused
         self.limits, self.metrics = limits, metrics
+        # E/P/D: this instance's KV port (None: `both`, which takes no Prefill and names none)
+        self.port = port
+        self.role = port.role if port is not None else "both"
+        self.tls = tls  # a decode instance's client credentials for its prefill instances
+        self._peers: dict[str, grpc.aio.Channel] = {}  # prefill instances' channels
         metrics.serving(limits.model)
         self.transferring: set[int] = set()
         self.streams: set[int] = set()  # rooms with a Generate call in progress
@@ -140,6 +156,23 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         return len(self.streams)
 
     async def Generate(self, request, context):  # noqa: N802
+        if request.prefill_address:
+            gen = self._decode(request, context)
+        elif self.role != "both":
+            why = ("takes requests that name a prefill instance (prefill_address)"
+                   if self.role == "decode" else "serves only decode instances (Prefill)")
+            yield error_response("FAILED_PRECONDITION",
+                                 f"this language instance has --role {self.role}: it {why}")
+            return
+        else:
+            gen = self._generate(request, context)
+        async for out in gen:
+            yield out
+
+    async def _generate(self, request, context, link: PrefillLink | None = None):
+        """Generate's body; with `link` (a prefill instance, its Prefill stream) the pages
+        are reserved on the decode instance before any compute, and the request ends after
+        its first token, its pages written there (`PrefillLink.send`)."""
         room = request.room
         if self.draining:
             yield error_response("UNAVAILABLE", "language instance is draining")
@@ -215,12 +248,23 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                 # and the request's time_to_first_row_ms are this one figure
                 first_row_ms = (time.monotonic() - t0) * 1e3
                 self.metrics.first_row.observe(first_row_ms / 1e3)
+            if link is not None:  # -- E/P/D: the decode instance reserves first --
+                try:
+                    await link.reserve(prompt)
+                except HandOffError as e:
+                    self.engine.unpin(room)
+                    self.receiver.release(prompt)  # never reached a step
+                    outcome = f"{e.code} reserving on the decode instance: {e.message}"
+                    tracing.fail(span, e.code, e.message)
+                    yield error_response(e.code, e.message)
+                    return
             transfer_ms = (time.monotonic() - t0) * 1e3
             # -- 2. the engine generates --
             req = self.engine.request(
                 RequestSpec(room, sampling, prompt, request_id=request.request_id,
                             priority=request.priority, cache_salt=request.cache_salt,
-                            deadline=time.monotonic() + (deadline - now)),
+                            deadline=time.monotonic() + (deadline - now),
+                            hand_off=link is not None),
                 grammar_future=grammar,
                 trace=StageTrace(tracing.exemplar(span)) if span.is_recording() else None)
             q: asyncio.Queue[StreamDelta] = asyncio.Queue()
@@ -251,6 +295,21 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                     while not d.finished and not q.empty():
                         d = _merge(d, q.get_nowait())
                     finished = d.finished
+                    if d.finish_reason is RequestStatus.FINISHED_HANDED_OFF:
+                        # its first token, then its pages to the decode instance, which
+                        # goes on with the request (no final message from here)
+                        d.finish_reason = None
+                        yield delta_to_proto(d, transfer_ms, token_text=self._token_text)
+                        try:
+                            await link.send(req, self.engine.reserved_pages(room))
+                        except HandOffError as e:
+                            outcome = f"{e.code} handing off: {e.message}"
+                            tracing.fail(span, e.code, e.message)
+                            yield error_response(e.code, e.message)
+                            return
+                        outcome = (f"handed off, {d.prompt_tokens} prompt tokens' KV in "
+                                   f"{link.chunks} chunk(s)")
+                        return
                     if finished:
                         outcome = (f"{d.finish_reason.label}, {d.prompt_tokens} prompt + "
                                    f"{d.completion_tokens} output tokens")
@@ -268,6 +327,170 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             if grammar is not None and not submitted:  # the engine never owned its interest
                 self.engine.grammars.abandon(grammar)
             self.engine.unpin(room)  # NOTE: a no-op once submitted (the request took the pin)
+            self.streams.discard(room)
+            log.info("%s room %d: %s", request.request_id or "-", room, outcome)
+            if outcome == "cancelled":
+                tracing.fail(span, "CANCELLED")
+            span.end()
+
+    async def Prefill(self, request_iterator, context):  # noqa: N802
+        """E/P/D, a prefill instance: run a decode instance's request up to its first
+        token and write its KV pages there (services/language/handoff.py)."""
+        async def write(msg) -> None:
+            await context.write(msg)
+
+        async def refuse(code: str, message: str) -> None:
+            await write(language_pb2.PrefillResponse(finished=error_response(code, message)))
+
+        if self.role != "prefill":
+            await refuse("FAILED_PRECONDITION", f"this language instance has --role "
+                         f"{self.role}: only a prefill instance serves Prefill")
+            return
+        incoming = request_iterator.__aiter__()
+        try:
+            first = await incoming.__anext__()
+        except StopAsyncIteration:
+            return
+        if first.WhichOneof("msg") != "open":
+            await refuse("INVALID_ARGUMENT", "a Prefill stream starts with PrefillOpen")
+            return
+        request = first.open.request
+        try:
+            self.port.layout.check(layout_from_proto(first.open.layout))
+        except HandOffError as e:
+            await refuse(e.code, e.message)
+            return
+        except TransferError as e:
+            await refuse(e.code, e.reason)
+            return
+        deadline = deadline_from_proto(request.deadline_unix_ms, self.limits.request_timeout_s,
+                                       time.time())
+        link = PrefillLink(self.port, incoming, write, request.room, deadline)
+        async for out in self._generate(request, context, link):
+            ended = out.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+            await write(language_pb2.PrefillResponse(**{"finished" if ended else "first": out}))
+
+    async def _decode(self, request, context):
+        """E/P/D, a decode instance: the request's prompt runs on `prefill_address`, which
+        writes its KV pages into pages reserved here; the first token comes from there,
+        the rest from here (services/language/handoff.py)."""
+        room = request.room
+        if self.role != "decode":
+            yield error_response("FAILED_PRECONDITION", f"this language instance has --role "
+                                 f"{self.role}: a request naming a prefill instance needs a "
+                                 f"decode instance")
+            return
+        if self.draining:
+            yield error_response("UNAVAILABLE", "language instance is draining")
+            return
+        try:
+            sampling = sampling_from_proto(request.sampling)
+        except SamplingError as e:
+            yield error_response("INVALID_ARGUMENT", str(e), field=f"sampling.{e.field}")
+            return
+        if room in self.streams:
+            yield error_response("ALREADY_EXISTS", f"room {room} is already in progress")
+            return
+        now = time.time()
+        deadline = deadline_from_proto(request.deadline_unix_ms, self.limits.request_timeout_s, now)
+        if deadline <= now:
+            yield error_response("DEADLINE_EXCEEDED", "deadline already passed", abort=True)
+            return
+        self.streams.add(room)
+        span = tracing.start("language.generate", tracing.from_call(context),
+                             kind=tracing.SpanKind.SERVER,
+                             attributes={tracing.REQUEST_ID: request.request_id,
+                                         tracing.ROOM: room,
+                                         "tandem.prefill.address": request.prefill_address})
+        outcome = "cancelled"
+        link = DecodeLink(self.port, self.engine, room, deadline)
+        link.open(request)
+        channel = self._peers.get(request.prefill_address)
+        if channel is None:
+            channel = self._peers[request.prefill_address] = aio_channel(
+                request.prefill_address, self.tls)
+        call = language_pb2_grpc.LanguageStub(channel).Prefill(
+            link.requests(), timeout=max(0.001, deadline - now), metadata=tracing.metadata(span))
+        grammar = (self.engine.grammars.compile(sampling.grammar, request.client_id)
+                   if sampling.grammar is not None else None)
+        submitted = finished = False
+        try:
+            landed = None
+            async for msg in call:
+                kind = msg.WhichOneof("msg")
+                if kind == "prompt":
+                    await link.reserve(msg.prompt, self.engine.cfg.max_model_len)
+                elif kind == "first":
+                    f = msg.first
+                    if len(f.token_ids) != 1 or link.first is not None:
+                        raise HandOffError(f"first message with {len(f.token_ids)} tokens",
+                                           "INVALID_ARGUMENT")
+                    link.first = (f.token_ids[0], f.logprobs[0].logprob if f.logprobs else None)
+                    yield f  # the first token goes out as soon as the prefill side has it
+                elif kind == "finished":  # the request ended there (EOS, length, an error)
+                    finished = True
+                    f = msg.finished
+                    outcome = (f"ended on the prefill instance: "
+                               f"{common_pb2.FinishReason.Name(f.finish_reason)}")
+                    yield f
+                    return
+                elif kind == "chunk":
+                    await link.land(msg.chunk)
+                elif kind == "done":
+                    landed = link.done(msg.done)
+                    break
+            if landed is None:
+                raise HandOffError("the prefill instance's stream ended before Done",
+                                   "UNAVAILABLE")
+            req = self.engine.request(
+                RequestSpec(room, sampling, landed.prompt, request_id=request.request_id,
+                            priority=request.priority, cache_salt=request.cache_salt,
+                            deadline=time.monotonic() + (deadline - time.time())),
+                grammar_future=grammar)
+            q: asyncio.Queue[StreamDelta] = asyncio.Queue()
+            loop = asyncio.get_running_loop()
+            self.engine.submit(req, lambda d: loop.call_soon_threadsafe(q.put_nowait, d),
+                               handoff=landed.handoff)
+            submitted = True
+            link.outgoing.put_nowait(None)  # our side closes: the prefill side frees its pages
+            while not finished:
+                d = await q.get()
+                while not d.finished and not q.empty():
+                    d = _merge(d, q.get_nowait())
+                finished = d.finished
+                out = delta_to_proto(d, token_text=self._token_text)
+                if finished:
+                    outcome = (f"{d.finish_reason.label}, {d.prompt_tokens} prompt + "
+                               f"{d.completion_tokens} output tokens (prefilled on "
+                               f"{request.prefill_address})")
+                    p, mine = landed.prefill_timings, out.timings  # its prompt's ran there
+                    out.timings.CopyFrom(common_pb2.StageTimings(
+                        queue_ms=p.queue_ms, prefill_ms=p.prefill_ms, decode_ms=mine.decode_ms,
+                        early_prefill_tokens=landed.early_prefill_tokens))
+                yield out
+        except HandOffError as e:
+            outcome = f"{e.code} in the hand-off: {e.message}"
+            tracing.fail(span, e.code, e.message)
+            yield error_response(e.code, e.message)
+        except AdmissionError as e:
+            outcome = f"{e.code} at admission: {e.message}"
+            tracing.fail(span, e.code, e.message)
+            yield error_response(e.code, e.message, field=e.field)
+        except grpc.aio.AioRpcError as e:
+            code = ("DEADLINE_EXCEEDED" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                    else "UNAVAILABLE")
+            outcome = f"{code} from the prefill instance: {e.details()}"
+            tracing.fail(span, code, outcome)
+            yield error_response(code, f"prefill instance {request.prefill_address}: "
+                                 f"{e.code().name}: {e.details()}")
+        finally:
+            if submitted and not finished:  # client gone: free its pages now
+                self.engine.abort(room, "client cancelled", "CANCELLED")
+            if not call.done():
+                call.cancel()
+            link.release()
+            if grammar is not None and not submitted:
+                self.engine.grammars.abandon(grammar)
             self.streams.discard(room)
             log.info("%s room %d: %s", request.request_id or "-", room, outcome)
             if outcome == "cancelled":
@@ -355,6 +578,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             total_embedding_blocks=self.allocator.num_total,
             draining=self.draining,
             model=self.limits.model,
+            role=self.role,
         )
 
 

@@ -174,6 +174,10 @@ class KVStaging:
     def num_free(self) -> int:
         return self._free.count(1)
 
+    @property
+    def num_slots(self) -> int:
+        return len(self._free)
+
     def register(self, engine) -> None:
         engine.register(self.rows)
 

@@ -49,11 +49,19 @@ from tandem.services.language.engine.request import (
     StageTrace,
     StreamDelta,
 )
-from tandem.services.language.engine.sampler import sample
+from tandem.services.language.engine.sampler import restore_generator, sample
 from tandem.services.language.engine.scheduler import AdmissionError, ScheduleLimits, Scheduler
-from tandem.services.language.engine.types import Abort, EngineConfig, Live, Sink, Submit
+from tandem.services.language.engine.types import (
+    Abort,
+    EngineConfig,
+    HandOff,
+    Live,
+    Sink,
+    Submit,
+)
 from tandem.services.language.metrics import LanguageMetrics
 from tandem.transfer.payload import PromptInfo
+from tandem.units import ceil_div
 
 log = logging.getLogger("tandem.language.engine")
 
@@ -149,14 +157,28 @@ class Engine:
         return Request(spec, grammar_future=grammar_future, trace=trace,
                        max_new_tokens=self.max_new_tokens(spec.sampling, spec.prompt.end))
 
-    def submit(self, req: Request, sink: Sink) -> None:
+    def reserve_pages(self, room: int, prompt_tokens: int) -> bool:
+        """E/P/D, a decode instance: hold the KV pages of a `prompt_tokens`-token prompt for
+        `room` while the prefill instance writes them (the decode pre-allocation); False
+        (nothing held) while too few are free. Any thread; `submit(..., handoff=...)`
+        takes them, `unpin(room)` releases them on every other path."""
+        return self.pool.reserve(room, ceil_div(prompt_tokens, self.runner.page_size)) is not None
+
+    def reserved_pages(self, room: int) -> list[int]:
+        """The pages `reserve_pages` (or a hand-off's hold) holds for `room`."""
+        return self.pool.held(room)
+
+    def submit(self, req: Request, sink: Sink, handoff: HandOff | None = None) -> None:
         """Queue a request; raises AdmissionError on bad input. Its prompt is complete, or
         streamed (`prompt.arrived`: the engine prefills the rows that have arrived and
         waits for the rest; its watermark's `on_advance`, given at its construction, should
         call `wake`).
         A prompt that starts after a pinned prefix (`prompt.start` > 0) takes the pin. A
         structured-output request's grammar starts compiling here unless the caller
-        started it earlier (`Request(grammar_future=engine.grammars.compile(spec))`)."""
+        started it earlier (`Request(grammar_future=engine.grammars.compile(spec))`).
+        `handoff` (a decode instance): the prefill instance computed the whole prompt
+        (`prompt.start` is its length, its pages the room's reservation, landed and
+        checked) and sampled its first token; the request goes on from there."""
         vocab = self.runner.vocab_size
         outside = sorted(t for t in req.sampling.logit_bias if t >= vocab)
         if outside:  # as vLLM: a bias on no token is a mistake, not a no-op
@@ -195,7 +217,13 @@ class Engine:
             with self._known_lock:
                 self._known.discard(req.room)
             raise AdmissionError(f"request {req.room}: {e}", "INTERNAL") from None
-        self.scheduler.adopt_pin(req, pages)
+        if handoff is None:
+            self.scheduler.adopt_pin(req, pages)
+        else:
+            self.scheduler.adopt_handoff(req, pages, handoff.first, handoff.logprob,
+                                         handoff.cached_tokens)
+            restore_generator(req, handoff.generator_state, self.runner.device)
+            req.times.first_token = req.times.last_token = time.monotonic()
         self._inbox.put(Submit(req, sink))
         self._wake.set()
 
@@ -260,6 +288,8 @@ class Engine:
                         self.tokenizer, sp.stop, sp.include_stop_str_in_output,
                         sp.skip_special_tokens, sp.spaces_between_special_tokens)
                     live = self._live[req.room] = Live(req, sink, detok)
+                    if req.output_ids:  # handed off: its first token's text went out there
+                        detok.add(list(req.output_ids))
                     if req.trace is not None:
                         self._traced += 1
                     if req.sampler.grammar_future is not None:  # joins the queue once compiled
@@ -285,7 +315,11 @@ class Engine:
             if live.req.status.finished:  # aborted or past its deadline meanwhile
                 continue
             try:
-                live.req.sampler.matcher = matcher(live.req.sampler.grammar_future.result())
+                m = live.req.sampler.matcher = matcher(live.req.sampler.grammar_future.result())
+                # handed off: the prefill instance's matcher accepted its first token
+                if not all(m.accept_token(t) for t in live.req.output_ids):
+                    raise GrammarError("the handed-off tokens break the request's grammar",
+                                       "INTERNAL")
             except CancelledError:  # the compiler was closed under it: the engine is stopping
                 self._finish(live, RequestStatus.FINISHED_ABORT, "the instance is stopping",
                              "UNAVAILABLE")
@@ -393,6 +427,8 @@ class Engine:
             self._finish(live, RequestStatus.FINISHED_STOP, delta=delta)
         elif len(req.output_ids) >= req.max_new_tokens:
             self._finish(live, RequestStatus.FINISHED_LENGTH, delta=delta)
+        elif req.spec.hand_off:  # a prefill instance: the decode instance goes on
+            self._finish(live, RequestStatus.FINISHED_HANDED_OFF, delta=delta)
         else:
             self._emit(live, delta)
 

@@ -36,6 +36,7 @@ import numpy as np
 
 from tandem.services.language.engine.kv_pages import KVPagePool
 from tandem.transfer.payload import ImageSpan
+from tandem.units import ceil_div
 
 PageKey = bytes
 
@@ -218,6 +219,32 @@ class PrefixCache:
             self._pins[room] = pages
         return len(pages) * P
 
+    def reserve(self, room: int, n_pages: int) -> list[int] | None:
+        """E/P/D, a decode instance: `n_pages` fresh pages held for `room` (as its pin)
+        while its KV is on the way from the prefill instance; None (nothing taken) when too
+        few are free. Taken by `take_pin` (all of them) or released by `unpin`."""
+        with self.lock:
+            if room in self._pins:
+                raise ValueError(f"room {room} already holds pages")
+            if not self.can_alloc(n_pages):
+                return None
+            pages = self._pins[room] = self.alloc(n_pages)
+            return list(pages)
+
+    def hold(self, room: int, pages: list[int]) -> None:
+        """E/P/D, a prefill instance: a handed-off request's referenced prompt pages, now
+        held by `room` (its references move, none is taken) until `unpin(room)`, once the
+        decode instance has them."""
+        with self.lock:
+            if room in self._pins:
+                raise ValueError(f"room {room} already holds pages")
+            self._pins[room] = list(pages)
+
+    def held(self, room: int) -> list[int]:
+        """The pages `room` holds (a copy)."""
+        with self.lock:
+            return list(self._pins.get(room, []))
+
     @property
     def num_pinned_for_rooms(self) -> int:
         """Pages rooms hold for prompts still in transfer (they return or move to a request
@@ -233,10 +260,11 @@ class PrefixCache:
 
     def take_pin(self, room: int, tokens: int) -> list[int]:
         """The pages pinned for `room`, now the caller's; they must hold exactly `tokens`
-        (the prompt's first row) or the pin is released and ValueError raised."""
+        (the prompt's first row; pages reserved for a KV transfer hold the page-rounded-up
+        tokens) or the pin is released and ValueError raised."""
         with self.lock:
             pages = self._pins.pop(room, [])
-            if len(pages) * self.page_size != tokens:
+            if len(pages) != ceil_div(tokens, self.page_size):
                 self.free(pages)
                 raise ValueError(f"its prompt starts at token {tokens} but {len(pages)} "
                                  f"cached pages are pinned")

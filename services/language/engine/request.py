@@ -65,6 +65,10 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 8  # max_tokens reached
     FINISHED_ABORT = 9  # client abort, deadline, drain
     FINISHED_ERROR = 10  # server-side failure
+    # (a prefill instance, `RequestSpec.hand_off`) its first token sampled and not an end:
+    # its prompt's pages are held for the decode instance (`PrefixCache.hold`), which
+    # goes on with the request. Not a finish of the request: no wire finish reason.
+    FINISHED_HANDED_OFF = 11
 
     @property
     def finished(self) -> bool:
@@ -105,7 +109,8 @@ FINISH_REASONS: dict[RequestStatus, int] = {
     RequestStatus.FINISHED_ABORT: common_pb2.FINISH_REASON_ABORT,
     RequestStatus.FINISHED_ERROR: common_pb2.FINISH_REASON_ERROR,
 }
-assert set(FINISH_REASONS) == {s for s in RequestStatus if s.finished}
+assert set(FINISH_REASONS) == {s for s in RequestStatus if s.finished} - {
+    RequestStatus.FINISHED_HANDED_OFF}
 
 
 @dataclass
@@ -149,6 +154,9 @@ class RequestSpec:
     # Its prefix-cache namespace (the router's cache_salt, hex; "" = the shared cache): the
     # first page's key starts from it, so pages are shared only within it.
     cache_salt: str = ""
+    # E/P/D, a prefill instance: end after the first token (unless it ends the request)
+    # as FINISHED_HANDED_OFF, its prompt's pages held for the decode instance
+    hand_off: bool = False
 
 
 @dataclass

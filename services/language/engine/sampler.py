@@ -270,6 +270,24 @@ def _generator(req: Request, device: torch.device) -> torch.Generator:
     return req.sampler.generator
 
 
+def generator_state(req: Request) -> bytes:
+    """The request's generator state (b"" when no draw made one): E/P/D hands it from the
+    prefill instance to the decode instance with the first token."""
+    g = req.sampler.generator
+    return bytes(g.get_state().numpy().tobytes()) if g is not None else b""
+
+
+def restore_generator(req: Request, state: bytes, device: torch.device) -> None:
+    """Continue the draws of a request handed off by a prefill instance: its generator as
+    `generator_state` gave it there (nothing when b""), so the seed contract holds across
+    the two instances. NOTE: a CPU generator's state; a CUDA one's differs (P/D is CPU only)."""
+    if not state:
+        return
+    g = torch.Generator(device=device)
+    g.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+    req.sampler.generator = g
+
+
 # Rows filtered and drawn in one pass: all of them on CUDA (kernel launches are the cost);
 # one at a time on the CPU, where a row's chain of ops then stays in cache (a 32-row pass
 # over a 152K vocabulary streams 19 MB through every op: 1.1-1.4x slower, docs/benchmarks.md).

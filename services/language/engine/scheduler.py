@@ -190,7 +190,10 @@ class Scheduler:
                 self.running.remove(req)
             else:
                 self.waiting.remove(req)
-            self._free_pages(req)
+            if status is RequestStatus.FINISHED_HANDED_OFF:
+                self._hold_prompt_pages(req)
+            else:
+                self._free_pages(req)
         req.transition(status)
 
     def await_grammar(self, req: Request) -> None:
@@ -204,6 +207,18 @@ class Scheduler:
         req.kv.block_table = list(pages)
         req.kv.num_pinned_pages = req.kv.num_keyed_pages = len(pages)
         req.kv.num_computed_tokens = req.prompt.start
+
+    def adopt_handoff(self, req: Request, pages: list[int], first: int,
+                      logprob: float | None, cached_tokens: int) -> None:
+        """E/P/D, a decode instance: a new request whose whole prompt's KV (tokens
+        [0, prompt.start), landed and checked in `pages`, the room's reservation) the
+        prefill instance computed, and its first token, sampled there. It holds the pages
+        for its whole life (a retraction recomputes only its output) and its next step
+        computes the first token's K/V and samples the second; `cached_tokens` is what the
+        prefill side's prefix cache held (its usage)."""
+        self.adopt_pin(req, pages)
+        req.kv.cached_tokens = cached_tokens
+        req.append_output(first, logprob)
 
     @property
     def num_waiting(self) -> int:
@@ -430,12 +445,25 @@ class Scheduler:
         keep = req.kv.num_pinned_pages
         self.pool.free(req.kv.block_table[keep:])
         del req.kv.block_table[keep:]
-        req.kv.num_computed_tokens = keep * self.page_size
+        # NOTE: the pinned pages hold exactly the tokens before the prompt's first row (a
+        # cached prefix: whole pages; a handed-off prompt: all of it, its last page part)
+        assert ceil_div(req.prompt.start, self.page_size) == keep
+        req.kv.num_computed_tokens = req.prompt.start
         req.kv.num_keyed_pages = min(req.kv.num_keyed_pages, keep)
         req.kv.num_retractions += 1
         self.num_retractions += 1
         req.transition(RequestStatus.WAITING)
         self.waiting.push(req)
+
+    def _hold_prompt_pages(self, req: Request) -> None:
+        """A handed-off request's prompt pages move to its room's hold (the rest, if any,
+        freed): the prefill instance sends them from there."""
+        n = ceil_div(req.prompt_len, self.page_size)
+        assert req.kv.num_computed_tokens >= req.prompt_len, "handed off before its prompt"
+        self.pool.free(req.kv.block_table[n:])
+        self.pool.hold(req.room, req.kv.block_table[:n])
+        req.kv.block_table = []
+        req.kv.num_computed_tokens = req.kv.num_pinned_pages = req.kv.num_keyed_pages = 0
 
     def _free_pages(self, req: Request) -> None:
         if req.kv.block_table:

@@ -34,6 +34,17 @@ class Submit:
     sink: Sink
 
 
+@dataclass(frozen=True)
+class HandOff:
+    """E/P/D: what a decode instance's request continues from (the prefill instance's
+    PrefillDone and first token): `Engine.submit(..., handoff=...)`."""
+
+    first: int  # the first token, sampled on the prefill instance
+    logprob: float | None  # its logprob (None when the request asked for none)
+    cached_tokens: int  # prompt tokens the prefill side's prefix cache held
+    generator_state: bytes  # the sampler's generator after that draw (b"": none made)
+
+
 @dataclass
 class Abort:
     """Inbox event: end `room`'s request with an error message and a gRPC code name, as

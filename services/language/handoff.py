@@ -1,0 +1,314 @@
+"""E/P/D: a request's prompt on a prefill instance, its decoding on a decode instance
+(docs/architecture.md, "Prefill and decode apart"). Both sides of the `Prefill` stream,
+which the decode instance opens when its Generate names `prefill_address`:
+
+    decode (D)                                     prefill (P)
+    PrefillOpen(request, KV layout)  ───────────▶  the prompt: tokenized, or Attach to the
+                                                   encoder (as a `both` instance's Generate)
+                                     ◀───────────  PrefillPrompt(length, token ids)
+    reserve its pages and inbox slots (waits here
+    while too few are free: the pre-allocation
+    queue; P holds only its embedding blocks)
+    PrefillRoom(session, slots, secret) ────────▶  prefill (chunked, prefix cache), sample
+                                     ◀───────────  first: the first token (relayed at once)
+                                                   or finished: the request ended there
+                                                   (EOS, stop, max_tokens, an error)
+                                     ◀───────────  chunk: pages written (tag), per chunk
+    land each chunk in its reserved pages and
+    check its tag there (DATA_LOSS: pages freed
+    unread, the request fails before any more
+    output: the router retries it elsewhere)
+                                     ◀───────────  done: MRoPE delta, generator state,
+                                                   cached tokens, P's stage timings
+    the request joins its running batch
+    (`Engine.submit(handoff=...)`); its send
+    side closes  ────────────────────────────────▶  the held pages are freed
+
+Invariants: P computes nothing before D has reserved the pages it will fill (so no KV is
+computed that has nowhere to go); P holds the prompt's pages (`PrefixCache.hold`) until
+D closes its side (or the stream breaks), so a retry elsewhere could take them again;
+D reads no landed page before its tag passed (`KVKeys.open_pages`); every path frees the
+reservation (D: `Engine.unpin`, `KVStaging.drop`) and the hold (P: `Engine.unpin`).
+
+Limits (refused at start-up, by name): tensor parallel 1, the CPU (the pages are packed
+and checked in host memory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import torch
+
+from tandem.config import TransferConfig
+from tandem.services.language.engine.request import Request
+from tandem.services.language.engine.sampler import generator_state
+from tandem.services.language.engine.types import HandOff
+from tandem.transfer.buffers import RowProtection
+from tandem.transfer.errors import TransferError
+from tandem.transfer.kv import KVChunk, KVDestination, KVKeys, KVPageLayout, KVStaging, send_pages
+from tandem.transfer.payload import PromptInfo, PromptPayload
+from tandem.units import ceil_div
+from tandem.v1 import common_pb2, language_pb2
+
+log = logging.getLogger("tandem.language.handoff")
+
+ROLES = ("both", "prefill", "decode")
+# How often a decode instance looks again for free pages and inbox slots (its
+# pre-allocation queue is this wait; a request gives up at its deadline)
+RESERVE_POLL_S = 0.02
+
+
+class HandOffError(Exception):
+    """A hand-off that failed, with the gRPC code name the request ends with."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.message, self.code = message, code
+
+
+def layout_to_proto(layout: KVPageLayout) -> language_pb2.KVLayout:
+    return language_pb2.KVLayout(layers=layout.layers, page_size=layout.page_size,
+                                 kv_heads=layout.kv_heads, head_dim=layout.head_dim,
+                                 dtype=str(layout.dtype).removeprefix("torch."))
+
+
+def layout_from_proto(m: language_pb2.KVLayout) -> KVPageLayout:
+    dtype = getattr(torch, m.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise HandOffError(f"KV layout names no torch dtype: {m.dtype!r}", "INVALID_ARGUMENT")
+    return KVPageLayout(m.layers, m.page_size, m.kv_heads, m.head_dim, dtype)
+
+
+@dataclass
+class KVPort:
+    """One instance's side of KV transfers: its Mooncake engine, its registered staging
+    area (a prefill instance's outbox, a decode instance's inbox), its KV cache and the
+    transfer settings (protection, timeout)."""
+
+    role: str
+    engine: object  # tandem.transfer.engine.MooncakeEngine
+    staging: KVStaging
+    cache: object  # runner/kv_cache.KVCache
+    transfer: TransferConfig
+
+    @property
+    def layout(self) -> KVPageLayout:
+        return self.staging.layout
+
+
+def refuse_role(role: str, tp: int, device: torch.device) -> str:
+    """Why this instance cannot take `role` ("" when it can)."""
+    if role == "both":
+        return ""
+    if tp != 1:
+        return f"--role {role} needs --tp 1 (a rank's share of the KV heads is not built)"
+    if device.type != "cpu":
+        return (f"--role {role} runs on the CPU only (KV pages are packed and checked in host "
+                f"memory; landing on {device.type} is not built)")
+    return ""
+
+
+# ---- the prefill side ----------------------------------------------------------------
+
+
+class PrefillLink:
+    """A prefill instance's end of one Prefill stream: the decode side's messages
+    (`incoming`, after its PrefillOpen) and the stream's writer (`write`)."""
+
+    def __init__(self, port: KVPort, incoming: AsyncIterator, write, room: int,
+                 deadline: float) -> None:
+        self.port, self._incoming, self._write = port, incoming, write
+        self.room, self.deadline = room, deadline  # (time.time() seconds)
+        self.dest: KVDestination | None = None
+        self.chunks = 0
+
+    async def _next(self, what: str):
+        left = self.deadline - time.time()
+        try:
+            return await asyncio.wait_for(self._incoming.__anext__(), max(left, 0.001))
+        except StopAsyncIteration:
+            raise HandOffError(f"the decode instance closed the stream {what}",
+                               "UNAVAILABLE") from None
+        except asyncio.TimeoutError:
+            raise HandOffError(f"deadline passed {what}", "DEADLINE_EXCEEDED") from None
+
+    async def reserve(self, prompt: PromptPayload) -> None:
+        """Say the prompt's length and ids; return once the decode instance reserved its
+        pages (its PrefillRoom): nothing is computed here before that."""
+        if prompt.info is None and prompt.arrived is not None:  # its ids fill in as it comes
+            await prompt.arrived.reach(prompt.arrived.total)
+        ids = (prompt.info.token_ids if prompt.info is not None
+               else prompt.fill_ids.tolist())
+        await self._write(language_pb2.PrefillResponse(prompt=language_pb2.PrefillPrompt(
+            prompt_tokens=prompt.end, token_ids=ids)))
+        msg = await self._next("before reserving the prompt's pages")
+        if msg.WhichOneof("msg") != "room":
+            raise HandOffError(f"expected PrefillRoom, got {msg.WhichOneof('msg')}",
+                               "INVALID_ARGUMENT")
+        r = msg.room
+        pages = ceil_div(prompt.end, self.port.layout.page_size)
+        if len(r.slots) != pages:
+            raise HandOffError(f"PrefillRoom names {len(r.slots)} slots for {pages} pages",
+                               "INVALID_ARGUMENT")
+        protection = RowProtection(r.protect, bytes(r.protection_key))
+        if not protection.at_least(self.port.transfer.protect):
+            raise HandOffError(f"the decode side protects with {r.protect!r}, below this "
+                               f"instance's --transfer.protect {self.port.transfer.protect!r}",
+                               "FAILED_PRECONDITION")
+        self.dest = KVDestination(r.session, r.base, list(r.slots), self.room, r.generation,
+                                  protection)
+
+    async def send(self, req: Request, pages: list[int]) -> None:
+        """Write the handed-off request's prompt `pages` (held by its room), report each
+        chunk, then Done; return once the decode side closed its side (it holds the
+        pages: ours may go)."""
+        loop = asyncio.get_running_loop()
+
+        def on_chunk(c: KVChunk) -> None:  # the sender's thread: the report, in order
+            asyncio.run_coroutine_threadsafe(self._write(language_pb2.PrefillResponse(
+                chunk=language_pb2.PrefillChunk(first=c.first, pages=c.pages, chunk_tag=c.tag))),
+                loop).result()
+
+        port = self.port
+        try:
+            sent = await loop.run_in_executor(None, lambda: send_pages(
+                port.engine, port.cache, pages, port.staging, self.dest, on_chunk))
+        except TransferError as e:
+            raise HandOffError(f"KV pages to {self.dest.peer}: {e.reason}", e.code) from None
+        self.chunks = len(sent.chunks)
+        t = req.times.ms()
+        await self._write(language_pb2.PrefillResponse(done=language_pb2.PrefillDone(
+            mrope_position_delta=req.prompt.mrope_delta, drawn_seed=req.sampler.seed or 0,
+            generator_state=generator_state(req), cached_tokens=req.kv.cached_tokens or 0,
+            timings=common_pb2.StageTimings(queue_ms=t["queue"], prefill_ms=t["prefill"]),
+            early_prefill_tokens=req.early_prefill_tokens)))
+        try:
+            await self._next("after Done")  # its close (a message here is a mistake)
+            raise HandOffError("the decode side sent a message after Done", "INVALID_ARGUMENT")
+        except HandOffError as e:
+            if e.code != "UNAVAILABLE":  # UNAVAILABLE: it closed its side, as it should
+                raise
+
+
+# ---- the decode side -----------------------------------------------------------------
+
+
+@dataclass
+class Landed:
+    """What a decode instance has of a hand-off once the prefill side's Done came."""
+
+    prompt: PromptPayload  # no rows: tokens [0, start) are its reserved pages
+    handoff: HandOff
+    prefill_timings: common_pb2.StageTimings
+    early_prefill_tokens: int
+
+
+class DecodeLink:
+    """A decode instance's end of one Prefill stream: reserve, land and check, and what the
+    request continues from. `outgoing` feeds the call's request iterator."""
+
+    def __init__(self, port: KVPort, engine, room: int, deadline: float) -> None:
+        self.port, self.engine, self.room = port, engine, room
+        self.deadline = deadline  # time.time() seconds
+        self.outgoing: asyncio.Queue = asyncio.Queue()
+        self.protection = RowProtection.new(port.transfer.protect)
+        self.generation = 1
+        self.pages: list[int] = []
+        self.prompt_tokens = 0
+        self.token_ids: list[int] = []
+        self.landed = 0  # pages landed and checked
+        self.first: tuple[int, float | None] | None = None
+
+    async def requests(self):
+        while True:
+            msg = await self.outgoing.get()
+            if msg is None:
+                return
+            yield msg
+
+    def open(self, request: language_pb2.LanguageGenerateRequest) -> None:
+        inner = language_pb2.LanguageGenerateRequest()
+        inner.CopyFrom(request)
+        inner.prefill_address = ""
+        self.outgoing.put_nowait(language_pb2.PrefillRequest(open=language_pb2.PrefillOpen(
+            request=inner, layout=layout_to_proto(self.port.layout))))
+
+    async def reserve(self, prompt: language_pb2.PrefillPrompt, max_model_len: int) -> None:
+        """Pages for the prompt (and inbox slots, one per page), waiting while too few are
+        free; then the PrefillRoom naming them."""
+        n, ps = prompt.prompt_tokens, self.port.layout.page_size
+        if not 0 < n < max_model_len or len(prompt.token_ids) != n:
+            raise HandOffError(f"prefill side announced a {n}-token prompt with "
+                               f"{len(prompt.token_ids)} ids (max_model_len {max_model_len})",
+                               "INVALID_ARGUMENT")
+        pages = ceil_div(n, ps)
+        inbox = self.port.staging
+        if pages + 1 > self.engine.pool.num_total or pages > inbox.num_slots:
+            raise HandOffError(f"a {n}-token prompt needs {pages} KV pages and inbox slots; "
+                               f"this decode instance has {self.engine.pool.num_total} pages "
+                               f"and {inbox.num_slots} slots", "RESOURCE_EXHAUSTED")
+        self.prompt_tokens, self.token_ids = n, list(prompt.token_ids)
+        slots = None
+        while True:
+            if not self.pages and self.engine.reserve_pages(self.room, n):
+                self.pages = self.engine.reserved_pages(self.room)
+            if self.pages and slots is None:
+                slots = inbox.reserve(pages, self.room)
+            if slots is not None:
+                break
+            if time.time() >= self.deadline:
+                raise HandOffError("deadline passed waiting for free KV pages",
+                                   "DEADLINE_EXCEEDED")
+            await asyncio.sleep(RESERVE_POLL_S)
+        self.outgoing.put_nowait(language_pb2.PrefillRequest(room=language_pb2.PrefillRoom(
+            session=self.port.engine.session_id, base=inbox.base, slots=slots,
+            protect=self.protection.mode, protection_key=self.protection.key,
+            generation=self.generation)))
+
+    async def land(self, c: language_pb2.PrefillChunk) -> None:
+        """Land one reported chunk in its reserved pages and check its tag there (no step
+        reads them before); DATA_LOSS when the check fails."""
+        if c.first != self.landed or c.pages < 1 or c.first + c.pages > len(self.pages):
+            raise HandOffError(f"chunk of pages [{c.first}, {c.first + c.pages}) after "
+                               f"{self.landed} of {len(self.pages)}", "INVALID_ARGUMENT")
+        part = self.pages[c.first : c.first + c.pages]
+        keys = KVKeys.derive(self.protection, self.room, self.generation, c.first, c.pages)
+        port = self.port
+
+        def land() -> None:
+            port.staging.land(self.room, port.cache, part, first=c.first)
+            if keys is not None:
+                keys.open_pages(port.cache, part, bytes(c.chunk_tag))
+
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, land)
+        except TransferError as e:
+            raise HandOffError(e.reason, e.code) from None
+        self.landed += c.pages
+
+    def done(self, d: language_pb2.PrefillDone) -> Landed:
+        if self.landed != len(self.pages) or self.first is None:
+            raise HandOffError(f"Done after {self.landed} of {len(self.pages)} pages"
+                               f"{'' if self.first else ' and no first token'}",
+                               "DATA_LOSS")
+        empty = torch.empty(0, dtype=torch.int32)
+        prompt = PromptPayload(None, empty, torch.empty((3, 0), dtype=torch.int32),
+                               int(d.mrope_position_delta), start=self.prompt_tokens,
+                               info=PromptInfo(self.token_ids))
+        first, logprob = self.first
+        return Landed(prompt, HandOff(first, logprob, d.cached_tokens,
+                                      bytes(d.generator_state)),
+                      d.timings, d.early_prefill_tokens)
+
+    def release(self) -> None:
+        """Every path: the inbox slots still held are wiped and freed, and the pages go
+        back unless a submitted request took them."""
+        if self.port.staging.held(self.room):
+            self.port.staging.drop(self.room)
+        self.engine.unpin(self.room)
+        self.outgoing.put_nowait(None)

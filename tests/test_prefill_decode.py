@@ -1,0 +1,262 @@
+"""E/P/D (issue 39, services/language/handoff.py): a real encoder, a prefill instance
+(`--role prefill`), a decode instance (`--role decode`) and a `both` instance, their
+`run()`s in one event loop, driven as the router drives them: Generate(room, encoder,
+prefill_address) on the decode instance and Encode(room, chat) on the encoder.
+
+- Greedy output equals transformers `generate()` for image chats (three at once, MRoPE
+  deltas that differ per prompt; Qwen3-VL's deepstack) and a text-only chat (the prefill
+  instance tokenizes it): the first token from the prefill instance, the rest decoded on
+  the decode instance from the KV pages it landed and checked (`--transfer.protect mac`).
+- A seeded sampled request gives the same tokens as on a `both` instance (the sampler's
+  generator goes with the pages), with logprobs.
+- A request that ends at its first token (max_tokens 1) ends on the prefill instance, and
+  no page moves.
+- The roles refuse what is not theirs (FAILED_PRECONDITION).
+- Afterwards every KV page, embedding block and staging slot is free on both instances.
+
+No test here bounds a duration: every wait is a hang guard (tests/waiting.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+from language_oracle import generate, load
+from waiting import wait_until
+
+sys.path.insert(0, str(Path(__file__).parent))
+from encoder_peers.chats import hf_messages, png, to_proto  # noqa: E402
+
+from tandem.chat import ImageInput, Message  # noqa: E402
+from tandem.launch.procs import free_port  # noqa: E402
+from tandem.v1 import (  # noqa: E402
+    common_pb2,
+    encoder_pb2,
+    encoder_pb2_grpc,
+    language_pb2,
+    language_pb2_grpc,
+)
+
+pytestmark = pytest.mark.timeout(300)
+HANG_GUARD_S = 120.0
+MAX_NEW = 6
+
+
+def image_chat(seed: int) -> list[Message]:
+    w, h = [(64, 48), (40, 150), (120, 90)][seed % 3]
+    return [Message("system", ("You are terse.",)),
+            Message("user", (f"Describe case {seed}:", ImageInput(data=png(w, h, seed)),
+                             "in a word"))]
+
+
+def text_chat() -> list[Message]:
+    return [Message("user", ("Count from one to ten, slowly, and say why.",))]
+
+
+_oracles: dict = {}
+
+
+def expected(ckpt: Path, messages: list[Message]) -> list[int]:
+    key = (str(ckpt), repr(messages))
+    if key not in _oracles:
+        model, processor = load(ckpt)
+        msgs, images = hf_messages(messages)
+        text = processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        inputs = dict(processor(text=[text], images=images or None, return_tensors="pt"))
+        _oracles[key] = generate(model, inputs, MAX_NEW)[0]
+    return _oracles[key]
+
+
+class Cluster:
+    """An encoder, a prefill, a decode and a `both` instance in one background loop."""
+
+    def __init__(self, ckpt: Path, protect: str = "mac") -> None:
+        from tandem.config import TransferConfig
+        from tandem.services.encoder.config import EncoderConfig
+        from tandem.services.language.config import LanguageConfig
+
+        self.enc_cfg = EncoderConfig(
+            model=str(ckpt), device="cpu", dtype="float32", port=free_port(),
+            insecure_internal=True, linear_backend="torch",
+            transfer=TransferConfig(timeout_s=20, protect=protect))
+
+        def language(role: str) -> LanguageConfig:
+            # 16-token pages, a 16-token prefill budget and 4 slots per chunk on the wire:
+            # prompts of several chunks, each landed and checked on its own
+            return LanguageConfig(
+                model=str(ckpt), device="cpu", dtype="float32", port=free_port(),
+                insecure_internal=True, kv_pages=128, kv_page_size=16, role=role,
+                embedding_block_size=16, default_reservation_tokens=64, max_prefill_tokens=16,
+                kv_staging_pages=32, transfer=TransferConfig(timeout_s=20, protect=protect))
+
+        self.cfgs = {r: language(r) for r in ("prefill", "decode", "both")}
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def address(self, role: str) -> str:
+        return f"127.0.0.1:{self.cfgs[role].port}"
+
+    def start(self) -> Cluster:
+        from tandem.services.encoder.main import run as run_encoder
+        from tandem.services.language.main import run as run_language
+
+        self.thread.start()
+
+        async def boot():
+            self.stop_ev = asyncio.Event()
+            ready = [asyncio.Event() for _ in range(1 + len(self.cfgs))]
+            self.tasks = [asyncio.ensure_future(run_encoder(self.enc_cfg, ready[0], self.stop_ev))]
+            self.tasks += [asyncio.ensure_future(run_language(c, r, self.stop_ev))
+                           for c, r in zip(self.cfgs.values(), ready[1:], strict=True)]
+            waits = {asyncio.ensure_future(r.wait()) for r in ready}
+            while waits:
+                done, _ = await asyncio.wait([*waits, *self.tasks], timeout=HANG_GUARD_S,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                assert done, "services did not start (hang guard)"
+                for t in self.tasks:
+                    if t.done():
+                        t.result()  # a service that failed to start says why
+                waits = {w for w in waits if not w.done()}
+            self.enc = encoder_pb2_grpc.EncoderStub(
+                grpc.aio.insecure_channel(f"127.0.0.1:{self.enc_cfg.port}"))
+            self.stubs = {r: language_pb2_grpc.LanguageStub(grpc.aio.insecure_channel(
+                self.address(r))) for r in self.cfgs}
+
+        self.call(boot())
+        return self
+
+    def call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(HANG_GUARD_S + 60)
+
+    def stop(self) -> None:
+        async def down():
+            self.stop_ev.set()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+
+        self.call(down())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+
+    async def generate(self, messages: list[Message], sampling: common_pb2.SamplingParams,
+                       on: str = "decode") -> list[language_pb2.LanguageGenerateResponse]:
+        """The router's part: Generate on `on` (the decode instance naming the prefill
+        instance, or the `both` one), Encode on the encoder when the chat has an image."""
+        room = secrets.randbits(62)
+        media = any(isinstance(p, ImageInput) for m in messages for p in m.parts)
+        req = language_pb2.LanguageGenerateRequest(
+            room=room, sampling=sampling,
+            encoder_address=f"127.0.0.1:{self.enc_cfg.port}" if media else "",
+            messages=() if media else to_proto(messages),
+            prefill_address=self.address("prefill") if on == "decode" else "")
+        stream = self.stubs[on].Generate(req)
+        encode = (asyncio.ensure_future(self.enc.Encode(encoder_pb2.EncodeRequest(
+            room=room, messages=to_proto(messages)))) if media else None)
+        out = [msg async for msg in stream]
+        if encode is not None:
+            await encode
+        return out
+
+    def loads(self, role: str):
+        async def get():
+            return await self.stubs[role].GetLoad(language_pb2.LanguageGetLoadRequest())
+
+        return self.call(get())
+
+
+def tokens_of(out) -> list[int]:
+    last = out[-1]
+    assert last.finish_reason in (common_pb2.FINISH_REASON_STOP,
+                                  common_pb2.FINISH_REASON_LENGTH), last
+    return [t for m in out for t in m.token_ids]
+
+
+def assert_idle(c: Cluster) -> None:
+    def idle():
+        for role in ("prefill", "decode"):
+            r = c.loads(role)
+            if not (r.free_kv_pages == r.total_kv_pages
+                    and r.free_embedding_blocks == r.total_embedding_blocks
+                    and r.transferring + r.waiting + r.running == 0):
+                return False
+        return True
+
+    wait_until(idle, timeout_s=HANG_GUARD_S, what="every KV page and block free on P and D")
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def cluster(request, checkpoint):
+    ckpt = checkpoint(request.param)
+    c = Cluster(ckpt).start()
+    c.ckpt = ckpt
+    yield c
+    c.stop()
+
+
+GREEDY = common_pb2.SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+
+
+def test_greedy_image_chats_equal_generate(cluster):
+    chats = [image_chat(seed) for seed in (1, 2, 3)]
+    want = [expected(cluster.ckpt, c) for c in chats]
+
+    async def all_three():
+        return await asyncio.gather(*[cluster.generate(c, GREEDY) for c in chats])
+
+    outs = cluster.call(all_three())
+    for out, w in zip(outs, want, strict=True):
+        assert tokens_of(out) == w
+        assert out[0].token_ids == w[:1]  # the first token: the prefill instance's
+        assert out[-1].usage.completion_tokens == len(w)
+        assert out[-1].usage.prompt_tokens > 16  # several pages moved
+    assert_idle(cluster)
+
+
+def test_greedy_text_chat_equals_generate(cluster):
+    out = cluster.call(cluster.generate(text_chat(), GREEDY))
+    assert tokens_of(out) == expected(cluster.ckpt, text_chat())
+    assert_idle(cluster)
+
+
+def test_seeded_sampling_continues_exactly_on_the_decode_instance(cluster):
+    sampling = common_pb2.SamplingParams(max_tokens=8, temperature=1.0, top_p=0.95, seed=1234,
+                                         logprobs=True, ignore_eos=True)
+    chat = image_chat(4)
+    split = cluster.call(cluster.generate(chat, sampling))
+    whole = cluster.call(cluster.generate(chat, sampling, on="both"))
+    assert tokens_of(split) == tokens_of(whole)
+    lps = [lp.logprob for m in split for lp in m.logprobs]
+    assert lps == pytest.approx([lp.logprob for m in whole for lp in m.logprobs], abs=1e-5)
+    assert_idle(cluster)
+
+
+def test_a_request_that_ends_at_its_first_token_ends_on_the_prefill_instance(cluster):
+    out = cluster.call(cluster.generate(text_chat(), common_pb2.SamplingParams(
+        max_tokens=1, temperature=0.0)))
+    assert tokens_of(out) == expected(cluster.ckpt, text_chat())[:1]
+    assert out[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert_idle(cluster)
+
+
+def test_roles_refuse_what_is_not_theirs(cluster):
+    plain = cluster.call(cluster.generate(text_chat(), GREEDY, on="both"))
+    assert tokens_of(plain) == expected(cluster.ckpt, text_chat())  # `both` as before
+
+    async def direct(role: str, prefill: str = ""):
+        req = language_pb2.LanguageGenerateRequest(
+            room=secrets.randbits(62), sampling=GREEDY, messages=to_proto(text_chat()),
+            prefill_address=prefill)
+        return [m async for m in cluster.stubs[role].Generate(req)]
+
+    for role, prefill in (("decode", ""), ("prefill", ""), ("both", cluster.address("prefill")),
+                          ("decode", cluster.address("both"))):
+        out = cluster.call(direct(role, prefill))
+        assert out[-1].finish_reason == common_pb2.FINISH_REASON_ERROR, (role, prefill)
+        assert out[-1].error.code == "FAILED_PRECONDITION", (role, prefill, out[-1].error)
+    assert cluster.loads("decode").role == "decode"
+    assert_idle(cluster)
