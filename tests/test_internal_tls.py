@@ -102,6 +102,10 @@ def language_calls(stub, encoder_address: str):
         "Tokenize": lambda: stub.Tokenize(language_pb2.TokenizeRequest(prompt="hi"), timeout=5),
         "Detokenize": lambda: stub.Detokenize(language_pb2.DetokenizeRequest(token_ids=[1]),
                                               timeout=5),
+        # E/P/D: a decode instance's call of a prefill instance (language role only)
+        "Prefill": lambda: list(stub.Prefill(iter([language_pb2.PrefillRequest(
+            open=language_pb2.PrefillOpen(request=language_pb2.LanguageGenerateRequest(
+                room=14, encoder_address=encoder_address)))]), timeout=5)),
     }
 
 
@@ -165,7 +169,14 @@ def test_no_method_without_the_right_certificate(cluster, tmp_path):
                 for method, call in calls.items():
                     if (method, role) == ("GetLoad", "operator"):
                         continue
+                    if (method, role) == ("Prefill", "language"):  # theirs: this instance
+                        (answer,) = call()  # is no prefill instance, refused in-band
+                        assert answer.finished.error.code == "FAILED_PRECONDITION", answer
+                        continue
                     assert code_of(call) == grpc.StatusCode.PERMISSION_DENIED, (role, method)
+        with sync_channel(lang, as_role(pki, "router")) as ch:  # the router never calls it
+            assert code_of(language_calls(language_pb2_grpc.LanguageStub(ch), trap_address)[
+                "Prefill"]) == grpc.StatusCode.PERMISSION_DENIED
         # nothing was allocated, and no buffer layout went to the caller's address
         (lload,) = cl.loads("language").values()
         assert lload.free_embedding_blocks == lload.total_embedding_blocks

@@ -53,6 +53,14 @@ class RouterConfig(ServiceSettings):
         "", description="DNS name:port resolving to all encoders (e.g. a headless Service)."
     )
     language_dns: str = Field("", description="DNS name:port resolving to all language pods.")
+    prefills: list[str] = Field(
+        default_factory=list,
+        description="E/P/D: static addresses of prefill instances (language --role prefill). "
+        "With any (or prefill_dns), `languages` are decode instances (--role decode): each "
+        "request's prompt runs on a prefill instance, its decoding on a decode instance.",
+    )
+    prefill_dns: str = Field("", description="E/P/D: DNS name:port resolving to all prefill "
+                             "pods.")
     dns_refresh_s: float = Field(10.0, gt=0, le=3600, description="DNS re-resolve period.")
     load_refresh_s: float = Field(0.5, gt=0, le=60, description="GetLoad polling period.")
     policy: str = Field(

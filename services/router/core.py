@@ -49,7 +49,8 @@ class RouterCore:
         # NOTE: one selector per tier: a shared round-robin counter would advance twice per
         # request and pin every request of one tier to the same instance.
         self.selectors = {
-            kind: Selector(cfg.policy, cfg.affinity_slack) for kind in ("encoder", "language")
+            kind: Selector(cfg.policy, cfg.affinity_slack)
+            for kind in ("encoder", "language", "prefill")
         }
         self.dispatcher = Dispatcher(self.registry, self.selectors, cfg, self.metrics)
         self.tenants = Tenants(cfg.api_key, cfg.api_keys_file)
@@ -100,9 +101,10 @@ class RouterCore:
     def health(self) -> Health:
         """What the router can serve now (health.py): each tier's healthy and known
         instances, and whether it drains."""
-        pools = self.registry.encoders, self.registry.languages
-        enc, lang = (TierHealth(p.healthy_count(), len(p.instances)) for p in pools)
-        return Health(encoder=enc, language=lang, draining=self.draining)
+        pools = self.registry.encoders, self.registry.languages, self.registry.prefills
+        enc, lang, pre = (TierHealth(p.healthy_count(), len(p.instances)) for p in pools)
+        return Health(encoder=enc, language=lang, draining=self.draining,
+                      prefill=pre if self.registry.disaggregated else None)
 
     def ready(self) -> bool:
         """Every tier serving (health.Health.serves_all): gRPC's "tandem.v1.Router"."""
@@ -111,6 +113,8 @@ class RouterCore:
     def refresh_gauges(self) -> None:
         self.metrics.healthy.labels("encoder").set(self.registry.encoders.healthy_count())
         self.metrics.healthy.labels("language").set(self.registry.languages.healthy_count())
+        if self.registry.disaggregated:
+            self.metrics.healthy.labels("prefill").set(self.registry.prefills.healthy_count())
         self.metrics.serving(self.model_name())
         # vLLM's names for the language tier's load: its healthy instances' last GetLoad
         up = [i for i in list(self.registry.languages.instances.values()) if i.tracker.healthy]

@@ -3,7 +3,8 @@ HTTP door answers it on /health and /ready, the gRPC door on grpc.health.v1).
 
 Two questions, two answers:
 
-    serves_some  not draining, and at least one language instance healthy: every kind of
+    serves_some  not draining, and at least one language instance healthy (E/P/D: one
+                 decode and one prefill instance): every kind of
                  request needs a language instance, and with one the router serves text
                  chats (encoder_bypass), raw-prompt completions and /tokenize even while
                  every encoder is down. HTTP /health (200 / 503): what a load balancer or
@@ -50,12 +51,14 @@ class TierHealth:
 @dataclass(frozen=True)
 class Health:
     encoder: TierHealth
-    language: TierHealth
+    language: TierHealth  # E/P/D: the decode instances
     draining: bool
+    prefill: TierHealth | None = None  # E/P/D: the prefill instances (None: not split)
 
     @property
     def serves_some(self) -> bool:
-        return not self.draining and self.language.healthy > 0
+        return (not self.draining and self.language.healthy > 0
+                and (self.prefill is None or self.prefill.healthy > 0))
 
     @property
     def serves_all(self) -> bool:

@@ -112,7 +112,8 @@ class Route:
     last Output; the HTTP response carries these fields as extensions)."""
 
     attempts: int  # whole-request attempts so far (1 = no retry)
-    language: str = ""  # language instance address
+    language: str = ""  # language instance address (E/P/D: the decode instance)
+    prefill: str = ""  # E/P/D: the prefill instance's address ("" when not split)
     encoder: str = ""  # encoder address of the latest Encode
     encoder_attempts: int = 0  # Encode calls of this attempt (> 1: retried on another)
     resumes: int | None = None  # resumed transfers, once the encoder reported delivery
@@ -121,6 +122,8 @@ class Route:
         """The extension fields of a response (`resumes` only once known)."""
         out = {"attempts": self.attempts, "language": self.language, "encoder": self.encoder,
                "encoder_attempts": self.encoder_attempts}
+        if self.prefill:
+            out["prefill"] = self.prefill
         if self.resumes is not None:
             out["resumes"] = self.resumes
         return out

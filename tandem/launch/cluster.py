@@ -100,8 +100,11 @@ class LocalCluster:
         self.grpc_port = self.grpc_port or free_port()
         if not self.insecure_internal and not self.pki_dir:
             self.pki_dir = self._own_pki = tempfile.mkdtemp(prefix="tandem-pki-")
+        # E/P/D (`up_args` with --prefill/--decode): those counts replace --languages
+        split = "--prefill" in self.up_args
         argv = [sys.executable, "-m", "tandem.cli", "up", "--model", self.model,
-                "--encoders", str(self.encoders), "--languages", str(self.languages),
+                "--encoders", str(self.encoders),
+                *([] if split else ["--languages", str(self.languages)]),
                 "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port)]
         argv += ["--insecure-internal"] if self.insecure_internal else ["--pki-dir", self.pki_dir]
         for flag, value in (("--api-key", self.api_key), ("--encoder-args", self.encoder_args),
@@ -144,7 +147,8 @@ class LocalCluster:
                 ready.set()
 
     def loads(self, kind: str, timeout_s: float = 2.0) -> dict[str, object]:
-        """GetLoad of every live instance of `kind` ("encoder" or "language")."""
+        """GetLoad of every live instance of `kind` ("encoder", "language"; E/P/D:
+        "prefill", "decode")."""
         import grpc
 
         from tandem.v1 import encoder_pb2, encoder_pb2_grpc, language_pb2, language_pb2_grpc

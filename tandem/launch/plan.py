@@ -120,6 +120,12 @@ def parser() -> argparse.ArgumentParser:
                    help="Architecture of the default tiny model.")
     p.add_argument("--encoders", type=int, default=1, help="Encoder instances.")
     p.add_argument("--languages", type=int, default=1, help="Language instances.")
+    p.add_argument("--prefill", type=int, default=0,
+                   help="E/P/D: prefill instances (language --role prefill), with --decode: "
+                   "in place of --languages, prompts run on these and decoding on the "
+                   "decode instances (docs/architecture.md, 'Prefill and decode apart').")
+    p.add_argument("--decode", type=int, default=0,
+                   help="E/P/D: decode instances (language --role decode), with --prefill.")
     p.add_argument("--host", default="127.0.0.1", help="Address everything binds to.")
     p.add_argument("--http-port", type=int, default=8000, help="Router HTTP port.")
     p.add_argument("--grpc-port", type=int, default=50051, help="Router gRPC port.")
@@ -262,6 +268,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     """The cluster flags; `tandem up --ray` takes its own flags out first, then calls this."""
     p = parser()
     args = p.parse_args(_glue_tier_args(argv))
+    if args.prefill or args.decode:  # E/P/D: the language instances are P, then D
+        if args.prefill < 1 or args.decode < 1:
+            p.error("--prefill and --decode go together, each >= 1")
+        if "--languages" in argv or any(a.startswith("--languages=") for a in argv):
+            p.error("--languages with --prefill/--decode: give the two counts instead")
+        if "--role" in [a.split("=")[0] for a in shlex.split(args.language_args)]:
+            p.error("--language-args: --role is assigned per instance by --prefill/--decode")
+        args.languages = args.prefill + args.decode
     if args.encoders < 1 or args.languages < 1:
         p.error("--encoders and --languages must be >= 1")
     if args.max_restarts < 0:
@@ -330,14 +344,25 @@ def checked_model(args: argparse.Namespace) -> str:
     return model
 
 
+def language_roles(args: argparse.Namespace) -> list[str]:
+    """Each language instance's role, in order: `both`, or (--prefill P --decode D) P
+    prefill instances, then D decode instances."""
+    if getattr(args, "prefill", 0):
+        return ["prefill"] * args.prefill + ["decode"] * args.decode
+    return ["both"] * args.languages
+
+
 def router_child(
-    args: argparse.Namespace, model: str, encoders: list[str], languages: list[str]
+    args: argparse.Namespace, model: str, encoders: list[str], languages: list[str],
+    prefills: list[str] = (),
 ) -> Child:
-    """The router, local to the launcher, given every instance's address."""
+    """The router, local to the launcher, given every instance's address (E/P/D:
+    `languages` are the decode instances, `prefills` the prefill ones)."""
     argv = [*CLI, "router", "--model", served_name(args, model), "--host", args.host,
             "--log-level", args.log_level,
             "--http-port", str(args.http_port), "--grpc-port", str(args.grpc_port),
             "--encoders", ",".join(encoders), "--languages", ",".join(languages),
+            *(["--prefills", ",".join(prefills)] if prefills else []),
             *shlex.split(args.router_args)]
     router = Child("router", argv, f"{args.host}:{args.grpc_port}", ROUTER_HEALTH)
     if args.api_key:  # NOTE: through the environment, not argv (which `ps` shows to all)
@@ -429,19 +454,23 @@ def plan(args: argparse.Namespace, model: str, pki: PKIPaths | None = None
     tp_blocks = ([free_block(args.host, RANGE_TP_PORTS, within) for _ in range(args.languages)]
                  if within is not None and _tp(language_extra) > 1 else [])
     encoders, languages = [], []
+    roles = language_roles(args)
     for kind, count, extra, out in (
         ("encoder", args.encoders, shlex.split(args.encoder_args), encoders),
         ("language", args.languages, language_extra, languages),
     ):
         for i in range(count):
+            role = roles[i] if kind == "language" else "both"
+            name = f"{kind}-{i}" if role == "both" else f"{role}-{i - roles.index(role)}"
+            extra_i = [*extra, "--role", role] if role != "both" else extra
             port = free_port(args.host, within)
             # tier metrics on, one port per instance (unless the caller named one)
             metrics = _flag_value(extra, "--metrics-port")
             own = ([] if metrics else
                    ["--metrics-port", metrics := str(free_port(args.host, within))])
             argv = instance_argv(kind, model, args.host, port, next(ranges),
-                                 ["--log-level", args.log_level, *extra, *own])
-            child = Child(f"{kind}-{i}", argv, f"{args.host}:{port}",
+                                 ["--log-level", args.log_level, *extra_i, *own])
+            child = Child(name, argv, f"{args.host}:{port}",
                           nice=args.encoder_nice if kind == "encoder" else 0,
                           log_level=args.log_level)
             child.metrics_url = f"http://{args.host}:{metrics}/metrics"
@@ -450,7 +479,9 @@ def plan(args: argparse.Namespace, model: str, pki: PKIPaths | None = None
                 child.env_extra[PORT_RANGE_ENV] = str(tp_blocks[i])
             child.probe_tls = operator_tls(pki)
             out.append(child)
-    router = router_child(args, model, [c.grpc_address for c in encoders],
-                          [c.grpc_address for c in languages])
+    router = router_child(
+        args, model, [c.grpc_address for c in encoders],
+        [c.grpc_address for c, r in zip(languages, roles, strict=True) if r != "prefill"],
+        [c.grpc_address for c, r in zip(languages, roles, strict=True) if r == "prefill"])
     router.env_extra.update(tls_env(pki, "router"))
     return encoders, languages, router

@@ -168,7 +168,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]
     for flag in ("encoder_gpus", "language_gpus", "encoder_cpus", "language_cpus"):
         if getattr(ray_args, flag) < 0:
             p.error(f"--{flag.replace('_', '-')} must be >= 0")
-    return ray_args, launch_plan.parse_args(rest)
+    args = launch_plan.parse_args(rest)
+    if args.prefill:
+        p.error("--prefill/--decode (E/P/D) are the local launcher's for now: the Ray "
+                "launcher does not place prefill and decode actors yet")
+    return ray_args, args
 
 
 def _connect(ray_args: argparse.Namespace):

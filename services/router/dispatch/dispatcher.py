@@ -18,6 +18,12 @@
 A chat without an image (and `encoder_bypass` on) skips E: L.Generate(room, messages)
 and L tokenizes it itself.
 
+E/P/D (`prefills` configured): L is a decode instance D, and a prefill instance P is
+picked too (conversation affinity: its prefix cache holds the earlier turns);
+D.Generate(room, ..., prefill_address=P) has P run the prompt (services/language/
+handoff.py) and the encoder deliver into P, so a Reattach goes to P. A failure of the
+language side avoids both D and P on the retry (D reports P's failures as its own).
+
 Traces (tandem/tracing.py; every span a no-op while tracing is off): under the request's
 root span (`req.trace`, the front end's) one `router.attempt` per whole-request attempt,
 and under it a `router.pick` per instance choice (with the reason), `router.language` (the
@@ -83,6 +89,7 @@ class Avoid:
 
     encoders: set[str] = field(default_factory=set)  # failed an attempt, or blamed
     languages: set[str] = field(default_factory=set)  # failed an attempt (or DATA_LOSS)
+    prefills: set[str] = field(default_factory=set)  # E/P/D: the same, of prefill instances
     # encoders a lead named as the culprit of a stalled room (`_encode`): taken again only
     # when nothing else is left
     blamed: set[str] = field(default_factory=set)
@@ -327,6 +334,8 @@ class Dispatcher:
                 # written by another process, so the retry goes to another instance
                 if err.tier is Tier.LANGUAGE or err.code == "DATA_LOSS":
                     avoid.languages.add(route.language)
+                    if route.prefill:
+                        avoid.prefills.add(route.prefill)
             finally:
                 # NOTE: close the attempt now (cancels its calls, aborts its room) rather
                 # than at garbage collection; it has no awaits in its own finally.
@@ -354,6 +363,9 @@ class Dispatcher:
         bypass = bool(req.prompt) or (self.cfg.encoder_bypass and not hashes)
         key = prompt_key(req.prompt) if req.prompt else conversation_key(req.messages)
         lang = self._pick_avoiding("language", [key], avoid.languages, trace)
+        # E/P/D: the prompt's instance, which holds the room the encoder delivers into
+        pre = (self._pick_avoiding("prefill", [key], avoid.prefills, trace)
+               if self.registry.disaggregated else None)
         enc = None if bypass else self._pick_avoiding("encoder", hashes, avoid.encoders, trace,
                                                       avoid.blamed)
         room = secrets.randbits(63)
@@ -375,15 +387,19 @@ class Dispatcher:
                 priority=req.priority,
                 client_id=req.client_id,
                 cache_salt=req.cache_salt,
+                prefill_address=pre.address if pre is not None else "",
             ),
             timeout=max(0.001, deadline - time.time()),
             metadata=_id_metadata(req, span),
         )
         route.language = lang.address
+        route.prefill = pre.address if pre is not None else ""
+        if pre is not None:
+            pre.outstanding += 1
         if enc is not None:
             route.encoder, route.encoder_attempts = enc.address, 1
             encode_task = asyncio.ensure_future(
-                self._encode(req, room, enc, lang, deadline, route, trace, avoid))
+                self._encode(req, room, enc, pre or lang, deadline, route, trace, avoid))
         else:  # nothing to deliver: an Encode that is already done, with no answer
             self.metrics.encoder_bypassed.inc()
             encode_task = asyncio.get_running_loop().create_future()
@@ -458,6 +474,8 @@ class Dispatcher:
         finally:
             span.end()
             lang.outstanding -= 1
+            if pre is not None:
+                pre.outstanding -= 1
             ejected.cancel()
             if not encode_task.done():
                 encode_task.cancel()

@@ -83,7 +83,7 @@ class Pool:
 
     def __init__(self, kind: str, eject_after: int, rpc_timeout_s: float = 2.0,
                  tls: InternalTLS | None = None) -> None:
-        assert kind in ("encoder", "language")
+        assert kind in ("encoder", "language", "prefill")  # prefill: language --role prefill
         self.kind, self.tls = kind, tls  # mTLS to the tiers with the router's certificate
         self.eject_after = eject_after
         self.rpc_timeout_s = rpc_timeout_s
@@ -235,11 +235,19 @@ class Registry:
         tls = load_internal_tls(cfg, "tandem router", "router")
         self.encoders = Pool("encoder", cfg.eject_after_failures, tls=tls)
         self.languages = Pool("language", cfg.eject_after_failures, tls=tls)
+        # E/P/D: the prefill instances (then `languages` are the decode instances)
+        self.prefills = Pool("prefill", cfg.eject_after_failures, tls=tls)
         self._tasks: list[asyncio.Task] = []
         self.first_poll = asyncio.Event()
 
     def pool(self, kind: str) -> Pool:
-        return self.encoders if kind == "encoder" else self.languages
+        return {"encoder": self.encoders, "language": self.languages,
+                "prefill": self.prefills}[kind]
+
+    @property
+    def disaggregated(self) -> bool:
+        """Prefill and decode run on separate instances (E/P/D)."""
+        return bool(self.cfg.prefills or self.cfg.prefill_dns)
 
     def model_name(self) -> str:
         if self.cfg.model:
@@ -255,6 +263,7 @@ class Registry:
         for pool, static, dns in (
             (self.encoders, self.cfg.encoders, self.cfg.encoder_dns),
             (self.languages, self.cfg.languages, self.cfg.language_dns),
+            (self.prefills, self.cfg.prefills, self.cfg.prefill_dns),
         ):
             found = await resolve(dns) if dns else []
             if dns and not found:
@@ -269,7 +278,8 @@ class Registry:
 
     async def _load_loop(self) -> None:
         while True:
-            await asyncio.gather(self.encoders.poll(), self.languages.poll())
+            await asyncio.gather(self.encoders.poll(), self.languages.poll(),
+                                 self.prefills.poll())
             self.first_poll.set()
             await asyncio.sleep(self.cfg.load_refresh_s)
 
@@ -286,3 +296,4 @@ class Registry:
         self._tasks.clear()
         await self.encoders.close()
         await self.languages.close()
+        await self.prefills.close()

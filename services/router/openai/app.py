@@ -121,6 +121,8 @@ def build_app(core: RouterCore) -> FastAPI:
     def health_answer(ok: bool) -> JSONResponse:
         h = core.health()
         tiers = {"encoder": h.encoder, "language": h.language}
+        if h.prefill is not None:  # E/P/D: `language` is the decode instances
+            tiers["prefill"] = h.prefill
         body = {
             "status": h.status.value,
             "ready": h.serves_all,
