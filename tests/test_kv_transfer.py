@@ -247,3 +247,15 @@ def test_landed_pages_are_checked_in_a_cpu_cache_only():
     keys = KVKeys.derive(RowProtection.new("encrypt"), 1, 1, 0, 1)
     with pytest.raises(ValueError, match="CPU cache"):
         keys.open_pages(meta, [0], bytes(16))
+
+
+def test_scratch_buffers_of_several_sizes_are_kept_and_reused():
+    """Two sends at once keep two packing buffers; each later send takes one that fits
+    (a spare is found by size and taken by position: comparing tensors is elementwise)."""
+    area = KVStaging(KVPageLayout.of_cache(cache()), 4)
+    with area.scratch(4) as b, area.scratch(3) as a:  # kept as [a, b]
+        assert a.shape[0] == 3 and b.shape[0] == 4
+    with area.scratch(4) as c:  # the second one kept
+        assert c is b
+        with area.scratch(2) as d:
+            assert d is a

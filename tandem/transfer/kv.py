@@ -250,9 +250,10 @@ class KVStaging:
     def scratch(self, pages: int):
         """Private (unregistered) memory for `pages` packed pages, reused across calls."""
         with self._lock:
-            spare = next((t for t in self._spare if t.shape[0] >= pages), None)
-            if spare is not None:
-                self._spare.remove(spare)
+            at = next((i for i, t in enumerate(self._spare) if t.shape[0] >= pages), None)
+            # NOTE: by index: list.remove compares tensors with ==, elementwise (it raised
+            # when two spares of different sizes were kept)
+            spare = self._spare.pop(at) if at is not None else None
         if spare is None:
             spare = torch.empty((pages, *self.layout.slot_shape), dtype=self.layout.dtype)
         try:
