@@ -259,3 +259,20 @@ def test_scratch_buffers_of_several_sizes_are_kept_and_reused():
         assert c is b
         with area.scratch(2) as d:
             assert d is a
+
+
+def test_retired_slots_go_to_no_one_until_their_deadline_then_come_back_wiped():
+    """A transfer cut before every chunk was reported may still have writes on the way:
+    its slots are retired, reused by no other owner before the deadline, and wiped when
+    they come back (at the next reserve past it)."""
+    area = KVStaging(KVPageLayout.of_cache(cache()), 4)
+    assert area.reserve(2, "cut") == [0, 1]
+    area.retire("cut", 3600.0)
+    assert area.num_retired == 2 and area.num_free == 2
+    assert area.reserve(2, "next") == [2, 3]  # not the retired ones
+    assert area.reserve(1, "more") is None
+    area.rows[2:4].fill_(7.0)  # a late write into a transfer retired with no wait left
+    area.retire("next", 0.0)
+    assert area.reserve(2, "again") == [2, 3]
+    assert not area.rows[2:4].any()
+    assert area.num_retired == 2  # the hour-long one holds

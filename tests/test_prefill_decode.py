@@ -12,7 +12,9 @@ prefill_address) on the decode instance and Encode(room, chat) on the encoder.
 - A request that ends at its first token (max_tokens 1) ends on the prefill instance, and
   no page moves.
 - The roles refuse what is not theirs (FAILED_PRECONDITION).
-- Afterwards every KV page, embedding block and staging slot is free on both instances.
+- Afterwards every KV page, embedding block and staging slot is free on both instances;
+  each hand-off is counted on both sides (the bytes sent are the bytes landed and checked),
+  with its descriptors.
 
 No test here bounds a duration: every wait is a hang guard (tests/waiting.py).
 """
@@ -23,6 +25,7 @@ import asyncio
 import secrets
 import sys
 import threading
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -92,6 +95,7 @@ class Cluster:
             return LanguageConfig(
                 model=str(ckpt), device="cpu", dtype="float32", port=free_port(),
                 insecure_internal=True, kv_pages=128, kv_page_size=16, role=role,
+                metrics_port=free_port(),
                 embedding_block_size=16, default_reservation_tokens=64, max_prefill_tokens=16,
                 kv_staging_pages=32, transfer=TransferConfig(timeout_s=20, protect=protect))
 
@@ -161,6 +165,14 @@ class Cluster:
         if encode is not None:
             await encode
         return out
+
+    def metric(self, role: str, name: str, labels: str = "") -> float:
+        """A sample of `role`'s metrics page (0 when absent)."""
+        url = f"http://127.0.0.1:{self.cfgs[role].metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        want = f"{name}{{{labels}}}" if labels else name
+        return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                   if ln.split(" ")[0] == want)
 
     def loads(self, role: str):
         async def get():
@@ -259,4 +271,26 @@ def test_roles_refuse_what_is_not_theirs(cluster):
         assert out[-1].finish_reason == common_pb2.FINISH_REASON_ERROR, (role, prefill)
         assert out[-1].error.code == "FAILED_PRECONDITION", (role, prefill, out[-1].error)
     assert cluster.loads("decode").role == "decode"
+    assert_idle(cluster)
+
+
+def test_handoffs_are_counted_on_both_sides(cluster):
+    before = {(r, d): cluster.metric(r, "tandem_language_kv_transfers_total",
+                                     f'direction="{d}",outcome="ok"')
+              for r, d in (("prefill", "sent"), ("decode", "received"))}
+    sent0 = cluster.metric("prefill", "tandem_language_kv_transfer_bytes_total",
+                           'direction="sent"')
+    got0 = cluster.metric("decode", "tandem_language_kv_transfer_bytes_total",
+                          'direction="received"')
+    cluster.call(cluster.generate(image_chat(5), GREEDY))
+    assert cluster.metric("prefill", "tandem_language_kv_transfers_total",
+                          'direction="sent",outcome="ok"') == before[("prefill", "sent")] + 1
+    assert cluster.metric("decode", "tandem_language_kv_transfers_total",
+                          'direction="received",outcome="ok"') == before[("decode", "received")] + 1
+    sent = cluster.metric("prefill", "tandem_language_kv_transfer_bytes_total",
+                          'direction="sent"') - sent0
+    assert sent > 0
+    assert cluster.metric("decode", "tandem_language_kv_transfer_bytes_total",
+                          'direction="received"') - got0 == sent
+    assert cluster.metric("prefill", "tandem_language_kv_transfer_descriptors_count") >= 1
     assert_idle(cluster)

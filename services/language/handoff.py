@@ -44,10 +44,12 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem import tracing
 from tandem.config import TransferConfig
 from tandem.services.language.engine.request import Request
 from tandem.services.language.engine.sampler import generator_state
 from tandem.services.language.engine.types import HandOff
+from tandem.services.language.metrics import LanguageMetrics
 from tandem.transfer.buffers import RowProtection
 from tandem.transfer.errors import TransferError
 from tandem.transfer.kv import KVChunk, KVDestination, KVKeys, KVPageLayout, KVStaging, send_pages
@@ -121,9 +123,10 @@ class PrefillLink:
     (`incoming`, after its PrefillOpen) and the stream's writer (`write`)."""
 
     def __init__(self, port: KVPort, incoming: AsyncIterator, write, room: int,
-                 deadline: float) -> None:
+                 deadline: float, metrics: LanguageMetrics) -> None:
         self.port, self._incoming, self._write = port, incoming, write
         self.room, self.deadline = room, deadline  # (time.time() seconds)
+        self.metrics = metrics
         self.dest: KVDestination | None = None
         self.chunks = 0
 
@@ -163,24 +166,49 @@ class PrefillLink:
         self.dest = KVDestination(r.session, r.base, list(r.slots), self.room, r.generation,
                                   protection)
 
-    async def send(self, req: Request, pages: list[int]) -> None:
+    async def send(self, req: Request, pages: list[int], trace: tracing.Span) -> None:
         """Write the handed-off request's prompt `pages` (held by its room), report each
         chunk, then Done; return once the decode side closed its side (it holds the
-        pages: ours may go)."""
+        pages: ours may go). Counted (`kv_transfer*{direction="sent"}`) and traced
+        (`language.kv_send` under `trace`)."""
+        m = self.metrics
+        span = tracing.start("language.kv_send", trace, attributes={
+            "tandem.kv.peer": self.dest.peer, "tandem.kv.pages": len(pages)})
+        try:
+            await self._send(req, pages, span)
+        except HandOffError as e:
+            m.kv_transfers.labels("sent", e.code).inc()
+            tracing.fail(span, e.code, e.message)
+            raise
+        finally:
+            span.end()
+        m.kv_transfers.labels("sent", "ok").inc()
+
+    async def _send(self, req: Request, pages: list[int], span: tracing.Span) -> None:
         loop = asyncio.get_running_loop()
 
         def on_chunk(c: KVChunk) -> None:  # the sender's thread: the report, in order
-            asyncio.run_coroutine_threadsafe(self._write(language_pb2.PrefillResponse(
-                chunk=language_pb2.PrefillChunk(first=c.first, pages=c.pages, chunk_tag=c.tag))),
-                loop).result()
+            try:
+                asyncio.run_coroutine_threadsafe(self._write(language_pb2.PrefillResponse(
+                    chunk=language_pb2.PrefillChunk(first=c.first, pages=c.pages,
+                                                    chunk_tag=c.tag))), loop).result()
+            except Exception as e:  # the stream is gone: a TransferError, so that
+                # send_pages waits out its writes in flight before its slots are reused
+                raise TransferError(f"the decode side's stream ended: {e!r}",
+                                    "CANCELLED") from None
 
-        port = self.port
+        port, m, t0 = self.port, self.metrics, time.monotonic()
         try:
             sent = await loop.run_in_executor(None, lambda: send_pages(
                 port.engine, port.cache, pages, port.staging, self.dest, on_chunk))
         except TransferError as e:
             raise HandOffError(f"KV pages to {self.dest.peer}: {e.reason}", e.code) from None
         self.chunks = len(sent.chunks)
+        m.kv_transfer_time.labels("sent").observe(time.monotonic() - t0)
+        m.kv_transfer_bytes.labels("sent").inc(sent.bytes)
+        m.kv_transfer_descriptors.observe(sent.descriptors)
+        span.set_attributes({"tandem.kv.bytes": sent.bytes, "tandem.kv.chunks": self.chunks,
+                             "tandem.kv.descriptors": sent.descriptors})
         t = req.times.ms()
         await self._write(language_pb2.PrefillResponse(done=language_pb2.PrefillDone(
             mrope_position_delta=req.prompt.mrope_delta, drawn_seed=req.sampler.seed or 0,
@@ -212,9 +240,12 @@ class DecodeLink:
     """A decode instance's end of one Prefill stream: reserve, land and check, and what the
     request continues from. `outgoing` feeds the call's request iterator."""
 
-    def __init__(self, port: KVPort, engine, room: int, deadline: float) -> None:
+    def __init__(self, port: KVPort, engine, room: int, deadline: float,
+                 metrics: LanguageMetrics, trace: tracing.Span) -> None:
         self.port, self.engine, self.room = port, engine, room
         self.deadline = deadline  # time.time() seconds
+        self.metrics, self.trace = metrics, trace
+        self.named_at = 0.0  # time.monotonic() of the PrefillRoom (0: not yet)
         self.outgoing: asyncio.Queue = asyncio.Queue()
         self.protection = RowProtection.new(port.transfer.protect)
         self.generation = 1
@@ -253,7 +284,25 @@ class DecodeLink:
                                f"this decode instance has {self.engine.pool.num_total} pages "
                                f"and {inbox.num_slots} slots", "RESOURCE_EXHAUSTED")
         self.prompt_tokens, self.token_ids = n, list(prompt.token_ids)
-        slots = None
+        span = tracing.start("language.kv_reserve", self.trace, attributes={
+            "tandem.kv.pages": pages, "tandem.prompt_tokens": n})
+        t0 = time.monotonic()
+        try:
+            slots = await self._reserve(n, pages)
+        except HandOffError as e:
+            tracing.fail(span, e.code, e.message)
+            raise
+        finally:
+            span.end()
+        self.metrics.kv_reserve_wait.observe(time.monotonic() - t0)
+        self.named_at = time.monotonic()
+        self.outgoing.put_nowait(language_pb2.PrefillRequest(room=language_pb2.PrefillRoom(
+            session=self.port.engine.session_id, base=inbox.base, slots=slots,
+            protect=self.protection.mode, protection_key=self.protection.key,
+            generation=self.generation)))
+
+    async def _reserve(self, n: int, pages: int) -> list[int]:
+        inbox, slots = self.port.staging, None
         while True:
             if not self.pages and self.engine.reserve_pages(self.room, n):
                 self.pages = self.engine.reserved_pages(self.room)
@@ -265,10 +314,7 @@ class DecodeLink:
                 raise HandOffError("deadline passed waiting for free KV pages",
                                    "DEADLINE_EXCEEDED")
             await asyncio.sleep(RESERVE_POLL_S)
-        self.outgoing.put_nowait(language_pb2.PrefillRequest(room=language_pb2.PrefillRoom(
-            session=self.port.engine.session_id, base=inbox.base, slots=slots,
-            protect=self.protection.mode, protection_key=self.protection.key,
-            generation=self.generation)))
+        return slots
 
     async def land(self, c: language_pb2.PrefillChunk) -> None:
         """Land one reported chunk in its reserved pages and check its tag there (no step
@@ -301,14 +347,27 @@ class DecodeLink:
                                int(d.mrope_position_delta), start=self.prompt_tokens,
                                info=PromptInfo(self.token_ids))
         first, logprob = self.first
+        m, nbytes = self.metrics, self.landed * self.port.layout.page_bytes
+        m.kv_transfer_time.labels("received").observe(time.monotonic() - self.named_at)
+        m.kv_transfer_bytes.labels("received").inc(nbytes)
+        m.kv_transfers.labels("received", "ok").inc()
+        tracing.start("language.kv_receive", self.trace, start_ns=tracing.wall_ns(
+            self.named_at), attributes={"tandem.kv.pages": self.landed,
+                                         "tandem.kv.bytes": nbytes}).end()
         return Landed(prompt, HandOff(first, logprob, d.cached_tokens,
                                       bytes(d.generator_state)),
                       d.timings, d.early_prefill_tokens)
 
     def release(self) -> None:
-        """Every path: the inbox slots still held are wiped and freed, and the pages go
-        back unless a submitted request took them."""
-        if self.port.staging.held(self.room):
-            self.port.staging.drop(self.room)
+        """Every path: the inbox slots still held are wiped and freed (retired for the
+        transfer timeout first when the room was named and not every page landed: the
+        prefill side's writes may still be on the way), and the pages go back unless a
+        submitted request took them."""
+        inbox = self.port.staging
+        if inbox.held(self.room):
+            if self.named_at:
+                inbox.retire(self.room, self.port.transfer.timeout_s)
+            else:
+                inbox.drop(self.room)
         self.engine.unpin(self.room)
         self.outgoing.put_nowait(None)

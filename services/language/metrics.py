@@ -109,6 +109,26 @@ class LanguageMetrics:
         self.early_prefill_tokens = Counter(
             p + "early_prefill_tokens", "Prompt tokens prefilled while their prompt's later "
             "rows were still on their way (the encode they overlapped).", registry=r)
+        # E/P/D (services/language/handoff.py): a prompt's KV pages from a prefill instance
+        # ("sent") to a decode instance ("received"), per request
+        self.kv_transfers = Counter(p + "kv_transfers", "Prompts' KV hand-offs by direction "
+                                    "and outcome (ok, or the gRPC code it failed with).",
+                                    ["direction", "outcome"], registry=r)
+        self.kv_transfer_bytes = Counter(p + "kv_transfer_bytes", "KV page bytes handed off "
+                                         "(sent: written; received: landed and checked).",
+                                         ["direction"], registry=r)
+        self.kv_transfer_time = Histogram(
+            p + "kv_transfer_seconds", "Per hand-off: sent, the pages' writes (pack, tag, "
+            "stage, write); received, the room named to the pages all landed and checked.",
+            ["direction"], buckets=_PHASE, registry=r)
+        self.kv_transfer_descriptors = Histogram(
+            p + "kv_transfer_descriptors", "Per hand-off sent: Mooncake write descriptors "
+            "(one per run of consecutive staging slots within a chunk).", buckets=_BATCH,
+            registry=r)
+        self.kv_reserve_wait = Histogram(
+            p + "kv_reserve_wait_seconds", "Per hand-off received: the prompt's length known "
+            "to its pages and inbox slots reserved (the decode pre-allocation queue).",
+            buckets=_PHASE, registry=r)
         self._cache_seen = (0, 0, 0)
         self._window_start = time.monotonic()
         self._window_tokens = 0

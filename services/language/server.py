@@ -166,8 +166,11 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             return
         else:
             gen = self._generate(request, context)
-        async for out in gen:
-            yield out
+        try:
+            async for out in gen:
+                yield out
+        finally:  # NOTE: now, on every way out (a cancelled call too): its finally frees
+            await gen.aclose()  # the room's blocks and pages, not at garbage collection
 
     async def _generate(self, request, context, link: PrefillLink | None = None):
         """Generate's body; with `link` (a prefill instance, its Prefill stream) the pages
@@ -298,10 +301,12 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                     if d.finish_reason is RequestStatus.FINISHED_HANDED_OFF:
                         # its first token, then its pages to the decode instance, which
                         # goes on with the request (no final message from here)
+                        if span.is_recording():  # its stages here: queue, prefill
+                            _trace_stages(span, req, d)
                         d.finish_reason = None
                         yield delta_to_proto(d, transfer_ms, token_text=self._token_text)
                         try:
-                            await link.send(req, self.engine.reserved_pages(room))
+                            await link.send(req, self.engine.reserved_pages(room), span)
                         except HandOffError as e:
                             outcome = f"{e.code} handing off: {e.message}"
                             tracing.fail(span, e.code, e.message)
@@ -365,10 +370,15 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             return
         deadline = deadline_from_proto(request.deadline_unix_ms, self.limits.request_timeout_s,
                                        time.time())
-        link = PrefillLink(self.port, incoming, write, request.room, deadline)
-        async for out in self._generate(request, context, link):
-            ended = out.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-            await write(language_pb2.PrefillResponse(**{"finished" if ended else "first": out}))
+        link = PrefillLink(self.port, incoming, write, request.room, deadline, self.metrics)
+        gen = self._generate(request, context, link)
+        try:
+            async for out in gen:
+                ended = out.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                await write(language_pb2.PrefillResponse(
+                    **{"finished" if ended else "first": out}))
+        finally:  # NOTE: a call cancelled while we write (its decode side gone) must free
+            await gen.aclose()  # the held pages now: the generator's finally does
 
     async def _decode(self, request, context):
         """E/P/D, a decode instance: the request's prompt runs on `prefill_address`, which
@@ -403,7 +413,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                                          tracing.ROOM: room,
                                          "tandem.prefill.address": request.prefill_address})
         outcome = "cancelled"
-        link = DecodeLink(self.port, self.engine, room, deadline)
+        link = DecodeLink(self.port, self.engine, room, deadline, self.metrics, span)
         link.open(request)
         channel = self._peers.get(request.prefill_address)
         if channel is None:
@@ -469,6 +479,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                         early_prefill_tokens=landed.early_prefill_tokens))
                 yield out
         except HandOffError as e:
+            self.metrics.kv_transfers.labels("received", e.code).inc()
             outcome = f"{e.code} in the hand-off: {e.message}"
             tracing.fail(span, e.code, e.message)
             yield error_response(e.code, e.message)

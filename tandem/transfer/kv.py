@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import struct
 import threading
+import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
@@ -147,12 +148,15 @@ def runs(src_base: int, src_slots: list[int], dst_base: int, dst_slots: list[int
 class KVStaging:
     """`slots` page-sized slots of registered memory, handed out per owner (a room).
 
-    Invariant: a slot is free or held by exactly one owner; `land` copies a part of an
-    owner's slots into cache pages, wipes them (registered memory other processes may
-    read) and frees them, `drop` wipes and frees the rest, so nothing of a request stays
-    readable or in use there after its transfer. `reserve` gives the lowest run of free
-    consecutive slots that fits (one descriptor on the wire), else the lowest free slots
-    (one descriptor per run)."""
+    Invariant: a slot is free, held by exactly one owner, or retired; `land` copies a part
+    of an owner's slots into cache pages, wipes them (registered memory other processes
+    may read) and frees them, `drop` wipes and frees the rest, so nothing of a request
+    stays readable or in use there after its transfer. A transfer that ended before every
+    chunk was reported may still have writes on the way (a peer's bytes already sent are
+    written after it died or was cut off): `retire` keeps those slots from every owner
+    until a deadline, then wipes and frees them, so a late write never lands in another
+    request's slots. `reserve` gives the lowest run of free consecutive slots that fits
+    (one descriptor on the wire), else the lowest free slots (one descriptor per run)."""
 
     def __init__(self, layout: KVPageLayout, slots: int) -> None:
         if slots < 1:
@@ -164,7 +168,12 @@ class KVStaging:
         self._owned: dict[Hashable, dict[int, int]] = {}
         # the senders' packing buffers (`scratch`), kept: one per concurrent send at most
         self._spare: list[torch.Tensor] = []
-        self._lock = threading.Lock()
+        # (time.monotonic() after which they are free, slots): `retire`d transfers' slots
+        self._retired: list[tuple[float, list[int]]] = []
+        self._lock = threading.Lock()  # the spares
+        # NOTE: slots change hands on the event loop (reserve, drop, retire) and on
+        # executor threads (land): every change of `_free`, `_owned`, `_retired` under it
+        self._state = threading.RLock()
 
     @property
     def base(self) -> int:
@@ -185,66 +194,94 @@ class KVStaging:
         """Slots for `pages` pages, or None (nothing taken) when too few are free."""
         if pages < 1:
             raise ValueError(f"reserve of {pages} pages for {owner!r}")
-        if owner in self._owned:
-            raise KeyError(f"owner {owner!r} already holds slots")
-        if pages > self.num_free:
-            return None
-        at = self._free.find(b"\1" * pages)
-        got = (list(range(at, at + pages)) if at >= 0
-               else [i for i, f in enumerate(self._free) if f][:pages])
-        for i in got:
-            self._free[i] = 0
-        self._owned[owner] = dict(enumerate(got))
-        return list(got)
+        with self._state:
+            if owner in self._owned:
+                raise KeyError(f"owner {owner!r} already holds slots")
+            self._reclaim()
+            if pages > self.num_free:
+                return None
+            at = self._free.find(b"\1" * pages)
+            got = (list(range(at, at + pages)) if at >= 0
+                   else [i for i, f in enumerate(self._free) if f][:pages])
+            for i in got:
+                self._free[i] = 0
+            self._owned[owner] = dict(enumerate(got))
+            return list(got)
 
     def held(self, owner: Hashable) -> list[int]:
-        return list(self._owned.get(owner, {}).values())
+        with self._state:
+            return list(self._owned.get(owner, {}).values())
 
-    def _release(self, owner: Hashable, first: int, count: int) -> list[int]:
-        """Free slots [first, first + count) of `owner`'s transfer (all that are left when
-        count is None); the owner goes when it holds none."""
-        held = self._owned.get(owner)
-        if held is None:
-            raise KeyError(f"free of unknown or already freed owner {owner!r}")
-        part = range(first, first + count)
-        if any(i not in held for i in part):
-            raise KeyError(f"{owner!r}: pages [{first}, {first + count}) not all held")
-        slots = [held.pop(i) for i in part]
-        if not held:
-            del self._owned[owner]
-        for s in slots:
-            self._free[s] = 1
-        return slots
+    def _take(self, owner: Hashable, first: int, count: int) -> list[int]:
+        """Slots [first, first + count) of `owner`'s transfer, no longer its (not free
+        yet: the caller frees them once done with them); the owner goes when it holds
+        none."""
+        with self._state:
+            held = self._owned.get(owner)
+            if held is None:
+                raise KeyError(f"free of unknown or already freed owner {owner!r}")
+            part = range(first, first + count)
+            if any(i not in held for i in part):
+                raise KeyError(f"{owner!r}: pages [{first}, {first + count}) not all held")
+            slots = [held.pop(i) for i in part]
+            if not held:
+                del self._owned[owner]
+            return slots
 
-    def _wipe(self, slots: list[int]) -> None:
+    def _wipe_and_free(self, slots: list[int]) -> None:
         if slots and slots == list(range(slots[0], slots[0] + len(slots))):
             self.rows[slots[0] : slots[0] + len(slots)].zero_()
         elif slots:
             self.rows.index_fill_(0, torch.tensor(slots, dtype=torch.long), 0)
+        with self._state:
+            for s in slots:
+                self._free[s] = 1
 
     def land(self, owner: Hashable, cache, pages: list[int], first: int = 0) -> None:
         """Copy the slots of pages [first, first + len(pages)) of `owner`'s transfer into
-        `pages` of `cache`, then wipe and free them. NOTE: the rows are not checked yet:
-        the caller checks them in the cache (`KVKeys.open_pages`) before any step reads
-        those pages, and frees the pages when the check fails. A write into the slots
-        after this reaches nothing."""
-        slots = self._release(owner, first, len(pages))
+        `pages` of `cache`, then wipe and free them (no one else holds them meanwhile).
+        NOTE: the rows are not checked yet: the caller checks them in the cache
+        (`KVKeys.open_pages`) before any step reads those pages, and frees the pages when
+        the check fails. A write into the slots after this reaches nothing. Any thread."""
+        slots = self._take(owner, first, len(pages))
         run = slots == list(range(slots[0], slots[0] + len(slots)))
         rows = (self.rows[slots[0] : slots[0] + len(slots)] if run
                 else self.rows.index_select(0, torch.tensor(slots, dtype=torch.long)))
         unpack_into(cache, pages, rows)
-        self._wipe(slots)
+        self._wipe_and_free(slots)
 
     def drop(self, owner: Hashable) -> None:
         """Wipe and free what `owner` still holds, unread (a failed or cancelled transfer,
         or the rest after a failed check)."""
-        held = self._owned.pop(owner, None)
+        with self._state:
+            held = self._owned.pop(owner, None)
         if held is None:
             raise KeyError(f"free of unknown or already freed owner {owner!r}")
-        slots = sorted(held.values())
-        for s in slots:
-            self._free[s] = 1
-        self._wipe(slots)
+        self._wipe_and_free(sorted(held.values()))
+
+    def retire(self, owner: Hashable, seconds: float) -> None:
+        """`owner`'s slots go to no one for `seconds`, then are wiped and freed (a transfer
+        that ended with writes possibly still on the way)."""
+        with self._state:
+            held = self._owned.pop(owner, None)
+            if held is None:
+                raise KeyError(f"retire of unknown or already freed owner {owner!r}")
+            self._retired.append((time.monotonic() + seconds, sorted(held.values())))
+
+    @property
+    def num_retired(self) -> int:
+        with self._state:
+            return sum(len(s) for _, s in self._retired)
+
+    def _reclaim(self) -> None:
+        """Retired slots past their deadline: wiped and freed (under `_state`)."""
+        now, keep = time.monotonic(), []
+        for until, slots in self._retired:
+            if until > now:
+                keep.append((until, slots))
+            else:
+                self._wipe_and_free(slots)
+        self._retired = keep
 
     @contextlib.contextmanager
     def scratch(self, pages: int):

@@ -329,13 +329,16 @@ class Dispatcher:
                 span.set_attribute("tandem.retried", True)
                 self.metrics.request_retries.inc()
                 avoid.encoders.add(route.encoder)
+                # E/P/D: the prefill instance held the room, so an encoder's failure may be
+                # its doing too (it closed the Attach stream when it died): the retry goes
+                # to another one whatever the tier blamed (the only one, when none else)
+                if route.prefill:
+                    avoid.prefills.add(route.prefill)
                 # DATA_LOSS: the rows failed the language side's check, whoever reports it
                 # (the lead's Encode carries it too, now with its code): its buffers may be
                 # written by another process, so the retry goes to another instance
                 if err.tier is Tier.LANGUAGE or err.code == "DATA_LOSS":
                     avoid.languages.add(route.language)
-                    if route.prefill:
-                        avoid.prefills.add(route.prefill)
             finally:
                 # NOTE: close the attempt now (cancels its calls, aborts its room) rather
                 # than at garbage collection; it has no awaits in its own finally.
@@ -412,6 +415,9 @@ class Dispatcher:
         # instance (RouterError UNAVAILABLE: `_generate` retries it). One with output keeps
         # waiting: its caller has seen tokens, and the instance may wake.
         ejected = asyncio.ensure_future(lang.ejected.wait())
+        # E/P/D: a frozen prefill instance is as silent (D waits on it): its ejection moves a
+        # request with no output yet elsewhere too
+        pre_ejected = asyncio.ensure_future(pre.ejected.wait()) if pre is not None else None
         try:
             while True:
                 next_msg = asyncio.ensure_future(stream.__anext__())
@@ -420,12 +426,19 @@ class Dispatcher:
                         waits = {next_msg} if encode_task.done() else {next_msg, encode_task}
                         if first:
                             waits.add(ejected)
+                            if pre_ejected is not None:
+                                waits.add(pre_ejected)
                         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                         if encode_task.done() and encode_task.exception() is not None:
                             raise encode_task.exception()
                         if first and ejected.done() and not next_msg.done():
                             raise RouterError(
                                 "UNAVAILABLE", f"language {lang.address} stopped answering "
+                                "before any output", tier=Tier.LANGUAGE)
+                        if (first and pre_ejected is not None and pre_ejected.done()
+                                and not next_msg.done()):
+                            raise RouterError(
+                                "UNAVAILABLE", f"prefill {pre.address} stopped answering "
                                 "before any output", tier=Tier.LANGUAGE)
                 finally:
                     if not next_msg.done():
@@ -477,6 +490,8 @@ class Dispatcher:
             if pre is not None:
                 pre.outstanding -= 1
             ejected.cancel()
+            if pre_ejected is not None:
+                pre_ejected.cancel()
             if not encode_task.done():
                 encode_task.cancel()
             elif not encode_task.cancelled():
