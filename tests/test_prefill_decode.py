@@ -8,10 +8,18 @@ prefill_address) on the decode instance and Encode(room, chat) on the encoder.
   instance tokenizes it): the first token from the prefill instance, the rest decoded on
   the decode instance from the KV pages it landed and checked (`--transfer.protect mac`).
 - A seeded sampled request gives the same tokens as on a `both` instance (the sampler's
-  generator goes with the pages), with logprobs.
+  generator goes with the pages), with logprobs; so do a video chat (given as frames),
+  structured output (a JSON schema: the decode instance's matcher replays the first
+  token) and a chat with tools, each against the `both` instance (whose answers equal
+  transformers' in tests/test_e2e_video.py, tests/test_structured_output*.py).
 - A request that ends at its first token (max_tokens 1) ends on the prefill instance, and
   no page moves.
 - The roles refuse what is not theirs (FAILED_PRECONDITION).
+- Another Mooncake engine hammering the decode instance's KV inbox slots with garbage
+  during the hand-offs never changes an answer: each is exact or ends DATA_LOSS (its
+  pages freed unread; the router would retry it), and the attack lands. (The cache the
+  pages land in is never registered, so no peer can write a page in use:
+  tests/test_kv_transfer.py.)
 - Afterwards every KV page, embedding block and staging slot is free on both instances;
   each hand-off is counted on both sides (the bytes sent are the bytes landed and checked),
   with its descriptors.
@@ -30,13 +38,14 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from language_oracle import generate, load
 from waiting import wait_until
 
 sys.path.insert(0, str(Path(__file__).parent))
 from encoder_peers.chats import hf_messages, png, to_proto  # noqa: E402
 
-from tandem.chat import ImageInput, Message  # noqa: E402
+from tandem.chat import ImageInput, Message, VideoInput, VideoOptions  # noqa: E402
 from tandem.launch.procs import free_port  # noqa: E402
 from tandem.v1 import (  # noqa: E402
     common_pb2,
@@ -148,15 +157,16 @@ class Cluster:
         self.thread.join(30)
 
     async def generate(self, messages: list[Message], sampling: common_pb2.SamplingParams,
-                       on: str = "decode") -> list[language_pb2.LanguageGenerateResponse]:
+                       on: str = "decode", tools_json: str = ""
+                       ) -> list[language_pb2.LanguageGenerateResponse]:
         """The router's part: Generate on `on` (the decode instance naming the prefill
         instance, or the `both` one), Encode on the encoder when the chat has an image."""
         room = secrets.randbits(62)
-        media = any(isinstance(p, ImageInput) for m in messages for p in m.parts)
+        media = any(isinstance(p, ImageInput | VideoInput) for m in messages for p in m.parts)
         req = language_pb2.LanguageGenerateRequest(
             room=room, sampling=sampling,
             encoder_address=f"127.0.0.1:{self.enc_cfg.port}" if media else "",
-            messages=() if media else to_proto(messages),
+            messages=() if media else to_proto(messages), tools_json=tools_json,
             prefill_address=self.address("prefill") if on == "decode" else "")
         stream = self.stubs[on].Generate(req)
         encode = (asyncio.ensure_future(self.enc.Encode(encoder_pb2.EncodeRequest(
@@ -201,11 +211,11 @@ def assert_idle(c: Cluster) -> None:
     wait_until(idle, timeout_s=HANG_GUARD_S, what="every KV page and block free on P and D")
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def cluster(request, checkpoint):
     ckpt = checkpoint(request.param)
     c = Cluster(ckpt).start()
-    c.ckpt = ckpt
+    c.ckpt, c.arch = ckpt, request.param
     yield c
     c.stop()
 
@@ -293,4 +303,90 @@ def test_handoffs_are_counted_on_both_sides(cluster):
     assert cluster.metric("decode", "tandem_language_kv_transfer_bytes_total",
                           'direction="received"') - got0 == sent
     assert cluster.metric("prefill", "tandem_language_kv_transfer_descriptors_count") >= 1
+    assert_idle(cluster)
+
+
+def video_chat(seed: int) -> list[Message]:
+    frames = tuple(ImageInput(data=png(56, 42, seed * 100 + i)) for i in range(4))
+    return [Message("user", ("What happens in this clip?",
+                             VideoInput(frames=frames, options=VideoOptions(fps=2.0)),
+                             "Say it briefly."))]
+
+
+SCHEMA = ('{"type": "object", "properties": {"name": {"type": "string"}, "n": '
+          '{"type": "integer"}}, "required": ["name", "n"]}')
+TOOLS = ('[{"type": "function", "function": {"name": "get_weather", "parameters": '
+         '{"type": "object", "properties": {"city": {"type": "string"}}}}}]')
+
+
+@pytest.mark.parametrize("case", ["video", "json_schema", "tools"])
+def test_video_structured_output_and_tools_continue_exactly(cluster, case):
+    sampling = common_pb2.SamplingParams(max_tokens=12, temperature=0.0)
+    chat, tools = text_chat(), ""
+    if case == "video":
+        chat = video_chat(7)
+    elif case == "json_schema":
+        sampling.structured_output.json_schema = SCHEMA
+    else:
+        tools = TOOLS
+    split = cluster.call(cluster.generate(chat, sampling, tools_json=tools))
+    whole = cluster.call(cluster.generate(chat, sampling, on="both", tools_json=tools))
+    assert tokens_of(split) == tokens_of(whole)
+    assert "".join(m.text for m in split) == "".join(m.text for m in whole)
+    assert split[-1].usage.prompt_tokens == whole[-1].usage.prompt_tokens > 16
+    assert_idle(cluster)
+
+
+def test_a_peer_overwriting_the_inbox_never_changes_an_answer(cluster, monkeypatch):
+    if cluster.arch != "qwen2_5_vl":
+        pytest.skip("one architecture shows it")
+    from tandem.config import TransferConfig
+    from tandem.services.language import handoff
+    from tandem.transfer.engine import MooncakeEngine
+
+    rooms: list[tuple[str, int, list[int], int]] = []
+    reserve = handoff.DecodeLink.reserve
+
+    async def spied(self, prompt, max_model_len):  # what the attacker is assumed to know
+        await reserve(self, prompt, max_model_len)
+        inbox = self.port.staging
+        rooms.append((self.port.engine.session_id, inbox.base, inbox.held(self.room),
+                      inbox.layout.page_bytes))
+
+    monkeypatch.setattr(handoff.DecodeLink, "reserve", spied)
+    attacker = MooncakeEngine(TransferConfig(timeout_s=5))
+    garbage = torch.full((1 << 20,), 3.0)
+    attacker.register(garbage)
+    stop = threading.Event()
+
+    def hammer():
+        while not stop.is_set():
+            for session, base, slots, size in list(rooms[-2:]):
+                for s in slots:
+                    n = min(size, garbage.numel() * 4)
+                    try:
+                        attacker.raw_write(session, garbage.data_ptr(), base + s * size, n)
+                    except Exception:  # noqa: BLE001  (a refused write is the point)
+                        pass
+
+    t = threading.Thread(target=hammer, daemon=True)
+    t.start()
+    try:
+        chats = [image_chat(seed) for seed in range(10, 16)]
+        outcomes = []
+        for chat in chats:
+            out = cluster.call(cluster.generate(chat, GREEDY))
+            if out[-1].finish_reason == common_pb2.FINISH_REASON_ERROR:
+                assert out[-1].error.code == "DATA_LOSS", out[-1].error
+                outcomes.append("DATA_LOSS")
+            else:
+                assert tokens_of(out) == expected(cluster.ckpt, chat)
+                outcomes.append("exact")
+    finally:
+        stop.set()
+        t.join(30)
+        attacker.unregister(garbage)
+        attacker.close()
+    print("hand-offs under attack:", outcomes)
+    assert "DATA_LOSS" in outcomes  # the attack landed, and was caught
     assert_idle(cluster)

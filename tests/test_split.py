@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from encoder_peers.chats import png, to_proto  # noqa: E402
 from test_stream import HANG_GUARD_S, MAX_NEW, Gate, expected, grid_of  # noqa: E402
 
-from tandem.chat import ImageInput, Message, VideoInput  # noqa: E402
+from tandem.chat import ImageInput, Message  # noqa: E402
 from tandem.launch.procs import free_port  # noqa: E402
 from tandem.v1 import (  # noqa: E402
     common_pb2,
@@ -226,19 +226,8 @@ class Trio:
 
 
 def chat_proto(messages: list[Message]):
-    """encoder_peers.chats.to_proto, videos (file bytes and fps) included."""
-    out = to_proto([Message(m.role, tuple(p for p in m.parts if not isinstance(p, VideoInput)))
-                    for m in messages])
-    for m, o in zip(messages, out, strict=True):
-        if any(isinstance(p, VideoInput) for p in m.parts):
-            del o.content[:]
-            for p in m.parts:
-                if isinstance(p, VideoInput):
-                    o.content.append(common_pb2.ContentPart(video=common_pb2.VideoPart(
-                        data=p.data, fps=p.options.fps or 0.0)))
-                else:
-                    o.content.extend(to_proto([Message(m.role, (p,))])[0].content)
-    return out
+    """encoder_peers.chats.to_proto (videos included)."""
+    return to_proto(messages)
 
 
 def assert_idle(trio: Trio) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from tandem.chat import ImageInput, Message
+from tandem.chat import ImageInput, Message, VideoInput
 
 
 def png(w: int, h: int, seed: int, fmt: str = "PNG") -> bytes:
@@ -118,7 +118,8 @@ def assert_payload_matches(payload, ref, num_deepstack: int | None, exact: bool)
 
 
 def to_proto(messages: list[Message]):
-    """[Message] -> [tandem.v1.ChatMessage]."""
+    """[Message] -> [tandem.v1.ChatMessage] (text, images, videos: file bytes, a URL or
+    frames, with fps and num_frames)."""
     from tandem.v1 import common_pb2
 
     out = []
@@ -132,6 +133,17 @@ def to_proto(messages: list[Message]):
                 else:
                     img.url = p.url
                 parts.append(common_pb2.ContentPart(image=img))
+            elif isinstance(p, VideoInput):
+                o = p.options
+                vid = common_pb2.VideoPart(fps=o.fps or 0.0, num_frames=o.num_frames or 0)
+                if p.frames:
+                    vid.frames.CopyFrom(common_pb2.VideoFrames(frames=[
+                        common_pb2.VideoFrame(data=f.data) for f in p.frames]))
+                elif p.data is not None:
+                    vid.data = p.data
+                else:
+                    vid.url = p.url
+                parts.append(common_pb2.ContentPart(video=vid))
             else:
                 parts.append(common_pb2.ContentPart(text=p))
         out.append(common_pb2.ChatMessage(role=m.role, content=parts))
