@@ -44,7 +44,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 import latency  # noqa: E402
 from peer_bench import load, systems  # noqa: E402
 
-NAMES = {"tandem": "Tandem", "vllm": "vLLM", "tandem-traced": "Tandem, traced"}
+NAMES = {"tandem": "Tandem", "vllm": "vLLM", "tandem-traced": "Tandem, traced",
+         "tandem-epd": "Tandem E/P/D"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trace", action="store_true",
                    help="Also run Tandem with tracing on (100%% sampling) and show its cost.")
     p.add_argument("--out", default="", help="Also write the markdown here.")
+    p.add_argument("--epd", action="store_true",
+                   help="Also run Tandem split into 1 prefill + 1 decode instance "
+                   "(`tandem up --prefill 1 --decode 1`, system `tandem-epd`).")
     args = p.parse_args(argv)
     if args.quick:
         args.runs, args.concurrency, args.requests = 1, "1,8", 8
@@ -87,6 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.only == "vllm":
             p.error("--trace measures Tandem: not with --only vllm")
         args.systems.append("tandem-traced")
+    if args.epd:
+        if args.only == "vllm":
+            p.error("--epd measures Tandem: not with --only vllm")
+        args.systems.append("tandem-epd")
     return args
 
 
@@ -94,6 +102,9 @@ def make_server(name: str, args, ckpt: Path, run: int) -> systems.Server:
     log = ROOT / ".cache" / "peer" / "logs" / f"{name}-run{run}.log"
     if name == "tandem":
         return systems.tandem_server(ckpt, args.dtype, log, args.tandem_language_args)
+    if name == "tandem-epd":
+        return systems.tandem_server(ckpt, args.dtype, log, args.tandem_language_args,
+                                     name=name, split=True)
     if name == "tandem-traced":  # every tier exports every request's spans to args.otlp
         env = {"OTEL_EXPORTER_OTLP_ENDPOINT": args.otlp.endpoint,
                "OTEL_TRACES_SAMPLER": "always_on"}
@@ -166,7 +177,8 @@ def table(args, results: dict[str, list[dict]]) -> str:
         f"{load.Sampling(args.temperature, args.top_p).describe()}; `mixed`: half "
         f"with one 112-448 px image. Medians of {args.runs} run(s), systems in alternating "
         f"order, one at a time. Tandem: `tandem up`, 1 encoder + 1 language"
-        f"{f' (language tier: `{args.tandem_language_args}`)' if args.tandem_language_args else ''}. vLLM: "
+        f"{f' (language tier: `{args.tandem_language_args}`)' if args.tandem_language_args else ''}"
+        f"{'; Tandem E/P/D: 1 encoder + `--prefill 1 --decode 1`' if args.epd else ''}. vLLM: "
         f"`{args.peer_spec}` OpenAI server, `VLLM_CPU_KVCACHE_SPACE={args.kv_gib}`. "
         f"Generated {time.strftime('%Y-%m-%d %H:%M')}.",
         "",
@@ -182,7 +194,7 @@ def table(args, results: dict[str, list[dict]]) -> str:
                     f"| {kind} | {level} | {NAMES[s]} | {m['rps']:.2f} | {m['tok_s']:.1f} | "
                     f"{fmt(m['ttft50'])} | {fmt(m['ttft99'])} | {fmt(m['tpot50'], 1)} | "
                     f"{fmt(m['tpot99'], 1)} | {m['failures']} |")
-    for a, b in (("tandem", "vllm"), ("tandem-traced", "tandem")):
+    for a, b in (("tandem", "vllm"), ("tandem-traced", "tandem"), ("tandem-epd", "tandem")):
         if a not in present or b not in present:
             continue
         ratio = f"{NAMES[a]} / {NAMES[b]}"

@@ -390,3 +390,37 @@ def test_a_peer_overwriting_the_inbox_never_changes_an_answer(cluster, monkeypat
     print("hand-offs under attack:", outcomes)
     assert "DATA_LOSS" in outcomes  # the attack landed, and was caught
     assert_idle(cluster)
+
+
+def test_cancel_and_deadline_free_everything_on_both_sides(cluster):
+    """A caller gone after its first token, and a deadline that passes while decoding:
+    the pages, blocks and slots of both instances all come back."""
+    # more tokens than the deadline below leaves time for (and than fit the pages' 2048)
+    long = common_pb2.SamplingParams(max_tokens=1800, temperature=0.0, ignore_eos=True)
+
+    async def cancel_after_first():
+        req = language_pb2.LanguageGenerateRequest(
+            room=secrets.randbits(62), sampling=long, messages=to_proto(text_chat()),
+            prefill_address=cluster.address("prefill"))
+        call = cluster.stubs["decode"].Generate(req)
+        first = await call.read()
+        call.cancel()
+        return first
+
+    first = cluster.call(cancel_after_first())
+    assert len(first.token_ids) == 1
+    assert_idle(cluster)
+
+    async def past_deadline():
+        import time
+
+        req = language_pb2.LanguageGenerateRequest(
+            room=secrets.randbits(62), sampling=long, messages=to_proto(text_chat()),
+            prefill_address=cluster.address("prefill"),
+            deadline_unix_ms=int(time.time() * 1000) + 1000)
+        return [m async for m in cluster.stubs["decode"].Generate(req)]
+
+    out = cluster.call(past_deadline())
+    assert out[-1].finish_reason == common_pb2.FINISH_REASON_ABORT, out[-1]
+    assert out[-1].error.code == "DEADLINE_EXCEEDED", out[-1].error
+    assert_idle(cluster)

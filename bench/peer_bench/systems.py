@@ -207,14 +207,17 @@ class Server:
 
 
 def tandem_server(ckpt: Path, dtype: str, log: Path, language_args: str = "",
-                  env: dict[str, str] | None = None, name: str = "tandem") -> Server:
-    """`tandem up` (1 encoder + 1 language); `env`: variables added to its environment
-    (the traced variant's OTEL_*), `name` the system's name in the tables."""
+                  env: dict[str, str] | None = None, name: str = "tandem",
+                  split: bool = False) -> Server:
+    """`tandem up` (1 encoder + 1 language; `split`: 1 prefill + 1 decode instance, E/P/D);
+    `env`: variables added to its environment (the traced variant's OTEL_*), `name` the
+    system's name in the tables."""
     port, grpc_port = free_port(), free_port()
     dt = f"--dtype {dtype}"
     argv = [str(BIN / "tandem"), "up", "--model", str(ckpt), "--host", "127.0.0.1",
             "--http-port", str(port), "--grpc-port", str(grpc_port), "--encoders", "1",
-            "--languages", "1", "--encoder-args", dt,
+            *(["--prefill", "1", "--decode", "1"] if split else ["--languages", "1"]),
+            "--encoder-args", dt,
             "--language-args", f"{dt} {language_args}".strip()]
     srv = Server(name, argv, port, dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})), log)
     srv.grpc_address = f"127.0.0.1:{grpc_port}"
