@@ -282,7 +282,8 @@ class DecodeLink:
         if pages + 1 > self.engine.pool.num_total or pages > inbox.num_slots:
             raise HandOffError(f"a {n}-token prompt needs {pages} KV pages and inbox slots; "
                                f"this decode instance has {self.engine.pool.num_total} pages "
-                               f"and {inbox.num_slots} slots", "RESOURCE_EXHAUSTED")
+                               f"and {inbox.num_slots} inbox slots (--kv-staging-pages)",
+                               "RESOURCE_EXHAUSTED")
         self.prompt_tokens, self.token_ids = n, list(prompt.token_ids)
         span = tracing.start("language.kv_reserve", self.trace, attributes={
             "tandem.kv.pages": pages, "tandem.prompt_tokens": n})
