@@ -26,24 +26,17 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import subprocess
 import time
 from pathlib import Path
 
 import httpx
+from kv_transfer import _cpu  # the host's CPU model, as the KV benchmark names it
 
 from tandem.launch.cluster import LocalCluster
 
 OUT = Path(__file__).resolve().parent / "results" / "pd-interference.md"
-
-
-def _cpu() -> str:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def _pin(pid: int, cores: str) -> None:

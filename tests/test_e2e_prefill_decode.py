@@ -18,15 +18,13 @@ import json
 
 import httpx
 import pytest
-from language_oracle import generate, load, make_image, make_inputs
-from test_e2e_cluster import data_url, png, strip_eos
+from test_e2e_cluster import MAX_NEW, data_url, oracle, png, strip_eos  # noqa: F401
 from waiting import wait_until
 
 from tandem.client import Client, image
 from tandem.launch.cluster import LocalCluster
 
-ARCH = "qwen2_5_vl"
-MAX_NEW = 8
+ARCH = "qwen2_5_vl"  # (the oracle fixture is test_e2e_cluster's, MAX_NEW tokens)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -46,23 +44,6 @@ def cluster(ckpt):
     cl.start()
     yield cl
     cl.stop()
-
-
-@pytest.fixture(scope="module")
-def oracle(ckpt):
-    model, processor = load(ckpt)
-    eos = model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list | tuple) else [eos])
-    cache = {}
-
-    def expected(text, images):
-        key = (text, tuple(images))
-        if key not in cache:
-            inputs = make_inputs(processor, text, [make_image(s, sz) for s, sz in images])
-            cache[key] = strip_eos(generate(model, inputs, MAX_NEW)[0], eos)
-        return cache[key]
-
-    return expected, eos
 
 
 def messages(text: str, images) -> list:
@@ -86,13 +67,14 @@ def wait_idle(cluster) -> None:
     ("Describe the picture in detail.", [(1, (56, 56))]),
     ("Hello, who are you?", []),
 ])
-def test_greedy_answers_equal_generate_and_name_both_instances(cluster, oracle, text, images):
+def test_greedy_answers_equal_generate_and_name_both_instances(
+        cluster, oracle, text, images):  # noqa: F811  (test_e2e_cluster's fixture)
     expected, eos = oracle
     want = expected(text, images)
     with Client(cluster.grpc_address) as c:
         parts = [image(png(s, sz)) for s, sz in images] + [text]
         sdk = c.chat([{"role": "user", "content": parts}], max_tokens=MAX_NEW)
-    assert strip_eos(sdk.token_ids, eos) == want
+    assert strip_eos(sdk.token_ids, eos) == strip_eos(want, eos)
     body = {"model": "", "messages": messages(text, images), "max_tokens": MAX_NEW,
             "temperature": 0, "n": 2}
     r = httpx.post(cluster.http_url + "/v1/chat/completions", json=body, timeout=120)

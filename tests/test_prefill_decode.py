@@ -39,11 +39,12 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from language_oracle import generate, load
+from inproc import HANG_GUARD_S, Services
+from test_stream import expected
 from waiting import wait_until
 
 sys.path.insert(0, str(Path(__file__).parent))
-from encoder_peers.chats import hf_messages, png, to_proto  # noqa: E402
+from encoder_peers.chats import png, to_proto  # noqa: E402
 
 from tandem.chat import ImageInput, Message, VideoInput, VideoOptions  # noqa: E402
 from tandem.launch.procs import free_port  # noqa: E402
@@ -56,8 +57,7 @@ from tandem.v1 import (  # noqa: E402
 )
 
 pytestmark = pytest.mark.timeout(300)
-HANG_GUARD_S = 120.0
-MAX_NEW = 6
+MAX_NEW = 6  # (test_stream's `expected` generates as many)
 
 
 def image_chat(seed: int) -> list[Message]:
@@ -69,20 +69,6 @@ def image_chat(seed: int) -> list[Message]:
 
 def text_chat() -> list[Message]:
     return [Message("user", ("Count from one to ten, slowly, and say why.",))]
-
-
-_oracles: dict = {}
-
-
-def expected(ckpt: Path, messages: list[Message]) -> list[int]:
-    key = (str(ckpt), repr(messages))
-    if key not in _oracles:
-        model, processor = load(ckpt)
-        msgs, images = hf_messages(messages)
-        text = processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        inputs = dict(processor(text=[text], images=images or None, return_tensors="pt"))
-        _oracles[key] = generate(model, inputs, MAX_NEW)[0]
-    return _oracles[key]
 
 
 class Cluster:
@@ -109,8 +95,7 @@ class Cluster:
                 kv_staging_pages=32, transfer=TransferConfig(timeout_s=20, protect=protect))
 
         self.cfgs = {r: language(r) for r in ("prefill", "decode", "both")}
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.services = Services()
 
     def address(self, role: str) -> str:
         return f"127.0.0.1:{self.cfgs[role].port}"
@@ -119,42 +104,24 @@ class Cluster:
         from tandem.services.encoder.main import run as run_encoder
         from tandem.services.language.main import run as run_language
 
-        self.thread.start()
+        self.services.start(
+            [lambda r, s: run_encoder(self.enc_cfg, r, s)]
+            + [lambda r, s, c=c: run_language(c, r, s) for c in self.cfgs.values()])
 
-        async def boot():
-            self.stop_ev = asyncio.Event()
-            ready = [asyncio.Event() for _ in range(1 + len(self.cfgs))]
-            self.tasks = [asyncio.ensure_future(run_encoder(self.enc_cfg, ready[0], self.stop_ev))]
-            self.tasks += [asyncio.ensure_future(run_language(c, r, self.stop_ev))
-                           for c, r in zip(self.cfgs.values(), ready[1:], strict=True)]
-            waits = {asyncio.ensure_future(r.wait()) for r in ready}
-            while waits:
-                done, _ = await asyncio.wait([*waits, *self.tasks], timeout=HANG_GUARD_S,
-                                             return_when=asyncio.FIRST_COMPLETED)
-                assert done, "services did not start (hang guard)"
-                for t in self.tasks:
-                    if t.done():
-                        t.result()  # a service that failed to start says why
-                waits = {w for w in waits if not w.done()}
+        async def channels():
             self.enc = encoder_pb2_grpc.EncoderStub(
                 grpc.aio.insecure_channel(f"127.0.0.1:{self.enc_cfg.port}"))
             self.stubs = {r: language_pb2_grpc.LanguageStub(grpc.aio.insecure_channel(
                 self.address(r))) for r in self.cfgs}
 
-        self.call(boot())
+        self.call(channels())
         return self
 
     def call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(HANG_GUARD_S + 60)
+        return self.services.call(coro)
 
     def stop(self) -> None:
-        async def down():
-            self.stop_ev.set()
-            await asyncio.gather(*self.tasks, return_exceptions=True)
-
-        self.call(down())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(30)
+        self.services.stop()
 
     async def generate(self, messages: list[Message], sampling: common_pb2.SamplingParams,
                        on: str = "decode", tools_json: str = ""

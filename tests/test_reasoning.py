@@ -248,8 +248,10 @@ def test_forced_markers_split_as_the_reference_split_of_the_same_ids(cluster, to
         assert got == reference(stext), bias
         if END_THINK in sids and want[0] and want[1]:
             seen_both_sides += 1
-            # the marker and the text around it came in chunks of their own
-            assert sum("reasoning_content" in d for d in deltas) >= 2
+            # both sides of the marker reached the stream (how many chunks each took is
+            # the language side's coalescing of tokens that piled up: load, not behaviour;
+            # a CI run saw the whole reasoning in one chunk)
+            assert sum("reasoning_content" in d for d in deltas) >= 1
             assert sum(bool(d.get("content")) for d in deltas) >= 1
         first_end = sids.index(END_THINK) if END_THINK in sids else len(sids)
         seen_start += THINK in sids[:first_end]  # a start marker to drop

@@ -34,7 +34,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import threading
 import urllib.request
 from pathlib import Path
 
@@ -44,6 +43,7 @@ from waiting import wait_until
 
 sys.path.insert(0, str(Path(__file__).parent))
 from encoder_peers.chats import png, to_proto  # noqa: E402
+from inproc import Services  # noqa: E402
 from test_stream import HANG_GUARD_S, MAX_NEW, Gate, expected, grid_of  # noqa: E402
 
 from tandem.chat import ImageInput, Message  # noqa: E402
@@ -96,8 +96,7 @@ class Trio:
             insecure_internal=True, metrics_port=self.lang_metrics, kv_pages=256, kv_page_size=16,
             embedding_block_size=16, default_reservation_tokens=64, max_prefill_tokens=16,
             transfer=TransferConfig(timeout_s=timeout_s, stream=stream, protect=protect))
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.services = Services()
 
     def signal_helper(self, sig: int) -> None:
         """`sig` to the helper process and every process it forked (some start sessions
@@ -135,25 +134,13 @@ class Trio:
                  "--transfer.stream" if self.lead_cfg.transfer.stream
                  else "--no-transfer.stream"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.thread.start()
+        cfgs = [(run_encoder, self.lead_cfg), (run_language, self.lang_cfg)]
+        if self.helper_cfg is not None:
+            cfgs.append((run_encoder, self.helper_cfg))
+        self.services.start([lambda r, s, run=run, cfg=cfg: run(cfg, r, s)
+                             for run, cfg in cfgs])
 
         async def boot():
-            cfgs = [(run_encoder, self.lead_cfg), (run_language, self.lang_cfg)]
-            if self.helper_cfg is not None:
-                cfgs.append((run_encoder, self.helper_cfg))
-            self.stops = [asyncio.Event() for _ in cfgs]
-            ready = [asyncio.Event() for _ in cfgs]
-            self.tasks = [asyncio.ensure_future(run(cfg, r, s))
-                          for (run, cfg), r, s in zip(cfgs, ready, self.stops, strict=True)]
-            waits = {asyncio.ensure_future(r.wait()) for r in ready}
-            while waits:
-                done, _ = await asyncio.wait([*waits, *self.tasks], timeout=HANG_GUARD_S,
-                                             return_when=asyncio.FIRST_COMPLETED)
-                assert done, "services did not start (hang guard)"
-                for t in self.tasks:
-                    if t.done():
-                        t.result()  # a service that failed to start says why
-                waits = {w for w in waits if not w.done()}
             self.enc = encoder_pb2_grpc.EncoderStub(
                 grpc.aio.insecure_channel(f"127.0.0.1:{self.lead_cfg.port}"))
             self.lang = language_pb2_grpc.LanguageStub(
@@ -166,23 +153,20 @@ class Trio:
         self.call(boot())
         return self
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self.services.loop
+
     def call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(HANG_GUARD_S + 120)
+        return self.services.call(coro, HANG_GUARD_S + 120)
 
     def stop(self) -> None:
-        async def down():
-            for s in self.stops:
-                s.set()
-            await asyncio.gather(*self.tasks, return_exceptions=True)
-
         if self.helper_proc is not None:
             with contextlib.suppress(ProcessLookupError):
                 self.signal_helper(signal.SIGCONT)
                 self.signal_helper(signal.SIGKILL)
             self.helper_proc.wait(30)
-        self.call(down())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(30)
+        self.services.stop()
 
     async def generate(self, messages: list[Message],
                        helpers: list[str] | None = None) -> tuple[list[int], object]:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from inproc import HANG_GUARD_S, Services
 from language_oracle import generate, load
 from waiting import wait_until
 
@@ -50,7 +51,6 @@ from tandem.v1 import (  # noqa: E402
 )
 
 pytestmark = pytest.mark.timeout(300)
-HANG_GUARD_S = 120.0
 MAX_NEW = 6
 SIZES = [(64, 48), (40, 150), (120, 90)]  # distinct grids: the last one can be held back
 
@@ -105,49 +105,33 @@ class Pair:
             insecure_internal=True, metrics_port=self.lang_metrics, kv_pages=256, kv_page_size=16,
             embedding_block_size=16, default_reservation_tokens=64, max_prefill_tokens=16,
             transfer=TransferConfig(timeout_s=20, stream=stream_language))
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.services = Services()
 
     def start(self) -> Pair:
         from tandem.services.encoder.main import run as run_encoder
         from tandem.services.language.main import run as run_language
 
-        self.thread.start()
+        self.services.start([lambda r, s: run_encoder(self.enc_cfg, r, s),
+                             lambda r, s: run_language(self.lang_cfg, r, s)])
 
-        async def boot():
-            self.stop_ev = asyncio.Event()
-            ready = [asyncio.Event(), asyncio.Event()]
-            self.tasks = [asyncio.ensure_future(run_encoder(self.enc_cfg, ready[0], self.stop_ev)),
-                          asyncio.ensure_future(run_language(self.lang_cfg, ready[1],
-                                                             self.stop_ev))]
-            waits = {asyncio.ensure_future(r.wait()) for r in ready}
-            while waits:
-                done, _ = await asyncio.wait([*waits, *self.tasks], timeout=HANG_GUARD_S,
-                                             return_when=asyncio.FIRST_COMPLETED)
-                assert done, "services did not start (hang guard)"
-                for t in self.tasks:
-                    if t.done():
-                        t.result()  # a service that failed to start says why
-                waits = {w for w in waits if not w.done()}
+        async def channels():
             self.enc = encoder_pb2_grpc.EncoderStub(
                 grpc.aio.insecure_channel(f"127.0.0.1:{self.enc_cfg.port}"))
             self.lang = language_pb2_grpc.LanguageStub(
                 grpc.aio.insecure_channel(f"127.0.0.1:{self.lang_cfg.port}"))
 
-        self.call(boot())
+        self.call(channels())
         return self
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self.services.loop
+
     def call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(HANG_GUARD_S + 60)
+        return self.services.call(coro)
 
     def stop(self) -> None:
-        async def down():
-            self.stop_ev.set()
-            await asyncio.gather(*self.tasks, return_exceptions=True)
-
-        self.call(down())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(30)
+        self.services.stop()
 
     async def generate(self, messages: list[Message]) -> tuple[list[int], common_pb2.StageTimings]:
         """The router's part: Generate and Encode on one room; the tokens, and the timings
@@ -230,7 +214,7 @@ def expected(ckpt: Path, messages: list[Message]) -> list[int]:
         model, processor = load(ckpt)
         msgs, images = hf_messages(messages)
         text = processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        inputs = dict(processor(text=[text], images=images, return_tensors="pt"))
+        inputs = dict(processor(text=[text], images=images or None, return_tensors="pt"))
         _oracles[key] = generate(model, inputs, MAX_NEW)[0]
     return _oracles[key]
 

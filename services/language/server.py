@@ -47,7 +47,7 @@ from tandem.chat import (
 )
 from tandem.errors import abort
 from tandem.internal_tls import InternalTLS, aio_channel
-from tandem.sampling import SamplingError
+from tandem.sampling import SamplingError, SamplingParams
 from tandem.sampling import from_proto as sampling_from_proto
 from tandem.services.language.engine.core import Engine
 from tandem.services.language.engine.request import (
@@ -117,6 +117,23 @@ def error_response(code: str, message: str, field: str = "", abort: bool = False
     )
 
 
+@dataclass(frozen=True)
+class Admitted:
+    """A Generate past its checks: its sampling, its deadline and when it came (Unix s)."""
+
+    sampling: SamplingParams
+    deadline: float
+    now: float
+
+
+class Refused(Exception):
+    """A Generate refused before it holds anything: `response` is its one answer."""
+
+    def __init__(self, response: language_pb2.LanguageGenerateResponse) -> None:
+        super().__init__(response.error.message)
+        self.response = response
+
+
 @dataclass
 class ServiceLimits:
     request_timeout_s: float
@@ -172,27 +189,38 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         finally:  # NOTE: now, on every way out (a cancelled call too): its finally frees
             await gen.aclose()  # the room's blocks and pages, not at garbage collection
 
+    def _admit(self, request) -> Admitted:
+        """What every Generate checks before it holds anything; Refused (its one answer)
+        when it fails."""
+        if self.draining:
+            raise Refused(error_response("UNAVAILABLE", "language instance is draining"))
+        try:
+            sampling = sampling_from_proto(request.sampling)
+        except SamplingError as e:
+            raise Refused(error_response("INVALID_ARGUMENT", str(e),
+                                         field=f"sampling.{e.field}")) from None
+        if request.room in self.streams:
+            raise Refused(error_response("ALREADY_EXISTS",
+                                         f"room {request.room} is already in progress"))
+        now = time.time()
+        deadline = deadline_from_proto(request.deadline_unix_ms, self.limits.request_timeout_s,
+                                       now)
+        if deadline <= now:
+            raise Refused(error_response("DEADLINE_EXCEEDED", "deadline already passed",
+                                         abort=True))
+        return Admitted(sampling, deadline, now)
+
     async def _generate(self, request, context, link: PrefillLink | None = None):
         """Generate's body; with `link` (a prefill instance, its Prefill stream) the pages
         are reserved on the decode instance before any compute, and the request ends after
         its first token, its pages written there (`PrefillLink.send`)."""
         room = request.room
-        if self.draining:
-            yield error_response("UNAVAILABLE", "language instance is draining")
-            return
         try:
-            sampling = sampling_from_proto(request.sampling)
-        except SamplingError as e:
-            yield error_response("INVALID_ARGUMENT", str(e), field=f"sampling.{e.field}")
+            admitted = self._admit(request)
+        except Refused as r:
+            yield r.response
             return
-        if room in self.streams:
-            yield error_response("ALREADY_EXISTS", f"room {room} is already in progress")
-            return
-        now = time.time()
-        deadline = deadline_from_proto(request.deadline_unix_ms, self.limits.request_timeout_s, now)
-        if deadline <= now:
-            yield error_response("DEADLINE_EXCEEDED", "deadline already passed", abort=True)
-            return
+        sampling, deadline, now = admitted.sampling, admitted.deadline, admitted.now
         self.streams.add(room)
         outcome = "cancelled"  # NOTE: one log line per request (its id greps across tiers)
         span = tracing.start("language.generate", tracing.from_call(context),
@@ -390,22 +418,12 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                                  f"{self.role}: a request naming a prefill instance needs a "
                                  f"decode instance")
             return
-        if self.draining:
-            yield error_response("UNAVAILABLE", "language instance is draining")
-            return
         try:
-            sampling = sampling_from_proto(request.sampling)
-        except SamplingError as e:
-            yield error_response("INVALID_ARGUMENT", str(e), field=f"sampling.{e.field}")
+            admitted = self._admit(request)
+        except Refused as r:
+            yield r.response
             return
-        if room in self.streams:
-            yield error_response("ALREADY_EXISTS", f"room {room} is already in progress")
-            return
-        now = time.time()
-        deadline = deadline_from_proto(request.deadline_unix_ms, self.limits.request_timeout_s, now)
-        if deadline <= now:
-            yield error_response("DEADLINE_EXCEEDED", "deadline already passed", abort=True)
-            return
+        sampling, deadline, now = admitted.sampling, admitted.deadline, admitted.now
         self.streams.add(room)
         span = tracing.start("language.generate", tracing.from_call(context),
                              kind=tracing.SpanKind.SERVER,

@@ -511,8 +511,9 @@ TABLE: tuple[Flag, ...] = (
          "--gpu-memory-utilization or --num-gpu-blocks-override"),
     Flag(("--speculative-config",), ONE, R, "speculative decoding is not served",
          dotted=True),
-    Flag(("--kv-transfer-config", "--kv-events-config"), ONE, R, "Tandem's own transfer "
-         "moves prompts between its tiers; vLLM's KV connectors are not served", dotted=True),
+    Flag(("--kv-transfer-config", "--kv-events-config"), ONE, R, "vLLM's KV connectors are "
+         "not served: Tandem moves KV pages with its own transfer (`tandem up --prefill N "
+         "--decode M` splits prefill and decode; `tandem serve` does not yet)", dotted=True),
     # -- multimodal input
     Flag(("--limit-mm-per-prompt",), ONE, M, "encoder --max-images-per-request, "
          "--max-videos-per-request ('{\"image\": N, \"video\": M}', image=N,video=M or "
