@@ -59,7 +59,6 @@ from tandem.v1 import common_pb2, language_pb2
 
 log = logging.getLogger("tandem.language.handoff")
 
-ROLES = ("both", "prefill", "decode")
 # How often a decode instance looks again for free pages and inbox slots (its
 # pre-allocation queue is this wait; a request gives up at its deadline)
 RESERVE_POLL_S = 0.02
@@ -211,8 +210,7 @@ class PrefillLink:
                              "tandem.kv.descriptors": sent.descriptors})
         t = req.times.ms()
         await self._write(language_pb2.PrefillResponse(done=language_pb2.PrefillDone(
-            mrope_position_delta=req.prompt.mrope_delta, drawn_seed=req.sampler.seed or 0,
-            generator_state=generator_state(req), cached_tokens=req.kv.cached_tokens or 0,
+            mrope_position_delta=req.prompt.mrope_delta, generator_state=generator_state(req), cached_tokens=req.kv.cached_tokens or 0,
             timings=common_pb2.StageTimings(queue_ms=t["queue"], prefill_ms=t["prefill"]),
             early_prefill_tokens=req.early_prefill_tokens)))
         try:
@@ -305,8 +303,8 @@ class DecodeLink:
     async def _reserve(self, n: int, pages: int) -> list[int]:
         inbox, slots = self.port.staging, None
         while True:
-            if not self.pages and self.engine.reserve_pages(self.room, n):
-                self.pages = self.engine.reserved_pages(self.room)
+            if not self.pages:
+                self.pages = self.engine.reserve_pages(self.room, n) or []
             if self.pages and slots is None:
                 slots = inbox.reserve(pages, self.room)
             if slots is not None:

@@ -157,15 +157,16 @@ class Engine:
         return Request(spec, grammar_future=grammar_future, trace=trace,
                        max_new_tokens=self.max_new_tokens(spec.sampling, spec.prompt.end))
 
-    def reserve_pages(self, room: int, prompt_tokens: int) -> bool:
+    def reserve_pages(self, room: int, prompt_tokens: int) -> list[int] | None:
         """E/P/D, a decode instance: hold the KV pages of a `prompt_tokens`-token prompt for
-        `room` while the prefill instance writes them (the decode pre-allocation); False
-        (nothing held) while too few are free. Any thread; `submit(..., handoff=...)`
-        takes them, `unpin(room)` releases them on every other path."""
-        return self.pool.reserve(room, ceil_div(prompt_tokens, self.runner.page_size)) is not None
+        `room` while the prefill instance writes them (the decode pre-allocation) and
+        return them; None (nothing held) while too few are free. Any thread;
+        `submit(..., handoff=...)` takes them, `unpin(room)` releases them on every other
+        path."""
+        return self.pool.reserve(room, ceil_div(prompt_tokens, self.runner.page_size))
 
     def reserved_pages(self, room: int) -> list[int]:
-        """The pages `reserve_pages` (or a hand-off's hold) holds for `room`."""
+        """The pages `room` holds (a prefill instance: a handed-off request's prompt)."""
         return self.pool.held(room)
 
     def submit(self, req: Request, sink: Sink, handoff: HandOff | None = None) -> None:
