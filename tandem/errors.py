@@ -13,8 +13,9 @@ import grpc
 # router sets it, the SDK reads it into TandemError.field): "sampling.temperature", ...
 FIELD_METADATA = "tandem-error-field"
 # The trailing metadata key under which a failed gRPC call names another instance whose
-# silence caused the failure (an encoder leading a split prompt names the helper that
-# stalled): the router's retry of the request avoids that instance and health-checks it.
+# failure caused its own (an encoder leading a split prompt names the helper that stalled;
+# a decode instance names the prefill instance of its request): the router's retry of the
+# request avoids that instance and health-checks it.
 CULPRIT_METADATA = "tandem-error-culprit"
 
 
@@ -27,6 +28,15 @@ async def abort(context, code: grpc.StatusCode, message: str, *, field: str = ""
     (the call then ends UNKNOWN, its code lost), so an absent value is left out."""
     meta = tuple((k, v) for k, v in ((FIELD_METADATA, field), (CULPRIT_METADATA, culprit)) if v)
     await context.abort(code, message, meta)
+
+
+def blame(context, culprit: str) -> None:
+    """Name `culprit` (CULPRIT_METADATA) in the trailing metadata of a streamed call whose
+    failure goes out in-stream (an `ErrorInfo` as its last message, the call itself OK): a
+    decode instance blaming the prefill instance of its request. The same key `abort`
+    sets, read the same way (the router's `from_rpc`, `culprit_of`)."""
+    if culprit:
+        context.set_trailing_metadata(((CULPRIT_METADATA, culprit),))
 
 
 class ServiceError(Exception):

@@ -34,6 +34,7 @@ import secrets
 import sys
 import threading
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -47,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from encoder_peers.chats import png, to_proto  # noqa: E402
 
 from tandem.chat import ImageInput, Message, VideoInput, VideoOptions  # noqa: E402
+from tandem.errors import CULPRIT_METADATA  # noqa: E402
 from tandem.launch.procs import free_port  # noqa: E402
 from tandem.v1 import (  # noqa: E402
     common_pb2,
@@ -128,20 +130,26 @@ class Cluster:
                        ) -> list[language_pb2.LanguageGenerateResponse]:
         """The router's part: Generate on `on` (the decode instance naming the prefill
         instance, or the `both` one), Encode on the encoder when the chat has an image."""
+        return (await self.answer(messages, sampling, on, tools_json)).messages
+
+    async def answer(self, messages: list[Message], sampling: common_pb2.SamplingParams,
+                     on: str = "decode", tools_json: str = "", prefill: str = "") -> Answer:
+        """`generate`'s messages, and the instance the call's trailing metadata blames;
+        `prefill`: the prefill instance named (the cluster's when "")."""
         room = secrets.randbits(62)
         media = any(isinstance(p, ImageInput | VideoInput) for m in messages for p in m.parts)
         req = language_pb2.LanguageGenerateRequest(
             room=room, sampling=sampling,
             encoder_address=f"127.0.0.1:{self.enc_cfg.port}" if media else "",
             messages=() if media else to_proto(messages), tools_json=tools_json,
-            prefill_address=self.address("prefill") if on == "decode" else "")
+            prefill_address=(prefill or self.address("prefill")) if on == "decode" else "")
         stream = self.stubs[on].Generate(req)
         encode = (asyncio.ensure_future(self.enc.Encode(encoder_pb2.EncodeRequest(
             room=room, messages=to_proto(messages)))) if media else None)
         out = [msg async for msg in stream]
         if encode is not None:
             await encode
-        return out
+        return Answer(out, dict(await stream.trailing_metadata()).get(CULPRIT_METADATA, ""))
 
     def metric(self, role: str, name: str, labels: str = "") -> float:
         """A sample of `role`'s metrics page (0 when absent)."""
@@ -156,6 +164,12 @@ class Cluster:
             return await self.stubs[role].GetLoad(language_pb2.LanguageGetLoadRequest())
 
         return self.call(get())
+
+
+@dataclass(frozen=True)
+class Answer:
+    messages: list[language_pb2.LanguageGenerateResponse]
+    culprit: str  # the instance the call's trailing metadata blames (CULPRIT_METADATA)
 
 
 def tokens_of(out) -> list[int]:
@@ -342,12 +356,17 @@ def test_a_peer_overwriting_the_inbox_never_changes_an_answer(cluster, monkeypat
         chats = [image_chat(seed) for seed in range(10, 16)]
         outcomes = []
         for chat in chats:
-            out = cluster.call(cluster.generate(chat, GREEDY))
+            answer = cluster.call(cluster.answer(chat, GREEDY))
+            out = answer.messages
             if out[-1].finish_reason == common_pb2.FINISH_REASON_ERROR:
                 assert out[-1].error.code == "DATA_LOSS", out[-1].error
+                # the pages that came are not the prefill instance's: it is named (the
+                # router's retry avoids it, and this decode instance too: DATA_LOSS)
+                assert answer.culprit == cluster.address("prefill")
                 outcomes.append("DATA_LOSS")
             else:
                 assert tokens_of(out) == expected(cluster.ckpt, chat)
+                assert answer.culprit == ""
                 outcomes.append("exact")
     finally:
         stop.set()
@@ -390,4 +409,28 @@ def test_cancel_and_deadline_free_everything_on_both_sides(cluster):
     out = cluster.call(past_deadline())
     assert out[-1].finish_reason == common_pb2.FINISH_REASON_ABORT, out[-1]
     assert out[-1].error.code == "DEADLINE_EXCEEDED", out[-1].error
+    assert_idle(cluster)
+
+
+def test_the_decode_instance_blames_the_prefill_instance_only_for_its_failures(cluster):
+    """The decode instance's failure names the prefill instance (CULPRIT_METADATA in the
+    call's trailing metadata) when it is the prefill instance's doing, and no one when it
+    is its own: the router's retry avoids whom it names (tests/test_router_prefill_decode)."""
+    if cluster.arch != "qwen2_5_vl":
+        pytest.skip("one architecture shows it")
+    # a prefill instance that is not there: the Prefill stream breaks at once
+    gone = f"127.0.0.1:{free_port()}"
+    answer = cluster.call(cluster.answer(text_chat(), GREEDY, prefill=gone))
+    assert answer.messages[-1].finish_reason == common_pb2.FINISH_REASON_ERROR
+    assert answer.messages[-1].error.code == "UNAVAILABLE", answer.messages[-1].error
+    assert answer.culprit == gone
+    # a prompt over this decode instance's KV inbox (32 slots of 16 tokens): its own
+    # capacity, refused when the prefill instance says the prompt's length
+    long = [Message("user", ("Count from one to ten, slowly, and say why. " * 60,))]
+    answer = cluster.call(cluster.answer(long, GREEDY))
+    assert answer.messages[-1].error.code == "RESOURCE_EXHAUSTED", answer.messages[-1].error
+    assert "--kv-staging-pages" in answer.messages[-1].error.message
+    assert answer.culprit == ""
+    # a success names no one
+    assert cluster.call(cluster.answer(text_chat(), GREEDY)).culprit == ""
     assert_idle(cluster)

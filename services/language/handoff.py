@@ -65,11 +65,14 @@ RESERVE_POLL_S = 0.02
 
 
 class HandOffError(Exception):
-    """A hand-off that failed, with the gRPC code name the request ends with."""
+    """A hand-off that failed, with the gRPC code name the request ends with; `culprit`:
+    the address of the other end when the failure is its doing ("" when it is this
+    instance's own). The decode side names the prefill instance (CULPRIT_METADATA, to the
+    router, whose retry then avoids it and may keep this instance)."""
 
-    def __init__(self, message: str, code: str) -> None:
+    def __init__(self, message: str, code: str, culprit: str = "") -> None:
         super().__init__(message)
-        self.message, self.code = message, code
+        self.message, self.code, self.culprit = message, code, culprit
 
 
 def layout_to_proto(layout: KVPageLayout) -> language_pb2.KVLayout:
@@ -235,12 +238,19 @@ class Landed:
 
 
 class DecodeLink:
-    """A decode instance's end of one Prefill stream: reserve, land and check, and what the
-    request continues from. `outgoing` feeds the call's request iterator."""
+    """A decode instance's end of one Prefill stream, for `request` (a Generate naming its
+    prefill instance, `peer`): reserve, land and check, and what the request continues
+    from. `outgoing` feeds the call's request iterator, its PrefillOpen already in it.
 
-    def __init__(self, port: KVPort, engine, room: int, deadline: float,
-                 metrics: LanguageMetrics, trace: tracing.Span) -> None:
-        self.port, self.engine, self.room = port, engine, room
+    Blame: a failure that is the prefill instance's doing (a message out of protocol, a
+    chunk that fails its check or never comes: DATA_LOSS, its stream ending before Done)
+    names it (`HandOffError.culprit`); one of this instance's own (too few pages for the
+    prompt, its deadline passed waiting for them) names no one."""
+
+    def __init__(self, port: KVPort, engine, request: language_pb2.LanguageGenerateRequest,
+                 deadline: float, metrics: LanguageMetrics, trace: tracing.Span) -> None:
+        self.port, self.engine, self.room = port, engine, request.room
+        self.peer = request.prefill_address
         self.deadline = deadline  # time.time() seconds
         self.metrics, self.trace = metrics, trace
         self.named_at = 0.0  # time.monotonic() of the PrefillRoom (0: not yet)
@@ -252,6 +262,7 @@ class DecodeLink:
         self.token_ids: list[int] = []
         self.landed = 0  # pages landed and checked
         self.first: tuple[int, float | None] | None = None
+        self._open(request)
 
     async def requests(self):
         while True:
@@ -260,7 +271,7 @@ class DecodeLink:
                 return
             yield msg
 
-    def open(self, request: language_pb2.LanguageGenerateRequest) -> None:
+    def _open(self, request: language_pb2.LanguageGenerateRequest) -> None:
         inner = language_pb2.LanguageGenerateRequest()
         inner.CopyFrom(request)
         inner.prefill_address = ""
@@ -274,7 +285,7 @@ class DecodeLink:
         if not 0 < n < max_model_len or len(prompt.token_ids) != n:
             raise HandOffError(f"prefill side announced a {n}-token prompt with "
                                f"{len(prompt.token_ids)} ids (max_model_len {max_model_len})",
-                               "INVALID_ARGUMENT")
+                               "INVALID_ARGUMENT", self.peer)
         pages = ceil_div(n, ps)
         inbox = self.port.staging
         if pages + 1 > self.engine.pool.num_total or pages > inbox.num_slots:
@@ -320,7 +331,8 @@ class DecodeLink:
         reads them before); DATA_LOSS when the check fails."""
         if c.first != self.landed or c.pages < 1 or c.first + c.pages > len(self.pages):
             raise HandOffError(f"chunk of pages [{c.first}, {c.first + c.pages}) after "
-                               f"{self.landed} of {len(self.pages)}", "INVALID_ARGUMENT")
+                               f"{self.landed} of {len(self.pages)}", "INVALID_ARGUMENT",
+                               self.peer)
         part = self.pages[c.first : c.first + c.pages]
         keys = KVKeys.derive(self.protection, self.room, self.generation, c.first, c.pages)
         port = self.port
@@ -332,15 +344,16 @@ class DecodeLink:
 
         try:
             await asyncio.get_running_loop().run_in_executor(None, land)
-        except TransferError as e:
-            raise HandOffError(e.reason, e.code) from None
+        except TransferError as e:  # the check failed (DATA_LOSS): the bytes that came are
+            # not the prefill instance's (its writes, or either staging area on the way)
+            raise HandOffError(e.reason, e.code, self.peer) from None
         self.landed += c.pages
 
     def done(self, d: language_pb2.PrefillDone) -> Landed:
         if self.landed != len(self.pages) or self.first is None:
             raise HandOffError(f"Done after {self.landed} of {len(self.pages)} pages"
                                f"{'' if self.first else ' and no first token'}",
-                               "DATA_LOSS")
+                               "DATA_LOSS", self.peer)
         empty = torch.empty(0, dtype=torch.int32)
         prompt = PromptPayload(None, empty, torch.empty((3, 0), dtype=torch.int32),
                                int(d.mrope_position_delta), start=self.prompt_tokens,

@@ -14,7 +14,11 @@ or, for a text-only chat in the request (the router's encoder bypass): render an
 tokenize it here (`ChatTemplate`, in a worker thread) ─▶ Engine.submit ─▶ stream.
 
 Failures inside a started stream are reported in-stream (finish_reason ERROR or ABORT and
-an ErrorInfo with a gRPC code name), as the wire contract says for streams.
+an ErrorInfo with a gRPC code name), as the wire contract says for streams. A decode
+instance's failure that is its prefill instance's doing (its stream broke, its chunks
+failed their check or never came, its own error relayed) also names that instance in the
+call's trailing metadata (CULPRIT_METADATA, `blame`): the router's retry avoids it, and
+may come back here.
 
 Traces: a `language.generate` span per Generate (a child of the router's call, from its
 traceparent) with the room's transfer (receiver.py) or `language.tokenize` under it, and,
@@ -45,7 +49,7 @@ from tandem.chat import (
     template_options_from_proto,
     tools_from_json,
 )
-from tandem.errors import abort
+from tandem.errors import abort, blame
 from tandem.internal_tls import InternalTLS, aio_channel
 from tandem.sampling import SamplingError, SamplingParams
 from tandem.sampling import from_proto as sampling_from_proto
@@ -431,8 +435,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                                          tracing.ROOM: room,
                                          "tandem.prefill.address": request.prefill_address})
         outcome = "cancelled"
-        link = DecodeLink(self.port, self.engine, room, deadline, self.metrics, span)
-        link.open(request)
+        link = DecodeLink(self.port, self.engine, request, deadline, self.metrics, span)
         channel = self._peers.get(request.prefill_address)
         if channel is None:
             channel = self._peers[request.prefill_address] = aio_channel(
@@ -460,6 +463,8 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                     f = msg.finished
                     outcome = (f"ended on the prefill instance: "
                                f"{common_pb2.FinishReason.Name(f.finish_reason)}")
+                    if f.error.code:  # its failure, not ours
+                        blame(context, request.prefill_address)
                     yield f
                     return
                 elif kind == "chunk":
@@ -469,7 +474,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                     break
             if landed is None:
                 raise HandOffError("the prefill instance's stream ended before Done",
-                                   "UNAVAILABLE")
+                                   "UNAVAILABLE", request.prefill_address)
             req = self.engine.request(
                 RequestSpec(room, sampling, landed.prompt, request_id=request.request_id,
                             priority=request.priority, cache_salt=request.cache_salt,
@@ -500,6 +505,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             self.metrics.kv_transfers.labels("received", e.code).inc()
             outcome = f"{e.code} in the hand-off: {e.message}"
             tracing.fail(span, e.code, e.message)
+            blame(context, e.culprit)
             yield error_response(e.code, e.message)
         except AdmissionError as e:
             outcome = f"{e.code} at admission: {e.message}"
@@ -510,6 +516,8 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                     else "UNAVAILABLE")
             outcome = f"{code} from the prefill instance: {e.details()}"
             tracing.fail(span, code, outcome)
+            if code == "UNAVAILABLE":  # its stream broke (it died, or refused the call)
+                blame(context, request.prefill_address)
             yield error_response(code, f"prefill instance {request.prefill_address}: "
                                  f"{e.code().name}: {e.details()}")
         finally:

@@ -49,7 +49,8 @@ class RouterError(ServiceError):
         self.param = param
         self.tier = tier
         # another instance the failing tier blames (CULPRIT_METADATA: a split prompt's
-        # silent helper encoder), "" when none: a retry avoids it
+        # silent helper encoder; a decode instance's prefill instance), "" when none: a
+        # retry avoids it
         self.culprit = culprit
 
     @property
@@ -72,6 +73,11 @@ def _tier_code(name: str, tier: Tier) -> str:
     return "TOO_LARGE" if name == "RESOURCE_EXHAUSTED" and tier is not Tier.ROUTER else name
 
 
+def culprit_of(trailing) -> str:
+    """The instance a call's trailing metadata blames (CULPRIT_METADATA), "" when none."""
+    return dict(trailing or ()).get(CULPRIT_METADATA, "")
+
+
 def from_rpc(err: grpc.RpcError, tier: Tier) -> RouterError:
     """Map a tier's gRPC failure; the input it names (trailing metadata FIELD_METADATA, as
     the encoder sends for a refused chat) becomes the error's `param`, the instance it
@@ -80,9 +86,9 @@ def from_rpc(err: grpc.RpcError, tier: Tier) -> RouterError:
     details = (err.details() if hasattr(err, "details") else None) or str(code)
     name = code.name if code is not None else "UNKNOWN"
     trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
-    meta = dict(trailing or ())
     return RouterError(_tier_code(name, tier), f"{tier.value}: {details}",
-                       meta.get(FIELD_METADATA) or None, tier, meta.get(CULPRIT_METADATA, ""))
+                       dict(trailing or ()).get(FIELD_METADATA) or None, tier,
+                       culprit_of(trailing))
 
 
 def internal_call_error(err: grpc.RpcError, tier: Tier, address: str,
@@ -97,10 +103,12 @@ def internal_call_error(err: grpc.RpcError, tier: Tier, address: str,
     return from_rpc(err, tier)
 
 
-def from_error_info(info, tier: Tier) -> RouterError:
-    """Map an `ErrorInfo` carried inside a stream."""
+def from_error_info(info, tier: Tier, culprit: str = "") -> RouterError:
+    """Map an `ErrorInfo` carried inside a stream; `culprit`: the instance the call's
+    trailing metadata blames (`culprit_of`: a decode instance names its prefill instance)."""
     name = _tier_code(info.code or "INTERNAL", tier)
-    return RouterError(name, f"{tier.value}: {info.message}", info.field or None, tier)
+    return RouterError(name, f"{tier.value}: {info.message}", info.field or None, tier,
+                       culprit)
 
 
 # Codes after which another encoder may succeed: the instance, not the input, failed.

@@ -21,8 +21,12 @@ and L tokenizes it itself.
 E/P/D (`prefills` configured): L is a decode instance D, and a prefill instance P is
 picked too (conversation affinity: its prefix cache holds the earlier turns);
 D.Generate(room, ..., prefill_address=P) has P run the prompt (services/language/
-handoff.py) and the encoder deliver into P, so a Reattach goes to P. A failure of the
-language side avoids both D and P on the retry (D reports P's failures as its own).
+handoff.py) and the encoder deliver into P, so a Reattach goes to P. A retry avoids whom
+the failure blames (`Avoid.record`, on typed fields only): D's failure names P when it is
+P's doing (CULPRIT_METADATA, read from the Generate call's trailing metadata after an
+in-stream error as from a failed call's status), and the retry avoids P and may come back
+to D; a failure of D's own (or D dead or silent: no answer at all) avoids D and keeps P,
+whose prefix cache holds the conversation, while P is healthy.
 
 Traces (tandem/tracing.py; every span a no-op while tracing is off): under the request's
 root span (`req.trace`, the front end's) one `router.attempt` per whole-request attempt,
@@ -61,6 +65,7 @@ from tandem.services.router.errors import (
     RETRYABLE_REQUEST,
     RouterError,
     Tier,
+    culprit_of,
     from_error_info,
     from_rpc,
     internal_call_error,
@@ -93,6 +98,36 @@ class Avoid:
     # encoders a lead named as the culprit of a stalled room (`_encode`): taken again only
     # when nothing else is left
     blamed: set[str] = field(default_factory=set)
+
+    def record(self, route: Route, err: RouterError) -> list[str]:
+        """Stay off what the failure `err` of the attempt `route` blames, read from its
+        typed fields (tier, code, culprit; never its text); the addresses added.
+
+        - the attempt's encoder, always;
+        - E/P/D, its prefill instance P: when `err` names it (the decode instance does,
+          for P's failures: its stream broke, its pages failed their check or never came,
+          its own error; the router does when P went silent or refused a Reattach), or
+          when the encoder failed (P held the room the encoder delivered into: P's death
+          shows first as the encoder's closed Attach, and an encoder names no culprit for
+          its own counterpart);
+        - its language instance (E/P/D: the decode instance D): when the language tier
+          failed blaming no prefill instance (D's own failure, or D dead or silent, which
+          names no one), or on DATA_LOSS whoever reports it: the rows or pages failed
+          their check where they landed, and that staging area may be written by another
+          process.
+        A culprit that is not the attempt's prefill instance blames no one here (the
+        encoder's helpers are `_encode`'s)."""
+        added = [route.encoder]
+        prefill_failed = bool(route.prefill) and (
+            err.culprit == route.prefill or err.tier is Tier.ENCODER)
+        if prefill_failed:
+            added.append(route.prefill)
+            self.prefills.add(route.prefill)
+        if (err.tier is Tier.LANGUAGE and not prefill_failed) or err.code == "DATA_LOSS":
+            added.append(route.language)
+            self.languages.add(route.language)
+        self.encoders.add(route.encoder)
+        return [a for a in added if a]
 
 
 class _Ejected(Exception):
@@ -267,6 +302,9 @@ class Dispatcher:
                 span.set_attribute("tandem.reattach.accepted", r.accepted)
             except grpc.RpcError as e2:
                 err = internal_call_error(e2, Tier.LANGUAGE, lang.address, deadline)
+                # the instance that holds the room failed (E/P/D: the prefill instance P,
+                # not the decode instance whose stream the request reads)
+                err.culprit = lang.address
                 tracing.fail(span, err.code, err.message)
                 raise err from None
             finally:
@@ -324,21 +362,11 @@ class Dispatcher:
                     or time.time() >= deadline
                 ):
                     raise
-                log.warning("%s: attempt %d failed (%s); retrying the request",
-                            req.request_id, attempt + 1, err)
-                span.set_attribute("tandem.retried", True)
+                avoided = avoid.record(route, err)
+                log.warning("%s: attempt %d failed (%s); retrying the request, avoiding %s",
+                            req.request_id, attempt + 1, err, ", ".join(avoided) or "none")
+                span.set_attributes({"tandem.retried": True, "tandem.retry.avoid": avoided})
                 self.metrics.request_retries.inc()
-                avoid.encoders.add(route.encoder)
-                # E/P/D: the prefill instance held the room, so an encoder's failure may be
-                # its doing too (it closed the Attach stream when it died): the retry goes
-                # to another one whatever the tier blamed (the only one, when none else)
-                if route.prefill:
-                    avoid.prefills.add(route.prefill)
-                # DATA_LOSS: the rows failed the language side's check, whoever reports it
-                # (the lead's Encode carries it too, now with its code): its buffers may be
-                # written by another process, so the retry goes to another instance
-                if err.tier is Tier.LANGUAGE or err.code == "DATA_LOSS":
-                    avoid.languages.add(route.language)
             finally:
                 # NOTE: close the attempt now (cancels its calls, aborts its room) rather
                 # than at garbage collection; it has no awaits in its own finally.
@@ -439,7 +467,7 @@ class Dispatcher:
                                 and not next_msg.done()):
                             raise RouterError(
                                 "UNAVAILABLE", f"prefill {pre.address} stopped answering "
-                                "before any output", tier=Tier.LANGUAGE)
+                                "before any output", tier=Tier.LANGUAGE, culprit=pre.address)
                 finally:
                     if not next_msg.done():
                         next_msg.cancel()
@@ -453,11 +481,15 @@ class Dispatcher:
                     if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED or time.time() >= deadline:
                         raise RouterError("DEADLINE_EXCEEDED", "request deadline passed") from None
                     await self._raise_encoder_error(encode_task, deadline)
-                    self._spawn(self.registry.languages.verify(lang.address))
-                    raise from_rpc(e, Tier.LANGUAGE) from None
+                    err = from_rpc(e, Tier.LANGUAGE)
+                    # D blames P: P is health-checked (below), not D
+                    if not (pre is not None and err.culprit == pre.address):
+                        self._spawn(self.registry.languages.verify(lang.address))
+                    raise err from None
                 if msg.finish_reason == common_pb2.FINISH_REASON_ERROR and first:
                     await self._raise_encoder_error(encode_task, deadline)
-                output = await self._convert(msg, encode_task, deadline, route.encoder)
+                output = await self._convert(msg, encode_task, deadline, route.encoder,
+                                             gen_call)
                 if output.finished:
                     output.route = route
                 if first and (output.token_ids or output.text or output.finished):
@@ -483,6 +515,8 @@ class Dispatcher:
                     yield output
         except RouterError as err:
             tracing.fail(span, err.code, err.message)
+            if pre is not None and err.culprit == pre.address:  # D (or the router) blames P:
+                self._spawn(self.registry.prefills.verify(pre.address))  # health-checked
             raise
         finally:
             span.end()
@@ -510,25 +544,28 @@ class Dispatcher:
 
     async def _convert(
         self, msg: language_pb2.LanguageGenerateResponse, encode_task: asyncio.Future,
-        deadline: float, lead: str,
+        deadline: float, lead: str, call,
     ) -> Output:
         """The language tier's message as an Output (the last one: with the encoder's
         figures merged; `lead`: the address of the encoder whose answer `encode_task`
-        gives), or the RouterError its ERROR / ABORT stands for."""
+        gives), or the RouterError its ERROR / ABORT stands for, with the instance `call`
+        (its Generate) blames in its trailing metadata."""
         output = Output(msg)
         reason = msg.finish_reason
         if reason == common_pb2.FINISH_REASON_UNSPECIFIED:
             return output
         if reason == common_pb2.FINISH_REASON_ERROR:
-            raise from_error_info(msg.error, Tier.LANGUAGE)
+            raise from_error_info(msg.error, Tier.LANGUAGE, await _blamed(call, deadline))
         if reason == common_pb2.FINISH_REASON_ABORT:
             # NOTE: the language tier names why it aborted; its clock may pass the deadline
             # a moment before ours, so its DEADLINE_EXCEEDED is believed as is.
             if msg.error.code == "DEADLINE_EXCEEDED" or time.time() >= deadline:
                 raise RouterError("DEADLINE_EXCEEDED", "request deadline passed")
+            culprit = await _blamed(call, deadline)
             if msg.error.code and msg.error.code != "CANCELLED":
-                raise from_error_info(msg.error, Tier.LANGUAGE)
-            raise RouterError("ABORTED", "language: request aborted", tier=Tier.LANGUAGE)
+                raise from_error_info(msg.error, Tier.LANGUAGE, culprit)
+            raise RouterError("ABORTED", "language: request aborted", tier=Tier.LANGUAGE,
+                              culprit=culprit)
         # The Encode answer normally precedes the first token (delivery precedes prefill);
         # wait a little for it to merge encoder timings and cache figures.
         enc_resp = None
@@ -546,6 +583,19 @@ class Dispatcher:
         )
         output.timings = merge_timings(msg.timings, enc_resp, lead)
         return output
+
+
+async def _blamed(call, deadline: float) -> str:
+    """The instance a language instance blames for the failure it has just reported
+    in-stream (CULPRIT_METADATA in the call's trailing metadata, which follows that last
+    message at once: `tandem.errors.blame`); "" when it names none, or when the call has
+    not ended within a second."""
+    try:
+        trailing = await asyncio.wait_for(call.trailing_metadata(),
+                                          max(0.001, min(1.0, deadline - time.time())))
+    except (asyncio.TimeoutError, grpc.RpcError):
+        return ""
+    return culprit_of(trailing)
 
 
 def _id_metadata(req: ChatRequest, span: tracing.Span) -> tuple[tuple[str, str], ...]:
