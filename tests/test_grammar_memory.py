@@ -16,9 +16,10 @@ import string
 import psutil
 import pytest
 from test_structured_output import grammars, setup_of
+from waiting import wait_until
 
 from tandem.sampling import GrammarKind, GrammarSpec
-from tandem.services.language.engine.grammar import Grammars
+from tandem.services.language.engine.grammar import Grammars, _strong_refs, matcher
 
 MB = 1 << 20
 
@@ -99,6 +100,36 @@ def test_eviction_gives_the_memory_back(setup):
         g.limits = dataclasses.replace(g.limits, cache_bytes=0)
         g.compile(enum(2)).result(timeout=120)
         assert g.cached_bytes == 0
+        wait_until(lambda: g.releasing == 0 and g.trims, timeout_s=60,
+                   what="the evicted grammars freed and the heap trimmed",
+                   state=lambda: (g.releasing, g.trims))
         assert rss() - base <= (full - base) // 4, ((full - base) // MB, (rss() - base) // MB)
+    finally:
+        g.close()
+
+
+def test_an_evicted_grammar_is_freed_by_the_releaser_once_nothing_holds_it(setup):
+    """The cache never frees a grammar where it drops it (the thread that asked for a
+    compile, the engine's at a request's end: the destructor runs with the GIL held, 3-20
+    ms of every thread's time for an 8 MB grammar). An evicted grammar a request's matcher
+    still uses stays alive; once the request lets go of it, the last reference is the
+    releaser's, and the releaser's thread frees it (through ctypes: without the GIL)."""
+    g = grammars(setup)
+    try:
+        fut = g.compile(enum(1))
+        m = matcher(fut.result(timeout=120))  # a running request's
+        chandle = fut.result()._handle.__chandle__()
+        g.limits = dataclasses.replace(g.limits, cache_bytes=0)
+        g.compile(enum(2)).result(timeout=120)  # evicts enum(1), then itself
+        assert g.cached_bytes == 0 and g.releasing >= 1  # enum(1): its matcher holds it
+        with g._releaser._cond:  # the releaser held still: whoever drops a reference now
+            del fut  # the request's end, on this thread: wrapper, then matcher
+            m.accept_string('"')
+            del m
+            gc.collect()
+            assert _strong_refs(chandle) == 1  # alive: the releaser's reference alone
+        wait_until(lambda: g.releasing == 0, timeout_s=60, what="both grammars freed",
+                   state=lambda: g.releasing)
+        assert g._releaser.freed == 2
     finally:
         g.close()
