@@ -439,6 +439,38 @@ def test_fair_pool_serves_clients_in_turn_and_drops_cancelled_jobs():
     asyncio.run(go())
 
 
+def test_fair_pool_shares_thread_time_between_clients():
+    """Issue 41 (a per-client decode time share): among clients waiting with as many
+    threads, the one that used the threads least lately goes first. One thread: A's long
+    job runs (30 s on the pool's clock) while A's next job and B's wait, A's first in turn;
+    when the thread frees it goes to B (before: A again, job for job). A client's time
+    decays with a half-life of USAGE_HALF_LIFE_S."""
+    from tandem.services.encoder.fair_pool import USAGE_HALF_LIFE_S, FairPool
+
+    now = [1000.0]
+
+    async def go():
+        pool = FairPool(1, clock=lambda: now[0])
+        started, job = _recorder()
+        gate = threading.Event()
+        a0 = asyncio.ensure_future(pool.run("A", job, "a0", gate))
+        await asyncio.sleep(0.05)
+        rest = [asyncio.ensure_future(pool.run(c, job, n)) for c, n in (("A", "a1"), ("B", "b0"))]
+        await asyncio.sleep(0.05)
+        assert started == ["a0"] and pool.queued == 2
+        now[0] += 30.0  # a0's decode took 30 s
+        gate.set()
+        await a0
+        await asyncio.gather(*rest)
+        assert started == ["a0", "b0", "a1"]
+        assert pool.usage("A") == pytest.approx(30.0) and pool.usage("B") == 0.0
+        now[0] += 2 * USAGE_HALF_LIFE_S
+        assert pool.usage("A") == pytest.approx(7.5)
+        pool.shutdown()
+
+    asyncio.run(go())
+
+
 def test_budget_stops_a_fetch_once_the_request_has_ended(http_server):
     """A worker fetching a trickling URL for a request that has gone (its Encode
     cancelled) or run out of time is let go by the request's Budget, not by the fetch
