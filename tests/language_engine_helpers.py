@@ -9,6 +9,7 @@ import torch
 
 from tandem.sampling import SamplingParams
 from tandem.services.language.engine import sampler
+from tandem.services.language.engine.nucleus import Nucleus
 from tandem.services.language.engine.prefix_cache import PrefixCache
 from tandem.services.language.engine.request import Request
 
@@ -24,16 +25,46 @@ def shape_logits(x: torch.Tensor, req: Request, eos: frozenset[int]) -> torch.Te
     return out
 
 
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+PATHS = ("sort", "nucleus")  # the sampler's two filters: CUDA's full sort, the CPU's cut
+
+
+def kept_weights(nu: Nucleus) -> torch.Tensor:
+    """[V] float64: each token's weight in a `Nucleus`'s draw, 0 where it is cut."""
+    w = torch.from_numpy(nu.weight).clone()
+    w[torch.from_numpy(nu.ws.b16_np >= nu.cut)] = 0.0
+    tail = torch.from_numpy(nu.tail)
+    w[tail] = torch.from_numpy(nu.weight)[tail]
+    return w
+
+
+def cut_row(logits: torch.Tensor, params: SamplingParams) -> Nucleus:
+    """One row [V] of logits cut by the CPU's path (`sampler._cut_cpu`, a batch of one)."""
+    staged = sampler._Staged()
+    sampler._stage_filters(staged, [params], logits.shape[-1])
+    t = staged.upload(logits.device)
+    host = {n: t[n].tolist() for n in sampler._FILTERS}
+    return sampler._cut_cpu(logits.float(), params, t, host, 0)
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams, path: str = "sort"
+                  ) -> torch.Tensor:
     """One row [V] of logits -> temperature-scaled float32 logits with truncated tokens
-    at -inf (the sampler's `_filter` on a batch of one). Greedy params are not filtered."""
+    at -inf: the sampler's `_filter` on a batch of one ("sort"), or what the CPU's
+    `nucleus` keeps ("nucleus"). Greedy params are not filtered."""
+    if path == "nucleus":
+        nu = cut_row(logits, params)  # (its workspace's x: the row / temperature, top-k cut)
+        return torch.where(kept_weights(nu) > 0, nu.ws.x, float("-inf"))
     staged = sampler._Staged()
     sampler._stage_filters(staged, [params], logits.shape[-1])
     return sampler._filter(logits.float()[None], [params], staged.upload(logits.device))[0]
 
 
-def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution a non-greedy request draws from."""
+def sampling_probs(logits: torch.Tensor, params: SamplingParams, path: str = "sort"
+                   ) -> torch.Tensor:
+    """The distribution a non-greedy request draws from (float32)."""
+    if path == "nucleus":
+        nu = cut_row(logits, params)
+        return (kept_weights(nu) / nu.mass).float()
     return torch.softmax(filter_logits(logits, params), dim=-1)
 
 

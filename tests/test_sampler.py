@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from language_engine_helpers import filter_logits, sampling_probs, shape_logits
+from language_engine_helpers import PATHS, filter_logits, sampling_probs, shape_logits
 
 from tandem.sampling import SamplingParams
 from tandem.services.language.engine import sampler
@@ -43,8 +43,9 @@ def test_greedy_is_argmax_and_top_k_one_is_greedy():
         (dict(temperature=0.5), (P**2 / (P**2).sum()).tolist()),  # p^(1/T), renormalised
     ],
 )
-def test_truncated_distributions(params, expected):
-    probs = sampling_probs(LOGITS, SamplingParams(**params))
+@pytest.mark.parametrize("path", PATHS)
+def test_truncated_distributions(params, expected, path):
+    probs = sampling_probs(LOGITS, SamplingParams(**params), path)
     assert torch.allclose(probs, torch.tensor(expected, dtype=torch.float32), atol=1e-6)
 
 
@@ -117,12 +118,15 @@ def test_shape_mismatch_is_an_error():
         sample(torch.zeros(2, 5), [req()])
 
 
-def test_top_k_minus_one_and_zero_keep_every_token():
+@pytest.mark.parametrize("path", PATHS)
+def test_top_k_minus_one_and_zero_keep_every_token(path):
     """vLLM's top_k=-1 is "off", as 0 is here."""
     x = torch.randn(50, generator=torch.Generator().manual_seed(3))
-    plain = filter_logits(x, SamplingParams(temperature=1.0))
+    plain = filter_logits(x, SamplingParams(temperature=1.0), path)
+    assert not torch.isinf(plain).any()
     for k in (-1, 0):
-        assert torch.equal(filter_logits(x, SamplingParams(temperature=1.0, top_k=k)), plain)
+        assert torch.equal(filter_logits(x, SamplingParams(temperature=1.0, top_k=k), path),
+                           plain)
 
 
 MIXED = [dict(temperature=0.0), dict(temperature=1.0, top_p=0.8, seed=None),
@@ -139,12 +143,15 @@ MIXED = [dict(temperature=0.0), dict(temperature=1.0, top_p=0.8, seed=None),
     dict(temperature=0.0, repetition_penalty=1.2, frequency_penalty=0.5, logprobs=True,
          top_logprobs=3),
 ], ids=["min_p", "typical_p", "penalties", "greedy-penalties"])
-@pytest.mark.parametrize("pass_rows", [1, 64], ids=["cpu-pass", "whole-batch-pass"])
-def test_every_knob_keeps_a_seeds_tokens_whatever_shares_the_batch(mine, pass_rows,
+@pytest.mark.parametrize("sort_free, pass_rows", [(True, 1), (False, 1), (False, 64)],
+                         ids=["cpu-nucleus", "sort-row-pass", "sort-whole-batch-pass"])
+def test_every_knob_keeps_a_seeds_tokens_whatever_shares_the_batch(mine, sort_free, pass_rows,
                                                                     monkeypatch):
     """A row's tokens and logprobs depend on its own row only, over steps in which the
     penalty state grows on the device (tokens appended as the engine does), whether the
-    rows are filtered and drawn one at a time (the CPU's pass) or all at once (CUDA's)."""
+    rows are cut and drawn by the CPU's sort-free path, or filtered by the full sort and
+    drawn one at a time or all at once (CUDA's)."""
+    monkeypatch.setattr(sampler, "CPU_SORT_FREE", sort_free)
     monkeypatch.setattr(sampler, "CPU_PASS_ROWS", pass_rows)
     g = torch.Generator().manual_seed(2)
     steps = [torch.randn(64, generator=g) * 2 for _ in range(12)]

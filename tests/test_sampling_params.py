@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from language_engine_helpers import filter_logits, shape_logits
+from language_engine_helpers import PATHS, filter_logits, shape_logits
 from transformers.generation.logits_process import (
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
@@ -90,19 +90,21 @@ def test_min_tokens_equals_transformers(min_tokens):
     assert (sample(x[None], [r], EOS).token_ids[0] == 2) is not held
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("min_p,temperature", [(0.05, 1.0), (0.2, 0.7), (0.5, 1.5)])
-def test_min_p_equals_transformers(min_p, temperature):
+def test_min_p_equals_transformers(min_p, temperature, path):
     x = logits(5)
-    got = filter_logits(x, SamplingParams(temperature=temperature, min_p=min_p))
+    got = filter_logits(x, SamplingParams(temperature=temperature, min_p=min_p), path)
     want = hf(MinPLogitsWarper(min_p), hf(TemperatureLogitsWarper(temperature), x))
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     torch.testing.assert_close(got[~torch.isinf(got)], want[~torch.isinf(want)])
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("typical_p,temperature", [(0.2, 1.0), (0.6, 0.7), (0.95, 1.3)])
-def test_typical_p_equals_transformers(typical_p, temperature):
+def test_typical_p_equals_transformers(typical_p, temperature, path):
     x = logits(8)
-    got = filter_logits(x, SamplingParams(temperature=temperature, typical_p=typical_p))
+    got = filter_logits(x, SamplingParams(temperature=temperature, typical_p=typical_p), path)
     want = hf(TypicalLogitsWarper(typical_p), hf(TemperatureLogitsWarper(temperature), x))
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     assert 1 < int((~torch.isinf(got)).sum()) < V  # it kept some tokens and dropped others

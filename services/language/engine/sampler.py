@@ -19,11 +19,18 @@ A step (`sample`), each request's parameters touching only its own row:
              generated since adds), and each touches only the ids it names
     filter   the sampled rows together, each by its own values: temperature, top-k, top-p,
              min_p (a token below min_p * the top token's probability is dropped); typical_p
-             (transformers' locally typical sampling) a row at a time
-    draw     a sampled row: Exp(1) noise from the request's own generator, token =
+             (transformers' locally typical sampling) a row at a time. On the CPU a row at
+             a time by `nucleus.py`: the same cuts without sorting the vocabulary (a
+             typical_p row through the sort first, which it needs)
+    draw     a sampled row on CUDA: Exp(1) noise from the request's own generator, token =
              argmax(probs / noise) (torch.multinomial's one-sample draw, the same bits,
-             without the host reads of its checks); a greedy row: argmax
+             without the host reads of its checks); on the CPU: one uniform number u from
+             the request's generator, token = where the running kept mass passes u * the
+             kept mass (`nucleus.py`; V exponentials cost 3.3 ms a row at a 152K
+             vocabulary there); a greedy row: argmax
     out      ids, logprobs and top_logprobs in one copy to the host: the step's host sync
+             (the CPU's sort-free path reads values as it goes: they are on the host, no
+             device waits; CUDA's path never does, tests/test_host_syncs.py)
 
 Logprobs (and top_logprobs) are those of the model's own distribution, softmax(logits /
 temperature) before shaping and truncation (plain softmax for greedy), as the wire
@@ -31,12 +38,15 @@ contract says.
 
 The seed contract. A request's draws come only from its own `torch.Generator` (seeded from
 its `seed`; when it has none, from the engine's seeded sequence (`--seed`) or the OS's
-randomness), one draw per generated token, on whatever device it runs; a retraction
-(which never re-samples a token) does not change them. What a seed then fixes:
+randomness), one draw per generated token (CUDA: V exponentials; the CPU: one float64
+uniform), on whatever device it runs; a retraction (which never re-samples a token) does
+not change them. What a seed then fixes:
 
   CPU   the same tokens whatever else shares the batch: a row's logits do not depend on
         the batch (tests/test_language_engine.py), and every op here computes a row from
-        that row alone, in the same order whatever the batch (tests/test_sampler.py).
+        that row alone, in the same order whatever the batch (tests/test_sampler.py). (The
+        sort-free path changed which tokens a seed gives on the CPU: the same distribution,
+        another draw.)
   CUDA  the same tokens for the same batches (the same requests and steps, on the same GPU
         and software: the kernels are deterministic). Across batch compositions only the
         draws are the request's own: a decode graph pads the batch to its bucket, and
@@ -55,6 +65,7 @@ import torch
 
 from tandem.sampling import SamplingParams
 from tandem.services.language.engine.grammar import apply_masks
+from tandem.services.language.engine.nucleus import Nucleus, nucleus
 from tandem.services.language.engine.request import Request
 
 NEG_INF = float("-inf")
@@ -288,20 +299,55 @@ def restore_generator(req: Request, state: bytes, device: torch.device) -> None:
     req.sampler.generator = g
 
 
-# Rows filtered and drawn in one pass: all of them on CUDA (kernel launches are the cost);
-# one at a time on the CPU, where a row's chain of ops then stays in cache (a 32-row pass
-# over a 152K vocabulary streams 19 MB through every op: 1.1-1.4x slower, docs/benchmarks.md).
+# The CPU's sampled rows take `nucleus.py` (cuts without sorting the vocabulary, the draw at
+# one uniform number): a full sort and V exponentials cost 16 of a row's 20 ms at a 152K
+# vocabulary on an AVX2 core (docs/benchmarks.md). False: the CPU runs CUDA's path below (tests
+# check both).
+CPU_SORT_FREE = True
+# CUDA's path: rows filtered and drawn in one pass, all of them (kernel launches are the
+# cost); on the CPU (CPU_SORT_FREE off) one at a time, where a row's chain of ops then stays
+# in cache (a 32-row pass over a 152K vocabulary streams 19 MB through every op: 1.1-1.4x
+# slower, docs/benchmarks.md).
 CPU_PASS_ROWS = 1
+
+
+_FILTERS = ("temperature", "top_k", "top_p", "min_p")
+
+
+def _cut_cpu(x: torch.Tensor, p: SamplingParams, t: dict[str, torch.Tensor],
+             host: dict[str, list], k: int) -> Nucleus:
+    """Row `x` [V] of the k-th sampled request (parameters `p`, staged in `t`, read back
+    in `host`) cut by `nucleus`; a typical_p row first by `_filter`, whose sort it needs."""
+    if p.typical_p < 1.0:  # rare: the sorting filters, typical-p last
+        part = {n: t[n][k:k + 1] for n in _FILTERS}
+        return nucleus(_filter(x[None], [p], part)[0], 1.0, 0, 1.0, 0.0)
+    # (the division as _filter's: by the staged float32 temperature)
+    return nucleus(x, host["temperature"][k], host["top_k"][k] + 1, host["top_p"][k],
+                   host["min_p"][k])
+
+
+def _draw_cpu(xs: torch.Tensor, reqs: list[Request], t: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Token ids [S] drawn for the sampled rows `xs` [S, V] of `reqs` on the CPU: each row
+    cut by `_cut_cpu`, then drawn at one uniform number from its request's generator."""
+    host = {n: t[n].tolist() for n in _FILTERS}
+    drawn = []
+    for k, r in enumerate(reqs):
+        nu = _cut_cpu(xs[k], r.sampling, t, host, k)
+        u = torch.rand((), dtype=torch.float64, generator=_generator(r, xs.device)).item()
+        drawn.append(nu.draw(u))
+    return torch.tensor(drawn, dtype=torch.long)
 
 
 def _draw(xs: torch.Tensor, reqs: list[Request], t: dict[str, torch.Tensor]) -> torch.Tensor:
     """Token ids [S] drawn for the sampled rows `xs` [S, V] of `reqs`."""
     device, n = xs.device, xs.shape[0]
+    if device.type == "cpu" and CPU_SORT_FREE:
+        return _draw_cpu(xs, reqs, t)
     step = CPU_PASS_ROWS if device.type == "cpu" else n
     drawn = []
     for a in range(0, n, step):
         b = min(a + step, n)
-        part = {k: t[k][a:b] for k in ("temperature", "top_k", "top_p", "min_p")}
+        part = {k: t[k][a:b] for k in _FILTERS}
         probs = torch.softmax(_filter(xs[a:b], [r.sampling for r in reqs[a:b]], part), dim=-1)
         # torch.multinomial's draw of one sample, without its checks' host reads: each
         # row's own Exp(1) noise from its own generator, then argmax(probs / noise)
