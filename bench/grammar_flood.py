@@ -16,9 +16,9 @@ The language tier's compiler alone (`Grammars`, as the engine holds it: default 
   (a json_object-like response_format with its own property name), and we time each.
 Phases alternate (calm alone, calm under the flood) for `--rounds` rounds; p50/p99 of the
 calm client's compile latency per phase and the ratio flooded / unloaded are reported.
-`--old PATH` runs against another grammar.py (a copy under another name, e.g. `git show
-HEAD~1:services/language/engine/grammar.py > /tmp/old_grammar.py`): the comparison before a
-change.
+`--old PATH` runs against a single-module grammar.py of an earlier commit (the package was
+one module up to 5325747; e.g. `git show 5325747~1:services/language/engine/grammar.py >
+/tmp/old_grammar.py`): the comparison before a change.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--calm", type=int, default=60, help="calm compiles per phase")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--inflight", type=int, default=2, help="compiles each flooder keeps going")
-    ap.add_argument("--old", help="path of another grammar.py to measure instead")
+    ap.add_argument("--old", help="path of an earlier single-module grammar.py to measure instead")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "grammar-flood.md"))
     a = ap.parse_args()
 
@@ -174,7 +174,7 @@ def main() -> None:
                    "bound in its worker)",
             "inlimit": "1,500-value enums of 18 characters (each compiled, in its worker "
                        "and here)"}[a.flood]
-    code = a.old or "this checkout's grammar.py"
+    code = a.old or "this checkout's grammar package"
     lines = [
         f"## Two clients flood the grammar compiler (bench/grammar_flood.py --flood {a.flood})",
         "",

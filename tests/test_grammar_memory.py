@@ -19,7 +19,8 @@ from test_structured_output import grammars, setup_of
 from waiting import wait_until
 
 from tandem.sampling import GrammarKind, GrammarSpec
-from tandem.services.language.engine.grammar import Grammars, _strong_refs, matcher
+from tandem.services.language.engine.grammar import Grammars, matcher
+from tandem.services.language.engine.grammar.memory import strong_refs
 
 MB = 1 << 20
 
@@ -120,16 +121,18 @@ def test_an_evicted_grammar_is_freed_by_the_releaser_once_nothing_holds_it(setup
         m = matcher(fut.result(timeout=120))  # a running request's
         chandle = fut.result()._handle.__chandle__()
         g.limits = dataclasses.replace(g.limits, cache_bytes=0)
-        g.compile(enum(2)).result(timeout=120)  # evicts enum(1), then itself
+        g.compile(enum(2)).result(timeout=120)  # evicts enum(1), then itself (its slot,
+        wait_until(lambda: not g._cache, timeout_s=60,  # once charged: just after the result)
+                   what="both grammars evicted", state=lambda: list(g._cache))
         assert g.cached_bytes == 0 and g.releasing >= 1  # enum(1): its matcher holds it
         with g._releaser._cond:  # the releaser held still: whoever drops a reference now
             del fut  # the request's end, on this thread: wrapper, then matcher
             m.accept_string('"')
             del m
             gc.collect()
-            assert _strong_refs(chandle) == 1  # alive: the releaser's reference alone
-        wait_until(lambda: g.releasing == 0, timeout_s=60, what="both grammars freed",
-                   state=lambda: g.releasing)
-        assert g._releaser.freed == 2
+            assert strong_refs(chandle) == 1  # alive: the releaser's reference alone
+        wait_until(lambda: g._releaser.freed == 2, timeout_s=60, what="both grammars freed",
+                   state=lambda: (g.releasing, g._releaser.freed))
+        assert g.releasing == 0
     finally:
         g.close()

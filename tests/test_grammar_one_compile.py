@@ -23,7 +23,7 @@ from test_language_engine import collect
 from test_structured_output import grammars, setup_of, structured
 from waiting import wait_until
 
-import tandem.services.language.engine.grammar as grammar_mod
+import tandem.services.language.engine.grammar.checks as grammar_checks
 from tandem.sampling import GrammarKind, GrammarSpec
 from tandem.services.language.engine.grammar import GrammarLimits, Grammars
 from tandem.services.language.engine.request import RequestStatus
@@ -179,8 +179,8 @@ def test_a_light_spec_that_compiles_slowly_moves_to_the_other_lane(setup, monkey
     """A spec its text calls light but whose compile runs past LIGHT_CPU_S on the
     light-only slot is queued again in the other lane and compiled there; its client's
     next light specs go there too."""
-    monkeypatch.setattr(grammar_mod, "LIGHT_MAX_ENUM_CHARS", 1 << 30)
-    monkeypatch.setattr(grammar_mod, "LIGHT_MAX_BYTES", 1 << 30)
+    monkeypatch.setattr(grammar_checks, "LIGHT_MAX_ENUM_CHARS", 1 << 30)
+    monkeypatch.setattr(grammar_checks, "LIGHT_MAX_BYTES", 1 << 30)
     g = grammars(setup, workers=1, max_compile_cpu_s=600, compile_timeout_s=600, **ROOMY)
     try:
         slow = g.compile(enum(4000, 60, 400), "d")
