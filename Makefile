@@ -250,3 +250,21 @@ check-pods: setup $(HELM)
 	@command -v dnsmasq >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq dnsmasq-base; }
 	$(PY) -m pytest -q -rs --run-slow tests/test_deploy_pods.py
+
+# The images, built and run (opt-in, root, Debian's buildah; not CI: the build installs
+# torch). deploy/scripts/image.py says what it detects on the build host: the base
+# (CPU_IMAGE=..., else the Dockerfile's, else a debootstrap Debian 12), the host's pip
+# configuration and CA, TORCH_CPU_INDEX=... when PyTorch's index does not resolve.
+# IMAGE_CONTEXT=DIR builds from another tree (e.g. a `git archive` of a commit).
+#   image        localhost/tandem:<version>-cpu and -router, with buildah
+#   image-check  the CPU image answers a chat through its entrypoint; the router image's
+#                help as uid 10001; the cuda variant's steps as far as no CUDA allows
+.PHONY: image image-check
+image:
+	$(PYTHON) deploy/scripts/image.py build --torch-spec "$(TORCH_SPEC)" \
+	  $(if $(CPU_IMAGE),--base $(CPU_IMAGE)) $(if $(TORCH_CPU_INDEX),--torch-cpu-index $(TORCH_CPU_INDEX)) \
+	  $(if $(IMAGE_CONTEXT),--context $(IMAGE_CONTEXT))
+
+image-check:
+	$(PYTHON) deploy/scripts/image.py check
+	$(PYTHON) deploy/scripts/image.py check-cuda
