@@ -236,6 +236,14 @@ class Landed:
     prefill_timings: common_pb2.StageTimings
     early_prefill_tokens: int
 
+    def timings(self, decode_ms: float) -> common_pb2.StageTimings:
+        """The request's stage timings: its prompt's (queue, prefill) ran on the prefill
+        instance, its decoding (`decode_ms`) here."""
+        p = self.prefill_timings
+        return common_pb2.StageTimings(queue_ms=p.queue_ms, prefill_ms=p.prefill_ms,
+                                       decode_ms=decode_ms,
+                                       early_prefill_tokens=self.early_prefill_tokens)
+
 
 class DecodeLink:
     """A decode instance's end of one Prefill stream, for `request` (a Generate naming its
@@ -260,8 +268,9 @@ class DecodeLink:
         self.pages: list[int] = []
         self.prompt_tokens = 0
         self.token_ids: list[int] = []
-        self.landed = 0  # pages landed and checked
+        self.pages_landed = 0  # landed and checked
         self.first: tuple[int, float | None] | None = None
+        self.landed: Landed | None = None  # once the prefill side's Done came (`relay`)
         self._open(request)
 
     async def requests(self):
@@ -270,6 +279,46 @@ class DecodeLink:
             if msg is None:
                 return
             yield msg
+
+    async def relay(self, call, max_model_len: int
+                    ) -> AsyncIterator[language_pb2.LanguageGenerateResponse]:
+        """Drive the Prefill `call` (opened on `requests()`) up to the prefill side's Done:
+        reserve when it says the prompt, land and check each chunk. Yields what goes to the
+        client meanwhile: the first token, as soon as the prefill side has it, or the
+        request's end when it ended there (EOS, a stop, max_tokens, an error: then nothing
+        lands and `landed` stays None). Once it returns without that end, `landed` is what
+        the request continues from. A failed hand-off raises HandOffError (counted:
+        `kv_transfers{direction="received"}`); a broken stream the call's AioRpcError."""
+        try:
+            async for msg in call:
+                kind = msg.WhichOneof("msg")
+                if kind == "prompt":
+                    await self.reserve(msg.prompt, max_model_len)
+                elif kind == "first":
+                    f = msg.first
+                    if len(f.token_ids) != 1 or self.first is not None:
+                        raise HandOffError(f"first message with {len(f.token_ids)} tokens",
+                                           "INVALID_ARGUMENT", self.peer)
+                    self.first = (f.token_ids[0], f.logprobs[0].logprob if f.logprobs else None)
+                    yield f
+                elif kind == "finished":
+                    yield msg.finished
+                    return
+                elif kind == "chunk":
+                    await self.land(msg.chunk)
+                elif kind == "done":
+                    self.landed = self.done(msg.done)
+                    return
+            raise HandOffError("the prefill instance's stream ended before Done",
+                               "UNAVAILABLE", self.peer)
+        except HandOffError as e:
+            self.metrics.kv_transfers.labels("received", e.code).inc()
+            raise
+
+    def close(self) -> None:
+        """Our side of the stream closes (the request took the landed pages): the prefill
+        side frees its hold."""
+        self.outgoing.put_nowait(None)
 
     def _open(self, request: language_pb2.LanguageGenerateRequest) -> None:
         inner = language_pb2.LanguageGenerateRequest()
@@ -329,9 +378,9 @@ class DecodeLink:
     async def land(self, c: language_pb2.PrefillChunk) -> None:
         """Land one reported chunk in its reserved pages and check its tag there (no step
         reads them before); DATA_LOSS when the check fails."""
-        if c.first != self.landed or c.pages < 1 or c.first + c.pages > len(self.pages):
+        if c.first != self.pages_landed or c.pages < 1 or c.first + c.pages > len(self.pages):
             raise HandOffError(f"chunk of pages [{c.first}, {c.first + c.pages}) after "
-                               f"{self.landed} of {len(self.pages)}", "INVALID_ARGUMENT",
+                               f"{self.pages_landed} of {len(self.pages)}", "INVALID_ARGUMENT",
                                self.peer)
         part = self.pages[c.first : c.first + c.pages]
         keys = KVKeys.derive(self.protection, self.room, self.generation, c.first, c.pages)
@@ -347,11 +396,11 @@ class DecodeLink:
         except TransferError as e:  # the check failed (DATA_LOSS): the bytes that came are
             # not the prefill instance's (its writes, or either staging area on the way)
             raise HandOffError(e.reason, e.code, self.peer) from None
-        self.landed += c.pages
+        self.pages_landed += c.pages
 
     def done(self, d: language_pb2.PrefillDone) -> Landed:
-        if self.landed != len(self.pages) or self.first is None:
-            raise HandOffError(f"Done after {self.landed} of {len(self.pages)} pages"
+        if self.pages_landed != len(self.pages) or self.first is None:
+            raise HandOffError(f"Done after {self.pages_landed} of {len(self.pages)} pages"
                                f"{'' if self.first else ' and no first token'}",
                                "DATA_LOSS", self.peer)
         empty = torch.empty(0, dtype=torch.int32)
@@ -359,12 +408,12 @@ class DecodeLink:
                                int(d.mrope_position_delta), start=self.prompt_tokens,
                                info=PromptInfo(self.token_ids))
         first, logprob = self.first
-        m, nbytes = self.metrics, self.landed * self.port.layout.page_bytes
+        m, nbytes = self.metrics, self.pages_landed * self.port.layout.page_bytes
         m.kv_transfer_time.labels("received").observe(time.monotonic() - self.named_at)
         m.kv_transfer_bytes.labels("received").inc(nbytes)
         m.kv_transfers.labels("received", "ok").inc()
         tracing.start("language.kv_receive", self.trace, start_ns=tracing.wall_ns(
-            self.named_at), attributes={"tandem.kv.pages": self.landed,
+            self.named_at), attributes={"tandem.kv.pages": self.pages_landed,
                                          "tandem.kv.bytes": nbytes}).end()
         return Landed(prompt, HandOff(first, logprob, d.cached_tokens,
                                       bytes(d.generator_state)),

@@ -13,6 +13,12 @@ ends the request with the transfer's error (`_fail_streamed`), before any token.
 or, for a text-only chat in the request (the router's encoder bypass): render and
 tokenize it here (`ChatTemplate`, in a worker thread) ─▶ Engine.submit ─▶ stream.
 
+or, on a decode instance (E/P/D: the request names `prefill_address`): open the Prefill
+stream there, relay its first token, land its KV pages (`DecodeLink.relay`) ─▶
+Engine.submit(handoff=...) ─▶ stream. On a prefill instance the same body serves the
+Prefill stream: it ends at the first token, its pages written to the decode instance.
+Every way shares one `_generate` and its one loop over the engine's deltas.
+
 Failures inside a started stream are reported in-stream (finish_reason ERROR or ABORT and
 an ErrorInfo with a gRPC code name), as the wire contract says for streams. A decode
 instance's failure that is its prefill instance's doing (its stream broke, its chunks
@@ -37,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import grpc
@@ -177,21 +184,30 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         return len(self.streams)
 
     async def Generate(self, request, context):  # noqa: N802
-        if request.prefill_address:
-            gen = self._decode(request, context)
-        elif self.role != "both":
-            why = ("takes requests that name a prefill instance (prefill_address)"
-                   if self.role == "decode" else "serves only decode instances (Prefill)")
+        why = self._off_role(request)
+        if why:
             yield error_response("FAILED_PRECONDITION",
-                                 f"this language instance has --role {self.role}: it {why}")
+                                 f"this language instance has --role {self.role}: {why}")
             return
-        else:
-            gen = self._generate(request, context)
+        gen = self._generate(request, context)
         try:
             async for out in gen:
                 yield out
         finally:  # NOTE: now, on every way out (a cancelled call too): its finally frees
             await gen.aclose()  # the room's blocks and pages, not at garbage collection
+
+    def _off_role(self, request) -> str:
+        """Why this instance's role refuses the Generate `request` ("" when it takes it): a
+        decode instance takes exactly the requests that name a prefill instance, a `both`
+        instance the others, a prefill instance none (it serves Prefill)."""
+        if request.prefill_address:
+            return ("" if self.role == "decode" else
+                    "a request naming a prefill instance needs a decode instance")
+        if self.role == "decode":
+            return "it takes requests that name a prefill instance (prefill_address)"
+        if self.role == "prefill":
+            return "it serves only decode instances (Prefill)"
+        return ""
 
     def _admit(self, request) -> Admitted:
         """What every Generate checks before it holds anything; Refused (its one answer)
@@ -215,9 +231,14 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         return Admitted(sampling, deadline, now)
 
     async def _generate(self, request, context, link: PrefillLink | None = None):
-        """Generate's body; with `link` (a prefill instance, its Prefill stream) the pages
-        are reserved on the decode instance before any compute, and the request ends after
-        its first token, its pages written there (`PrefillLink.send`)."""
+        """Generate's body, every role's: (1) the prompt, (2) the engine's deltas streamed
+        by one loop. The prompt is tokenized here (a text-only chat, a raw prompt), or
+        comes through the room (the encoder's rows), or, on a decode instance (the request
+        names `prefill_address`), runs on the prefill instance, whose KV pages land here
+        (`DecodeLink.relay`; its first token is relayed at once) and the request goes on
+        from its first token. With `link` (a prefill instance, its Prefill stream) the
+        pages are reserved on the decode instance before any compute, and the request ends
+        after its first token, its pages written there (`PrefillLink.send`)."""
         room = request.room
         try:
             admitted = self._admit(request)
@@ -227,10 +248,12 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         sampling, deadline, now = admitted.sampling, admitted.deadline, admitted.now
         self.streams.add(room)
         outcome = "cancelled"  # NOTE: one log line per request (its id greps across tiers)
+        prefill = request.prefill_address  # a decode instance: where the prompt runs
+        attributes = {tracing.REQUEST_ID: request.request_id, tracing.ROOM: room}
+        if prefill:
+            attributes["tandem.prefill.address"] = prefill
         span = tracing.start("language.generate", tracing.from_call(context),
-                             kind=tracing.SpanKind.SERVER,
-                             attributes={tracing.REQUEST_ID: request.request_id,
-                                         tracing.ROOM: room})
+                             kind=tracing.SpanKind.SERVER, attributes=attributes)
         t0 = time.monotonic()
         first_row_ms = 0.0  # an encoded prompt's (a text-only one has no rows)
         recv: asyncio.Future | None = None  # the room's transfer (streamed: outlives submit)
@@ -239,10 +262,46 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         # request, this call owns its interest in the compile (abandoned below if it ends)
         grammar = (self.engine.grammars.compile(sampling.grammar, request.client_id)
                    if sampling.grammar is not None else None)
+        decode: DecodeLink | None = None  # a decode instance's end of the Prefill stream
+        call = None  # ... and the call it feeds
         submitted = False
         try:
-            # -- 1. the prompt: tokenized here (text-only chat) or through the room --
-            if request.messages or request.prompt:
+            # -- 1. the prompt: from the prefill instance, tokenized here, or the room's --
+            if prefill:
+                decode = DecodeLink(self.port, self.engine, request, deadline, self.metrics,
+                                    span)
+                call = language_pb2_grpc.LanguageStub(self._peer(prefill)).Prefill(
+                    decode.requests(), timeout=max(0.001, deadline - now),
+                    metadata=tracing.metadata(span))
+                try:
+                    async with aclosing(decode.relay(call, self.engine.cfg.max_model_len)) as it:
+                        async for out in it:
+                            if out.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                                name = common_pb2.FinishReason.Name(out.finish_reason)
+                                outcome = f"ended on the prefill instance: {name}"
+                                if out.error.code:  # an error that arose there
+                                    blame(context, prefill)
+                            yield out  # the first token, as soon as the prefill side has it
+                except HandOffError as e:
+                    outcome = f"{e.code} in the hand-off: {e.message}"
+                    tracing.fail(span, e.code, e.message)
+                    blame(context, e.culprit)
+                    yield error_response(e.code, e.message)
+                    return
+                except grpc.aio.AioRpcError as e:
+                    code = ("DEADLINE_EXCEEDED" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                            else "UNAVAILABLE")
+                    outcome = f"{code} from the prefill instance: {e.details()}"
+                    tracing.fail(span, code, outcome)
+                    if code == "UNAVAILABLE":  # its stream broke (it died, or refused the call)
+                        blame(context, prefill)
+                    yield error_response(code, f"prefill instance {prefill}: "
+                                         f"{e.code().name}: {e.details()}")
+                    return
+                if decode.landed is None:  # the request ended there
+                    return
+                prompt = decode.landed.prompt
+            elif request.messages or request.prompt:
                 tokenize = tracing.start("language.tokenize", span)
                 try:
                     prompt = PromptPayload.of_token_ids(await self._tokenize(request))
@@ -295,13 +354,16 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                     return
             transfer_ms = (time.monotonic() - t0) * 1e3
             # -- 2. the engine generates --
+            # (a decode instance's request has no stages of its prompt here: they ran on
+            # the prefill instance, whose spans carry them)
+            traced = span.is_recording() and decode is None
             req = self.engine.request(
                 RequestSpec(room, sampling, prompt, request_id=request.request_id,
                             priority=request.priority, cache_salt=request.cache_salt,
-                            deadline=time.monotonic() + (deadline - now),
+                            deadline=time.monotonic() + (deadline - time.time()),
                             hand_off=link is not None),
                 grammar_future=grammar,
-                trace=StageTrace(tracing.exemplar(span)) if span.is_recording() else None)
+                trace=StageTrace(tracing.exemplar(span)) if traced else None)
             q: asyncio.Queue[StreamDelta] = asyncio.Queue()
             loop = asyncio.get_running_loop()
 
@@ -311,7 +373,8 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                 loop.call_soon_threadsafe(q.put_nowait, d)
 
             try:
-                self.engine.submit(req, sink)
+                self.engine.submit(req, sink,
+                                   handoff=decode.landed.handoff if decode is not None else None)
                 submitted = True
                 if recv is not None and not recv.done():  # streamed: its transfer goes on
                     recv.add_done_callback(lambda f: self._fail_streamed(room, f))
@@ -322,6 +385,8 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                 tracing.fail(span, e.code, e.message)
                 yield error_response(e.code, e.message, field=e.field)
                 return
+            if decode is not None:  # the request holds the landed pages now
+                decode.close()
             finished = False
             try:
                 while not finished:
@@ -333,7 +398,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                     if d.finish_reason is RequestStatus.FINISHED_HANDED_OFF:
                         # its first token, then its pages to the decode instance, which
                         # goes on with the request (no final message from here)
-                        if span.is_recording():  # its stages here: queue, prefill
+                        if traced:  # its stages here: queue, prefill
                             _trace_stages(span, req, d)
                         d.finish_reason = None
                         yield delta_to_proto(d, transfer_ms, token_text=self._token_text)
@@ -347,20 +412,28 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                         outcome = (f"handed off, {d.prompt_tokens} prompt tokens' KV in "
                                    f"{link.chunks} chunk(s)")
                         return
+                    out = delta_to_proto(d, transfer_ms,
+                                         bypassed=bool(request.messages or request.prompt),
+                                         token_text=self._token_text, first_row_ms=first_row_ms)
                     if finished:
                         outcome = (f"{d.finish_reason.label}, {d.prompt_tokens} prompt + "
                                    f"{d.completion_tokens} output tokens")
-                        if span.is_recording():  # NOTE: the engine is done with `req`
+                        if decode is not None:
+                            outcome += f" (prefilled on {prefill})"
+                            out.timings.CopyFrom(decode.landed.timings(out.timings.decode_ms))
+                        if traced:  # NOTE: the engine is done with `req`
                             _trace_stages(span, req, d)
-                    yield delta_to_proto(d, transfer_ms,
-                                         bypassed=bool(request.messages or request.prompt),
-                                         token_text=self._token_text, first_row_ms=first_row_ms)
+                    yield out
             finally:
                 if not finished:  # client gone or handler cancelled: free its pages now
                     self.engine.abort(room, "client cancelled", "CANCELLED")
         finally:
             if recv is not None and not recv.done():  # NOTE: the room ends with the call
                 recv.cancel()
+            if call is not None and not call.done():
+                call.cancel()
+            if decode is not None:  # its inbox slots, and its pages unless submitted
+                decode.release()
             if grammar is not None and not submitted:  # the engine never owned its interest
                 self.engine.grammars.abandon(grammar)
             self.engine.unpin(room)  # NOTE: a no-op once submitted (the request took the pin)
@@ -412,127 +485,12 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         finally:  # NOTE: a call cancelled while we write (its decode side gone) must free
             await gen.aclose()  # the held pages now: the generator's finally does
 
-    async def _decode(self, request, context):
-        """E/P/D, a decode instance: the request's prompt runs on `prefill_address`, which
-        writes its KV pages into pages reserved here; the first token comes from there,
-        the rest from here (services/language/handoff.py)."""
-        room = request.room
-        if self.role != "decode":
-            yield error_response("FAILED_PRECONDITION", f"this language instance has --role "
-                                 f"{self.role}: a request naming a prefill instance needs a "
-                                 f"decode instance")
-            return
-        try:
-            admitted = self._admit(request)
-        except Refused as r:
-            yield r.response
-            return
-        sampling, deadline, now = admitted.sampling, admitted.deadline, admitted.now
-        self.streams.add(room)
-        span = tracing.start("language.generate", tracing.from_call(context),
-                             kind=tracing.SpanKind.SERVER,
-                             attributes={tracing.REQUEST_ID: request.request_id,
-                                         tracing.ROOM: room,
-                                         "tandem.prefill.address": request.prefill_address})
-        outcome = "cancelled"
-        link = DecodeLink(self.port, self.engine, request, deadline, self.metrics, span)
-        channel = self._peers.get(request.prefill_address)
+    def _peer(self, address: str) -> grpc.aio.Channel:
+        """The channel to the prefill instance at `address` (kept: one per instance)."""
+        channel = self._peers.get(address)
         if channel is None:
-            channel = self._peers[request.prefill_address] = aio_channel(
-                request.prefill_address, self.tls)
-        call = language_pb2_grpc.LanguageStub(channel).Prefill(
-            link.requests(), timeout=max(0.001, deadline - now), metadata=tracing.metadata(span))
-        grammar = (self.engine.grammars.compile(sampling.grammar, request.client_id)
-                   if sampling.grammar is not None else None)
-        submitted = finished = False
-        try:
-            landed = None
-            async for msg in call:
-                kind = msg.WhichOneof("msg")
-                if kind == "prompt":
-                    await link.reserve(msg.prompt, self.engine.cfg.max_model_len)
-                elif kind == "first":
-                    f = msg.first
-                    if len(f.token_ids) != 1 or link.first is not None:
-                        raise HandOffError(f"first message with {len(f.token_ids)} tokens",
-                                           "INVALID_ARGUMENT")
-                    link.first = (f.token_ids[0], f.logprobs[0].logprob if f.logprobs else None)
-                    yield f  # the first token goes out as soon as the prefill side has it
-                elif kind == "finished":  # the request ended there (EOS, length, an error)
-                    finished = True
-                    f = msg.finished
-                    outcome = (f"ended on the prefill instance: "
-                               f"{common_pb2.FinishReason.Name(f.finish_reason)}")
-                    if f.error.code:  # its failure, not ours
-                        blame(context, request.prefill_address)
-                    yield f
-                    return
-                elif kind == "chunk":
-                    await link.land(msg.chunk)
-                elif kind == "done":
-                    landed = link.done(msg.done)
-                    break
-            if landed is None:
-                raise HandOffError("the prefill instance's stream ended before Done",
-                                   "UNAVAILABLE", request.prefill_address)
-            req = self.engine.request(
-                RequestSpec(room, sampling, landed.prompt, request_id=request.request_id,
-                            priority=request.priority, cache_salt=request.cache_salt,
-                            deadline=time.monotonic() + (deadline - time.time())),
-                grammar_future=grammar)
-            q: asyncio.Queue[StreamDelta] = asyncio.Queue()
-            loop = asyncio.get_running_loop()
-            self.engine.submit(req, lambda d: loop.call_soon_threadsafe(q.put_nowait, d),
-                               handoff=landed.handoff)
-            submitted = True
-            link.outgoing.put_nowait(None)  # our side closes: the prefill side frees its pages
-            while not finished:
-                d = await q.get()
-                while not d.finished and not q.empty():
-                    d = _merge(d, q.get_nowait())
-                finished = d.finished
-                out = delta_to_proto(d, token_text=self._token_text)
-                if finished:
-                    outcome = (f"{d.finish_reason.label}, {d.prompt_tokens} prompt + "
-                               f"{d.completion_tokens} output tokens (prefilled on "
-                               f"{request.prefill_address})")
-                    p, mine = landed.prefill_timings, out.timings  # its prompt's ran there
-                    out.timings.CopyFrom(common_pb2.StageTimings(
-                        queue_ms=p.queue_ms, prefill_ms=p.prefill_ms, decode_ms=mine.decode_ms,
-                        early_prefill_tokens=landed.early_prefill_tokens))
-                yield out
-        except HandOffError as e:
-            self.metrics.kv_transfers.labels("received", e.code).inc()
-            outcome = f"{e.code} in the hand-off: {e.message}"
-            tracing.fail(span, e.code, e.message)
-            blame(context, e.culprit)
-            yield error_response(e.code, e.message)
-        except AdmissionError as e:
-            outcome = f"{e.code} at admission: {e.message}"
-            tracing.fail(span, e.code, e.message)
-            yield error_response(e.code, e.message, field=e.field)
-        except grpc.aio.AioRpcError as e:
-            code = ("DEADLINE_EXCEEDED" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-                    else "UNAVAILABLE")
-            outcome = f"{code} from the prefill instance: {e.details()}"
-            tracing.fail(span, code, outcome)
-            if code == "UNAVAILABLE":  # its stream broke (it died, or refused the call)
-                blame(context, request.prefill_address)
-            yield error_response(code, f"prefill instance {request.prefill_address}: "
-                                 f"{e.code().name}: {e.details()}")
-        finally:
-            if submitted and not finished:  # client gone: free its pages now
-                self.engine.abort(room, "client cancelled", "CANCELLED")
-            if not call.done():
-                call.cancel()
-            link.release()
-            if grammar is not None and not submitted:
-                self.engine.grammars.abandon(grammar)
-            self.streams.discard(room)
-            log.info("%s room %d: %s", request.request_id or "-", room, outcome)
-            if outcome == "cancelled":
-                tracing.fail(span, "CANCELLED")
-            span.end()
+            channel = self._peers[address] = aio_channel(address, self.tls)
+        return channel
 
     def _received(self, room: int, f: asyncio.Future) -> None:
         """The room's transfer ended (success or not; streamed or not)."""
