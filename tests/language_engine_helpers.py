@@ -31,7 +31,7 @@ PATHS = ("sort", "nucleus")  # the sampler's two filters: CUDA's full sort, the 
 def kept_weights(nu: Nucleus) -> torch.Tensor:
     """[V] float64: each token's weight in a `Nucleus`'s draw, 0 where it is cut."""
     w = torch.from_numpy(nu.weight).clone()
-    w[torch.from_numpy(nu.ws.b16_np >= nu.cut)] = 0.0
+    w[torch.from_numpy(nu.ws.b16_np >= min(nu.cut, nu.ws.buckets))] = 0.0  # far: weigh 0
     tail = torch.from_numpy(nu.tail)
     w[tail] = torch.from_numpy(nu.weight)[tail]
     return w

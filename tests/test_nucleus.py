@@ -23,13 +23,15 @@ def rule(x: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: f
          ) -> tuple[torch.Tensor, torch.Tensor]:
     """(kept [V] bool, margin [V] float64) by the rule over a full stable sort, in float64:
     top-k (ties at the k-th kept), top-p (drop a token when the mass before it, in order of
-    probability down and then id, reaches top_p), min-p (drop e < min_p * the max's).
+    probability down and then id, reaches top_p), min-p (drop e < min_p * the max's); a
+    token more than `nucleus.SPAN` below the max weighs 0 (float32's softmax underflow).
     `margin`: how far each token's mass before it is from top_p's mark, relative to the
     row's mass (a token within rounding of it may go either way)."""
     xt = x / F32(temperature)
     if 0 < top_k < x.numel():
         xt = torch.where(xt >= torch.topk(xt, top_k).values[-1], xt, float("-inf"))
     e = torch.exp(xt - xt.max()).double()
+    e[xt - xt.max() <= -nucleus.SPAN] = 0.0
     order = torch.sort(xt, descending=True, stable=True).indices
     w = e[order]
     before = w.cumsum(0) - w
@@ -75,6 +77,7 @@ CUTS = [  # temperature, top_k, top_p, min_p
     (1.3, 0, 0.999, 0.0), (1.0, 0, 0.9999999, 0.0), (0.3, 0, 0.9, 0.0), (1.0, 0, 1.0, 0.0),
     (0.8, 40, 0.95, 0.0), (1.0, 1, 0.9, 0.0), (1.0, 7, 1.0, 0.0), (0.7, 0, 0.95, 0.05),
     (1.0, 0, 1.0, 0.3), (1.0, 0, 0.3, 0.5), (0.9, 20, 0.8, 0.1), (1e-6, 0, 0.9, 0.0),
+    (0.2, 0, 1.0, 0.0), (0.25, 3, 1.0, 0.0),  # peaked: tokens past SPAN
 ]
 
 
@@ -107,7 +110,9 @@ def test_the_kept_set_is_the_sort_paths_float32_one(vocab):
                 if t < 1e-3:  # x / 1e-6 overflows float32's exp range: the rule's test only
                     continue
                 params = SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
-                old = ~torch.isinf(filter_logits(x, params, "sort"))
+                kept = filter_logits(x, params, "sort")
+                # (a token SPAN below the max: a denormal probability there, 0 here)
+                old = ~torch.isinf(kept) & (kept - kept.max() > -nucleus.SPAN)
                 new = ~torch.isinf(filter_logits(x, params, "nucleus"))
                 _, margin = rule(x, t, k, p, m)
                 if (margin < 1e-6).any():

@@ -14,10 +14,15 @@ cost 13 ms a row of the sampler's 20 on an AVX2 core, docs/benchmarks.md):
 
     top-k    x kept at or above the k-th largest (`torch.topk`: no full sort either)
     weights  e = exp(x - max) (the softmax's numerators), summed in float64
-    buckets  each token's bucket by its distance below the max, `BUCKETS` equal slices of
-             [0, span) (the last one also holds everything further: a mass below any
-             float32 top_p's reach, `_span`); a bucket never holds a token more likely than
-             one of an earlier bucket
+    buckets  each token's bucket by its distance below the max, equal slices of [0, SPAN)
+             (`buckets`: ~0.01 wide at a 152K vocabulary, fewer for fewer tokens); a bucket never holds a token more likely than one of an earlier
+             bucket. A token further down (e < e^-86 = 4e-38, at the float32 softmax's
+             underflow; masked tokens too) weighs 0: the full sort's path gives it a
+             denormal probability, V of them under 1e-32 a step. It goes to one of `SPREAD`
+             more buckets by its id: adds into one bucket wait on each other (a peaked or
+             masked row's 100K far tokens in one bucket made the scatter-add 4x slower); and
+             exp of an input below -87 takes a slow path (4-8x the pass), so x - max is
+             floored there
     cut      the weights summed per bucket (one scatter-add) and accumulated: the first
              bucket whose running mass reaches top_p * total holds the cut. Every earlier
              bucket survives whole, every later one is dropped; only the cut bucket's
@@ -41,7 +46,6 @@ never reads (sampler.py).
 
 from __future__ import annotations
 
-import math
 import threading
 from dataclasses import dataclass
 
@@ -49,15 +53,17 @@ import numpy as np
 import torch
 
 NEG_INF = float("-inf")
-BUCKETS = 4096  # (int16 bucket ids: the equality passes run on 2-byte lanes)
+SPAN = 86.0  # the distances below the max the buckets slice
+FLOOR = -87.0  # x - max floored here: exp stays in float32's normal range (its fast path)
+SPREAD = 64  # the far tokens' buckets, after the others
 
 
-def _span(vocab: int) -> float:
-    """The distance below the max (in units of logit / temperature) that the buckets
-    slice: a token further down weighs under e^-span of the max token, and all of them
-    together under vocab * e^-span = 2e-9 of the row, below float32's resolution of any
-    top_p < 1 (6e-8): the cut never falls among them."""
-    return math.log(vocab) + 20.0
+def buckets(vocab: int) -> int:
+    """How many slices of [0, SPAN) a row of `vocab` tokens takes: 8192 (~0.01 each) at
+    131K and more, about 16 tokens a slice below; few enough for int16 ids (the equality
+    passes run on 2-byte lanes) and for the per-bucket sums to cost little at a small
+    vocabulary."""
+    return min(8192, max(64, vocab // 16))
 
 
 def _f32(v: float) -> float:
@@ -87,9 +93,14 @@ class _Workspace:
         self.w64 = torch.empty(vocab, dtype=torch.float64)  # min-p's weights
         self.b16 = torch.empty(vocab, dtype=torch.int16)
         self.b64 = torch.empty(vocab, dtype=torch.long)  # (scatter_add_'s index type)
-        self.hist = torch.empty(BUCKETS, dtype=torch.float64)
-        self.x_np, self.e64_np, self.w64_np, self.b16_np, self.hist_np = (
-            t.numpy() for t in (self.x, self.e64, self.w64, self.b16, self.hist))
+        self.buckets = buckets(vocab)
+        self.all = self.buckets + SPREAD
+        self.scale = -self.buckets / SPAN  # a bucket per (x - max) * scale
+        self.hist = torch.empty(self.all, dtype=torch.float64)
+        # a token's last bucket: a far one, by its id
+        self.cap = (torch.arange(vocab) % SPREAD + self.buckets).float()
+        self.x_np, self.e64_np, self.w64_np, self.b16_np = (
+            t.numpy() for t in (self.x, self.e64, self.w64, self.b16))
         self.hit_np = np.empty(vocab, dtype=bool)
 
     def in_bucket(self, j: int) -> np.ndarray:
@@ -107,6 +118,18 @@ def _workspace(vocab: int) -> _Workspace:
     return ws
 
 
+def _cumsum(a: np.ndarray) -> np.ndarray:
+    """(numpy's is 4x slower than torch's on a long array, a 152K tie's; faster on a short)"""
+    return a.cumsum() if a.size < 4096 else torch.from_numpy(a).cumsum(0).numpy()
+
+
+def _running(ws: _Workspace, bucket: torch.Tensor, weight: torch.Tensor) -> np.ndarray:
+    """[ws.all] float64: the running weight by bucket; the far buckets' tokens weigh 0."""
+    hist = ws.hist.zero_().scatter_add_(0, bucket, weight)
+    hist[ws.buckets:] = 0.0
+    return hist.cumsum(0).numpy()
+
+
 @dataclass
 class Nucleus:
     """One row's kept tokens and what the draw reads. Buckets before `cut` survive whole
@@ -115,8 +138,8 @@ class Nucleus:
 
     ws: _Workspace
     weight: np.ndarray  # [V] float64: exp(x - max) where top-k and min-p keep, else 0
-    cum: np.ndarray  # [BUCKETS] float64: running kept weight by bucket
-    cut: int  # the bucket top-p cuts in (BUCKETS: no cut)
+    cum: np.ndarray  # [ws.all] float64: running kept weight by bucket (flat past the far)
+    cut: int  # the bucket top-p cuts in (ws.all: no cut)
     tail: np.ndarray  # [n] int64: bucket `cut`'s kept tokens, in the rule's order
     tail_cum: np.ndarray  # [n] float64: their running weight
     above: float  # the weight of buckets before `cut`
@@ -129,7 +152,7 @@ class Nucleus:
         if t < self.above:
             j = int(self.cum[:self.cut].searchsorted(t, side="right"))
             ids = self.ws.in_bucket(j)
-            run = self.weight[ids].cumsum()
+            run = _cumsum(self.weight[ids])
             local = t - (float(self.cum[j - 1]) if j else 0.0)
         else:
             ids, run, local = self.tail, self.tail_cum, t - self.above
@@ -152,14 +175,14 @@ def nucleus(x: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p
     if top.item() == NEG_INF:  # no token left (a softmax of NaNs before): the first
         return Nucleus(ws, ws.e64_np, ws.e64_np[:0], 0, np.zeros(1, np.int64), np.ones(1),
                        0.0, 1.0)
-    z = torch.sub(xt, top, out=ws.z)
+    z = torch.sub(xt, top, out=ws.z).clamp_(min=FLOOR)
     e = torch.exp(z, out=ws.e)
-    torch.mul(z, -BUCKETS / _span(ws.vocab), out=ws.f).clamp_(max=BUCKETS - 1)
+    torch.minimum(torch.mul(z, ws.scale, out=ws.f), ws.cap, out=ws.f)
     ws.b16.copy_(ws.f)  # (truncation: the floor of a distance >= 0)
     bucket = ws.b64.copy_(ws.b16)
     ws.e64.copy_(e)
-    cum = ws.hist.zero_().scatter_add_(0, bucket, ws.e64).cumsum(0).numpy()
-    cut, tail = BUCKETS, np.empty(0, dtype=np.int64)
+    cum = _running(ws, bucket, ws.e64)
+    cut, tail = ws.all, np.empty(0, dtype=np.int64)
     top_p = _f32(top_p)
     if top_p < 1.0:
         target = top_p * float(cum[-1])
@@ -169,16 +192,16 @@ def nucleus(x: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p
         # the rule's order: probability down, then token id (ids ascending, a stable sort)
         ids = ids[(-ws.x_np[ids]).argsort(kind="stable")]
         ei = ws.e64_np[ids]
-        before = ei.cumsum() + above - ei
+        before = _cumsum(ei) + above - ei
         over = before >= target
         tail = ids[: max(int(over.argmax()) if over.any() else ids.size, 1)]
     weight = ws.e64_np
     if min_p > 0.0:  # the most likely token weighs exp(0) = 1: keep e >= min_p
         ws.w64.copy_(torch.threshold(e, _below(_f32(min_p)), 0.0, out=ws.f))
-        cum = ws.hist.zero_().scatter_add_(0, bucket, ws.w64).cumsum(0).numpy()
+        cum = _running(ws, bucket, ws.w64)
         weight = ws.w64_np
     above = float(cum[cut - 1]) if cut else 0.0
-    if cut == BUCKETS:
+    if cut == ws.all:
         return Nucleus(ws, weight, cum, cut, tail, weight[:0], above, above)
-    tail_cum = weight[tail].cumsum()
+    tail_cum = _cumsum(weight[tail])
     return Nucleus(ws, weight, cum, cut, tail, tail_cum, above, above + float(tail_cum[-1]))
