@@ -24,6 +24,7 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 from test_router_split import run, serving
+from waiting import async_wait_until
 
 from tandem.errors import abort, blame
 from tandem.services.router.config import RouterConfig
@@ -198,3 +199,22 @@ def test_the_retry_after_data_loss_avoids_both():
     first, second = retried("data_loss")
     assert second.prefill != first.prefill
     assert second.decode != first.decode
+
+
+def test_prefill_dns_is_resolved_again_as_the_others_are():
+    """A router whose prefill instances come only from DNS re-resolves them every
+    `dns_refresh_s` (its loop ran only for encoder_dns or language_dns)."""
+    async def go():
+        cfg = RouterConfig(languages=["127.0.0.1:9"], prefill_dns="localhost:50081",
+                           dns_refresh_s=0.05, load_refresh_s=60, insecure_internal=True)
+        reg = Registry(cfg)
+        await reg.start()
+        try:
+            assert "127.0.0.1:50081" in reg.prefills.instances
+            reg.cfg = cfg.model_copy(update={"prefill_dns": "localhost:50082"})
+            await async_wait_until(lambda: "127.0.0.1:50082" in reg.prefills.instances,
+                                   timeout_s=30, what="the prefill DNS name resolved again")
+        finally:
+            await reg.stop()
+
+    asyncio.run(go())

@@ -286,7 +286,7 @@ class Registry:
     async def start(self) -> None:
         await self.refresh_membership()
         self._tasks.append(asyncio.create_task(self._load_loop()))
-        if self.cfg.encoder_dns or self.cfg.language_dns:
+        if self.cfg.encoder_dns or self.cfg.language_dns or self.cfg.prefill_dns:
             self._tasks.append(asyncio.create_task(self._dns_loop()))
 
     async def stop(self) -> None:
