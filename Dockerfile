@@ -17,7 +17,9 @@
 #   the image holds the versions the suite last passed with. The CUDA build's own packages
 #   (nvidia-*) follow from the pinned torch; Ubuntu 24.04's Python is 3.12 where the lock was
 #   resolved on 3.11, so a pin without a 3.12 wheel would fail the build, not change a version.
-# NOTE: never built in the development environment (it has no Docker engine).
+# Built and run in the development environment with buildah, no Docker engine: `make image`,
+# `make image-check` (the cpu variant and the router; the cuda variant's steps checked
+# without CUDA: docs/deploy.md, "Built and run here").
 
 ARG VARIANT=cuda
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04

@@ -505,24 +505,6 @@ def check(args: argparse.Namespace) -> None:
     check_cpu(args.deadline)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="build the CPU and router images")
-    b.add_argument("--base", default=None,
-                   help="CPU_IMAGE (default: the Dockerfile's, else a debootstrap Debian 12)")
-    b.add_argument("--torch-spec", default=dockerfile_arg("TORCH_SPEC"))
-    b.add_argument("--torch-cpu-index", default=None,
-                   help="TORCH_CPU_INDEX (default: the Dockerfile's where its host resolves)")
-    b.add_argument("--context", type=Path, default=ROOT, help="the build context (the checkout)")
-    c = sub.add_parser("check", help="run the built images")
-    c.add_argument("--deadline", type=float, default=900,
-                   help="seconds `tandem up` may take to become ready (the CPU kernels compile)")
-    sub.add_parser("check-cuda", help="the cuda variant's steps, as far as no CUDA allows")
-    args = p.parse_args()
-    {"build": build, "check": check, "check-cuda": check_cuda}[args.cmd](args)
-
-
 # -- the cuda variant, without CUDA ---------------------------------------------------------
 
 CUDA_PYTHON = "3.12"  # Ubuntu 24.04's, the CUDA base's (CUDA_IMAGE)
@@ -695,6 +677,24 @@ def check_cuda(args: argparse.Namespace) -> None:
     work.mkdir(parents=True, exist_ok=True)
     check_cuda_pip(work)
     check_cuda_apt(work)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="build the CPU and router images")
+    b.add_argument("--base", default=None,
+                   help="CPU_IMAGE (default: the Dockerfile's, else a debootstrap Debian 12)")
+    b.add_argument("--torch-spec", default=dockerfile_arg("TORCH_SPEC"))
+    b.add_argument("--torch-cpu-index", default=None,
+                   help="TORCH_CPU_INDEX (default: the Dockerfile's where its host resolves)")
+    b.add_argument("--context", type=Path, default=ROOT, help="the build context (the checkout)")
+    c = sub.add_parser("check", help="run the built images")
+    c.add_argument("--deadline", type=float, default=900,
+                   help="seconds `tandem up` may take to become ready (the CPU kernels compile)")
+    sub.add_parser("check-cuda", help="the cuda variant's steps, as far as no CUDA allows")
+    args = p.parse_args()
+    {"build": build, "check": check, "check-cuda": check_cuda}[args.cmd](args)
 
 
 if __name__ == "__main__":
