@@ -71,6 +71,12 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-bf16-compute", default="auto", choices=["auto", "bfloat16", "float32"],
                     help="bfloat16 on the CPU: linear products in torch's bfloat16 GEMM or in "
                          "float32 over widened weights (RunnerSettings.cpu_bf16_compute)")
+    ap.add_argument("--compile-step", default="off", choices=["off", "decode"],
+                    help="decode: the graph runner's buckets compiled by inductor at start-up "
+                         "(RunnerSettings.compile_step); the table then gives CPU and wall ms "
+                         "of the eager step and of the compiled one")
+    ap.add_argument("--compile-cache-dir", default="",
+                    help="inductor's cache (TORCHINDUCTOR_CACHE_DIR; empty: its default)")
     ap.add_argument("--profile", action="store_true",
                     help="instead: CPU ms per step by component (decode at each batch size, "
                          "one prefill chunk) and the sampler's, on one torch thread")
@@ -101,7 +107,9 @@ def main(argv=None) -> int:
         weights, RunnerSettings(page_size=args.page_size, cuda_graph_max_bs=max(max_bs, 1),
                                 max_seq_len=max_len, linear_backend=args.linear_backend,
                                 attention_backend=args.attention_backend,
-                                cpu_bf16_compute=args.cpu_bf16_compute),
+                                cpu_bf16_compute=args.cpu_bf16_compute,
+                                compile_step=args.compile_step,
+                                compile_cache_dir=args.compile_cache_dir),
         num_pages=max_bs * per_seq + 1, device=device, dtype=dtype,
     )
     setup_s = time.perf_counter() - t0
@@ -116,8 +124,14 @@ def main(argv=None) -> int:
           f" | dtype {str(dtype).removeprefix('torch.')} | context {args.context} | graphs {len(gr.graphs)}"
           f" captured in {setup_s:.1f}s (incl. KV alloc)")
 
+    if gr.compiled:
+        print("compiled buckets: " + ", ".join(f"bs {b} {gr.compile_s[b]:.1f} s"
+                                               for b in sorted(gr.compiled)))
     if args.profile:
         profile(runner, pool, args, args.sampler_vocab)
+        return 0
+    if gr.compiled:
+        compiled_table(runner, pool, args)
         return 0
     g = torch.Generator().manual_seed(0)
     print(f"\n{'bs':>4} | {'eager ms/step':>14} | {'graph ms/step':>14} | {'eager/graph':>11}")
@@ -141,6 +155,53 @@ def main(argv=None) -> int:
         for c in chunks:
             pool.free(c.block_table)
     return 0
+
+
+def _cpu_wall(fn, steps: int) -> tuple[float, float]:
+    """Median CPU ms (the calling thread's) and wall ms of one call over `steps` calls."""
+    for _ in range(3):
+        fn()
+    cpu, wall = [], []
+    for _ in range(steps):
+        c, w = time.thread_time(), time.perf_counter()
+        fn()
+        cpu.append(time.thread_time() - c)
+        wall.append(time.perf_counter() - w)
+    return statistics.median(cpu) * 1e3, statistics.median(wall) * 1e3
+
+
+def compiled_table(runner, pool, args) -> None:
+    """--compile-step decode: the decode step eager (`forward_eager`) and compiled (the
+    graph runner's bucket), alternating, each cell the median of `repeats` runs' medians
+    of `steps` steps; CPU ms of the stepping thread (as --profile's total) and wall ms."""
+    gr = runner.graph_runner
+    g = torch.Generator().manual_seed(0)
+    per_seq = ceil_div(args.context + 8, args.page_size)
+    print(f"\n{'bs':>4} | {'eager CPU ms':>12} | {'compiled CPU ms':>15} | {'eager/compiled':>14} "
+          f"| {'eager wall ms':>13} | {'compiled wall ms':>16}")
+    for bs in args.batch_sizes:
+        chunks = []
+        for i in range(bs):
+            ids = torch.randint(0, runner.vocab_size, (args.context,), generator=g)
+            pages = pool.alloc(per_seq)
+            pos = torch.arange(args.context).expand(3, args.context)
+            runner.forward_eager(ForwardBatch([SeqChunk(i, 0, pos, pages, token_ids=ids)]))
+            chunks.append(SeqChunk(i, args.context, decode_positions(args.context, 0), pages,
+                                   token_ids=torch.tensor([int(ids[-1])])))
+        batch = ForwardBatch(chunks)
+        e = gr.run(batch).last_logits
+        diff = (e - runner.forward_eager(batch).last_logits).abs().max().item()
+        runs: dict[str, list[tuple[float, float]]] = {"eager": [], "compiled": []}
+        for _ in range(args.repeats):
+            runs["eager"].append(_cpu_wall(lambda b=batch: runner.forward_eager(b), args.steps))
+            runs["compiled"].append(_cpu_wall(lambda b=batch: gr.run(b), args.steps))
+        med = {k: (statistics.median(c for c, _ in v), statistics.median(w for _, w in v))
+               for k, v in runs.items()}
+        (ec, ew), (cc, cw) = med["eager"], med["compiled"]
+        print(f"{bs:>4} | {ec:>12.2f} | {cc:>15.2f} | {ec / cc:>13.2f}x | {ew:>13.2f} | "
+              f"{cw:>16.2f}   (max |logit diff| {diff:.1e})")
+        for c in chunks:
+            pool.free(c.block_table)
 
 
 # -- --profile: where a step's CPU time goes, by component -----------------------------

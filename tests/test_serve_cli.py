@@ -132,6 +132,7 @@ def test_a_vllm_qwen_vl_launch_line_dry_runs_into_the_expected_cluster(capsys):
     assert (rt.host, rt.http_port, rt.grpc_port) == ("0.0.0.0", 8001, 50052)
     assert (lang.tp, lang.kv_memory_fraction, lang.max_running_requests) == (1, 0.9, 32)
     assert (lang.prefix_cache, lang.kv_page_size, lang.cuda_graph_max_bs) == (True, 32, 0)
+    assert lang.compile_step == "off"
     assert (enc.max_images_per_request, enc.cuda_graph_max_patches) == (2, 0)
     assert {enc.log_level, lang.log_level, rt.log_level} == {"warning"}
     assert {c.tracing.endpoint for c in (enc, lang, rt)} == {"http://collector:4317"}

@@ -145,6 +145,23 @@ class LanguageConfig(ModelServiceSettings):
         "bfloat16 where the CPU has AVX512-BF16 or AMX, float32 where it has not (there "
         "torch's bfloat16 GEMM is 10-60x slower than float32).",
     )
+    compile_step: str = Field(
+        "off",
+        pattern="^(off|decode)$",
+        description="CPU: 'decode' compiles the decode step of every batch bucket (1, 2, 4, "
+        "8, then every 16 up to cuda_graph_max_bs) with torch.compile (inductor) at "
+        "start-up, our kernels inside the graph as custom ops; a bucket not compiled, "
+        "prefill and mixed steps run eagerly. Start-up pays the compiles (minutes on two "
+        "cores when cold, seconds from the cache: compile_cache_dir). 'off' runs every "
+        "step eagerly. Measured on an AVX2 EPYC (docs/benchmarks.md, issue 45): off by "
+        "default. Not with tp > 1. No effect on CUDA, where decode runs in CUDA graphs.",
+    )
+    compile_cache_dir: str = Field(
+        "",
+        description="Where inductor keeps its compiled code across starts "
+        "(TORCHINDUCTOR_CACHE_DIR) with compile_step decode; empty: inductor's default "
+        "(/tmp/torchinductor_<user>). A writable volume makes a restart warm.",
+    )
     prefix_cache: bool = Field(
         True,
         description="Share whole KV pages between requests whose prompts start alike "

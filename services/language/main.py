@@ -107,11 +107,15 @@ def runner_settings(cfg: LanguageConfig, device, max_len: int):
     return RunnerSettings(
         page_size=cfg.kv_page_size, max_seq_len=max_len,
         max_prefill_tokens=cfg.max_prefill_tokens, max_decode_rows=cfg.max_running_requests,
-        cuda_graph_max_bs=cfg.cuda_graph_max_bs if device.type == "cuda" else 0,
+        # CPU: the graph runner's buckets are compiled (compile_step), else none
+        cuda_graph_max_bs=(cfg.cuda_graph_max_bs
+                           if device.type == "cuda" or cfg.compile_step != "off" else 0),
         attention_backend=cfg.attention_backend, linear_backend=cfg.linear_backend,
         cpu_parallel_min_tokens=cfg.cpu_parallel_min_tokens,
         cpu_small_step_pool=cfg.cpu_small_step_pool, cpu_pool_spin_us=cfg.cpu_pool_spin_us,
         cpu_bf16_compute=cfg.cpu_bf16_compute,
+        compile_step=cfg.compile_step if device.type == "cpu" else "off",
+        compile_cache_dir=cfg.compile_cache_dir,
     )
 
 

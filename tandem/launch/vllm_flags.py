@@ -478,9 +478,11 @@ TABLE: tuple[Flag, ...] = (
          lambda v: to(To.LANGUAGE, "--prefix-cache")),
     Flag(("--no-enable-prefix-caching",), SW, M, "language --no-prefix-cache",
          lambda v: to(To.LANGUAGE, "--no-prefix-cache")),
-    Flag(("--enforce-eager",), SW, M, "language --cuda-graph-max-bs 0, encoder "
-         "--cuda-graph-max-patches 0 (no CUDA graphs; flex attention stays compiled)",
-         lambda v: Effect((Put(To.LANGUAGE, ("--cuda-graph-max-bs", "0")),
+    Flag(("--enforce-eager",), SW, M, "language --cuda-graph-max-bs 0 --compile-step off, "
+         "encoder --cuda-graph-max-patches 0 (no CUDA graphs, no compiled CPU step; flex "
+         "attention stays compiled)",
+         lambda v: Effect((Put(To.LANGUAGE, ("--cuda-graph-max-bs", "0",
+                                                  "--compile-step", "off")),
                            Put(To.ENCODER, ("--cuda-graph-max-patches", "0"))))),
     Flag(("--scheduling-policy",), ONE, M, "language --schedule-policy (fcfs|priority)",
          passes("--schedule-policy", To.LANGUAGE), example=("priority",)),
@@ -503,7 +505,8 @@ TABLE: tuple[Flag, ...] = (
           "--num-scheduler-steps", "--preemption-mode"), ONE, A, _SCHED, example=("1",)),
     Flag(("--async-scheduling", "--multi-step-stream-outputs"), SW, A, _SCHED),
     Flag(("--compilation-config", "-O"), ONE, A, f"{_NOTHING}: the tiers choose their own "
-         "kernels and graphs (--enforce-eager turns CUDA graphs off)", dotted=True,
+         "kernels and graphs (--enforce-eager turns CUDA graphs and the compiled CPU step "
+         "off; language --compile-step decode turns the latter on)", dotted=True,
          example=("3",)),
     Flag(("--cpu-offload-gb",), ONE, R, "weights stay on the device; offloading is not "
          "served"),

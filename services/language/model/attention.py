@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from tandem.cpu_kernels import decode_attention_op, kernels
+from tandem.cpu_kernels import decode_attention_op, for_trace, kernels
 
 
 class AttentionBackend(enum.Enum):
@@ -333,8 +333,11 @@ def paged_attention(
     parts: list[torch.Tensor] = []
     ns = meta.num_single
     if ns and meta.decode_op is not None:
+        # NOTE: traced (a compiled step), the same kernel as a custom op (cpu_kernels.py)
+        traced = for_trace(None)
+        op = meta.decode_op if traced is None else traced.paged_decode_attention
         parts.append(
-            meta.decode_op(
+            op(
                 q[:ns].contiguous(), k_cache, v_cache, meta.single_block_tables,
                 meta.single_seq_lens, scale,
             )

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.cpu_kernels import for_trace
 from tandem.services.language.model.attention import AttentionMetadata, paged_attention
 from tandem.services.language.model.config import DecoderConfig
 from tandem.services.language.model.linear import (
@@ -49,7 +50,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None and x.dim() == 2 and x.is_contiguous():
-            return self.kernels.rms_norm(x, self.weight, self.eps)
+            return for_trace(self.kernels).rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -82,7 +83,8 @@ class SelfAttention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         if self.kernels is not None and self.q_norm is None:  # one call: split + rotary
-            q, k = self.kernels.rope_qk(qkv, cos, sin, self.num_heads, self.num_kv_heads)
+            q, k = for_trace(self.kernels).rope_qk(qkv, cos, sin, self.num_heads,
+                                                   self.num_kv_heads)
             v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
             out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
             return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
@@ -129,7 +131,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
-            return self.down_proj(self.kernels.silu_mul(self.gate_up_proj(x)))
+            return self.down_proj(for_trace(self.kernels).silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=1)
         return self.down_proj(F.silu(gate) * up)
 

@@ -35,6 +35,19 @@ before the cache was sized); with tensor parallelism every rank captures at the 
 On a machine without CUDA nothing is captured: `run` executes the very same `_step` over
 the same static buffers eagerly, so padding and slicing are tested everywhere.
 
+Compiled on the CPU (`compile` set: the runner's `compile_step` = decode): the same
+`_step` of every batch bucket is compiled by `torch.compile` (inductor), at start-up in
+`capture()` as graphs are captured on CUDA, never in a request's step. A compiled bucket
+always reads the widest table (`max_pages` columns, the rest on the dummy page: the decode
+kernel reads only the pages a row's seq_len covers), so one compile serves every width;
+batch sizes are static (one graph each, as the CUDA graphs). Our kernels enter the graph
+as custom ops (cpu_kernels.traced_ops: the same kernels, the same bits); inductor fuses
+what runs as torch ops between them (residual adds, q/k norms, rotary, casts) and drops
+the Python of the step. Each bucket has its own code object (dynamo's cache and recompile
+limit are per code object); inductor's compiled code is cached on disk
+(TORCHINDUCTOR_CACHE_DIR, the runner's `compile_cache_dir`), so a warm start traces but
+does not compile C++ again.
+
 The runner is given what it reads and nothing more (the decoder, the KV tensors, the
 logits head, the chunk limits); it never sees the `ModelRunner` that owns it.
 """
@@ -42,6 +55,10 @@ logits head, the chunk limits); it never sees the `ModelRunner` that owns it.
 from __future__ import annotations
 
 import bisect
+import logging
+import os
+import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -60,6 +77,8 @@ from tandem.services.language.runner.kv_cache import KVCache
 from tandem.units import ceil_div
 
 GRAPH_MAX_SEQ_LEN = 8192
+
+log = logging.getLogger("tandem.language")
 
 
 @dataclass(frozen=True)
@@ -148,6 +167,9 @@ class GraphRunner:
         max_bs: int,
         max_seq_len: int,
         attention: AttentionPath,
+        compile: bool = False,
+        compile_cache_dir: str = "",
+        threads_for: Callable[[int], int] | None = None,
     ) -> None:
         if max_bs < 1 or max_seq_len < 1:
             raise ValueError(f"bad graph runner limits: max_bs={max_bs}, max_seq_len={max_seq_len}")
@@ -184,6 +206,12 @@ class GraphRunner:
         # Captured by `capture()`, which the owner calls once the KV cache is final (every
         # tensor-parallel rank at the same point: the warm-up steps run collectives).
         self.use_graphs = self.device.type == "cuda"
+        # CPU: each batch bucket's step compiled by inductor in `capture()` (module doc)
+        self.compile = compile and not self.use_graphs
+        self.compile_cache_dir = compile_cache_dir
+        self.threads_for = threads_for  # torch threads a step of n rows runs on (owner's)
+        self.compiled: dict[int, Callable] = {}
+        self.compile_s: dict[int, float] = {}  # seconds each bucket's compile took
 
     # -- the step a graph records -----------------------------------------------------
     def _step(self, bs: int, width: int) -> torch.Tensor:
@@ -204,6 +232,8 @@ class GraphRunner:
     def capture(self) -> None:
         """Capture every (bs, width) graph, largest first, into one shared memory pool, on
         this runner's device (nothing to capture without CUDA: `run` steps eagerly)."""
+        if self.compile:
+            self._compile()
         if not self.use_graphs:
             return
         # NOTE: torch.cuda.graph synchronises and begins capture on the CURRENT device; a
@@ -228,6 +258,33 @@ class GraphRunner:
                 self.graphs[(bs, width)] = graph
                 self.outputs[(bs, width)] = out
         torch.cuda.synchronize(self.device)
+
+    def _compile(self) -> None:
+        """Compile every batch bucket's step (CPU), largest first, each run twice over the
+        padding rows (nothing real is read or written: the dummy page)."""
+        from tandem.cpu_kernels import traced_ops
+
+        if self.compile_cache_dir:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(self.compile_cache_dir)
+        traced_ops()  # the kernels as custom ops, before anything is traced
+        threads = torch.get_num_threads()
+        start = time.monotonic()
+        try:
+            for bs in reversed(self.batch_sizes):
+                if self.threads_for is not None:  # inductor's loops fix their thread count
+                    torch.set_num_threads(self.threads_for(bs))
+                t0 = time.monotonic()
+                fn = _bucket_step(bs)
+                for _ in range(2):
+                    fn(self, bs, self.max_pages)
+                self.compiled[bs] = fn
+                self.compile_s[bs] = time.monotonic() - t0
+        finally:
+            torch.set_num_threads(threads)
+        log.info("compiled decode step: %d batch buckets %s in %.1f s (%s; inductor cache %s)",
+                 len(self.compiled), sorted(self.compiled), time.monotonic() - start,
+                 ", ".join(f"bs {b}: {self.compile_s[b]:.1f} s" for b in sorted(self.compiled)),
+                 os.environ.get("TORCHINDUCTOR_CACHE_DIR", "inductor's default"))
 
     @torch.inference_mode()
     def pool_bytes(self, memory) -> int:
@@ -258,7 +315,9 @@ class GraphRunner:
         raw = len(batch.chunks)
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, raw)]
         need = max(ceil_div(c.start + 1, self.page_size) for c in batch.chunks)
-        width = self.widths[bisect.bisect_left(self.widths, need)]
+        compiled = self.compiled.get(bs)
+        # a compiled bucket reads the widest table (one compile for every width)
+        width = self.max_pages if compiled else self.widths[bisect.bisect_left(self.widths, need)]
         for c in batch.chunks:
             self.limits.check(c)
 
@@ -280,6 +339,8 @@ class GraphRunner:
         if self.use_graphs:
             self.graphs[(bs, width)].replay()
             logits = self.outputs[(bs, width)][:raw].clone()
+        elif compiled is not None:
+            logits = compiled(self, bs, width)[:raw]
         else:
             logits = self._step(bs, width)[:raw]
         # A 1-token chunk's prompt logits are its last logits.
@@ -287,3 +348,20 @@ class GraphRunner:
             c.seq_id: logits[i : i + 1] for i, c in enumerate(batch.chunks) if c.want_prompt_logits
         }
         return ForwardOutput(last_logits=logits, prompt_logits=prompt)
+
+
+def _decode_step(runner: GraphRunner, bs: int, width: int) -> torch.Tensor:
+    return runner._step(bs, width)
+
+
+def _bucket_step(bs: int) -> Callable:
+    """`_decode_step` compiled for one batch bucket, under its own code object.
+
+    NOTE: dynamo keeps its cache and its recompile limit (8) per code object: one function
+    recompiled per bucket would hit the limit past 8 buckets (max_bs 112) and then run
+    eagerly, unseen; one code object per bucket never recompiles. Static shapes
+    (dynamic=False): a bucket is one size. fullgraph: a graph break is an error at
+    start-up, not a silent split of the step."""
+    code = _decode_step.__code__.replace(co_name=f"_decode_step_bs{bs}")
+    fn = types.FunctionType(code, _decode_step.__globals__)
+    return torch.compile(fn, fullgraph=True, dynamic=False)

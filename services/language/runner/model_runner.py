@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("tandem.language")
 
 
+COMPILE_STEP = ("off", "decode")  # the values of `compile_step` (config.py)
+
+
 @dataclass(frozen=True)
 class RunnerSettings:
     """How a runner runs its model, the same on every tensor-parallel rank (rank 0 sends
@@ -65,6 +68,10 @@ class RunnerSettings:
     # A bfloat16 model on the CPU: its linear products in float32 over widened weights, or
     # in torch's bfloat16 GEMM (`linear_compute_dtype`: auto | bfloat16 | float32)
     cpu_bf16_compute: str = "auto"
+    # CPU: each decode batch bucket's step compiled by inductor at start-up ("decode"), or
+    # none ("off"); inductor's cache under compile_cache_dir ("": its default, under /tmp)
+    compile_step: str = "off"
+    compile_cache_dir: str = ""
 
 
 class ModelRunner:
@@ -98,6 +105,12 @@ class ModelRunner:
             raise ValueError("these TextWeights were consumed by an earlier ModelRunner (it "
                              "adopts the tensors): load them again, or pass weights.copy()")
         s = self.settings = settings
+        if s.compile_step not in COMPILE_STEP:
+            raise ValueError(f"compile_step must be one of {COMPILE_STEP}, got {s.compile_step!r}")
+        if s.compile_step != "off" and tp is not None:
+            # NOTE: the row-parallel products' all-reduce is a collective dynamo cannot
+            # trace as one graph here (gloo); not built
+            raise ValueError("compile_step decode is not supported with tensor parallelism")
         page_size = s.page_size
         spec = weights.spec
         self.device = torch.device(device)
@@ -181,7 +194,15 @@ class ModelRunner:
         return GraphRunner(
             self.model, self.kv, self.compute_logits, self.limits, self.device,
             max_bs=s.cuda_graph_max_bs, max_seq_len=s.max_seq_len, attention=self.attention,
+            compile=s.compile_step == "decode", compile_cache_dir=s.compile_cache_dir,
+            threads_for=self._threads_for,
         )
+
+    def _threads_for(self, tokens: int) -> int:
+        """The torch threads a step of `tokens` tokens runs on (`_forward`)."""
+        if self.parallel_min_tokens and self.max_threads > 1:
+            return 1 if tokens < self.parallel_min_tokens else self.max_threads
+        return torch.get_num_threads()
 
     @torch.inference_mode()
     def _pages_for_memory(self, fraction: float) -> int:
