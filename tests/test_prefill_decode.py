@@ -434,3 +434,60 @@ def test_the_decode_instance_blames_the_prefill_instance_only_for_its_failures(c
     # a success names no one
     assert cluster.call(cluster.answer(text_chat(), GREEDY)).culprit == ""
     assert_idle(cluster)
+
+
+def test_a_prefill_stream_cut_while_its_first_token_is_sampled_frees_the_held_pages(
+        cluster, monkeypatch):
+    """The decode side goes away (its call cancelled) while the prefill instance's engine
+    is finishing the request as handed off: the prefill side's call ends (abort, unpin)
+    before the engine has moved the prompt's pages to the room's hold, and the abort comes
+    too late. The hold is released all the same (a SIGSTOP of a prefill instance, thawed,
+    left 3 pages held this way)."""
+    if cluster.arch != "qwen2_5_vl":
+        pytest.skip("one architecture shows it")
+    from tandem.services.language.engine.prefix_cache import PrefixCache
+    from tandem.services.language.engine.request import RequestStatus
+    from tandem.services.language.engine.scheduler import Scheduler
+
+    reached, release = threading.Event(), threading.Event()
+    held_at: list = []  # the prefill instance's page pool, once its engine hands one off
+    unpinned: list = []  # (pool, room) of every unpin
+    finish, unpin = Scheduler.finish, PrefixCache.unpin
+
+    def finish_held_back(self, req, status):  # the engine thread
+        if status is RequestStatus.FINISHED_HANDED_OFF and not reached.is_set():
+            held_at.append(self.pool)
+            reached.set()
+            release.wait(HANG_GUARD_S)
+        finish(self, req, status)
+
+    def recorded(self, room):
+        unpinned.append((self, room))
+        unpin(self, room)
+
+    monkeypatch.setattr(Scheduler, "finish", finish_held_back)
+    monkeypatch.setattr(PrefixCache, "unpin", recorded)
+    room = secrets.randbits(62)
+    req = language_pb2.LanguageGenerateRequest(
+        room=room, sampling=GREEDY, messages=to_proto(text_chat()),
+        prefill_address=cluster.address("prefill"))
+    calls = {}
+
+    async def start():
+        calls["generate"] = cluster.stubs["decode"].Generate(req)
+        calls["read"] = asyncio.ensure_future(calls["generate"].read())
+
+    async def cancel():
+        calls["generate"].cancel()
+        await asyncio.gather(calls["read"], return_exceptions=True)
+
+    try:
+        cluster.call(start())
+        wait_until(reached.is_set, timeout_s=HANG_GUARD_S,
+                   what="the prefill instance finishing the request as handed off")
+        cluster.call(cancel())
+        wait_until(lambda: any(pool is held_at[0] and r == room for pool, r in unpinned),
+                   timeout_s=HANG_GUARD_S, what="the prefill side's call ended (its unpin)")
+    finally:
+        release.set()
+    assert_idle(cluster)

@@ -265,6 +265,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         decode: DecodeLink | None = None  # a decode instance's end of the Prefill stream
         call = None  # ... and the call it feeds
         submitted = False
+        ended = False  # this call's clean-up has run (read by the engine thread: `sink`)
         try:
             # -- 1. the prompt: from the prefill instance, tokenized here, or the room's --
             if prefill:
@@ -370,6 +371,14 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             def sink(d: StreamDelta) -> None:  # the engine thread
                 if d.finished:  # NOTE: no step names its rows any more: the ranks drop them
                     self.receiver.release(prompt)
+                # NOTE (leak hazard, a prefill instance): the engine moves a handed-off
+                # request's prompt pages to the room's hold as it finishes it, then calls
+                # this. A call that ended meanwhile (its decode side gone while the step
+                # sampled the first token) unpinned before the hold existed, and its abort
+                # came too late to stop the finish: release the hold here. (Either order
+                # frees it: `ended` is set before the call's own unpin.)
+                if d.finish_reason is RequestStatus.FINISHED_HANDED_OFF and ended:
+                    self.engine.unpin(room)
                 loop.call_soon_threadsafe(q.put_nowait, d)
 
             try:
@@ -436,7 +445,10 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                 decode.release()
             if grammar is not None and not submitted:  # the engine never owned its interest
                 self.engine.grammars.abandon(grammar)
-            self.engine.unpin(room)  # NOTE: a no-op once submitted (the request took the pin)
+            ended = True  # NOTE: before the unpin (see `sink`)
+            # the room's pin: a no-op once submitted (the request took it), but for a
+            # handed-off request's hold (a prefill instance: the decode side has its pages)
+            self.engine.unpin(room)
             self.streams.discard(room)
             log.info("%s room %d: %s", request.request_id or "-", room, outcome)
             if outcome == "cancelled":
