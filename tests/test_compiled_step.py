@@ -128,3 +128,23 @@ def test_a_decode_forward_is_one_graph(case):
         explained = dynamo.explain(_decode_step)(gr, 1, gr.max_pages)
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
+
+
+@pytest.mark.slow  # a third compile (~25 s here): the float32 tests above run in CI
+def test_compiled_bf16_within_bound_of_transformers(checkpoint, record_property, tmp_path):
+    """bfloat16 (float32 products on a CPU without bf16 matrix instructions, as `auto`
+    picks here; bfloat16 norms and rotary, which inductor fuses) within tests/test_bf16.py's
+    bound of transformers' bfloat16, every decode step through the compiled 1-row bucket."""
+    from test_bf16 import BF16, bf16_oracle, finish, run_case
+
+    path = checkpoint("qwen3_vl")
+    prompts = bf16_oracle(path, "qwen3_vl", "tiny")
+    settings = RunnerSettings(page_size=PAGE, cuda_graph_max_bs=1, max_seq_len=256,
+                              compile_step="decode", compile_cache_dir=str(tmp_path))
+    runner = ModelRunner(oracle.text_weights(path, BF16), settings, num_pages=64, dtype=BF16)
+    gr = runner.graph_runner
+    assert sorted(gr.compiled) == [1]
+    calls, step = [], gr.compiled[1]
+    gr.compiled[1] = lambda *a: (calls.append(1), step(*a))[1]
+    finish(run_case(runner, 64, prompts, "qwen3_vl tiny compiled"), record_property)
+    assert len(calls) == sum(len(p.tokens) - 1 for p in prompts)
