@@ -115,6 +115,20 @@ def test_compiled_greedy_equals_generate_and_eager(case):
         assert (torch.stack(got_logits[i]) - torch.stack(want_logits[i])).abs().max().item() < EAGER_TOL
 
 
+def test_refused_where_it_cannot_run(checkpoint):
+    """Settings it cannot serve are refused when the runner is built, before any compile."""
+    weights = oracle.text_weights(checkpoint("qwen3_vl"))
+    for settings, match in (
+        (RunnerSettings(page_size=PAGE, cuda_graph_max_bs=1, compile_step="prefill"),
+         "compile_step must be one of"),
+        # gather would copy the widest table a compiled bucket reads
+        (RunnerSettings(page_size=PAGE, cuda_graph_max_bs=1, compile_step="decode",
+                        attention_backend="gather"), "paged_cpu"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            ModelRunner(weights.copy(), settings, num_pages=8)
+
+
 def test_a_decode_forward_is_one_graph(case):
     """torch._dynamo.explain over the runner's step: one graph, no break (the kernels are
     custom ops; a pybind call would break the graph at each of them)."""

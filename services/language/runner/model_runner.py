@@ -149,6 +149,12 @@ class ModelRunner:
         self.vocab_size, self.hidden_size, self.embed_dim = c.vocab_size, c.hidden_size, c.embed_dim
         # How attention runs (attention.py: paged_cpu / gather / flex), chosen once here.
         self.attention = select_attention(s.attention_backend, self.device, page_size)
+        if (s.compile_step != "off" and self.device.type == "cpu"
+                and self.attention.backend is not AttentionBackend.PAGED_CPU):
+            # NOTE: a compiled bucket reads the widest block table, which only the in-place
+            # decode kernel reads no further than each row's seq_len (gather would copy it)
+            raise ValueError("compile_step decode runs with the paged_cpu attention (the "
+                             f"CPU decode kernel), not {self.attention.backend.value}")
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None  # gather on CPU only
         # NOTE (CPU): a step of fewer tokens runs on one torch thread. On a host whose cores
         # the other tiers (router, encoder) and clients share, a small step's OpenMP regions
