@@ -155,7 +155,7 @@ class LanguageConfig(ModelServiceSettings):
         "cores when cold, seconds from the cache: compile_cache_dir). 'off' runs every "
         "step eagerly. Measured on an AVX2 EPYC (docs/benchmarks.md, issue 45): off by "
         "default. Needs the paged_cpu attention (auto's choice where the kernels build); "
-        "not with tp > 1. No effect on CUDA, where decode runs in CUDA graphs.",
+        "not with tp > 1 nor a sparse MoE model. No effect on CUDA, where decode runs in CUDA graphs.",
     )
     compile_cache_dir: str = Field(
         "",

@@ -155,6 +155,11 @@ class ModelRunner:
             # decode kernel reads no further than each row's seq_len (gather would copy it)
             raise ValueError("compile_step decode runs with the paged_cpu attention (the "
                              f"CPU decode kernel), not {self.attention.backend.value}")
+        if s.compile_step != "off" and self.device.type == "cpu" and self.cfg.moe_layers:
+            # NOTE: torch 2.13's fake (meta) grouped_mm takes bfloat16 only, where the CPU
+            # kernel runs float32: a float32 MoE step does not trace (the dense way would,
+            # at E/k times the expert reads); not built
+            raise ValueError("compile_step decode is not supported for sparse MoE models")
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None  # gather on CPU only
         # NOTE (CPU): a step of fewer tokens runs on one torch thread. On a host whose cores
         # the other tiers (router, encoder) and clients share, a small step's OpenMP regions
