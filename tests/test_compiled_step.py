@@ -115,6 +115,24 @@ def test_compiled_greedy_equals_generate_and_eager(case):
         assert (torch.stack(got_logits[i]) - torch.stack(want_logits[i])).abs().max().item() < EAGER_TOL
 
 
+def test_a_bucket_that_would_recompile_runs_eagerly_instead(case, caplog):
+    """No compile in a request's step: a compiled bucket called with what it was not
+    compiled for (another table width here) runs the eager step and leaves the compiled
+    buckets; the others stay compiled."""
+    _model, _prompts, compiled, _eager = case
+    gr = compiled.graph_runner
+    fn = gr.compiled[1]
+    try:
+        with torch.inference_mode():
+            want = gr._step(1, gr.widths[0])
+            got = gr._run_compiled(fn, 1, gr.widths[0])
+        assert torch.equal(got, want)
+        assert 1 not in gr.compiled and 2 in gr.compiled
+        assert "runs eagerly from now on" in caplog.text
+    finally:
+        gr.compiled[1] = fn
+
+
 def test_refused_where_it_cannot_run(checkpoint):
     """Settings it cannot serve are refused when the runner is built, before any compile."""
     weights = oracle.text_weights(checkpoint("qwen3_vl"))
