@@ -15,6 +15,10 @@ by a dnsmasq, probes polled from a kubelet namespace at the pod's address.
 - slow: a pod whose servers bind 127.0.0.1 (a fault planted in the rendered ConfigMap)
   answers on its own loopback yet never passes a probe from the kubelet, and never appears
   in DNS: the check can fail.
+
+The slow tests run each pod in the filesystem of its built image where `make image` built
+one (the pod's process seen chrooted there), else in this checkout's venv;
+TANDEM_PODS_IMAGES=0 runs them in the venv whatever is built.
 """
 
 from __future__ import annotations
@@ -23,8 +27,11 @@ import base64
 import copy
 import io
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -37,16 +44,27 @@ import pods  # noqa: E402
 
 NS = "tandem"
 HANG_S = 600  # hang guard of a pod coming up on a busy two-core machine
+IMAGES = os.environ.get("TANDEM_PODS_IMAGES", "1") != "0"
 
 
 @pytest.fixture(scope="module")
-def overlay(tmp_path_factory, checkpoint) -> Path:
-    """The CPU overlay: what a CPU cluster's values would change, nothing else."""
+def overlay(tmp_path_factory, checkpoint):
+    """The CPU overlay: what a CPU cluster's values would change, nothing else. The model
+    is a copy of the test checkpoint readable by the chart's user: transformers' save
+    writes model.safetensors owner-only (0600), which a pod running as uid 10001 (in the
+    image) cannot open from a hostPath, as on a real node. NOTE: the copy lies outside
+    /tmp: in this venv a pod's root is the host's, and its /tmp emptyDir would hide it."""
+    model = Path(tempfile.mkdtemp(prefix="pods-model-", dir=ROOT / ".cache"))
+    shutil.copytree(checkpoint("qwen2_5_vl"), model, dirs_exist_ok=True)
+    model.chmod(0o755)
+    for f in model.iterdir():
+        f.chmod(0o644)
     f = tmp_path_factory.mktemp("pods") / "cpu.yaml"
     f.write_text(f"image: {{variant: cpu}}\n"
-                 f"model: {{source: hostPath, hostPath: {checkpoint('qwen2_5_vl')}}}\n"
+                 f"model: {{source: hostPath, hostPath: {model}}}\n"
                  "encoder: {gpus: 0}\nlanguage: {gpus: 0, kvPages: 256}\n")
-    return f
+    yield f
+    shutil.rmtree(model, ignore_errors=True)
 
 
 def _helm_or_skip() -> None:
@@ -64,7 +82,7 @@ def _pods_or_skip() -> None:
 def test_process_and_environment_come_from_the_render(overlay):
     _helm_or_skip()
     objs = netpol.render_chart([overlay], namespace=NS)
-    c = pods.Cluster(objs)
+    c = pods.Cluster(objs, images=False)
     assert set(c.workloads) == {"router", "encoder", "language"}
     assert pods.image_config("tandem:0.1.0-router").stage == "router"
     for comp in c.workloads:
@@ -80,7 +98,24 @@ def test_process_and_environment_come_from_the_render(overlay):
     broken = pods.with_container(objs, "router", lambda ctr, _: ctr["envFrom"].append(
         {"configMapRef": {"name": "nope"}}))
     with pytest.raises(pods.ChartError, match="t-tandem-router: ConfigMap 'nope'"):
-        pods.Cluster(broken).argv_env(pods.Cluster(broken).pod("router"))
+        pods.Cluster(broken, images=False).argv_env(pods.Cluster(broken, images=False).pod("router"))
+
+
+def test_a_built_image_gives_the_pods_its_own_config(overlay):
+    """Where `make image` built the chart's images, a pod takes the image's own config
+    (buildah's view of it): its entrypoint with tini, its PATH and workdir."""
+    _helm_or_skip()
+    objs = netpol.render_chart([overlay], namespace=NS)
+    c = pods.Cluster(objs)
+    built = {comp: pods.built_image(c.container(comp)["image"]) for comp in c.workloads}
+    if not all(built.values()):
+        pytest.skip(f"not every image is built here (make image): {built}")
+    for comp in c.workloads:
+        img = c.image_of(c.container(comp))
+        assert img.ref == built[comp] and img.workdir == "/home/tandem"
+        argv, env = c.argv_env(c.pod(comp))
+        assert argv == ["/usr/bin/tini", "--", "tandem", comp]
+        assert env["PATH"].split(":")[0] == "/opt/venv/bin" and env["TANDEM_HOST"] == "0.0.0.0"
 
 
 def _png() -> str:
@@ -98,16 +133,26 @@ def _run_on(c: pods.Cluster, node: str, argv: list[str], env: dict | None = None
 
 def _helm_test(c: pods.Cluster, objs: list[dict]) -> subprocess.CompletedProcess:
     """The chart's own `helm test` pod (templates/tests/test-chat.yaml), as rendered, on
-    the client node: its command/args/env; python3 is the image's (this venv's)."""
+    the client node: its command/args/env and user, in its image (python3 is the image's)."""
     test = next(o for o in objs if o.get("kind") == "Pod"
                 and o["metadata"].get("annotations", {}).get("helm.sh/hook") == "test")
-    ctr = test["spec"]["containers"][0]
-    img = pods.image_config(ctr["image"])
-    env = {**img.env, "PATH": pods._host_path_env(img.env["PATH"]),
-           **{e["name"]: e["value"] for e in ctr.get("env", [])}}
-    argv = [*ctr["command"], *ctr["args"]]
-    argv[0] = str(pods.VENV_BIN / argv[0]) if argv[0] == "python3" else argv[0]
-    return _run_on(c, "client", argv, env=env)
+    return c.run_pod(test, "client")
+
+
+def _runs_in_its_image(c: pods.Cluster, pod: pods.PodState) -> None:
+    """Where the pod's image is built (and IMAGES), its process is chrooted into a
+    working container of that image and runs as the chart's user; else in this venv."""
+    ref = pods.built_image(c.container(pod.component)["image"]) if IMAGES else None
+    if ref is None:
+        assert pod.rootfs is None
+        return
+    assert pod.rootfs is not None and c.image_of(c.container(pod.component)).ref == ref
+    root = os.readlink(f"/proc/{pod.proc.pid}/root")
+    assert root == str(pod.rootfs.path), (root, pod.rootfs.path)
+    status = Path(f"/proc/{pod.proc.pid}/status").read_text()
+    uid = next(ln.split()[1] for ln in status.splitlines() if ln.startswith("Uid:"))
+    assert int(uid) == c.workloads[pod.component]["spec"]["template"]["spec"][
+        "securityContext"]["runAsUser"], status
 
 
 def _image_chat(c: pods.Cluster) -> dict:
@@ -132,7 +177,8 @@ def test_the_charts_pods_serve_through_services_and_find_a_second_replica(overla
     _pods_or_skip()
     pods.netns.sweep_stale()
     objs = netpol.render_chart([overlay], namespace=NS)
-    with pods.Cluster(objs, slots={"language": 2}, no_build=("/cache/kernels",)) as c:
+    with pods.Cluster(objs, slots={"language": 2}, no_build=("/cache/kernels",),
+                      images=IMAGES) as c:
         assert c.resolve("client", "t-tandem-router") == []  # no ready pod: no address
         for comp in ("encoder", "language", "router"):
             c.start(comp)
@@ -140,6 +186,7 @@ def test_the_charts_pods_serve_through_services_and_find_a_second_replica(overla
             _wait_ready(c, comp)
             # ready only through its readinessProbe at the pod's address
             assert c.pod(comp).probes["readiness"][-1] is True
+            _runs_in_its_image(c, c.pod(comp))
         enc, lang0, lang1 = c.pod("encoder"), c.pod("language", 0), c.pod("language", 1)
         assert c.resolve("client", "t-tandem-router") == [c.pod("router").address]
         assert c.resolve("client", f"t-tandem-encoder-headless.{NS}.svc.cluster.local") == [enc.address]
@@ -182,7 +229,7 @@ def test_a_pod_bound_to_loopback_never_passes_a_probe(overlay):
     objs = copy.deepcopy(netpol.render_chart([overlay], namespace=NS))
     cm = next(o for o in objs if o.get("kind") == "ConfigMap" and o["metadata"]["name"] == "t-tandem-encoder")
     cm["data"]["TANDEM_HOST"] = "127.0.0.1"
-    with pods.Cluster(objs, no_build=("/cache/kernels",)) as c:
+    with pods.Cluster(objs, no_build=("/cache/kernels",), images=IMAGES) as c:
         enc = c.start("encoder")
         probe = {"kind": "grpc", "port": 8090, "timeout": 3.0, "service": "tandem.v1.Encoder",
                  "path": "/"}

@@ -9,17 +9,25 @@ namespace with its own private address (deploy/harness/netns.py), started from w
         c.resolve("client", "t-tandem-language-headless")        # what the pods' DNS answers
 
 Per pod (a Deployment/StatefulSet replica, "<component><i>"):
-- argv: the container's `command` (else the image's ENTRYPOINT, from the Dockerfile stage
-  the image tag names: "-router" -> stage router, else runtime) + `args` (else CMD); the
-  image's `tini --` prefix is dropped where tini is not installed; the program resolves
-  on the image's PATH with this checkout's venv in place of /opt/venv.
+- the filesystem: the image the container names, where buildah holds it (`make image`:
+  tandem:0.1.0-cpu is localhost/tandem:0.1.0-cpu): a working container of it per pod
+  (`buildah from`, `buildah mount`), the pod's process chrooted into it, with the image's
+  own config (ENTRYPOINT, CMD, ENV, WORKDIR from `buildah inspect`). Where no image is
+  built (or Cluster(images=False)), this checkout's venv stands in: the config is read
+  from the Dockerfile stage the tag names ("-router" -> stage router, else runtime), the
+  image's `tini --` prefix is dropped where tini is not installed, and the program
+  resolves on the image's PATH with the venv in place of /opt/venv.
+- argv: the container's `command` (else the image's ENTRYPOINT) + `args` (else CMD).
 - env: the image's ENV (PATH, PYTHONUNBUFFERED, ...), then envFrom (ConfigMaps, Secrets),
   then env (value; valueFrom fieldRef status.podIP / metadata.name / metadata.namespace,
   configMapKeyRef, secretKeyRef), as the kubelet orders them (later wins).
 - files: a private mount namespace (`ip netns exec` gives one): each volumeMount at its
-  mountPath: Secret and ConfigMap volumes as files (items/defaultMode honoured, owned by
-  root:fsGroup), emptyDir as a fresh tmpfs, hostPath bound; then readOnlyRootFilesystem
-  (/ remounted read-only) and runAsUser/runAsGroup/fsGroup (setpriv) as the pod says.
+  mountPath (in the image's filesystem, or on this host): Secret and ConfigMap volumes as
+  files (items/defaultMode honoured, owned by root:fsGroup), emptyDir as a fresh tmpfs,
+  hostPath bound; in the image also /dev, /proc, /sys, the pod's resolv.conf and an
+  /etc/hosts naming the pod; then readOnlyRootFilesystem (the root remounted read-only)
+  and runAsUser/runAsGroup/fsGroup (setpriv: the image's own, after the chroot) as the
+  pod says.
 - DNS: /etc/netns/<netns>/resolv.conf (bound over /etc/resolv.conf by `ip netns exec`)
   names a dnsmasq in namespace "dns", with the cluster's search path
   (<ns>.svc.<domain> svc.<domain> <domain>, ndots 5), so short names resolve as in a
@@ -36,12 +44,15 @@ Per pod (a Deployment/StatefulSet replica, "<component><i>"):
 Secrets the chart leaves to its hook Job (the internal-TLS role Secrets) are made as that
 Job makes them: `tandem certs` (here into a directory, the Job through the API), each
 role's files as ca.crt / tls.crt / tls.key. Not modelled: resources (no cgroups), the
-lifecycle preStop hook, NetworkPolicy (deploy/harness/netpol.py does that), and the image's
-own filesystem (pods run this checkout's venv until the image is built).
+lifecycle preStop hook, NetworkPolicy (deploy/harness/netpol.py does that), a PID
+namespace (the image's tini is not PID 1), and a fresh writable layer per container
+restart (a pod keeps its working container until stop() or close()).
 
 Teardown (close(), the context's exit, atexit) always completes: kubelet threads stop,
 every process in every namespace is killed and the namespaces deleted (netns.Network),
-the /etc/netns/<netns> directories and the mount points this run created are removed.
+the pods' working containers removed, the /etc/netns/<netns> directories and the mount
+points this run created are removed (sweep_stale_rootfs() removes a killed run's
+containers, named tdm<pid>-<pod>).
 """
 
 from __future__ import annotations
@@ -86,12 +97,16 @@ def unavailable_reason() -> str:
 
 @dataclass(frozen=True)
 class ImageConfig:
-    """What a container inherits from its image: ENTRYPOINT, CMD and ENV of one stage."""
+    """What a container inherits from its image: ENTRYPOINT, CMD, ENV and WORKDIR; `ref`,
+    the built image whose filesystem the pod runs in (None: this checkout's venv stands in
+    for the image, its config read from the Dockerfile stage)."""
 
     stage: str
     entrypoint: tuple[str, ...]
     cmd: tuple[str, ...]
     env: dict[str, str]
+    workdir: str = "/"
+    ref: str | None = None
 
 
 def image_config(image: str, dockerfile: Path = DOCKERFILE) -> ImageConfig:
@@ -134,6 +149,70 @@ def _reachable_by_all(path: Path) -> bool:
 def _host_path_env(value: str) -> str:
     """The image's PATH with this checkout's venv where the image has /opt/venv."""
     return ":".join(str(VENV_BIN) if p == f"{IMAGE_VENV}/bin" else p for p in value.split(":"))
+
+
+# -- the built image (`make image`), where there is one ---------------------------------------
+
+def built_image(image: str) -> str | None:
+    """The image buildah holds for a rendered `image:` (`tandem:0.1.0-cpu` is
+    localhost/tandem:0.1.0-cpu after `make image`); None when none is built here."""
+    if shutil.which("buildah") is None:
+        return None
+    for ref in (image, f"localhost/{image}"):
+        if subprocess.run(["buildah", "inspect", "--type", "image", ref], capture_output=True,
+                          timeout=60).returncode == 0:
+            return ref
+    return None
+
+
+def built_image_config(ref: str) -> ImageConfig:
+    """ENTRYPOINT, CMD, ENV and WORKDIR as the built image's own config states them."""
+    out = subprocess.run(["buildah", "inspect", "--type", "image", ref], check=True,
+                         capture_output=True, text=True, timeout=60).stdout
+    cfg = json.loads(out)["OCIv1"]["config"]
+    env = dict(kv.split("=", 1) for kv in cfg.get("Env") or [])
+    return ImageConfig(ref, tuple(cfg.get("Entrypoint") or ()), tuple(cfg.get("Cmd") or ()),
+                       env, cfg.get("WorkingDir") or "/", ref)
+
+
+class RootFS:
+    """One pod's filesystem: a working container of the built image (`buildah from`),
+    mounted on this host (`buildah mount`), its writable layer the pod's own. Named
+    tdm<pid>-<key>, so that sweep_stale_rootfs() finds what a killed run left."""
+
+    def __init__(self, ref: str, key: str) -> None:
+        name = f"{netns.PREFIX}{os.getpid()}-{key}"
+        self.id = subprocess.run(["buildah", "from", "--pull=never", "-q", "--name", name, ref],
+                                 check=True, capture_output=True, text=True,
+                                 timeout=120).stdout.strip()
+        try:
+            self.path = Path(subprocess.run(["buildah", "mount", self.id], check=True,
+                                            capture_output=True, text=True,
+                                            timeout=60).stdout.strip())
+        except BaseException:
+            subprocess.run(["buildah", "rm", self.id], capture_output=True, timeout=60)
+            raise
+
+    def inside(self, path: str | Path) -> Path:
+        """Where `path` of the pod's filesystem lies on this host."""
+        return self.path / str(path).lstrip("/")
+
+    def close(self) -> None:
+        subprocess.run(["buildah", "umount", self.id], capture_output=True, timeout=60)
+        subprocess.run(["buildah", "rm", self.id], capture_output=True, timeout=60)
+
+
+def sweep_stale_rootfs() -> list[str]:
+    """Remove the pods' working containers whose creating process is gone; their names."""
+    if shutil.which("buildah") is None:
+        return []
+    out = subprocess.run(["buildah", "containers", "--format", "{{.ContainerName}}"],
+                         capture_output=True, text=True, timeout=60).stdout.split()
+    gone = [n for n in out if (m := re.match(rf"^{netns.PREFIX}(\d+)-", n))
+            and int(m[1]) != os.getpid() and not os.path.exists(f"/proc/{m[1]}")]
+    for n in gone:
+        subprocess.run(["buildah", "rm", n], capture_output=True, timeout=60)
+    return gone
 
 
 # -- what the chart renders -------------------------------------------------------------------
@@ -210,16 +289,21 @@ class PodState:
     user_note: str = ""
     proc: subprocess.Popen | None = None
     log: Path | None = None
+    rootfs: RootFS | None = None  # the built image's filesystem it runs in (None: the venv)
 
 
 class Cluster:
     """The rendered chart's workloads as pods. `slots`: replicas to make room for per
-    component (default: the Deployment's spec.replicas); start() a replica to run it."""
+    component (default: the Deployment's spec.replicas); start() a replica to run it.
+    `images`: run each pod in the filesystem of the image its container names where
+    buildah holds one (`make image`), else in this checkout's venv; False: the venv always."""
 
     def __init__(self, objs: list[dict], slots: dict[str, int] | None = None,
                  subnet: str = "10.231.5.0/24", extra_nodes: tuple[str, ...] = ("client",),
-                 no_build: tuple[str, ...] = ()) -> None:
+                 no_build: tuple[str, ...] = (), images: bool = True) -> None:
         self.objs = objs
+        self.images = images
+        self._image_configs: dict[str, ImageConfig] = {}
         # NOTE: `no_build`: in-pod directories made empty and read-only after the volumes
         # are mounted. For TANDEM_KERNEL_DIR: the chart's emptyDir /cache makes every pod
         # compile its CPU kernels on first start (minutes on this machine's two shared
@@ -261,6 +345,8 @@ class Cluster:
         (ROOT / ".cache").mkdir(exist_ok=True)
         self.workdir = Path(tempfile.mkdtemp(prefix="tandem-pods-", dir=ROOT / ".cache"))
         try:
+            if self.images:
+                sweep_stale_rootfs()
             self.net.build()
             for s in internal_tls_secrets(self.objs, self.workdir):
                 self.secrets.setdefault(s["metadata"]["name"], s)
@@ -288,6 +374,10 @@ class Cluster:
             self.net.close()  # kills dnsmasq, the prober and every pod's processes
         except Exception as e:  # noqa: BLE001  NOTE: go on removing files
             errors.append(str(e))
+        for pod in self.pods.values():
+            if pod.rootfs is not None:
+                pod.rootfs.close()
+                pod.rootfs = None
         for node in self.net.nodes.values():
             shutil.rmtree(f"/etc/netns/{node.netns}", ignore_errors=True)
         for d in reversed(self._made_dirs):
@@ -357,6 +447,8 @@ class Cluster:
                    self._dnsmasq.poll() is None, "dnsmasq answering")
 
     def _dns_changed(self) -> None:
+        if self._closed:  # a kubelet thread late at teardown: the files are gone
+            return
         self._write_hosts()
         if self._dnsmasq and self._dnsmasq.poll() is None:
             self._dnsmasq.send_signal(signal.SIGHUP)  # re-reads --addn-hosts
@@ -389,26 +481,39 @@ class Cluster:
     def container(self, component: str) -> dict:
         return self.workloads[component]["spec"]["template"]["spec"]["containers"][0]
 
+    def image_of(self, c: dict) -> ImageConfig:
+        """The config of the image container `c` names: the built image's own where there
+        is one (and `images`), else the Dockerfile stage's."""
+        name = c["image"]
+        if name not in self._image_configs:
+            ref = built_image(name) if self.images else None
+            self._image_configs[name] = built_image_config(ref) if ref else image_config(name)
+        return self._image_configs[name]
+
     def argv_env(self, pod: PodState) -> tuple[list[str], dict[str, str]]:
         """The container's process and environment, as the kubelet would make them."""
-        c = self.container(pod.component)
         w = self.workloads[pod.component]
-        img = image_config(c["image"])
+        return self._process(self.container(pod.component), w, pod.address,
+                             f"{w['metadata']['name']}-{pod.index}")
+
+    def _process(self, c: dict, owner: dict, address: str,
+                 hostname: str) -> tuple[list[str], dict[str, str]]:
+        img = self.image_of(c)
         argv = list(c.get("command") or img.entrypoint) + list(
             c.get("args") if c.get("args") is not None or c.get("command") else img.cmd)
-        if argv[:2] == ["/usr/bin/tini", "--"] and not os.path.exists("/usr/bin/tini"):
-            argv = argv[2:]
         env = {k: v for k, v in img.env.items()}
-        env["PATH"] = _host_path_env(env["PATH"])
-        env["HOSTNAME"] = f"{w['metadata']['name']}-{pod.index}"
+        if img.ref is None:  # this venv in place of the image's
+            if argv[:2] == ["/usr/bin/tini", "--"] and not os.path.exists("/usr/bin/tini"):
+                argv = argv[2:]
+            env["PATH"] = _host_path_env(env["PATH"])
+        env["HOSTNAME"] = hostname
         ns = self._namespace()
         for src in c.get("envFrom") or []:
             if "configMapRef" in src:
-                env.update(self._configmap(src["configMapRef"]["name"], w)["data"])
+                env.update(self._configmap(src["configMapRef"]["name"], owner)["data"])
             elif "secretRef" in src:
-                env.update(_secret_data(self._secret(src["secretRef"]["name"], w)))
-        fields = {"status.podIP": pod.address, "metadata.name": env["HOSTNAME"],
-                  "metadata.namespace": ns}
+                env.update(_secret_data(self._secret(src["secretRef"]["name"], owner)))
+        fields = {"status.podIP": address, "metadata.name": hostname, "metadata.namespace": ns}
         for e in c.get("env") or []:
             if "value" in e:
                 env[e["name"]] = str(e["value"])
@@ -416,13 +521,15 @@ class Cluster:
                 env[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
             elif "configMapKeyRef" in e.get("valueFrom", {}):
                 ref = e["valueFrom"]["configMapKeyRef"]
-                env[e["name"]] = self._configmap(ref["name"], w)["data"][ref["key"]]
+                env[e["name"]] = self._configmap(ref["name"], owner)["data"][ref["key"]]
             elif "secretKeyRef" in e.get("valueFrom", {}):
                 ref = e["valueFrom"]["secretKeyRef"]
-                env[e["name"]] = _secret_data(self._secret(ref["name"], w))[ref["key"]]
+                env[e["name"]] = _secret_data(self._secret(ref["name"], owner))[ref["key"]]
+        if img.ref is not None:
+            return argv, env  # `env` finds the program on the image's PATH, inside the image
         prog = shutil.which(argv[0], path=env["PATH"])
         if prog is None:
-            raise ChartError(f"{w['metadata']['name']}: {argv[0]!r} is not on the image's PATH")
+            raise ChartError(f"{owner['metadata']['name']}: {argv[0]!r} is not on the image's PATH")
         return [prog, *argv[1:]], env
 
     def _configmap(self, name: str, w: dict) -> dict:
@@ -436,47 +543,65 @@ class Cluster:
                              "nor made by the chart's hook Job")
         return self.secrets[name]
 
-    def _mount_script(self, pod: PodState) -> list[str]:
-        """Shell lines run in the pod's private mount namespace before its process."""
-        w = self.workloads[pod.component]
-        spec = w["spec"]["template"]["spec"]
-        c = self.container(pod.component)
+    def _mount_script(self, c: dict, spec: dict, owner: dict, key: str, address: str,
+                      hostname: str, root: RootFS | None) -> list[str]:
+        """Shell lines run in the pod's private mount namespace before its process: its
+        volumes, at their mountPaths in the image's filesystem (`root`) or this host's."""
         psc = spec.get("securityContext") or {}
         gid = psc.get("fsGroup", psc.get("runAsGroup", 0))
         vols = {v["name"]: v for v in spec.get("volumes") or []}
+        name = owner["metadata"]["name"]
+
+        def at(path: str | Path) -> Path:
+            return root.inside(path) if root else Path(path)
+
         lines = []
+        if root:  # the devices first: an emptyDir at /dev/shm goes over them
+            lines.append(f"mount --rbind /dev {shlex.quote(str(at('/dev')))}")
         for m in c.get("volumeMounts") or []:
             v = vols.get(m["name"])
             if v is None:
-                raise ChartError(f"{w['metadata']['name']}: volumeMount {m['name']!r} has no volume")
-            target = Path(m["mountPath"])
+                raise ChartError(f"{name}: volumeMount {m['name']!r} has no volume")
+            target = at(m["mountPath"])
             if not target.exists():
                 missing = [p for p in (target, *target.parents) if not p.exists()]
                 target.mkdir(parents=True)
-                self._made_dirs.extend(reversed(missing))
+                if not root:  # the image's own are gone with its container
+                    self._made_dirs.extend(reversed(missing))
             t = shlex.quote(str(target))
             if "secret" in v or "configMap" in v:
-                src = self._files(pod, v, gid, w)
+                src = self._files(key, v, gid, owner)
                 lines.append(f"mount --bind {shlex.quote(str(src))} {t}")
             elif "emptyDir" in v:
                 lines.append(f"mount -t tmpfs -o mode=1777 tmpfs {t}")
             elif "hostPath" in v:
                 lines.append(f"mount --bind {shlex.quote(v['hostPath']['path'])} {t}")
             else:
-                raise ChartError(f"{w['metadata']['name']}: volume {m['name']!r}: kind not modelled")
+                raise ChartError(f"{name}: volume {m['name']!r}: kind not modelled")
             if m.get("readOnly"):
                 lines.append(f"mount -o remount,bind,ro {t}")
         mounted = [m["mountPath"] for m in c.get("volumeMounts") or []]
         for inside in self.no_build:
             if not any(Path(inside).is_relative_to(mp) for mp in mounted):
                 continue  # not in a volume of this container
-            q = shlex.quote(inside)
+            q = shlex.quote(str(at(inside)))
             lines += [f"mkdir -p {q}", f"mount -t tmpfs -o ro,size=4k tmpfs {q}"]
+        if root:  # what a runtime gives every container: /proc, /sys, DNS, /etc/hosts
+            hosts = self.workdir / f"hosts-{key}"
+            hosts.write_text(f"127.0.0.1\tlocalhost\n::1\tlocalhost\n{address}\t{hostname}\n")
+            hosts.chmod(0o644)
+            for f in ("/etc/resolv.conf", "/etc/hosts"):
+                at(f).touch()  # a mount point, in the container's own layer
+            lines += [f"mount -t proc proc {shlex.quote(str(at('/proc')))}",
+                      f"mount --rbind /sys {shlex.quote(str(at('/sys')))}",
+                      f"mount --bind /etc/resolv.conf {shlex.quote(str(at('/etc/resolv.conf')))}",
+                      f"mount --bind {shlex.quote(str(hosts))} {shlex.quote(str(at('/etc/hosts')))}"]
         if (c.get("securityContext") or {}).get("readOnlyRootFilesystem"):
-            lines.append("mount -o remount,bind,ro /")  # last: the mounts above stay writable
+            # last: the mounts above stay writable
+            lines.append(f"mount -o remount,bind,ro {shlex.quote(str(at('/')))}")
         return lines
 
-    def _files(self, pod: PodState, vol: dict, gid: int, w: dict) -> Path:
+    def _files(self, key: str, vol: dict, gid: int, w: dict) -> Path:
         """A Secret/ConfigMap volume's files (items, defaultMode), owned root:fsGroup."""
         if "secret" in vol:
             data = _secret_data(self._secret(vol["secret"]["secretName"], w))
@@ -484,7 +609,7 @@ class Cluster:
         else:
             data = dict(self._configmap(vol["configMap"]["name"], w).get("data") or {})
             src = vol["configMap"]
-        d = self.workdir / "volumes" / pod.node / vol["name"]
+        d = self.workdir / "volumes" / key / vol["name"]
         d.mkdir(parents=True, exist_ok=True)
         d.chmod(0o755)
         items = src.get("items") or [{"key": k, "path": k} for k in data]
@@ -499,32 +624,74 @@ class Cluster:
             f.chmod(it.get("mode", src.get("defaultMode", 0o644)))
         return d
 
-    def _launch(self, pod: PodState) -> None:
-        argv, env = self.argv_env(pod)
-        spec = self.workloads[pod.component]["spec"]["template"]["spec"]
+    def _command(self, c: dict, spec: dict, owner: dict, key: str, address: str,
+                 hostname: str, root: RootFS | None) -> tuple[list[str], str]:
+        """The command (run in the pod's network namespace) that mounts the pod's volumes in
+        its private mount namespace, then runs its process as the pod's user: chrooted into
+        the image's filesystem, or in this venv; and a note on what was not applied."""
+        argv, env = self._process(c, owner, address, hostname)
         psc = spec.get("securityContext") or {}
-        csc = self.container(pod.component).get("securityContext") or {}
+        csc = c.get("securityContext") or {}
         uid = csc.get("runAsUser", psc.get("runAsUser"))
         gid = csc.get("runAsGroup", psc.get("runAsGroup", uid))
         groups = [g for g in (psc.get("fsGroup"),) if g is not None]
-        # NOTE: the user switch needs the venv's interpreter reachable by that user; a venv
-        # made from an interpreter under /root (pyenv) is not, and then the pod runs as root
-        # (said in describe(): the non-root user is the image's to check, not this venv's).
-        if uid is not None and not _reachable_by_all(Path(os.path.realpath(sys.executable))):
-            pod.user_note = f"runAsUser {uid} not applied: {os.path.realpath(sys.executable)} " \
-                            "is not reachable by other users"
+        note = ""
+        # NOTE: in this venv the user switch needs its interpreter reachable by that user; a
+        # venv made from an interpreter under /root (pyenv) is not, and then the pod runs as
+        # root (said in describe()). In the image the user is the image's to serve.
+        if uid is not None and root is None and not _reachable_by_all(
+                Path(os.path.realpath(sys.executable))):
+            note = f"runAsUser {uid} not applied: {os.path.realpath(sys.executable)} " \
+                   "is not reachable by other users"
             uid = None
         drop = ["setpriv", f"--reuid={uid}", f"--regid={gid}",
                 f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups",
                 "--inh-caps=-all", "--bounding-set=-all", "--"] if uid is not None else []
-        script = "set -e\n" + "\n".join(self._mount_script(pod)) + "\nexec \"$@\"\n"
+        script = "set -e\n" + "\n".join(
+            self._mount_script(c, spec, owner, key, address, hostname, root)) + "\nexec \"$@\"\n"
+        variables = [f"{k}={v}" for k, v in env.items()]
+        if root is None:
+            run = ["env", "-i", *variables, *drop, *argv]
+        else:  # env and setpriv are the image's (util-linux and coreutils: any Debian base)
+            img = self.image_of(c)
+            run = ["chroot", str(root.path), "env", "-i", f"--chdir={img.workdir}", *variables,
+                   *drop, *argv]
+        return ["sh", "-c", script, "sh", *run], note
+
+    def _rootfs_for(self, c: dict, key: str) -> RootFS | None:
+        ref = self.image_of(c).ref
+        return RootFS(ref, key) if ref else None
+
+    def _launch(self, pod: PodState) -> None:
+        w = self.workloads[pod.component]
+        c = self.container(pod.component)
+        if pod.rootfs is None:
+            pod.rootfs = self._rootfs_for(c, pod.node)  # kept through restarts; stop() removes it
+        argv, pod.user_note = self._command(
+            c, w["spec"]["template"]["spec"], w, pod.node, pod.address,
+            f"{w['metadata']['name']}-{pod.index}", pod.rootfs)
         pod.log = self.workdir / f"{pod.node}.log"
         log = open(pod.log, "a")
-        pod.proc = self.net.popen(pod.node, ["sh", "-c", script, "sh", "env", "-i",
-                                             *[f"{k}={v}" for k, v in env.items()], *drop, *argv],
-                                  stdout=log, stderr=subprocess.STDOUT, cwd="/")
+        pod.proc = self.net.popen(pod.node, argv, stdout=log, stderr=subprocess.STDOUT, cwd="/")
         with self._lock:
             pod.phase, pod.ready = Phase.STARTING, False
+
+    def run_pod(self, obj: dict, node: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
+        """A rendered bare Pod (the chart's `helm test` pod) run to completion on `node`:
+        its container's command/args/env, volumes and user as rendered, in its image's
+        filesystem where one is built (else this venv)."""
+        spec = obj["spec"]
+        c = spec["containers"][0]
+        key = f"pod-{obj['metadata']['name']}"
+        root = self._rootfs_for(c, key)
+        try:
+            argv, _ = self._command(c, spec, obj, key,
+                                    self.net.nodes[node].address, obj["metadata"]["name"], root)
+            return subprocess.run(self.net.argv(node, argv), capture_output=True, text=True,
+                                  timeout=timeout_s, cwd="/")
+        finally:
+            if root:
+                root.close()
 
     def stop(self, component: str, index: int = 0) -> None:
         """Delete the replica (as a scale-down would): its processes killed, DNS updated."""
@@ -533,6 +700,9 @@ class Cluster:
             pod.phase, pod.ready = Phase.STOPPED, False
         self._dns_changed()
         self.net.kill_all(pod.node)
+        if pod.rootfs is not None:  # a pod started again later is a new pod
+            pod.rootfs.close()
+            pod.rootfs = None
 
     # -- the kubelet ---------------------------------------------------------------------------
 
@@ -613,6 +783,9 @@ class Cluster:
         self.net.kill_all(pod.node)
         if self._stop.wait(min(300.0, 10.0 * 2 ** (pod.restarts - 1))):
             return
+        with self._lock:
+            if pod.phase is Phase.STOPPED:  # deleted during the back-off
+                return
         self._launch(pod)
 
     # -- waiting -------------------------------------------------------------------------------
@@ -626,8 +799,10 @@ class Cluster:
 
     def describe(self, pod: PodState) -> str:
         tail = pod.log.read_text()[-1500:] if pod.log and pod.log.exists() else ""
+        where = f"image {self.image_of(self.container(pod.component)).ref}" if pod.rootfs \
+            else "this venv"
         return (f"pod {self.workloads[pod.component]['metadata']['name']}-{pod.index} "
-                f"({pod.address}): phase={pod.phase.value} ready={pod.ready} "
+                f"({pod.address}, in {where}): phase={pod.phase.value} ready={pod.ready} "
                 f"restarts={pod.restarts} last failure: {pod.last_failure} {pod.user_note}\n{tail}")
 
 
