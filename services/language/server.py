@@ -85,6 +85,14 @@ from tandem.v1 import common_pb2, language_pb2, language_pb2_grpc
 
 log = logging.getLogger("tandem.language")
 
+# A decode instance's channels to its prefill instances reconnect within 2 s of a lost
+# connection, as the router's own do (registry.CHANNEL_OPTIONS). gRPC's default backoff
+# grows to 120 s, and a call on a channel backing off fails at once ("failed to connect"):
+# a prefill instance restarted on its address, which the router picks again as soon as it
+# answers, stayed unreachable from here, and every request sent to it failed blaming it.
+PEER_CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200),
+                        ("grpc.max_reconnect_backoff_ms", 2000))
+
 
 def delta_to_proto(
     d: StreamDelta, transfer_ms: float = 0.0, bypassed: bool = False, token_text=None,
@@ -501,7 +509,8 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         """The channel to the prefill instance at `address` (kept: one per instance)."""
         channel = self._peers.get(address)
         if channel is None:
-            channel = self._peers[address] = aio_channel(address, self.tls)
+            channel = self._peers[address] = aio_channel(address, self.tls,
+                                                         PEER_CHANNEL_OPTIONS)
         return channel
 
     def _received(self, room: int, f: asyncio.Future) -> None:
