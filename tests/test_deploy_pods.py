@@ -248,3 +248,213 @@ def test_a_pod_bound_to_loopback_never_passes_a_probe(overlay):
         assert "UNAVAILABLE" in enc.last_failure or "connect" in enc.last_failure, enc.last_failure
         assert c.resolve("client", "t-tandem-encoder-headless") == []
     assert pods.netns.list_ours() == []
+
+
+# -- the production example (deploy/k8s/values-production.yaml) ------------------------------
+
+PRODUCTION = ROOT / "deploy" / "k8s" / "values-production.yaml"
+PRODUCTION_CPU = ROOT / "deploy" / "harness" / "values-production-cpu.yaml"
+API_KEY = "pods-harness-key"
+MAX_NEW = 10
+# a client on the "client" node: every body of a JSON file posted at once to the router's
+# Service name, with the API key; one JSON line of [status, answer] per body, in order
+CLIENT = """
+import httpx, json, sys
+from concurrent.futures import ThreadPoolExecutor
+bodies = json.load(open(sys.argv[1]))
+def post(b):
+    try:
+        r = httpx.post('http://t-tandem-router:8000/v1/chat/completions', json=b, timeout=300,
+                       headers={'Authorization': 'Bearer ' + sys.argv[2]})
+        return [r.status_code, r.json() if r.headers.get('content-type', '').startswith(
+            'application/json') else r.text]
+    except Exception as e:
+        return [0, repr(e)]
+with ThreadPoolExecutor(len(bodies)) as ex:
+    print(json.dumps(list(ex.map(post, bodies))))
+"""
+
+
+def _operator_secrets(tmp: Path) -> list[dict]:
+    """What the example's operator creates before installing (`kubectl create secret`):
+    the router's API key (router.apiKey.existingSecret) and its TLS pair (router.tls)."""
+    subprocess.run([str(pods.VENV_BIN / "tandem"), "certs", str(tmp)], check=True,
+                   capture_output=True, timeout=120)
+    return [{"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "tandem-api-key", "namespace": NS},
+             "stringData": {"api-key": API_KEY}},
+            {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+             "metadata": {"name": "tandem-router-tls", "namespace": NS},
+             "stringData": {"tls.crt": (tmp / "router.crt").read_text(),
+                            "tls.key": (tmp / "router.key").read_text()}}]
+
+
+def _client(c: pods.Cluster, bodies: list[dict], tmp: Path, background: bool = False):
+    f = Path(tempfile.mkstemp(suffix=".json", dir=tmp)[1])
+    f.write_text(json.dumps(bodies))
+    argv = c.net.argv("client", [sys.executable, "-c", CLIENT, str(f), API_KEY])
+    if background:
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def _answered(results: list, c: pods.Cluster) -> list[dict]:
+    bad = [r for r in results if r[0] != 200]
+    assert not bad, (bad, [c.describe(p)[-600:] for p in c.pods.values() if p.proc])
+    return [r[1] for r in results]
+
+
+def _token_ids(answer: dict) -> list[int]:
+    """return_tokens_as_token_ids spells each token `token_id:N`; EOS stripped."""
+    from test_e2e_video import without_eos
+
+    return without_eos([int(t["token"].split(":", 1)[1])
+                        for t in answer["choices"][0]["logprobs"]["content"]])
+
+
+def _body(messages: list, **kw) -> dict:
+    return {"model": "", "messages": messages, "max_tokens": MAX_NEW, "temperature": 0,
+            "logprobs": True, "return_tokens_as_token_ids": True, **kw}
+
+
+def _image_bodies(seeds, size=(112, 84)) -> list[dict]:
+    from video_chats import Image, VideoChat
+
+    return [_body(VideoChat((f"Picture {s}:", Image(s, size), "what is it?")).openai({}))
+            for s in seeds]
+
+
+@pytest.fixture(scope="module")
+def exact_chats(tmp_path_factory, checkpoint):
+    """An image chat and a video chat (a tiny mp4 made with PyAV), and transformers'
+    greedy tokens for each on the tiny checkpoint (tests/video_chats.py's oracle)."""
+    from test_e2e_video import without_eos
+    from video_chats import Image, Video, VideoChat, oracle_results, write_clips
+
+    raw, files = write_clips(tmp_path_factory.mktemp("clips"))
+    chats = {"image": VideoChat(("Describe", Image(1, (56, 56)), "briefly.")),
+             "video": VideoChat((Video("small"), "What happens in the clip?"))}
+    res = oracle_results({k: ("qwen2_5_vl", v) for k, v in chats.items()}, checkpoint, files,
+                         tmp_path_factory.mktemp("oracle"), MAX_NEW)
+    return {k: (_body(v.openai(raw)), without_eos(res[k]["tokens"])) for k, v in chats.items()}
+
+
+@pytest.mark.slow
+def test_the_production_example_serves_exactly_scales_and_survives_a_killed_pod(
+        overlay, exact_chats, tmp_path):
+    """deploy/k8s/values-production.yaml with the CPU overlay and
+    deploy/harness/values-production-cpu.yaml (what cannot exist here, each with its
+    reason): its HPAs' minReplicas as replicas (encoder 2, language 2, router 2), its API
+    key and router TLS Secrets made as an operator would. Shows, through the router
+    Service's name: the pods ready through their probes, every declared port and the
+    Mooncake ports listened on at the pod's address (never loopback alone); the chart's
+    helm test pod; an image and a video chat whose greedy token ids equal transformers';
+    a third encoder added at run time found through DNS and used; one encoder deleted
+    (out of DNS, process stopped) while chats are in flight, none failing, and never used
+    after; then an encoder's link cut and its process killed with chats in flight: every
+    chat answered."""
+    _pods_or_skip()
+    pods.netns.sweep_stale()
+    objs = netpol.render_chart([PRODUCTION, overlay, PRODUCTION_CPU], namespace=NS)
+    objs += _operator_secrets(tmp_path / "operator")
+    assert {comp: pods.replicas(objs, w) for comp, w in pods.workloads(objs).items()} == {
+        "encoder": 2, "language": 2, "router": 2}
+    with pods.Cluster(objs, slots={"encoder": 3}, no_build=("/cache/kernels",),
+                      images=IMAGES, subnet="10.231.6.0/24") as c:
+        up = [(comp, i) for comp in ("encoder", "language", "router") for i in range(2)]
+        for comp, i in up:
+            c.start(comp, i)
+        for comp, i in up:
+            c.wait_ready(comp, i, timeout_s=HANG_S)
+            _runs_in_its_image(c, c.pod(comp, i))
+        for comp, i in up:  # no loopback for what other pods need
+            got = c.check_listeners(c.pod(comp, i))
+            assert ("127.0.0.1", 50061) not in got and ("127.0.0.1", 50071) not in got, got
+        enc = [c.pod("encoder", i) for i in range(3)]
+        routers = [c.pod("router", i) for i in range(2)]
+        langs = {f"{c.pod('language', i).address}:50071" for i in range(2)}
+        assert c.resolve("client", "t-tandem-router") == sorted(c.pod("router", i).address
+                                                                  for i in range(2))
+        for p in (*enc[:2], c.pod("language", 0), c.pod("language", 1)):
+            port = 50061 if p.component == "encoder" else 50071
+            line = f"{p.component} {p.address}:{port} added"
+            wait_until(lambda line=line: all(_router_has_all(c, line)),
+                       timeout_s=HANG_S, what=f"both routers found {p.node} through DNS")
+
+        r = _helm_test(c, objs)  # with the API key from the operator's Secret
+        assert r.returncode == 0 and r.stdout.startswith("200 "), r.stdout + r.stderr
+
+        # exactness through the Service: greedy ids equal transformers' generate()
+        names = list(exact_chats)
+        got = _answered(_client(c, [exact_chats[n][0] for n in names], tmp_path), c)
+        for n, answer in zip(names, got, strict=True):
+            assert _token_ids(answer) == exact_chats[n][1], (n, answer)
+            t = answer["tandem"]
+            assert t["encoder"] in {f"{e.address}:50061" for e in enc[:2]}, t
+            assert t["language"] in langs and not t["timings"]["encoder_bypassed"], t
+
+        # scale up, as an HPA would: a third encoder, found through DNS and used
+        c.start("encoder", 2)
+        c.wait_ready("encoder", 2, timeout_s=HANG_S)
+        c.check_listeners(enc[2])
+        assert c.resolve("client", "t-tandem-encoder-headless") == sorted(e.address for e in enc)
+        wait_until(lambda: all(_router_has_all(c, f"encoder {enc[2].address}:50061 added")),
+                   timeout_s=HANG_S, what="both routers found encoder-2 through DNS")
+        seen = set()
+        for batch in range(8):
+            answers = _answered(_client(c, _image_bodies(range(10 * batch, 10 * batch + 6)),
+                                        tmp_path), c)
+            seen |= {a["tandem"]["encoder"] for a in answers}
+            if f"{enc[2].address}:50061" in seen:
+                break
+        assert f"{enc[2].address}:50061" in seen, seen
+
+        # scale down: encoder-0 deleted (out of DNS, its process stopped) with chats in flight
+        inflight = _client(c, _image_bodies(range(100, 108)), tmp_path, background=True)
+        c.stop("encoder", 0)
+        out, err = inflight.communicate(timeout=600)
+        assert inflight.returncode == 0, err
+        _answered(json.loads(out), c)
+        assert c.resolve("client", "t-tandem-encoder-headless") == sorted(
+            e.address for e in enc[1:])
+        assert enc[0].proc.poll() is not None and c.net.pids(enc[0].node) == []
+        wait_until(lambda: all(_router_has_all(c, f"encoder {enc[0].address}:50061 removed")),
+                   timeout_s=HANG_S, what="both routers dropped encoder-0")
+        answers = _answered(_client(c, _image_bodies(range(200, 206)), tmp_path), c)
+        assert {a["tandem"]["encoder"] for a in answers} <= {f"{e.address}:50061" for e in enc[1:]}
+
+        # a pod killed mid-request: encoder-1's link cut with chats on their way to it, then
+        # its process killed, none having produced output (an answer comes whole)
+        c.net.isolate(enc[1].node)
+        inflight = _client(c, _image_bodies(range(300, 308)), tmp_path, background=True)
+        wait_until(lambda: sum(_metric(c, r, "tandem_router_inflight", 8000) for r in routers) > 0,
+                   timeout_s=HANG_S, poll_s=0.1, what="chats in flight")
+        c.net.kill_all(enc[1].node)
+        out, err = inflight.communicate(timeout=600)
+        assert inflight.returncode == 0, err
+        answers = _answered(json.loads(out), c)
+        assert all(_token_ids(a) for a in answers)
+        # the chats sent to encoder-1 were retried on encoder-2 (the Encode call of the
+        # attempt repeated), before any output
+        assert {a["tandem"]["encoder"] for a in answers} == {f"{enc[2].address}:50061"}, answers
+        assert any(a["tandem"]["encoder_attempts"] > 1 for a in answers), [a["tandem"] for a in answers]
+    assert pods.netns.list_ours() == []
+
+
+def _router_has_all(c: pods.Cluster, line: str) -> list[bool]:
+    return [line in p.log.read_text() for (comp, _), p in sorted(c.pods.items())
+            if comp == "router" and p.log and p.log.exists()]
+
+
+def _metric(c: pods.Cluster, pod: pods.PodState, name: str, port: int = 9090) -> float:
+    """A counter or gauge of the pod's /metrics (its metrics port), from the client node;
+    summed over labels; -1 when the pod does not answer."""
+    code = ("import httpx,sys\ntry:\n r=httpx.get(sys.argv[1],timeout=5)\n"
+            " print(r.text if r.status_code == 200 else '')\n"
+            "except Exception: print('')")
+    text = _run_on(c, "client", [sys.executable, "-c", code,
+                                 f"http://{pod.address}:{port}/metrics"]).stdout
+    vals = [float(ln.split()[-1]) for ln in text.splitlines()
+            if ln.startswith(name) and not ln.startswith("#")]
+    return sum(vals) if text else -1.0

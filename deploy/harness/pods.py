@@ -231,6 +231,42 @@ def workloads(objs: list[dict]) -> dict[str, dict]:
     return out
 
 
+def replicas(objs: list[dict], w: dict) -> int:
+    """The replicas a workload runs as rendered: spec.replicas, else (the chart leaves it
+    out when an HPA owns it) the minReplicas of the HPA that targets it, else 1."""
+    if "replicas" in w["spec"]:
+        return int(w["spec"]["replicas"])
+    for o in objs:
+        ref = o.get("spec", {}).get("scaleTargetRef", {}) if o.get("kind") == \
+            "HorizontalPodAutoscaler" else {}
+        if ref.get("kind") == w["kind"] and ref.get("name") == w["metadata"]["name"]:
+            return int(o["spec"].get("minReplicas", 1))
+    return 1
+
+
+def check_services(objs: list[dict]) -> None:
+    """Every Service's selector matches some workload's pod template, and its targetPorts
+    are ports that pod's container declares; ChartError naming the Service otherwise."""
+    ws = workloads(objs)
+    for svc in (o for o in objs if o.get("kind") == "Service"):
+        name, sel = svc["metadata"]["name"], svc["spec"].get("selector") or {}
+        if not sel:
+            continue  # endpoints managed by hand: not the chart's case
+        match = [w for w in ws.values() if all(
+            w["spec"]["template"]["metadata"].get("labels", {}).get(k) == v for k, v in sel.items())]
+        if not match:
+            raise ChartError(f"Service {name}: selector {sel} matches no pod template (pod "
+                             f"labels: {[w['spec']['template']['metadata'].get('labels') for w in ws.values()]})")
+        for w in match:
+            c = w["spec"]["template"]["spec"]["containers"][0]
+            declared = {p.get("name"): p["containerPort"] for p in c.get("ports") or []}
+            for sp in svc["spec"].get("ports") or []:
+                t = sp.get("targetPort", sp["port"])
+                if t not in declared and t not in declared.values():
+                    raise ChartError(f"Service {name}: targetPort {t!r} is no port of "
+                                     f"{w['metadata']['name']}'s container ({declared})")
+
+
 def _by_name(objs: list[dict], kind: str) -> dict[str, dict]:
     return {o["metadata"]["name"]: o for o in objs if o.get("kind") == kind}
 
@@ -313,8 +349,8 @@ class Cluster:
         self.workloads = workloads(objs)
         if not self.workloads:
             raise ChartError("the rendered chart has no Deployment or StatefulSet")
-        self.slots = {c: (slots or {}).get(c, int(w["spec"].get("replicas", 1)))
-                      for c, w in self.workloads.items()}
+        check_services(objs)
+        self.slots = {c: (slots or {}).get(c, replicas(objs, w)) for c, w in self.workloads.items()}
         names = [f"{c[:8]}{i}" for c, n in self.slots.items() for i in range(n)]
         self.net = netns.Network([DNS_NODE, KUBELET_NODE, *extra_nodes, *names], subnet=subnet)
         self.pods = {(c, i): PodState(c, i, f"{c[:8]}{i}", self.net.nodes[f"{c[:8]}{i}"].address)
@@ -630,6 +666,7 @@ class Cluster:
         its private mount namespace, then runs its process as the pod's user: chrooted into
         the image's filesystem, or in this venv; and a note on what was not applied."""
         argv, env = self._process(c, owner, address, hostname)
+        self.check_paths(c, spec, owner, env, root)
         psc = spec.get("securityContext") or {}
         csc = c.get("securityContext") or {}
         uid = csc.get("runAsUser", psc.get("runAsUser"))
@@ -657,6 +694,105 @@ class Cluster:
             run = ["chroot", str(root.path), "env", "-i", f"--chdir={img.workdir}", *variables,
                    *drop, *argv]
         return ["sh", "-c", script, "sh", *run], note
+
+    def check_paths(self, c: dict, spec: dict, owner: dict, env: dict[str, str],
+                    root: RootFS | None) -> None:
+        """Each variable that names a file (an absolute path) finds it where the pod will
+        have it: in a Secret/ConfigMap volume mounted above it (the file one of its keys or
+        items), a hostPath holding it, an emptyDir, or the image itself. ChartError naming
+        the workload, the variable and what is mounted where otherwise (a Secret mounted
+        where the tier does not look)."""
+        vols = {v["name"]: v for v in spec.get("volumes") or []}
+        mounts = sorted(c.get("volumeMounts") or [], key=lambda m: -len(m["mountPath"]))
+        name = owner["metadata"]["name"]
+        where = ", ".join(f"{m['name']} at {m['mountPath']}" for m in c.get("volumeMounts") or [])
+        for var, value in sorted(env.items()):
+            if not value.startswith("/") or len(value) < 2 or any(ch in value for ch in ": ,;"):
+                continue
+            path = Path(value)
+            m = next((m for m in mounts if path == Path(m["mountPath"])
+                      or path.is_relative_to(m["mountPath"])), None)
+            if m is None:
+                # in the image: the file itself; in this venv (the host's files, not the
+                # image's), at least its directory
+                there = root.inside(path) if root else path
+                if not there.exists() and (root is not None or not there.parent.exists()):
+                    raise ChartError(f"{name}: env {var}={value}: no volume is mounted there "
+                                     f"and the image has no such path (mounted: {where})")
+                continue
+            v, rel = vols.get(m["name"], {}), str(path.relative_to(m["mountPath"]))
+            if rel == ".":
+                continue
+            src = v.get("secret") or v.get("configMap")
+            if src is not None:
+                obj = (_secret_data(self._secret(src["secretName"], owner)) if "secret" in v
+                       else self._configmap(src["name"], owner).get("data") or {})
+                files = [it["path"] for it in src["items"]] if src.get("items") else list(obj)
+                if rel not in files:
+                    kind = "Secret" if "secret" in v else "ConfigMap"
+                    raise ChartError(f"{name}: env {var}={value}: {kind} "
+                                     f"{src.get('secretName', src.get('name'))!r} mounted at "
+                                     f"{m['mountPath']} has no file {rel!r} (it has {sorted(files)})")
+            elif "hostPath" in v and not (Path(v["hostPath"]["path"]) / rel).exists():
+                raise ChartError(f"{name}: env {var}={value}: hostPath volume {m['name']!r} "
+                                 f"({v['hostPath']['path']}) has no {rel!r}")
+
+    def listeners(self, pod: PodState) -> list[tuple[str, int]]:
+        """The pod's listening TCP sockets (address, port), as `ss` sees them in its
+        network namespace."""
+        out = self.net.exec(pod.node, "ss", "-ltnH")
+        got = []
+        for line in out.splitlines():
+            local = line.split()[3]
+            addr, _, port = local.rpartition(":")
+            got.append((addr.strip("[]").split("%")[0], int(port)))
+        return sorted(set(got))
+
+    def check_listeners(self, pod: PodState) -> list[tuple[str, int]]:
+        """Every port the pod's container declares, and every port of its Mooncake transfer
+        range in use, is listened on at the pod's address or any address (never loopback
+        alone); ChartError naming the pod and the port otherwise. The listeners."""
+        c = self.container(pod.component)
+        name = f"{self.workloads[pod.component]['metadata']['name']}-{pod.index}"
+        got = self.listeners(pod)
+        reach = {pod.address, "0.0.0.0", "*", "::"}
+        _, env = self.argv_env(pod)
+        lo, hi = int(env.get("TANDEM_TRANSFER__MIN_PORT", 0)), int(env.get("TANDEM_TRANSFER__MAX_PORT", -1))
+        for p in c.get("ports") or []:
+            on = [a for a, port in got if port == p["containerPort"]]
+            if not on:
+                raise ChartError(f"{name}: containerPort {p['containerPort']} "
+                                 f"({p.get('name', '')}) has no listener; the process listens on "
+                                 f"{[f'{a}:{q}' for a, q in got]}")
+            if not reach & set(on):
+                raise ChartError(f"{name}: containerPort {p['containerPort']} "
+                                 f"({p.get('name', '')}) is listened on at {on} only, not at the "
+                                 f"pod's address {pod.address}")
+        for a, port in got:
+            if lo <= port <= hi and a not in reach:
+                raise ChartError(f"{name}: transfer port {port} is listened on at {a}, not at "
+                                 f"the pod's address {pod.address}")
+        return got
+
+    def wait_ready(self, component: str, index: int = 0, timeout_s: float = 600) -> PodState:
+        """Until the replica's readinessProbe passes; past `timeout_s` (a hang guard),
+        ChartError naming the pod, its last probe failure and what its container declares
+        against what it listens on."""
+        pod = self.pod(component, index)
+        try:
+            self._wait(lambda: pod.ready, f"{component}-{index} ready", timeout_s)
+        except TimeoutError:
+            name = f"{self.workloads[component]['metadata']['name']}-{index}"
+            why = ""
+            if pod.proc is not None and pod.proc.poll() is None:
+                try:
+                    self.check_listeners(pod)
+                except ChartError as e:
+                    why = f"; {e}"
+            raise ChartError(f"{name}: never ready in {timeout_s:g} s (restarts "
+                             f"{pod.restarts}; last failure {pod.last_failure}){why}\n"
+                             f"{self.describe(pod)}") from None
+        return pod
 
     def _rootfs_for(self, c: dict, key: str) -> RootFS | None:
         ref = self.image_of(c).ref
