@@ -65,8 +65,32 @@ app.kubernetes.io/component: {{ .tier }}
 
 {{/* "name.namespace.svc.domain:port" the router resolves to find a tier's pods. */}}
 {{- define "tandem.discovery" -}}
-{{- $v := index .root.Values .tier -}}
+{{- $v := .values | default (index .root.Values .tier) -}}
 {{- printf "%s.%s.svc.%s:%d" (include "tandem.headlessName" .) .root.Release.Namespace .root.Values.clusterDomain (int $v.port) -}}
+{{- end -}}
+
+{{/*
+The prefill tier's values (E/P/D, `prefill.enabled`): `language`'s, with the keys `prefill`
+sets merged over them (a map merges key by key, a list or scalar replaces; an empty one
+keeps language's), and no HPA (`prefill.replicas`). As YAML: use with `| fromYaml`.
+*/}}
+{{- define "tandem.prefillValues" -}}
+{{- $v := mergeOverwrite (deepCopy .Values.language) (omit (deepCopy .Values.prefill) "enabled") -}}
+{{- $_ := set $v "autoscaling" (dict "enabled" false) -}}
+{{- toYaml $v -}}
+{{- end -}}
+
+{{/*
+Refuses E/P/D on GPU pods: `--role prefill|decode` is built for `--tp 1` on the CPU only
+(services/language/handoff.py refuse_role), so such pods would exit at start.
+*/}}
+{{- define "tandem.prefillCheck" -}}
+{{- if .Values.prefill.enabled -}}
+{{- $p := include "tandem.prefillValues" . | fromYaml -}}
+{{- if or (gt (int .Values.language.gpus) 0) (gt (int $p.gpus) 0) -}}
+{{- fail "prefill.enabled: the prefill and decode roles run on the CPU only (--tp 1, services/language/handoff.py): set language.gpus=0 (and image.variant=cpu)" -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 
 {{/* The TANDEM_MODEL value: a Hugging Face id or a path in the model volume. */}}

@@ -1,6 +1,10 @@
 {{/*
 The Deployment of a GPU tier (encoder or language): call with (dict "root" $ "tier" "encoder"
-"health" "tandem.v1.Encoder").
+"health" "tandem.v1.Encoder"). Optional: "values" (the tier's values, default
+.Values.<tier>), "command" (the `tandem` subcommand, default the tier), "args" (flags
+before extraArgs) and "tlsRole" (the internal-TLS role whose Secret the pod mounts, default
+the tier): the prefill tier is `tandem language --role prefill` with the language role's
+certificate.
 
 Termination, in order (NOTE: the order is what makes a rollout lose no request):
   1. the pod leaves the Service endpoints, and readiness (the service's own health entry,
@@ -14,7 +18,7 @@ Termination, in order (NOTE: the order is what makes a rollout lose no request):
 {{- define "tandem.gpuTier" -}}
 {{- $root := .root -}}
 {{- $tier := .tier -}}
-{{- $v := index $root.Values $tier -}}
+{{- $v := .values | default (index $root.Values $tier) -}}
 {{- $t := $root.Values.transfer -}}
 {{- $m := $root.Values.model -}}
 {{- $sel := dict "root" $root "tier" $tier -}}
@@ -92,7 +96,10 @@ spec:
           image: {{ include "tandem.image" $root }}
           imagePullPolicy: {{ $root.Values.image.pullPolicy }}
           args:
-            - {{ $tier }}
+            - {{ .command | default $tier }}
+            {{- range .args }}
+            - {{ . | quote }}
+            {{- end }}
             {{- range $v.extraArgs }}
             - {{ . | quote }}
             {{- end }}
@@ -211,7 +218,7 @@ spec:
               readOnly: true
             {{- end }}
       volumes:
-        {{- include "tandem.internalTLSVolume" (dict "root" $root "role" $tier) | nindent 8 }}
+        {{- include "tandem.internalTLSVolume" (dict "root" $root "role" (.tlsRole | default $tier)) | nindent 8 }}
         - name: tmp
           emptyDir: {}
         - name: shm
