@@ -50,6 +50,10 @@ NEWEST_K8S = latest_version()
 VARIANTS = {"default": [], "production": ["-f", str(PROD)],
             "plaintext": ["--set", "internalTLS.enabled=false"],
             "cert-manager": ["--set", "internalTLS.certManager=true"]}
+# E/P/D (prefill.enabled): prefill pods and decode language pods. The roles run on the CPU
+# only (--tp 1), so the language tier has no GPU there.
+EPD = ["--set", "prefill.enabled=true", "--set", "language.gpus=0"]
+VARIANTS.update({"epd": EPD, "epd-production": ["-f", str(PROD), *EPD]})
 CERT_MANAGER = "cert-manager.io/v1"
 EXISTING_TLS = [a for role in ("router", "encoder", "language")
                 for a in ("--set", f"internalTLS.existingSecrets.{role}=mine-{role}")]
@@ -192,17 +196,25 @@ def env_of(objs: list[dict], c: dict) -> dict[str, str]:
     return env
 
 
-CONFIGS = {"encoder": EncoderConfig, "language": LanguageConfig, "router": RouterConfig}
+CONFIGS = {"encoder": EncoderConfig, "language": LanguageConfig, "router": RouterConfig,
+           "prefill": LanguageConfig}
+COMMANDS = {"prefill": "language"}  # a Deployment whose `tandem` subcommand is not its name
 
 
 def service_config(objs: list[dict], tier: str):
-    """The tier's config exactly as `tandem <tier>` parses it in the pod: the container's
-    args after the tier name, and its environment (no TANDEM_* from this process)."""
+    """The tier's config exactly as `tandem <command>` parses it in the pod: the container's
+    args after the subcommand, and its environment (no TANDEM_* from this process)."""
     c = container(objs, tier)
-    assert c["args"][0] == tier
+    command = COMMANDS.get(tier, tier)
+    assert c["args"][0] == command
     host = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     with mock.patch.dict(os.environ, {**host, **_pod_env(objs, tier)}, clear=True):
-        return parse_settings(CONFIGS[tier], c["args"][1:], f"tandem {tier}")
+        return parse_settings(CONFIGS[tier], c["args"][1:], f"tandem {command}")
+
+
+def has_tier(objs: list[dict], tier: str) -> bool:
+    return any(o["kind"] == "Deployment" and o["metadata"]["name"] == f"{RELEASE}-{tier}"
+               for o in objs)
 
 
 def mount_holding(c: dict, pod: dict, path: str) -> tuple[dict, dict]:
@@ -387,12 +399,16 @@ def _pod_env(objs: list[dict], tier: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("tier", ["encoder", "language", "router"])
+@pytest.mark.parametrize("tier", ["encoder", "language", "router", "prefill"])
 def test_rendered_config_is_what_the_service_parses(rendered, variant, tier):
     """Each TANDEM_* key names a real config field, and the service's own parser (CLI args +
     env, exactly as `tandem <tier>` runs it) accepts the rendered values; the parsed ports are
-    the container ports."""
+    the container ports. The language pods' role is decode with prefill pods, else both."""
     objs = rendered[variant]
+    epd = has_tier(objs, "prefill")
+    assert epd == variant.startswith("epd")
+    if tier == "prefill" and not epd:
+        return
     cls = CONFIGS[tier]
     env = _pod_env(objs, tier)
     for key in env:
@@ -409,7 +425,11 @@ def test_rendered_config_is_what_the_service_parses(rendered, variant, tier):
     cfg = service_config(objs, tier)
     if tier == "router":
         assert cfg.http_port == port_of(c, "http") and cfg.grpc_port == port_of(c, "grpc")
+        assert bool(cfg.prefill_dns) == epd and not cfg.prefills
     else:
+        if tier != "encoder":
+            assert cfg.role == {"prefill": "prefill", "language": "decode" if epd else "both"}[tier]
+            assert cfg.tp == 1 or not epd
         assert cfg.port == port_of(c, "grpc") and cfg.metrics_port == port_of(c, "metrics")
         assert cfg.metrics_port > 0, "metrics must be served in the cluster"
         assert cfg.transfer.host == FAKE_POD_IP
@@ -455,12 +475,14 @@ def test_tier_probes_ports_and_discovery_match_the_service(rendered, tier):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("tier", ["encoder", "language", "router"])
+@pytest.mark.parametrize("tier", ["encoder", "language", "router", "prefill"])
 def test_termination_outlasts_prestop_and_drain(rendered, tmp_path, variant, tier):
     """SIGKILL never cuts a drain short: grace > preStop sleep (what the hook waits when
     run) + the service's drain_timeout_s (as the service parses it); a tier pod sleeps
     until the router has re-resolved DNS."""
     objs = rendered[variant]
+    if not has_tier(objs, tier):
+        return
     sleep = prestop_seconds(container(objs, tier), tmp_path)
     drain = service_config(objs, tier).drain_timeout_s
     assert pod_spec(objs, tier)["terminationGracePeriodSeconds"] > sleep + drain
@@ -521,15 +543,30 @@ def _selects(peer: dict, objs: list[dict], tier: str) -> bool:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_network_policy_opens_exactly_the_needed_paths(rendered, variant):
     """gRPC: router -> both tiers, language -> encoder (Attach). Transfer range: encoder ->
-    language (Mooncake writes), language -> encoder; nothing else."""
+    language (Mooncake writes), language -> encoder; nothing else.
+
+    E/P/D (prefill pods; the language pods decode): the prefill pods take the language
+    side of the encoder paths (Attach, the embedding writes), the decode pods keep only
+    the router's gRPC and gain the prefill pods' KV writes; the prefill pods are reached by
+    the router (Reattach, GetLoad) and the decode pods (Prefill) on gRPC and by the
+    encoders on the transfer range. Nothing else."""
     objs = rendered[variant]
-    expect = {
-        "encoder": {"grpc": {"router", "language"}, "transfer": {"language"}},
-        "language": {"grpc": {"router"}, "transfer": {"encoder"}},
-    }
+    if has_tier(objs, "prefill"):
+        expect = {
+            "encoder": {"grpc": {"router", "prefill"}, "transfer": {"prefill"}},
+            "language": {"grpc": {"router"}, "transfer": {"prefill"}},
+            "prefill": {"grpc": {"router", "language"}, "transfer": {"encoder"}},
+        }
+    else:
+        expect = {
+            "encoder": {"grpc": {"router", "language"}, "transfer": {"language"}},
+            "language": {"grpc": {"router"}, "transfer": {"encoder"}},
+        }
+    policies = {o["metadata"]["name"] for o in objs if o["kind"] == "NetworkPolicy"}
+    assert policies == {f"{RELEASE}-{t}" for t in (*expect, "router")}
     for tier, want in expect.items():
         pol = find(objs, "NetworkPolicy", f"{RELEASE}-{tier}")["spec"]
-        assert _selects(pol, objs, tier) and not _selects(pol, objs, "router")
+        assert [t for t in (*expect, "router") if _selects(pol, objs, t)] == [tier]
         c = container(objs, tier)
         transfer = service_config(objs, tier).transfer
         lo, hi = transfer.min_port, transfer.max_port
@@ -540,8 +577,8 @@ def test_network_policy_opens_exactly_the_needed_paths(rendered, variant):
         for rule in pol["ingress"]:
             # no `from`: every source; a peer without a pod selector: every pod it reaches
             peers = {"*"} if not rule.get("from") else {
-                t for peer in rule["from"] for t in ("router", "encoder", "language")
-                if _selects(peer, objs, t)}
+                t for peer in rule["from"] for t in ("router", "encoder", "language", "prefill")
+                if has_tier(objs, t) and _selects(peer, objs, t)}
             for p in rule.get("ports") or [{}]:  # no ports: all of them
                 port = resolve_port(c, p["port"]) if "port" in p else None
                 if port == grpc_port and not p.get("endPort"):
@@ -551,6 +588,99 @@ def test_network_policy_opens_exactly_the_needed_paths(rendered, variant):
                 else:
                     assert port in others and not p.get("endPort"), f"{tier} opens {p}"
         assert got == want, tier
+
+
+@pytest.mark.parametrize("values", ["default", "production"])
+def test_network_policy_without_prefill_is_unchanged(helm, values):
+    """With prefill off (the default) the rendered NetworkPolicy is byte for byte the one
+    the chart rendered before E/P/D (tests/golden/, rendered then), whatever prefill.*
+    holds. A deliberate change of the policy rewrites the golden file in the same commit."""
+    args = ["-f", str(PROD)] if values == "production" else []
+    golden = (ROOT / "tests" / "golden" / f"networkpolicy-{values}.yaml").read_text()
+    for extra in ([], ["--set", "prefill.replicas=3", "--set", "prefill.config.max_prefill_tokens=512",
+                       "--set", "language.gpus=0"]):
+        text = render_text(helm, *args, *extra, "--show-only", "templates/networkpolicy.yaml")
+        assert text == golden, extra
+
+
+@pytest.mark.parametrize("variant", ["epd", "epd-production"])
+def test_epd_prefill_pods_are_found_probed_and_trusted(rendered, variant):
+    """The prefill Deployment: the language image as `tandem language --role=prefill`, the
+    language tier's health service on the probes, found by the router through its own
+    headless Service (which selects no decode pod, as the language Service selects no
+    prefill pod), mounting the language role's certificate: the role internal_tls.POLICY
+    lets call Prefill (what a decode pod presents) and Attach (what P opens on an encoder);
+    fixed replicas (no HPA), the language tier's PDB."""
+    from tandem import internal_tls
+
+    objs = rendered[variant]
+    c, lang = container(objs, "prefill"), container(objs, "language")
+    assert c["image"] == lang["image"] and c["args"][:2] == ["language", "--role=prefill"]
+    assert lang["args"][:2] == ["language", "--role=decode"]
+    cfg = service_config(objs, "prefill")
+    grpc_port = port_of(c, "grpc")
+    assert grpc_port == cfg.port == _field_default(LanguageConfig, "port")
+    for probe in ("startupProbe", "readinessProbe"):
+        assert c[probe]["grpc"]["service"] == TIERS["language"][1]
+        assert resolve_port(c, c[probe]["grpc"]["port"]) == port_of(c, "health")
+    host, port = service_config(objs, "router").prefill_dns.rsplit(":", 1)
+    svc_name = f"{RELEASE}-prefill-headless"
+    assert host == f"{svc_name}.{NAMESPACE}.svc.cluster.local"
+    svc = find(objs, "Service", svc_name)
+    assert svc["spec"]["clusterIP"] == "None"
+    (grpc_svc_port,) = service_ports_to(svc, c, grpc_port)
+    assert int(port) == grpc_svc_port["port"] == grpc_port
+    lang_svc = find(objs, "Service", f"{RELEASE}-language-headless")
+    for s_, tier, other in ((svc, "prefill", "language"), (lang_svc, "language", "prefill")):
+        assert s_["spec"]["selector"].items() <= pod_labels(objs, tier).items()
+        assert not s_["spec"]["selector"].items() <= pod_labels(objs, other).items()
+    # internal TLS: the prefill pod's certificate is the language role's
+    vols = {v["name"]: v for v in pod_spec(objs, "prefill")["volumes"]}
+    assert vols["internal-tls"]["secret"]["secretName"] == f"{RELEASE}-internal-tls-language"
+    assert internal_tls.allowed_roles("/tandem.v1.Language/Prefill") == {"language"}
+    assert "language" in internal_tls.allowed_roles("/tandem.v1.Encoder/Attach")
+    for method in ("Reattach", "GetLoad"):
+        assert "router" in internal_tls.allowed_roles(f"/tandem.v1.Language/{method}")
+    # scaling: fixed replicas even where the language tier autoscales; language's PDB
+    dep = find(objs, "Deployment", f"{RELEASE}-prefill")
+    assert dep["spec"]["replicas"] == 1
+    assert not [o for o in objs if o["kind"] == "HorizontalPodAutoscaler"
+                and o["metadata"]["name"] == f"{RELEASE}-prefill"]
+    pdb = find(objs, "PodDisruptionBudget", f"{RELEASE}-prefill")
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels(objs, "prefill").items()
+
+
+def test_epd_values_merge_over_the_language_tiers(helm):
+    """prefill.* keys are merged over language.*: a map key by key, a list replaced; an
+    existing language Secret is the prefill pods' too; prefill.config reaches only them."""
+    objs = render(helm, *EPD, "--set", "prefill.replicas=2",
+                  "--set", "prefill.resources.limits.memory=8Gi",
+                  "--set", "language.config.max_running_requests=7",
+                  "--set", "prefill.config.max_prefill_tokens=512",
+                  "--set", "prefill.extraArgs={--log-level=debug}",
+                  "--set", "internalTLS.existingSecrets.language=mine-language")
+    c, lang = container(objs, "prefill"), container(objs, "language")
+    assert find(objs, "Deployment", f"{RELEASE}-prefill")["spec"]["replicas"] == 2
+    assert c["resources"]["limits"]["memory"] == "8Gi"
+    assert c["resources"]["requests"] == lang["resources"]["requests"]
+    assert c["args"] == ["language", "--role=prefill", "--log-level=debug"]
+    pre, dec = service_config(objs, "prefill"), service_config(objs, "language")
+    assert pre.max_prefill_tokens == 512 != dec.max_prefill_tokens
+    assert pre.max_running_requests == dec.max_running_requests == 7
+    vols = {v["name"]: v for v in pod_spec(objs, "prefill")["volumes"]}
+    assert vols["internal-tls"]["secret"]["secretName"] == "mine-language"
+
+
+def test_epd_refuses_gpu_pods_and_a_role_in_config(helm):
+    """The prefill and decode roles run on the CPU only (--tp 1): the chart refuses a GPU
+    language tier with prefill on rather than deploy pods that exit at start; `role` is the
+    chart's (prefill.enabled), not a config key."""
+    r = template(helm, "--set", "prefill.enabled=true")
+    assert r.returncode != 0 and "CPU only" in r.stderr
+    r = template(helm, "--set", "language.config.role=decode")
+    assert r.returncode != 0 and "dedicated chart value" in r.stderr
+    r = template(helm, *EPD, "--set", "router.config.prefill_dns=elsewhere:1")
+    assert r.returncode != 0 and "dedicated chart value" in r.stderr
 
 
 def test_production_gpu_rdma_and_model_volume(rendered):
@@ -588,10 +718,11 @@ def test_production_gpu_rdma_and_model_volume(rendered):
         assert "secret" in vol, path
 
 
-def test_service_monitors_target_existing_ports(rendered):
-    objs = rendered["production"]
+@pytest.mark.parametrize("variant", ["production", "epd-production"])
+def test_service_monitors_target_existing_ports(rendered, variant):
+    objs = rendered[variant]
     monitors = [o for o in objs if o["kind"] == "ServiceMonitor"]
-    assert len(monitors) == 3
+    assert len(monitors) == (4 if variant == "epd-production" else 3)
     for mon in monitors:
         sel = mon["spec"]["selector"]["matchLabels"]
         svcs = [
@@ -1253,14 +1384,19 @@ def test_tracing_values_reach_every_tier_as_the_standard_variables(rendered, var
     from tandem.tracing import resolve
 
     objs = rendered[variant]
-    for tier in ("encoder", "language", "router"):
+    for tier in ("encoder", "language", "router", "prefill"):
+        if not has_tier(objs, tier):
+            continue
         env = _pod_env(objs, tier)
-        got = resolve(service_config(objs, tier).tracing, f"tandem-{tier}", env)
-        if variant != "production":
+        # the service names itself after its command (a prefill pod: tandem-language); the
+        # tandem.tier attribute tells prefill pods from decode pods
+        service = f"tandem-{COMMANDS.get(tier, tier)}"
+        got = resolve(service_config(objs, tier).tracing, service, env)
+        if variant not in ("production", "epd-production"):
             assert not [k for k in env if k.startswith("OTEL_")] and got is None
             continue
         assert (got.endpoint, got.service_name, got.sampler, got.sampler_arg) == (
-            "http://otel-collector.observability:4317", f"tandem-{tier}",
+            "http://otel-collector.observability:4317", service,
             "parentbased_traceidratio", 0.05)
         names = [e["name"] for e in container(objs, tier)["env"]]
         # $(OTEL_POD_NAME) expands only from a variable defined before it
