@@ -101,6 +101,26 @@ def test_process_and_environment_come_from_the_render(overlay):
         pods.Cluster(broken, images=False).argv_env(pods.Cluster(broken, images=False).pod("router"))
 
 
+def test_the_harness_checks_pass_the_default_and_production_renders(overlay, tmp_path):
+    """What the harness checks before it runs a pod (the Services' selectors and
+    targetPorts, each variable naming a file finding it in a volume) finds nothing in the
+    chart as rendered, default and production; replicas follow the HPAs' minReplicas."""
+    _helm_or_skip()
+    for files, want in (([overlay], {"encoder": 1, "language": 1, "router": 1}),
+                        ([PRODUCTION, overlay, PRODUCTION_CPU],
+                         {"encoder": 2, "language": 2, "router": 2})):
+        objs = netpol.render_chart(files, namespace=NS)
+        if files[0] == PRODUCTION:
+            objs += _operator_secrets(tmp_path / "operator")
+        c = pods.Cluster(objs, images=False)  # check_services() runs here
+        assert c.slots == want
+        c.secrets.update({s["metadata"]["name"]: s for s in
+                          pods.internal_tls_secrets(objs, tmp_path)})
+        for comp, w in c.workloads.items():
+            _, env = c.argv_env(c.pod(comp))
+            c.check_paths(c.container(comp), w["spec"]["template"]["spec"], w, env, None)
+
+
 def test_a_built_image_gives_the_pods_its_own_config(overlay):
     """Where `make image` built the chart's images, a pod takes the image's own config
     (buildah's view of it): its entrypoint with tini, its PATH and workdir."""

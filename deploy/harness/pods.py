@@ -255,8 +255,11 @@ def check_services(objs: list[dict]) -> None:
         match = [w for w in ws.values() if all(
             w["spec"]["template"]["metadata"].get("labels", {}).get(k) == v for k, v in sel.items())]
         if not match:
-            raise ChartError(f"Service {name}: selector {sel} matches no pod template (pod "
-                             f"labels: {[w['spec']['template']['metadata'].get('labels') for w in ws.values()]})")
+            have = "; ".join(f"{w['metadata']['name']}: " + ", ".join(
+                f"{k}={w['spec']['template']['metadata'].get('labels', {}).get(k)}" for k in sel)
+                for w in ws.values())
+            raise ChartError(f"Service {name}: selector {sel} matches no pod template "
+                             f"(the pod templates have {have})")
         for w in match:
             c = w["spec"]["template"]["spec"]["containers"][0]
             declared = {p.get("name"): p["containerPort"] for p in c.get("ports") or []}
@@ -789,6 +792,10 @@ class Cluster:
                     self.check_listeners(pod)
                 except ChartError as e:
                     why = f"; {e}"
+            rp = self.container(component).get("readinessProbe") or {}
+            kind = next((k for k in ("httpGet", "grpc", "tcpSocket") if k in rp), None)
+            why = (f"; readinessProbe {kind} {json.dumps(rp[kind], sort_keys=True)}" if kind
+                   else "") + why
             raise ChartError(f"{name}: never ready in {timeout_s:g} s (restarts "
                              f"{pod.restarts}; last failure {pod.last_failure}){why}\n"
                              f"{self.describe(pod)}") from None
@@ -966,7 +973,7 @@ def _probe_once(req: dict) -> tuple[bool, str]:
             ok = r.status == health_pb2.HealthCheckResponse.SERVING
             return ok, health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
     except Exception as e:  # noqa: BLE001  NOTE: any failure is a failed probe, reported
-        return False, f"{type(e).__name__}: {str(e)[:200]}"
+        return False, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
 
 def _prober_main() -> None:
