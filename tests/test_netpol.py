@@ -8,7 +8,8 @@ into nftables rules for pods that are network namespaces (deploy/harness/netns.p
   for the default values and for values-production.yaml;
 - the translator's own semantics (selectors, empty peers/ports, ipBlock, Egress refused);
 - enforced (slow; root, `ip`, `nft`): one namespace per pod (router, encoder, language of
-  the release namespace; a pod of `default`, of `monitoring`, of `ingress`), the rules
+  the release namespace, and prefill with prefill.enabled (E/P/D); a pod of `default`, of
+  `monitoring`, of `ingress`), the rules
   loaded, and every (source pod, destination pod, port) connection attempted: each admitted
   one connects, each other one is dropped; then each rule removed in turn drops the flow it
   named (so the check fails when a rule goes missing), and back in place admits it again.
@@ -35,13 +36,18 @@ import netpol  # noqa: E402
 PRODUCTION = ROOT / "deploy" / "k8s" / "values-production.yaml"
 RELEASE_NS = "tandem"
 TIERS = ("router", "encoder", "language")
+EPD_TIERS = (*TIERS, "prefill")
 OUTSIDERS = {"other": "default", "monitor": "monitoring", "ingress": "ingress"}
-PODS = (*TIERS, *OUTSIDERS)
+PODS = (*EPD_TIERS, *OUTSIDERS)  # a world without prefill pods leaves that name unused
 ANY = "any"
+# E/P/D: prefill pods, the language pods decoding (prefill.enabled; the roles are CPU-only)
+EPD_SET = ("prefill.enabled=true", "language.gpus=0")
+WORLDS = {"default": (False, False), "production": (True, False),
+          "epd": (False, True), "epd-production": (True, True)}  # (production, epd)
 
 # The chart's intent, written from its own comment block (who may open what), per values
 # file: (policy suffix, rule index) -> (sources, ports). Sources: pod names or ANY.
-GRPC = {"encoder": 50061, "language": 50071}
+GRPC = {"encoder": 50061, "language": 50071, "prefill": 50071}
 METRICS, HEALTH = 9090, 8090
 ROUTER_PORTS = (8000, 50051)
 
@@ -54,10 +60,26 @@ def _transfer_range(production: bool) -> tuple[int, int]:
     return int(t["minPort"]), int(t["maxPort"])
 
 
-def _intent(production: bool) -> dict[tuple[str, int], tuple[object, tuple]]:
+def _intent(production: bool, epd: bool = False) -> dict[tuple[str, int], tuple[object, tuple]]:
     xfer = _transfer_range(production)
     metrics_from = frozenset({"monitor"}) if production else ANY
     router_from = frozenset({"ingress"}) if production else ANY
+    if epd:  # the prefill pods take the language side of the encoder paths
+        return {
+            ("encoder", 0): (frozenset({"router", "prefill"}), ((GRPC["encoder"],) * 2,)),
+            ("encoder", 1): (frozenset({"prefill"}), (xfer,)),
+            ("encoder", 2): (metrics_from, ((METRICS, METRICS),)),
+            ("encoder", 3): (ANY, ((HEALTH, HEALTH),)),
+            ("language", 0): (frozenset({"router"}), ((GRPC["language"],) * 2,)),
+            ("language", 1): (frozenset({"prefill"}), (xfer,)),
+            ("language", 2): (metrics_from, ((METRICS, METRICS),)),
+            ("language", 3): (ANY, ((HEALTH, HEALTH),)),
+            ("prefill", 0): (frozenset({"router", "language"}), ((GRPC["prefill"],) * 2,)),
+            ("prefill", 1): (frozenset({"encoder"}), (xfer,)),
+            ("prefill", 2): (metrics_from, ((METRICS, METRICS),)),
+            ("prefill", 3): (ANY, ((HEALTH, HEALTH),)),
+            ("router", 0): (router_from, tuple((p, p) for p in ROUTER_PORTS)),
+        }
     return {
         ("encoder", 0): (frozenset({"router", "language"}), ((GRPC["encoder"],) * 2,)),
         ("encoder", 1): (frozenset({"language"}), (xfer,)),
@@ -76,10 +98,10 @@ def _helm_or_skip() -> None:
         pytest.skip("no .tools/helm (make helm)")
 
 
-def _world(values: list[Path], addresses: dict[str, str]):
-    objs = netpol.render_chart(values, namespace=RELEASE_NS)
+def _world(values: list[Path], addresses: dict[str, str], epd: bool = False):
+    objs = netpol.render_chart(values, namespace=RELEASE_NS, set_values=EPD_SET if epd else ())
     pods = netpol.pods_of(objs, RELEASE_NS, addresses)
-    assert sorted(p.name for p in pods) == sorted(TIERS)
+    assert sorted(p.name for p in pods) == sorted(EPD_TIERS if epd else TIERS)
     pods += [netpol.Pod(n, ns, {"app": n}, addresses[n]) for n, ns in OUTSIDERS.items()]
     namespaces = [netpol.Namespace(ns, {"kubernetes.io/metadata.name": ns})
                   for ns in {RELEASE_NS, *OUTSIDERS.values()}]
@@ -90,17 +112,18 @@ def _fake_addresses() -> dict[str, str]:  # never dialed: strings for the transl
     return {n: f"10.231.9.{i + 2}" for i, n in enumerate(PODS)}
 
 
-@pytest.mark.parametrize("production", [False, True], ids=["default", "production"])
-def test_each_rendered_rule_admits_what_the_chart_says(production):
+@pytest.mark.parametrize("world", WORLDS)
+def test_each_rendered_rule_admits_what_the_chart_says(world):
     _helm_or_skip()
+    production, epd = WORLDS[world]
     addrs = _fake_addresses()
     by_addr = {a: n for n, a in addrs.items()}
-    objs, pods, namespaces = _world([PRODUCTION] if production else [], addrs)
+    objs, pods, namespaces = _world([PRODUCTION] if production else [], addrs, epd)
     plans = netpol.translate(netpol.policies_of(objs), pods, namespaces)
-    intent = _intent(production)
+    intent = _intent(production, epd)
     seen = {}
     for name, plan in plans.items():
-        assert plan.isolated == (name in TIERS), name
+        assert plan.isolated == (name in EPD_TIERS), name
         for allow in plan.allows:
             key = (allow.policy.removeprefix("t-tandem-"), allow.rule)
             assert allow.policy == f"t-tandem-{name}"
@@ -198,9 +221,9 @@ def _listen(ports: list[int]) -> list[socket.socket]:
     return out
 
 
-def _probe_ports(intent, xfer: tuple[int, int]) -> dict[str, list[int]]:
+def _probe_ports(intent, xfer: tuple[int, int], tiers=TIERS) -> dict[str, list[int]]:
     """Per tier: every port its rules name (a range's ends), and ports just outside."""
-    out: dict[str, set[int]] = {t: {xfer[0] - 1, xfer[1] + 1, 7} for t in TIERS}
+    out: dict[str, set[int]] = {t: {xfer[0] - 1, xfer[1] + 1, 7} for t in tiers}
     for (tier, _), (_, ranges) in intent.items():
         for first, last in ranges:
             out[tier] |= {first, last}
@@ -227,23 +250,27 @@ def _nft_or_skip() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("production", [False, True], ids=["default", "production"])
-def test_policy_enforced_between_pod_namespaces(production):
+@pytest.mark.parametrize("world", WORLDS)
+def test_policy_enforced_between_pod_namespaces(world):
     _nft_or_skip()
     netns.sweep_stale()
-    with netns.Network(list(PODS), subnet="10.231.1.0/24") as net:
+    production, epd = WORLDS[world]
+    tiers = EPD_TIERS if epd else TIERS
+    names = (*tiers, *OUTSIDERS)
+    with netns.Network(list(names), subnet="10.231.1.0/24") as net:
         addrs = {n: node.address for n, node in net.nodes.items()}
-        objs, pods, namespaces = _world([PRODUCTION] if production else [], addrs)
+        objs, pods, namespaces = _world([PRODUCTION] if production else [], addrs, epd)
         policies = netpol.policies_of(objs)
         plans = netpol.translate(policies, pods, namespaces)
         for plan in plans.values():
             netpol.apply(net, plan)
-        intent = _intent(production)
+        intent = _intent(production, epd)
         xfer = _transfer_range(production)
-        ports = _probe_ports(intent, xfer)
-        listeners = [s for t in TIERS for s in net.call_in(t, _listen, ports[t])]
+        ports = _probe_ports(intent, xfer, tiers)
+        listeners = [s for t in tiers for s in net.call_in(t, _listen, ports[t])]
         try:
-            flows = [(src, dst, p) for dst in TIERS for p in ports[dst] for src in PODS if src != dst]
+            flows = [(src, dst, p) for dst in tiers for p in ports[dst] for src in names
+                     if src != dst]
 
             def attempt(flow):
                 src, dst, p = flow
@@ -256,11 +283,19 @@ def test_policy_enforced_between_pod_namespaces(production):
             wrong = {f: (got[f].value, want[f].value) for f in flows if got[f] != want[f]}
             assert not wrong, wrong
             admitted = sum(o is Outcome.CONNECTED for o in got.values())
-            print(f"{'production' if production else 'default'}: {len(flows)} flows, "
+            print(f"{world}: {len(flows)} flows, "
                   f"{admitted} admitted, {len(flows) - admitted} dropped")
             # the issue's three cases by name
             assert got[("router", "language", xfer[0])] is Outcome.DROPPED
-            assert got[("encoder", "language", xfer[0])] is Outcome.CONNECTED
+            assert got[("encoder", "language", xfer[0])] is (
+                Outcome.DROPPED if epd else Outcome.CONNECTED)
+            if epd:  # E/P/D's paths by name: KV pages P -> D, Prefill D -> P, Attach P -> E
+                assert got[("prefill", "language", xfer[0])] is Outcome.CONNECTED
+                assert got[("language", "prefill", GRPC["prefill"])] is Outcome.CONNECTED
+                assert got[("prefill", "encoder", GRPC["encoder"])] is Outcome.CONNECTED
+                assert got[("encoder", "prefill", xfer[1])] is Outcome.CONNECTED
+                assert got[("language", "encoder", GRPC["encoder"])] is Outcome.DROPPED
+                assert got[("language", "prefill", xfer[0])] is Outcome.DROPPED
             assert got[("monitor", "encoder", METRICS)] is Outcome.CONNECTED
             assert got[("other", "encoder", METRICS)] is (
                 Outcome.DROPPED if production else Outcome.CONNECTED)
@@ -272,7 +307,7 @@ def test_policy_enforced_between_pod_namespaces(production):
                     key = (pol["metadata"]["name"].removeprefix("t-tandem-"), rule_index)
                     sources, ranges = intent[key]
                     dst = key[0]
-                    src = next(s for s in PODS if s != dst and (sources == ANY or s in sources))
+                    src = next(s for s in names if s != dst and (sources == ANY or s in sources))
                     port = ranges[0][0]
                     cut = copy.deepcopy(policies)
                     del cut[pol_index]["spec"]["ingress"][rule_index]

@@ -115,11 +115,15 @@ class PodPlan:
 
 
 def render_chart(values_files: list[str | Path] = (), release: str = "t",
-                 namespace: str = "tandem", helm: Path = HELM) -> list[dict]:
-    """The chart's objects as `helm template` renders them."""
+                 namespace: str = "tandem", helm: Path = HELM,
+                 set_values: tuple[str, ...] = ()) -> list[dict]:
+    """The chart's objects as `helm template` renders them (`set_values`: `--set` items,
+    after the values files)."""
     argv = [str(helm), "template", release, str(CHART), "--namespace", namespace]
     for f in values_files:
         argv += ["-f", str(f)]
+    for item in set_values:
+        argv += ["--set", item]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     if r.returncode != 0:
         raise RuntimeError(f"helm template: {r.stderr.strip()}")
