@@ -232,7 +232,7 @@ clean:
 # pods are network namespaces on a private subnet that exists only inside them
 # (deploy/harness/netns.py); every namespace and process is removed at the end.
 #   check-ray-nodes  a 3-node Ray cluster, `tandem up --ray` across it, a worker's loss (minutes)
-#   check-netpol     the chart's rendered NetworkPolicy as nftables rules between pods (~1.5 min)
+#   check-netpol     the chart's rendered NetworkPolicy as nftables rules between pods (~3 min, E/P/D included)
 .PHONY: check-ray-nodes check-netpol
 check-ray-nodes: setup
 	$(PY) -m pytest -q -rs --run-slow tests/test_deploy_ray_nodes.py
