@@ -244,7 +244,8 @@ check-netpol: setup $(HELM)
 
 # The chart's own pods without Kubernetes (opt-in, root, `ip`, Debian's dnsmasq-base): the
 # rendered Deployments as network namespaces on a private subnet, Services through a
-# dnsmasq, Secrets and ConfigMaps mounted, probes polled as the kubelet does (~2.5 min).
+# dnsmasq, Secrets and ConfigMaps mounted, probes polled as the kubelet does; default and
+# production values (scale up/down, a killed pod, exact image/video chats) (~2 min 40 s).
 .PHONY: check-pods
 check-pods: setup $(HELM)
 	@command -v dnsmasq >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \

@@ -14,7 +14,13 @@ by a dnsmasq, probes polled from a kubelet namespace at the pod's address.
   language replica is found through the headless Service's DNS and used by the router;
 - slow: a pod whose servers bind 127.0.0.1 (a fault planted in the rendered ConfigMap)
   answers on its own loopback yet never passes a probe from the kubelet, and never appears
-  in DNS: the check can fail.
+  in DNS: the check can fail;
+- slow: the production example (values-production.yaml, the CPU overlay, then
+  deploy/harness/values-production-cpu.yaml: what cannot exist here), replicas from its
+  HPAs: no declared or Mooncake port on loopback alone, the helm test pod with the API key,
+  an image and a video chat whose greedy ids equal transformers', an encoder added at run
+  time used and one deleted with chats in flight (none failed), an encoder's link cut then
+  its process killed with chats in flight (all answered, retried on another encoder).
 
 The slow tests run each pod in the filesystem of its built image where `make image` built
 one (the pod's process seen chrooted there), else in this checkout's venv;
