@@ -491,3 +491,37 @@ def test_a_prefill_stream_cut_while_its_first_token_is_sampled_frees_the_held_pa
     finally:
         release.set()
     assert_idle(cluster)
+
+
+def test_a_decode_instance_lost_after_the_first_token_leaves_the_prompt_on_the_prefill_side(
+        cluster):
+    """Issue 39, point 5: the decode instance goes away while the prefill instance writes
+    its pages (its call cut once the first token is out). The prefill instance keeps the
+    prompt's pages in its prefix cache, so the router's retry, which keeps the prefill
+    instance when the decode side failed (tests/test_router_prefill_decode), gets them back
+    computed: every whole page of the prompt is cached there and sent again, not run
+    again, and the answer equals the `both` instance's."""
+    if cluster.arch != "qwen2_5_vl":
+        pytest.skip("one architecture shows it")
+    chat = [Message("user", (f"Lost decode {secrets.randbits(32)}: say something long, "
+                             "about rivers and the sea and what lies between them.",))]
+    req = language_pb2.LanguageGenerateRequest(
+        room=secrets.randbits(62), sampling=GREEDY, messages=to_proto(chat),
+        prefill_address=cluster.address("prefill"))
+
+    async def cut_after_first():
+        call = cluster.stubs["decode"].Generate(req)
+        first = await call.read()
+        call.cancel()
+        return first
+
+    first = cluster.call(cut_after_first())
+    assert len(first.token_ids) == 1 and first.usage.prompt_tokens > 2 * 16, first
+    assert_idle(cluster)  # every page of both sides back (P's: idle in its prefix cache)
+    retry = cluster.call(cluster.generate(chat, GREEDY))  # the retry: same P, a decode side
+    prompt = retry[-1].usage.prompt_tokens
+    assert retry[-1].usage.cached_tokens == (prompt - 1) // 16 * 16, retry[-1].usage
+    assert tokens_of(retry) == tokens_of(cluster.call(cluster.generate(chat, GREEDY,
+                                                                       on="both")))
+    assert tokens_of(retry)[0] == first.token_ids[0]
+    assert_idle(cluster)
