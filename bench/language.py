@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/language.py [--model DIR | --arch qwen2_5_vl --size small]
         [--requests 32] [--concurrency 1 8 32] [--runs 3] [--device auto] [--dtype auto]
-        [--tp N] [--out bench/results/language.md]
+        [--tp N] [--threads N] [--engine-profile] [--out bench/results/language.md]
 
 `--tp N` runs the engine over N tensor-parallel ranks (N processes: gloo on CPU, where the
 host's threads are split among them, so on a small CPU host it is a correctness path and
@@ -22,6 +22,15 @@ text MRoPE positions); transformers gets the same token ids.
 Each figure is the median of `--runs` runs; ratios use medians from the same process.
 Before timing, the engine's greedy tokens are checked against HF one-at-a-time (in the
 dtype used; exact equality is only expected in float32).
+
+`--engine-profile` (off by default; skips the HF runs): where the engine thread's CPU time
+goes per step (`time.thread_time`, so other processes' load does not count): schedule(),
+the scheduler gauges, metrics, the forward, sample(), scheduler.commit(), the per-token
+work (`_on_token`: grammar accept, detokenizer, stop checks, the sink) with its
+detokenizer and sink shares, and the engine loop outside `_step` (inbox, deadlines); plus
+the process's other threads (the client thread that drains the sinks' queue here; there
+is no gRPC in this setup). Use `--threads 1`, so the forward runs on the engine thread
+alone. Written to `bench/results/language-profile-<dtype>.md` unless `--out` is given.
 """
 
 from __future__ import annotations
@@ -74,8 +83,11 @@ def payload(hf, ids: list[int]) -> PromptPayload:
     return PromptPayload(emb, t.to(torch.int32), pos, 0)
 
 
-def run_engine(engine, work, payloads, concurrency: int) -> tuple[float, list[list[int]]]:
-    """Seconds for the whole workload at `concurrency`, and each request's tokens."""
+def run_engine(engine, work, payloads, concurrency: int, sink_times: dict | None = None
+               ) -> tuple[float, list[list[int]]]:
+    """Seconds for the whole workload at `concurrency`, and each request's tokens.
+
+    `sink_times`: add each sink call's engine-thread CPU seconds under "sink"."""
     q: queue.Queue = queue.Queue()
     outs: dict[int, list[int]] = {}
     order: list[int] = []
@@ -87,7 +99,14 @@ def run_engine(engine, work, payloads, concurrency: int) -> tuple[float, list[li
         order.append(rid)
         outs[rid] = []
         sp = SamplingParams(max_tokens=work[i][1], ignore_eos=True)
-        engine.submit(Request(RequestSpec(rid, sp, payloads[i])), lambda d, rid=rid: q.put((rid, d)))
+        if sink_times is None:
+            sink = lambda d, rid=rid: q.put((rid, d))  # noqa: E731
+        else:
+            def sink(d, rid=rid):  # the engine thread
+                c = time.thread_time()
+                q.put((rid, d))
+                sink_times["sink"] += time.thread_time() - c
+        engine.submit(Request(RequestSpec(rid, sp, payloads[i])), sink)
 
     while done < len(work):
         while inflight < concurrency and nxt < len(work):
@@ -118,6 +137,117 @@ def hf_generate(hf, batch: list[tuple[list[int], int]], pad_id: int) -> list[lis
     return [out[r, width : width + n].tolist() for r, (_, n) in enumerate(batch)]
 
 
+_DETOK_TIMES: dict[str, float] = {"detok": 0.0}
+
+
+def _time_detokenizer() -> None:
+    """The engine's detokenizers charge their add() to _DETOK_TIMES (engine thread CPU)."""
+    from tandem.services.language.engine import core
+
+    class TimedDetokenizer(core.IncrementalDetokenizer):
+        def add(self, token_ids):
+            c = time.thread_time()
+            try:
+                return super().add(token_ids)
+            finally:
+                _DETOK_TIMES["detok"] += time.thread_time() - c
+
+    core.IncrementalDetokenizer = TimedDetokenizer
+
+
+PARTS = ("schedule", "gauges", "metrics", "forward", "forward_mixed", "sample", "commit",
+         "on_token", "detok", "sink")
+
+
+def engine_profile(a, engine, ckpt, work, payloads, hf, pad, spec) -> int:
+    """--engine-profile: per-part engine thread CPU per step, median of the runs."""
+    from collections import defaultdict
+
+    device = engine.runner.device
+    _, ref = timed(lambda: [hf_generate(hf, [w], pad)[0] for w in work[:4]], device)
+    _, got = run_engine(engine, work[:4], payloads[:4], 4)  # also warms up
+    same = sum(r == g for r, g in zip(ref, got, strict=True))
+    print(f"greedy check: {same}/{len(ref)} requests identical to generate()", flush=True)
+    eng_clock = time.pthread_getcpuclockid(engine._thread.ident)
+    out_tokens = sum(n for _, n in work)
+    rows: dict[int, list[dict]] = {}
+    for run in range(a.runs):
+        for c in a.concurrency:
+            pt = defaultdict(float)
+            engine.part_times = pt
+            _DETOK_TIMES["detok"] = 0.0
+            e0, p0, m0 = time.clock_gettime(eng_clock), time.process_time(), time.thread_time()
+            secs, _ = run_engine(engine, work, payloads, c, sink_times=pt)
+            e1, p1, m1 = time.clock_gettime(eng_clock), time.process_time(), time.thread_time()
+            engine.part_times = None
+            pt["detok"] = _DETOK_TIMES["detok"]
+            steps = pt["steps_decode"] + pt["steps_mixed"]
+            inside = sum(pt[k] for k in PARTS if k not in ("detok", "sink"))
+            r = {k: 1e3 * pt[k] / steps for k in PARTS}
+            r["forward"] = 1e3 * pt["forward"] / max(pt["steps_decode"], 1)
+            r["forward_mixed"] = 1e3 * pt["forward_mixed"] / max(pt["steps_mixed"], 1)
+            r["loop"] = 1e3 * ((e1 - e0) - inside) / steps  # inbox, deadlines, idle polls
+            r["engine_ms"] = 1e3 * (e1 - e0) / steps
+            r["client_ms"] = 1e3 * (m1 - m0) / steps
+            r["other_ms"] = 1e3 * ((p1 - p0) - (e1 - e0) - (m1 - m0)) / steps
+            r["host_ms"] = r["engine_ms"] - 1e3 * (pt["forward"] + pt["forward_mixed"]) / steps
+            r.update(wall_s=secs, tok_s=out_tokens / secs, steps=steps,
+                     decode_steps=pt["steps_decode"], mixed_steps=pt["steps_mixed"],
+                     engine_s=e1 - e0, tok_per_step=out_tokens / steps)
+            rows.setdefault(c, []).append(r)
+            print(f"run {run}: c={c}: {r['tok_s']:.1f} tok/s, {steps:.0f} steps, engine "
+                  f"{r['engine_ms']:.2f} ms/step (forward {r['forward']:.2f}, host "
+                  f"{r['host_ms']:.2f})", flush=True)
+    engine.stop()
+
+    def med(c, k):
+        return statistics.median(r[k] for r in rows[c])
+
+    host = f"{platform.processor() or platform.machine()}"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                host = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    lines = [
+        f"Model `{ckpt.name}` ({a.arch} {a.size}), {engine.runner.dtype}, {host}, "
+        f"{torch.get_num_threads()} torch thread(s); {a.requests} requests, prompts 64-512 "
+        f"tokens, outputs 16-128 ({out_tokens} in all), greedy, sink = a queue.Queue put "
+        f"(no gRPC); greedy check {same}/{len(ref)} identical to generate(). Engine thread CPU "
+        f"ms (time.thread_time) per step, median of {a.runs} runs; forward: per pure decode "
+        "step (prefill/mixed steps apart); the other parts: per step of any kind.",
+        "",
+        "| c | tok/s | steps (mixed) | tok/step | schedule | gauges | metrics | forward "
+        "(decode) | forward (mixed) | sample | commit | on_token | of it detok | of it sink "
+        "| loop | engine thread | host (engine - forward) | client thread | other threads |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:"
+        "|---:|---:|",
+    ]
+    for c in rows:
+        lines.append(
+            f"| {c} | {med(c, 'tok_s'):.1f} | {med(c, 'steps'):.0f} ({med(c, 'mixed_steps'):.0f})"
+            f" | {med(c, 'tok_per_step'):.2f} | "
+            + " | ".join(f"{med(c, k):.3f}" for k in (
+                "schedule", "gauges", "metrics", "forward", "forward_mixed", "sample", "commit",
+                "on_token", "detok", "sink", "loop", "engine_ms", "host_ms", "client_ms",
+                "other_ms"))
+            + " |")
+    lines += ["", "Per run (engine thread ms/step, host ms/step): " + "; ".join(
+        f"c={c}: " + ", ".join(f"{r['engine_ms']:.2f}/{r['host_ms']:.3f}" for r in rows[c])
+        for c in rows)]
+    table = "\n".join(lines)
+    print("\n" + table)
+    out = a.out or str(ROOT / "bench" / "results" /
+                       f"language-profile-{str(engine.runner.dtype).removeprefix('torch.')}.md")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text("# Engine thread profile (bench/language.py --engine-profile)\n\n"
+                         f"    .venv/bin/python bench/language.py {' '.join(sys.argv[1:])}\n\n"
+                         + table + "\n")
+    return 0
+
+
 def timed(fn, device):
     sync(device)
     t = time.perf_counter()
@@ -138,7 +268,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--max-prefill-tokens", type=int, default=2048)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the engine")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "language.md"))
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    ap.add_argument("--engine-profile", action="store_true",
+                    help="engine thread CPU time per part of a step (skips the HF runs)")
+    ap.add_argument("--out", default=None,
+                    help="default bench/results/language.md (language-profile-<dtype>.md "
+                    "with --engine-profile)")
     a = ap.parse_args(argv)
 
     from transformers import AutoModelForImageTextToText
@@ -154,8 +289,12 @@ def main(argv=None) -> int:
     cfg = LanguageConfig(
         model=str(ckpt), device=a.device, dtype=a.dtype, kv_pages=4096, kv_page_size=16,
         max_prefill_tokens=a.max_prefill_tokens, max_running_requests=max(a.concurrency),
-        cuda_graph_max_bs=max(a.concurrency), tp=a.tp,
+        cuda_graph_max_bs=max(a.concurrency), tp=a.tp, cpu_threads=a.threads,
     )
+    if a.threads:
+        torch.set_num_threads(a.threads)  # as `tandem language` does (serving.run_service)
+    if a.engine_profile:
+        _time_detokenizer()
     engine, spec, _ = build_engine(cfg, LanguageMetrics(CollectorRegistry()))
     device, dtype = engine.runner.device, engine.runner.dtype
     hf = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=dtype).to(device).eval()
@@ -163,6 +302,8 @@ def main(argv=None) -> int:
     payloads = [payload(hf, ids) for ids, _ in work]
     pad = int(hf.generation_config.pad_token_id or 0)
     engine.start()
+    if a.engine_profile:
+        return engine_profile(a, engine, ckpt, work, payloads, hf, pad, spec)
     print(
         f"model {ckpt.name} on {device} {dtype}; {a.requests} requests, prompt tokens "
         f"{sum(len(i) for i, _ in work)}, output tokens {sum(n for _, n in work)}",
@@ -257,6 +398,7 @@ def main(argv=None) -> int:
               f"{prefill_s:.1f} s."]
     table = "\n".join(lines)
     print("\n" + table)
+    a.out = a.out or str(ROOT / "bench" / "results" / "language.md")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(

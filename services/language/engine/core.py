@@ -104,6 +104,9 @@ class Engine:
         # tokens (prefill/mixed) and of pure decode steps, and the rest of the step
         self.profile = {"mixed_s": 0.0, "mixed_steps": 0, "decode_s": 0.0, "decode_steps": 0,
                         "host_s": 0.0}
+        # opt-in (bench/language.py --engine-profile): CPU seconds of the engine thread
+        # (time.thread_time) per part of a step, summed; None (the default) reads no clock
+        self.part_times: dict[str, float] | None = None
 
     # ---- any thread -------------------------------------------------------------------
 
@@ -345,9 +348,18 @@ class Engine:
 
     def _step(self) -> bool:
         retractions = self.scheduler.num_retractions
+        pt = self.part_times
+        if pt is not None:
+            c0 = time.thread_time()
         t_sched = time.perf_counter()
         step = self.scheduler.schedule()
+        if pt is not None:
+            c1 = time.thread_time()
+            pt["schedule"] += c1 - c0
         self._update_gauges()
+        if pt is not None:
+            c0 = time.thread_time()
+            pt["gauges"] += c0 - c1
         if step is None:
             return False
         for f in step.failed:
@@ -364,8 +376,14 @@ class Engine:
                  and c.req.prompt.arrived is not None and not c.req.prompt.arrived.complete]
 
         t0 = time.perf_counter()
+        if pt is not None:
+            c1 = time.thread_time()
+            pt["metrics"] += c1 - c0
         traced_at = time.monotonic() if self._traced else 0.0
         out = self.runner.forward(step.batch)
+        if pt is not None:
+            c0 = time.thread_time()
+            pt["forward" if step.batch.is_pure_decode else "forward_mixed"] += c0 - c1
         # NOTE: counted after the forward, from the watermarks read before it: these rows
         # were computed while later rows of their prompts were still on their way
         for c in early:
@@ -381,7 +399,13 @@ class Engine:
             for i, t, lp, top in zip(rows, res.token_ids, res.logprobs, res.top_logprobs,
                                      strict=True):
                 tokens[i], logprobs[i], tops[i] = t, lp, top
+        if pt is not None:
+            c1 = time.thread_time()
+            pt["sample"] += c1 - c0
         self.scheduler.commit(step, tokens, logprobs)
+        if pt is not None:
+            c0 = time.thread_time()
+            pt["commit"] += c0 - c1
         now = time.monotonic()
         t2 = time.perf_counter()
         if traced_at:
@@ -390,14 +414,23 @@ class Engine:
                     c.req.trace.chunks.append((traced_at, now, c.num_tokens, len(step.chunks),
                                                step.num_tokens))
         m.count_generated(len(rows))
+        if pt is not None:
+            c1 = time.thread_time()
+            pt["metrics"] += c1 - c0
         for i in rows:
             self._on_token(self._live[step.chunks[i].req.room], tokens[i], logprobs[i], tops[i],
                            now)
+        if pt is not None:
+            c0 = time.thread_time()
+            pt["on_token"] += c0 - c1
         kind = "decode" if step.batch.is_pure_decode else "mixed"
         m.busy_seconds.inc(t2 - t0)
         self.profile[kind + "_s"] += t2 - t0
         self.profile[kind + "_steps"] += 1
         self.profile["host_s"] += time.perf_counter() - t2 + (t0 - t_sched)
+        if pt is not None:
+            pt["metrics"] += time.thread_time() - c0
+            pt["steps_decode" if step.batch.is_pure_decode else "steps_mixed"] += 1
         return True
 
     def _on_token(self, live: Live, token: int, logprob: float | None, top: list,
