@@ -56,9 +56,10 @@ IMAGES = os.environ.get("TANDEM_PODS_IMAGES", "1") != "0"
 @pytest.fixture(scope="module")
 def overlay(tmp_path_factory, checkpoint):
     """The CPU overlay: what a CPU cluster's values would change, nothing else. The model
-    is a copy of the test checkpoint readable by the chart's user: transformers' save
-    writes model.safetensors owner-only (0600), which a pod running as uid 10001 (in the
-    image) cannot open from a hostPath, as on a real node. NOTE: the copy lies outside
+    is a copy of the test checkpoint readable by the chart's user (transformers' save
+    writes model.safetensors owner-only, 0600, which a pod running as uid 10001 cannot
+    open from a hostPath; `tandem tiny-model` now writes 0644, a checkpoint from elsewhere
+    may not be). NOTE: the copy lies outside
     /tmp: in this venv a pod's root is the host's, and its /tmp emptyDir would hide it."""
     model = Path(tempfile.mkdtemp(prefix="pods-model-", dir=ROOT / ".cache"))
     shutil.copytree(checkpoint("qwen2_5_vl"), model, dirs_exist_ok=True)

@@ -82,6 +82,9 @@ def test_same_seed_same_weight_file(tmp_path, arch):
     assert weights[0] == weights[1]
     assert weights[0] != weights[2]
     assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
+    # readable by all, as a downloaded checkpoint (a pod's user reads it from a volume)
+    assert {f.name: f.stat().st_mode & 0o777 for f in a.iterdir() if f.is_file()} == {
+        f.name: 0o644 for f in a.iterdir() if f.is_file()}
 
 
 def test_cli_builds_the_same_checkpoint_in_another_process(tmp_path):

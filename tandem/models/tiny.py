@@ -309,6 +309,11 @@ def build_tiny_model(
         model.save_pretrained(out)
     make_processor(arch, size).save_pretrained(out)
     write_video_processor_config(out)
+    # NOTE: readable by all, as a downloaded checkpoint is: transformers writes the weights
+    # owner-only (0600), which a pod running as another user cannot read from a volume
+    for f in out.iterdir():
+        if f.is_file():
+            f.chmod(0o644)
     return out
 
 
