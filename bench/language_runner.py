@@ -52,6 +52,20 @@ def _time(fn, device, steps: int) -> float:
     return statistics.median(times)
 
 
+def _decode_batch(runner, pool, bs: int, context: int, per_seq: int,
+                  g: torch.Generator) -> ForwardBatch:
+    """`bs` decode rows, each after its own `context`-token prompt run eagerly (KV in place)."""
+    chunks = []
+    for i in range(bs):
+        ids = torch.randint(0, runner.vocab_size, (context,), generator=g)
+        pages = pool.alloc(per_seq)
+        pos = torch.arange(context).expand(3, context)
+        runner.forward_eager(ForwardBatch([SeqChunk(i, 0, pos, pages, token_ids=ids)]))
+        chunks.append(SeqChunk(i, context, decode_positions(context, 0), pages,
+                               token_ids=torch.tensor([int(ids[-1])])))
+    return ForwardBatch(chunks)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", help="checkpoint directory (default: build a tiny-model one)")
@@ -137,22 +151,14 @@ def main(argv=None) -> int:
     print(f"\n{'bs':>4} | {'eager ms/step':>14} | {'graph ms/step':>14} | {'eager/graph':>11}")
     print(f"{'-' * 4}-+-{'-' * 14}-+-{'-' * 14}-+-{'-' * 11}")
     for bs in args.batch_sizes:
-        chunks = []
-        for i in range(bs):
-            ids = torch.randint(0, runner.vocab_size, (args.context,), generator=g)
-            pages = pool.alloc(per_seq)
-            pos = torch.arange(args.context).expand(3, args.context)
-            runner.forward_eager(ForwardBatch([SeqChunk(i, 0, pos, pages, token_ids=ids)]))
-            chunks.append(SeqChunk(i, args.context, decode_positions(args.context, 0), pages,
-                                   token_ids=torch.tensor([int(ids[-1])])))
-        batch = ForwardBatch(chunks)
+        batch = _decode_batch(runner, pool, bs, args.context, per_seq, g)
         eager, graph = [], []
         for _ in range(args.repeats):
             eager.append(_time(lambda b=batch: runner.forward_eager(b), device, args.steps))
             graph.append(_time(lambda b=batch: gr.run(b), device, args.steps))
         e, gt = statistics.median(eager), statistics.median(graph)
         print(f"{bs:>4} | {e * 1e3:>14.3f} | {gt * 1e3:>14.3f} | {e / gt:>10.2f}x")
-        for c in chunks:
+        for c in batch.chunks:
             pool.free(c.block_table)
     return 0
 
@@ -180,15 +186,7 @@ def compiled_table(runner, pool, args) -> None:
     print(f"\n{'bs':>4} | {'eager CPU ms':>12} | {'compiled CPU ms':>15} | {'eager/compiled':>14} "
           f"| {'eager wall ms':>13} | {'compiled wall ms':>16}")
     for bs in args.batch_sizes:
-        chunks = []
-        for i in range(bs):
-            ids = torch.randint(0, runner.vocab_size, (args.context,), generator=g)
-            pages = pool.alloc(per_seq)
-            pos = torch.arange(args.context).expand(3, args.context)
-            runner.forward_eager(ForwardBatch([SeqChunk(i, 0, pos, pages, token_ids=ids)]))
-            chunks.append(SeqChunk(i, args.context, decode_positions(args.context, 0), pages,
-                                   token_ids=torch.tensor([int(ids[-1])])))
-        batch = ForwardBatch(chunks)
+        batch = _decode_batch(runner, pool, bs, args.context, per_seq, g)
         e = gr.run(batch).last_logits
         diff = (e - runner.forward_eager(batch).last_logits).abs().max().item()
         runs: dict[str, list[tuple[float, float]]] = {"eager": [], "compiled": []}
@@ -200,7 +198,7 @@ def compiled_table(runner, pool, args) -> None:
         (ec, ew), (cc, cw) = med["eager"], med["compiled"]
         print(f"{bs:>4} | {ec:>12.2f} | {cc:>15.2f} | {ec / cc:>13.2f}x | {ew:>13.2f} | "
               f"{cw:>16.2f}   (max |logit diff| {diff:.1e})")
-        for c in chunks:
+        for c in batch.chunks:
             pool.free(c.block_table)
 
 
@@ -341,7 +339,7 @@ def profile(runner, pool, args, vocab_sizes: list[int]) -> None:
             med = {k: statistics.median(x.get(k, 0.0) for x in samples) * 1e3
                    for k in (*COMPONENTS, "total")}
             rows.append((name, med))
-        for c in chunks:
+        for c in batch.chunks:
             pool.free(c.block_table)
     head = " | ".join(f"{c:>10}" for c in (*COMPONENTS, "total"))
     print(f"\nCPU ms per step by component (1 thread; median of {args.steps}):")
