@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,49 @@ async def test_a_room_queued_for_its_first_blocks_is_not_stalled():
             with pytest.raises(TransferError):
                 await asyncio.wait_for(task, HANG_GUARD_S)
         assert rx.progress_times() == []
+    finally:
+        await server.stop(None)
+        await rx.close()
+
+
+async def test_an_encoder_waits_for_an_init_the_language_side_queues_past_the_timeout():
+    """The language side queues a room for its first blocks up to the request's deadline
+    (receiver.py); the encoder's wait for that room's Init is the same queueing and lasts
+    as long: a room queued past the transfer timeout is delivered once blocks free up.
+    (Before, the encoder failed it at the transfer timeout, "no progress while waiting for
+    the language side's Init": under load, with one language instance frozen and its
+    requests retried on the other, a retried request failed so.) Without a deadline the
+    transfer timeout still bounds the wait: nothing else would end it."""
+    engine, cfg = make_engine(timeout_s=1.0)
+    sender, server, address = await start_sender(engine, cfg, slots=2, slot_tokens=64)
+    rx = make_receiver(engine, cfg, blocks=4, block_size=16, reserve=64)
+    try:
+        # Room 1 holds every block while its encoder prepares the payload (heartbeats).
+        sender.preparing(1, True)
+        first = asyncio.create_task(rx.receive(1, address))
+        await async_wait_until(lambda: rx.state(1) == ReceiverState.WAITING_FOR_INPUT,
+                               timeout_s=HANG_GUARD_S, what="room 1 attached")
+        second = asyncio.create_task(rx.receive(2, address, deadline=time.time() + HANG_GUARD_S))
+        await async_wait_until(lambda: rx.state(2) == ReceiverState.BOOTSTRAPPING,
+                               timeout_s=HANG_GUARD_S, what="room 2 queued for blocks")
+        p1, p2 = make_payload(40, 32, "float32", seed=1), make_payload(50, 32, "float32", seed=2)
+        sending = asyncio.create_task(sender.send(2, p2, deadline=time.time() + HANG_GUARD_S))
+        # NOTE: a sleep, not a clock read: before the fix the send had failed after 1 s
+        await asyncio.sleep(3 * cfg.timeout_s)
+        assert not sending.done(), sending.exception()
+        # The room's Init wait must still have ended at the timeout with no deadline given.
+        with pytest.raises(TransferError, match="Init"):
+            await asyncio.wait_for(sender.send(3, p1), HANG_GUARD_S)
+        # Room 1 gets its payload and returns its blocks; room 2 then attaches and is served.
+        sender.preparing(1, False)
+        await asyncio.wait_for(sender.send(1, p1), HANG_GUARD_S)
+        got1 = await asyncio.wait_for(first, HANG_GUARD_S)
+        rx.release(got1)
+        await asyncio.wait_for(sending, HANG_GUARD_S)
+        got2 = await asyncio.wait_for(second, HANG_GUARD_S)
+        assert (digest(got1), digest(got2)) == (digest(p1), digest(p2))
+        rx.release(got2)
+        assert rx.allocator.num_free == 4 and not sender.rooms
     finally:
         await server.stop(None)
         await rx.close()

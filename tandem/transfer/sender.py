@@ -42,9 +42,10 @@ Each piece (what the language side reserved) is written in staging rounds of at 
 transfers, one per run of consecutive destination blocks and buffer; the next chunk is
 staged while the previous is on the wire); every finished chunk but the
 last is reported as Progress(partial=False), a piece that leaves tokens over as
-Progress(partial=True), the end as Done. A room with no Init (send waiting) or no payload
-(Init waiting) within `timeout_s` fails; so does one whose Resume does not come within
-`timeout_s`. A broken Attach stream fails the room at once, even while a write is in
+Progress(partial=True), the end as Done. A room whose Init has not come by the request's
+`deadline` fails (the language side queues for its first blocks up to then; without a
+deadline, `timeout_s` bounds the wait); so does one with no payload (Init waiting) within
+`timeout_s`, and one whose Resume does not come within `timeout_s`. A broken Attach stream fails the room at once, even while a write is in
 flight (the write is not waited for; its staging slot is returned when Mooncake gives the
 thread back). `deadline` is Unix seconds. Failures are sent as AttachFailed and raised as
 TransferError(reason, code).
@@ -328,8 +329,14 @@ class EmbeddingSender:
     # ---- sending ----------------------------------------------------------------------
     async def _await_init(self, r: SenderRoom, deadline: float | None) -> None:
         if r.init is None:
+            # NOTE: the language side sends Init once it holds the room's first blocks, and
+            # waits for them up to the request's deadline (receiver.py: queueing behind the
+            # rooms under way, not a stall); this wait is the same queueing and lasts as
+            # long. A dead or frozen language instance is the router's to see (its Generate
+            # fails, its load polls go unanswered): the router then ends this Encode, and
+            # with it the room. Without a deadline nothing else would: the transfer timeout.
             await self._race(r, r.until(lambda: r.init is not None), deadline,
-                             "waiting for the language side's Init")
+                             "waiting for the language side's Init", stall=deadline is None)
         r.protection = RowProtection.of_init(r.init)
         if not r.protection.at_least(self.config.protect):
             # NOTE: never send rows less protected than this encoder is configured for
