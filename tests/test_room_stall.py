@@ -136,3 +136,36 @@ async def test_an_encoder_waits_for_an_init_the_language_side_queues_past_the_ti
     finally:
         await server.stop(None)
         await rx.close()
+
+
+async def test_a_room_waiting_for_a_staging_slot_heartbeats_and_waits_for_it():
+    """An encoder's staging slots come back only when Mooncake is done with their writes
+    (a frozen peer: its timeout, 30 s by default). A room waiting for one is queued, not
+    stalled: it heartbeats, so its language side does not fail it at the transfer timeout,
+    and it waits up to the request's deadline; once a slot is free it is delivered. (Before,
+    with both slots held by writes to a frozen language instance, the encoder's rooms to
+    the other instance failed one by one: "no progress while waiting for a staging slot".)"""
+    engine, cfg = make_engine(timeout_s=1.0)
+    sender, server, address = await start_sender(engine, cfg, slots=1, slot_tokens=64)
+    rx = make_receiver(engine, cfg, blocks=4, block_size=16, reserve=64)
+    try:
+        held = await sender.staging.acquire()  # as a round whose writes never end would
+        room = asyncio.create_task(rx.receive(1, address, deadline=time.time() + HANG_GUARD_S))
+        await async_wait_until(lambda: rx.state(1) == ReceiverState.WAITING_FOR_INPUT,
+                               timeout_s=HANG_GUARD_S, what="room 1 attached")
+        p = make_payload(50, 32, "float32", seed=3)
+        sending = asyncio.create_task(sender.send(1, p, deadline=time.time() + HANG_GUARD_S))
+        # NOTE: a sleep, not a clock read: without heartbeats and with the timeout, both
+        # sides had failed the room after 1 s
+        await asyncio.sleep(3 * cfg.timeout_s)
+        assert not sending.done(), sending.exception()
+        assert not room.done(), room.exception()
+        sender.staging.release(held)
+        await asyncio.wait_for(sending, HANG_GUARD_S)
+        got = await asyncio.wait_for(room, HANG_GUARD_S)
+        assert digest(got) == digest(p)
+        rx.release(got)
+        assert rx.allocator.num_free == 4 and not sender.rooms
+    finally:
+        await server.stop(None)
+        await rx.close()

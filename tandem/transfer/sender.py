@@ -221,9 +221,18 @@ class EmbeddingSender:
         raise timed_out(f"room {r.room}: no progress while {what}", timeout, deadline, r.room)
 
     async def _acquire_slot(self, r: SenderRoom, deadline: float | None) -> int:
+        """A staging slot for the room's next round. NOTE: waiting for one is queueing
+        behind this encoder's other rounds, not a stall: the room heartbeats meanwhile (or
+        the language side would fail it at its transfer timeout) and waits up to the
+        request's deadline (without one, the transfer timeout). A round's slot comes back
+        only when Mooncake is done with its writes, which to a frozen peer is its own
+        timeout (MC_TRANSFER_TIMEOUT): before, two rounds stuck so starved every other
+        room of the encoder, whose language sides then failed them one by one."""
         task = asyncio.ensure_future(self.staging.acquire())
         try:
-            return await self._race(r, task, deadline, "waiting for a staging slot")
+            with self._heartbeat(r):
+                return await self._race(r, task, deadline, "waiting for a staging slot",
+                                        stall=deadline is None)
         except BaseException:
             # NOTE: the acquire may have won the race at the last moment: give it back.
             if task.done() and not task.cancelled() and task.exception() is None:
