@@ -153,6 +153,9 @@ async def test_a_room_waiting_for_a_staging_slot_heartbeats_and_waits_for_it():
         room = asyncio.create_task(rx.receive(1, address, deadline=time.time() + HANG_GUARD_S))
         await async_wait_until(lambda: rx.state(1) == ReceiverState.WAITING_FOR_INPUT,
                                timeout_s=HANG_GUARD_S, what="room 1 attached")
+        # the Init named the language side's segment: opened before any write needs it
+        await async_wait_until(lambda: engine.is_open(engine.session_id),
+                               timeout_s=HANG_GUARD_S, what="the peer's segment opened")
         p = make_payload(50, 32, "float32", seed=3)
         sending = asyncio.create_task(sender.send(1, p, deadline=time.time() + HANG_GUARD_S))
         # NOTE: a sleep, not a clock read: without heartbeats and with the timeout, both

@@ -91,6 +91,7 @@ class MooncakeEngine:
         self.session_id = f"{config.host}:{self._te.get_rpc_port()}"
         self._regions: list[tuple[int, int]] = []
         self._lock = threading.Lock()
+        self._opened: set[str] = set()  # peers whose segment `open` fetched (never emptied)
 
     def register(self, tensor: torch.Tensor) -> None:
         """Register a contiguous tensor's memory (once per tensor, at start-up)."""
@@ -145,6 +146,28 @@ class MooncakeEngine:
     def owns(self, addr: int, length: int) -> bool:
         """True when [addr, addr+length) lies inside one registered region."""
         return any(a <= addr and addr + length <= a + n for a, n in self._regions)
+
+    def open(self, peer: str) -> bool:
+        """Fetch `peer`'s segment (Mooncake's handshake) now, once per peer; True when it is
+        open. Blocking: call it off the event loop, as soon as the peer is known alive (it
+        just named itself, in an Init). NOTE: measured with the non-CUDA 0.3 build over
+        TCP: the first write to a peer does this handshake inside `transfer_submit_write`,
+        and to a frozen (SIGSTOPped) peer it blocks ~60 s while holding a lock every other
+        submit of this engine waits on, to every peer; once a peer's segment is open, a
+        write to it while it is frozen blocks nothing else (tests/test_transfer_units.py)."""
+        with self._lock:
+            te = self._te
+            if peer in self._opened:
+                return True
+        if te is None or te.get_first_buffer_address(peer) == 0:  # closed; or unreachable
+            return False
+        with self._lock:
+            self._opened.add(peer)
+        return True
+
+    def is_open(self, peer: str) -> bool:
+        with self._lock:
+            return peer in self._opened
 
     def submit(self, peer: str, srcs: list[int], dsts: list[int], lengths: list[int]
                ) -> list[tuple[int, int]]:

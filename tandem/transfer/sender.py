@@ -143,10 +143,14 @@ class EmbeddingSender:
         # NOTE: writes busy-poll inside Mooncake; a private pool keeps a frozen peer's
         # spinning thread from starving the loop's default executor.
         self._pool = ThreadPoolExecutor(staging.slots + 2, thread_name_prefix="tandem-send")
+        # peers whose segment is open or being opened (`_open_peers`), on this loop only
+        self._opening: set[str] = set()
+        self._opener = ThreadPoolExecutor(2, thread_name_prefix="tandem-open")
 
     def close(self) -> None:
         """At shutdown: stop the write threads once their writes end."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._opener.shutdown(wait=False, cancel_futures=True)
 
     def state(self, room: int) -> SenderState | None:
         r = self.rooms.get(room)
@@ -269,6 +273,7 @@ class EmbeddingSender:
             return
         r = self._room(room, SenderState.WAITING_FOR_PAYLOAD)
         r.init, r.born = first.init, time.monotonic()
+        self._open_peers(first.init)
         beat = self.config.heartbeat_s
         r.notify()  # a send() waiting for Init goes on
         reader = asyncio.create_task(self._read(r, it))
@@ -315,6 +320,24 @@ class EmbeddingSender:
             if r.error is not None:
                 tracing.fail(span, r.error.code, r.error.reason)
             span.end()
+
+    def _open_peers(self, init: encoder_pb2.AttachInit) -> None:
+        """Open the segments of the peers `init` names now, while they are alive (they have
+        just sent it), in the background: a first write's handshake with a peer frozen
+        meanwhile would hold every write of this encoder, to every peer, for ~60 s
+        (MooncakeEngine.open)."""
+        for peer in {init.session_id, *(d.session_id for d in init.ranks)}:
+            if peer not in self._opening:
+                self._opening.add(peer)
+                asyncio.get_running_loop().run_in_executor(
+                    self._opener, self.engine.open, peer).add_done_callback(
+                    lambda f, p=peer: self._opened(p, f))
+
+    def _opened(self, peer: str, f) -> None:
+        if f.cancelled() or f.exception() is not None or not f.result():
+            self._opening.discard(peer)  # NOTE: the next Init naming it tries again
+            log.warning("transfer segment of %s not opened: %s", peer,
+                        "cancelled" if f.cancelled() else f.exception() or "unreachable")
 
     async def _read(self, r: SenderRoom, it) -> None:
         try:
@@ -595,6 +618,7 @@ class EmbeddingSender:
         ours (no Attach stream here): a record of its own, never in `rooms`."""
         r = SenderRoom(room, SenderState.TRANSFERRING, init=init)
         r.protection = RowProtection.of_init(init)
+        self._open_peers(init)
         # NOTE: refusals before any row goes out are WriteRefused (nothing in flight: the
         # lead may re-encode the range instead of failing the room)
         if not r.protection.at_least(self.config.protect):
