@@ -18,6 +18,7 @@ from tandem.transfer.kv import (
     KVKeys,
     KVPageLayout,
     KVStaging,
+    chunk_plan,
     pack,
     runs,
     send_pages,
@@ -77,6 +78,32 @@ def test_pack_then_unpack_moves_pages_exactly_between_caches():
     unpack_into(dst, [5, 0, 11], pack(src, [2, 9, 3], scratch))
     assert same_pages(src, [2, 9, 3], dst, [5, 0, 11])
     assert not dst.k[0][[1, 2, 3]].any()  # nothing else written
+    unpack_into(dst, [1, 2, 3], pack(src, [4, 5, 6], scratch))  # one run: slice copies
+    assert same_pages(src, [4, 5, 6], dst, [1, 2, 3]) and not dst.k[0][4].any()
+
+
+def test_the_tag_covers_the_same_bytes_whatever_the_pages_hold_them():
+    """`tag_order` is one byte order (layer by layer, K then V, pages in order): pages
+    that are one run on one side and scattered on the other carry the same tag, and the
+    same pages in another order do not."""
+    src, dst = cache(11), cache()
+    scratch = torch.empty((4, *KVPageLayout.of_cache(src).slot_shape))
+    unpack_into(dst, [9, 2, 14, 0], pack(src, [3, 4, 5, 6], scratch))
+    keys = KVKeys.derive(RowProtection.new("mac"), 1, 1, 0, 4)
+    tag = keys.tag(src, [3, 4, 5, 6])
+    assert keys.tag(dst, [9, 2, 14, 0]) == tag
+    keys.open_pages(dst, [9, 2, 14, 0], tag)
+    assert keys.tag(src, [4, 3, 5, 6]) != tag
+
+
+def test_chunks_cover_the_transfer_in_order_and_ramp_up_and_down():
+    for n, m in [(1, 64), (5, 2), (100, 64), (192, 64), (256, 64), (1024, 64), (1000, 64)]:
+        plan = chunk_plan(n, m)
+        assert plan[0][0] == 0 and plan[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(plan, plan[1:], strict=False))
+        assert all(0 < e - f <= m for f, e in plan)
+    assert [e - f for f, e in chunk_plan(256, 64)] == [16, 32, 54, 53, 53, 32, 16]
+    assert [e - f for f, e in chunk_plan(100, 64)] == [64, 36]  # too short to ramp
 
 
 def test_one_descriptor_per_run_of_slots_whatever_the_layer_count():
@@ -98,12 +125,20 @@ def test_pages_arrive_exact_and_verified(wire, mode):
     slots = inbox.reserve(len(pages_src), "room-7")
     assert slots == [0, 1, 2, 3, 4]  # lowest free run: one descriptor
     rows = pack(src, pages_src, torch.empty((5, *inbox.layout.slot_shape)))
-    reported = []
+    reported, free_at_report = [], []
+
+    def on_chunk(c):
+        reported.append(c)
+        free_at_report.append(outbox.num_free)
+        assert not outbox.rows[: c.first].any()  # the chunks before: wiped
+
     sent = send_pages(engine, src, pages_src, outbox, to(engine, inbox, slots, 7, secret),
-                      on_chunk=reported.append, chunk_pages=2)  # 3 chunks, pipelined
+                      on_chunk=on_chunk, chunk_pages=2)  # 3 chunks, pipelined
     assert sent.descriptors == 3 and sent.bytes == len(slots) * inbox.layout.page_bytes
     assert reported == sent.chunks and [(c.first, c.pages) for c in reported] == [
         (0, 2), (2, 2), (4, 1)]
+    # each chunk's outbox slots wiped and freed once its write ended (the next report)
+    assert free_at_report == [3, 5, 7]
     assert outbox.num_free == 8 and not outbox.rows.any()  # the outbox wiped, freed
     on_wire = inbox.rows[slots].clone()
     assert torch.equal(on_wire, rows) == (mode != "encrypt")  # ciphertext under encrypt
@@ -133,6 +168,43 @@ def test_a_page_overwritten_in_staging_by_another_writer_is_data_loss(wire, mode
         land_and_check(inbox, "room-8", dst, [4, 5, 6], sent, secret, 8)
     assert e.value.code == "DATA_LOSS"
     assert inbox.num_free == 8 and not inbox.rows.any()
+
+
+class _OutboxWriter:
+    """This process's engine, as the sender uses it, except that just before each submit
+    another writer overwrites the staged outbox slots (after the chunk was tagged and
+    staged, before the wire reads them): what any process reaching the prefill
+    instance's transfer port could do."""
+
+    def __init__(self, engine, outbox: KVStaging) -> None:
+        self._engine, self._outbox = engine, outbox
+
+    def submit(self, peer, srcs, dsts, lengths):
+        for s, n in zip(srcs, lengths, strict=True):
+            self._outbox.rows.view(-1).view(torch.uint8)[s - self._outbox.base :][:n].fill_(7)
+        return self._engine.submit(peer, srcs, dsts, lengths)
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+@pytest.mark.parametrize("mode", ["mac", "encrypt"])
+def test_a_write_into_the_senders_outbox_after_the_tag_is_taken_is_data_loss(wire, mode):
+    """The tag is taken over the sender's cache, never its (registered) outbox: a write
+    into the outbox between staging and the wire reaches the decode side's pages and
+    fails their check there (DATA_LOSS), chunk by chunk."""
+    engine, outbox, inbox = wire
+    src, dst = cache(12), cache()
+    secret = RowProtection.new(mode)
+    slots = inbox.reserve(3, "room-9")
+    sent = send_pages(_OutboxWriter(engine, outbox), src, [0, 1, 2], outbox,
+                      to(engine, inbox, slots, 9, secret))
+    assert outbox.num_free == 8 and not outbox.rows.any()
+    # the tag is the cache's, whatever the outbox held (not taken there, before or after)
+    assert sent.chunks[0].tag == KVKeys.derive(secret, 9, 1, 0, 3).tag(src, [0, 1, 2])
+    with pytest.raises(TransferError) as e:
+        land_and_check(inbox, "room-9", dst, [4, 5, 6], sent, secret, 9)
+    assert e.value.code == "DATA_LOSS"
 
 
 def test_a_write_refused_midway_frees_the_outbox_and_the_error_names_the_peer(wire):
@@ -247,18 +319,6 @@ def test_landed_pages_are_checked_in_a_cpu_cache_only():
     keys = KVKeys.derive(RowProtection.new("encrypt"), 1, 1, 0, 1)
     with pytest.raises(ValueError, match="CPU cache"):
         keys.open_pages(meta, [0], bytes(16))
-
-
-def test_scratch_buffers_of_several_sizes_are_kept_and_reused():
-    """Two sends at once keep two packing buffers; each later send takes one that fits
-    (a spare is found by size and taken by position: comparing tensors is elementwise)."""
-    area = KVStaging(KVPageLayout.of_cache(cache()), 4)
-    with area.scratch(4) as b, area.scratch(3) as a:  # kept as [a, b]
-        assert a.shape[0] == 3 and b.shape[0] == 4
-    with area.scratch(4) as c:  # the second one kept
-        assert c is b
-        with area.scratch(2) as d:
-            assert d is a
 
 
 def test_retired_slots_go_to_no_one_until_their_deadline_then_come_back_wiped():

@@ -12,16 +12,18 @@ travel through staging areas laid out *page-major*:
                                                              K of layer 1, ... (one page)
 
 A run of consecutive slots is one contiguous region, so a transfer costs one descriptor
-per run of slots within a chunk (`CHUNK_PAGES`), whatever the layer count;
+per run of slots within a chunk (`chunk_plan`), whatever the layer count;
 `KVStaging.reserve` hands out the lowest free run that fits, so a request's slots are
 usually one run.
 
 The sender (the prefill instance), `send_pages`, per chunk of pages while the previous
-chunk is on the wire: pack into private memory, tag it there (Poly1305 under keys derived
-for that chunk), stage into its registered outbox (encrypted under `encrypt`: one ChaCha20
-stream per chunk, under the chunk's own key), write (one descriptor per run of slots), and
-report the chunk written with its tag (`KVChunk`). Unprotected (`none`), a chunk is packed
-straight into the outbox.
+chunk is on the wire: tag the chunk's pages where they lie in its cache (Poly1305 under
+keys derived for that chunk, over `tag_order`: private memory, which no peer can reach and
+no step writes while the pages are handed off), pack them from the cache straight into its
+registered outbox (encrypted on the way under `encrypt`: one ChaCha20 stream per chunk, in
+`tag_order`, under the chunk's own key, so plaintext never lies there), write (one
+descriptor per run of slots), and, once that write ended, report the chunk with its tag
+(`KVChunk`) and wipe its outbox slots while the next chunk is on the wire.
 
 The receiver (the decode instance), which made the secret and handed it to the sender over
 the authenticated stream (as the embedding rooms do: AttachInit.protection_key), per chunk
@@ -32,13 +34,16 @@ as it is reported, while later chunks are still on the wire:
 Invariant: no step reads a page landed from the wire before `open_pages` passed on it (a
 failed check frees the pages unread); the cache is never registered, so once landed a
 page is out of every Mooncake peer's reach, and a write into a staging slot after `land`
-reaches nothing. The tag is taken over the sender's private rows, so a write into either
-staging area by another process fails the check.
+reaches nothing. The tag is taken over the sender's private pages (its cache), never over
+its outbox, and checked over the receiver's private pages (its cache, after the copy out
+of the inbox), so a write into either staging area by another process, at any time, fails
+the check. `tag_order` (layer by layer, K then V, the chunk's pages in order) is the one
+byte order both tags and the cipher stream follow, whatever the slots and pages: each
+side feeds it as runs of consecutive pages (one view per run, not one per page).
 """
 
 from __future__ import annotations
 
-import contextlib
 import struct
 import threading
 import time
@@ -50,7 +55,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
-from tandem.transfer.buffers import TAG_BYTES, RowProtection, feed_mac, host_bytes
+from tandem.transfer.buffers import TAG_BYTES, RowProtection, host_bytes
 from tandem.transfer.errors import TransferError, TransferStuck
 
 
@@ -85,10 +90,50 @@ class KVPageLayout:
                                 "FAILED_PRECONDITION")
 
 
+def _spans(items: list[int]) -> list[tuple[int, int, int]]:
+    """(position in `items`, first item, count) of each maximal run of consecutive items."""
+    out: list[tuple[int, int, int]] = []
+    for i, x in enumerate(items):
+        if out and x == out[-1][1] + out[-1][2]:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((i, x, 1))
+    return out
+
+
+def _planes(cache) -> list:
+    """K of layer 0, V of layer 0, K of layer 1, ...: each [pages + 1, page bytes of one
+    layer] uint8, a numpy view of the cache's own memory (a CPU cache only: a CUDA cache's
+    bytes would be a host copy, which decrypting in place would not reach; landing on a
+    GPU through a host copy is not built)."""
+    if cache.k[0].device.type != "cpu":
+        raise ValueError(f"KV pages are checked in a CPU cache, not {cache.k[0].device}")
+    return [host_bytes(t).reshape(t.shape[0], -1)
+            for layer in zip(cache.k, cache.v, strict=True) for t in layer]
+
+
+# Pages per view fed to Poly1305 / ChaCha20 at once: pyca holds the GIL while one runs, so
+# a view is at most ~1 MiB (~0.2 ms); a view per page instead cost ~30% more (one call each)
+_VIEW_BYTES = 1 << 20
+
+
+def tag_order(cache, pages: list[int]):
+    """The bytes of `pages` of `cache` in the order the tag covers and the cipher stream
+    runs (layer by layer, K then V, `pages` in order), as numpy views of the cache's own
+    memory: a run of consecutive pages is one view (at most `_VIEW_BYTES`), so the byte
+    sequence is the same whatever the pages, and a side whose pages are consecutive feeds
+    it in 2 x layers calls, not 2 x layers per page."""
+    planes = _planes(cache)
+    per = max(1, _VIEW_BYTES // planes[0].shape[1])
+    parts = [(p0 + j, min(per, n - j)) for _, p0, n in _spans(pages) for j in range(0, n, per)]
+    for plane in planes:
+        for p0, n in parts:
+            yield plane[p0 : p0 + n].reshape(-1)
+
+
 def pack(cache, pages: list[int], out: torch.Tensor) -> torch.Tensor:
-    """Copy `pages` of `cache` page-major into `out` ([>= len(pages), 2 * layers, ...],
-    private memory; reused by the caller: first-touching fresh memory cost ~5x the copy
-    itself here); returns the filled part."""
+    """Copy `pages` of `cache` page-major into `out` ([>= len(pages), 2 * layers, ...]);
+    returns the filled part."""
     idx = torch.tensor(pages, dtype=torch.long, device=cache.k[0].device)
     out = out[: len(pages)]
     for layer in range(len(cache.k)):
@@ -97,31 +142,32 @@ def pack(cache, pages: list[int], out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def page_order(cache, pages: list[int]):
-    """The bytes of `pages` of `cache` in page-major order (page, layer, K then V), as
-    numpy views of the cache's own memory: the order the wire carries and the tag covers.
-    A CPU cache only: a CUDA cache's bytes would be a host copy, which decrypting in place
-    would not reach (landing on a GPU through a host copy is not built)."""
-    if cache.k[0].device.type != "cpu":
-        raise ValueError(f"KV pages are checked in a CPU cache, not {cache.k[0].device}")
-    ks = [host_bytes(t).reshape(t.shape[0], -1) for t in cache.k]
-    vs = [host_bytes(t).reshape(t.shape[0], -1) for t in cache.v]
-    for p in pages:
-        for k, v in zip(ks, vs, strict=True):
-            yield k[p]
-            yield v[p]
+def pack_into_slots(cache, pages: list[int], rows: torch.Tensor, slots: list[int]) -> None:
+    """rows[slots[i]] = page pages[i] of `cache`, page-major: one `pack` per run of
+    consecutive slots."""
+    for i, s0, n in _spans(slots):
+        pack(cache, pages[i : i + n], rows[s0 : s0 + n])
 
 
 def unpack_into(cache, pages: list[int], rows: torch.Tensor) -> None:
     """Write page-major `rows` ([len(pages), 2 * layers, ...]) into `pages` of `cache`, in
-    order. NOTE: rows from the wire are checked after, in the cache (`KVStaging.land`)."""
+    order. NOTE: rows from the wire are checked after, in the cache (`KVStaging.land`).
+    A run of consecutive pages is one slice copy per layer (index_copy_ ran ~2x slower
+    here); pages scattered over many runs, one index_copy_ per layer."""
     if rows.shape[0] != len(pages):
         raise ValueError(f"{rows.shape[0]} pages of rows for {len(pages)} pages")
-    idx = torch.tensor(pages, dtype=torch.long, device=cache.k[0].device)
     rows = rows.to(cache.k[0].device)
+    spans = _spans(pages)
+    if 4 * len(spans) > len(pages):
+        idx = torch.tensor(pages, dtype=torch.long, device=cache.k[0].device)
+        for layer in range(len(cache.k)):
+            cache.k[layer].index_copy_(0, idx, rows[:, 2 * layer])
+            cache.v[layer].index_copy_(0, idx, rows[:, 2 * layer + 1])
+        return
     for layer in range(len(cache.k)):
-        cache.k[layer].index_copy_(0, idx, rows[:, 2 * layer])
-        cache.v[layer].index_copy_(0, idx, rows[:, 2 * layer + 1])
+        for i, p0, n in spans:
+            cache.k[layer][p0 : p0 + n].copy_(rows[i : i + n, 2 * layer])
+            cache.v[layer][p0 : p0 + n].copy_(rows[i : i + n, 2 * layer + 1])
 
 
 def runs(src_base: int, src_slots: list[int], dst_base: int, dst_slots: list[int],
@@ -150,8 +196,13 @@ class KVStaging:
 
     Invariant: a slot is free, held by exactly one owner, or retired; `land` copies a part
     of an owner's slots into cache pages, wipes them (registered memory other processes
-    may read) and frees them, `drop` wipes and frees the rest, so nothing of a request
-    stays readable or in use there after its transfer. A transfer that ended before every
+    may read) and frees them, `wipe` wipes and frees a part unread (the sender's, once its
+    write ended), `drop` wipes and frees the rest, so nothing of a request stays readable
+    or in use there after its transfer. Every mode wipes: under `mac` and `none` the slots
+    hold the prompt's K/V in the clear; under `encrypt` they hold ciphertext under a key
+    used once, which a wipe would not make safer, but the one rule ("a slot that comes
+    back free is zeros", docs/deploy.md) is kept rather than a per-mode exception for a
+    pass per side. A transfer that ended before every
     chunk was reported may still have writes on the way (a peer's bytes already sent are
     written after it died or was cut off): `retire` keeps those slots from every owner
     until a deadline, then wipes and frees them, so a late write never lands in another
@@ -166,11 +217,8 @@ class KVStaging:
         self._free = bytearray(b"\1" * slots)  # 1 where the slot is free
         # owner -> {page index in its transfer: slot}, the slots not landed or dropped yet
         self._owned: dict[Hashable, dict[int, int]] = {}
-        # the senders' packing buffers (`scratch`), kept: one per concurrent send at most
-        self._spare: list[torch.Tensor] = []
         # (time.monotonic() after which they are free, slots): `retire`d transfers' slots
         self._retired: list[tuple[float, list[int]]] = []
-        self._lock = threading.Lock()  # the spares
         # NOTE: slots change hands on the event loop (reserve, drop, retire) and on
         # executor threads (land): every change of `_free`, `_owned`, `_retired` under it
         self._state = threading.RLock()
@@ -250,6 +298,11 @@ class KVStaging:
         unpack_into(cache, pages, rows)
         self._wipe_and_free(slots)
 
+    def wipe(self, owner: Hashable, first: int, count: int) -> None:
+        """Wipe and free the slots of pages [first, first + count) of `owner`'s transfer,
+        unread (the sender's slots of a chunk whose write ended). Any thread."""
+        self._wipe_and_free(self._take(owner, first, count))
+
     def drop(self, owner: Hashable) -> None:
         """Wipe and free what `owner` still holds, unread (a failed or cancelled transfer,
         or the rest after a failed check)."""
@@ -283,22 +336,6 @@ class KVStaging:
                 self._wipe_and_free(slots)
         self._retired = keep
 
-    @contextlib.contextmanager
-    def scratch(self, pages: int):
-        """Private (unregistered) memory for `pages` packed pages, reused across calls."""
-        with self._lock:
-            at = next((i for i, t in enumerate(self._spare) if t.shape[0] >= pages), None)
-            # NOTE: by index: list.remove compares tensors with ==, elementwise (it raised
-            # when two spares of different sizes were kept)
-            spare = self._spare.pop(at) if at is not None else None
-        if spare is None:
-            spare = torch.empty((pages, *self.layout.slot_shape), dtype=self.layout.dtype)
-        try:
-            yield spare
-        finally:
-            with self._lock:
-                self._spare.append(spare)
-
 
 @dataclass(frozen=True)
 class KVKeys:
@@ -324,19 +361,33 @@ class KVKeys:
     def _cipher(self):
         return Cipher(algorithms.ChaCha20(self.cipher, b"\0" * 16), mode=None).encryptor()
 
-    def sealer(self) -> KVSealer:
-        """Stages one chunk's pages in order (`KVSealer.put`): encrypted under `encrypt`,
-        as one ChaCha20 stream over the chunk's pages in order (never restarted per page:
-        a restarted stream would reuse the keystream), else copied."""
-        return KVSealer(self._cipher() if self.cipher else None)
+    def tag(self, cache, pages: list[int]) -> bytes:
+        """The tag of `pages` of `cache` (the sender's private pages, in `tag_order`)."""
+        m = Poly1305(self.mac)
+        for part in tag_order(cache, pages):
+            m.update(part)
+        return m.finalize()
+
+    def seal_into(self, cache, pages: list[int], rows: torch.Tensor, slots: list[int]
+                  ) -> None:
+        """rows[slots[i]] = page pages[i] of `cache`, ChaCha20-encrypted straight from the
+        cache (plaintext never lands in `rows`, registered send staging): one stream over
+        the chunk in `tag_order`, never restarted (a restarted stream would reuse the
+        keystream). One call per page and layer: the slots are page-major, the order is
+        not."""
+        cipher = self._cipher()
+        out = host_bytes(rows).reshape(rows.shape[0], len(cache.k) * 2, -1)
+        for j, plane in enumerate(_planes(cache)):
+            for p, s in zip(pages, slots, strict=True):
+                cipher.update_into(plane[p], out[s, j])
 
     def open_pages(self, cache, pages: list[int], tag: bytes) -> None:
-        """Decrypt (when encrypted) and verify `pages` of `cache` in place, in the wire's
-        page order; DATA_LOSS when they do not carry `tag` (the caller then frees the
+        """Decrypt (when encrypted) and verify `pages` of `cache` in place, in
+        `tag_order`; DATA_LOSS when they do not carry `tag` (the caller then frees the
         pages: no step has read them)."""
         cipher = self._cipher() if self.cipher else None
         m = Poly1305(self.mac)
-        for part in page_order(cache, pages):
+        for part in tag_order(cache, pages):
             if cipher is not None:
                 cipher.update_into(part, part)
             m.update(part)
@@ -348,21 +399,6 @@ class KVKeys:
             raise TransferError("KV pages do not carry the prefill instance's tag (written "
                                 "by another process, or changed on the way)",
                                 "DATA_LOSS") from None
-
-
-class KVSealer:
-    """One transfer's staging of its pages, in page order (made by `KVKeys.sealer`)."""
-
-    def __init__(self, cipher) -> None:
-        self._cipher = cipher
-
-    def put(self, rows: torch.Tensor, out: torch.Tensor) -> None:
-        """out = rows (the next page), encrypted when the transfer is: `out` is registered
-        send staging, so plaintext never lands there under `encrypt`."""
-        if self._cipher is not None:
-            self._cipher.update_into(host_bytes(rows), host_bytes(out))
-        else:
-            out.copy_(rows)
 
 
 @dataclass(frozen=True)
@@ -401,21 +437,41 @@ class KVSent:
     bytes: int
 
 
-# Pages per staged chunk: chunk k+1 is packed, tagged and staged while chunk k is on the
-# wire, and the receiver lands and checks chunk k meanwhile. 64 pages of a 7B-class model
-# (16-token pages) are 56 MiB: a 16K-token prompt goes as 16 descriptors, where
-# per-layer tensors would take 56 per run of pages.
+# Pages per staged chunk: chunk k+1 is tagged and staged while chunk k is on the wire,
+# and the receiver lands and checks chunk k meanwhile. 64 pages of a 7B-class model
+# (16-token pages) are 56 MiB: a 16K-token prompt goes as ~19 descriptors (`chunk_plan`),
+# where per-layer tensors would take 56 per run of pages.
 CHUNK_PAGES = 64
+
+
+def chunk_plan(n: int, chunk_pages: int = CHUNK_PAGES) -> list[tuple[int, int]]:
+    """The chunks [first, end) of an `n`-page transfer. The first chunk's staging runs
+    before anything is on the wire and the last chunk's landing and check after it, so
+    both are short: a long transfer (n >= 3 x chunk_pages) ramps up and down (1/4, 1/2,
+    then chunks of at most `chunk_pages` of equal size, then 1/2, 1/4); a short one is
+    cut in chunks of `chunk_pages`."""
+    if n < 3 * chunk_pages or chunk_pages < 4:
+        return [(c0, min(n, c0 + chunk_pages)) for c0 in range(0, n, chunk_pages)]
+    head = [chunk_pages // 4, chunk_pages // 2]
+    rest = n - 2 * sum(head)
+    k = -(-rest // chunk_pages)
+    sizes = head + [rest // k + (i < rest % k) for i in range(k)] + head[::-1]
+    ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+    return list(zip([0, *ends[:-1]], ends, strict=True))
 
 
 def send_pages(engine, cache, pages: list[int], outbox: KVStaging, dest: KVDestination,
                on_chunk: Callable[[KVChunk], object] | None = None,
                chunk_pages: int = CHUNK_PAGES) -> KVSent:
     """Write `pages` of `cache` into `dest`'s slots through this side's registered
-    `outbox`, in chunks of `chunk_pages` pipelined with the wire (blocking: an executor
-    thread); `on_chunk` as each chunk's write completes (in order). Each chunk is packed
-    into private memory and tagged there before it is staged, so a change to the outbox
-    by another process fails the receiver's check. Raises TransferError
+    `outbox`, in chunks (`chunk_plan`) pipelined with the wire (blocking: an executor
+    thread); `on_chunk` as each chunk's write completes (in order), then that chunk's
+    outbox slots are wiped and freed while the next one is on the wire. Each chunk is
+    tagged in `cache` (private) and packed (or encrypted) from there into the outbox, so a
+    change to the outbox by another process fails the receiver's check. NOTE: `pages`
+    must not change until this returns (a handed-off request's pages: held by its room,
+    written by no step); one that did would fail the receiver's check, never pass it
+    changed. Raises TransferError
     (RESOURCE_EXHAUSTED when the outbox has too few free slots: retry later;
     TransferStuck when writes never ended: their slots stay held, retired, so nothing
     reuses memory a transfer may still read)."""
@@ -435,32 +491,27 @@ def send_pages(engine, cache, pages: list[int], outbox: KVStaging, dest: KVDesti
     pending: KVChunk | None = None  # written once `in_flight` ends
     descriptors = nbytes = 0
     try:
-        with outbox.scratch(min(n, chunk_pages)) as scratch:
-            for c0 in range(0, n, chunk_pages):
-                c1 = min(n, c0 + chunk_pages)
-                keys = KVKeys.derive(dest.protection, dest.room, dest.generation, c0, c1 - c0)
-                run = slots[c0:c1] == list(range(slots[c0], slots[c0] + c1 - c0))
-                tag = b""
-                if keys is None and run:  # unprotected: nothing to tag, straight to staging
-                    pack(cache, pages[c0:c1], outbox.rows[slots[c0] : slots[c0] + c1 - c0])
+        for c0, c1 in chunk_plan(n, chunk_pages):
+            keys = KVKeys.derive(dest.protection, dest.room, dest.generation, c0, c1 - c0)
+            tag = b""
+            if keys is None:  # unprotected: nothing to tag
+                pack_into_slots(cache, pages[c0:c1], outbox.rows, slots[c0:c1])
+            else:  # NOTE: the tag over the cache (private), never over the outbox
+                tag = keys.tag(cache, pages[c0:c1])
+                if keys.cipher:
+                    keys.seal_into(cache, pages[c0:c1], outbox.rows, slots[c0:c1])
                 else:
-                    rows = pack(cache, pages[c0:c1], scratch)
-                    sealer = keys.sealer() if keys is not None else KVSealer(None)
-                    for i in range(c0, c1):
-                        sealer.put(rows[i - c0], outbox.rows[slots[i]])
-                    if keys is not None:
-                        mac = Poly1305(keys.mac)
-                        feed_mac(mac, rows)
-                        tag = mac.finalize()
-                srcs, dsts, lens = runs(outbox.base, slots[c0:c1], dest.base,
-                                        dest.slots[c0:c1], outbox.layout.page_bytes)
-                started = engine.submit(dest.peer, srcs, dsts, lens)
-                descriptors, nbytes = descriptors + len(srcs), nbytes + sum(lens)
-                waiting, in_flight = in_flight, started
-                if waiting:  # the previous chunk, on the wire while this one was staged
-                    engine.wait(dest.peer, waiting)
-                    _written(chunks, pending, on_chunk)
-                pending = KVChunk(c0, c1 - c0, tag)
+                    pack_into_slots(cache, pages[c0:c1], outbox.rows, slots[c0:c1])
+            srcs, dsts, lens = runs(outbox.base, slots[c0:c1], dest.base,
+                                    dest.slots[c0:c1], outbox.layout.page_bytes)
+            started = engine.submit(dest.peer, srcs, dsts, lens)
+            descriptors, nbytes = descriptors + len(srcs), nbytes + sum(lens)
+            waiting, in_flight = in_flight, started
+            if waiting:  # the previous chunk, on the wire while this one was staged
+                engine.wait(dest.peer, waiting)
+                _written(chunks, pending, on_chunk)
+                outbox.wipe(owner, pending.first, pending.pages)  # read by no write now
+            pending = KVChunk(c0, c1 - c0, tag)
         waiting, in_flight = in_flight, []
         engine.wait(dest.peer, waiting)
         _written(chunks, pending, on_chunk)
@@ -472,7 +523,7 @@ def send_pages(engine, cache, pages: list[int], outbox: KVStaging, dest: KVDesti
                                 "UNAVAILABLE") from e
         raise
     finally:
-        if owner is not None:
+        if owner is not None and outbox.held(owner):
             outbox.drop(owner)
 
 
