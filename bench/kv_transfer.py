@@ -7,9 +7,10 @@ own cache). A 7B-class KV shape (Qwen2.5-VL-7B: 28 layers, 4 KV heads of 128, bf
 pages of 16 tokens: 56 KiB per token), prompts of 4K and 16K tokens, protection `mac`
 (the default) and `none`. Per transfer, the time of each step:
 
-    prefill   send: per chunk of pages, pack (cache -> private page-major rows), tag
-              (Poly1305), stage (-> outbox), write (Mooncake, one descriptor per chunk),
-              chunk k+1 packed while chunk k is on the wire
+    prefill   send: per chunk of pages (`chunk_plan`: ramped up and down), tag (Poly1305
+              over the cache's own pages), pack (cache -> outbox, page-major), write
+              (Mooncake, one descriptor per chunk), chunk k+1 staged while chunk k is on
+              the wire; a chunk's outbox slots wiped once its write ended
     decode    per chunk as the prefill side reports it written: land (inbox slots -> the
               reserved cache pages, slots wiped), open (decrypt and verify the landed pages
               in place, before any step may read them); overlapped with later chunks
@@ -18,8 +19,10 @@ The KV path's time runs from the first pack to the decode side's last check (lan
 open are sums over the chunks: most of them overlap the wire).
 
 and the raw write: the same bytes from one registered buffer into the child's registered
-memory in one descriptor. Medians of --runs, raw and KV alternating. Writes
-bench/results/kv-transfer.md.
+memory in one descriptor, submitted and sleep-polled as the KV path's writes are
+(`MooncakeEngine.write`; Mooncake's own `transfer_sync_write` busy-polls a core and was
+slower here, so it would flatter the KV path). Medians of --runs, raw and KV alternating.
+Writes bench/results/kv-transfer.md.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import argparse
 import multiprocessing as mp
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -49,6 +53,12 @@ def _cpu() -> str:
     return platform.processor()
 
 
+def _cpu_s() -> float:
+    """This process's CPU seconds so far, every thread (Mooncake's TCP threads too)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def decode_side(conn, pages: int, ports: tuple[int, int]) -> None:
     from tandem.services.language.runner.kv_cache import KVCache
     from tandem.transfer.buffers import RowProtection
@@ -63,8 +73,11 @@ def decode_side(conn, pages: int, ports: tuple[int, int]) -> None:
     conn.send((engine.session_id, inbox.base))
     while (msg := conn.recv()) is not None:
         n, mode, key, room = msg
-        if mode == "raw":  # the raw write landed; nothing to do but free the slots
+        cpu0 = _cpu_s()
+        if mode == "raw":  # nothing to do but count the CPU the write took here
             conn.send({})
+            conn.recv()  # written
+            conn.send({"cpu": _cpu_s() - cpu0})
             continue
         slots = inbox.reserve(n, room)
         assert slots == list(range(n)), slots
@@ -82,6 +95,7 @@ def decode_side(conn, pages: int, ports: tuple[int, int]) -> None:
                 keys.open_pages(cache, part, tag)
             t["land"] += t1 - t0
             t["open"] += time.perf_counter() - t1
+        t["cpu"] = _cpu_s() - cpu0
         conn.send(t)
 
 
@@ -90,6 +104,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="4096,16384")
     ap.add_argument("--modes", default="mac,none")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--chunk-pages", type=int, default=CHUNK_PAGES,
+                    help="pages per chunk (send_pages' chunk_pages)")
     ap.add_argument("--out", type=Path, default=OUT)
     a = ap.parse_args()
     from tandem.services.language.runner.kv_cache import KVCache
@@ -117,37 +133,45 @@ def main() -> None:
         n = tokens // PAGE
         nbytes = n * layout.page_bytes
         for mode in a.modes.split(","):
-            raw_s, kv_runs = [], []
+            raw_s, raw_cpu, kv_runs = [], [], []
             for run in range(a.runs):
                 for kind in (("raw", "kv") if run % 2 == 0 else ("kv", "raw")):
                     room += 1
                     if kind == "raw":
                         parent.send((n, "raw", b"", room))
-                        t0 = time.perf_counter()
+                        parent.recv()
+                        cpu0, t0 = _cpu_s(), time.perf_counter()
                         engine.write(peer, [outbox.base], [inbox_base], [nbytes])
                         raw_s.append(time.perf_counter() - t0)
-                        parent.recv()
+                        cpu = _cpu_s() - cpu0
+                        parent.send(None)
+                        raw_cpu.append(cpu + parent.recv()["cpu"])
                         continue
                     secret = RowProtection.new(mode)
                     parent.send((n, mode, secret.key, room))
                     slots = parent.recv()
                     t = {}
-                    t0 = time.perf_counter()
+                    cpu0, t0 = _cpu_s(), time.perf_counter()
                     sent = send_pages(
                         engine, cache, list(range(n)), outbox,
                         KVDestination(peer, inbox_base, slots, room, 1, secret),
-                        on_chunk=lambda c: parent.send((c.first, c.pages, c.tag)))
+                        on_chunk=lambda c: parent.send((c.first, c.pages, c.tag)),
+                        chunk_pages=a.chunk_pages)
                     t["send"] = time.perf_counter() - t0
+                    cpu = _cpu_s() - cpu0
                     parent.send(None)  # the prefill side's Done
                     t.update(parent.recv())
+                    t["cpu"] += cpu  # both processes
                     t["total"] = time.perf_counter() - t0
                     t["descriptors"] = sent.descriptors
                     kv_runs.append(t)
             med = {k: statistics.median(r[k] for r in kv_runs) for k in kv_runs[0]}
             total = med.pop("total")
             raw = statistics.median(raw_s)
+            ratios = sorted(r / k["total"] for r, k in zip(raw_s, kv_runs, strict=True))
             rows_out.append({"tokens": tokens, "mode": mode, "mib": nbytes / 2**20, "raw": raw,
-                             "med": med, "total": total})
+                             "med": med, "total": total, "raw_cpu": statistics.median(raw_cpu),
+                             "ratios": (ratios[0], ratios[-1])})
             print(f"[kv] {tokens} tokens {mode}: raw {raw * 1e3:.0f} ms "
                   f"({nbytes / raw / 1e9:.2f} GB/s), KV path {total * 1e3:.0f} ms "
                   f"({raw / total:.2f}x raw), " + ", ".join(
@@ -166,21 +190,27 @@ def write_table(a, rows_out: list[dict]) -> None:
         f"KV heads of {DIM}, bfloat16, pages of {PAGE} tokens); medians of {a.runs} runs, "
         "raw and KV alternating. Raw: one Mooncake write of the same bytes between two "
         "registered buffers (one descriptor). KV path: every step from the prefill "
-        "instance's cache to the decode instance's cache pages (send: pack, tag, stage and "
-        f"write in chunks of {CHUNK_PAGES} pages, pipelined with the wire; the decode side "
-        "lands and checks each chunk as it is reported written).", "",
+        "instance's cache to the decode instance's cache pages (send: tag over the cache, "
+        f"pack into the outbox and write, in chunks of up to {a.chunk_pages} pages ramped up "
+        "and down, pipelined with the wire; the decode side lands and checks each chunk as "
+        "it is reported written). Per-run range: raw / KV of each run's pair. CPU: both "
+        "processes' CPU time (every thread, Mooncake's too) per transfer, medians: on a "
+        "host whose cores the wire already keeps busy, the KV path's extra CPU is its "
+        "extra time.", "",
         "| tokens | protect | MiB | raw ms | raw GB/s | KV path ms | KV / raw throughput "
-        "| descriptors | send ms | land ms (sum) | open ms (sum) |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| per-run range | descriptors | send ms | land ms (sum) | open ms (sum) "
+        "| CPU ms raw / KV |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows_out:
         m = r["med"]
         lines.append(
             f"| {r['tokens']} | {r['mode']} | {r['mib']:.0f} | {r['raw'] * 1e3:.0f} | "
             f"{r['mib'] * 2**20 / r['raw'] / 1e9:.2f} | {r['total'] * 1e3:.0f} | "
-            f"{r['raw'] / r['total']:.2f}x | {m['descriptors']:.0f} | "
-            + " | ".join(f"{m[k] * 1e3:.0f}" for k in
-                         ("send", "land", "open")) + " |")
+            f"{r['raw'] / r['total']:.2f}x | {r['ratios'][0]:.2f}-{r['ratios'][1]:.2f}x | "
+            f"{m['descriptors']:.0f} | "
+            + " | ".join(f"{m[k] * 1e3:.0f}" for k in ("send", "land", "open"))
+            + f" | {r['raw_cpu'] * 1e3:.0f} / {m['cpu'] * 1e3:.0f} |")
     lines += ["", "Regenerate: `.venv/bin/python bench/kv_transfer.py` (`--help`)."]
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text("\n".join(lines) + "\n")
