@@ -200,14 +200,15 @@ class KVStaging:
     write ended), `drop` wipes and frees the rest, so nothing of a request stays readable
     or in use there after its transfer. Every mode wipes: under `mac` and `none` the slots
     hold the prompt's K/V in the clear; under `encrypt` they hold ciphertext under a key
-    used once, which a wipe would not make safer, but the one rule ("a slot that comes
-    back free is zeros", docs/deploy.md) is kept rather than a per-mode exception for a
-    pass per side. A transfer that ended before every
-    chunk was reported may still have writes on the way (a peer's bytes already sent are
-    written after it died or was cut off): `retire` keeps those slots from every owner
-    until a deadline, then wipes and frees them, so a late write never lands in another
-    request's slots. `reserve` gives the lowest run of free consecutive slots that fits
-    (one descriptor on the wire), else the lowest free slots (one descriptor per run)."""
+    used once, which a wipe does not make safer, but one rule for every mode (a slot
+    comes back free as zeros, as docs/deploy.md promises of the embedding staging) is
+    kept rather than an exception that would save a pass per side under `encrypt` only.
+    A transfer that ended before every chunk was reported may still have writes on the
+    way (a peer's bytes already sent are written after it died or was cut off): `retire`
+    keeps those slots from every owner until a deadline, then wipes and frees them, so a
+    late write never lands in another request's slots. `reserve` gives the lowest run of
+    free consecutive slots that fits (one descriptor on the wire), else the lowest free
+    slots (one descriptor per run)."""
 
     def __init__(self, layout: KVPageLayout, slots: int) -> None:
         if slots < 1:
