@@ -2,7 +2,9 @@
 
     paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale) -> out
         decode attention that reads KV pages in place (csrc/paged_decode.cpp), instead of
-        gathering every row's pages into a workspace in every layer of every step.
+        gathering every row's pages into a workspace in every layer of every step. A
+        bfloat16 cache (q bfloat16 or float32) runs on the float32 fast path, its pages
+        widened in registers: the float32 kernel's bits on the widened tensors, at its speed.
     pack_linear / pack_bias / packed_linear
         float32 linear layers over weights packed in column strips (csrc/linear.cpp):
         2-6x MKL's sgemm for 1-64 rows on an AVX-512 Zen 5, 1.5-2.5x for 4-8 rows and about

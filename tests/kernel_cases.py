@@ -119,6 +119,16 @@ def outputs(mod) -> dict[str, torch.Tensor]:
             q, kc, vc, tables, lens = attention_case(d, dtype)
             out[f"attention/d{d}/{dtype}"] = mod.paged_decode_attention(
                 q, kc, vc, tables, lens, d**-0.5)
+        # a bfloat16 cache: with a float32 query (the runner's float32 products), and the
+        # float32 kernel on the widened tensors, which both bfloat16 results must equal
+        q, kc, vc, tables, lens = attention_case(d, torch.bfloat16)
+        q32 = attention_case(d, torch.float32)[0]
+        out[f"attention/d{d}/f32q-bf16kv"] = mod.paged_decode_attention(
+            q32, kc, vc, tables, lens, d**-0.5)
+        out[f"attention/d{d}/f32q-bf16kv-widened"] = mod.paged_decode_attention(
+            q32, kc.float(), vc.float(), tables, lens, d**-0.5)
+        out[f"attention/d{d}/bf16-widened"] = mod.paged_decode_attention(
+            q.float(), kc.float(), vc.float(), tables, lens, d**-0.5)
     for d in NORM_DIMS:
         g = _gen(d)
         x, w = torch.randn(9, d, generator=g), torch.randn(d, generator=g)

@@ -418,6 +418,13 @@ def test_each_path_within_its_bound_of_torch(path_outputs, isa):
             got = out[f"attention/d{d}/{dtype}"]
             assert got.dtype == dtype
             torch.testing.assert_close(got.double(), ref, atol=tol[0], rtol=tol[1])
+        # a bfloat16 cache is read at the float32 standard: the float32 kernel's bits on
+        # the widened tensors (rounded to bfloat16 where q is bfloat16), on every path
+        widened = out[f"attention/d{d}/f32q-bf16kv-widened"]
+        mixed = out[f"attention/d{d}/f32q-bf16kv"]
+        assert mixed.dtype == torch.float32 and torch.equal(mixed, widened), (isa, d)
+        bf16 = out[f"attention/d{d}/{torch.bfloat16}"]
+        assert torch.equal(bf16, out[f"attention/d{d}/bf16-widened"].bfloat16()), (isa, d)
     for i in range(len(kc.SEGMENT_CASES)):
         for d in kc.HEAD_DIMS:
             q, k, v, cu, causal = kc.segment_case(i, d)

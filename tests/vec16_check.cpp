@@ -68,6 +68,29 @@ int main() {
       acc = v16::fma(v16::load_n(p, 300 - k), v16::load_n(q, 300 - k), acc);
     }
     put("dot", v16::hsum(acc));
+    // bfloat16 widening (load_bf16, load_bf16_n): LCG bit patterns (every exponent, NaNs,
+    // infinities, subnormals among them), then the same FMA chain over bfloat16 keys
+    uint16_t h[16];
+    for (uint16_t& x : h) x = static_cast<uint16_t>(next_float(1.f) * 32768.f + 32768.f);
+    h[rep % 16] = static_cast<uint16_t>(0x0001 + rep);  // a subnormal
+    put_v("bf16", v16::load_bf16(h));
+    for (float& o : out) o = -1.f;
+    v16::store_n(out, v16::load_bf16_n(h, n), n);
+    for (float o : out) put("bf16 tail", o);
+    V bacc = v16::zero();
+    for (int k = 0; k < 64; k += 16) {
+      float p[16];
+      uint16_t kb[16];
+      for (int i = 0; i < 16; ++i) {
+        p[i] = next_float(1.f);
+        const float f = next_float(2.f);
+        uint32_t bits;
+        std::memcpy(&bits, &f, sizeof bits);
+        kb[i] = static_cast<uint16_t>(bits >> 16);
+      }
+      bacc = v16::fma(v16::load(p), v16::load_bf16(kb), bacc);
+    }
+    put("bf16 dot", v16::hsum(bacc));
   }
   return 0;
 }

@@ -3,24 +3,30 @@
 // One query token per sequence attends to keys [0, seq_len) of that sequence, which live
 // in the paged cache at slot block_table[t / page_size] * page_size + t % page_size:
 //
-//   q            [B, H, D]                 contiguous, float32 or bfloat16
-//   k/v_cache    [P, page_size, Hkv, D]    contiguous (same dtype as q)
+//   q            [B, H, D]                 contiguous: the caches' dtype, or float32
+//   k/v_cache    [P, page_size, Hkv, D]    contiguous, float32, bfloat16 or half (one dtype)
 //   block_tables [B, W] int64              pages of each row (W * page_size >= seq_len)
 //   seq_lens     [B] int64                 >= 1
-//   out          [B, H, D]
+//   out          [B, H, D]                 q's dtype
 //
 // Work is split over (row, kv head): the G = H / Hkv query heads that share a kv head read
 // each key and value once. Scores, softmax and the weighted sum run in float32 (as the
-// SDPA path does), two passes over the keys: scores, then exp-weights times values.
+// SDPA path does), two passes over the keys: scores, then exp-weights times values. The
+// query and the keys and values are widened to float32 as they are loaded (exactly: a
+// bfloat16 or half value is a float32 value), the result rounded to q's dtype once at the
+// end; so any (q, cache) dtypes give the bits the float32 kernel gives on the widened
+// tensors (q.float(), k_cache.float(), v_cache.float()), rounded to q's dtype.
 //
 // Arithmetic (the same on every path of vec16.h, so the same bits on every CPU):
 //   score_t   = hsum(FMA chain over the head dim in 16-lane slices, tail zero-padded) * scale
 //   p_t       = exp(score_t - max): the polynomial of vec16.h for whole 16-key blocks,
 //               std::exp for the last L % 16 keys; z = hsum(block sums) + the tail, in order
 //   out[d]    = (FMA chain over t of p_t * v_t[d]) / z
-// `item_fast` serves float32 heads whose dim is a multiple of 16 with all G query heads
-// of a kv head in one pass over the keys and one over the values (the accumulators of as
-// many heads as fit the registers at once); it computes exactly the values above.
+// `item_fast` serves float32 and bfloat16 caches whose head dim is a multiple of 16 with
+// all G query heads of a kv head in one pass over the keys and one over the values (the
+// accumulators of as many heads as fit the registers at once); it computes exactly the
+// values above. A bfloat16 cache there costs one widening per 16 elements loaded
+// (vec16.h `load_bf16`: zero-extend and shift) and half the bytes of a float32 one.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -38,12 +44,23 @@ using v16::V;
 template <typename T>
 inline float load(const T* p, int64_t i) { return static_cast<float>(p[i]); }
 
+// 16 keys' or values' elements widened to float32 (exact), and the first n of them.
+inline V load_kv(const float* p) { return v16::load(p); }
+inline V load_kv(const at::BFloat16* p) {  // a BFloat16 is its 16 bits (c10/util/BFloat16.h)
+  return v16::load_bf16(reinterpret_cast<const uint16_t*>(p));
+}
+template <typename T>
+inline V load_kv_n(const T* p, int64_t n) { return v16::load_n(p, n); }
+inline V load_kv_n(const at::BFloat16* p, int64_t n) {
+  return v16::load_bf16_n(reinterpret_cast<const uint16_t*>(p), n);
+}
+
 // dot(a, b) over D elements: 16 lanes at a time, one fixed reduction.
 template <typename T>
 inline float dot(const float* a, const T* b, int64_t D) {
   V acc = v16::zero();
   for (int64_t d = 0; d < D; d += 16)
-    acc = v16::fma(v16::load_n(a + d, D - d), v16::load_n(b + d, D - d), acc);
+    acc = v16::fma(v16::load_n(a + d, D - d), load_kv_n(b + d, D - d), acc);
   return v16::hsum(acc);
 }
 
@@ -70,7 +87,7 @@ inline void weighted_sum(const float* p, const T* vc, const int64_t* rows, int64
   for (int64_t d = 0; d < D; d += 16) {
     V acc = v16::zero();
     for (int64_t t = 0; t < L; ++t)
-      acc = v16::fma(v16::set1(p[t]), v16::load_n(vc + rows[t] + d, D - d), acc);
+      acc = v16::fma(v16::set1(p[t]), load_kv_n(vc + rows[t] + d, D - d), acc);
     v16::store_n(out + d, acc, D - d);
   }
 }
@@ -83,14 +100,15 @@ constexpr int slices_per_pass(int nd, int cap) {
   return 1;
 }
 
-// float32, D = 16 * ND: the G query heads of one kv head together (see the top).
-template <int ND>
-void item_fast(const float* q, const float* kc, const float* vc, const int64_t* rows,
+// A float32 query, a float32 or bfloat16 cache (KV), D = 16 * ND: the G query heads of one
+// kv head together (see the top); out float32.
+template <int ND, typename KV>
+void item_fast(const float* q, const KV* kc, const KV* vc, const int64_t* rows,
                int64_t L, int64_t G, float scale, float* scores, float* out) {
   constexpr int64_t D = 16 * ND;
   for (int64_t t = 0; t < L; ++t) {  // each key row loaded once for all G heads
     V kv[ND];
-    for (int d = 0; d < ND; ++d) kv[d] = v16::load(kc + rows[t] + 16 * d);
+    for (int d = 0; d < ND; ++d) kv[d] = load_kv(kc + rows[t] + 16 * d);
     for (int64_t g = 0; g < G; ++g) {
       V acc = v16::zero();
       for (int d = 0; d < ND; ++d) acc = v16::fma(v16::load(q + g * D + 16 * d), kv[d], acc);
@@ -113,7 +131,7 @@ void item_fast(const float* q, const float* kc, const float* vc, const int64_t* 
         for (int d = 0; d < DC; ++d) acc[g][d] = v16::zero();
       for (int64_t t = 0; t < L; ++t) {
         V vv[DC];
-        for (int d = 0; d < DC; ++d) vv[d] = v16::load(vc + rows[t] + 16 * (d0 + d));
+        for (int d = 0; d < DC; ++d) vv[d] = load_kv(vc + rows[t] + 16 * (d0 + d));
         for (int64_t g = 0; g < ng; ++g) {
           const V p = v16::set1(scores[(g0 + g) * L + t]);
           for (int d = 0; d < DC; ++d) acc[g][d] = v16::fma(p, vv[d], acc[g][d]);
@@ -128,46 +146,57 @@ void item_fast(const float* q, const float* kc, const float* vc, const int64_t* 
   }
 }
 
-using FastFn = void (*)(const float*, const float*, const float*, const int64_t*, int64_t,
-                        int64_t, float, float*, float*);
+template <typename KV>
+using FastFn = void (*)(const float*, const KV*, const KV*, const int64_t*, int64_t, int64_t,
+                        float, float*, float*);
 
 // item_fast for head dims 32, 64, 80, 96 and 128; nullptr for the others.
-inline FastFn fast_for(int64_t D) {
+template <typename KV>
+inline FastFn<KV> fast_for(int64_t D) {
   switch (D) {
-    case 32: return item_fast<2>;
-    case 64: return item_fast<4>;
-    case 80: return item_fast<5>;
-    case 96: return item_fast<6>;
-    case 128: return item_fast<8>;
+    case 32: return item_fast<2, KV>;
+    case 64: return item_fast<4, KV>;
+    case 80: return item_fast<5, KV>;
+    case 96: return item_fast<6, KV>;
+    case 128: return item_fast<8, KV>;
     default: return nullptr;
   }
 }
 
-template <typename T>
-void decode(const T* q, const T* kc, const T* vc, const int64_t* bt, const int64_t* lens,
-            T* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t ps, int64_t W,
+// Q: q's and out's dtype (KV's, or float); KV: the caches'.
+template <typename Q, typename KV>
+void decode(const Q* q, const KV* kc, const KV* vc, const int64_t* bt, const int64_t* lens,
+            Q* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t ps, int64_t W,
             float scale) {
   const int64_t G = H / Hkv;
-  const FastFn fast = std::is_same_v<T, float> ? fast_for(D) : nullptr;
+  constexpr bool kFastKV = std::is_same_v<KV, float> || std::is_same_v<KV, at::BFloat16>;
+  constexpr bool kFloatQ = std::is_same_v<Q, float>;
+  FastFn<KV> fast = nullptr;
+  if constexpr (kFastKV) fast = fast_for<KV>(D);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> qf(G * D), acc(G * D), scores;
     std::vector<int64_t> rows;  // element offset of key/value t of this (row, kv head)
     for (int64_t item = lo; item < hi; ++item) {
       const int64_t b = item / Hkv, kvh = item % Hkv, L = lens[b];
+      const int64_t head0 = (b * H + kvh * G) * D;  // the G heads are adjacent in q and out
       rows.resize(L);
       for (int64_t t = 0, page = 0; t < L; ++page)  // no division in the loops below
         for (int64_t slot = 0; slot < ps && t < L; ++slot, ++t)
           rows[t] = ((bt[b * W + page] * ps + slot) * Hkv + kvh) * D;
       scores.assign(G * L, 0.f);
-      if constexpr (std::is_same_v<T, float>) {
-        if (fast) {  // the G heads of this kv head are adjacent in q and out
-          fast(q + (b * H + kvh * G) * D, kc, vc, rows.data(), L, G, scale, scores.data(),
-               out + (b * H + kvh * G) * D);
+      if (!kFloatQ || !fast)  // the query in float32 (exact)
+        for (int64_t i = 0; i < G * D; ++i) qf[i] = load(q, head0 + i);
+      if constexpr (kFastKV) {
+        if (fast) {
+          if constexpr (kFloatQ) {
+            fast(q + head0, kc, vc, rows.data(), L, G, scale, scores.data(), out + head0);
+          } else {  // rounded to q's dtype once, as the generic path below does
+            fast(qf.data(), kc, vc, rows.data(), L, G, scale, scores.data(), acc.data());
+            for (int64_t i = 0; i < G * D; ++i) out[head0 + i] = static_cast<Q>(acc[i]);
+          }
           continue;
         }
       }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = load(q, (b * H + kvh * G + g) * D + d);
       for (int64_t t = 0; t < L; ++t)
         for (int64_t g = 0; g < G; ++g)
           scores[g * L + t] = dot(qf.data() + g * D, kc + rows[t], D) * scale;
@@ -176,8 +205,7 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* bt, const int64
         const float z = exp_shifted(sg, L, *std::max_element(sg, sg + L));
         float* ag = acc.data() + g * D;
         weighted_sum(sg, vc, rows.data(), L, D, ag);
-        for (int64_t d = 0; d < D; ++d)
-          out[(b * H + kvh * G + g) * D + d] = static_cast<T>(ag[d] / z);
+        for (int64_t d = 0; d < D; ++d) out[head0 + g * D + d] = static_cast<Q>(ag[d] / z);
       }
     }
   });
@@ -199,12 +227,26 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   const int64_t ps = k_cache.size(1), Hkv = k_cache.size(2), W = bt.size(1);
   TORCH_CHECK(k_cache.size(3) == D && H % Hkv == 0 && bt.size(0) == B && lens.size(0) == B,
               "shape mismatch");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache must have one shape");
+  const auto kv_type = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == kv_type, "k_cache and v_cache must have one dtype");
+  const bool float_q = q.scalar_type() == torch::kFloat32;
+  TORCH_CHECK(q.scalar_type() == kv_type || float_q,
+              "q must have the caches' dtype or be float32, got ", q.scalar_type(), " over ",
+              kv_type);
   auto out = torch::empty_like(q);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    decode<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
-                     v_cache.data_ptr<scalar_t>(), bt.data_ptr<int64_t>(),
-                     lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, H, Hkv, D, ps, W,
-                     static_cast<float>(scale));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_type, "paged_decode", [&] {
+    const auto* kc = k_cache.data_ptr<scalar_t>();
+    const auto* vc = v_cache.data_ptr<scalar_t>();
+    const auto* btp = bt.data_ptr<int64_t>();
+    const auto* lp = lens.data_ptr<int64_t>();
+    const auto sc = static_cast<float>(scale);
+    if (float_q)  // float32 activations over any cache (the runner's float32 products)
+      decode<float, scalar_t>(q.data_ptr<float>(), kc, vc, btp, lp, out.data_ptr<float>(), B,
+                              H, Hkv, D, ps, W, sc);
+    else
+      decode<scalar_t, scalar_t>(q.data_ptr<scalar_t>(), kc, vc, btp, lp,
+                                 out.data_ptr<scalar_t>(), B, H, Hkv, D, ps, W, sc);
   });
   return out;
 }

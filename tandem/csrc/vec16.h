@@ -13,7 +13,11 @@
 //   - `hsum` adds the 16 lanes in one fixed tree: lanes i + (i + 8), then i + (i + 4), then
 //     i + (i + 2), then lane 0 + lane 1 (the order GCC's _mm512_reduce_add_ps uses, written
 //     out so no path depends on a compiler's choice);
-//   - `exp_poly` is one polynomial with the same operations on every path.
+//   - `exp_poly` is one polynomial with the same operations on every path;
+//   - `load_bf16` widens 16 bfloat16 values (their bits as uint16_t) to float32 exactly:
+//     each is the high half of its float32 (the low 16 bits zero), so the result is the
+//     float32 value torch's `.float()` gives, on every path (NaN payloads, infinities,
+//     subnormals included: a shift, no arithmetic).
 // So a kernel written once over V gives bit-identical results on every path; only how
 // many V it may hold in registers (kRegs) and its tile sizes differ, never an order of
 // summation. tests/test_cpu_kernels.py checks this against forced builds.
@@ -60,6 +64,10 @@ inline V pow2(V n) {
   const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n.a), _mm512_set1_epi32(127));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(e, 23))};
 }
+inline V load_bf16(const uint16_t* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+}
 inline __m256 sum8(V x) {  // lanes i + (i + 8)
   const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x.a), 1));
   return _mm256_add_ps(_mm512_castps512_ps256(x.a), hi);
@@ -87,6 +95,11 @@ inline __m256 pow2_8(__m256 n) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
 }
 inline V pow2(V n) { return {pow2_8(n.lo), pow2_8(n.hi)}; }
+inline __m256 bf16_8(const uint16_t* p) {  // 8 bfloat16 -> 8 float32: zero-extend, shift
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+inline V load_bf16(const uint16_t* p) { return {bf16_8(p), bf16_8(p + 8)}; }
 inline __m256 sum8(V x) { return _mm256_add_ps(x.lo, x.hi); }
 #elif defined(TANDEM_NEON)
 constexpr const char* kPath = "neon";
@@ -128,6 +141,11 @@ inline V pow2(V n) {
   }
   return r;
 }
+inline V load_bf16(const uint16_t* p) {  // vshll: widen each u16 to u32, shifted by 16
+  V r;
+  for (int i = 0; i < 4; ++i) r.q[i] = vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p + 4 * i), 16));
+  return r;
+}
 #else
 constexpr const char* kPath = "generic";
 constexpr int kRegs = 4;
@@ -160,6 +178,14 @@ inline V pow2(V n) {
   V r;
   for (int i = 0; i < 16; ++i) {
     const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n.f[i]) + 127) << 23;
+    std::memcpy(&r.f[i], &bits, sizeof bits);
+  }
+  return r;
+}
+inline V load_bf16(const uint16_t* p) {
+  V r;
+  for (int i = 0; i < 16; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
     std::memcpy(&r.f[i], &bits, sizeof bits);
   }
   return r;
@@ -201,6 +227,13 @@ inline void store_n(float* p, V v, int64_t n) {
   float buf[16];
   store(buf, v);
   std::memcpy(p, buf, sizeof(float) * n);
+}
+// The first n bfloat16 values (bits), widened as load_bf16, the other lanes zero.
+inline V load_bf16_n(const uint16_t* p, int64_t n) {
+  if (n >= 16) return load_bf16(p);
+  uint16_t buf[16] = {};
+  std::memcpy(buf, p, sizeof(uint16_t) * n);
+  return load_bf16(buf);
 }
 // The first n elements of another dtype (bfloat16, half), converted to float.
 template <typename T>
