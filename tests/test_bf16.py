@@ -26,8 +26,10 @@ At least half the rows of every case are compared, so no case passes on ties alo
 
 On the CPU, bfloat16 runs either on torch's bfloat16 linears and the paged decode kernel in
 bfloat16 (`cpu_bf16_compute=bfloat16`; the packed kernels are float32 only), or, what
-`auto` picks on a CPU without AVX512-BF16 or AMX, with float32 products and attention over
-widened weights and KV (`float32`, the runner's NOTE); both are checked. `pytest --device cuda` runs the runner on
+`auto` picks on a CPU without AVX512-BF16 or AMX, with float32 products over widened
+weights and attention in float32 over the bfloat16 KV cache (`float32`; a float32 cache on
+the gather path); both are checked, and the bfloat16 cache against the float32 one of the
+same values, bit for bit. `pytest --device cuda` runs the runner on
 the GPU against the same CPU oracle (`make gpu-check`).
 """
 
@@ -269,17 +271,29 @@ def test_bf16_on_cpu_torch_gemm_keeps_every_tensor_bf16(checkpoint):
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU's bfloat16 paths")
-def test_bf16_on_cpu_float32_products_widen_weights_and_kv_only(checkpoint):
+def test_bf16_on_cpu_float32_products_widen_weights_only(checkpoint):
     """cpu_bf16_compute='float32' (what `auto` picks on a CPU without AVX512-BF16 or AMX):
-    the projections' weights and the KV cache held in float32 (the same values), packed
-    where the kernels build; norms and every step's activations stay bfloat16."""
+    the projections' weights held in float32 (the same values), packed where the kernels
+    build; norms, every step's activations and, on the paged_cpu kernels, the KV cache stay
+    bfloat16 (attention computes in float32 over it); the gather path's cache is float32."""
+    from tandem.cpu_kernels import paged_decode_op
+    from tandem.services.language.model.attention import AttentionBackend
     from tandem.services.language.model.linear import DenseLinear
 
     weights = oracle.text_weights(checkpoint("qwen3_vl"), BF16)
-    runner = ModelRunner(weights, RunnerSettings(page_size=PAGE, cpu_bf16_compute="float32"),
+    runner = ModelRunner(weights.copy(), RunnerSettings(page_size=PAGE, cpu_bf16_compute="float32"),
                          num_pages=8, dtype=BF16)
     assert runner.linear_dtype == torch.float32 and runner.dtype == BF16
-    assert {t.dtype for t in (*runner.kv.k, *runner.kv.v)} == {torch.float32}
+    kv = {t.dtype for t in (*runner.kv.k, *runner.kv.v)}
+    if paged_decode_op() is not None and runner.attention.backend is AttentionBackend.PAGED_CPU:
+        assert kv == {BF16} and runner.attention.compute_dtype == torch.float32
+    else:
+        assert kv == {torch.float32} and runner.attention.compute_dtype is None
+    gather = ModelRunner(weights, RunnerSettings(page_size=PAGE, cpu_bf16_compute="float32",
+                                                 attention_backend="gather"),
+                         num_pages=8, dtype=BF16)
+    assert {t.dtype for t in (*gather.kv.k, *gather.kv.v)} == {torch.float32}
+    assert gather.attention.compute_dtype is None
     linears = [m for m in runner.model.modules() if isinstance(m, DenseLinear)]
     assert linears and all(m.compute_dtype == torch.float32 for m in linears)
     assert runner.model.norm.weight.dtype == BF16
@@ -300,6 +314,42 @@ def test_bf16_each_cpu_compute_within_bound(compute, checkpoint, record_property
                          RunnerSettings(page_size=PAGE, cpu_bf16_compute=compute),
                          num_pages=64, device=DEVICE, dtype=BF16)
     finish(run_case(runner, 64, prompts, f"qwen3_vl tiny {compute}"), record_property)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU's bfloat16 paths")
+def test_bf16_kv_cache_gives_the_float32_caches_logits_bit_for_bit(checkpoint):
+    """Float32 products (`cpu_bf16_compute=float32`) on the paged_cpu kernels: the runner's
+    bfloat16 KV cache gives the logits the float32 cache of the same values gave (the
+    choice before it), bit for bit: prompt chunks without and with a cached prefix, then
+    decode steps (qwen3_vl tiny)."""
+    from dataclasses import replace
+
+    from tandem.services.language.model.attention import AttentionBackend
+
+    path = checkpoint("qwen3_vl")
+    prompts = bf16_oracle(path, "qwen3_vl", "tiny")
+    settings = RunnerSettings(page_size=PAGE, cpu_bf16_compute="float32",
+                              attention_backend="paged_cpu")
+    try:
+        new = ModelRunner(oracle.text_weights(path, BF16), settings, num_pages=64, dtype=BF16)
+    except ValueError:
+        pytest.skip("no C++ toolchain to build the kernels")
+    old = ModelRunner(oracle.text_weights(path, BF16), settings, num_pages=64, dtype=BF16)
+    assert new.attention.backend is AttentionBackend.PAGED_CPU and new.kv.k[0].dtype == BF16
+    old.kv_dtype, old.attention = torch.float32, replace(old.attention, compute_dtype=None)
+    old._allocate_kv(64)  # the float32 cache of the same values
+    for p in prompts:
+        logits = []
+        for runner in (new, old):
+            pool = KVPagePool(64, PAGE)
+            s = Seq(0, p.payload, pool)
+            half = p.payload.num_tokens // 2
+            rows = [runner.forward(ForwardBatch([s.prompt_chunk(k)])).prompt_logits[0]
+                    for k in (half, p.payload.num_tokens - half)]
+            rows += [runner.forward(ForwardBatch([s.decode_chunk(t)])).last_logits
+                     for t in p.tokens[:-1]]
+            logits.append(torch.cat(rows))
+        assert torch.equal(logits[0], logits[1])
 
 
 @pytest.mark.gpu

@@ -312,6 +312,36 @@ def test_the_cpu_kernel_path_takes_chunks_without_a_prefix_on_the_segment_kernel
     assert len(fn.sdpa) == 1
 
 
+@pytest.mark.parametrize("head_dim", [64, 40])  # the decode kernel's fast path; its generic one
+def test_a_bfloat16_cache_attends_in_float32_to_the_float32_caches_bits(head_dim):
+    """`compute_dtype` float32 over a bfloat16 cache (the runner's choice for a bfloat16 model
+    with float32 products on the paged_cpu kernels) gives, bit for bit, what the float32
+    cache of the same values gave (q, k, v widened, the output rounded): decode rows on the
+    kernel, a chunk without a prefix on the segment kernel, chunks after a prefix on SDPA;
+    and gathered rows likewise. The K/V the step writes are its own values in both."""
+    from dataclasses import replace
+
+    from tandem.cpu_kernels import kernels
+
+    if kernels() is None:
+        pytest.skip("no C++ toolchain to build the kernels")
+    step = make_step([(6, 1), (23, 1), (40, 1), (0, 9), (13, 20), (50, 2)], 4, 6, 2,
+                     head_dim=head_dim, dtype=torch.bfloat16)
+    for path in (select_attention("paged_cpu", "cpu", 4), GATHER):
+        in_float32 = replace(path, compute_dtype=torch.float32)
+        kc, vc = step.k_cache.clone(), step.v_cache.clone()
+        got = paged_attention(step.q, step.k, step.v, kc, vc, step.metadata(in_float32),
+                              head_dim**-0.5)
+        kw, vw = step.k_cache.float(), step.v_cache.float()
+        want = paged_attention(step.q, step.k, step.v, kw, vw, step.metadata(path),
+                               head_dim**-0.5)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want), path.backend
+        assert torch.equal(kc.float(), kw) and torch.equal(vc.float(), vw)
+        torch.testing.assert_close(got.float(), step.reference().float(), atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="flex path computes in its cache's dtype"):
+        replace(FLEX, compute_dtype=torch.float32)
+
+
 def test_cuda_selects_the_flex_path():
     """The one place that chooses: CUDA attends through flex unless told otherwise; the CPU
     keeps its kernel (or the gather path); flex is refused where its kernels cannot tile."""

@@ -126,11 +126,16 @@ class AttentionMetadata:
     # The flex path's masks (`AttentionPath.metadata` builds them): when set, every row
     # and chunk attends through them and the fields above past `prefill` are unused.
     flex: FlexMasks | None = None
+    # The dtype attention computes in when it differs from the cache's and q's (None: the
+    # cache's): float32 over a bfloat16 cache (`AttentionPath.compute_dtype`).
+    compute_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if self.flex is not None and (self.decode_op is not None or self.workspace is not None
                                       or self.chunk_op is not None):
             raise ValueError("flex masks exclude decode_op, chunk_op and a gather workspace")
+        if self.flex is not None and self.compute_dtype is not None:
+            raise ValueError("the flex path computes in its cache's dtype (no compute_dtype)")
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,14 @@ class AttentionPath:
     backend: AttentionBackend
     decode_op: Callable | None = None  # PAGED_CPU: the in-place kernel; None otherwise
     chunk_op: Callable | None = None  # PAGED_CPU: the causal segment kernel; None otherwise
+    # Attention in float32 over a bfloat16 cache and bfloat16 activations (the runner's
+    # `cpu_bf16_compute` float32 products with a bfloat16 KV cache; `paged_attention`);
+    # None: in the cache's dtype. The flex path refuses it.
+    compute_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend is AttentionBackend.FLEX and self.compute_dtype is not None:
+            raise ValueError("the flex path computes in its cache's dtype (no compute_dtype)")
 
     def metadata(
         self,
@@ -182,6 +195,7 @@ class AttentionPath:
             decode_op=self.decode_op,
             chunk_op=self.chunk_op,
             flex=flex,
+            compute_dtype=self.compute_dtype,
         )
 
     def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, scale: float) -> None:
@@ -317,15 +331,25 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention output [T, H, D] for every token of the step, in q's dtype.
 
-    A cache wider than the activations (bfloat16 on a CPU without bfloat16 matrix
-    instructions: the runner's `cpu_bf16_compute`) holds their values exactly: q, k, v are
-    widened, attention runs in the cache's dtype (the float32 kernels), and the output is
-    rounded back to q's dtype."""
+    bfloat16 on a CPU without bfloat16 matrix instructions (the runner's `cpu_bf16_compute`)
+    attends in float32 over the same values, two ways:
+    - a bfloat16 cache with `meta.compute_dtype` float32 (the runner's choice with the
+      paged_cpu kernels): K/V are stored as they come (bfloat16); the decode kernel widens
+      q and the pages in registers and rounds its output to q's dtype (csrc/paged_decode.cpp);
+      chunks (and gathered decode rows) widen q, k, v and the pages they read, attend in
+      float32 and round the output. Every result equals, bit for bit, that of the float32
+      cache below (the cache holds the same values; tests/test_cpu_kernels.py).
+    - a cache wider than the activations (float32; the gather and flex paths): it holds
+      their values exactly: q, k, v are widened, attention runs in the cache's dtype, and
+      the output is rounded back to q's dtype."""
     if q.dtype != k_cache.dtype:
         out = paged_attention(q.to(k_cache.dtype), k.to(k_cache.dtype), v.to(k_cache.dtype),
                               k_cache, v_cache, meta, scale)
         return out.to(q.dtype)
     write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
+    # The dtype everything below attends in (only a CPU bfloat16 cache differs: float32);
+    # `.to(cd)` is a no-op where it is q's.
+    cd = meta.compute_dtype or q.dtype
     if meta.flex is not None:
         return _flex_attention(q, k_cache, v_cache, meta, scale)
     kv_heads, head_dim = k_cache.shape[-2:]
@@ -336,6 +360,8 @@ def paged_attention(
         # NOTE: traced (a compiled step), the same kernel as a custom op (cpu_kernels.py)
         traced = for_trace(None)
         op = meta.decode_op if traced is None else traced.paged_decode_attention
+        # NOTE: the kernel computes in float32 whatever the cache (it widens as it loads)
+        # and rounds to q's dtype: a float32 `cd` needs no cast here
         parts.append(
             op(
                 q[:ns].contiguous(), k_cache, v_cache, meta.single_block_tables,
@@ -356,32 +382,34 @@ def paged_attention(
         vs = vg.view(ns, width, kv_heads, head_dim).transpose(1, 2)
         visible = torch.arange(width, device=q.device)[None, :] < meta.single_seq_lens[:, None]
         out = F.scaled_dot_product_attention(
-            q[:ns].unsqueeze(2),  # [B, H, 1, D]
-            ks,
-            vs,
+            q[:ns].unsqueeze(2).to(cd),  # [B, H, 1, D]
+            ks.to(cd),
+            vs.to(cd),
             attn_mask=visible[:, None, None, :],
             scale=scale,
             enable_gqa=gqa,
         )
-        parts.append(out.squeeze(2))
+        parts.append(out.squeeze(2).to(q.dtype))
 
     for c in meta.prefill:
-        if c.kv_len == c.q_len and meta.chunk_op is not None and q.dtype == torch.float32:
+        if c.kv_len == c.q_len and meta.chunk_op is not None and cd == torch.float32:
             # No cached prefix: the kernel over the chunk's own rows, causal (about 2x
-            # SDPA's CPU flash kernel at 1481 tokens: csrc/segment_attention.cpp).
+            # SDPA's CPU flash kernel at 1481 tokens: csrc/segment_attention.cpp). It reads
+            # the step's k, v (not the cache): widened here, n x Hkv x D, a copy per chunk.
             rows = slice(c.q_start, c.q_start + c.q_len)
             cu = torch.tensor([0, c.q_len], dtype=torch.int64)
-            parts.append(meta.chunk_op(q[rows], k[rows], v[rows], cu, True, scale))
+            parts.append(meta.chunk_op(q[rows].to(cd), k[rows].to(cd), v[rows].to(cd), cu,
+                                       True, scale).to(q.dtype))
             continue
-        qc = q[c.q_start : c.q_start + c.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        qc = q[c.q_start : c.q_start + c.q_len].transpose(0, 1).unsqueeze(0).to(cd)  # [1, H, n, D]
         if c.kv_len == c.q_len:
             # No cached prefix: keys are exactly this chunk's (already in registers).
-            kc = k[c.q_start : c.q_start + c.q_len]
-            vc = v[c.q_start : c.q_start + c.q_len]
+            kc = k[c.q_start : c.q_start + c.q_len].to(cd)
+            vc = v[c.q_start : c.q_start + c.q_len].to(cd)
             mask, causal = None, True
         else:
-            kc = k_cache[c.pages].view(-1, kv_heads, head_dim)[: c.kv_len]
-            vc = v_cache[c.pages].view(-1, kv_heads, head_dim)[: c.kv_len]
+            kc = k_cache[c.pages].view(-1, kv_heads, head_dim)[: c.kv_len].to(cd)
+            vc = v_cache[c.pages].view(-1, kv_heads, head_dim)[: c.kv_len].to(cd)
             start = c.kv_len - c.q_len
             qpos = torch.arange(start, c.kv_len, device=q.device)
             mask = torch.arange(c.kv_len, device=q.device)[None, :] <= qpos[:, None]
@@ -395,7 +423,7 @@ def paged_attention(
             scale=scale,
             enable_gqa=gqa,
         )
-        parts.append(out[0].transpose(0, 1))
+        parts.append(out[0].transpose(0, 1).to(q.dtype))
 
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 

@@ -8,7 +8,7 @@ chunks; logits come back in the batch's chunk order.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -128,16 +128,9 @@ class ModelRunner:
             MoEDispatch.for_device(self.device, dtype, settings.cuda_graph_max_bs))
         # The products' dtype: the model's, or float32 for bfloat16 on a CPU without its
         # matrix instructions (weights widened, activations and KV stay bfloat16).
-        # NOTE: and the KV cache then holds the bfloat16 K/V values in float32, so decode
-        # and prefill attention run the float32 kernels (the bfloat16 decode kernel's
-        # generic path is 7-9x slower on AVX2; its math is float32 too): twice the KV memory.
         self.linear_dtype = linear_compute_dtype(s.cpu_bf16_compute, self.device, dtype)
-        self.kv_dtype = self.linear_dtype
         if self.linear_dtype != dtype:
             self.model.compute_linears_in_float32()
-            log.info("bfloat16 on a CPU without bfloat16 matrix instructions: linear products "
-                     "and attention in float32 over the same weight and K/V values, weights "
-                     "and KV cache held in float32 (cpu_bf16_compute=%s)", s.cpu_bf16_compute)
         self.linear_kernels = linear_kernels(s.linear_backend, self.device, self.linear_dtype)
         if self.linear_kernels is not None:
             self.model.adopt_cpu_kernels(self.linear_kernels, pointwise=dtype == torch.float32)
@@ -149,6 +142,23 @@ class ModelRunner:
         self.vocab_size, self.hidden_size, self.embed_dim = c.vocab_size, c.hidden_size, c.embed_dim
         # How attention runs (attention.py: paged_cpu / gather / flex), chosen once here.
         self.attention = select_attention(s.attention_backend, self.device, page_size)
+        # The KV cache's dtype: the model's. With float32 products over a bfloat16 model
+        # (above), attention runs in float32 over the same K/V values: on the paged_cpu
+        # kernels over a bfloat16 cache, half the memory (the decode kernel widens pages
+        # in registers as it loads them: the float32 kernel's bits, at its speed or faster
+        # with half the bytes to read; docs/benchmarks.md); the gather and flex paths keep
+        # a float32 cache (twice it).
+        self.kv_dtype = dtype
+        if self.linear_dtype != dtype:
+            if self.attention.backend is AttentionBackend.PAGED_CPU:
+                self.attention = replace(self.attention, compute_dtype=self.linear_dtype)
+            else:
+                self.kv_dtype = self.linear_dtype
+            log.info("bfloat16 on a CPU without bfloat16 matrix instructions: linear products "
+                     "and attention in float32 over the same weight and K/V values, weights "
+                     "held in float32, KV cache in %s (cpu_bf16_compute=%s, attention %s)",
+                     str(self.kv_dtype).removeprefix("torch."), s.cpu_bf16_compute,
+                     self.attention.backend.value)
         if (s.compile_step != "off" and self.device.type == "cpu"
                 and self.attention.backend is not AttentionBackend.PAGED_CPU):
             # NOTE: a compiled bucket reads the widest block table, which only the in-place
