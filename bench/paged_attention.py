@@ -3,6 +3,7 @@
     .venv/bin/python bench/paged_attention.py              # CUDA: 16K and 32K keys (no CUDA:
                                                            # the dry run, as `make bench` has it)
     .venv/bin/python bench/paged_attention.py --dry-run    # CPU, tiny: the script works
+    .venv/bin/python bench/paged_attention.py --cpu-decode # the CPU decode kernel by KV dtype
 
 `check_long_context(device, dtype, contexts, chunk, ...)` returns one `LongContextRow` per
 context: a `chunk`-token prompt chunk whose first context - chunk keys are a cached prefix
@@ -12,6 +13,13 @@ heads, 4 KV heads, head dim 128, 16-token pages shuffled over the cache), run th
 (auto: flex on CUDA; the dry run asks for flex on the CPU). It runs under `sdpa_kernel(flash, efficient, cudnn)`: an SDPA call that
 could only run on the math backend raises there, and is reported as `math_fallback`.
 `make gpu-check` records these rows; `tests/test_paged_attention.py` asserts one.
+
+`--cpu-decode`: the CPU decode kernel alone (`paged_decode_attention`, one layer, one torch
+thread, CPU ms of the calling thread, median of `--runs` runs of `--steps` calls each) at
+the qwen3_vl small preset's heads (8 over 2, head dim 64) and 7B-like ones (28 over 4, 128),
+batch 1/8/32 at each `--decode-contexts`, by KV cache dtype: float32 (q float32), bfloat16
+with a float32 query (the runner's `cpu_bf16_compute` float32 products), bfloat16 with a
+bfloat16 query (a bfloat16 model's own step). Rows' pages are shuffled over the cache.
 """
 
 from __future__ import annotations
@@ -145,6 +153,65 @@ def _max_err(out, q, k_cache, v_cache, table, context, page_size, block: int = 1
     return worst
 
 
+@dataclass(frozen=True)
+class DecodeKernelRow:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    batch: int
+    context: int
+    ms: dict[str, float]  # case -> CPU ms per call (median)
+
+
+DECODE_CASES = ("f32 q, f32 KV", "f32 q, bf16 KV", "bf16 q, bf16 KV")
+
+
+def cpu_decode_kernel(contexts: tuple[int, ...], batches: tuple[int, ...] = (1, 8, 32),
+                      shapes: tuple[tuple[int, int, int], ...] = ((8, 2, 64), (28, 4, 128)),
+                      steps: int = 20, runs: int = 5, page_size: int = 16) -> list[DecodeKernelRow]:
+    """The decode kernel per call by KV dtype (the module docstring's `--cpu-decode`). The
+    cases of one shape alternate within each run, so the host's load falls on all alike."""
+    from tandem.cpu_kernels import paged_decode_op
+
+    op = paged_decode_op()
+    if op is None:
+        raise SystemExit("the CPU kernels do not build here")
+    torch.set_num_threads(1)
+    rows = []
+    for heads, kv_heads, head_dim in shapes:
+        for context in contexts:
+            for bs in batches:
+                g = torch.Generator().manual_seed(bs * 100_003 + context)
+                per_row = -(-context // page_size)
+                pages = bs * per_row
+                shape = (pages + 1, page_size, kv_heads, head_dim)
+                kc = torch.randn(*shape, generator=g)
+                vc = torch.randn(*shape, generator=g)
+                tables = torch.randperm(pages, generator=g).view(bs, per_row).contiguous()
+                lens = torch.full((bs,), context, dtype=torch.int64)
+                q = torch.randn(bs, heads, head_dim, generator=g)
+                kb, vb, qb = kc.bfloat16(), vc.bfloat16(), q.bfloat16()
+                args = {DECODE_CASES[0]: (q, kc, vc), DECODE_CASES[1]: (q, kb, vb),
+                        DECODE_CASES[2]: (qb, kb, vb)}
+                times: dict[str, list[float]] = {c: [] for c in DECODE_CASES}
+                for case, (qq, kk, vv) in list(args.items()):  # warm-up
+                    try:
+                        op(qq, kk, vv, tables, lens, head_dim**-0.5)
+                    except RuntimeError:  # a build without that case (mixed dtypes)
+                        del args[case]
+                        times[case].append(float("nan"))
+                for _ in range(runs):
+                    for case, (qq, kk, vv) in args.items():
+                        t = time.thread_time()
+                        for _ in range(steps):
+                            op(qq, kk, vv, tables, lens, head_dim**-0.5)
+                        times[case].append((time.thread_time() - t) / steps * 1e3)
+                rows.append(DecodeKernelRow(heads, kv_heads, head_dim, bs, context,
+                                            {c: statistics.median(v) for c, v in times.items()}))
+                del kc, vc, kb, vb
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default=None, help="default: cuda where there is one")
@@ -153,7 +220,28 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU, float32, tiny sizes: proves the script, measures nothing")
+    ap.add_argument("--cpu-decode", action="store_true",
+                    help="instead: the CPU decode kernel per call by KV dtype (docstring)")
+    ap.add_argument("--decode-contexts", type=int, nargs="+", default=[256, 2048])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--runs", type=int, default=5)
     a = ap.parse_args()
+    if a.cpu_decode:
+        from tandem.cpu_kernels import cpu_model, isa
+
+        print(f"CPU decode kernel, {cpu_model()}, path {isa()}, 1 thread; CPU ms per call, "
+              f"median of {a.runs} runs of {a.steps} calls")
+        print("| heads / kv / dim | batch | context | " + " | ".join(DECODE_CASES)
+              + " | bf16 KV / f32 KV (f32 q) | bf16 q / f32 |")
+        print("|---|---:|---:|" + "---:|" * (len(DECODE_CASES) + 2))
+        for r in cpu_decode_kernel(tuple(a.decode_contexts), tuple(a.batches), steps=a.steps,
+                                   runs=a.runs):
+            m = [r.ms[c] for c in DECODE_CASES]
+            print(f"| {r.heads} / {r.kv_heads} / {r.head_dim} | {r.batch} | {r.context} | "
+                  + " | ".join(f"{x:.3f}" for x in m)
+                  + f" | {m[1] / m[0]:.2f} | {m[2] / m[0]:.2f} |")
+        return
     if a.device is None and not torch.cuda.is_available():
         print("no CUDA here: the dry run (CPU, tiny sizes)")
         a.dry_run = True
