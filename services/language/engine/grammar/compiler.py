@@ -53,6 +53,17 @@ class Grammars:
     """Compiles grammars for one tokenizer and vocabulary; thread-safe."""
 
     HEAVY_CLIENTS_KEPT = 4096  # clients whose light specs go to the other lane (LRU)
+    # Nice values of a slot's worker process and of its thread that compiles here
+    # (decoding runs at 0). The shared slots' costly compiles at 15: they take idle time
+    # first. The light-only slot's at 5, not 10: a small schema's compile wakes two of
+    # them in turn, and the kernel (EEVDF) lets a running task finish its slice before a
+    # waking one only 3x its weight (10 against 15), so under a flood of costly compiles
+    # each waited 4-12 ms for a core (measured on the runqueue, /proc/<tid>/schedstat)
+    # and a fresh small schema's p99 was ~2.1x its unloaded one; 9x the weight (5) takes
+    # the core at once (bench/results/grammar-flood.md). Still a third of decoding's
+    # weight, and one compile at a time, each bounded by LIGHT_CPU_S.
+    LIGHT_NICE = 5
+    SHARED_NICE = 15
     # Evicted bytes between two malloc_trim calls: at least this, and a quarter of the
     # budget (a trim walks the whole heap, its arenas locked: ~50 ms on a large one)
     TRIM_EVERY_BYTES = 32 << 20
@@ -318,8 +329,8 @@ class Grammars:
         # its bookkeeping and to free evicted grammars (milliseconds each), and a thread
         # descheduled while holding it stalls every other (the engine's) for as long. Its
         # worker and its compiles here run below decoding (on Linux a thread's nice value
-        # is its own), the light-only slot's above the shared ones' (a small schema first).
-        nice = 10 if light_only else 15
+        # is its own), the light-only slot's well above the shared ones' (LIGHT_NICE).
+        nice = self.LIGHT_NICE if light_only else self.SHARED_NICE
         below = Niced(nice, f"{threading.current_thread().name}-here")
         with self._lock:
             self._niced.append(below)
