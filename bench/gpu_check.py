@@ -359,14 +359,11 @@ def check_decode_graphs(ctx: Ctx) -> list[Row]:
     two padded ones (5, 17);
     eager / replay step time."""
     import torch
+    from language_runner import decode_batch  # (bench/, this script's directory, is on the path)
 
     from tandem.models.split import load_text_weights
     from tandem.services.language.engine.kv_pages import KVPagePool
-    from tandem.services.language.runner.forward_batch import (
-        ForwardBatch,
-        SeqChunk,
-        decode_positions,
-    )
+    from tandem.services.language.runner.forward_batch import ForwardBatch
     from tandem.services.language.runner.model_runner import ModelRunner, RunnerSettings
     from tandem.units import ceil_div
 
@@ -385,15 +382,8 @@ def check_decode_graphs(ctx: Ctx) -> list[Row]:
         return [Row("decode_graphs", "capture", Status.FAIL, "no decode graph was captured")]
     pool = KVPagePool(runner.num_pages, page)
     g = torch.Generator().manual_seed(0)
-    chunks = []
     with torch.inference_mode():
-        for i in range(max_bs):
-            ids = torch.randint(0, runner.vocab_size, (context,), generator=g)
-            pages = pool.alloc(per_seq)
-            pos = torch.arange(context).expand(3, context)
-            runner.forward_eager(ForwardBatch([SeqChunk(i, 0, pos, pages, token_ids=ids)]))
-            chunks.append(SeqChunk(i, context, decode_positions(context, 0), pages,
-                                   token_ids=torch.tensor([int(ids[-1])])))
+        chunks = decode_batch(runner, pool, max_bs, context, per_seq, g).chunks
     tol = 1e-4 if dtype == torch.float32 else BF16_LOGITS_TOL
     steps = 3 if ctx.dry_run else DECODE_STEPS
     rows = []

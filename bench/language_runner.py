@@ -52,9 +52,10 @@ def _time(fn, device, steps: int) -> float:
     return statistics.median(times)
 
 
-def _decode_batch(runner, pool, bs: int, context: int, per_seq: int,
+def decode_batch(runner, pool, bs: int, context: int, per_seq: int,
                   g: torch.Generator) -> ForwardBatch:
-    """`bs` decode rows, each after its own `context`-token prompt run eagerly (KV in place)."""
+    """`bs` decode rows, each after its own `context`-token prompt run eagerly (KV in place).
+    Also bench/gpu_check.py's decode check."""
     chunks = []
     for i in range(bs):
         ids = torch.randint(0, runner.vocab_size, (context,), generator=g)
@@ -151,7 +152,7 @@ def main(argv=None) -> int:
     print(f"\n{'bs':>4} | {'eager ms/step':>14} | {'graph ms/step':>14} | {'eager/graph':>11}")
     print(f"{'-' * 4}-+-{'-' * 14}-+-{'-' * 14}-+-{'-' * 11}")
     for bs in args.batch_sizes:
-        batch = _decode_batch(runner, pool, bs, args.context, per_seq, g)
+        batch = decode_batch(runner, pool, bs, args.context, per_seq, g)
         eager, graph = [], []
         for _ in range(args.repeats):
             eager.append(_time(lambda b=batch: runner.forward_eager(b), device, args.steps))
@@ -186,7 +187,7 @@ def compiled_table(runner, pool, args) -> None:
     print(f"\n{'bs':>4} | {'eager CPU ms':>12} | {'compiled CPU ms':>15} | {'eager/compiled':>14} "
           f"| {'eager wall ms':>13} | {'compiled wall ms':>16}")
     for bs in args.batch_sizes:
-        batch = _decode_batch(runner, pool, bs, args.context, per_seq, g)
+        batch = decode_batch(runner, pool, bs, args.context, per_seq, g)
         e = gr.run(batch).last_logits
         diff = (e - runner.forward_eager(batch).last_logits).abs().max().item()
         runs: dict[str, list[tuple[float, float]]] = {"eager": [], "compiled": []}
