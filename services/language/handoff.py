@@ -170,8 +170,7 @@ class PrefillLink:
         # NOTE: open the decode instance's segment now, while it is alive (it just named
         # it): a first write's handshake with a peer frozen meanwhile would hold every
         # write of this instance's engine for ~60 s (MooncakeEngine.open)
-        if not self.port.engine.is_open(r.session):
-            asyncio.get_running_loop().run_in_executor(None, self.port.engine.open, r.session)
+        self.port.engine.open_soon(r.session)
 
     async def send(self, req: Request, pages: list[int], trace: tracing.Span) -> None:
         """Write the handed-off request's prompt `pages` (held by its room), report each

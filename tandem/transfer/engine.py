@@ -41,6 +41,7 @@ import os
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -92,6 +93,8 @@ class MooncakeEngine:
         self._regions: list[tuple[int, int]] = []
         self._lock = threading.Lock()
         self._opened: set[str] = set()  # peers whose segment `open` fetched (never emptied)
+        self._opening: set[str] = set()  # peers `open_soon` is opening now
+        self._opener = ThreadPoolExecutor(2, thread_name_prefix="tandem-open")
 
     def register(self, tensor: torch.Tensor) -> None:
         """Register a contiguous tensor's memory (once per tensor, at start-up)."""
@@ -132,6 +135,7 @@ class MooncakeEngine:
             regions, self._regions = self._regions, []
         if te is None:
             return
+        self._opener.shutdown(wait=False, cancel_futures=True)
 
         def free() -> None:
             for addr, _ in regions:
@@ -154,7 +158,7 @@ class MooncakeEngine:
         TCP: the first write to a peer does this handshake inside `transfer_submit_write`,
         and to a frozen (SIGSTOPped) peer it blocks ~60 s while holding a lock every other
         submit of this engine waits on, to every peer; once a peer's segment is open, a
-        write to it while it is frozen blocks nothing else (tests/test_transfer_units.py)."""
+        write to it while it is frozen blocks nothing else (tests/test_transfer_frozen_peer.py)."""
         with self._lock:
             te = self._te
             if peer in self._opened:
@@ -164,6 +168,24 @@ class MooncakeEngine:
         with self._lock:
             self._opened.add(peer)
         return True
+
+    def open_soon(self, peer: str) -> None:
+        """`open(peer)` on a thread of the engine's own, unless it is open or being opened:
+        what a writer calls as soon as a peer names itself. A failure is logged, and the
+        next call tries again."""
+        with self._lock:
+            if peer in self._opened or peer in self._opening:
+                return
+            self._opening.add(peer)
+
+        def opened(f) -> None:
+            with self._lock:
+                self._opening.discard(peer)
+            if f.cancelled() or f.exception() is not None or not f.result():
+                log.warning("transfer segment of %s not opened: %s", peer,
+                            "cancelled" if f.cancelled() else f.exception() or "unreachable")
+
+        self._opener.submit(self.open, peer).add_done_callback(opened)
 
     def is_open(self, peer: str) -> bool:
         with self._lock:

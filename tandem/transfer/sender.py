@@ -45,9 +45,9 @@ last is reported as Progress(partial=False), a piece that leaves tokens over as
 Progress(partial=True), the end as Done. A room whose Init has not come by the request's
 `deadline` fails (the language side queues for its first blocks up to then; without a
 deadline, `timeout_s` bounds the wait); so does one with no payload (Init waiting) within
-`timeout_s`, and one whose Resume does not come within `timeout_s`. A broken Attach stream fails the room at once, even while a write is in
-flight (the write is not waited for; its staging slot is returned when Mooncake gives the
-thread back). `deadline` is Unix seconds. Failures are sent as AttachFailed and raised as
+`timeout_s`, and one whose Resume does not come within `timeout_s`. A broken Attach stream
+fails the room at once, even while a write is in flight (the write is not waited for; its
+staging slot is returned when Mooncake gives the thread back). `deadline` is Unix seconds. Failures are sent as AttachFailed and raised as
 TransferError(reason, code).
 
 Heartbeats (AttachWorking) say the encoder works on a room that has nothing else to say
@@ -143,14 +143,10 @@ class EmbeddingSender:
         # NOTE: writes busy-poll inside Mooncake; a private pool keeps a frozen peer's
         # spinning thread from starving the loop's default executor.
         self._pool = ThreadPoolExecutor(staging.slots + 2, thread_name_prefix="tandem-send")
-        # peers whose segment is open or being opened (`_open_peers`), on this loop only
-        self._opening: set[str] = set()
-        self._opener = ThreadPoolExecutor(2, thread_name_prefix="tandem-open")
 
     def close(self) -> None:
         """At shutdown: stop the write threads once their writes end."""
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._opener.shutdown(wait=False, cancel_futures=True)
 
     def state(self, room: int) -> SenderState | None:
         r = self.rooms.get(room)
@@ -327,17 +323,7 @@ class EmbeddingSender:
         meanwhile would hold every write of this encoder, to every peer, for ~60 s
         (MooncakeEngine.open)."""
         for peer in {init.session_id, *(d.session_id for d in init.ranks)}:
-            if peer not in self._opening:
-                self._opening.add(peer)
-                asyncio.get_running_loop().run_in_executor(
-                    self._opener, self.engine.open, peer).add_done_callback(
-                    lambda f, p=peer: self._opened(p, f))
-
-    def _opened(self, peer: str, f) -> None:
-        if f.cancelled() or f.exception() is not None or not f.result():
-            self._opening.discard(peer)  # NOTE: the next Init naming it tries again
-            log.warning("transfer segment of %s not opened: %s", peer,
-                        "cancelled" if f.cancelled() else f.exception() or "unreachable")
+            self.engine.open_soon(peer)
 
     async def _read(self, r: SenderRoom, it) -> None:
         try:
