@@ -45,7 +45,7 @@ import latency  # noqa: E402
 from peer_bench import load, systems  # noqa: E402
 
 NAMES = {"tandem": "Tandem", "vllm": "vLLM", "tandem-traced": "Tandem, traced",
-         "tandem-epd": "Tandem E/P/D"}
+         "tandem-epd": "Tandem E/P/D", "tandem-nice": "Tandem, encoder at another nice"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -81,6 +81,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epd", action="store_true",
                    help="Also run Tandem split into 1 prefill + 1 decode instance "
                    "(`tandem up --prefill 1 --decode 1`, system `tandem-epd`).")
+    p.add_argument("--encoder-nice", type=int, choices=range(0, 20), metavar="0-19",
+                   help="Also run Tandem with its encoder at this nice (`tandem up "
+                   "--encoder-nice`; the plain Tandem keeps the default), system "
+                   "`tandem-nice`: how the tiers share the cores.")
     args = p.parse_args(argv)
     if args.quick:
         args.runs, args.concurrency, args.requests = 1, "1,8", 8
@@ -95,6 +99,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.only == "vllm":
             p.error("--epd measures Tandem: not with --only vllm")
         args.systems.append("tandem-epd")
+    if args.encoder_nice is not None:
+        if args.only == "vllm":
+            p.error("--encoder-nice measures Tandem: not with --only vllm")
+        args.systems.append("tandem-nice")
     return args
 
 
@@ -105,6 +113,9 @@ def make_server(name: str, args, ckpt: Path, run: int) -> systems.Server:
     if name == "tandem-epd":
         return systems.tandem_server(ckpt, args.dtype, log, args.tandem_language_args,
                                      name=name, split=True)
+    if name == "tandem-nice":
+        return systems.tandem_server(ckpt, args.dtype, log, args.tandem_language_args,
+                                     name=name, encoder_nice=args.encoder_nice)
     if name == "tandem-traced":  # every tier exports every request's spans to args.otlp
         env = {"OTEL_EXPORTER_OTLP_ENDPOINT": args.otlp.endpoint,
                "OTEL_TRACES_SAMPLER": "always_on"}
@@ -178,7 +189,8 @@ def table(args, results: dict[str, list[dict]]) -> str:
         f"with one 112-448 px image. Medians of {args.runs} run(s), systems in alternating "
         f"order, one at a time. Tandem: `tandem up`, 1 encoder + 1 language"
         f"{f' (language tier: `{args.tandem_language_args}`)' if args.tandem_language_args else ''}"
-        f"{'; Tandem E/P/D: 1 encoder + `--prefill 1 --decode 1`' if args.epd else ''}. vLLM: "
+        f"{'; Tandem E/P/D: 1 encoder + `--prefill 1 --decode 1`' if args.epd else ''}"
+        f"{f'; Tandem, encoder at another nice: `--encoder-nice {args.encoder_nice}`' if args.encoder_nice is not None else ''}. vLLM: "
         f"`{args.peer_spec}` OpenAI server, `VLLM_CPU_KVCACHE_SPACE={args.kv_gib}`. "
         f"Generated {time.strftime('%Y-%m-%d %H:%M')}.",
         "",
@@ -194,7 +206,8 @@ def table(args, results: dict[str, list[dict]]) -> str:
                     f"| {kind} | {level} | {NAMES[s]} | {m['rps']:.2f} | {m['tok_s']:.1f} | "
                     f"{fmt(m['ttft50'])} | {fmt(m['ttft99'])} | {fmt(m['tpot50'], 1)} | "
                     f"{fmt(m['tpot99'], 1)} | {m['failures']} |")
-    for a, b in (("tandem", "vllm"), ("tandem-traced", "tandem"), ("tandem-epd", "tandem")):
+    for a, b in (("tandem", "vllm"), ("tandem-traced", "tandem"), ("tandem-epd", "tandem"),
+                 ("tandem-nice", "tandem")):
         if a not in present or b not in present:
             continue
         ratio = f"{NAMES[a]} / {NAMES[b]}"

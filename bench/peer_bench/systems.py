@@ -208,15 +208,17 @@ class Server:
 
 def tandem_server(ckpt: Path, dtype: str, log: Path, language_args: str = "",
                   env: dict[str, str] | None = None, name: str = "tandem",
-                  split: bool = False) -> Server:
+                  split: bool = False, encoder_nice: int | None = None) -> Server:
     """`tandem up` (1 encoder + 1 language; `split`: 1 prefill + 1 decode instance, E/P/D);
     `env`: variables added to its environment (the traced variant's OTEL_*), `name` the
-    system's name in the tables."""
+    system's name in the tables, `encoder_nice` the encoders' `--encoder-nice` (None:
+    `tandem up`'s default)."""
     port, grpc_port = free_port(), free_port()
     dt = f"--dtype {dtype}"
     argv = [str(BIN / "tandem"), "up", "--model", str(ckpt), "--host", "127.0.0.1",
             "--http-port", str(port), "--grpc-port", str(grpc_port), "--encoders", "1",
             *(["--prefill", "1", "--decode", "1"] if split else ["--languages", "1"]),
+            *(["--encoder-nice", str(encoder_nice)] if encoder_nice is not None else []),
             "--encoder-args", dt,
             "--language-args", f"{dt} {language_args}".strip()]
     srv = Server(name, argv, port, dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})), log)
