@@ -15,6 +15,7 @@ from encoder_peers.chats import FEATURE_ATOL_OF_MAX, FEATURE_RTOL
 
 from tandem.cpu_kernels import kernels, pack_linears
 from tandem.services.encoder.vit.kernels import (
+    SDPA_MIN_ROWS,
     InPlaceGatedMLP,
     KernelRMSNorm,
     KernelVisionAttention,
@@ -107,6 +108,48 @@ def test_rotary_and_mlp_give_transformers_bits_and_attention_its_values(towers, 
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_long_segments_attend_through_sdpa_as_transformers_does(towers, arch, monkeypatch):
+    """Segments of SDPA_MIN_ROWS rows or more go to torch's SDPA, shorter ones (in runs) to
+    the kernel: the output equals transformers' per-segment attention within float32
+    rounding, each segment's rows equal that segment attended alone (whatever its
+    neighbours), and the kernel is called for the runs of short segments only."""
+    ref, swapped, _ = towers[arch]
+    blk_ref = copy.deepcopy(ref.blocks[0])
+    pack_linears(blk_ref, KERNELS)
+    attn = swapped.blocks[0].attn
+    g = torch.Generator().manual_seed(4)
+    long = SDPA_MIN_ROWS + 16
+    # short, long, two short, long, short: runs of short segments around the long ones
+    lengths = [16, long, 4, 12, SDPA_MIN_ROWS, 8]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    n, dim, hd = int(cu[-1]), blk_ref.attn.qkv.in_features, blk_ref.attn.head_dim
+    x = torch.randn(n, dim, generator=g)
+    angles = torch.randn(n, hd // 2, generator=g) * 3
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    calls = []
+    real = KERNELS.segment_attention
+
+    class Spy:  # the kernels with segment_attention's rows recorded
+        def __getattr__(self, name):
+            return getattr(KERNELS, name)
+
+        def segment_attention(self, q, k, v, c, causal, scale):
+            calls.append(c.tolist())
+            return real(q, k, v, c, causal, scale)
+
+    monkeypatch.setattr(attn, "kernels", Spy())
+    with torch.inference_mode():
+        want = blk_ref.attn(x, cu_seqlens=cu, position_embeddings=(cos, sin))
+        got = attn(x, cu_seqlens=cu, position_embeddings=(cos, sin))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+        assert calls == [[0, 16], [0, 4, 16], [0, 8]]  # the short runs, rebased
+        for a, b in zip(cu.tolist()[:-1], cu.tolist()[1:], strict=True):
+            alone = attn(x[a:b], cu_seqlens=torch.tensor([0, b - a]), position_embeddings=(
+                cos[a:b], sin[a:b]))
+            assert torch.equal(alone, got[a:b]), (a, b)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_features_within_the_packed_tolerance_of_transformers(towers, arch):
     ref, swapped, _ = towers[arch]
     px = _pixels(ref, GRIDS)
@@ -133,6 +176,30 @@ def test_a_medium_has_the_same_features_alone_or_in_a_batch(towers, arch):
         for a, b in zip(alone.deepstack, batch.deepstack, strict=True):
             assert torch.equal(a, b[rows : rows + n // merge])
         start, rows = start + n, rows + n // merge
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_tower_with_long_segments_stays_within_tolerance_and_row_invariant(towers, arch):
+    """An image whose frame is a segment of SDPA_MIN_ROWS rows or more (SDPA) beside a small
+    one (the kernel): the features within the packed path's tolerance of transformers',
+    and each image's rows equal to its rows encoded alone."""
+    ref, swapped, _ = towers[arch]
+    grids = [(1, 12, 16), (1, 4, 6)]  # a frame of 192 rows, then one of 24
+    assert 12 * 16 >= SDPA_MIN_ROWS > 4 * 6
+    px = _pixels(ref, grids, seed=5)
+    want = VisionRunner(ref).run(px, grids)
+    runner = VisionRunner(swapped)
+    got = runner.run(px, grids)
+    for a, b in zip([got.embeds, *got.deepstack], [want.embeds, *want.deepstack], strict=True):
+        atol = FEATURE_ATOL_OF_MAX * b.abs().max().item()
+        torch.testing.assert_close(a, b, rtol=FEATURE_RTOL, atol=atol)
+    first = 12 * 16
+    for px_one, grid, rows in ((px[:first], grids[0], slice(0, first // runner.unit)),
+                               (px[first:], grids[1], slice(first // runner.unit, None))):
+        alone = runner.run(px_one, [grid])
+        assert torch.equal(alone.embeds, got.embeds[rows]), grid
+        for a, b in zip(alone.deepstack, got.deepstack, strict=True):
+            assert torch.equal(a, b[rows])
 
 
 @pytest.mark.parametrize("attention", [StepAttention.PER_SEGMENT, StepAttention.MASKED])

@@ -8,10 +8,11 @@ Qwen3-VL tower for ones that call the kernels, then packs every nn.Linear left
     patch_embed   a Conv3d whose kernel is its stride, over patches already flattened in
                   the kernel's (C, T, P, P) order: one packed linear (MKL-DNN's Conv3d ran
                   it at ~1/6 of the packed kernel's pace: 160 ms of a 30 s clip's 1.0 s ViT)
-    attention     packed qkv -> `rope_qk` (the rotary, split out of qkv) ->
-                  `segment_attention` (each frame or window attends to itself: one call
-                  for all, instead of one SDPA call each; 1.5-2.4x at 32-192 rows) ->
-                  packed proj
+    attention     packed qkv -> `rope_qk` (the rotary, split out of qkv) -> each frame
+                  or window attends to itself: segments under SDPA_MIN_ROWS rows (windows,
+                  small images) by `segment_attention`, one call for a run of them instead
+                  of one SDPA call each; longer ones by torch's SDPA, one call each (its
+                  CPU flash kernel runs them 1.3-2x faster than ours here) -> packed proj
     MLP           Qwen2.5-VL's gated MLP: torch's silu and product in place on the gate's
                   output (Qwen3-VL's MLP is not gated: its linears are packed, as all)
     RMSNorm       Qwen2.5-VL's: `rms_norm` (Qwen3-VL's LayerNorms stay torch's)
@@ -22,9 +23,10 @@ the eager and the static paths both run them.
 
 Row invariance (runner.py's module doc) holds: the packed linear is batch-invariant,
 `rope_qk`, `rms_norm` and the MLP's pointwise steps work row by row, and a segment's
-attention reads that segment alone. Against transformers: `rope_qk` rounds each product
-before the sum, as torch does, and the MLP runs torch's own silu and product (the same
-bits); the packed linears, the attention kernel and `rms_norm`'s sum of squares round
+attention reads that segment alone, on a path its length alone picks. Against transformers
+(one SDPA call per segment: a long segment's is the same call here): `rope_qk` rounds each
+product before the sum, as torch does, and the MLP runs torch's own silu and product (the
+same bits); the packed linears, the attention kernel and `rms_norm`'s sum of squares round
 otherwise, within the tolerance the packed path is held to (tests/encoder_peers/chats.py).
 The torch backend (`linear_backend` torch) keeps transformers' own modules throughout.
 """
@@ -41,6 +43,13 @@ from tandem.cpu_kernels import PackedLinear, pack_linears
 # forward: qkv, rotate-half rotary, per-segment SDPA, proj), by class name
 ATTENTION_CLASSES = ("Qwen2_5_VLVisionAttention", "Qwen3VLVisionAttention",
                      "Qwen3VLMoeVisionAttention")
+# A segment of at least this many rows attends through torch's SDPA (its CPU flash kernel),
+# a shorter one through `segment_attention`. Measured on the AVX2 EPYC, one thread, one
+# segment alone (kernel / SDPA time): 6 heads of 64: 0.90 at 64 rows, 1.32 at 128, 1.47-1.56
+# at 256-1024, 1.99 at 3072; 16 heads of 72 or 80: 1.05-1.20 at 64, 1.36-1.64 at 128,
+# 1.9 at 1024. Many short segments still favour the kernel's one call over a call each
+# (768 rows in windows of 64: 2.25 ms against 2.59), so windows stay on the kernel.
+SDPA_MIN_ROWS = 128
 GATED_MLP_CLASSES = ("Qwen2_5_VLMLP",)  # gate_proj, up_proj, down_proj; silu
 RMS_NORM_CLASSES = ("Qwen2_5_VLRMSNorm",)  # weight, variance_epsilon
 
@@ -65,8 +74,8 @@ class PackedPatchEmbed(nn.Module):
 
 class KernelVisionAttention(nn.Module):
     """transformers' vision attention (qkv, rotary, attention per segment of `cu_seqlens`,
-    proj) with the rotary split out of qkv by `rope_qk` and the segments' attention by
-    `segment_attention` (one call for all of them)."""
+    proj) with the rotary split out of qkv by `rope_qk` and the short segments' attention by
+    `segment_attention` (one call for each run of them; module doc)."""
 
     def __init__(self, attn: nn.Module, kernels) -> None:
         super().__init__()
@@ -84,8 +93,38 @@ class KernelVisionAttention(nn.Module):
         q, k = self.kernels.rope_qk(qkv, cos.float().contiguous(), sin.float().contiguous(), h, h)
         v = qkv[:, 2 * h * d :].view(n, h, d)
         cu = cu_seqlens.to(device="cpu", dtype=torch.int64)
-        out = self.kernels.segment_attention(q, k, v, cu, False, self.scaling)
+        bounds = cu.tolist()
+        # windows and small images: the kernel alone, one call
+        if all(b - a < SDPA_MIN_ROWS for a, b in zip(bounds[:-1], bounds[1:], strict=True)):
+            out = self.kernels.segment_attention(q, k, v, cu, False, self.scaling)
+        else:
+            out = self._mixed(q, k, v, bounds)
         return self.proj(out.view(n, h * d))
+
+    def _mixed(self, q, k, v, bounds: list[int]) -> torch.Tensor:
+        """Each segment of SDPA_MIN_ROWS rows or more by torch's SDPA on its own rows (as
+        transformers attends to it), each run of consecutive shorter ones by one kernel call;
+        which one a segment takes depends on its length alone (row invariance)."""
+        out = torch.empty_like(q)
+        run = 0  # the first row of the run of short segments not attended yet
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            if b - a < SDPA_MIN_ROWS:
+                continue
+            if run < a:
+                self._kernel_run(q, k, v, bounds, run, a, out)
+            o = F.scaled_dot_product_attention(
+                *(x[a:b].transpose(0, 1)[None] for x in (q, k, v)), scale=self.scaling)
+            out[a:b] = o[0].transpose(0, 1)
+            run = b
+        if run < bounds[-1]:
+            self._kernel_run(q, k, v, bounds, run, bounds[-1], out)
+        return out
+
+    def _kernel_run(self, q, k, v, bounds: list[int], lo: int, hi: int, out) -> None:
+        """The kernel over the consecutive segments that tile rows [lo, hi)."""
+        cu = torch.tensor([b - lo for b in bounds if lo <= b <= hi], dtype=torch.int64)
+        out[lo:hi] = self.kernels.segment_attention(q[lo:hi], k[lo:hi], v[lo:hi], cu, False,
+                                                    self.scaling)
 
 
 class InPlaceGatedMLP(nn.Module):
