@@ -336,3 +336,194 @@ def test_retired_slots_go_to_no_one_until_their_deadline_then_come_back_wiped():
     assert area.reserve(2, "again") == [2, 3]
     assert not area.rows[2:4].any()
     assert area.num_retired == 2  # the hour-long one holds
+
+
+class _Pool:
+    """An executor that runs each job when asked (`run`), so a test sees what is queued."""
+
+    def __init__(self) -> None:
+        self.jobs: list = []
+
+    def submit(self, fn, *args):
+        from concurrent.futures import Future
+        f = Future()
+        self.jobs.append((f, fn, args))
+        return f
+
+    def run(self) -> None:
+        for f, fn, args in self.jobs:
+            if f.set_running_or_notify_cancel():
+                f.set_result(fn(*args))
+        self.jobs = []
+
+
+def _tagger(src, secret, room, tokens, pool, chunk_pages):
+    from tandem.transfer.kv import KVTagger
+    return KVTagger(src, secret, room, 1, tokens, PAGE, pool, chunk_pages)
+
+
+@pytest.mark.parametrize("mode", ["mac", "encrypt"])
+def test_tags_taken_ahead_as_the_prefill_completes_pages_are_the_transfers(wire, mode,
+                                                                          monkeypatch):
+    """A chunk is tagged once every position of its pages is computed (not before), the
+    transfer then takes no tag itself, and the decode side's checks pass."""
+    engine, outbox, inbox = wire
+    src, dst = cache(21), cache()
+    pages = [3, 8, 1, 14, 6]
+    secret, pool = RowProtection.new(mode), _Pool()
+    tokens = 5 * PAGE - 1  # the last page part full
+    tagger = _tagger(src, secret, 5, tokens, pool, 2)  # chunks [0, 2) [2, 4) [4, 5)
+    tagger.progress(pages[:2], 2 * PAGE - 1, 0)  # page 1 not complete: nothing yet
+    assert pool.jobs == []
+    tagger.progress(pages[:4], 3 * PAGE, 0)  # chunk 0 complete, chunk 1 not
+    assert len(pool.jobs) == 1
+    tagger.progress(pages, tokens, 0)  # the prompt computed: the rest
+    assert len(pool.jobs) == 3
+    pool.run()
+    taken = []
+    real = KVKeys.tag
+    monkeypatch.setattr(KVKeys, "tag", lambda *a: taken.append(a) or real(*a))
+    slots = inbox.reserve(5, "ahead")
+    sent = send_pages(engine, src, pages, outbox, to(engine, inbox, slots, 5, secret),
+                      chunk_pages=2, tags=tagger)
+    assert taken == []  # every tag came from the tagger
+    land_and_check(inbox, "ahead", dst, [0, 1, 2, 3, 4], sent, secret, 5)
+    assert same_pages(src, pages, dst, [0, 1, 2, 3, 4])
+
+
+def test_a_tag_taken_ahead_is_used_only_for_the_pages_and_keys_it_was_taken_over(wire):
+    """A retraction (a new epoch) drops the tags taken before; tags over other pages or
+    for another room are not used (the transfer tags those chunks itself); and a page
+    changed after its tag was taken ahead fails the decode side's check, never passes."""
+    engine, outbox, inbox = wire
+    src = cache(22)
+    secret, pool = RowProtection.new("mac"), _Pool()
+    tagger = _tagger(src, secret, 6, 4 * PAGE, pool, 2)
+    tagger.progress([0, 1, 2, 3], 4 * PAGE, 0)
+    tagger.progress([0, 1, 9, 10], 2 * PAGE, 1)  # retracted, then chunk 0 again
+    pool.run()
+    assert tagger.get(0, 2, [0, 1]) is not None and tagger.get(2, 4, [2, 3]) is None
+    assert tagger.get(0, 2, [0, 5]) is None  # not the pages it was taken over
+    other = _tagger(src, secret, 7, 4 * PAGE, pool, 2)  # room 7's tags
+    other.progress([0, 1, 2, 3], 4 * PAGE, 0)
+    pool.run()
+    slots = inbox.reserve(4, "other")
+    sent = send_pages(engine, src, [0, 1, 2, 3], outbox, to(engine, inbox, slots, 6, secret),
+                      chunk_pages=2, tags=other)  # not room 6's: taken here
+    land_and_check(inbox, "other", cache(), [0, 1, 2, 3], sent, secret, 6)
+    # the invariant broken (a page written after its tag was taken ahead): DATA_LOSS
+    late = _tagger(src, secret, 8, 4 * PAGE, pool, 2)
+    late.progress([0, 1, 2, 3], 4 * PAGE, 0)
+    pool.run()
+    src.k[3][1, 0, 0, 0] += 1.0
+    slots = inbox.reserve(4, "late")
+    sent = send_pages(engine, src, [0, 1, 2, 3], outbox, to(engine, inbox, slots, 8, secret),
+                      chunk_pages=2, tags=late)
+    with pytest.raises(TransferError) as e:
+        land_and_check(inbox, "late", cache(), [0, 1, 2, 3], sent, secret, 8)
+    assert e.value.code == "DATA_LOSS"
+    inbox.drop("late")  # the failed check's caller frees the rest
+    assert inbox.num_free == 8 and not inbox.rows.any()
+
+
+@pytest.mark.parametrize("mode", ["mac", "encrypt"])
+def test_a_write_into_the_outbox_after_a_tag_taken_ahead_is_data_loss(wire, mode):
+    engine, outbox, inbox = wire
+    src, dst = cache(23), cache()
+    secret, pool = RowProtection.new(mode), _Pool()
+    tagger = _tagger(src, secret, 9, 3 * PAGE, pool, 64)
+    tagger.progress([0, 1, 2], 3 * PAGE, 0)
+    pool.run()
+    slots = inbox.reserve(3, "room-9")
+    sent = send_pages(_OutboxWriter(engine, outbox), src, [0, 1, 2], outbox,
+                      to(engine, inbox, slots, 9, secret), tags=tagger,
+                      on_written=lambda s: None)
+    assert outbox.num_free == 8 and not outbox.rows.any()
+    with pytest.raises(TransferError) as e:
+        land_and_check(inbox, "room-9", dst, [4, 5, 6], sent, secret, 9)
+    assert e.value.code == "DATA_LOSS"
+
+
+def test_the_outbox_is_wiped_after_every_write_ended_and_the_report_of_it(wire):
+    """With `on_written` the sender's slots stay held (read by no write any more) until
+    the transfer is reported complete, then all are wiped and freed; also when the report
+    fails."""
+    engine, outbox, inbox = wire
+    src = cache(24)
+    secret = RowProtection.new("mac")
+    seen = []
+
+    def on_written(sent):
+        seen.append((outbox.num_free, bool(outbox.rows.any()), len(sent.chunks)))
+
+    slots = inbox.reserve(5, "w")
+    send_pages(engine, src, [0, 1, 2, 3, 4], outbox, to(engine, inbox, slots, 1, secret),
+               chunk_pages=2, on_written=on_written)
+    assert seen == [(3, True, 3)]  # every chunk written, none wiped yet
+    assert outbox.num_free == 8 and not outbox.rows.any()
+
+    def broken(sent):
+        raise RuntimeError("the stream is gone")
+
+    with pytest.raises(RuntimeError):
+        send_pages(engine, src, [0, 1, 2], outbox, to(engine, inbox, [5, 6, 7], 2, secret),
+                   on_written=broken)
+    assert outbox.num_free == 8 and not outbox.rows.any()
+    inbox.drop("w")
+
+
+def test_landed_slots_wiped_later_are_no_ones_until_then_and_come_back_as_zeros():
+    """`land(wipe=False)`: the slots stay the owner's (no reserve gets them, landing them
+    again fails) until `sweep`, `drop` or `retire`; a slot that comes back free is zeros."""
+    area = KVStaging(KVPageLayout.of_cache(cache()), 4)
+    assert area.reserve(3, "a") == [0, 1, 2]
+    area.rows[:3].fill_(3.0)
+    dst = cache()
+    area.land("a", dst, [5, 6], first=0, wipe=False)
+    assert area.held("a") == [2] and area.landed("a") == [0, 1] and area.holds("a")
+    assert area.num_free == 1 and area.rows[:2].all()  # not wiped yet, not free
+    assert area.reserve(2, "b") is None
+    with pytest.raises(KeyError):
+        area.reserve(1, "a")  # still its
+    with pytest.raises(KeyError):
+        area.land("a", dst, [5], first=0, wipe=False)  # landed already
+    area.land("a", dst, [7], first=2, wipe=False)
+    assert area.held("a") == [] and area.landed("a") == [0, 1, 2] and area.holds("a")
+    assert bool((dst.k[0][[5, 6, 7]] == 3.0).all())
+    assert area.sweep("a") == 3
+    assert area.num_free == 4 and not area.rows.any() and not area.holds("a")
+    assert area.free_slots() == [0, 1, 2, 3]
+    assert area.sweep("a") == 0  # nothing left: a drop or a sweep took them
+    # a hand-off released before its sweep: drop takes the landed slots too
+    area.reserve(2, "c")
+    area.rows[:2].fill_(4.0)
+    area.land("c", dst, [1], first=0, wipe=False)
+    area.drop("c")
+    assert area.num_free == 4 and not area.rows.any() and area.sweep("c") == 0
+    # retired after a part landed: the landed slot wiped and freed at once (no write is
+    # on its way to it), the rest no one's until the deadline, then wiped
+    area.reserve(2, "d")
+    area.rows[:2].fill_(5.0)
+    area.land("d", dst, [1], first=0, wipe=False)
+    area.retire("d", 3600.0)
+    assert area.num_free == 3 and area.num_retired == 1 and not area.rows[0].any()
+    assert area.rows[1].all()  # not landed: retired as it is
+
+
+def test_a_landing_whose_owner_was_dropped_meanwhile_frees_its_own_slots(monkeypatch):
+    """A hand-off released (cancelled) while a chunk is being copied out with
+    `wipe=False`: the copy's slots are wiped and freed by the landing, not left to no
+    one."""
+    import tandem.transfer.kv as kv
+
+    area = KVStaging(KVPageLayout.of_cache(cache()), 4)
+    area.reserve(2, "a")
+    area.rows[:2].fill_(6.0)
+
+    def dropped_meanwhile(*args):
+        area.drop("a")  # the release, on another thread, during the copy
+        unpack_into(*args)
+
+    monkeypatch.setattr(kv, "unpack_into", dropped_meanwhile)
+    area.land("a", cache(), [0], first=0, wipe=False)
+    assert area.num_free == 4 and not area.rows.any() and not area.holds("a")

@@ -16,20 +16,26 @@ per run of slots within a chunk (`chunk_plan`), whatever the layer count;
 `KVStaging.reserve` hands out the lowest free run that fits, so a request's slots are
 usually one run.
 
-The sender (the prefill instance), `send_pages`, per chunk of pages while the previous
-chunk is on the wire: tag the chunk's pages where they lie in its cache (Poly1305 under
-keys derived for that chunk, over `tag_order`: private memory, which no peer can reach and
-no step writes while the pages are handed off), pack them from the cache straight into its
-registered outbox (encrypted on the way under `encrypt`: one ChaCha20 stream per chunk, in
+The sender (the prefill instance): the tag of each chunk's pages is taken where they lie
+in its cache (Poly1305 under keys derived for that chunk, over `tag_order`: private
+memory, which no peer can reach and no step writes once computed), ahead, as the prefill
+completes them (`KVTagger`: the decode side names the room, hence the keys, before
+anything is computed), else in the transfer. `send_pages`, per chunk of pages while the
+previous chunk is on the wire: pack them from the cache straight into its registered
+outbox (encrypted on the way under `encrypt`: one ChaCha20 stream per chunk, in
 `tag_order`, under the chunk's own key, so plaintext never lies there), write (one
 descriptor per run of slots), and, once that write ended, report the chunk with its tag
-(`KVChunk`) and wipe its outbox slots while the next chunk is on the wire.
+(`KVChunk`); once every write ended and the transfer is reported complete, the outbox
+slots are wiped and freed (or each chunk's as the next is on the wire, without
+`on_written`).
 
 The receiver (the decode instance), which made the secret and handed it to the sender over
 the authenticated stream (as the embedding rooms do: AttachInit.protection_key), per chunk
 as it is reported, while later chunks are still on the wire:
-    inbox.land(room, cache, pages[c.first:c.first + c.pages], first=c.first)  # wiped, freed
+    inbox.land(room, cache, pages[c.first:c.first + c.pages], first=c.first, wipe=False)
     KVKeys.derive(secret, room, generation, c.first, c.pages).open_pages(cache, part, c.tag)
+and once every chunk passed and the pages may be used, `inbox.sweep(room)` wipes and frees
+the slots (beside the pages' first use, not before it; `drop` or `retire` on other paths).
 
 Invariant: no step reads a page landed from the wire before `open_pages` passed on it (a
 failed check frees the pages unread); the cache is never registered, so once landed a
@@ -194,11 +200,14 @@ def runs(src_base: int, src_slots: list[int], dst_base: int, dst_slots: list[int
 class KVStaging:
     """`slots` page-sized slots of registered memory, handed out per owner (a room).
 
-    Invariant: a slot is free, held by exactly one owner, or retired; `land` copies a part
-    of an owner's slots into cache pages, wipes them (registered memory other processes
-    may read) and frees them, `wipe` wipes and frees a part unread (the sender's, once its
-    write ended), `drop` wipes and frees the rest, so nothing of a request stays readable
-    or in use there after its transfer. Every mode wipes: under `mac` and `none` the slots
+    Invariant: a slot is free, held by exactly one owner, or retired, and a slot comes
+    back free only wiped (zeros); `land` copies a part of an owner's slots into cache
+    pages, then wipes them (registered memory other processes may read) and frees them, or,
+    `wipe=False`, keeps them the owner's as *landed* (never landed again) until `sweep`
+    wipes and frees them once the pages they fed are in use (the wipe off the transfer's
+    critical path, not skipped); `wipe` wipes and frees a part unread (the sender's, once
+    its write ended), `drop` wipes and frees the rest, landed or not, so nothing of a
+    request stays readable or in use there after its transfer. Every mode wipes: under `mac` and `none` the slots
     hold the prompt's K/V in the clear; under `encrypt` they hold ciphertext under a key
     used once, which a wipe does not make safer, but one rule for every mode (a slot
     comes back free as zeros, as docs/deploy.md promises of the embedding staging) is
@@ -218,6 +227,8 @@ class KVStaging:
         self._free = bytearray(b"\1" * slots)  # 1 where the slot is free
         # owner -> {page index in its transfer: slot}, the slots not landed or dropped yet
         self._owned: dict[Hashable, dict[int, int]] = {}
+        # owner -> slots landed with `wipe=False`: read by no one any more, not wiped yet
+        self._landed: dict[Hashable, list[int]] = {}
         # (time.monotonic() after which they are free, slots): `retire`d transfers' slots
         self._retired: list[tuple[float, list[int]]] = []
         # NOTE: slots change hands on the event loop (reserve, drop, retire) and on
@@ -236,6 +247,11 @@ class KVStaging:
     def num_slots(self) -> int:
         return len(self._free)
 
+    def free_slots(self) -> list[int]:
+        """The free slots (each zeros: the invariant)."""
+        with self._state:
+            return [i for i, f in enumerate(self._free) if f]
+
     def register(self, engine) -> None:
         engine.register(self.rows)
 
@@ -244,7 +260,7 @@ class KVStaging:
         if pages < 1:
             raise ValueError(f"reserve of {pages} pages for {owner!r}")
         with self._state:
-            if owner in self._owned:
+            if owner in self._owned or owner in self._landed:
                 raise KeyError(f"owner {owner!r} already holds slots")
             self._reclaim()
             if pages > self.num_free:
@@ -258,13 +274,26 @@ class KVStaging:
             return list(got)
 
     def held(self, owner: Hashable) -> list[int]:
+        """`owner`'s slots not landed yet (a write may still be on the way to them)."""
         with self._state:
             return list(self._owned.get(owner, {}).values())
 
-    def _take(self, owner: Hashable, first: int, count: int) -> list[int]:
-        """Slots [first, first + count) of `owner`'s transfer, no longer its (not free
-        yet: the caller frees them once done with them); the owner goes when it holds
-        none."""
+    def landed(self, owner: Hashable) -> list[int]:
+        """`owner`'s slots landed and not wiped yet (`land(wipe=False)`)."""
+        with self._state:
+            return list(self._landed.get(owner, []))
+
+    def holds(self, owner: Hashable) -> bool:
+        """Whether `owner` holds any slot, landed or not (or has a landing under way with
+        `wipe=False`): `drop` or `retire` it on every path."""
+        with self._state:
+            return owner in self._owned or owner in self._landed
+
+    def _take(self, owner: Hashable, first: int, count: int, keep: bool = False
+              ) -> list[int]:
+        """Slots [first, first + count) of `owner`'s transfer, no longer held (not free
+        yet: the caller frees them once done with them, or keeps them landed); the owner
+        goes from `_owned` when it holds none."""
         with self._state:
             held = self._owned.get(owner)
             if held is None:
@@ -275,6 +304,8 @@ class KVStaging:
             slots = [held.pop(i) for i in part]
             if not held:
                 del self._owned[owner]
+            if keep:  # landing with wipe=False: the owner holds them again once copied
+                self._landed.setdefault(owner, [])
             return slots
 
     def _wipe_and_free(self, slots: list[int]) -> None:
@@ -286,18 +317,41 @@ class KVStaging:
             for s in slots:
                 self._free[s] = 1
 
-    def land(self, owner: Hashable, cache, pages: list[int], first: int = 0) -> None:
+    def land(self, owner: Hashable, cache, pages: list[int], first: int = 0,
+             wipe: bool = True) -> None:
         """Copy the slots of pages [first, first + len(pages)) of `owner`'s transfer into
-        `pages` of `cache`, then wipe and free them (no one else holds them meanwhile).
-        NOTE: the rows are not checked yet: the caller checks them in the cache
+        `pages` of `cache`, then wipe and free them (no one else holds them meanwhile);
+        `wipe=False`: they stay `owner`'s, landed, until `sweep` (or `drop`) wipes and
+        frees them. NOTE: the rows are not checked yet: the caller checks them in the cache
         (`KVKeys.open_pages`) before any step reads those pages, and frees the pages when
         the check fails. A write into the slots after this reaches nothing. Any thread."""
-        slots = self._take(owner, first, len(pages))
+        slots = self._take(owner, first, len(pages), keep=not wipe)
         run = slots == list(range(slots[0], slots[0] + len(slots)))
-        rows = (self.rows[slots[0] : slots[0] + len(slots)] if run
-                else self.rows.index_select(0, torch.tensor(slots, dtype=torch.long)))
-        unpack_into(cache, pages, rows)
+        try:
+            rows = (self.rows[slots[0] : slots[0] + len(slots)] if run
+                    else self.rows.index_select(0, torch.tensor(slots, dtype=torch.long)))
+            unpack_into(cache, pages, rows)
+        except BaseException:  # taken from the owner: no path but this one frees them
+            self._wipe_and_free(slots)
+            raise
+        if not wipe:
+            with self._state:
+                kept = self._landed.get(owner)
+                if kept is not None:
+                    kept.extend(slots)
+                    return
+            # NOTE: dropped, retired or swept while this copied (a cancelled hand-off's
+            # release): wiped and freed here, so none is left to no one
         self._wipe_and_free(slots)
+
+    def sweep(self, owner: Hashable) -> int:
+        """Wipe and free `owner`'s landed slots (after the pages they fed passed their check
+        and may be used: off the transfer's critical path); the number swept, 0 when a
+        `drop` or `retire` took them first. Any thread."""
+        with self._state:
+            slots = self._landed.pop(owner, [])
+        self._wipe_and_free(sorted(slots))
+        return len(slots)
 
     def wipe(self, owner: Hashable, first: int, count: int) -> None:
         """Wipe and free the slots of pages [first, first + count) of `owner`'s transfer,
@@ -305,22 +359,26 @@ class KVStaging:
         self._wipe_and_free(self._take(owner, first, count))
 
     def drop(self, owner: Hashable) -> None:
-        """Wipe and free what `owner` still holds, unread (a failed or cancelled transfer,
-        or the rest after a failed check)."""
+        """Wipe and free what `owner` still holds, landed or not (a failed or cancelled
+        transfer, the rest after a failed check, or landed slots not swept yet)."""
         with self._state:
-            held = self._owned.pop(owner, None)
-        if held is None:
+            held, landed = self._owned.pop(owner, None), self._landed.pop(owner, None)
+        if held is None and landed is None:
             raise KeyError(f"free of unknown or already freed owner {owner!r}")
-        self._wipe_and_free(sorted(held.values()))
+        self._wipe_and_free(sorted([*(held or {}).values(), *(landed or [])]))
 
     def retire(self, owner: Hashable, seconds: float) -> None:
-        """`owner`'s slots go to no one for `seconds`, then are wiped and freed (a transfer
-        that ended with writes possibly still on the way)."""
+        """`owner`'s slots not landed go to no one for `seconds`, then are wiped and freed
+        (a transfer that ended with writes possibly still on the way); its landed ones are
+        wiped and freed now."""
         with self._state:
-            held = self._owned.pop(owner, None)
-            if held is None:
+            held, landed = self._owned.pop(owner, None), self._landed.pop(owner, None)
+            if held is None and landed is None:
                 raise KeyError(f"retire of unknown or already freed owner {owner!r}")
-            self._retired.append((time.monotonic() + seconds, sorted(held.values())))
+            if held:
+                self._retired.append((time.monotonic() + seconds, sorted(held.values())))
+        # landed slots: their writes ended before they were reported, so none is on the way
+        self._wipe_and_free(sorted(landed or []))
 
     @property
     def num_retired(self) -> int:
@@ -438,8 +496,8 @@ class KVSent:
     bytes: int
 
 
-# Pages per staged chunk: chunk k+1 is tagged and staged while chunk k is on the wire,
-# and the receiver lands and checks chunk k meanwhile. 64 pages of a 7B-class model
+# Pages per staged chunk: chunk k+1 is staged (and tagged, unless `KVTagger` took its tag
+# ahead) while chunk k is on the wire, and the receiver lands and checks chunk k meanwhile. 64 pages of a 7B-class model
 # (16-token pages) are 56 MiB: a 16K-token prompt goes as ~19 descriptors (`chunk_plan`),
 # where per-layer tensors would take 56 per run of pages.
 CHUNK_PAGES = 64
@@ -461,24 +519,122 @@ def chunk_plan(n: int, chunk_pages: int = CHUNK_PAGES) -> list[tuple[int, int]]:
     return list(zip([0, *ends[:-1]], ends, strict=True))
 
 
+class KVTagger:
+    """The sender's tags of one transfer's chunks, taken ahead, as the prefill completes
+    their pages (`progress`, from the engine thread after each step of the prompt), on
+    `pool` (a thread beside the engine), instead of in `send_pages` on the transfer's
+    critical path. The decode side names the room (its secret, `generation`) before the
+    prefill instance computes anything, so each chunk's keys are known from the start.
+
+    Invariant (why a tag taken early is the tag of what is sent): a chunk is tagged once
+    every position of its pages is computed (`computed` >= its last token); the runner
+    writes K/V only at the positions of a step's chunks (`slot_mapping`, from
+    [start, start + tokens)), so such a page is written by no later step while the request
+    holds it, and a handed-off request's pages move to its room's hold unchanged
+    (`Scheduler._hold_prompt_pages`), written by no step until the decode side closes. A
+    retraction frees the pages beyond the pinned prefix and computes them again, maybe
+    elsewhere: it changes `epoch` (the request's retraction count), which drops every tag
+    taken before, and `get` gives a tag only for exactly the pages it was taken over. If
+    this invariant broke anyway, the decode side's check would fail (DATA_LOSS): a tag over
+    other bytes than those sent is refused there, never passed.
+    """
+
+    def __init__(self, cache, protection: RowProtection, room: int, generation: int,
+                 prompt_tokens: int, page_size: int, pool,
+                 chunk_pages: int = CHUNK_PAGES) -> None:
+        self.cache, self.protection = cache, protection
+        self.room, self.generation = room, generation
+        self.prompt_tokens, self.page_size, self.pool = prompt_tokens, page_size, pool
+        self.plan = chunk_plan(-(-prompt_tokens // page_size), chunk_pages)
+        # chunk index -> (its pages, epoch, the future of its tag)
+        self._jobs: dict[int, tuple[tuple[int, ...], int, object]] = {}
+        self._epoch = 0
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def matches(self, dest: KVDestination, n: int, chunk_pages: int) -> bool:
+        """Whether these tags are for `dest`'s keys and the same chunks."""
+        return (self.protection.on and (self.protection, self.room, self.generation)
+                == (dest.protection, dest.room, dest.generation)
+                and self.plan == chunk_plan(n, chunk_pages))
+
+    def progress(self, pages: list[int], computed: int, epoch: int) -> None:
+        """The request's pages (its block table, in order) and how many leading positions
+        are computed, after a step: queue the tag of every chunk now complete. Cheap (the
+        engine thread): the tags run on `pool`."""
+        if not self.protection.on or self.closed:
+            return
+        with self._lock:
+            if epoch != self._epoch:  # retracted: what was tagged may be computed again
+                self._epoch = epoch
+                for _, _, f in self._jobs.values():
+                    f.cancel()
+                self._jobs.clear()
+            for i, (c0, c1) in enumerate(self.plan):
+                if min(c1 * self.page_size, self.prompt_tokens) > computed or c1 > len(pages):
+                    break  # chunks complete in order
+                if i in self._jobs:
+                    continue
+                part = tuple(pages[c0:c1])
+                keys = KVKeys.derive(self.protection, self.room, self.generation, c0, c1 - c0)
+                self._jobs[i] = (part, epoch,
+                                 self.pool.submit(keys.tag, self.cache, list(part)))
+
+    def get(self, first: int, end: int, pages: list[int]) -> bytes | None:
+        """The tag of chunk [first, end) if it was taken over exactly `pages` (waits for it
+        when it is being taken), else None (the sender takes it then)."""
+        with self._lock:
+            try:
+                i = self.plan.index((first, end))
+            except ValueError:
+                return None
+            job = self._jobs.get(i)
+        if job is None or job[0] != tuple(pages) or job[1] != self._epoch:
+            return None
+        try:
+            return job[2].result()
+        except Exception:  # cancelled, or failed: taken again in the transfer
+            return None
+
+    def close(self) -> None:
+        """The hand-off ended (sent or failed): tags not started are not taken."""
+        with self._lock:
+            self.closed = True
+            for _, _, f in self._jobs.values():
+                f.cancel()
+
+    @property
+    def num_tagged(self) -> int:
+        with self._lock:
+            return sum(1 for _, _, f in self._jobs.values() if f.done() and not f.cancelled())
+
+
 def send_pages(engine, cache, pages: list[int], outbox: KVStaging, dest: KVDestination,
                on_chunk: Callable[[KVChunk], object] | None = None,
-               chunk_pages: int = CHUNK_PAGES) -> KVSent:
+               chunk_pages: int = CHUNK_PAGES, tags: KVTagger | None = None,
+               on_written: Callable[[KVSent], object] | None = None) -> KVSent:
     """Write `pages` of `cache` into `dest`'s slots through this side's registered
     `outbox`, in chunks (`chunk_plan`) pipelined with the wire (blocking: an executor
-    thread); `on_chunk` as each chunk's write completes (in order), then that chunk's
-    outbox slots are wiped and freed while the next one is on the wire. Each chunk is
-    tagged in `cache` (private) and packed (or encrypted) from there into the outbox, so a
-    change to the outbox by another process fails the receiver's check. NOTE: `pages`
-    must not change until this returns (a handed-off request's pages: held by its room,
-    written by no step); one that did would fail the receiver's check, never pass it
-    changed. Raises TransferError
+    thread); `on_chunk` as each chunk's write completes (in order). Each chunk is tagged in
+    `cache` (private; by `tags` ahead, at the prefill, when it has the chunk's tag over
+    exactly these pages, else here) and packed (or encrypted) from there into the outbox,
+    so a change to the outbox by another process fails the receiver's check.
+    The outbox slots are wiped and freed before this returns, on every path: without
+    `on_written`, each chunk's once its write ended, while the next one is on the wire;
+    with it, all at once after every write ended and `on_written` (the caller's report
+    that the transfer is complete: the decode side may then use the pages) returned, so
+    the wipe runs beside the decode side's last check and first use, not before them.
+    NOTE: `pages` must not change until this returns (a handed-off request's pages: held
+    by its room, written by no step); one that did would fail the receiver's check, never
+    pass it changed. Raises TransferError
     (RESOURCE_EXHAUSTED when the outbox has too few free slots: retry later;
     TransferStuck when writes never ended: their slots stay held, retired, so nothing
     reuses memory a transfer may still read)."""
     n = len(pages)
     if n != len(dest.slots) or n < 1:
         raise ValueError(f"{n} pages for {len(dest.slots)} destination slots")
+    if tags is not None and not tags.matches(dest, n, chunk_pages):
+        tags = None
     owner = object()  # NOTE: this call's own slots, freed on every path but a stuck one
     slots = outbox.reserve(n, owner)
     if slots is None:
@@ -498,7 +654,8 @@ def send_pages(engine, cache, pages: list[int], outbox: KVStaging, dest: KVDesti
             if keys is None:  # unprotected: nothing to tag
                 pack_into_slots(cache, pages[c0:c1], outbox.rows, slots[c0:c1])
             else:  # NOTE: the tag over the cache (private), never over the outbox
-                tag = keys.tag(cache, pages[c0:c1])
+                tag = ((tags.get(c0, c1, pages[c0:c1]) if tags is not None else None)
+                       or keys.tag(cache, pages[c0:c1]))
                 if keys.cipher:
                     keys.seal_into(cache, pages[c0:c1], outbox.rows, slots[c0:c1])
                 else:
@@ -511,12 +668,16 @@ def send_pages(engine, cache, pages: list[int], outbox: KVStaging, dest: KVDesti
             if waiting:  # the previous chunk, on the wire while this one was staged
                 engine.wait(dest.peer, waiting)
                 _written(chunks, pending, on_chunk)
-                outbox.wipe(owner, pending.first, pending.pages)  # read by no write now
+                if on_written is None:  # read by no write now
+                    outbox.wipe(owner, pending.first, pending.pages)
             pending = KVChunk(c0, c1 - c0, tag)
         waiting, in_flight = in_flight, []
         engine.wait(dest.peer, waiting)
         _written(chunks, pending, on_chunk)
-        return KVSent(chunks, descriptors, nbytes)
+        sent = KVSent(chunks, descriptors, nbytes)
+        if on_written is not None:
+            on_written(sent)
+        return sent
     except TransferError as e:
         if not engine.drain(in_flight + list(getattr(e, "pending", []))):
             owner = None  # retired: never freed
