@@ -159,6 +159,9 @@ class Cluster:
         return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
                    if ln.split(" ")[0] == want)
 
+    def generate_sync(self, messages: list[Message]) -> list:
+        return self.call(self.generate(messages, GREEDY))
+
     def loads(self, role: str):
         async def get():
             return await self.stubs[role].GetLoad(language_pb2.LanguageGetLoadRequest())
@@ -376,6 +379,65 @@ def test_a_peer_overwriting_the_inbox_never_changes_an_answer(cluster, monkeypat
     print("hand-offs under attack:", outcomes)
     assert "DATA_LOSS" in outcomes  # the attack landed, and was caught
     assert_idle(cluster)
+
+
+def test_the_prefill_instance_tags_pages_as_its_prefill_computes_them(cluster, monkeypatch):
+    """Under `mac` each chunk's tag is taken on the prefill instance's tagger thread once
+    the prefill step that completes its pages ran (Engine.watch_prefill -> KVTagger), not
+    in the transfer; the answers stay exact; both sides' staging slots are wiped after the
+    pages may be used and come back free as zeros."""
+    if cluster.arch != "qwen2_5_vl":
+        pytest.skip("one architecture shows it")
+    from tandem.transfer import kv
+
+    plan = kv.chunk_plan
+    monkeypatch.setattr(kv, "chunk_plan", lambda n, chunk_pages=2: plan(n, 2))  # chunks
+    progress, tagged, sent, areas = [], [], [], set()
+    real_progress, real_tag, real_send = kv.KVTagger.progress, kv.KVKeys.tag, kv.send_pages
+    real_land = kv.KVStaging.land
+
+    def spied_progress(self, pages, computed, epoch):
+        real_progress(self, pages, computed, epoch)
+        progress.append((self.room, computed < self.prompt_tokens, len(self._jobs)))
+
+    def spied_tag(self, cache, pages):
+        tagged.append(threading.current_thread().name)
+        return real_tag(self, cache, pages)
+
+    def spied_send(engine, cache, pages, outbox, dest, *a, **kw):
+        areas.add(outbox)
+        out = real_send(engine, cache, pages, outbox, dest, *a, **kw)
+        sent.append(len(out.chunks))
+        return out
+
+    def spied_land(self, *a, **kw):
+        areas.add(self)
+        return real_land(self, *a, **kw)
+
+    from tandem.services.language import handoff
+    monkeypatch.setattr(kv.KVTagger, "progress", spied_progress)
+    monkeypatch.setattr(kv.KVKeys, "tag", spied_tag)
+    monkeypatch.setattr(handoff, "send_pages", spied_send)
+    monkeypatch.setattr(kv.KVStaging, "land", spied_land)
+    chats = [image_chat(4), [Message("user", ("Say why, in order: " + "one, two, three, " * 12,))]]
+    for chat in chats:
+        assert tokens_of(cluster.generate_sync(chat)) == expected(cluster.ckpt, chat)
+    assert len(sent) == 2 and sent[1] >= 3  # the long one: several chunks
+    # every chunk tagged once, on the tagger thread: none in the transfer
+    assert len(tagged) == sum(sent) and all(n.startswith("kv-tag") for n in tagged), tagged
+    # the engine reported the prompt's progress step by step (16-token steps), and the
+    # long prompt's first chunks were queued before it was all computed
+    rooms = list(dict.fromkeys(r for r, _, _ in progress))
+    assert len(rooms) == 2
+    assert any(early and jobs > 0 for r, early, jobs in progress if r == rooms[1])
+    assert_idle(cluster)
+    assert len(areas) == 2  # the prefill instance's outbox, the decode instance's inbox
+    # (slots retired by an earlier test's failed hand-offs come back at a later reserve)
+    wait_until(lambda: all(a.num_free + a.num_retired == a.num_slots for a in areas),
+               timeout_s=HANG_GUARD_S, what="every staging slot free (or retired)")
+    for a in areas:  # a slot that comes back free is zeros
+        free = a.free_slots()
+        assert free and not a.rows[free].any()
 
 
 def test_cancel_and_deadline_free_everything_on_both_sides(cluster):

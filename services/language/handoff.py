@@ -9,7 +9,9 @@ which the decode instance opens when its Generate names `prefill_address`:
     reserve its pages and inbox slots (waits here
     while too few are free: the pre-allocation
     queue; P holds only its embedding blocks)
-    PrefillRoom(session, slots, secret) ────────▶  prefill (chunked, prefix cache), sample
+    PrefillRoom(session, slots, secret) ────────▶  prefill (chunked, prefix cache), sample;
+                                                   each chunk's tag taken as the prefill
+                                                   completes its pages (`KVTagger`)
                                      ◀───────────  first: the first token (relayed at once)
                                                    or finished: the request ended there
                                                    (EOS, stop, max_tokens, an error)
@@ -19,16 +21,19 @@ which the decode instance opens when its Generate names `prefill_address`:
     unread, the request fails before any more
     output: the router retries it elsewhere)
                                      ◀───────────  done: MRoPE delta, generator state,
-                                                   cached tokens, P's stage timings
+                                                   cached tokens, P's stage timings (then
+                                                   P wipes its outbox slots)
     the request joins its running batch
-    (`Engine.submit(handoff=...)`); its send
+    (`Engine.submit(handoff=...)`; its inbox
+    slots wiped meanwhile); its send
     side closes  ────────────────────────────────▶  the held pages are freed
 
 Invariants: P computes nothing before D has reserved the pages it will fill (so no KV is
 computed that has nowhere to go); P holds the prompt's pages (`PrefixCache.hold`) until
 D closes its side (or the stream breaks), so a retry elsewhere could take them again;
 D reads no landed page before its tag passed (`KVKeys.open_pages`); every path frees the
-reservation (D: `Engine.unpin`, `KVStaging.drop`) and the hold (P: `Engine.unpin`).
+reservation (D: `Engine.unpin`, `KVStaging.drop` / `sweep`) and the hold (P:
+`Engine.unpin`).
 
 Limits (refused at start-up, by name): tensor parallel 1, the CPU (the pages are packed
 and checked in host memory).
@@ -40,7 +45,8 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,7 +58,16 @@ from tandem.services.language.engine.types import HandOff
 from tandem.services.language.metrics import LanguageMetrics
 from tandem.transfer.buffers import RowProtection
 from tandem.transfer.errors import TransferError
-from tandem.transfer.kv import KVChunk, KVDestination, KVKeys, KVPageLayout, KVStaging, send_pages
+from tandem.transfer.kv import (
+    KVChunk,
+    KVDestination,
+    KVKeys,
+    KVPageLayout,
+    KVSent,
+    KVStaging,
+    KVTagger,
+    send_pages,
+)
 from tandem.transfer.payload import PromptInfo, PromptPayload
 from tandem.units import ceil_div
 from tandem.v1 import common_pb2, language_pb2
@@ -99,10 +114,19 @@ class KVPort:
     staging: KVStaging
     cache: object  # runner/kv_cache.KVCache
     transfer: TransferConfig
+    # a prefill instance's tagger thread (`KVTagger`: the tags of handed-off prompts'
+    # pages, taken as the prefill completes them, beside the engine thread); made at first use
+    _tag_pool: ThreadPoolExecutor | None = field(default=None, repr=False)
 
     @property
     def layout(self) -> KVPageLayout:
         return self.staging.layout
+
+    @property
+    def tag_pool(self) -> ThreadPoolExecutor:
+        if self._tag_pool is None:
+            self._tag_pool = ThreadPoolExecutor(1, thread_name_prefix="kv-tag")
+        return self._tag_pool
 
 
 def refuse_role(role: str, tp: int, device: torch.device) -> str:
@@ -122,14 +146,19 @@ def refuse_role(role: str, tp: int, device: torch.device) -> str:
 
 class PrefillLink:
     """A prefill instance's end of one Prefill stream: the decode side's messages
-    (`incoming`, after its PrefillOpen) and the stream's writer (`write`)."""
+    (`incoming`, after its PrefillOpen) and the stream's writer (`write`). With `engine`
+    (the language engine), the tags of the prompt's pages are taken as the prefill
+    completes them (`Engine.watch_prefill` -> `KVTagger`, on the port's tagger thread),
+    not in the transfer; without it, in the transfer."""
 
     def __init__(self, port: KVPort, incoming: AsyncIterator, write, room: int,
-                 deadline: float, metrics: LanguageMetrics) -> None:
+                 deadline: float, metrics: LanguageMetrics, engine=None) -> None:
         self.port, self._incoming, self._write = port, incoming, write
         self.room, self.deadline = room, deadline  # (time.time() seconds)
         self.metrics = metrics
+        self.engine = engine
         self.dest: KVDestination | None = None
+        self.tagger: KVTagger | None = None
         self.chunks = 0
 
     async def _next(self, what: str):
@@ -167,6 +196,10 @@ class PrefillLink:
                                "FAILED_PRECONDITION")
         self.dest = KVDestination(r.session, r.base, list(r.slots), self.room, r.generation,
                                   protection)
+        if self.engine is not None and protection.on:  # keys known: tag pages as computed
+            self.tagger = KVTagger(self.port.cache, protection, self.room, r.generation,
+                                   prompt.end, self.port.layout.page_size, self.port.tag_pool)
+            self.engine.watch_prefill(self.room, self.tagger.progress)
         # NOTE: open the decode instance's segment now, while it is alive (it just named
         # it): a first write's handshake with a peer frozen meanwhile would hold every
         # write of this instance's engine for ~60 s (MooncakeEngine.open)
@@ -188,6 +221,8 @@ class PrefillLink:
             raise
         finally:
             span.end()
+            if self.tagger is not None:  # tags not started are not taken
+                self.tagger.close()
         m.kv_transfers.labels("sent", "ok").inc()
 
     async def _send(self, req: Request, pages: list[int], span: tracing.Span) -> None:
@@ -204,22 +239,36 @@ class PrefillLink:
                                     "CANCELLED") from None
 
         port, m, t0 = self.port, self.metrics, time.monotonic()
+        took = [0.0]
+
+        def on_written(sent: KVSent) -> None:  # the sender's thread: every write ended
+            took[0] = time.monotonic() - t0
+            t = req.times.ms()
+            done = language_pb2.PrefillResponse(done=language_pb2.PrefillDone(
+                mrope_position_delta=req.prompt.mrope_delta,
+                generator_state=generator_state(req), cached_tokens=req.kv.cached_tokens or 0,
+                timings=common_pb2.StageTimings(queue_ms=t["queue"], prefill_ms=t["prefill"]),
+                early_prefill_tokens=req.early_prefill_tokens))
+            # NOTE: Done before the outbox is wiped (send_pages wipes once this returns): the
+            # decode side takes the pages into use while this side wipes
+            try:
+                asyncio.run_coroutine_threadsafe(self._write(done), loop).result()
+            except Exception as e:
+                raise TransferError(f"the decode side's stream ended: {e!r}",
+                                    "CANCELLED") from None
+
         try:
             sent = await loop.run_in_executor(None, lambda: send_pages(
-                port.engine, port.cache, pages, port.staging, self.dest, on_chunk))
+                port.engine, port.cache, pages, port.staging, self.dest, on_chunk,
+                tags=self.tagger, on_written=on_written))
         except TransferError as e:
             raise HandOffError(f"KV pages to {self.dest.peer}: {e.reason}", e.code) from None
         self.chunks = len(sent.chunks)
-        m.kv_transfer_time.labels("sent").observe(time.monotonic() - t0)
+        m.kv_transfer_time.labels("sent").observe(took[0])
         m.kv_transfer_bytes.labels("sent").inc(sent.bytes)
         m.kv_transfer_descriptors.observe(sent.descriptors)
         span.set_attributes({"tandem.kv.bytes": sent.bytes, "tandem.kv.chunks": self.chunks,
                              "tandem.kv.descriptors": sent.descriptors})
-        t = req.times.ms()
-        await self._write(language_pb2.PrefillResponse(done=language_pb2.PrefillDone(
-            mrope_position_delta=req.prompt.mrope_delta, generator_state=generator_state(req), cached_tokens=req.kv.cached_tokens or 0,
-            timings=common_pb2.StageTimings(queue_ms=t["queue"], prefill_ms=t["prefill"]),
-            early_prefill_tokens=req.early_prefill_tokens)))
         try:
             await self._next("after Done")  # its close (a message here is a mistake)
             raise HandOffError("the decode side sent a message after Done", "INVALID_ARGUMENT")
@@ -312,6 +361,10 @@ class DecodeLink:
                     await self.land(msg.chunk)
                 elif kind == "done":
                     self.landed = self.done(msg.done)
+                    # NOTE: the inbox slots are wiped (then freed) once the pages they fed
+                    # may be used: beside the request's first steps, not before them
+                    asyncio.get_running_loop().run_in_executor(
+                        None, self.port.staging.sweep, self.room)
                     return
             raise HandOffError("the prefill instance's stream ended before Done",
                                "UNAVAILABLE", self.peer)
@@ -390,8 +443,8 @@ class DecodeLink:
         keys = KVKeys.derive(self.protection, self.room, self.generation, c.first, c.pages)
         port = self.port
 
-        def land() -> None:
-            port.staging.land(self.room, port.cache, part, first=c.first)
+        def land() -> None:  # the slots wiped once every page landed and passed (`relay`)
+            port.staging.land(self.room, port.cache, part, first=c.first, wipe=False)
             if keys is not None:
                 keys.open_pages(port.cache, part, bytes(c.chunk_tag))
 
@@ -426,13 +479,17 @@ class DecodeLink:
     def release(self) -> None:
         """Every path: the inbox slots still held are wiped and freed (retired for the
         transfer timeout first when the room was named and not every page landed: the
-        prefill side's writes may still be on the way), and the pages go back unless a
-        submitted request took them."""
+        prefill side's writes may still be on the way; landed ones not swept yet: wiped
+        and freed on an executor thread), and the pages go back unless a submitted request
+        took them."""
         inbox = self.port.staging
         if inbox.held(self.room):
-            if self.named_at:
-                inbox.retire(self.room, self.port.transfer.timeout_s)
+            if self.named_at:  # (its landed slots wiped there: off the event loop)
+                asyncio.get_running_loop().run_in_executor(
+                    None, inbox.retire, self.room, self.port.transfer.timeout_s)
             else:
                 inbox.drop(self.room)
+        elif inbox.holds(self.room):  # landed, or landing: `sweep` (idempotent) frees them
+            asyncio.get_running_loop().run_in_executor(None, inbox.sweep, self.room)
         self.engine.unpin(self.room)
         self.outgoing.put_nowait(None)

@@ -495,7 +495,8 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             return
         deadline = deadline_from_proto(request.deadline_unix_ms, self.limits.request_timeout_s,
                                        time.time())
-        link = PrefillLink(self.port, incoming, write, request.room, deadline, self.metrics)
+        link = PrefillLink(self.port, incoming, write, request.room, deadline, self.metrics,
+                           engine=self.engine)  # its pages tagged as the prefill computes them
         gen = self._generate(request, context, link)
         try:
             async for out in gen:

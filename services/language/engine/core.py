@@ -32,6 +32,7 @@ import queue
 import random
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 
 from prometheus_client import CollectorRegistry
@@ -99,6 +100,9 @@ class Engine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._traced = 0  # live requests with a StageTrace (engine thread only)
+        # E/P/D, a prefill instance: room -> what hears of its prompt's progress
+        # (`watch_prefill`; set on the event loop, called and dropped on the engine thread)
+        self._prefill_watch: dict[int, Callable[[list[int], int, int], object]] = {}
         self.num_steps = 0
         # where the engine thread's time goes: forward seconds of steps with prompt
         # tokens (prefill/mixed) and of pure decode steps, and the rest of the step
@@ -138,7 +142,9 @@ class Engine:
         return self.pool.pin(room, info.token_ids, info.images, self._namespaces.get(room, ""))
 
     def unpin(self, room: int) -> None:
-        """Release `room`'s pin, if it still has one (no-op after `submit`). Any thread."""
+        """Release `room`'s pin, if it still has one (no-op after `submit`), and its prefill
+        watch. Any thread."""
+        self._prefill_watch.pop(room, None)
         self._namespaces.pop(room, None)
         self.pool.unpin(room)
 
@@ -167,6 +173,17 @@ class Engine:
         `submit(..., handoff=...)` takes them, `unpin(room)` releases them on every other
         path."""
         return self.pool.reserve(room, ceil_div(prompt_tokens, self.runner.page_size))
+
+    def watch_prefill(self, room: int, fn: Callable[[list[int], int, int], object]) -> None:
+        """E/P/D, a prefill instance: `fn(pages, computed, epoch)` on the engine thread
+        after each step that computed rows of `room`'s prompt: its block table, how many
+        leading positions have their K/V in the cache, and its retraction count (a page
+        all of whose positions are computed is written by no later step while the request
+        holds it; a retraction frees and recomputes them, and changes the count). The
+        hand-off tags pages as they complete (`KVTagger.progress`). `fn` must be cheap and
+        must not raise (a failure is logged, and the watch dropped). Dropped when the
+        request finishes or at `unpin(room)`. Any thread."""
+        self._prefill_watch[room] = fn
 
     def reserved_pages(self, room: int) -> list[int]:
         """The pages `room` holds (a prefill instance: a handed-off request's prompt)."""
@@ -403,6 +420,8 @@ class Engine:
             c1 = time.thread_time()
             pt["sample"] += c1 - c0
         self.scheduler.commit(step, tokens, logprobs)
+        if self._prefill_watch:  # before `_on_token`, which may hand the request off
+            self._prefill_progress(step)
         if pt is not None:
             c0 = time.thread_time()
             pt["commit"] += c0 - c1
@@ -432,6 +451,19 @@ class Engine:
             pt["metrics"] += time.thread_time() - c0
             pt["steps_decode" if step.batch.is_pure_decode else "steps_mixed"] += 1
         return True
+
+    def _prefill_progress(self, step) -> None:
+        for c in step.chunks:
+            req = c.req
+            fn = self._prefill_watch.get(req.room)
+            if fn is None or c.start >= req.prompt_len or req.status.finished:
+                continue
+            try:
+                fn(list(req.kv.block_table), req.kv.num_computed_tokens,
+                   req.kv.num_retractions)
+            except Exception:  # its tags are then taken in the transfer: slower, not wrong
+                log.exception("prefill watch of room %d failed: dropped", req.room)
+                self._prefill_watch.pop(req.room, None)
 
     def _on_token(self, live: Live, token: int, logprob: float | None, top: list,
                   now: float) -> None:
@@ -480,6 +512,7 @@ class Engine:
             self._compiling.remove(live)
             self.grammars.abandon(req.sampler.grammar_future)
         self._live.pop(req.room, None)
+        self._prefill_watch.pop(req.room, None)
         if req.trace is not None:
             self._traced -= 1
         with self._known_lock:
