@@ -86,10 +86,23 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-bf16-compute", default="auto", choices=["auto", "bfloat16", "float32"],
                     help="bfloat16 on the CPU: linear products in torch's bfloat16 GEMM or in "
                          "float32 over widened weights (RunnerSettings.cpu_bf16_compute)")
-    ap.add_argument("--compile-step", default="off", choices=["off", "decode"],
+    ap.add_argument("--compile-step", default="off", choices=["off", "decode", "all"],
                     help="decode: the graph runner's buckets compiled by inductor at start-up "
                          "(RunnerSettings.compile_step); the table then gives CPU and wall ms "
-                         "of the eager step and of the compiled one")
+                         "of the eager step and of the compiled one. all: the same, then a "
+                         "table of prefill steps (--prefill-lengths, --mixed-rows) eager and "
+                         "through the compiled mixed step")
+    ap.add_argument("--prefill-lengths", type=int, nargs="+", default=[64, 512, 2048],
+                    help="--compile-step all: prompt chunk lengths of the prefill table")
+    ap.add_argument("--mixed-rows", type=int, default=0,
+                    help="--compile-step all: decode rows (of --context tokens) in every "
+                         "prefill step of the table (0: prefill steps alone)")
+    ap.add_argument("--prefill-steps", type=int, default=3,
+                    help="--compile-step all: steps timed per cell of the prefill table")
+    ap.add_argument("--static-check", action="store_true",
+                    help="--compile-step all: also compile the mixed step with static shapes "
+                         "for each prefill length (one compile each) and time it beside "
+                         "the dynamic graph")
     ap.add_argument("--compile-cache-dir", default="",
                     help="inductor's cache (TORCHINDUCTOR_CACHE_DIR; empty: its default)")
     ap.add_argument("--profile", action="store_true",
@@ -114,8 +127,10 @@ def main(argv=None) -> int:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     max_bs = max(args.batch_sizes)
-    max_len = args.context + 8
-    per_seq = ceil_div(max_len, args.page_size)
+    lengths = args.prefill_lengths if args.compile_step == "all" else []
+    max_len = max([args.context, *lengths]) + 8
+    per_seq = ceil_div(args.context + 8, args.page_size)
+    extra = args.mixed_rows * per_seq + ceil_div(max(lengths, default=0), args.page_size)
     weights = load_text_weights(path, dtype=dtype, device=device)
     t0 = time.perf_counter()
     runner = ModelRunner(
@@ -125,7 +140,7 @@ def main(argv=None) -> int:
                                 cpu_bf16_compute=args.cpu_bf16_compute,
                                 compile_step=args.compile_step,
                                 compile_cache_dir=args.compile_cache_dir),
-        num_pages=max_bs * per_seq + 1, device=device, dtype=dtype,
+        num_pages=max_bs * per_seq + extra + 1, device=device, dtype=dtype,
     )
     setup_s = time.perf_counter() - t0
     pool = KVPagePool(runner.num_pages, runner.page_size)
@@ -142,11 +157,15 @@ def main(argv=None) -> int:
     if gr.compiled:
         print("compiled buckets: " + ", ".join(f"bs {b} {gr.compile_s[b]:.1f} s"
                                                for b in sorted(gr.compiled)))
+    if runner.mixed_step is not None:
+        print(f"compiled mixed step: {runner.mixed_step.compile_s:.1f} s")
     if args.profile:
         profile(runner, pool, args, args.sampler_vocab)
         return 0
     if gr.compiled:
         compiled_table(runner, pool, args)
+        if runner.mixed_step is not None:
+            prefill_table(runner, pool, args)
         return 0
     g = torch.Generator().manual_seed(0)
     print(f"\n{'bs':>4} | {'eager ms/step':>14} | {'graph ms/step':>14} | {'eager/graph':>11}")
@@ -164,9 +183,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def _cpu_wall(fn, steps: int) -> tuple[float, float]:
+def _cpu_wall(fn, steps: int, warm: int = 3) -> tuple[float, float]:
     """Median CPU ms (the calling thread's) and wall ms of one call over `steps` calls."""
-    for _ in range(3):
+    for _ in range(warm):
         fn()
     cpu, wall = [], []
     for _ in range(steps):
@@ -201,6 +220,61 @@ def compiled_table(runner, pool, args) -> None:
               f"{cw:>16.2f}   (max |logit diff| {diff:.1e})")
         for c in batch.chunks:
             pool.free(c.block_table)
+
+
+@torch.inference_mode()
+def prefill_table(runner, pool, args) -> None:
+    """--compile-step all: a prompt chunk of each --prefill-lengths length (token ids, no
+    cached prefix; with --mixed-rows decode rows beside it) eager (`forward_eager`) and
+    through the compiled mixed step (`forward_mixed`), alternating, each cell the median
+    of `repeats` runs' medians of `prefill_steps` steps (after one warm-up); CPU ms of the
+    stepping thread and wall ms. Re-running a step rewrites the same KV slots: every step
+    does the same work. --static-check: a static-shape compile of the same step per
+    length too (dynamic=False), to tell what the dynamic sizes cost."""
+    from tandem.services.language.runner.graph_runner import MixedStep
+
+    g = torch.Generator().manual_seed(1)
+    per_seq = ceil_div(args.context + 8, args.page_size)
+    rows = (decode_batch(runner, pool, args.mixed_rows, args.context, per_seq, g).chunks
+            if args.mixed_rows else [])
+    print(f"\nprefill steps ({args.mixed_rows} decode rows of {args.context} tokens beside "
+          "the chunk)")
+    print(f"{'tokens':>6} | {'eager CPU ms':>12} | {'compiled CPU ms':>15} | {'eager/compiled':>14} "
+          f"| {'eager wall ms':>13} | {'compiled wall ms':>16}" +
+          (f" | {'static CPU ms':>13} | {'static compile s':>16}" if args.static_check else ""))
+    for n in args.prefill_lengths:
+        ids = torch.randint(0, runner.vocab_size, (n,), generator=g)
+        pages = pool.alloc(ceil_div(n, args.page_size))
+        chunk = SeqChunk(10_000, 0, torch.arange(n).expand(3, n).contiguous(), pages, token_ids=ids)
+        batch = ForwardBatch([*rows, chunk])
+        e, c = runner.forward_eager(batch).last_logits, runner.forward_mixed(batch).last_logits
+        diff = (e - c).abs().max().item()
+        modes = {"eager": lambda b=batch: runner.forward_eager(b),
+                 "compiled": lambda b=batch: runner.forward_mixed(b)}
+        static_s = 0.0
+        if args.static_check:  # the same step, its shapes static (compiled at its first call)
+            ms = runner.mixed_step
+            static = MixedStep(ms.model, ms.kv, ms.attention, ms.max_pages * ms.page_size)
+            static.fn = torch.compile(static._step, fullgraph=True, dynamic=False)
+            t0 = time.perf_counter()
+            runner._run(batch, static)
+            static_s = time.perf_counter() - t0
+            if static.fn is None:
+                raise RuntimeError(f"the static compile at {n} tokens fell back to eager")
+            modes["static"] = lambda b=batch, st=static: runner._run(b, st)
+        runs: dict[str, list[tuple[float, float]]] = {k: [] for k in modes}
+        for r in range(args.repeats):  # the order reversed every other run
+            for k in (list(modes) if r % 2 == 0 else list(reversed(modes))):
+                runs[k].append(_cpu_wall(modes[k], args.prefill_steps, warm=1))
+        med = {k: (statistics.median(c for c, _ in v), statistics.median(w for _, w in v))
+               for k, v in runs.items()}
+        (ec, ew), (cc, cw) = med["eager"], med["compiled"]
+        extra = (f" | {med['static'][0]:>13.2f} | {static_s:>16.1f}" if args.static_check else "")
+        print(f"{n:>6} | {ec:>12.2f} | {cc:>15.2f} | {ec / cc:>13.2f}x | {ew:>13.2f} | "
+              f"{cw:>16.2f}{extra}   (max |logit diff| {diff:.1e}; runs eager "
+              + ", ".join(f"{x:.1f}" for x, _ in runs["eager"]) + " compiled "
+              + ", ".join(f"{x:.1f}" for x, _ in runs["compiled"]) + ")", flush=True)
+        pool.free(pages)
 
 
 # -- --profile: where a step's CPU time goes, by component -----------------------------

@@ -365,6 +365,26 @@ def _register_ops(mod) -> None:
     _OPS_LIB = lib
 
 
+def define_traced_op(name: str, schema: str, cpu_impl, fake_impl) -> None:
+    """A tier's own opaque op next to the kernels' (`tandem::<name>`, same library), for
+    what a compiled step must not trace into (the language runner's chunk attention: a
+    Python loop over a step's chunks); `traced_ops().<name>` calls it. Defined once per
+    process; `cpu_impl` runs on CPU tensors, `fake_impl` gives the shapes. Needs the
+    kernels (`traced_ops` not None)."""
+    traced = traced_ops()
+    if traced is None:
+        raise ValueError(f"tandem::{name}: the CPU kernels are not built")
+    if name not in _DEFINED:
+        _OPS_LIB.define(schema)
+        _OPS_LIB.impl(name, cpu_impl, "CPU")
+        torch.library.register_fake(f"tandem::{name}", fake_impl, lib=_OPS_LIB)
+        _DEFINED.add(name)
+        setattr(traced, name, getattr(torch.ops.tandem, name).default)
+
+
+_DEFINED: set[str] = set()  # define_traced_op's names
+
+
 class PackedLinear(torch.nn.Module):
     """y = x @ weight_t (+ bias) on the kernels' packed layout (float32), any leading dims.
     The one packed linear: the language decoder's `DenseLinear.pack` and the encoder's

@@ -1,12 +1,19 @@
-"""The compiled decode step (`compile_step` = decode, CPU): exact as the eager step is.
+"""The compiled steps (`compile_step` = decode | all, CPU): exact as the eager step is.
 
-Greedy decoding through the compiled buckets equals transformers' `generate()` token for
-token with every step's logits within the float32 bound of tests/test_language_model.py,
-and equals the eager runner's tokens with logits within float32 rounding of its (inductor
-fuses the q/k norms, rotary and residual adds in its own order; our kernels run as custom
-ops, the same calls). Inductor's compiles take tens of seconds a bucket on a small CPU, so
-one architecture (qwen3_vl: q/k norm, interleaved MRoPE, deepstack) at the tiny size, two
-buckets (1 and 2 rows), and a decode forward traced as ONE graph (no break).
+`decode`: every decode batch bucket compiled; `all`: those, and every other step (prompt
+chunks of any length, several of them, after a cached prefix, beside decode rows) through
+one compiled graph of dynamic token counts (graph_runner `MixedStep`).
+
+Greedy decoding through the compiled steps (the prompts' step through the mixed step, the
+decode steps through the buckets) equals transformers' `generate()` token for token with
+every step's logits within the float32 bound of tests/test_language_model.py, and equals
+the eager runner's tokens with logits within float32 rounding of its (inductor fuses the
+q/k norms, rotary and residual adds in its own order; our kernels run as custom ops, the
+same calls). The mixed step's layout itself (padding rows, the chunk plan) changes no bit:
+run uncompiled it gives the eager step's logits exactly. Inductor's compiles take tens of
+seconds each on a small CPU, so one architecture (qwen3_vl: q/k norm, interleaved MRoPE,
+deepstack) at the tiny size, two buckets (1 and 2 rows) and the mixed step, each traced
+as ONE graph (no break).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import torch
 
 from tandem.services.language.engine.kv_pages import KVPagePool
 from tandem.services.language.runner.forward_batch import ForwardBatch, SeqChunk, decode_positions
+from tandem.services.language.runner.graph_runner import MixedStep
 from tandem.services.language.runner.model_runner import ModelRunner, RunnerSettings
 from tandem.units import ceil_div
 
@@ -37,7 +45,7 @@ def case(checkpoint, tmp_path_factory):
         prompts.append((inputs, oracle.payload(model, inputs)))
     weights = oracle.text_weights(path)
     settings = RunnerSettings(page_size=PAGE, cuda_graph_max_bs=2, max_seq_len=256,
-                              compile_step="decode",
+                              compile_step="all",
                               compile_cache_dir=str(tmp_path_factory.mktemp("inductor")))
     compiled = ModelRunner(weights.copy(), settings, num_pages=160)
     eager = ModelRunner(weights.copy(), RunnerSettings(page_size=PAGE), num_pages=160)
@@ -92,20 +100,24 @@ def test_every_bucket_is_compiled_at_start_up(case):
     gr = compiled.graph_runner
     assert gr is not None and not gr.use_graphs
     assert sorted(gr.compiled) == gr.batch_sizes == [1, 2]
+    assert compiled.mixed_step is not None and compiled.mixed_step.fn is not None
 
 
 def test_compiled_greedy_equals_generate_and_eager(case):
     model, prompts, compiled, eager = case
-    gr = compiled.graph_runner
-    calls, originals = [], dict(gr.compiled)
+    gr, ms = compiled.graph_runner, compiled.mixed_step
+    calls, originals, mixed = [], dict(gr.compiled), ms.fn
     for bs, fn in originals.items():  # count the compiled steps taken
         gr.compiled[bs] = lambda *a, fn=fn, bs=bs: (calls.append(bs), fn(*a))[1]
+    ms.fn = lambda *a: (calls.append("mixed"), mixed(*a))[1]
     try:
         got, got_logits = _greedy(compiled, prompts)
     finally:
         gr.compiled.update(originals)
+        ms.fn = mixed
     want, want_logits = _greedy(eager, prompts)
-    assert calls and set(calls) <= {1, 2}
+    # the prompts' step (two chunks) through the mixed step, every decode step a bucket
+    assert calls[0] == "mixed" and len(calls) > 1 and set(calls[1:]) <= {1, 2}
     assert got == want
     for i, (inputs, _p) in enumerate(prompts):
         ref_tokens, ref = oracle.generate(model, inputs, STEPS)
@@ -133,6 +145,100 @@ def test_a_bucket_that_would_recompile_runs_eagerly_instead(case, caplog):
         gr.compiled[1] = fn
 
 
+def _mixed_steps(pool: KVPagePool, vocab: int) -> list[ForwardBatch]:
+    """Steps of every kind the mixed step serves, over the sequences' pages in `pool`:
+    prompt chunks alone (5, 17 tokens), beside decode rows, two chunks in one step, a chunk
+    after the sequence's cached prefix (chunked prefill), prompt logits, a 2-token chunk
+    beside five decode rows. Token ids drawn from a fixed seed."""
+    g = torch.Generator().manual_seed(0)
+    seqs: dict[int, tuple[int, list[int]]] = {}
+
+    def chunk(i: int, n: int) -> SeqChunk:
+        start, pages = seqs.get(i, (0, []))
+        more = ceil_div(start + n, PAGE) - len(pages)
+        pages = pages + (pool.alloc(more) if more > 0 else [])
+        seqs[i] = (start + n, pages)
+        ids = torch.randint(0, vocab, (n,), generator=g)
+        pos = torch.arange(start, start + n).expand(3, n).contiguous()
+        return SeqChunk(i, start, pos, list(pages), token_ids=ids, want_prompt_logits=i == 1)
+
+    steps = [[chunk(0, 5)], [chunk(1, 17)], [chunk(0, 1), chunk(1, 1), chunk(2, 40)],
+             [chunk(0, 1), chunk(3, 9), chunk(1, 1), chunk(4, 23)], [chunk(2, 12)],
+             [chunk(2, 1), chunk(0, 7)], [chunk(i, 1) for i in range(5)] + [chunk(5, 2)]]
+    return [ForwardBatch(s) for s in steps]
+
+
+def _logits(out) -> list[torch.Tensor]:
+    return [out.last_logits, *(out.prompt_logits[k] for k in sorted(out.prompt_logits))]
+
+
+def test_every_other_step_through_one_compiled_graph(case):
+    """Prefill chunks of any length, alone, several, after a prefix, beside decode rows:
+    every step through the one compiled graph (no recompile), logits within float32
+    rounding of the eager step's."""
+    _model, _prompts, compiled, eager = case
+    ms = compiled.mixed_step
+    calls, fn = [], ms.fn
+    ms.fn = lambda *a: (calls.append(1), fn(*a))[1]
+    try:
+        steps = _mixed_steps(KVPagePool(compiled.num_pages, PAGE), compiled.vocab_size)
+        for batch in steps:
+            got, want = compiled.forward(batch), eager.forward(batch)
+            for g, w in zip(_logits(got), _logits(want), strict=True):
+                assert (g - w).abs().max().item() < EAGER_TOL
+    finally:
+        ms.fn = fn
+    assert len(calls) == len(steps)
+    assert ms.fn is not None  # none of them would have recompiled
+
+
+def test_padding_rows_and_the_chunk_plan_change_no_bit(case):
+    """The mixed step's layout run uncompiled (padding rows first, the widest tables, the
+    chunks through their plan, deepstack zeros): the eager step's logits bit for bit. So
+    what differs compiled is inductor's fusion alone."""
+    _model, _prompts, _compiled, eager = case
+    layout = MixedStep(eager.model, eager.kv, eager.attention, 256)  # never compiled
+    steps = _mixed_steps(KVPagePool(eager.num_pages, PAGE), eager.vocab_size)
+    with torch.inference_mode():
+        for batch in steps:
+            got, want = eager._run(batch, layout), eager.forward_eager(batch)
+            for g, w in zip(_logits(got), _logits(want), strict=True):
+                assert torch.equal(g, w)
+
+
+def _warm_inputs(ms: MixedStep, singles: int, n: int, deepstack: bool):
+    """Inputs of a mixed step over the dummy page: `singles` rows and one n-token chunk."""
+    from tandem.services.language.model.attention import chunk_plan
+
+    t, cfg = singles + n, ms.model.cfg
+    dummy = ms.dummy_page
+    return (torch.zeros(t, cfg.hidden_size), torch.zeros(3, t, dtype=torch.int64),
+            dummy * PAGE + torch.arange(t) % PAGE,
+            torch.full((singles, ms.max_pages), dummy, dtype=torch.int64),
+            torch.ones(singles, dtype=torch.int64),
+            chunk_plan([(0, n, n, [dummy] * ceil_div(n, PAGE))]),
+            torch.zeros(t, cfg.num_deepstack * cfg.hidden_size) if deepstack else None)
+
+
+def test_a_mixed_step_that_would_recompile_runs_eagerly_instead(case, caplog):
+    """No compile in a request's step: called with what it was not compiled for (no
+    deepstack rows on a deepstack model), the mixed step raises dynamo's typed
+    FailOnRecompileLimitHit inside, runs the eager step and stays eager."""
+    _model, _prompts, compiled, _eager = case
+    ms = compiled.mixed_step
+    fn = ms.fn
+    try:
+        args = _warm_inputs(ms, 2, 5, deepstack=False)
+        with torch.inference_mode():
+            want = ms._step(ms, *args)
+            got = ms.run(*args)
+        assert torch.equal(got, want)
+        assert ms.fn is None
+        assert "run eagerly from now on" in caplog.text
+    finally:
+        ms.fn = fn
+
+
 def test_refused_where_it_cannot_run(checkpoint):
     """Settings it cannot serve are refused when the runner is built, before any compile."""
     weights = oracle.text_weights(checkpoint("qwen3_vl"))
@@ -150,6 +256,21 @@ def test_refused_where_it_cannot_run(checkpoint):
         ModelRunner(oracle.text_weights(checkpoint("qwen3_vl_moe")),
                     RunnerSettings(page_size=PAGE, cuda_graph_max_bs=1, compile_step="decode"),
                     num_pages=8)
+
+
+def test_a_mixed_forward_is_one_graph(case):
+    """torch._dynamo.explain over the mixed step: one graph, no break (the chunks' attention
+    is one custom op over their plan; decode rows the decode kernel's op)."""
+    import torch._dynamo as dynamo
+
+    from tandem.services.language.runner.graph_runner import _mixed_step
+
+    _model, _prompts, compiled, _eager = case
+    ms = compiled.mixed_step
+    with torch.inference_mode():
+        explained = dynamo.explain(_mixed_step)(ms, *_warm_inputs(ms, 3, 11, deepstack=True))
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
 
 
 def test_a_decode_forward_is_one_graph(case):
@@ -171,17 +292,21 @@ def test_a_decode_forward_is_one_graph(case):
 def test_compiled_bf16_within_bound_of_transformers(checkpoint, record_property, tmp_path):
     """bfloat16 (float32 products on a CPU without bf16 matrix instructions, as `auto`
     picks here; bfloat16 norms and rotary, which inductor fuses) within tests/test_bf16.py's
-    bound of transformers' bfloat16, every decode step through the compiled 1-row bucket."""
+    bound of transformers' bfloat16, every prompt chunk through the compiled mixed step
+    and every decode step through the compiled 1-row bucket."""
     from test_bf16 import BF16, bf16_oracle, finish, run_case
 
     path = checkpoint("qwen3_vl")
     prompts = bf16_oracle(path, "qwen3_vl", "tiny")
     settings = RunnerSettings(page_size=PAGE, cuda_graph_max_bs=1, max_seq_len=256,
-                              compile_step="decode", compile_cache_dir=str(tmp_path))
+                              compile_step="all", compile_cache_dir=str(tmp_path))
     runner = ModelRunner(oracle.text_weights(path, BF16), settings, num_pages=64, dtype=BF16)
-    gr = runner.graph_runner
-    assert sorted(gr.compiled) == [1]
-    calls, step = [], gr.compiled[1]
+    gr, ms = runner.graph_runner, runner.mixed_step
+    assert sorted(gr.compiled) == [1] and ms.fn is not None
+    calls, step, mixed = [], gr.compiled[1], ms.fn
     gr.compiled[1] = lambda *a: (calls.append(1), step(*a))[1]
+    ms.fn = lambda *a: (calls.append("mixed"), mixed(*a))[1]
     finish(run_case(runner, 64, prompts, "qwen3_vl tiny compiled"), record_property)
-    assert len(calls) == sum(len(p.tokens) - 1 for p in prompts)
+    # each prompt in two chunks (the second after the first's prefix), then its decode steps
+    assert calls.count("mixed") == 2 * len(prompts)
+    assert calls.count(1) == sum(len(p.tokens) - 1 for p in prompts)

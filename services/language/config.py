@@ -149,21 +149,25 @@ class LanguageConfig(ModelServiceSettings):
     )
     compile_step: str = Field(
         "off",
-        pattern="^(off|decode)$",
+        pattern="^(off|decode|all)$",
         description="CPU: 'decode' compiles the decode step of every batch bucket (1, 2, 4, "
         "8, then every 16 up to cuda_graph_max_bs) with torch.compile (inductor) at "
         "start-up, our kernels inside the graph as custom ops; a bucket not compiled, "
-        "prefill and mixed steps run eagerly. Start-up pays the compiles (minutes on two "
-        "cores when cold, seconds from the cache: compile_cache_dir). 'off' runs every "
-        "step eagerly. Measured on an AVX2 EPYC (docs/benchmarks.md, issue 45): off by "
-        "default. Needs the paged_cpu attention (auto's choice where the kernels build); "
-        "not with tp > 1 nor a sparse MoE model. No effect on CUDA, where decode runs in CUDA graphs.",
+        "prefill and mixed steps run eagerly. 'all' compiles those buckets and one more "
+        "graph, of dynamic token counts, that serves every other step (prompt chunks of "
+        "any length, several at once, after a cached prefix, beside decode rows); only a "
+        "decode batch past the largest bucket runs eagerly. Start-up pays the compiles "
+        "(minutes on two cores when cold, seconds from the cache: compile_cache_dir). "
+        "'off' runs every step eagerly. Measured on an AVX2 EPYC (docs/benchmarks.md, "
+        "issue 45): off by default. Needs the paged_cpu attention (auto's choice where the "
+        "kernels build); not with tp > 1 nor a sparse MoE model. No effect on CUDA, where "
+        "decode runs in CUDA graphs.",
     )
     compile_cache_dir: str = Field(
         "",
         description="Where inductor keeps its compiled code across starts "
-        "(TORCHINDUCTOR_CACHE_DIR) with compile_step decode; empty: inductor's default "
-        "(/tmp/torchinductor_<user>). A writable volume makes a restart warm.",
+        "(TORCHINDUCTOR_CACHE_DIR) with compile_step decode or all; empty: inductor's "
+        "default (/tmp/torchinductor_<user>). A writable volume makes a restart warm.",
     )
     prefix_cache: bool = Field(
         True,

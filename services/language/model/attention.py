@@ -129,6 +129,11 @@ class AttentionMetadata:
     # The dtype attention computes in when it differs from the cache's and q's (None: the
     # cache's): float32 over a bfloat16 cache (`AttentionPath.compute_dtype`).
     compute_dtype: torch.dtype | None = None
+    # A compiled step's multi-token chunks (the graph runner's mixed step), in place of
+    # `prefill`: one int64 tensor (`chunk_plan` lays it out) that `paged_attention` hands
+    # to ONE opaque call, so a traced step holds no per-chunk Python structure and one
+    # graph serves every count, length and prefix of chunks. Same per-chunk code, same bits.
+    chunk_plan: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.flex is not None and (self.decode_op is not None or self.workspace is not None
@@ -136,6 +141,8 @@ class AttentionMetadata:
             raise ValueError("flex masks exclude decode_op, chunk_op and a gather workspace")
         if self.flex is not None and self.compute_dtype is not None:
             raise ValueError("the flex path computes in its cache's dtype (no compute_dtype)")
+        if self.chunk_plan is not None and (self.prefill or self.flex is not None):
+            raise ValueError("a chunk plan replaces `prefill` and excludes the flex path")
 
 
 @dataclass(frozen=True)
@@ -391,41 +398,86 @@ def paged_attention(
         )
         parts.append(out.squeeze(2).to(q.dtype))
 
+    if meta.chunk_plan is not None:
+        # NOTE: traced (a compiled step), one custom op over every chunk (cpu_kernels.py);
+        # its CPU implementation is `chunk_plan_attention`, the loop below
+        traced = for_trace(None)
+        op = chunk_plan_attention if traced is None else traced.chunk_attention
+        parts.append(op(q[ns:], k[ns:], v[ns:], k_cache, v_cache, meta.chunk_plan, scale,
+                        cd == torch.float32))
     for c in meta.prefill:
-        if c.kv_len == c.q_len and meta.chunk_op is not None and cd == torch.float32:
-            # No cached prefix: the kernel over the chunk's own rows, causal (about 2x
-            # SDPA's CPU flash kernel at 1481 tokens: csrc/segment_attention.cpp). It reads
-            # the step's k, v (not the cache): widened here, n x Hkv x D, a copy per chunk.
-            rows = slice(c.q_start, c.q_start + c.q_len)
-            cu = torch.tensor([0, c.q_len], dtype=torch.int64)
-            parts.append(meta.chunk_op(q[rows].to(cd), k[rows].to(cd), v[rows].to(cd), cu,
-                                       True, scale).to(q.dtype))
-            continue
-        qc = q[c.q_start : c.q_start + c.q_len].transpose(0, 1).unsqueeze(0).to(cd)  # [1, H, n, D]
-        if c.kv_len == c.q_len:
-            # No cached prefix: keys are exactly this chunk's (already in registers).
-            kc = k[c.q_start : c.q_start + c.q_len].to(cd)
-            vc = v[c.q_start : c.q_start + c.q_len].to(cd)
-            mask, causal = None, True
-        else:
-            kc = k_cache[c.pages].view(-1, kv_heads, head_dim)[: c.kv_len].to(cd)
-            vc = v_cache[c.pages].view(-1, kv_heads, head_dim)[: c.kv_len].to(cd)
-            start = c.kv_len - c.q_len
-            qpos = torch.arange(start, c.kv_len, device=q.device)
-            mask = torch.arange(c.kv_len, device=q.device)[None, :] <= qpos[:, None]
-            causal = False
-        out = F.scaled_dot_product_attention(
-            qc,
-            kc.transpose(0, 1).unsqueeze(0),
-            vc.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask,
-            is_causal=causal,
-            scale=scale,
-            enable_gqa=gqa,
-        )
-        parts.append(out[0].transpose(0, 1).to(q.dtype))
+        parts.append(_chunk_attention(q, k, v, k_cache, v_cache, c, meta.chunk_op, cd, scale))
 
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def chunk_plan(chunks: Sequence[tuple[int, int, int, Sequence[int]]]) -> torch.Tensor:
+    """The int64 plan of multi-token chunks (`AttentionMetadata.chunk_plan`): [C, then
+    (q_start, q_len, kv_len, pages) per chunk, then each chunk's page ids], from (q_start
+    counted from the first chunk row, q_len, kv_len, page ids covering kv_len) each."""
+    head = [len(chunks)]
+    pages: list[int] = []
+    for q_start, q_len, kv_len, ids in chunks:
+        head += [q_start, q_len, kv_len, len(ids)]
+        pages += list(ids)
+    return torch.tensor(head + pages, dtype=torch.int64)
+
+
+def chunk_plan_attention(q, k, v, k_cache, v_cache, plan: torch.Tensor, scale: float,
+                         widen: bool) -> torch.Tensor:
+    """Attention [rows, H, D] of the chunks a plan lists (`chunk_plan`) over q, k, v [rows,
+    ...] (the step's chunk rows), each as `paged_attention` attends a chunk (the same calls:
+    the same bits); `widen`: in float32 (else q's dtype). The CPU implementation of the
+    custom op `tandem::chunk_attention` (cpu_kernels.py), and what an untraced plan runs."""
+    values = plan.tolist()
+    count, at = values[0], 1 + 4 * values[0]
+    cd = torch.float32 if widen else q.dtype
+    mod = kernels()
+    chunk_op = None if mod is None else mod.segment_attention
+    parts = []
+    for i in range(count):
+        q_start, q_len, kv_len, n = values[1 + 4 * i : 5 + 4 * i]
+        c = PrefillChunkMeta(q_start, q_len, kv_len, plan[at : at + n])
+        at += n
+        parts.append(_chunk_attention(q, k, v, k_cache, v_cache, c, chunk_op, cd, scale))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def _chunk_attention(q, k, v, k_cache, v_cache, c: PrefillChunkMeta, chunk_op, cd, scale):
+    """One multi-token chunk's attention [q_len, H, D] in q's dtype, computed in `cd`."""
+    kv_heads, head_dim = k_cache.shape[-2:]
+    gqa = q.shape[1] != kv_heads
+    if c.kv_len == c.q_len and chunk_op is not None and cd == torch.float32:
+        # No cached prefix: the kernel over the chunk's own rows, causal (about 2x
+        # SDPA's CPU flash kernel at 1481 tokens: csrc/segment_attention.cpp). It reads
+        # the step's k, v (not the cache): widened here, n x Hkv x D, a copy per chunk.
+        rows = slice(c.q_start, c.q_start + c.q_len)
+        cu = torch.tensor([0, c.q_len], dtype=torch.int64)
+        return chunk_op(q[rows].to(cd), k[rows].to(cd), v[rows].to(cd), cu, True,
+                        scale).to(q.dtype)
+    qc = q[c.q_start : c.q_start + c.q_len].transpose(0, 1).unsqueeze(0).to(cd)  # [1, H, n, D]
+    if c.kv_len == c.q_len:
+        # No cached prefix: keys are exactly this chunk's (already in registers).
+        kc = k[c.q_start : c.q_start + c.q_len].to(cd)
+        vc = v[c.q_start : c.q_start + c.q_len].to(cd)
+        mask, causal = None, True
+    else:
+        kc = k_cache[c.pages].view(-1, kv_heads, head_dim)[: c.kv_len].to(cd)
+        vc = v_cache[c.pages].view(-1, kv_heads, head_dim)[: c.kv_len].to(cd)
+        start = c.kv_len - c.q_len
+        qpos = torch.arange(start, c.kv_len, device=q.device)
+        mask = torch.arange(c.kv_len, device=q.device)[None, :] <= qpos[:, None]
+        causal = False
+    out = F.scaled_dot_product_attention(
+        qc,
+        kc.transpose(0, 1).unsqueeze(0),
+        vc.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=gqa,
+    )
+    return out[0].transpose(0, 1).to(q.dtype)
 
 
 def _dynamo():

@@ -48,6 +48,10 @@ limit are per code object); inductor's compiled code is cached on disk
 (TORCHINDUCTOR_CACHE_DIR, the runner's `compile_cache_dir`), so a warm start traces but
 does not compile C++ again.
 
+`compile_step` all adds `MixedStep` (below): every step that is not a pure decode batch
+(prompt chunks, several, after a prefix, beside decode rows) through ONE compiled graph
+whose token counts are dynamic, the chunks' attention one opaque op over a chunk plan.
+
 The runner is given what it reads and nothing more (the decoder, the KV tensors, the
 logits head, the chunk limits); it never sees the `ModelRunner` that owns it.
 """
@@ -66,7 +70,11 @@ import torch
 
 from tandem.devices import host_empty
 from tandem.services.language.model import QwenVLDecoder
-from tandem.services.language.model.attention import AttentionBackend, AttentionPath
+from tandem.services.language.model.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionPath,
+)
 from tandem.services.language.runner.forward_batch import (
     ChunkLimits,
     ForwardBatch,
@@ -288,18 +296,17 @@ class GraphRunner:
 
     def _run_compiled(self, fn: Callable, bs: int, width: int) -> torch.Tensor:
         """A compiled bucket's step; never a compile in a request's step: should a guard of
-        the bucket fail (what it was compiled for changed), dynamo's stance
-        `fail_on_recompile` raises instead of compiling, and the bucket runs eagerly from
-        then on (a warning says so). The stance costs ~10 us a step."""
+        the bucket fail (what it was compiled for changed), `call_compiled` raises instead
+        of compiling, and the bucket runs eagerly from then on (a warning says so)."""
+        from torch._dynamo.exc import FailOnRecompileLimitHit
+
         try:
-            with torch.compiler.set_stance("fail_on_recompile"):
-                return fn(self, bs, width)
-        except RuntimeError as e:
-            if "Detected recompile" not in str(e):
-                raise
+            return call_compiled(fn, self, bs, width)
+        except FailOnRecompileLimitHit:
             self.compiled.pop(bs, None)
-            log.warning("compiled decode step: bucket bs %d would recompile (%s); it runs "
-                        "eagerly from now on", bs, str(e).splitlines()[-1].strip())
+            log.warning("compiled decode step: bucket bs %d would recompile (its guards "
+                        "failed: TORCH_LOGS=recompiles says which); it runs eagerly from now "
+                        "on", bs)
             return self._step(bs, width)
 
     @torch.inference_mode()
@@ -366,6 +373,27 @@ class GraphRunner:
         return ForwardOutput(last_logits=logits, prompt_logits=prompt)
 
 
+def call_compiled(fn: Callable, *args):
+    """`fn(*args)`, `fn` compiled with fullgraph, never compiling again: with dynamo's
+    recompile limit at 1 for the call, a guard that fails raises
+    torch._dynamo.exc.FailOnRecompileLimitHit (fullgraph turns the limit into that error)
+    before anything is traced. (Dynamo's stance `fail_on_recompile` does the same but
+    raises a bare RuntimeError, told apart only by its text.) The limit is restored after
+    the call.
+    NOTE: dynamo's config is the process's, not the thread's: a compile on another thread
+    during the call would see the limit at 1 too. In a language process only the engine's
+    step thread runs dynamo once it serves (its compiles ran at start-up; the flex path,
+    which recompiles, is CUDA's and excludes a compiled CPU step)."""
+    import torch._dynamo.config as dynamo_config
+
+    limit = dynamo_config.recompile_limit
+    dynamo_config.recompile_limit = 1
+    try:
+        return fn(*args)
+    finally:
+        dynamo_config.recompile_limit = limit
+
+
 def _decode_step(runner: GraphRunner, bs: int, width: int) -> torch.Tensor:
     return runner._step(bs, width)
 
@@ -381,3 +409,142 @@ def _bucket_step(bs: int) -> Callable:
     code = _decode_step.__code__.replace(co_name=f"_decode_step_bs{bs}")
     fn = types.FunctionType(code, _decode_step.__globals__)
     return torch.compile(fn, fullgraph=True, dynamic=False)
+
+
+class MixedStep:
+    """Every step that is not a pure decode batch, compiled once on the CPU (`compile_step`
+    all): prompt chunks of any length, several prompts, chunks after a cached prefix, and
+    decode rows mixed with chunks, through ONE graph whose token counts are dynamic.
+
+    A step's structure (how many chunks, their lengths and prefixes) lives in tensors, not
+    in Python: the single-token rows attend through the decode kernel's op (rows dynamic,
+    the widest table as a decode bucket reads it), the chunks through ONE opaque op that
+    takes the step's chunk plan (attention.py `chunk_plan`, `chunk_plan_attention`: per
+    chunk the same segment kernel or SDPA call as an eager step). So what the graph holds
+    is the decoder's token-wise work (our kernels as ops; inductor fuses the q/k norms,
+    rotary, residual and deepstack adds and casts between them) over T rows, with three
+    dynamic sizes: T, the single rows, the plan's length. A deepstack model always gets its
+    deepstack rows (zeros where a step has no image: x + 0 is x), so one graph serves both.
+
+    Single rows number at least MIN_SINGLE (padding rows on the dummy page go first, as in
+    a decode bucket: every row's products and norms are computed on its own, so padding
+    changes no real row's bits; tests/test_compiled_step.py): dynamo specialises a size of
+    0 or 1, and with both a prompt-only step would need a graph of its own.
+
+    Compiled in `compile()` at start-up over padding rows and one chunk on the dummy page;
+    a step whose guards would fail (what it was compiled for changed) runs eagerly from
+    then on (`call_compiled`), never compiling in a request's step."""
+
+    MIN_SINGLE = 2
+    # The warm-up's sizes, distinct so dynamo gives each dynamic size its own symbol
+    # (equal sizes at trace time would share one: later steps would fail its guards)
+    _WARM_SINGLE, _WARM_CHUNK = 3, 58
+    _count = 0
+
+    def __init__(self, model: QwenVLDecoder, kv: KVCache, attention: AttentionPath,
+                 max_seq_len: int, compile_cache_dir: str = "") -> None:
+        if attention.backend is not AttentionBackend.PAGED_CPU:
+            raise ValueError("a compiled mixed step attends with the paged_cpu kernels")
+        self.model, self.kv, self.attention = model, kv, attention
+        self.page_size = kv.page_size
+        self.max_pages = ceil_div(max_seq_len, self.page_size)
+        self.dummy_page = kv.dummy_page
+        self.compile_cache_dir = compile_cache_dir
+        self.fn: Callable | None = None  # the compiled step; None: eager (`run`)
+        self.compile_s = 0.0
+        MixedStep._count += 1  # one code object per instance (dynamo's cache is per code)
+        code = _mixed_step.__code__.replace(co_name=f"_mixed_step_{MixedStep._count}")
+        self._step = types.FunctionType(code, _mixed_step.__globals__)
+
+    def padding(self, singles: int) -> int:
+        """Padding rows a step of `singles` single-token rows gets (first, on the dummy page)."""
+        return max(0, self.MIN_SINGLE - singles)
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        """A step with a chunk of 2+ tokens whose single rows fit the widest table."""
+        singles = [c for c in batch.chunks if c.num_tokens == 1]
+        return (len(singles) < len(batch.chunks)
+                and all(c.start + 1 <= self.max_pages * self.page_size for c in singles))
+
+    @torch.inference_mode()
+    def compile(self) -> None:
+        """Trace and compile the step once (start-up), over padding rows and one chunk on
+        the dummy page (nothing real is read or written), run twice."""
+        from tandem.cpu_kernels import define_traced_op, traced_ops
+        from tandem.services.language.model.attention import chunk_plan, chunk_plan_attention
+
+        if self.compile_cache_dir:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(self.compile_cache_dir)
+        traced_ops()
+        define_traced_op(
+            "chunk_attention",
+            "chunk_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, "
+            "Tensor plan, float scale, bool widen) -> Tensor",
+            chunk_plan_attention, _chunk_attention_shape)
+        ns, n, ps = self._WARM_SINGLE, self._WARM_CHUNK, self.page_size
+        t, dev = ns + n, self.kv.k[0].device
+        cfg, dtype = self.model.cfg, self.model.norm.weight.dtype
+        tables = torch.full((ns, self.max_pages), self.dummy_page, dtype=torch.int64)
+        seq_lens = torch.ones(ns, dtype=torch.int64)
+        slots = self.dummy_page * ps + torch.arange(t, dtype=torch.int64) % ps
+        plan = chunk_plan([(0, n, n, [self.dummy_page] * ceil_div(n, ps))])
+        hidden = torch.zeros(t, cfg.hidden_size, dtype=dtype, device=dev)
+        positions = torch.zeros(3, t, dtype=torch.int64, device=dev)
+        deepstack = (torch.zeros(t, cfg.num_deepstack * cfg.hidden_size, dtype=dtype, device=dev)
+                     if cfg.num_deepstack else None)
+        self.fn = torch.compile(self._step, fullgraph=True)
+        start = time.monotonic()
+        for _ in range(2):
+            self._mark(hidden, positions, slots, tables, seq_lens, plan, deepstack)
+            self.fn(self, hidden, positions, slots, tables, seq_lens, plan, deepstack)
+        self.compile_s = time.monotonic() - start
+        log.info("compiled mixed step (prefill chunks, mixed with decode rows or not; token "
+                 "counts dynamic) in %.1f s (inductor cache %s)", self.compile_s,
+                 os.environ.get("TORCHINDUCTOR_CACHE_DIR", "inductor's default"))
+
+    @staticmethod
+    def _mark(hidden, positions, slots, tables, seq_lens, plan, deepstack) -> None:
+        """The dynamic sizes (the module doc): T rows, the single rows, the plan."""
+        import torch._dynamo as dynamo
+
+        big = 1 << 30  # no bound above (dynamo wants one with a bound below)
+        for x, dim in ((hidden, 0), (positions, 1), (slots, 0), (deepstack, 0)):
+            if x is not None:  # at least the padding rows and one chunk of 2 tokens
+                dynamo.mark_dynamic(x, dim, min=MixedStep.MIN_SINGLE + 2, max=big)
+        dynamo.mark_dynamic(tables, 0, min=MixedStep.MIN_SINGLE, max=big)
+        dynamo.mark_dynamic(seq_lens, 0, min=MixedStep.MIN_SINGLE, max=big)
+        dynamo.mark_dynamic(plan, 0, min=6, max=big)  # one chunk of one page at least
+
+    def run(self, hidden: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+            tables: torch.Tensor, seq_lens: torch.Tensor, plan: torch.Tensor,
+            deepstack: torch.Tensor | None) -> torch.Tensor:
+        """The final-normed hidden [T, hidden] of a step's rows (`ModelRunner` lays them
+        out: padding rows, single rows, chunk rows), compiled, or eagerly once its guards
+        failed."""
+        from torch._dynamo.exc import FailOnRecompileLimitHit
+
+        args = (self, hidden, positions, slot_mapping, tables, seq_lens, plan, deepstack)
+        if self.fn is not None:
+            try:
+                return call_compiled(self.fn, *args)
+            except FailOnRecompileLimitHit:
+                self.fn = None
+                log.warning("compiled mixed step: a step would recompile (its guards failed: "
+                            "TORCH_LOGS=recompiles says which); such steps run eagerly from "
+                            "now on")
+        return self._step(*args)
+
+
+def _mixed_step(step: MixedStep, hidden, positions, slot_mapping, tables, seq_lens, plan,
+                deepstack) -> torch.Tensor:
+    path = step.attention
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping, num_single=tables.shape[0], single_block_tables=tables,
+        single_seq_lens=seq_lens, decode_op=path.decode_op, chunk_op=path.chunk_op,
+        compute_dtype=path.compute_dtype, chunk_plan=plan)
+    return step.model(hidden, positions, meta, step.kv.k, step.kv.v, deepstack)
+
+
+def _chunk_attention_shape(q, k, v, k_cache, v_cache, plan, scale, widen):
+    """tandem::chunk_attention's fake: [rows, H, D] in q's dtype."""
+    return torch.empty_like(q)

@@ -19,6 +19,7 @@ from tandem.services.language.model.attention import (
     AttentionBackend,
     AttentionMetadata,
     PrefillChunkMeta,
+    chunk_plan,
     select_attention,
 )
 from tandem.services.language.model.decoder import MoEDispatch
@@ -30,7 +31,7 @@ from tandem.services.language.runner.forward_batch import (
     chunk_slots,
     decode_rows,
 )
-from tandem.services.language.runner.graph_runner import GraphRunner
+from tandem.services.language.runner.graph_runner import GraphRunner, MixedStep
 from tandem.services.language.runner.kv_cache import KVCache
 from tandem.services.language.runner.kv_sizing import DeviceMemory, pages_for
 from tandem.units import ceil_div
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tandem.language")
 
 
-COMPILE_STEP = ("off", "decode")  # the values of `compile_step` (config.py)
+COMPILE_STEP = ("off", "decode", "all")  # the values of `compile_step` (config.py)
 
 
 @dataclass(frozen=True)
@@ -68,14 +69,17 @@ class RunnerSettings:
     # A bfloat16 model on the CPU: its linear products in float32 over widened weights, or
     # in torch's bfloat16 GEMM (`linear_compute_dtype`: auto | bfloat16 | float32)
     cpu_bf16_compute: str = "auto"
-    # CPU: each decode batch bucket's step compiled by inductor at start-up ("decode"), or
-    # none ("off"); inductor's cache under compile_cache_dir ("": its default, under /tmp)
+    # CPU: each decode batch bucket's step compiled by inductor at start-up ("decode"), and
+    # with "all" every other step through one graph of dynamic token counts (graph_runner
+    # `MixedStep`), or none ("off"); inductor's cache under compile_cache_dir ("": its
+    # default, under /tmp)
     compile_step: str = "off"
     compile_cache_dir: str = ""
 
 
 class ModelRunner:
-    """Owns the decoder, the KV tensors and (optionally) the decode graph runner.
+    """Owns the decoder, the KV tensors and (optionally) the decode graph runner and, on
+    the CPU with compile_step all, the compiled mixed step (graph_runner `MixedStep`).
 
     It holds no page bookkeeping: whoever schedules (the `Engine`'s scheduler) builds a
     `KVPagePool(runner.num_pages, runner.page_size)` and hands out the page ids.
@@ -110,7 +114,8 @@ class ModelRunner:
         if s.compile_step != "off" and tp is not None:
             # NOTE: the row-parallel products' all-reduce is a collective dynamo cannot
             # trace as one graph here (gloo); not built
-            raise ValueError("compile_step decode is not supported with tensor parallelism")
+            raise ValueError(f"compile_step {s.compile_step} is not supported with tensor "
+                             "parallelism")
         page_size = s.page_size
         spec = weights.spec
         self.device = torch.device(device)
@@ -163,13 +168,14 @@ class ModelRunner:
                 and self.attention.backend is not AttentionBackend.PAGED_CPU):
             # NOTE: a compiled bucket reads the widest block table, which only the in-place
             # decode kernel reads no further than each row's seq_len (gather would copy it)
-            raise ValueError("compile_step decode runs with the paged_cpu attention (the "
-                             f"CPU decode kernel), not {self.attention.backend.value}")
+            raise ValueError(f"compile_step {s.compile_step} runs with the paged_cpu attention "
+                             f"(the CPU decode kernel), not {self.attention.backend.value}")
         if s.compile_step != "off" and self.device.type == "cpu" and self.cfg.moe_layers:
             # NOTE: torch 2.13's fake (meta) grouped_mm takes bfloat16 only, where the CPU
             # kernel runs float32: a float32 MoE step does not trace (the dense way would,
             # at E/k times the expert reads); not built
-            raise ValueError("compile_step decode is not supported for sparse MoE models")
+            raise ValueError(f"compile_step {s.compile_step} is not supported for sparse MoE "
+                             "models")
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None  # gather on CPU only
         # NOTE (CPU): a step of fewer tokens runs on one torch thread. On a host whose cores
         # the other tiers (router, encoder) and clients share, a small step's OpenMP regions
@@ -184,6 +190,7 @@ class ModelRunner:
                 and self.linear_kernels is not None):
             self.linear_kernels.set_pool_helpers(self.max_threads - 1, s.cpu_pool_spin_us)
         self.graph_runner: GraphRunner | None = None
+        self.mixed_step: MixedStep | None = None  # compile_step all (CPU): every other step
         # The KV cache last, then the graphs (kv_sizing.py: the order, the same on every
         # rank, so the collectives of the measured steps, the agreement and the captures
         # meet). With kv_pages given every rank has the same count from rank 0's args.
@@ -197,6 +204,10 @@ class ModelRunner:
         if self._uses_graphs():
             self.graph_runner = self._new_graph_runner()
             self.graph_runner.capture()
+        if s.compile_step == "all" and self.device.type == "cpu":
+            self.mixed_step = MixedStep(self.model, self.kv, self.attention, s.max_seq_len,
+                                        s.compile_cache_dir)
+            self.mixed_step.compile()  # at start-up, never in a request's step
 
     # -- start-up: the KV cache and the graphs (kv_sizing.py) --------------------------
     def _allocate_kv(self, num_pages: int) -> None:
@@ -215,7 +226,7 @@ class ModelRunner:
         return GraphRunner(
             self.model, self.kv, self.compute_logits, self.limits, self.device,
             max_bs=s.cuda_graph_max_bs, max_seq_len=s.max_seq_len, attention=self.attention,
-            compile=s.compile_step == "decode", compile_cache_dir=s.compile_cache_dir,
+            compile=s.compile_step != "off", compile_cache_dir=s.compile_cache_dir,
             threads_for=self._threads_for,
         )
 
@@ -268,7 +279,8 @@ class ModelRunner:
     # -- forward -----------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
-        """Graph runner when it can serve the batch (pure decode, small enough), else eager."""
+        """Graph runner when it can serve the batch (pure decode, small enough), else the
+        compiled mixed step when there is one (a step with a chunk), else eager."""
         if self.tp is None:
             return self._forward(batch)
         workers = self.tp.workers
@@ -294,10 +306,24 @@ class ModelRunner:
                 torch.set_num_threads(threads)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.run(batch)
+        if self.mixed_step is not None and self.mixed_step.can_run(batch):
+            return self._run(batch, self.mixed_step)
         return self.forward_eager(batch)
 
     @torch.inference_mode()
     def forward_eager(self, batch: ForwardBatch) -> ForwardOutput:
+        return self._run(batch, None)
+
+    @torch.inference_mode()
+    def forward_mixed(self, batch: ForwardBatch) -> ForwardOutput:
+        """The step through the compiled mixed step (compile_step all; `MixedStep.can_run`)."""
+        if self.mixed_step is None or not self.mixed_step.can_run(batch):
+            raise ValueError("the compiled mixed step cannot serve this batch")
+        return self._run(batch, self.mixed_step)
+
+    def _run(self, batch: ForwardBatch, mixed: MixedStep | None) -> ForwardOutput:
+        """The step eagerly, or through `mixed` (its padding rows first, then the same
+        rows; the logits of the same rows)."""
         chunks = batch.chunks
         if not chunks:
             raise ValueError("empty ForwardBatch")
@@ -305,16 +331,28 @@ class ModelRunner:
             self.limits.check(c)
         # Flat order: single-token chunks first (batched attention), then longer chunks.
         order = [i for i, c in enumerate(chunks) if c.num_tokens == 1]
+        singles = len(order)
         order += [i for i, c in enumerate(chunks) if c.num_tokens > 1]
         ordered = [chunks[i] for i in order]
-        meta, row_start = self._metadata(ordered)
-        hidden, deepstack = self._embed(ordered, row_start)
+        pad = 0
+        if mixed is None:
+            meta, row_start = self._metadata(ordered)
+            hidden, deepstack = self._embed(ordered, row_start)
+        else:
+            pad = mixed.padding(singles)
+            ordered = [self._padding_row() for _ in range(pad)] + ordered
+            row_start = _row_starts(ordered)
+            hidden, deepstack = self._embed(ordered, row_start, always_deepstack=True)
         positions = torch.cat([c.positions for c in ordered], dim=1).to(self.device, torch.int64)
-        out = self.model(hidden, positions, meta, self.kv.k, self.kv.v, deepstack)
+        if mixed is None:
+            out = self.model(hidden, positions, meta, self.kv.k, self.kv.v, deepstack)
+        else:
+            inputs = self._mixed_inputs(ordered, row_start, pad + singles, mixed.max_pages)
+            out = mixed.run(hidden, positions, *inputs, deepstack)
 
         # Logits only for the rows anyone reads (one lm_head call): the last row of each
         # chunk, or all its rows when prompt logits are asked for (last = their final row).
-        flat_of = dict(zip(order, range(len(order)), strict=True))
+        flat_of = dict(zip(order, range(pad, pad + len(order)), strict=True))
         rows, spans = [], []
         for i, c in enumerate(chunks):
             a = row_start[flat_of[i]]
@@ -340,12 +378,30 @@ class ModelRunner:
         return logits if self.tp is None else self.tp.gather_vocab(logits)
 
     # -- helpers -----------------------------------------------------------------------
+    def _padding_row(self) -> SeqChunk:
+        """A single-token row on the dummy page (token 0, position 0; `decode_rows` gives
+        it seq_len 1 and the dummy page's first slot), as a decode bucket's padding."""
+        return SeqChunk(-1, 0, torch.zeros(3, 1, dtype=torch.int64), [self.kv.dummy_page],
+                        token_ids=torch.zeros(1, dtype=torch.int64))
+
+    def _mixed_inputs(self, ordered: list[SeqChunk], row_start: list[int], singles: int,
+                      width: int):
+        """The compiled mixed step's attention inputs: slots [T], the single rows' tables
+        [singles, width] (the widest: the decode kernel reads a row's seq_len of pages) and
+        seq_lens, and the chunks' plan (attention.py `chunk_plan`)."""
+        ps = self.page_size
+        rows = decode_rows(ordered[:singles], ps, self.kv.dummy_page, width=width)
+        slots, plan = [rows.slot_mapping], []
+        first = row_start[singles] if singles < len(ordered) else 0
+        for a, c in zip(row_start[singles:], ordered[singles:], strict=True):
+            kv_len = c.start + c.num_tokens
+            plan.append((a - first, c.num_tokens, kv_len, c.block_table[: ceil_div(kv_len, ps)]))
+            slots.append(chunk_slots(c, ps))
+        return torch.cat(slots), rows.block_tables, rows.seq_lens, chunk_plan(plan)
+
     def _metadata(self, ordered: list[SeqChunk]) -> tuple[AttentionMetadata, list[int]]:
         ps = self.page_size
-        row_start, row = [], 0
-        for c in ordered:
-            row_start.append(row)
-            row += c.num_tokens
+        row_start = _row_starts(ordered)
         singles = [c for c in ordered if c.num_tokens == 1]
         rows = decode_rows(singles, ps, self.kv.dummy_page)
         prefill, slots = [], [rows.slot_mapping]
@@ -391,13 +447,15 @@ class ModelRunner:
             )
         return self._workspace
 
-    def _embed(self, ordered: list[SeqChunk], row_start: list[int]):
-        """hidden [T, hidden] and the deepstack blocks [T, nd*hidden] (None if unused)."""
+    def _embed(self, ordered: list[SeqChunk], row_start: list[int], always_deepstack: bool = False):
+        """hidden [T, hidden] and the deepstack blocks [T, nd*hidden] (None if unused; zeros
+        with `always_deepstack` for a deepstack model: the compiled mixed step's one graph)."""
         hs, nd = self.cfg.hidden_size, self.cfg.num_deepstack
         total = row_start[-1] + ordered[-1].num_tokens
         hidden = torch.empty(total, hs, dtype=self.dtype, device=self.device)
         deepstack = None
-        if nd and any(c.input_embeds is not None and c.input_embeds.shape[1] > hs for c in ordered):
+        if nd and (always_deepstack or any(
+                c.input_embeds is not None and c.input_embeds.shape[1] > hs for c in ordered)):
             deepstack = torch.zeros(total, nd * hs, dtype=self.dtype, device=self.device)
         tok_rows, tok_ids = [], []
         for a, c in zip(row_start, ordered, strict=True):
@@ -416,3 +474,12 @@ class ModelRunner:
             ids = torch.cat(tok_ids).to(self.device, torch.int64)
             hidden[torch.cat(tok_rows).to(self.device)] = self.model.embed(ids)
         return hidden, deepstack
+
+
+def _row_starts(ordered: list[SeqChunk]) -> list[int]:
+    """The first flat row of each chunk, in `ordered`'s order."""
+    out, row = [], 0
+    for c in ordered:
+        out.append(row)
+        row += c.num_tokens
+    return out
