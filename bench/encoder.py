@@ -10,6 +10,14 @@
    GPU where there is one; `--dtype auto`: bfloat16 there, float32 on the CPU). Median of
    `--runs` rounds.
 2. Encode latency of a repeated image (cache hit) against its first sight (miss).
+
+With `--vit MODE` (CPU), the vision tower alone (`VisionRunner.run`), one image of each
+of VIT_SIZES (or --vit-sizes) at a time, CPU time of the one thread:
+
+    profile    where the time goes: linears, attention, rotary, norms, MLP pointwise, ...
+    attention  long segments on torch's SDPA (as served) against all on our kernel
+    compare    eager against the tower's blocks compiled by inductor (`_CompiledTower`, an
+               experiment, not a serving path), alternating; the compile's time and breaks
 """
 
 from __future__ import annotations
@@ -113,9 +121,9 @@ async def hit_vs_miss(pipe: EncodePipeline, runs: int) -> tuple[float, float]:
     return statistics.median(miss), statistics.median(hit)
 
 
-# -- the vision tower alone (`--vit profile|compare`) ---------------------------------------
-# SIZES_VIT: a small, a middle and a large image of the `small` checkpoints' range
-# (max 1024 merged tokens): 224x224, 448x336, 896x672 before smart_resize.
+# -- the vision tower alone (`--vit profile|attention|compare`) -----------------------------
+# A small, a middle and a large image of the `small` checkpoints' range (at most 1024
+# merged tokens), before smart_resize.
 VIT_SIZES = [(224, 224), (448, 336), (896, 672)]
 
 
@@ -193,6 +201,10 @@ def _charge_modules(visual, charges: _Charges) -> None:
         m.register_forward_hook(lambda mod, args, out: charges.close())
 
 
+def _sizes(args) -> list[tuple[int, int]]:
+    return [tuple(int(x) for x in s.split("x")) for s in args.vit_sizes] or VIT_SIZES
+
+
 def _vit_inputs(path: Path, sizes) -> list[tuple[torch.Tensor, list[tuple[int, int, int]], str]]:
     from transformers import AutoProcessor
 
@@ -231,12 +243,13 @@ def vit_profile(args, path: Path, dtype: torch.dtype) -> None:
     """Where one image's tower time goes (CPU time of the one thread), median of --runs."""
     charges = _Charges()
     runner, compute = _vit_runner(path, dtype, args.cpu_bf16_compute, charges)
-    inputs = _vit_inputs(path, VIT_SIZES)
-    parts = ["linears", "attention", "rotary", "norms", "mlp pointwise", "block glue (residual adds)",
+    inputs = _vit_inputs(path, _sizes(args))
+    parts = ["linears", "attention", "rotary", "norms", "mlp pointwise",
+             "block glue (residual adds)",
              "merger glue", "prepare"]
     prep = runner._prepare
     runner._prepare = charges.wrap("prepare", prep)  # patch embed's linear: `linears`
-    print(f"\n### ViT profile ({args.arch} small, {dtype_name(dtype)} model, compute "
+    print(f"\n### ViT profile ({args.arch} {args.size}, {dtype_name(dtype)} model, compute "
           f"{dtype_name(compute)}, {args.threads} thread, CPU ms, median of {args.runs})\n")
     print("| image (patches) | " + " | ".join(parts) + " | other | total |")
     print("|---|" + "---:|" * (len(parts) + 2))
@@ -257,13 +270,16 @@ def vit_profile(args, path: Path, dtype: torch.dtype) -> None:
 
 
 # The compiled tower `--vit compare` measures (issue 45: "the ViT compiled where it pays"):
-# an experiment, not a serving path (docs/benchmarks.md, "Compiling the vision tower").
+# an experiment, not a serving path: measured within the noise of eager on the AVX2 EPYC
+# (0.91-1.09x, docs/benchmarks.md "Compiling the vision tower"), so not built.
 # The blocks and mergers of runner._blocks_eager under torch.compile (inductor, fullgraph,
 # the patch and segment counts dynamic), our kernels opaque: the tandem::* ops of
 # tandem/cpu_kernels.py (traced_ops) and segment_attention, which that file does not
 # register, as tandem_vit_bench::segment_attention here. The eager tower is the same
-# modules: while dynamo traces, the attention and the RMSNorm call the ops (their own
-# forwards call the kernels' module directly: a graph break each); otherwise the kernels.
+# modules: in both arms the attention and the RMSNorm run the forwards below (their own
+# call the kernels' module directly, a graph break each; and the attention's choice of
+# SDPA for long segments reads the lengths on the host), which call the ops while dynamo
+# traces and the kernels otherwise: both arms attend every segment with our kernel.
 _SEGMENT_LIB = None
 
 
@@ -370,7 +386,7 @@ def vit_compare(args, path: Path, dtype: torch.dtype) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(args.compile_cache_dir)
     runner, compute = _vit_runner(path, dtype, args.cpu_bf16_compute, None)
     packed = compute == torch.float32  # our kernels (linear_backend auto) vs torch's modules
-    inputs = _vit_inputs(path, VIT_SIZES)
+    inputs = _vit_inputs(path, _sizes(args))
     tower = _CompiledTower(runner, fullgraph=packed)
     with torch.inference_mode():
         ex = tower.explain(runner._prepare(*inputs[0][:2]))
@@ -402,12 +418,12 @@ def vit_compare(args, path: Path, dtype: torch.dtype) -> None:
                     times[(name, c)].append(time.thread_time() - t0)
                     if r == 0:
                         diffs.setdefault(name, []).append(out.embeds.float())
-    print(f"\n### ViT eager vs compiled ({args.arch} small, {dtype_name(dtype)} model, compute "
-          f"{dtype_name(compute)}, {args.threads} thread, CPU ms, alternating, median of "
+    print(f"\n### ViT eager vs compiled ({args.arch} {args.size}, {dtype_name(dtype)} model, "
+          f"compute {dtype_name(compute)}, {args.threads} thread, CPU ms, alternating, median of "
           f"{args.runs})\n")
     print("| image (patches) | eager ms (runs) | compiled ms (runs) | eager / compiled | "
-          "max abs diff of rows |")
-    print("|---|---|---|---:|---:|")
+          "median of the runs' ratios | max abs diff of rows |")
+    print("|---|---|---|---:|---:|---:|")
     for _, grids, name in inputs:
         e, c = times[(name, False)], times[(name, True)]
         a, b = diffs[name]
@@ -415,6 +431,7 @@ def vit_compare(args, path: Path, dtype: torch.dtype) -> None:
         print(f"| {name} ({n}) | {', '.join(f'{x * 1e3:.1f}' for x in e)} | "
               f"{', '.join(f'{x * 1e3:.1f}' for x in c)} | "
               f"**{statistics.median(e) / statistics.median(c):.3f}x** | "
+              f"{statistics.median(x / y for x, y in zip(e, c, strict=True)):.3f}x | "
               f"{(a - b).abs().max().item():.2e} |")
 
 
@@ -427,7 +444,7 @@ def vit_attention(args, path: Path, dtype: torch.dtype) -> None:
     runner, compute = _vit_runner(path, dtype, args.cpu_bf16_compute, None)
     if compute != torch.float32:
         raise SystemExit("--vit attention: the packed tower (float32 compute) only")
-    inputs = _vit_inputs(path, VIT_SIZES)
+    inputs = _vit_inputs(path, _sizes(args))
     served = vit_kernels.SDPA_MIN_ROWS
     times: dict[tuple[str, bool], list[float]] = {}
     rows: dict[tuple[str, bool], torch.Tensor] = {}
@@ -475,6 +492,8 @@ def main(argv: list[str] | None = None) -> None:
                     "segments on SDPA against all on our kernel, alternating")
     ap.add_argument("--cpu-bf16-compute", default="auto", choices=["auto", "bfloat16", "float32"],
                     help="--vit with --dtype bfloat16: the encoder's cpu_bf16_compute")
+    ap.add_argument("--vit-sizes", nargs="*", default=[],
+                    help="--vit: image sizes WxH (default: 224x224 448x336 896x672)")
     ap.add_argument("--compile-cache-dir", default="",
                     help="--vit compare: inductor's cache (TORCHINDUCTOR_CACHE_DIR); a fresh "
                     "folder measures a cold compile, a second run in it a warm one")
