@@ -347,7 +347,7 @@ def write_table(a, rows_out: list[dict], rate: float) -> None:
             + f" | {r['raw_cpu'] * 1e3:.0f} / {m['cpu'] * 1e3:.0f} | "
             f"{m['cpu_after'] * 1e3:.0f} | "
             + (f"{ahead * 1e3:.0f} ({100 * ahead / r['prefill_s']:.3f}% of "
-               f"~{r['prefill_s']:.0f} s) |" if ahead else "- |"))
+               f"~{r['prefill_s']:.0f} s) |" if ahead >= 5e-4 else "- |"))
     lines += ["", "Regenerate: `.venv/bin/python bench/kv_transfer.py` (`--help`)."]
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text("\n".join(lines) + "\n")
