@@ -2,7 +2,9 @@
 one engine writing to itself over loopback TCP: page-major staging (one descriptor per run
 of slots, whatever the layer count), exact pages on arrival, a keyed tag checked in
 private memory before a page is used, ciphertext on the wire under `encrypt`, and caches
-that no Mooncake peer can write."""
+that no Mooncake peer can write. Tags taken ahead, as the prefill completes pages
+(`KVTagger`), serve only the pages, keys and epoch they were taken over; staging wiped
+after the pages may be used is no one's until then and comes back free as zeros."""
 
 from __future__ import annotations
 
