@@ -529,3 +529,45 @@ def test_a_landing_whose_owner_was_dropped_meanwhile_frees_its_own_slots(monkeyp
     monkeypatch.setattr(kv, "unpack_into", dropped_meanwhile)
     area.land("a", cache(), [0], first=0, wipe=False)
     assert area.num_free == 4 and not area.rows.any() and not area.holds("a")
+
+
+class _StuckAfter:
+    """This process's engine, except that the writes of the `n`th submit never end."""
+
+    def __init__(self, engine, n: int) -> None:
+        self._engine, self._n, self._calls = engine, n, 0
+
+    def submit(self, peer, srcs, dsts, lengths):
+        self._calls += 1
+        if self._calls == self._n:
+            return [(-7, sum(lengths))]
+        return self._engine.submit(peer, srcs, dsts, lengths)
+
+    def wait(self, peer, started):
+        if any(bid == -7 for bid, _ in started):
+            e = TransferError("stuck", "UNAVAILABLE")
+            e.pending = started
+            raise e
+        return self._engine.wait(peer, started)
+
+    def drain(self, pending):
+        return not any(bid == -7 for bid, _ in pending)
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_stuck_writes_keep_only_their_own_outbox_slots(wire, late):
+    """Writes that never end: their slots stay held for good (a write may still read
+    them), and the slots of chunks whose writes ended are wiped and freed, also when the
+    wipe waits for the end of the transfer (`on_written`)."""
+    from tandem.transfer.errors import TransferStuck
+
+    engine, outbox, inbox = wire
+    slots = inbox.reserve(5, "stuck")
+    with pytest.raises(TransferStuck):
+        send_pages(_StuckAfter(engine, 2), cache(25), [0, 1, 2, 3, 4], outbox,
+                   to(engine, inbox, slots, 1, RowProtection.new("mac")), chunk_pages=2,
+                   on_written=(lambda s: None) if late else None)
+    # chunk 0 written, then wiped and freed; chunk 1 stuck and chunk 2 in flight with it
+    # when the transfer gave up (3 slots): held for good
+    assert outbox.num_free == 8 - 3 and not outbox.rows[:2].any()
+    inbox.drop("stuck")

@@ -680,7 +680,10 @@ def send_pages(engine, cache, pages: list[int], outbox: KVStaging, dest: KVDesti
         return sent
     except TransferError as e:
         if not engine.drain(in_flight + list(getattr(e, "pending", []))):
-            owner = None  # retired: never freed
+            for c in chunks:  # their writes ended: wiped and freed (held, with on_written)
+                if on_written is not None:
+                    outbox.wipe(owner, c.first, c.pages)
+            owner = None  # the rest retired: never freed
             raise TransferStuck(f"KV writes to {dest.peer} never finished",
                                 "UNAVAILABLE") from e
         raise
