@@ -220,6 +220,12 @@ def _warm_inputs(ms: MixedStep, singles: int, n: int, deepstack: bool):
             torch.zeros(t, cfg.num_deepstack * cfg.hidden_size) if deepstack else None)
 
 
+def _step_args(ms: MixedStep, run_args) -> tuple:
+    """`MixedStep._step`'s arguments for `run`'s: the rotary's cos/sin after the positions."""
+    hidden, positions, *rest = run_args
+    return (hidden, positions, ms._rope(positions, hidden.dtype), *rest)
+
+
 def test_a_mixed_step_that_would_recompile_runs_eagerly_instead(case, caplog):
     """No compile in a request's step: called with what it was not compiled for (no
     deepstack rows on a deepstack model), the mixed step raises dynamo's typed
@@ -230,7 +236,7 @@ def test_a_mixed_step_that_would_recompile_runs_eagerly_instead(case, caplog):
     try:
         args = _warm_inputs(ms, 2, 5, deepstack=False)
         with torch.inference_mode():
-            want = ms._step(ms, *args)
+            want = ms._step(ms, *_step_args(ms, args))
             got = ms.run(*args)
         assert torch.equal(got, want)
         assert ms.fn is None
@@ -268,7 +274,8 @@ def test_a_mixed_forward_is_one_graph(case):
     _model, _prompts, compiled, _eager = case
     ms = compiled.mixed_step
     with torch.inference_mode():
-        explained = dynamo.explain(_mixed_step)(ms, *_warm_inputs(ms, 3, 11, deepstack=True))
+        args = _step_args(ms, _warm_inputs(ms, 3, 11, deepstack=True))
+        explained = dynamo.explain(_mixed_step)(ms, *args)
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
 

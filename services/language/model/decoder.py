@@ -348,8 +348,13 @@ class QwenVLDecoder(nn.Module):
         k_caches: list[torch.Tensor],
         v_caches: list[torch.Tensor],
         deepstack: torch.Tensor | None = None,  # [T, num_deepstack * hidden] or None
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        cos, sin = self.rope.cos_sin(positions, hidden.dtype)
+        """`rope`: cos, sin of `positions` (`self.rope.cos_sin`) computed by the caller, else
+        here. NOTE: a compiled step passes them in, computed outside its graph: traced,
+        inductor recomputes them inside every layer's fused rotary kernel, per element of
+        q and k (docs/benchmarks.md, the compiled prefill)."""
+        cos, sin = rope if rope is not None else self.rope.cos_sin(positions, hidden.dtype)
         hs = self.cfg.hidden_size
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, meta, k_caches[i], v_caches[i])
