@@ -438,7 +438,9 @@ class MixedStep:
     MIN_SINGLE = 2
     # The rotary's cos/sin computed outside the graph, once a step, and passed in (False:
     # traced, the decoder's own call; inductor then recomputes them in every layer's fused
-    # kernel, per element of q and k: 0.91-0.94x the eager step at 512 tokens, measured)
+    # kernel, per element of q and k). Less work, the eager step's cos/sin bits; measured
+    # against False in one process (docs/benchmarks.md): no difference beyond this host's
+    # run-to-run noise (+-10 %) at 64, 512 or 2048 tokens
     ROPE_OUTSIDE = True
     # The warm-up's sizes, distinct so dynamo gives each dynamic size its own symbol
     # (equal sizes at trace time would share one: later steps would fail its guards)
