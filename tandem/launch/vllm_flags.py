@@ -506,7 +506,7 @@ TABLE: tuple[Flag, ...] = (
     Flag(("--async-scheduling", "--multi-step-stream-outputs"), SW, A, _SCHED),
     Flag(("--compilation-config", "-O"), ONE, A, f"{_NOTHING}: the tiers choose their own "
          "kernels and graphs (--enforce-eager turns CUDA graphs and the compiled CPU step "
-         "off; language --compile-step decode turns the latter on)", dotted=True,
+         "off; language --compile-step decode or all turns the latter on)", dotted=True,
          example=("3",)),
     Flag(("--cpu-offload-gb",), ONE, R, "weights stay on the device; offloading is not "
          "served"),
