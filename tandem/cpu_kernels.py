@@ -374,15 +374,11 @@ def define_traced_op(name: str, schema: str, cpu_impl, fake_impl) -> None:
     traced = traced_ops()
     if traced is None:
         raise ValueError(f"tandem::{name}: the CPU kernels are not built")
-    if name not in _DEFINED:
+    if name not in vars(traced):  # (defined once: `traced` holds it from then on)
         _OPS_LIB.define(schema)
         _OPS_LIB.impl(name, cpu_impl, "CPU")
         torch.library.register_fake(f"tandem::{name}", fake_impl, lib=_OPS_LIB)
-        _DEFINED.add(name)
         setattr(traced, name, getattr(torch.ops.tandem, name).default)
-
-
-_DEFINED: set[str] = set()  # define_traced_op's names
 
 
 class PackedLinear(torch.nn.Module):

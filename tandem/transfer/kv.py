@@ -603,11 +603,6 @@ class KVTagger:
             for _, _, f in self._jobs.values():
                 f.cancel()
 
-    @property
-    def num_tagged(self) -> int:
-        with self._lock:
-            return sum(1 for _, _, f in self._jobs.values() if f.done() and not f.cancelled())
-
 
 def send_pages(engine, cache, pages: list[int], outbox: KVStaging, dest: KVDestination,
                on_chunk: Callable[[KVChunk], object] | None = None,

@@ -270,11 +270,7 @@ class GraphRunner:
     def _compile(self) -> None:
         """Compile every batch bucket's step (CPU), largest first, each run twice over the
         padding rows (nothing real is read or written: the dummy page)."""
-        from tandem.cpu_kernels import traced_ops
-
-        if self.compile_cache_dir:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(self.compile_cache_dir)
-        traced_ops()  # the kernels as custom ops, before anything is traced
+        cache = _before_compile(self.compile_cache_dir)
         threads = torch.get_num_threads()
         start = time.monotonic()
         try:
@@ -292,7 +288,7 @@ class GraphRunner:
         log.info("compiled decode step: %d batch buckets %s in %.1f s (%s; inductor cache %s)",
                  len(self.compiled), sorted(self.compiled), time.monotonic() - start,
                  ", ".join(f"bs {b}: {self.compile_s[b]:.1f} s" for b in sorted(self.compiled)),
-                 os.environ.get("TORCHINDUCTOR_CACHE_DIR", "inductor's default"))
+                 cache)
 
     def _run_compiled(self, fn: Callable, bs: int, width: int) -> torch.Tensor:
         """A compiled bucket's step; never a compile in a request's step: should a guard of
@@ -411,6 +407,18 @@ def _bucket_step(bs: int) -> Callable:
     return torch.compile(fn, fullgraph=True, dynamic=False)
 
 
+def _before_compile(cache_dir: str) -> str:
+    """What every compile of this module does first: inductor's cache under `cache_dir`
+    (when given) and the kernels registered as torch ops before anything is traced; the
+    cache in use, for the log."""
+    from tandem.cpu_kernels import traced_ops
+
+    if cache_dir:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(cache_dir)
+    traced_ops()
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR", "inductor's default")
+
+
 class MixedStep:
     """Every step that is not a pure decode batch, compiled once on the CPU (`compile_step`
     all): prompt chunks of any length, several prompts, chunks after a cached prefix, and
@@ -436,12 +444,11 @@ class MixedStep:
     then on (`call_compiled`), never compiling in a request's step."""
 
     MIN_SINGLE = 2
-    # The rotary's cos/sin computed outside the graph, once a step, and passed in (False:
-    # traced, the decoder's own call; inductor then recomputes them in every layer's fused
-    # kernel, per element of q and k). Less work, the eager step's cos/sin bits; measured
-    # against False in one process (docs/benchmarks.md): no difference beyond this host's
+    # NOTE: the rotary's cos/sin are computed outside the graph, once a step, and passed in
+    # (`_rope`): traced, inductor recomputes them in every layer's fused kernel, per element
+    # of q and k. Less work and the eager step's cos/sin bits; measured against the traced
+    # rotary in one process (docs/benchmarks.md): no difference beyond this host's
     # run-to-run noise (+-10 %) at 64, 512 or 2048 tokens
-    ROPE_OUTSIDE = True
     # The warm-up's sizes, distinct so dynamo gives each dynamic size its own symbol
     # (equal sizes at trace time would share one: later steps would fail its guards)
     _WARM_SINGLE, _WARM_CHUNK = 3, 58
@@ -476,12 +483,10 @@ class MixedStep:
     def compile(self) -> None:
         """Trace and compile the step once (start-up), over padding rows and one chunk on
         the dummy page (nothing real is read or written), run twice."""
-        from tandem.cpu_kernels import define_traced_op, traced_ops
+        from tandem.cpu_kernels import define_traced_op
         from tandem.services.language.model.attention import chunk_plan, chunk_plan_attention
 
-        if self.compile_cache_dir:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(self.compile_cache_dir)
-        traced_ops()
+        cache = _before_compile(self.compile_cache_dir)
         define_traced_op(
             "chunk_attention",
             "chunk_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, "
@@ -506,12 +511,11 @@ class MixedStep:
             self.fn(self, hidden, positions, rope, slots, tables, seq_lens, plan, deepstack)
         self.compile_s = time.monotonic() - start
         log.info("compiled mixed step (prefill chunks, mixed with decode rows or not; token "
-                 "counts dynamic) in %.1f s (inductor cache %s)", self.compile_s,
-                 os.environ.get("TORCHINDUCTOR_CACHE_DIR", "inductor's default"))
+                 "counts dynamic) in %.1f s (inductor cache %s)", self.compile_s, cache)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        """cos, sin of the step's rows for the graph (`ROPE_OUTSIDE`), or None."""
-        return self.model.rope.cos_sin(positions, dtype) if self.ROPE_OUTSIDE else None
+        """cos, sin of the step's rows, for the graph (computed outside it: the NOTE above)."""
+        return self.model.rope.cos_sin(positions, dtype)
 
     @staticmethod
     def _mark(hidden, positions, slots, tables, seq_lens, plan, deepstack, rope) -> None:
@@ -519,8 +523,7 @@ class MixedStep:
         import torch._dynamo as dynamo
 
         big = 1 << 30  # no bound above (dynamo wants one with a bound below)
-        rows = ((hidden, 0), (positions, 1), (slots, 0), (deepstack, 0),
-                *(((x, 0) for x in rope) if rope is not None else ()))
+        rows = ((hidden, 0), (positions, 1), (slots, 0), (deepstack, 0), *((x, 0) for x in rope))
         for x, dim in rows:
             if x is not None:  # at least the padding rows and one chunk of 2 tokens
                 dynamo.mark_dynamic(x, dim, min=MixedStep.MIN_SINGLE + 2, max=big)
