@@ -341,10 +341,24 @@ def test_a_helpers_cache_hits_are_the_answers(checkpoint):
         trio.stop()
 
 
-def test_helper_killed_mid_prompt_its_range_is_re_encoded(checkpoint, gate):
+def test_helper_killed_mid_prompt_its_range_is_re_encoded(checkpoint, gate, monkeypatch):
+    from tandem.services.encoder.split import HelperRange
+
     ckpt = checkpoint("qwen2_5_vl")
     chats = [four_image_chat(seed) for seed in (4, 5, 8)]  # image 0 of each: one grid
     want = [expected(ckpt, c) for c in chats]
+    # each HelperRange's end, once its reader has seen it: the gate opens only then, so
+    # the lead reaches each helper piece knowing the helper is gone (a RangeWrite sent
+    # before the lead's reader saw the reset is one that may be in flight: the room fails,
+    # by the rule in split.py's docstring, which test_split_faults.py covers)
+    ended: list[Exception] = []
+    read_all = HelperRange._read_all
+
+    async def recorded(self) -> None:
+        await read_all(self)
+        ended.append(self.ended)
+
+    monkeypatch.setattr(HelperRange, "_read_all", recorded)
     trio = Trio(ckpt, external_helper=True).start()
     try:
         # three chats at once; the lead's image 0 is held in its ViT while the helper
@@ -361,6 +375,8 @@ def test_helper_killed_mid_prompt_its_range_is_re_encoded(checkpoint, gate):
                    timeout_s=HANG_GUARD_S, what="the helper working on every chat's range")
         trio.signal_helper(signal.SIGKILL)
         trio.helper_proc.wait(30)
+        wait_until(lambda: len(ended) >= len(chats), timeout_s=HANG_GUARD_S,
+                   what="the lead seeing every helper stream end")
         gate.opened.set()
         for (tokens, res), w in zip(fut.result(HANG_GUARD_S), want, strict=True):
             assert isinstance(res, encoder_pb2.EncodeResponse), res
