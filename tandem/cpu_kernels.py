@@ -382,7 +382,8 @@ def define_traced_op(name: str, schema: str, cpu_impl, fake_impl) -> None:
 
 
 class PackedLinear(torch.nn.Module):
-    """y = x @ weight_t (+ bias) on the kernels' packed layout (float32), any leading dims.
+    """y = x @ weight_t (+ bias) on the kernels' packed layout, any leading dims: x, y and
+    the bias float32, the weight float32 or bfloat16 (widened as the kernel loads it).
     The one packed linear: the language decoder's `DenseLinear.pack` and the encoder's
     `pack_linears` both build it. Holds only the packed copies."""
 
@@ -418,18 +419,21 @@ def pack_linears(module: torch.nn.Module, kernels) -> int:
 
 
 CPU_BF16_COMPUTE = ("auto", "bfloat16", "float32")
-# x86 flags of bfloat16 matrix instructions oneDNN uses (Intel Cooper Lake / Sapphire Rapids
-# on, AMD Zen 4 on); without them torch's bfloat16 GEMM is 10-60x its float32 GEMM here
-# (an AMD EPYC with AVX2 alone: docs/benchmarks.md, "bfloat16 on an AVX2 host").
-NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+# x86 flags of the bfloat16 matrix units that `auto` leaves bfloat16 products to (torch's
+# GEMM through oneDNN). Without AVX512-BF16 that GEMM is 10-60x its float32 GEMM (an AMD
+# EPYC with AVX2 alone: docs/benchmarks.md, "bfloat16 on an AVX2 host"); with it but no AMX
+# (an Intel Xeon, 1 thread, the decoder's shapes) it is 0.65-0.8x the packed float32
+# kernel over the same bfloat16 weights at 1-256 rows ("bfloat16 weights in the packed
+# linears"). AMX was not measured: where it is, torch's GEMM keeps the products.
+NATIVE_BF16_FLAGS = frozenset({"amx_bf16"})
 
 
 def linear_compute_dtype(choice: str, device: torch.device, dtype: torch.dtype) -> torch.dtype:
     """The dtype a tier's linear products run in (its `cpu_bf16_compute` setting: the
     language runner's, the encoder's vision tower's): the model's, except for a bfloat16
-    model on a CPU, where `float32` widens the weights and computes in float32, `bfloat16`
-    keeps torch's bfloat16 GEMM, and `auto` is bfloat16 where the CPU has bfloat16 matrix
-    instructions, float32 where it has not."""
+    model on a CPU, where `float32` computes in float32 over the same weight values (packed
+    in bfloat16, or widened), `bfloat16` keeps torch's bfloat16 GEMM, and `auto` is
+    bfloat16 where the CPU has AMX (NATIVE_BF16_FLAGS), float32 where it has not."""
     if choice not in CPU_BF16_COMPUTE:
         raise ValueError(f"cpu_bf16_compute must be one of {CPU_BF16_COMPUTE}, got {choice!r}")
     if device.type != "cpu" or dtype != torch.bfloat16 or choice == "bfloat16":

@@ -22,6 +22,8 @@ LINEAR_SHAPES = [(300, 100), (129, 33), (512, 768), (64, 40)]  # (K, N)
 # every tile remainder of every path; then rows across the linear's row blocks (MB = 240
 # rows a task: csrc/linear.cpp), a partial last block among them
 ROWS = list(range(1, 65)) + [239, 240, 241, 487]
+# rows the bfloat16-weight linear is run at: every tile height of every path once, a block
+BF16_WEIGHT_ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 32, 241]
 HEAD_DIMS = [32, 40, 64, 80, 96, 128]
 NORM_DIMS = [40, 100, 512]
 
@@ -114,6 +116,11 @@ def outputs(mod) -> dict[str, torch.Tensor]:
                 wp = mod.pack_linear(wt)
                 bp = mod.pack_bias(b) if bias else None
                 out[f"linear/{k}x{n}/m{m}/bias{int(bias)}"] = mod.packed_linear(x, wp, bp, n)
+                if m in BF16_WEIGHT_ROWS:  # bfloat16 weights, and their float32 widening
+                    w16 = wt.bfloat16()
+                    for name, w in (("bf16w", w16), ("bf16w-widened", w16.float())):
+                        out[f"linear/{k}x{n}/m{m}/bias{int(bias)}/{name}"] = mod.packed_linear(
+                            x, mod.pack_linear(w), bp, n)
     for d in HEAD_DIMS:
         for dtype in (torch.float32, torch.bfloat16):
             q, kc, vc, tables, lens = attention_case(d, dtype)

@@ -25,11 +25,13 @@ teacher-forced along transformers' greedy tokens):
 At least half the rows of every case are compared, so no case passes on ties alone.
 
 On the CPU, bfloat16 runs either on torch's bfloat16 linears and the paged decode kernel in
-bfloat16 (`cpu_bf16_compute=bfloat16`; the packed kernels are float32 only), or, what
-`auto` picks on a CPU without AVX512-BF16 or AMX, with float32 products over widened
-weights and attention in float32 over the bfloat16 KV cache (`float32`; a float32 cache on
-the gather path); both are checked, and the bfloat16 cache against the float32 one of the
-same values, bit for bit. `pytest --device cuda` runs the runner on
+bfloat16 (`cpu_bf16_compute=bfloat16`; the packed kernels' products are float32), or, what
+`auto` picks on a CPU without AMX, with float32 products over the same weights (packed in
+bfloat16 and widened by the kernel as it loads them, or widened copies with the torch
+linears) and attention in float32 over the bfloat16 KV cache (`float32`; a float32 cache on
+the gather path); both are checked, the bfloat16 cache against the float32 one of the
+same values bit for bit, and the packed bfloat16 weights against their widened copies
+bit for bit. `pytest --device cuda` runs the runner on
 the GPU against the same CPU oracle (`make gpu-check`).
 """
 
@@ -271,11 +273,13 @@ def test_bf16_on_cpu_torch_gemm_keeps_every_tensor_bf16(checkpoint):
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU's bfloat16 paths")
-def test_bf16_on_cpu_float32_products_widen_weights_only(checkpoint):
-    """cpu_bf16_compute='float32' (what `auto` picks on a CPU without AVX512-BF16 or AMX):
-    the projections' weights held in float32 (the same values), packed where the kernels
-    build; norms, every step's activations and, on the paged_cpu kernels, the KV cache stay
-    bfloat16 (attention computes in float32 over it); the gather path's cache is float32."""
+def test_bf16_on_cpu_float32_products_keep_the_weights_values(checkpoint):
+    """cpu_bf16_compute='float32' (what `auto` picks on a CPU without AMX): products in
+    float32 over the same weight values, packed in bfloat16 where the kernels build (the
+    same bits as packing their float32 widening), held widened to float32 with the torch
+    linears; norms, every step's activations and, on the paged_cpu kernels, the KV cache
+    stay bfloat16 (attention computes in float32 over it); the gather path's cache is
+    float32."""
     from tandem.cpu_kernels import paged_decode_op
     from tandem.services.language.model.attention import AttentionBackend
     from tandem.services.language.model.linear import DenseLinear
@@ -296,6 +300,18 @@ def test_bf16_on_cpu_float32_products_widen_weights_only(checkpoint):
     assert gather.attention.compute_dtype is None
     linears = [m for m in runner.model.modules() if isinstance(m, DenseLinear)]
     assert linears and all(m.compute_dtype == torch.float32 for m in linears)
+    if runner.linear_kernels is not None:  # packed: bfloat16 weights, widened as loaded
+        assert {m.packed.weight_p.dtype for m in linears} == {BF16}
+        for m in linears:
+            p = m.packed
+            x = torch.randn(5, p.in_features)
+            assert torch.equal(p(x), runner.linear_kernels.packed_linear(
+                x, p.weight_p.float(), p.bias_p, p.out_features))
+    unpacked = ModelRunner(oracle.text_weights(checkpoint("qwen3_vl"), BF16), RunnerSettings(
+        page_size=PAGE, cpu_bf16_compute="float32", linear_backend="torch"),
+        num_pages=8, dtype=BF16)
+    assert {m.weight_t.dtype for m in unpacked.model.modules()
+            if isinstance(m, DenseLinear)} == {torch.float32}
     assert runner.model.norm.weight.dtype == BF16
     assert runner.model.embed(torch.tensor([1, 2])).dtype == BF16
     with pytest.raises(ValueError, match="cpu_bf16_compute"):

@@ -390,8 +390,8 @@ def path_outputs(tmp_path_factory):
     pytest.param("avx2", marks=pytest.mark.slow),
 ])
 def test_each_path_within_its_bound_of_torch(path_outputs, isa):
-    """Linear, at rows 1..64 and odd K, N: each output within the forward-error bound of its
-    summation against float64, |y - y64| <= (KC + ceil(K / KC) + 1) u (|x| |W| + |b|) with
+    """Linear, at rows 1..64 and odd K, N: bfloat16 weights give the bits of their float32
+    widening; each output within the forward-error bound of its summation against float64, |y - y64| <= (KC + ceil(K / KC) + 1) u (|x| |W| + |b|) with
     u = 2^-24 and KC = 128 (an FMA chain of at most KC terms per k block, the blocks' sums
     added in order, the bias once). Attention (decode and segments): within 2e-6 + 1e-5 relative of a float64 softmax (float32 cache), 2e-2
     (bfloat16). RMSNorm and SiLU-mul: 1e-6 of torch's steps; rotary: torch's bits."""
@@ -411,6 +411,9 @@ def test_each_path_within_its_bound_of_torch(path_outputs, isa):
                 assert got.shape == (m, n)
                 worst = ((got.double() - ref).abs() / bound).max().item()
                 assert worst <= 1, (isa, k, n, m, worst)
+                if m in kc.BF16_WEIGHT_ROWS:  # widened as loaded: the float32 copy's bits
+                    key = f"linear/{k}x{n}/m{m}/bias{int(bias)}/bf16w"
+                    assert torch.equal(out[key], out[key + "-widened"]), (isa, key)
     for d in kc.HEAD_DIMS:
         for dtype, tol in ((torch.float32, (2e-6, 1e-5)), (torch.bfloat16, (2e-2, 2e-2))):
             q, kcache, vcache, tables, lens = kc.attention_case(d, dtype)

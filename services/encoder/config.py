@@ -166,8 +166,9 @@ class EncoderConfig(ModelServiceSettings):
         "over the same weight values (the tower's weights held in float32, twice their "
         "memory; on the packed kernels where they apply) and sends its rows in bfloat16; "
         "'bfloat16' keeps torch's bfloat16 ops; 'auto' is bfloat16 where the CPU has "
-        "AVX512-BF16 or AMX, float32 where it has not (there a 448x336 image took 7.7x as "
-        "long in bfloat16 as in float32).",
+        "AMX, float32 elsewhere (without AVX512-BF16 a 448x336 image took 7.7x as long in "
+        "bfloat16 as in float32; with it and no AMX, torch's bfloat16 GEMM is slower than "
+        "the packed float32 kernel at every size measured).",
     )
     cuda_graph_max_patches: int = Field(
         16384, ge=0, le=1 << 20,

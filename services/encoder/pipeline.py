@@ -242,7 +242,8 @@ class EncodePipeline:
         processor = AutoProcessor.from_pretrained(path)
         devs = [resolve_device(d) for d in (cfg.devices or [cfg.device])]
         dtypes = [resolve_dtype(cfg.dtype, d) for d in devs]
-        # bfloat16 on a CPU without its matrix instructions: the tower loaded in float32 (the
+        # bfloat16 on a CPU whose products run in float32 (`auto`: no AMX; the rule in
+        # cpu_kernels.linear_compute_dtype): the tower loaded in float32 (the
         # checkpoint's values widened, its rotary tables computed in float32), its rows
         # rounded to bfloat16 once (VisionRunner's out_dtype); the text table, whose rows
         # the payload carries, stays in the model's dtype
@@ -253,7 +254,7 @@ class EncodePipeline:
         for p, d, dt, c in zip(parts, devs, dtypes, computes, strict=True):
             if c != dt:
                 p.embed_tokens.to(dt)
-                log.info("bfloat16 on a CPU without bfloat16 matrix instructions: the vision "
+                log.info("bfloat16 on a CPU: the vision "
                          "tower runs in float32 over the same weight values, its rows sent "
                          "in bfloat16 (cpu_bf16_compute=%s)", cfg.cpu_bf16_compute)
             kernels = linear_kernels(cfg.linear_backend, d, c)

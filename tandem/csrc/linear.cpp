@@ -1,9 +1,14 @@
 // Float32 linear layers over weights packed in column strips (CPU).
 //
 //   pack_linear(wt [K, N]) -> wp [J, K, NB]     J = ceil(N / NB), strip j holds columns
-//                                               [j*NB, (j+1)*NB) of wt (zero-padded tail)
+//                                               [j*NB, (j+1)*NB) of wt (zero-padded tail),
+//                                               in wt's dtype: float32 or bfloat16
 //   pack_bias(bias [N]) -> [J * NB]             zero-padded to whole strips
 //   packed_linear(x [M, K], wp, bias_p | None, N) -> y [M, N] = x @ wt (+ bias)
+//
+// A bfloat16 wp is widened to float32 as it is loaded (exactly: bfloat16 is float32's top
+// half), so its products are the same bits as those of the float32 copy of the same weights,
+// from half the bytes: a decode step streams every weight once, so it reads half as much.
 //
 // Why: MKL's sgemm runs decode-sized products (M = 4..32 rows) at 25-45% of the core's
 // FMA peak on this hardware, and a decode step reads every weight once, so a product
@@ -63,8 +68,12 @@ constexpr int MRW = 4, MRT = 0;
 // One register tile over one k block [k0, k1): R rows of x times 16 * H columns of the
 // strip at w (row stride NB) -> y (row stride ldy). y = the block's sum (+ bias) for the
 // first block, y + the block's sum after it.
-template <int R, int H>
-inline void tile(const float* x, int64_t K, int64_t k0, int64_t k1, const float* w,
+// Weights as stored: float32, or bfloat16 bits widened on load.
+inline V load_w(const float* p) { return v16::load(p); }
+inline V load_w(const uint16_t* p) { return v16::load_bf16(p); }
+
+template <int R, int H, typename W>
+inline void tile(const float* x, int64_t K, int64_t k0, int64_t k1, const W* w,
                  const float* bias, float* y, int64_t ldy) {
   V acc[R][H], b[H];
   for (int h = 0; h < H; ++h) b[h] = k0 == 0 && bias ? v16::load(bias + 16 * h) : v16::zero();
@@ -73,7 +82,7 @@ inline void tile(const float* x, int64_t K, int64_t k0, int64_t k1, const float*
     for (int h = 0; h < H; ++h) acc[r][h] = b[h];
   for (int64_t k = k0; k < k1; ++k) {
     V wk[H];
-    for (int h = 0; h < H; ++h) wk[h] = v16::load(w + k * NB + 16 * h);
+    for (int h = 0; h < H; ++h) wk[h] = load_w(w + k * NB + 16 * h);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const V xr = v16::set1(x[r * K + k]);
@@ -90,16 +99,19 @@ inline void tile(const float* x, int64_t K, int64_t k0, int64_t k1, const float*
   }
 }
 
-using TileFn = void (*)(const float*, int64_t, int64_t, int64_t, const float*, const float*,
+template <typename W>
+using TileFn = void (*)(const float*, int64_t, int64_t, int64_t, const W*, const float*,
                         float*, int64_t);
 
 // table[r] = the r-row tile of H vectors a row (r = 1..rows; entry 0 unused).
-template <int H, size_t... I>
-constexpr std::array<TileFn, sizeof...(I) + 1> make_tiles(std::index_sequence<I...>) {
-  return {{nullptr, &tile<static_cast<int>(I) + 1, H>...}};
+template <int H, typename W, size_t... I>
+constexpr std::array<TileFn<W>, sizeof...(I) + 1> make_tiles(std::index_sequence<I...>) {
+  return {{nullptr, &tile<static_cast<int>(I) + 1, H, W>...}};
 }
-constexpr auto WIDE = make_tiles<2>(std::make_index_sequence<MRW>{});
-constexpr auto TALL = make_tiles<1>(std::make_index_sequence<MRT>{});
+template <typename W>
+constexpr auto WIDE = make_tiles<2, W>(std::make_index_sequence<MRW>{});
+template <typename W>
+constexpr auto TALL = make_tiles<1, W>(std::make_index_sequence<MRT>{});
 
 }  // namespace
 
@@ -108,7 +120,9 @@ bool run(int64_t total, const std::function<void(int64_t)>& task);
 }
 
 torch::Tensor pack_linear(torch::Tensor wt) {
-  TORCH_CHECK(wt.dim() == 2 && wt.scalar_type() == torch::kFloat32, "wt must be [K, N] float32");
+  TORCH_CHECK(wt.dim() == 2 && (wt.scalar_type() == torch::kFloat32 ||
+                                wt.scalar_type() == torch::kBFloat16),
+              "wt must be [K, N] float32 or bfloat16");
   const int64_t K = wt.size(0), N = wt.size(1), J = (N + NB - 1) / NB;
   auto padded = torch::zeros({K, J * NB}, wt.options());
   padded.narrow(1, 0, N).copy_(wt);
@@ -123,26 +137,16 @@ torch::Tensor pack_bias(torch::Tensor bias) {
   return padded;
 }
 
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias,
-                            int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
-  TORCH_CHECK(wp.dim() == 3 && wp.size(2) == NB && wp.is_contiguous(), "wp must come from pack_linear");
-  const int64_t M = x.size(0), K = x.size(1), J = wp.size(0);
-  TORCH_CHECK(wp.size(1) == K && (N + NB - 1) / NB == J, "x, wp and N do not match");
-  auto xc = x.contiguous();
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() &&
-                    bias->numel() == J * NB, "bias must come from pack_bias");
-    bp = bias->data_ptr<float>();
-  }
-  auto y = torch::empty({M, N}, x.options());
-  const float* xp = xc.data_ptr<float>();
-  const float* wpp = wp.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+namespace {
+
+// y [M, N] = x [M, K] @ wp (+ bias) over weights of type W (the layout of pack_linear).
+template <typename W>
+void run_packed(const float* xp, const W* wpp, const float* bp, float* yp, int64_t M,
+                int64_t K, int64_t N, int64_t J) {
   // One task: rows [m0, m1) of one strip; k blocks outer, row tiles inner, so a block of
-  // the strip (KC x NB floats, 16 KB) stays in L1 while every row tile uses it; each y
-  // element still sees its k blocks in order, so the order of the loops changes no result.
+  // the strip (KC x NB weights, 16 KB in float32) stays in L1 while every row tile uses it;
+  // each y element still sees its k blocks in order, so the order of the loops changes no
+  // result.
   // Tasks run row block by row block (t = block * J + strip): a block's rows of x (MB x K)
   // stay in L2 across the strips, and its y tiles (MB x NB) across the k blocks; one
   // block of every strip at once streamed x and y from L3 (5760 rows: 130-200 GFLOP/s on
@@ -151,7 +155,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, c10::optional<tor
   auto task = [&](int64_t t) {
     const int64_t j = t % J, m0 = t / J * MB, rows = std::min(MB, M - m0);
     const int64_t ncols = std::min(NB, N - j * NB);
-    const float* w = wpp + j * K * NB;
+    const W* w = wpp + j * K * NB;
     const float* b = bp ? bp + j * NB : nullptr;
     const float* x0 = xp + m0 * K;
     // The last strip of an N that is not a multiple of NB runs on a scratch copy of its
@@ -165,11 +169,11 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, c10::optional<tor
       for (; MRT > 0 && rows - m > MRW; m += MRT) {  // tall tiles, where the path has them
         const int r = static_cast<int>(std::min<int64_t>(MRT, rows - m));
         for (int64_t c = 0; c < NB; c += 16)
-          TALL[r](x0 + m * K, K, k0, k1, w + c, b ? b + c : nullptr, y0 + m * ld + c, ld);
+          TALL<W>[r](x0 + m * K, K, k0, k1, w + c, b ? b + c : nullptr, y0 + m * ld + c, ld);
       }
       for (; m < rows; m += MRW) {
         const int r = static_cast<int>(std::min<int64_t>(MRW, rows - m));
-        WIDE[r](x0 + m * K, K, k0, k1, w, b, y0 + m * ld, ld);
+        WIDE<W>[r](x0 + m * K, K, k0, k1, w, b, y0 + m * ld, ld);
       }
     }
     if (ncols != NB)
@@ -181,9 +185,34 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, c10::optional<tor
   // tasks with the claim-based pool's helpers, if any (strip_pool.cpp); otherwise torch's
   // OpenMP threads split them. Each task is computed whole by one thread either way, so
   // the result does not depend on the path.
-  if (at::get_num_threads() == 1 && strip_pool::run(blocks * J, task)) return y;
+  if (at::get_num_threads() == 1 && strip_pool::run(blocks * J, task)) return;
   at::parallel_for(0, blocks * J, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) task(t);
   });
+}
+
+}  // namespace
+
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias,
+                            int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
+  TORCH_CHECK(wp.dim() == 3 && wp.size(2) == NB && wp.is_contiguous() &&
+                  (wp.scalar_type() == torch::kFloat32 || wp.scalar_type() == torch::kBFloat16),
+              "wp must come from pack_linear");
+  const int64_t M = x.size(0), K = x.size(1), J = wp.size(0);
+  TORCH_CHECK(wp.size(1) == K && (N + NB - 1) / NB == J, "x, wp and N do not match");
+  auto xc = x.contiguous();
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() &&
+                    bias->numel() == J * NB, "bias must come from pack_bias");
+    bp = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  if (wp.scalar_type() == torch::kBFloat16)
+    run_packed(xc.data_ptr<float>(), reinterpret_cast<const uint16_t*>(wp.data_ptr()), bp,
+               y.data_ptr<float>(), M, K, N, J);
+  else
+    run_packed(xc.data_ptr<float>(), wp.data_ptr<float>(), bp, y.data_ptr<float>(), M, K, N, J);
   return y;
 }

@@ -268,7 +268,7 @@ class VisionRunner:
         p = next(visual.parameters())
         self.device, self.dtype = p.device, p.dtype
         # the rows' dtype (the payload's); the tower's own when None. A bfloat16 model whose
-        # tower was widened to float32 (a CPU without bfloat16 matrix instructions) runs in
+        # tower was widened to float32 (`cpu_bf16_compute`: a CPU without AMX) runs in
         # float32 and rounds its rows once, here
         self.out_dtype = out_dtype or self.dtype
         self.cfg = visual.config

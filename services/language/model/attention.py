@@ -338,7 +338,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention output [T, H, D] for every token of the step, in q's dtype.
 
-    bfloat16 on a CPU without bfloat16 matrix instructions (the runner's `cpu_bf16_compute`)
+    bfloat16 on a CPU whose products run in float32 (the runner's `cpu_bf16_compute`)
     attends in float32 over the same values, two ways:
     - a bfloat16 cache with `meta.compute_dtype` float32 (the runner's choice with the
       paged_cpu kernels): K/V are stored as they come (bfloat16); the decode kernel widens

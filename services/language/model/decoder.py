@@ -308,10 +308,10 @@ class QwenVLDecoder(nn.Module):
                 m.dispatch = dispatch
 
     def adopt_cpu_kernels(self, kernels, pointwise: bool = True) -> None:
-        """Run on the CPU kernels (`cpu_kernels`, float32): every projection (and an untied
-        head) in the packed layout, and with `pointwise` RMSNorm, rotary and SiLU-mul as
-        one call each (float32 activations only: a bfloat16 model whose products run in
-        float32 packs its projections alone).
+        """Run on the CPU kernels (`cpu_kernels`, float32 products): every projection (and
+        an untied head) in the packed layout, and with `pointwise` RMSNorm, rotary and
+        SiLU-mul as one call each (float32 activations only: a bfloat16 model whose
+        products run in float32 packs its projections alone, their weights in bfloat16).
         NOTE: a tied head keeps reading the embedding table through F.linear (packing it
         would keep a second vocab x hidden copy)."""
         for m in self.modules():
@@ -320,17 +320,19 @@ class QwenVLDecoder(nn.Module):
             elif pointwise and isinstance(m, (RMSNorm, SelfAttention, MLP)):
                 m.kernels = kernels
 
-    def compute_linears_in_float32(self) -> None:
-        """A bfloat16 (or float16) decoder on a CPU without matrix instructions for it (the
-        runner's `cpu_bf16_compute`, linear.py's NOTE): every projection and the head run
-        their products in float32 over float32 copies of the same values (which replace
-        the originals); a tied head's embedding table is widened likewise (the head reads
-        it; `embed` returns its rows in the model's dtype). Activations, norms and the KV
-        cache keep the model's dtype."""
+    def compute_linears_in_float32(self, packed: bool) -> None:
+        """A bfloat16 decoder on a CPU whose products run in float32 (the runner's
+        `cpu_bf16_compute`, linear.py's NOTE): every projection and the head run their
+        products in float32 over the same values: `packed` (the CPU kernels are adopted
+        next), over the bfloat16 weights as they are, which the packed kernel widens as
+        it loads them; else over float32 copies (which replace the originals). A tied
+        head's embedding table is widened (the head reads it through F.linear; `embed`
+        returns its rows in the model's dtype). Activations, norms and the KV cache keep
+        the model's dtype."""
         self.act_dtype = self.norm.weight.dtype
         for m in self.modules():
             if isinstance(m, DenseLinear):
-                m.compute_in_float32()
+                m.compute_in_float32(widen_weight=not packed)
         if self.lm_head is None:
             w = self.embed_tokens.weight
             self.embed_tokens.weight = nn.Parameter(w.detach().float(), requires_grad=False)

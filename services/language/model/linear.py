@@ -5,16 +5,19 @@ a checkpoint's separate ones.
                  or, once `pack`ed (CPU, float32), the same product by our own kernel over
                  column strips (`cpu_kernels`: 2-6x MKL's sgemm on this AMD CPU; the
                  packed copy replaces weight_t)
-                 or, once `compute_in_float32` (a bfloat16 model on a CPU without bfloat16
-                 matrix instructions), the product in float32 over float32 weights that
-                 hold the checkpoint's bfloat16 values exactly: x is cast up, y back down.
+                 or, once `compute_in_float32` (a bfloat16 model on a CPU, unless it has
+                 AMX), the product in float32 over the checkpoint's bfloat16 values: x is
+                 cast up, y back down; packed, the weights stay bfloat16 (the kernel widens
+                 them as it loads them), else weight_t holds them widened to float32.
 
 NOTE (why float32 products for bfloat16 on such CPUs): torch 2.13's bfloat16 GEMM on an AMD
 EPYC with AVX2 alone (no AVX512-BF16, no AMX) runs 10-60x slower than its float32 GEMM at
-the decoder's shapes (docs/benchmarks.md, "bfloat16 on an AVX2 host"); the float32 product
-of bfloat16 values, rounded once to bfloat16, is what a bfloat16 GEMM with float32
-accumulation computes (up to the order of the sums). The price: those weights take twice
-the memory.
+the decoder's shapes (docs/benchmarks.md, "bfloat16 on an AVX2 host"), and on an Intel Xeon
+with AVX512-BF16 (no AMX) 0.65-0.8x our packed kernel over the same bfloat16 weights
+(docs/benchmarks.md, "bfloat16 weights in the packed linears"); the float32 product of
+bfloat16 values, rounded once to bfloat16, is what a bfloat16 GEMM with float32
+accumulation computes (up to the order of the sums). Packed, the weights keep their
+bfloat16 bytes; unpacked (linear_backend torch) they take twice the memory.
 
 NOTE (why transposed): with MKL on this CPU (float32), `F.linear(x, W)` over a
 checkpoint's W [out, in] costs 1.7-4x more than `x @ Wt` over a contiguous [in, out]
@@ -46,11 +49,14 @@ class DenseLinear(nn.Module):
         # set by compute_in_float32(): the dtype the product runs in, when not x's
         self.compute_dtype: torch.dtype | None = None
 
-    def compute_in_float32(self) -> None:
-        """Hold weight_t and bias in float32 (exactly the values they had: bfloat16 and
-        float16 widen without rounding) and run the product in float32; `forward` casts x
-        up and the result back to x's dtype. Before `pack`, which then packs these."""
-        self.weight_t = nn.Parameter(self.weight_t.detach().float(), requires_grad=False)
+    def compute_in_float32(self, widen_weight: bool = True) -> None:
+        """Run the product in float32; `forward` casts x up and the result back to x's
+        dtype. The bias is held in float32 (exactly the values it had: bfloat16 and float16
+        widen without rounding), and so is weight_t, unless `widen_weight` is False: then
+        `pack` must follow, which packs weight_t's bfloat16 values as they are (the packed
+        kernel widens them as it loads them: the same products from half the bytes)."""
+        if widen_weight:
+            self.weight_t = nn.Parameter(self.weight_t.detach().float(), requires_grad=False)
         if self.bias is not None:
             self.bias = nn.Parameter(self.bias.detach().float(), requires_grad=False)
         self.compute_dtype = torch.float32

@@ -66,7 +66,7 @@ class RunnerSettings:
     cpu_parallel_min_tokens: int = 0
     cpu_small_step_pool: bool = False
     cpu_pool_spin_us: int = 1000
-    # A bfloat16 model on the CPU: its linear products in float32 over widened weights, or
+    # A bfloat16 model on the CPU: its linear products in float32 over the same weights, or
     # in torch's bfloat16 GEMM (`linear_compute_dtype`: auto | bfloat16 | float32)
     cpu_bf16_compute: str = "auto"
     # CPU: each decode batch bucket's step compiled by inductor at start-up ("decode"), and
@@ -131,12 +131,13 @@ class ModelRunner:
         # Sparse MoE blocks: a decode graph's batch (<= cuda_graph_max_bs rows) never syncs.
         self.model.set_moe_dispatch(
             MoEDispatch.for_device(self.device, dtype, settings.cuda_graph_max_bs))
-        # The products' dtype: the model's, or float32 for bfloat16 on a CPU without its
-        # matrix instructions (weights widened, activations and KV stay bfloat16).
+        # The products' dtype: the model's, or float32 for bfloat16 on a CPU without AMX
+        # (over the same weight values: packed in bfloat16, else widened; activations and
+        # KV stay bfloat16).
         self.linear_dtype = linear_compute_dtype(s.cpu_bf16_compute, self.device, dtype)
-        if self.linear_dtype != dtype:
-            self.model.compute_linears_in_float32()
         self.linear_kernels = linear_kernels(s.linear_backend, self.device, self.linear_dtype)
+        if self.linear_dtype != dtype:
+            self.model.compute_linears_in_float32(packed=self.linear_kernels is not None)
         if self.linear_kernels is not None:
             self.model.adopt_cpu_kernels(self.linear_kernels, pointwise=dtype == torch.float32)
 
@@ -159,9 +160,10 @@ class ModelRunner:
                 self.attention = replace(self.attention, compute_dtype=self.linear_dtype)
             else:
                 self.kv_dtype = self.linear_dtype
-            log.info("bfloat16 on a CPU without bfloat16 matrix instructions: linear products "
-                     "and attention in float32 over the same weight and K/V values, weights "
-                     "held in float32, KV cache in %s (cpu_bf16_compute=%s, attention %s)",
+            log.info("bfloat16 on a CPU: linear products and attention in float32 over the "
+                     "same weight and K/V values, weights held in %s, KV cache in %s "
+                     "(cpu_bf16_compute=%s, attention %s)",
+                     "bfloat16 (packed)" if self.linear_kernels is not None else "float32",
                      str(self.kv_dtype).removeprefix("torch."), s.cpu_bf16_compute,
                      self.attention.backend.value)
         if (s.compile_step != "off" and self.device.type == "cpu"
