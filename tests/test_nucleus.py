@@ -101,9 +101,13 @@ def test_the_kept_set_is_the_rules_over_a_full_sort(vocab):
 @pytest.mark.parametrize("vocab", [64, 4096])
 def test_the_kept_set_is_the_sort_paths_float32_one(vocab):
     """Against the sampler's own float32 full-sort path (`_filter`, CUDA's): the same kept
-    set where no token's mass before it is within float32 rounding of top_p (1e-6), and,
-    where ties straddle the cut (its sort keeps no particular tie order), as many tokens
-    of the same mass."""
+    set where no token's mass before it is within float32 rounding of top_p, and, where
+    ties straddle the cut (its sort keeps no particular tie order), as many tokens of the
+    same mass. The rounding is that of the sort path's float32 cumsum over the vocabulary:
+    at most (V - 1) u of the row's mass in any summation order (u = 2^-24), so the bound
+    grows with V; the order is torch's and differs between CPUs (an Intel Xeon's cumsum
+    over 4096 ties was 1.16e-6 off the float64 mark, past a fixed 1e-6)."""
+    bound = vocab * 2.0**-24
     for seed in range(3):
         for name, x in rows(vocab, seed).items():
             for t, k, p, m in CUTS:
@@ -115,7 +119,7 @@ def test_the_kept_set_is_the_sort_paths_float32_one(vocab):
                 old = ~torch.isinf(kept) & (kept - kept.max() > -nucleus.SPAN)
                 new = ~torch.isinf(filter_logits(x, params, "nucleus"))
                 _, margin = rule(x, t, k, p, m)
-                if (margin < 1e-6).any():
+                if (margin < bound).any():
                     continue
                 if name in ("ties", "bf16", "all-equal", "one-token"):
                     assert int(old.sum()) == int(new.sum()), (name, t, k, p, m)
