@@ -13,7 +13,10 @@ text may be empty (the tiny model's tokenizer holds back a lone UTF-8 lead byte,
 the 32 chats' greedy first tokens are one): a request cut after such a first token has had
 output (the router no longer retries it) though its client has read no text.
 
-The kill -9 of a prefill instance runs in CI; the other three are `slow` (make test-slow).
+A draining instance (SIGTERM) fails no request at all: it finishes what it holds and
+refuses the rest before any output.
+
+The kill -9 of a prefill instance runs in CI; the others are `slow` (make test-slow).
 No test here bounds a duration: waits end on the state they wait for (tests/waiting.py).
 """
 
@@ -138,6 +141,14 @@ def settled(cluster) -> None:
                what="every page and block free on the four instances")
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def fault_under_load(cluster, victim_name: str, sig: int) -> collections.Counter:
     # NOTE: a test that failed before its own `settled` (below) leaves its victim
     # restarting: the next one starts from a whole cluster, never from that failure
@@ -155,7 +166,7 @@ def fault_under_load(cluster, victim_name: str, sig: int) -> collections.Counter
                 if load is not None and load.transferring + load.waiting + load.running > 0:
                     break
                 await asyncio.sleep(0.01)
-            os.kill(victim.pid, sig)
+            os.kill(pid, sig)
             if sig == signal.SIGSTOP:
                 try:
                     await asyncio.sleep(FROZEN_S)
@@ -163,11 +174,14 @@ def fault_under_load(cluster, victim_name: str, sig: int) -> collections.Counter
                     os.kill(victim.pid, signal.SIGCONT)
             return await asyncio.gather(*tasks, return_exceptions=True)
 
+    pid = victim.pid  # the process signalled (a restart gets another)
     try:
         results = asyncio.run(run())
     finally:
         if sig == signal.SIGSTOP:
-            os.kill(victim.pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGCONT)
+    if sig == signal.SIGTERM:  # drained, it exits: gone before the cluster is whole again
+        wait_until(lambda: not _alive(pid), timeout_s=180, what=f"{victim_name} drained and gone")
     outcomes = collections.Counter(
         repr(r)[:160] if isinstance(r, BaseException)
         else ("ok" if r[1] == "ok" else f"{'after' if r[0] else 'BEFORE'} output: {r[1]}")
@@ -192,6 +206,19 @@ def test_kill9_of_a_prefill_instance_mid_prefill(cluster):
     ids=["sigstop-prefill", "kill9-decode", "sigstop-decode"])
 def test_other_faults_of_prefill_and_decode_instances(cluster, victim, sig):
     fault_under_load(cluster, victim, sig)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["prefill-0", "decode-0"])
+def test_a_draining_instance_finishes_what_it_holds(cluster, victim):
+    """SIGTERM of a prefill or a decode instance once it holds work, under load: it drains
+    (refuses new calls with UNAVAILABLE, its health NOT_SERVING, and finishes the calls it
+    has: a prefill instance its Prefill streams, holding their pages until each decode
+    instance has landed them; a decode instance its streams), then exits and `tandem up`
+    restarts it. No request fails at all, not even after output: what it held ends on it,
+    what it refused went elsewhere before any output."""
+    outcomes = fault_under_load(cluster, victim, signal.SIGTERM)
+    assert outcomes == {"ok": CONCURRENCY}, dict(outcomes)
 
 
 @pytest.mark.parametrize("text", ["", "x"])
