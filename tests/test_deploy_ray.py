@@ -19,7 +19,7 @@ import threading
 
 import httpx
 import pytest
-from waiting import wait_until
+from waiting import process_alive, wait_until
 
 from tandem.launch.procs import free_port
 
@@ -34,14 +34,6 @@ def _image_data_url() -> str:
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _ours(ray, namespace: str) -> list[str]:
@@ -91,7 +83,7 @@ def test_ray_launcher_serves_a_chat_and_leaves_nothing_behind(checkpoint, monkey
                    state=lambda: "\n".join(lines[-60:]))
         pids = {k: int(v) for k, v in (p.split("=") for p in lines[-1].split()[2:])}
         assert set(pids) == {"encoder-0", "language-0", "router"}
-        assert all(_alive(p) for p in pids.values())
+        assert all(process_alive(p) for p in pids.values())
         addrs = [
             ln.split()[3] for ln in lines if re.match(r"^\[up\] (encoder|language)-\d+ +ready", ln)
         ]
@@ -125,9 +117,9 @@ def test_ray_launcher_serves_a_chat_and_leaves_nothing_behind(checkpoint, monkey
                if pg["name"] == f"tandem-{proc.pid}"]
         assert pgs and all(pg["state"] == "REMOVED" for pg in pgs)
         # the reaper of a killed actor's child may lag (a hang guard: the claim is none left)
-        wait_until(lambda: not any(_alive(p) for p in pids.values()), timeout_s=60, poll_s=0.2,
+        wait_until(lambda: not any(process_alive(p) for p in pids.values()), timeout_s=60, poll_s=0.2,
                    what="no service process left behind",
-                   state=lambda: [n for n, p in pids.items() if _alive(p)])
+                   state=lambda: [n for n, p in pids.items() if process_alive(p)])
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -172,7 +164,7 @@ def test_ray_launcher_with_token_auth_against_ray_start(checkpoint, tmp_path):
         assert out.returncode == 0, log[-3000:]
         assert "[demo] answer" in log and "internal mTLS" in log, log[-3000:]
         for pid in re.findall(r"(?:encoder|language)-\d=(\d+)", log):
-            cmdline = open(f"/proc/{pid}/cmdline").read() if _alive(int(pid)) else ""
+            cmdline = open(f"/proc/{pid}/cmdline").read() if process_alive(int(pid)) else ""
             assert "s3cret" not in cmdline and "BEGIN" not in cmdline
     finally:
         subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=60)

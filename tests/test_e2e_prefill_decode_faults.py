@@ -32,7 +32,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 from test_e2e_cluster import openai_messages
-from waiting import wait_until
+from waiting import process_alive, wait_until
 
 from tandem.launch.cluster import LocalCluster
 from tandem.services.router.config import RouterConfig
@@ -141,14 +141,6 @@ def settled(cluster) -> None:
                what="every page and block free on the four instances")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def fault_under_load(cluster, victim_name: str, sig: int) -> collections.Counter:
     # NOTE: a test that failed before its own `settled` (below) leaves its victim
     # restarting: the next one starts from a whole cluster, never from that failure
@@ -171,7 +163,7 @@ def fault_under_load(cluster, victim_name: str, sig: int) -> collections.Counter
                 try:
                     await asyncio.sleep(FROZEN_S)
                 finally:
-                    os.kill(victim.pid, signal.SIGCONT)
+                    os.kill(pid, signal.SIGCONT)
             return await asyncio.gather(*tasks, return_exceptions=True)
 
     pid = victim.pid  # the process signalled (a restart gets another)
@@ -181,7 +173,7 @@ def fault_under_load(cluster, victim_name: str, sig: int) -> collections.Counter
         if sig == signal.SIGSTOP:
             os.kill(pid, signal.SIGCONT)
     if sig == signal.SIGTERM:  # drained, it exits: gone before the cluster is whole again
-        wait_until(lambda: not _alive(pid), timeout_s=180, what=f"{victim_name} drained and gone")
+        wait_until(lambda: not process_alive(pid), timeout_s=180, what=f"{victim_name} drained and gone")
     outcomes = collections.Counter(
         repr(r)[:160] if isinstance(r, BaseException)
         else ("ok" if r[1] == "ok" else f"{'after' if r[0] else 'BEFORE'} output: {r[1]}")

@@ -64,3 +64,13 @@ async def async_wait_until(predicate: Callable[[], Any], *, timeout_s: float, wh
         if time.monotonic() >= end:
             raise _hung(what, timeout_s, state() if state else got)
         await asyncio.sleep(poll_s)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, exited but not yet reaped by its parent, does
+    not): the state a wait for a process to be gone polls."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
