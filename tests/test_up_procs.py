@@ -227,8 +227,23 @@ def test_children_are_started_with_no_python_between_fork_and_exec():
         return
     assert launch.preexec is None
     assert launch.argv[1:3] == ["--pdeathsig=KILL", "--"] and launch.argv[-2:] == ["prog", "arg"]
-    assert launch.argv[4:6] == ["-n", "3"]
-    assert ChildLaunch.of(["prog"]).argv[1:] == ["--pdeathsig=TERM", "--", "prog"]
+    assert launch.argv[-5:-2] == [shutil.which("nice"), "-n", "3"]
+    assert ChildLaunch.of(["prog"]).argv[1:3] == ["--pdeathsig=TERM", "--"]
+
+
+def test_a_child_whose_launcher_is_gone_before_its_death_signal_is_set_does_not_run():
+    """The death signal only covers a launcher that dies after it is set; one killed
+    between fork and the prctl (a CI failure) re-parents the child first. The child then
+    sees a parent other than its launcher and exits instead of running orphaned: here the
+    launch is started by a shell in between, as a re-parented child would be."""
+    launch = ChildLaunch.of([sys.executable, "-c", "print('ran')"])
+    if launch.preexec is not None:
+        pytest.skip("no setpriv here: the hook's check runs only under subprocess")
+    r = subprocess.run(["sh", "-c", '"$@"; exit $?', "sh", *launch.argv], capture_output=True,
+                       text=True, timeout=60)
+    assert r.stdout == "" and r.returncode == 128 + signal.SIGTERM
+    r = subprocess.run(launch.argv, capture_output=True, text=True, timeout=60)
+    assert r.stdout == "ran\n" and r.returncode == 0
 
 
 def test_up_help_names_the_ray_launcher():

@@ -189,8 +189,15 @@ def free_block(host: str, width: int, within: PortRange) -> PortRange:
 # with vfork and runs no Python in the child. Where setpriv is missing, the hook below
 # does it (libc is loaded here, in the parent: the hook runs between fork and exec while
 # log-forwarding threads exist, so it must not import, dlopen or take locks).
+#
+# The death signal only covers a parent that dies *after* it is set: a launcher killed
+# between fork and setpriv's prctl (a CI failure, 1 run in ~25 of a kill -9 right after
+# the start) leaves the child orphaned, with no signal to come. So right after the prctl
+# the child checks that its parent is still the launcher (a parent that dies sooner has
+# already re-parented it) and exits if not; a parent that dies later sends the signal.
 _SETPRIV = shutil.which("setpriv")
 _NICE = shutil.which("nice")
+_SH = shutil.which("sh")
 try:
     _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 except (OSError, AttributeError):
@@ -198,15 +205,18 @@ except (OSError, AttributeError):
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent(sig: int) -> None:  # runs in the child between fork and exec
+def _die_with_parent(sig: int, parent: int) -> None:  # runs in the child between fork and exec
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, sig)
+        if os.getppid() != parent:
+            os._exit(128 + sig)
 
 
 @dataclass(frozen=True)
 class ChildLaunch:
-    """How to start `argv` as a child that dies with its parent (by signal `death`) at
-    niceness `nice`: the argv to exec and the hook to run before it (None: none)."""
+    """How to start `argv` as a child of this process that dies with it (by signal
+    `death`) at niceness `nice`: the argv to exec and the hook to run before it (None:
+    none). Started from any other process, the command does not run."""
 
     argv: list[str]
     preexec: Callable[[], None] | None = None
@@ -214,14 +224,18 @@ class ChildLaunch:
     @classmethod
     def of(cls, argv: list[str], death: signal.Signals = signal.SIGTERM,
            nice: int = 0) -> ChildLaunch:
-        if _SETPRIV is not None and (_NICE is not None or not nice):
-            front = [_SETPRIV, f"--pdeathsig={death.name.removeprefix('SIG')}", "--"]
+        parent = os.getpid()
+        if _SETPRIV is not None and _SH is not None and (_NICE is not None or not nice):
+            # sh's $PPID is read when it starts, after setpriv's prctl (see above)
+            alive = f'[ "$PPID" = {parent} ] || exit {128 + int(death)}; exec "$@"'
+            front = [_SETPRIV, f"--pdeathsig={death.name.removeprefix('SIG')}", "--",
+                     _SH, "-c", alive, "tandem-child"]
             if nice:
                 front += [_NICE, "-n", str(nice)]
             return cls(front + list(argv))
 
         def setup() -> None:
-            _die_with_parent(int(death))
+            _die_with_parent(int(death), parent)
             if nice:
                 os.nice(nice)
 
