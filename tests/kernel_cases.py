@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 LINEAR_SHAPES = [(300, 100), (129, 33), (512, 768), (64, 40)]  # (K, N)
-# every tile remainder of every path; then rows across the linear's row blocks (MB = 240
-# rows a task: csrc/linear.cpp), a partial last block among them
+# every tile remainder of every path; then rows across the linear's row blocks (at most MB = 240
+# rows a task, blocks of one size: csrc/linear.cpp), a partial last block among them
 ROWS = list(range(1, 65)) + [239, 240, 241, 487]
 # rows the bfloat16-weight linear is run at: every tile height of every path once, a block
 BF16_WEIGHT_ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 32, 241]

@@ -47,7 +47,8 @@ using v16::V;
 
 constexpr int64_t NB = 32;   // strip width: two V of 16 floats
 constexpr int64_t KC = 128;  // k per register pass; passes add into y (bounds rounding growth)
-constexpr int64_t MB = 240;  // rows per task (a multiple of every path's tile heights, 8 and 6)
+constexpr int64_t MB = 240;  // rows per task at most
+constexpr int64_t MQ = 24;   // a task's rows are a multiple of every path's tile heights (8, 6)
 // Register tiles, two shapes: "wide" tiles of up to MRW rows x 32 columns (a whole strip:
 // 2 vectors a row) and "tall" tiles of up to MRT rows x 16 columns (half a strip, run once
 // per half). Each holds its accumulators in registers with room for one k's weights and
@@ -168,13 +169,19 @@ void run_packed(const float* xp, const W* wpp, const float* bp, float* yp, int64
   // the strip (KC x NB weights, 16 KB in float32) stays in L1 while every row tile uses it;
   // each y element still sees its k blocks in order, so the order of the loops changes no
   // result.
-  // Tasks run row block by row block (t = block * J + strip): a block's rows of x (MB x K)
-  // stay in L2 across the strips, and its y tiles (MB x NB) across the k blocks; one
+  // Tasks run row block by row block (t = block * J + strip): a block's rows of x (per x K)
+  // stay in L2 across the strips, and its y tiles (per x NB) across the k blocks; one
   // block of every strip at once streamed x and y from L3 (5760 rows: 130-200 GFLOP/s on
   // one Zen 5 core at ViT and prefill shapes, 215-235 in blocks of 240).
-  const int64_t blocks = (M + MB - 1) / MB;
+  // The blocks are of one size (a multiple of MQ, at most MB): torch's threads take equal
+  // runs of tasks, so with one 240-row block and one 16-row block (M = 256) one thread did
+  // 94 % of the work and two threads ran no faster than one.
+  if (M == 0) return;
+  const int64_t fewest = (M + MB - 1) / MB;
+  const int64_t per = ((M + fewest - 1) / fewest + MQ - 1) / MQ * MQ;  // <= MB: MQ divides MB
+  const int64_t blocks = (M + per - 1) / per;
   auto task = [&](int64_t t) {
-    const int64_t j = t % J, m0 = t / J * MB, rows = std::min(MB, M - m0);
+    const int64_t j = t % J, m0 = t / J * per, rows = std::min(per, M - m0);
     const int64_t ncols = std::min(NB, N - j * NB);
     const W* w = wpp + j * K * NB;
     const float* b = bp ? bp + j * NB : nullptr;
