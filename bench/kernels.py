@@ -6,6 +6,10 @@
 Linears: `packed_linear` against `F.linear` (torch's MKL/oneDNN sgemm) on the decoder's
 shapes of the `small` preset (q/k/v fused 512 -> 768, o 512 -> 512, gate/up fused
 512 -> 3072, down 1536 -> 512) and of a Qwen2.5-VL-3B-sized layer (2048 -> 11008 gate/up).
+`--step`: instead, a decode step's projections of the `small` preset, the four above for
+each of 12 layers with distinct weights (a step streams every weight once, so a shape
+called again on the same cached weight flatters it), float32 and bfloat16 weights, against
+`F.linear` in the same dtype (MKL's sgemm; oneDNN's bfloat16 GEMM).
 Decode attention: the in-place paged kernel against gather + SDPA (`paged_attention`
 with decode_op None) at 400 keys per row, head dims 64 and 128.
 
@@ -83,6 +87,40 @@ def bench_linears(mod, rows, runs, iters, out):
             print(out[-1], flush=True)
 
 
+STEP_LAYERS = 12
+
+
+def bench_step(mod, rows, runs, iters, out):
+    g = torch.Generator().manual_seed(0)
+    shapes = [kn for name, kn in LINEARS.items() if name.startswith("small")]
+    ws = [[torch.randn(n, k, generator=g) * k**-0.5 for k, n in shapes]
+          for _ in range(STEP_LAYERS)]
+    flops_per_row = 2 * STEP_LAYERS * sum(k * n for k, n in shapes)
+    for dtype in (torch.float32, torch.bfloat16):
+        layers = [[(w.to(dtype), mod.pack_linear(w.t().contiguous().to(dtype)), w.shape[0])
+                   for w in layer] for layer in ws]
+        for m in rows:
+            xs = {k: torch.randn(m, k, generator=g) for k, _ in shapes}
+            xt = {k: x.to(dtype) for k, x in xs.items()}  # torch's side in the weights' dtype
+
+            def ours():
+                for layer in layers:
+                    for w, wp, n in layer:
+                        mod.packed_linear(xs[w.shape[1]], wp, None, n)
+
+            def theirs():
+                for layer in layers:
+                    for w, _, _ in layer:
+                        F.linear(xt[w.shape[1]], w)
+
+            ours_s, torch_s, ratio = paired(ours, theirs, runs, iters)
+            name = str(dtype).removeprefix("torch.")
+            out.append(f"| step projections, {STEP_LAYERS} layers, {name} weights | {m} | "
+                       f"{ours_s * 1e3:.3f} | {torch_s * 1e3:.3f} | **{ratio:.2f}x** | "
+                       f"{flops_per_row * m / ours_s / 1e9:.0f} |")
+            print(out[-1], flush=True)
+
+
 def bench_attention(rows, runs, iters, out):
     from tandem.cpu_kernels import paged_decode_op
     from tandem.services.language.model.attention import AttentionMetadata, paged_attention
@@ -120,6 +158,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--no-attention", action="store_true")
+    ap.add_argument("--step", action="store_true",
+                    help="instead: a decode step's projections (12 layers, distinct weights)")
     ap.add_argument("--out", default=None,
                     help="markdown file for the tables (default bench/results/kernels-PATH.md, "
                     "PATH the kernels' vector path)")
@@ -138,13 +178,18 @@ def main() -> None:
                "| case | rows | ours ms | torch ms | torch / ours | ours GF/s |",
                "| --- | ---: | ---: | ---: | ---: | ---: |"]
         print("\n".join(out), flush=True)
+        if args.step:
+            bench_step(mod, args.rows, args.runs, args.iters, out)
+            tables += out
+            continue
         bench_linears(mod, args.rows, args.runs, args.iters, out)
         if not args.no_attention:
             bench_attention([r for r in args.rows if r <= 32], args.runs, args.iters, out)
         tables += out
     # rows were printed as measured (a run takes minutes); publish prints the whole again
     latency.publish("\n".join(tables) + "\n",
-                    args.out or str(ROOT / "bench" / "results" / f"kernels-{mod.isa()}.md"))
+                    args.out or str(ROOT / "bench" / "results"
+                                    / f"kernels-{'step-' if args.step else ''}{mod.isa()}.md"))
 
 
 if __name__ == "__main__":
