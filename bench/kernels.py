@@ -90,6 +90,20 @@ def bench_linears(mod, rows, runs, iters, out):
 STEP_LAYERS = 12
 
 
+def _step_ours(mod, layers, xs):
+    """A step's projections on the packed kernels: (w, packed w, N) per projection."""
+    for layer in layers:
+        for w, wp, n in layer:
+            mod.packed_linear(xs[w.shape[1]], wp, None, n)
+
+
+def _step_theirs(layers, xt):
+    """The same projections through F.linear in the weights' dtype."""
+    for layer in layers:
+        for w, _, _ in layer:
+            F.linear(xt[w.shape[1]], w)
+
+
 def bench_step(mod, rows, runs, iters, out):
     g = torch.Generator().manual_seed(0)
     shapes = [kn for name, kn in LINEARS.items() if name.startswith("small")]
@@ -103,17 +117,8 @@ def bench_step(mod, rows, runs, iters, out):
             xs = {k: torch.randn(m, k, generator=g) for k, _ in shapes}
             xt = {k: x.to(dtype) for k, x in xs.items()}  # torch's side in the weights' dtype
 
-            def ours():
-                for layer in layers:
-                    for w, wp, n in layer:
-                        mod.packed_linear(xs[w.shape[1]], wp, None, n)
-
-            def theirs():
-                for layer in layers:
-                    for w, _, _ in layer:
-                        F.linear(xt[w.shape[1]], w)
-
-            ours_s, torch_s, ratio = paired(ours, theirs, runs, iters)
+            ours_s, torch_s, ratio = paired(partial(_step_ours, mod, layers, xs),
+                                            partial(_step_theirs, layers, xt), runs, iters)
             name = str(dtype).removeprefix("torch.")
             out.append(f"| step projections, {STEP_LAYERS} layers, {name} weights | {m} | "
                        f"{ours_s * 1e3:.3f} | {torch_s * 1e3:.3f} | **{ratio:.2f}x** | "

@@ -1,7 +1,9 @@
-"""The engine's `sample()` on the CPU, per step: the sort-free path (engine/nucleus.py) beside
-the full-sort path it replaced there (`sampler.CPU_SORT_FREE = False`, CUDA's path), in
-CPU ms of the calling thread (`time.thread_time`, one torch thread; median of `--steps`),
-so other processes' load does not count.
+"""The engine's `sample()` on the CPU, per step: the sort-free path (engine/nucleus.py), in
+Python a row at a time and in the compiled kernels for the whole step (`kernels=`, what the
+engine runs where they build), beside the full-sort path it replaced there
+(`sampler.CPU_SORT_FREE = False`, CUDA's path), in CPU ms of the calling thread
+(`time.thread_time`, one torch thread; median of `--steps`), so other processes' load does
+not count.
 
     .venv/bin/python bench/sampler.py [--vocab 1024 151936] [--rows 1 8 32] [--steps 7]
         [--runs 1] [--parts] [--out bench/results/sampler.md]
@@ -26,6 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tandem.cpu_kernels import kernels  # noqa: E402
 from tandem.sampling import SamplingParams  # noqa: E402
 from tandem.services.language.engine import nucleus as nuc  # noqa: E402
 from tandem.services.language.engine import sampler  # noqa: E402
@@ -35,19 +38,25 @@ from tandem.transfer.payload import PromptPayload  # noqa: E402
 KINDS = {"flat": 1.0, "peaked": 6.0}  # the scale of randn logits
 
 
-def step_ms(vocab: int, rows: int, params: SamplingParams, scale: float, sort_free: bool,
+PATHS = ("sort", "python", "compiled")  # full sort; sort-free a row at a time; the kernels
+
+
+def step_ms(vocab: int, rows: int, params: SamplingParams, scale: float, path: str,
             steps: int) -> float:
-    """Median CPU ms of one `sample()` over [rows, vocab] logits."""
-    sampler.CPU_SORT_FREE = sort_free
+    """Median CPU ms of one `sample()` over [rows, vocab] logits by `path` (PATHS)."""
+    sampler.CPU_SORT_FREE = path != "sort"
+    mod = kernels() if path == "compiled" else None
+    if path == "compiled" and mod is None:
+        raise SystemExit("the CPU kernels could not be built: no compiled path to measure")
     reqs = [Request(RequestSpec(i + 1, params, PromptPayload.of_token_ids([1, 2, 3])))
             for i in range(rows)]
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * scale
     for _ in range(2):
-        sampler.sample(logits, reqs)
+        sampler.sample(logits, reqs, kernels=mod)
     times = []
     for _ in range(steps):
         t = time.thread_time()
-        sampler.sample(logits, reqs)
+        sampler.sample(logits, reqs, kernels=mod)
         times.append(time.thread_time() - t)
     sampler.CPU_SORT_FREE = True
     return statistics.median(times) * 1e3
@@ -120,27 +129,29 @@ def main(argv=None) -> int:
              f"calling thread per sample() step, median of {args.steps} "
              f"(of {args.runs} such medians).", "",
              "| vocabulary | rows | greedy | T 0.8 + top-p 0.95, flat: full sort | sort-free "
-             "| speed-up | peaked: full sort | sort-free |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| compiled | compiled vs sort-free | peaked: full sort | sort-free | compiled |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     print("\n".join(lines), flush=True)
     cells: dict[tuple, list[float]] = {}
     for _ in range(args.runs):
         for v in args.vocab:
             for n in args.rows:
                 cells.setdefault((v, n, "greedy"), []).append(
-                    step_ms(v, n, greedy, 1.0, True, args.steps))
+                    step_ms(v, n, greedy, 1.0, "python", args.steps))
                 for k, s in KINDS.items():
-                    for free in (False, True):
-                        cells.setdefault((v, n, k, free), []).append(
-                            step_ms(v, n, top_p, s, free, args.steps))
+                    for path in PATHS:
+                        cells.setdefault((v, n, k, path), []).append(
+                            step_ms(v, n, top_p, s, path, args.steps))
     for v in args.vocab:
         for n in args.rows:
             g = statistics.median(cells[v, n, "greedy"])
-            got = {(k, free): statistics.median(cells[v, n, k, free])
-                   for k in KINDS for free in (False, True)}
-            row = (f"| {v:,} | {n} | {g:.2f} | {got['flat', False]:.2f} | "
-                   f"{got['flat', True]:.2f} | {got['flat', False] / got['flat', True]:.1f}x | "
-                   f"{got['peaked', False]:.2f} | {got['peaked', True]:.2f} |")
+            got = {(k, path): statistics.median(cells[v, n, k, path])
+                   for k in KINDS for path in PATHS}
+            row = (f"| {v:,} | {n} | {g:.2f} | {got['flat', 'sort']:.2f} | "
+                   f"{got['flat', 'python']:.2f} | {got['flat', 'compiled']:.2f} | "
+                   f"{got['flat', 'python'] / got['flat', 'compiled']:.1f}x | "
+                   f"{got['peaked', 'sort']:.2f} | {got['peaked', 'python']:.2f} | "
+                   f"{got['peaked', 'compiled']:.2f} |")
             lines.append(row)
             print(row, flush=True)
     if args.parts:

@@ -16,6 +16,9 @@
     segment_attention(q, k, v, cu, causal, scale) -> out
         attention within packed segments of rows, each attending to its own (a prefill
         chunk, causal; the ViT's frames and windows) (csrc/segment_attention.cpp).
+    nucleus_draw(x, temperature, top_k, top_p, min_p, u, buckets, span, spread, kept)
+        the CPU sampler's cut and draw for a step's sampled rows in one call: the passes of
+        services/language/engine/nucleus.py, whose `draw_rows` calls it (csrc/nucleus.cpp).
 
 Every kernel is written once over the 16-lane vector of csrc/vec16.h, which has an AVX-512,
 an AVX2+FMA, a NEON (aarch64) and a generic C++ path, chosen by the compiler's target. All
@@ -55,7 +58,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(
     CSRC / f
     for f in ("bindings.cpp", "paged_decode.cpp", "linear.cpp", "pointwise.cpp", "strip_pool.cpp",
-              "segment_attention.cpp")
+              "segment_attention.cpp", "nucleus.cpp")
 )
 HEADERS = (CSRC / "vec16.h",)
 
@@ -466,6 +469,16 @@ def linear_kernels(backend: str, device: torch.device, dtype: torch.dtype):
     if mod is None and backend == "packed_cpu":
         raise ValueError("linear_backend packed_cpu: the kernels could not be built (see log)")
     return mod if backend == "packed_cpu" or _auto_uses(mod) else None
+
+
+def sampler_kernels(device: torch.device):
+    """The kernels a language tier's sampler cuts and draws its sampled rows with
+    (`nucleus_draw`, engine/sampler.py): the compiled module on the CPU, on any path (the
+    kernel is mostly scalar passes: the generic build runs it near the vector builds'
+    speed); None on another device (CUDA sorts) or where it cannot be built (the sampler
+    then cuts a row at a time in Python: the same rules, ~20x slower at a small
+    vocabulary)."""
+    return kernels() if device.type == "cpu" else None
 
 
 if __name__ == "__main__":  # `make setup`: build ahead of the first request

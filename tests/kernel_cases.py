@@ -105,6 +105,23 @@ def segment_ref(q, k, v, cu, causal, scale):
     return out
 
 
+# The sampler's cut and draw (csrc/nucleus.cpp): rows of a 1,000-token vocabulary (not a
+# whole number of vectors), each with its own (temperature, top_k, top_p, min_p).
+NUCLEUS_CUTS = [(0.8, 0, 0.95, 0.0), (1.0, 40, 0.9, 0.0), (1.2, 0, 0.3, 0.0),
+                (0.5, 0, 1.0, 0.1), (1.0, 3, 1.0, 0.0), (0.7, 0, 0.9, 0.05)]
+
+
+def nucleus_case():
+    """(x [S, 1000], the draw_rows arguments after x, as tensors)."""
+    g = _gen(31)
+    s = len(NUCLEUS_CUTS)
+    x = torch.randn(s, 1000, generator=g) * torch.linspace(0.5, 6.0, s)[:, None]
+    x[2, ::5] = float("-inf")
+    cols = list(zip(*NUCLEUS_CUTS, strict=True))
+    return x, (torch.tensor(cols[0]), torch.tensor(cols[1]), torch.tensor(cols[2]),
+               torch.tensor(cols[3]), torch.rand(s, dtype=torch.float64, generator=g))
+
+
 def outputs(mod) -> dict[str, torch.Tensor]:
     """Every kernel of build `mod` on every case, by name."""
     out: dict[str, torch.Tensor] = {}
@@ -151,6 +168,11 @@ def outputs(mod) -> dict[str, torch.Tensor]:
         for d in HEAD_DIMS:
             q, k, v, cu, causal = segment_case(i, d)
             out[f"segments/{i}/d{d}"] = mod.segment_attention(q, k, v, cu, causal, d**-0.5)
+    from tandem.services.language.engine.nucleus import draw_rows
+
+    x, args = nucleus_case()
+    out["nucleus/kept"] = torch.empty(x.shape, dtype=torch.float64)
+    out["nucleus/ids"] = draw_rows(mod, x, *args, kept=out["nucleus/kept"])
     return out
 
 

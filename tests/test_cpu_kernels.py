@@ -394,7 +394,8 @@ def test_each_path_within_its_bound_of_torch(path_outputs, isa):
     widening; each output within the forward-error bound of its summation against float64, |y - y64| <= (KC + ceil(K / KC) + 1) u (|x| |W| + |b|) with
     u = 2^-24 and KC = 128 (an FMA chain of at most KC terms per k block, the blocks' sums
     added in order, the bias once). Attention (decode and segments): within 2e-6 + 1e-5 relative of a float64 softmax (float32 cache), 2e-2
-    (bfloat16). RMSNorm and SiLU-mul: 1e-6 of torch's steps; rotary: torch's bits."""
+    (bfloat16). RMSNorm and SiLU-mul: 1e-6 of torch's steps; rotary: torch's bits. The
+    sampler's cut: the Python passes' kept set."""
     import kernel_cases as kc
 
     if isa not in ["native", *_forced_paths()]:
@@ -447,6 +448,19 @@ def test_each_path_within_its_bound_of_torch(path_outputs, isa):
         gate, up = gu.split(d, dim=1)
         torch.testing.assert_close(out[f"silu_mul/d{d}"], torch.nn.functional.silu(gate) * up,
                                    atol=1e-6, rtol=1e-6)
+    # the sampler's cut: the kept set of engine/nucleus.py's Python passes, the token drawn
+    # one of it (tests/test_nucleus.py checks the rules and the draw at length)
+    from language_engine_helpers import kept_weights
+
+    from tandem.services.language.engine import nucleus
+
+    x, (temperature, top_k, top_p, min_p, _) = kc.nucleus_case()
+    for r in range(x.shape[0]):
+        nu = nucleus.nucleus(x[r], float(temperature[r]), int(top_k[r]), float(top_p[r]),
+                             float(min_p[r]))
+        kept = out["nucleus/kept"][r]
+        assert torch.equal(kept > 0, kept_weights(nu) > 0), (isa, r)
+        assert kept[int(out["nucleus/ids"][r])] > 0, (isa, r)
 
 
 @needs_kernel

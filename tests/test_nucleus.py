@@ -1,8 +1,11 @@
-"""The CPU's sort-free cut and draw (services/language/engine/nucleus.py): the kept set is
-the full sort's (the rule computed over a stable full sort in float64, and the sampler's
-float32 sort path itself), ties, p near 0 and 1, flat and peaked rows, masked tokens, top-k
-and min-p included; the draw follows the kept weights; a seed's draws are one uniform per
-token, reproducible and handed between instances by the generator state."""
+"""The CPU's sort-free cut and draw (services/language/engine/nucleus.py), in Python and in
+the compiled kernels (`draw_rows`, csrc/nucleus.cpp): the kept set is the full sort's (the
+rule computed over a stable full sort in float64, and the sampler's float32 sort path
+itself), ties, p near 0 and 1, flat and peaked rows, masked tokens, top-k and min-p
+included; the draw follows the kept weights, and the kernel draws the tokens Python draws
+(but where their exp differs in the last bit at the draw's point); a row's token does not
+depend on the rows beside it; a seed's draws are one uniform per token, reproducible and
+handed between instances by the generator state."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import pytest
 import torch
 from language_engine_helpers import cut_row, filter_logits, kept_weights
 
+from tandem.cpu_kernels import kernels
 from tandem.sampling import SamplingParams
 from tandem.services.language.engine import nucleus
 from tandem.services.language.engine.request import Request, RequestSpec
@@ -17,6 +21,9 @@ from tandem.services.language.engine.sampler import generator_state, restore_gen
 from tandem.transfer.payload import PromptPayload
 
 F32 = nucleus._f32
+KERNELS = kernels()
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason="the CPU kernels could not be built")
+IMPLS = ["python", pytest.param("kernel", marks=needs_kernels)]
 
 
 def rule(x: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float
@@ -53,6 +60,30 @@ def mine(x: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: f
     return kept_weights(nu) > 0
 
 
+def kernel_draws(x: torch.Tensor, cuts: list[tuple], us: list[float]
+                 ) -> tuple[list[int], torch.Tensor]:
+    """The kernel's tokens for rows `x` [S, V] (or one row [V] for every u), cut by `cuts`
+    (one (temperature, top_k, top_p, min_p) per row), drawn at `us`; and their kept
+    weights [S, V]."""
+    s = len(us)
+    x = (x[None].expand(s, -1) if x.dim() == 1 else x).contiguous()
+    vocab = x.shape[-1]
+    kept = torch.empty(s, vocab, dtype=torch.float64)
+    ids = nucleus.draw_rows(
+        KERNELS, x, torch.tensor([F32(c[0]) for c in cuts]),
+        torch.tensor([c[1] if 0 < c[1] < vocab else 0 for c in cuts]),
+        torch.tensor([F32(c[2]) for c in cuts]), torch.tensor([F32(c[3]) for c in cuts]),
+        torch.tensor(us, dtype=torch.float64), kept)
+    return ids.tolist(), kept
+
+
+def kept_by(impl: str, x: torch.Tensor, *cut) -> torch.Tensor:
+    """[V] bool: what `impl` (python: `nucleus`; kernel: `draw_rows`) keeps of row `x`."""
+    if impl == "python":
+        return mine(x, *cut)
+    return kernel_draws(x, [cut], [0.5])[1][0] > 0
+
+
 def rows(vocab: int, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     r = torch.randn(vocab, generator=g)
@@ -81,8 +112,9 @@ CUTS = [  # temperature, top_k, top_p, min_p
 ]
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("vocab", [50, 1024, 151936])
-def test_the_kept_set_is_the_rules_over_a_full_sort(vocab):
+def test_the_kept_set_is_the_rules_over_a_full_sort(vocab, impl):
     """Every case: the same kept set as the float64 rule, but for a token whose mass before
     it lies within 1e-12 of top_p's mark and not on it (the two sum in different orders;
     a mass exactly on the mark, as all-equal's at p 0.5, drops the token in both)."""
@@ -91,7 +123,7 @@ def test_the_kept_set_is_the_rules_over_a_full_sort(vocab):
         for name, x in rows(vocab, seed).items():
             for cut in cases:
                 want, margin = rule(x, *cut)
-                got = mine(x, *cut)
+                got = kept_by(impl, x, *cut)
                 differ = got != want
                 near = (margin > 0) & (margin < 1e-12)
                 assert not (differ & ~near).any(), (name, cut, differ.nonzero())
@@ -129,36 +161,101 @@ def test_the_kept_set_is_the_sort_paths_float32_one(vocab):
                     assert torch.equal(old, new), (name, t, k, p, m)
 
 
-def test_ties_at_the_cut_keep_the_lowest_ids():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_ties_at_the_cut_keep_the_lowest_ids(impl):
     """Four tokens tied at the top (weights 1 of 4.06 in all) and p = 0.5: the mass before
     the third is 2 of the mark's 2.03, so the first three by id survive."""
     x = torch.tensor([0.0, 5.0, -1.0, 5.0, 5.0, 2.0, 5.0])
-    got = mine(x, 1.0, 0, 0.5, 0.0)
+    got = kept_by(impl, x, 1.0, 0, 0.5, 0.0)
     assert got.nonzero().squeeze(1).tolist() == [1, 3, 4]
     # a mass before exactly on the mark drops the token: 2 of 4 equal tokens at p 0.5
-    assert mine(torch.zeros(4), 1.0, 0, 0.5, 0.0).nonzero().squeeze(1).tolist() == [0, 1]
+    four = kept_by(impl, torch.zeros(4), 1.0, 0, 0.5, 0.0)
+    assert four.nonzero().squeeze(1).tolist() == [0, 1]
     # top-k keeps every token tied with the k-th
-    assert mine(x, 1.0, 2, 1.0, 0.0).nonzero().squeeze(1).tolist() == [1, 3, 4, 6]
+    assert kept_by(impl, x, 1.0, 2, 1.0, 0.0).nonzero().squeeze(1).tolist() == [1, 3, 4, 6]
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", ["flat", "peaked", "ties", "masked"])
 @pytest.mark.parametrize("cut", [(1.0, 0, 1.0, 0.0), (0.8, 0, 0.95, 0.0), (1.0, 5, 0.9, 0.0),
                                  (0.7, 0, 0.9, 0.08)])
-def test_the_draw_follows_the_kept_weights(case, cut):
+def test_the_draw_follows_the_kept_weights(case, cut, impl):
     """u on an even grid of N points: a token is drawn for the part of [0, 1) its weight
-    takes, to within a grid point at each end."""
+    takes, to within a grid point at each end (the kernel: every u a row of one call)."""
     x = rows(300, 7)[case]
-    nu = nucleus.nucleus(x, F32(cut[0]), *cut[1:])
-    w = kept_weights(nu)
     n = 4000
+    us = [(i + 0.5) / n for i in range(n)] + [0.0, 1.0 - 2.0**-53]  # and the ends of [0, 1)
+    if impl == "python":
+        nu = nucleus.nucleus(x, F32(cut[0]), *cut[1:])
+        w = kept_weights(nu)
+        ids = [nu.draw(u) for u in us]
+        assert nu.mass == pytest.approx(float(w.sum()), rel=1e-12)
+    else:
+        ids, kept = kernel_draws(x, [cut] * len(us), us)
+        w = kept[0]
+        assert torch.equal(kept, w[None].expand_as(kept))  # every row the same cut
     counts = torch.zeros(300, dtype=torch.float64)
-    for i in range(n):
-        counts[nu.draw((i + 0.5) / n)] += 1
+    for t in ids[:n]:
+        counts[t] += 1
     assert torch.all(counts[w == 0] == 0)
-    assert w[nu.draw(0.0)] > 0 and w[nu.draw(1.0 - 2.0**-53)] > 0  # the ends of [0, 1)
+    assert w[ids[n]] > 0 and w[ids[n + 1]] > 0
     off = (counts - n * w / w.sum()).abs()
     assert torch.all(off <= 2.0), off.max()
-    assert nu.mass == pytest.approx(float(w.sum()), rel=1e-12)
+
+
+@needs_kernels
+@pytest.mark.parametrize("vocab", [50, 1024, 151936])
+def test_the_kernel_draws_the_tokens_nucleus_draws(vocab):
+    """Every row kind and cut, 48 uniforms each: the kernel keeps what `nucleus` keeps and
+    draws the token it draws for the same u. Their weights' exp may differ in the last bit
+    (torch's and csrc/vec16.h's exp_poly), which moves a token's edge in [0, 1) by ~1e-7 of
+    its weight: a u that falls there may take the neighbour, at most 1 in 1,000 here."""
+    g = torch.Generator().manual_seed(5)
+    cases = CUTS if vocab < 151936 else CUTS[::3]
+    same = total = 0
+    for name, x in rows(vocab, 3).items():
+        for cut in cases:
+            us = torch.rand(48, dtype=torch.float64, generator=g).tolist()
+            nu = nucleus.nucleus(x, F32(cut[0]), *cut[1:])
+            ids, kept = kernel_draws(x, [cut] * len(us), us)
+            assert torch.equal(kept[0] > 0, kept_weights(nu) > 0), (name, cut)
+            assert all(kept[0, t] > 0 for t in ids), (name, cut)
+            same += sum(nu.draw(u) == t for u, t in zip(us, ids, strict=True))
+            total += len(us)
+    assert total - same <= total // 1000, (total - same, total)
+
+
+@needs_kernels
+def test_a_kernel_row_is_drawn_alone_whatever_shares_the_call():
+    """Rows of one call with their own cuts: each row's token and kept weights are those of
+    the same row drawn alone (the seed contract: a row from that row only)."""
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(7, 5000, generator=g) * torch.tensor([1, 3, 0.5, 2, 1, 4, 6])[:, None]
+    x[3, ::3] = float("-inf")
+    cuts = [(0.8, 0, 0.95, 0.0), (1.0, 50, 0.9, 0.0), (1.2, 0, 0.3, 0.0), (0.5, 0, 1.0, 0.1),
+            (1.0, 3, 1.0, 0.0), (0.9, 0, 0.999, 0.0), (1.0, 0, 0.5, 0.2)]
+    us = torch.rand(7, dtype=torch.float64, generator=g).tolist()
+    ids, kept = kernel_draws(x, cuts, us)
+    for r in range(7):
+        alone, kept_alone = kernel_draws(x[r:r + 1], cuts[r:r + 1], us[r:r + 1])
+        assert alone == [ids[r]] and torch.equal(kept_alone[0], kept[r]), r
+        assert torch.equal(kept[r] > 0, rule(x[r], *cuts[r])[0]), r
+
+
+@needs_kernels
+def test_the_kernel_refuses_what_it_cannot_read():
+    x = torch.randn(2, 10)
+    ok = dict(temperature=torch.ones(2), top_k=torch.zeros(2, dtype=torch.long),
+              top_p=torch.ones(2), min_p=torch.zeros(2), u=torch.rand(2, dtype=torch.float64))
+    assert len(nucleus.draw_rows(KERNELS, x, **ok)) == 2
+    for name, bad in (("u", torch.rand(2)), ("temperature", torch.ones(3)),
+                      ("top_k", torch.zeros(2))):
+        with pytest.raises(RuntimeError, match=name):
+            nucleus.draw_rows(KERNELS, x, **{**ok, name: bad})
+    with pytest.raises(RuntimeError, match=r"x must be contiguous \[S, V\] float32"):
+        nucleus.draw_rows(KERNELS, x.t(), **ok)
+    with pytest.raises(RuntimeError, match="kept must be"):
+        nucleus.draw_rows(KERNELS, x, **ok, kept=torch.empty(2, 10))
 
 
 def test_rows_with_their_own_cuts_in_one_batch():
@@ -201,11 +298,13 @@ def test_a_seed_takes_one_uniform_per_token_and_its_state_hands_over():
     assert [sample(s, [again]).token_ids[0] for s in steps] == first + rest
 
 
-def test_no_token_left_draws_the_first():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_no_token_left_draws_the_first(impl):
     """A row with every token at -inf (nothing upstream leaves one; the old path's softmax
     of NaNs drew token 0): token 0, no error."""
     x = torch.full((1, 10), float("-inf"))
-    assert sample(x, [req(temperature=1.0, top_p=0.9, seed=1)]).token_ids == [0]
+    k = KERNELS if impl == "kernel" else None
+    assert sample(x, [req(temperature=1.0, top_p=0.9, seed=1)], kernels=k).token_ids == [0]
 
 
 def test_the_workspace_is_per_thread_and_per_vocabulary():

@@ -9,12 +9,15 @@ import pytest
 import torch
 from language_engine_helpers import PATHS, filter_logits, sampling_probs, shape_logits
 
+from tandem.cpu_kernels import kernels
 from tandem.sampling import SamplingParams
 from tandem.services.language.engine import sampler
 from tandem.services.language.engine.request import Request, RequestSpec
 from tandem.services.language.engine.sampler import sample
 from tandem.transfer.payload import PromptPayload
 
+KERNELS = kernels()
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason="the CPU kernels could not be built")
 P = torch.tensor([0.1, 0.2, 0.3, 0.4])
 LOGITS = P.log()
 
@@ -143,15 +146,19 @@ MIXED = [dict(temperature=0.0), dict(temperature=1.0, top_p=0.8, seed=None),
     dict(temperature=0.0, repetition_penalty=1.2, frequency_penalty=0.5, logprobs=True,
          top_logprobs=3),
 ], ids=["min_p", "typical_p", "penalties", "greedy-penalties"])
-@pytest.mark.parametrize("sort_free, pass_rows", [(True, 1), (False, 1), (False, 64)],
-                         ids=["cpu-nucleus", "sort-row-pass", "sort-whole-batch-pass"])
+@pytest.mark.parametrize("sort_free, pass_rows, compiled", [
+    (True, 1, False), pytest.param(True, 1, True, marks=needs_kernels), (False, 1, False),
+    (False, 64, False)], ids=["cpu-nucleus", "cpu-kernel", "sort-row-pass",
+                              "sort-whole-batch-pass"])
 def test_every_knob_keeps_a_seeds_tokens_whatever_shares_the_batch(mine, sort_free, pass_rows,
-                                                                    monkeypatch):
+                                                                    compiled, monkeypatch):
     """A row's tokens and logprobs depend on its own row only, over steps in which the
     penalty state grows on the device (tokens appended as the engine does), whether the
-    rows are cut and drawn by the CPU's sort-free path, or filtered by the full sort and
-    drawn one at a time or all at once (CUDA's)."""
+    rows are cut and drawn by the CPU's sort-free path (in Python, or the compiled kernels
+    for every row but a typical_p one), or filtered by the full sort and drawn one at a
+    time or all at once (CUDA's)."""
     monkeypatch.setattr(sampler, "CPU_SORT_FREE", sort_free)
+    compiled_kernels = KERNELS if compiled else None
     monkeypatch.setattr(sampler, "CPU_PASS_ROWS", pass_rows)
     g = torch.Generator().manual_seed(2)
     steps = [torch.randn(64, generator=g) * 2 for _ in range(12)]
@@ -165,7 +172,7 @@ def test_every_knob_keeps_a_seeds_tokens_whatever_shares_the_batch(mine, sort_fr
             batch = rest[:position] + [me] + rest[position:]
             logits = torch.randn(len(batch), 64, generator=noise) * 2
             logits[position] = row
-            res = sample(logits, batch, frozenset({2}))
+            res = sample(logits, batch, frozenset({2}), kernels=compiled_kernels)
             for r, t in zip(batch, res.token_ids, strict=True):
                 r.append_output(t, None)
             out.append((res.token_ids[position], res.logprobs[position],

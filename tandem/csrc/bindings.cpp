@@ -21,6 +21,10 @@ std::vector<torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tensor cos, torch::
                                    int64_t H, int64_t Hkv);
 torch::Tensor segment_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                 torch::Tensor cu, bool causal, double scale);
+torch::Tensor nucleus_draw(torch::Tensor x, torch::Tensor temperature, torch::Tensor top_k,
+                           torch::Tensor top_p, torch::Tensor min_p, torch::Tensor u,
+                           int64_t buckets, double span, int64_t spread,
+                           c10::optional<torch::Tensor> kept);
 
 // NOTE: every kernel releases the GIL while it computes, so the process's asyncio thread
 // (gRPC streaming, transfers) runs beside the engine thread's forward instead of waiting
@@ -48,4 +52,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_qk", &rope_qk, NoGil(), "q, k with rotary applied, split out of a fused qkv output");
   m.def("segment_attention", &segment_attention, NoGil(),
         "attention within packed segments of rows (each attends to its own; optionally causal)");
+  m.def("nucleus_draw", &nucleus_draw, NoGil(), py::arg("x"), py::arg("temperature"),
+        py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("u"), py::arg("buckets"),
+        py::arg("span"), py::arg("spread"), py::arg("kept") = py::none(),
+        "the sampler's cut and draw for [S, V] rows, one uniform each (engine/nucleus.py)");
 }

@@ -412,7 +412,8 @@ class Engine:
         tops: list[list] = [[] for _ in step.chunks]
         if rows:
             res = sample(out.last_logits, [step.chunks[i].req for i in rows], self.eos,
-                         rows=rows)  # (the sampler selects the rows: no host sync)
+                         rows=rows,  # (the sampler selects the rows: no host sync)
+                         kernels=self.runner.sampler_kernels)
             for i, t, lp, top in zip(rows, res.token_ids, res.logprobs, res.top_logprobs,
                                      strict=True):
                 tokens[i], logprobs[i], tops[i] = t, lp, top

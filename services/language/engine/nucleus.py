@@ -35,6 +35,14 @@ cost 13 ms a row of the sampler's 20 on an AVX2 core, docs/benchmarks.md):
              found on the per-bucket sums, then the token among that bucket's (by id; the
              cut bucket's in their sorted order)
 
+The same passes run in C++ for a step's rows at once (`draw_rows`, csrc/nucleus.cpp: the
+rules and constants stay here, the kernel is given them): ~25 Python and torch calls a row
+cost 2.9 ms a step at 32 rows of a 1,024-token vocabulary, the passes themselves a tenth of
+that. Its weights come from the kernels' own exp (csrc/vec16.h's exp_poly) where `nucleus`
+takes torch's: the two can differ in the last bit, and only then can they pick another
+token for the same u. `nucleus` is the path where the kernels cannot be built, and the
+reference the kernel is tested against.
+
 Exactness: the kept set is the rule's in float64 arithmetic; the full sort's reference sums
 float32 probabilities, so the two can differ only on a token whose mass before it is
 within float32 rounding (~1e-7) of top_p, and in which of several exactly tied tokens a
@@ -60,10 +68,12 @@ SPREAD = 64  # the far tokens' buckets, after the others
 
 def buckets(vocab: int) -> int:
     """How many slices of [0, SPAN) a row of `vocab` tokens takes: 8192 (~0.01 each) at
-    131K and more, about 16 tokens a slice below; few enough for int16 ids (the equality
-    passes run on 2-byte lanes) and for the per-bucket sums to cost little at a small
-    vocabulary."""
-    return min(8192, max(64, vocab // 16))
+    131K and more, about 16 tokens a slice down to 1024 slices (~0.08 each) at 16K and
+    fewer tokens; few enough for int16 ids (the equality passes run on 2-byte lanes). Not
+    fewer: a row's tokens lie within ~10 of its max, so at 64 slices (1.3 each) a 1,024-token
+    row's cut bucket held hundreds of them, and their sort was 40% of the compiled path's
+    time."""
+    return min(8192, max(1024, vocab // 16))
 
 
 def _f32(v: float) -> float:
@@ -205,3 +215,15 @@ def nucleus(x: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p
         return Nucleus(ws, weight, cum, cut, tail, weight[:0], above, above)
     tail_cum = _cumsum(weight[tail])
     return Nucleus(ws, weight, cum, cut, tail, tail_cum, above, above + float(tail_cum[-1]))
+
+
+def draw_rows(kernels, x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+              top_p: torch.Tensor, min_p: torch.Tensor, u: torch.Tensor,
+              kept: torch.Tensor | None = None) -> torch.Tensor:
+    """Token ids [S] for rows `x` [S, V] (float32, contiguous), each cut as `nucleus` cuts
+    it (temperature [S] float32, top_k [S] int64 with 0 off, top_p [S] float32, min_p [S]
+    float32) and drawn at its own u [S] (float64, in [0, 1)), by the compiled kernels
+    (`kernels`: tandem.cpu_kernels' module). `kept` [S, V] float64, when given, receives
+    each token's weight in its row's draw (0 where cut)."""
+    return kernels.nucleus_draw(x, temperature, top_k, top_p, min_p, u,
+                                buckets(x.shape[-1]), SPAN, SPREAD, kept)

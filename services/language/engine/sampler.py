@@ -19,9 +19,11 @@ A step (`sample`), each request's parameters touching only its own row:
              generated since adds), and each touches only the ids it names
     filter   the sampled rows together, each by its own values: temperature, top-k, top-p,
              min_p (a token below min_p * the top token's probability is dropped); typical_p
-             (transformers' locally typical sampling) a row at a time. On the CPU a row at
-             a time by `nucleus.py`: the same cuts without sorting the vocabulary (a
-             typical_p row through the sort first, which it needs)
+             (transformers' locally typical sampling) a row at a time. On the CPU by
+             `nucleus.py`'s cuts, without sorting the vocabulary: a step's rows in one
+             call of the compiled kernels (csrc/nucleus.cpp), or a row at a time where
+             they are not built (a typical_p row a row at a time, through the sort first,
+             which it needs)
     draw     a sampled row on CUDA: Exp(1) noise from the request's own generator, token =
              argmax(probs / noise) (torch.multinomial's one-sample draw, the same bits,
              without the host reads of its checks); on the CPU: one uniform number u from
@@ -46,7 +48,9 @@ not change them. What a seed then fixes:
         the batch (tests/test_language_engine.py), and every op here computes a row from
         that row alone, in the same order whatever the batch (tests/test_sampler.py). (The
         sort-free path changed which tokens a seed gives on the CPU: the same distribution,
-        another draw.)
+        another draw. The compiled cut and the Python one can differ in the last bit of a
+        weight, and then, rarely, in the token for a u: a seed's tokens are those of its
+        build.)
   CUDA  the same tokens for the same batches (the same requests and steps, on the same GPU
         and software: the kernels are deterministic). Across batch compositions only the
         draws are the request's own: a decode graph pads the batch to its bucket, and
@@ -65,7 +69,7 @@ import torch
 
 from tandem.sampling import SamplingParams
 from tandem.services.language.engine.grammar import apply_masks
-from tandem.services.language.engine.nucleus import Nucleus, nucleus
+from tandem.services.language.engine.nucleus import Nucleus, draw_rows, nucleus
 from tandem.services.language.engine.request import Request
 
 NEG_INF = float("-inf")
@@ -326,23 +330,38 @@ def _cut_cpu(x: torch.Tensor, p: SamplingParams, t: dict[str, torch.Tensor],
                    host["min_p"][k])
 
 
-def _draw_cpu(xs: torch.Tensor, reqs: list[Request], t: dict[str, torch.Tensor]) -> torch.Tensor:
+def _draw_cpu(xs: torch.Tensor, reqs: list[Request], t: dict[str, torch.Tensor], kernels
+              ) -> torch.Tensor:
     """Token ids [S] drawn for the sampled rows `xs` [S, V] of `reqs` on the CPU: each row
-    cut by `_cut_cpu`, then drawn at one uniform number from its request's generator."""
-    host = {n: t[n].tolist() for n in _FILTERS}
-    drawn = []
-    for k, r in enumerate(reqs):
-        nu = _cut_cpu(xs[k], r.sampling, t, host, k)
-        u = torch.rand((), dtype=torch.float64, generator=_generator(r, xs.device)).item()
-        drawn.append(nu.draw(u))
-    return torch.tensor(drawn, dtype=torch.long)
+    cut as `nucleus` cuts it, then drawn at one uniform number from its request's generator
+    (drawn first, in row order): all of them in one call of the compiled kernels
+    (`nucleus.draw_rows`) where `kernels` is given, else, and for a typical_p row, a row at
+    a time by `_cut_cpu`."""
+    u = torch.tensor([torch.rand((), dtype=torch.float64, generator=_generator(r, xs.device))
+                      .item() for r in reqs], dtype=torch.float64)
+    fast = [k for k, r in enumerate(reqs) if kernels is not None and r.sampling.typical_p == 1.0]
+    slow = [k for k in range(len(reqs)) if k not in set(fast)]
+    drawn = torch.zeros(len(reqs), dtype=torch.long)
+    if fast:
+        at = None if not slow else torch.tensor(fast)
+        def pick(v: torch.Tensor) -> torch.Tensor:  # noqa: E306
+            return v if at is None else v.index_select(0, at)
+        got = draw_rows(kernels, pick(xs).contiguous(), pick(t["temperature"]),
+                        pick(t["top_k"]) + 1, pick(t["top_p"]), pick(t["min_p"]), pick(u))
+        drawn = got if at is None else drawn.index_copy_(0, at, got)
+    if slow:
+        host = {n: t[n].tolist() for n in _FILTERS}
+        for k in slow:
+            drawn[k] = _cut_cpu(xs[k], reqs[k].sampling, t, host, k).draw(float(u[k]))
+    return drawn
 
 
-def _draw(xs: torch.Tensor, reqs: list[Request], t: dict[str, torch.Tensor]) -> torch.Tensor:
+def _draw(xs: torch.Tensor, reqs: list[Request], t: dict[str, torch.Tensor], kernels
+          ) -> torch.Tensor:
     """Token ids [S] drawn for the sampled rows `xs` [S, V] of `reqs`."""
     device, n = xs.device, xs.shape[0]
     if device.type == "cpu" and CPU_SORT_FREE:
-        return _draw_cpu(xs, reqs, t)
+        return _draw_cpu(xs, reqs, t, kernels)
     step = CPU_PASS_ROWS if device.type == "cpu" else n
     drawn = []
     for a in range(0, n, step):
@@ -359,10 +378,13 @@ def _draw(xs: torch.Tensor, reqs: list[Request], t: dict[str, torch.Tensor]) -> 
 
 
 def sample(logits: torch.Tensor, reqs: list[Request], eos: frozenset[int] = frozenset(),
-           rows: list[int] | None = None) -> SampleResult:
+           rows: list[int] | None = None, kernels=None) -> SampleResult:
     """Pick one token for each of `reqs`: request j reads row `rows[j]` of `logits`
     [N, V] (row j when `rows` is None). `eos` are the model's end ids (held back by
-    min_tokens). One host sync: the result's copy to the host."""
+    min_tokens). `kernels`: tandem.cpu_kernels' compiled module, which cuts and draws the
+    CPU's sampled rows in one call (None: `nucleus` a row at a time; the engine passes its
+    runner's, `ModelRunner.sampler_kernels`). One host sync: the result's copy to the
+    host."""
     n = len(reqs)
     if logits.dim() != 2 or (logits.shape[0] != n if rows is None else len(rows) != n):
         raise ValueError(f"logits {tuple(logits.shape)} do not match {n} requests")
@@ -397,7 +419,7 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos: frozenset[int] = froz
     tokens = torch.argmax(x, dim=-1) if len(sampled) < n else None  # greedy rows
     if sampled:
         xs = x if len(sampled) == n else x.index_select(0, t["sampled"])
-        drawn = _draw(xs, [reqs[j] for j in sampled], t)
+        drawn = _draw(xs, [reqs[j] for j in sampled], t, kernels)
         tokens = drawn if tokens is None else tokens.index_copy(0, t["sampled"], drawn)
 
     parts = [tokens.double()]

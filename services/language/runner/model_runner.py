@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.cpu_kernels import linear_compute_dtype, linear_kernels
+from tandem.cpu_kernels import linear_compute_dtype, linear_kernels, sampler_kernels
 from tandem.services.language.model import DecoderConfig, QwenVLDecoder
 from tandem.services.language.model.attention import (
     AttentionBackend,
@@ -140,6 +140,8 @@ class ModelRunner:
             self.model.compute_linears_in_float32(packed=self.linear_kernels is not None)
         if self.linear_kernels is not None:
             self.model.adopt_cpu_kernels(self.linear_kernels, pointwise=dtype == torch.float32)
+        # What the engine's sampler cuts and draws the sampled rows with (sampler.sample)
+        self.sampler_kernels = sampler_kernels(self.device)
 
         c = self.cfg
         # What the engine, the scheduler and the limits read; fixed for the runner's life
