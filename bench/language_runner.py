@@ -353,9 +353,10 @@ class _KernelsProxy:
         return self._ch.wrap(self.PART[name], fn) if name in self.PART else fn
 
 
-def _sampler_ms(vocab: int, bs: int, sampled: bool, steps: int) -> float:
+def _sampler_ms(vocab: int, bs: int, sampled: bool, steps: int, kernels) -> float:
     """CPU ms of one `sample()` over [bs, vocab] logits (greedy, or temperature 0.8 +
-    top-p 0.95), the engine's sampler as a step calls it."""
+    top-p 0.95), the engine's sampler as a step calls it (with the runner's
+    `sampler_kernels`)."""
     from tandem.sampling import SamplingParams
     from tandem.services.language.engine.request import Request, RequestSpec
     from tandem.services.language.engine.sampler import sample
@@ -368,11 +369,11 @@ def _sampler_ms(vocab: int, bs: int, sampled: bool, steps: int) -> float:
     reqs = [Request(RequestSpec(i + 1, sp, pay)) for i in range(bs)]
     logits = torch.randn(bs, vocab, generator=torch.Generator().manual_seed(0))
     for _ in range(2):
-        sample(logits, reqs)
+        sample(logits, reqs, kernels=kernels)
     times = []
     for _ in range(steps):
         t = time.thread_time()
-        sample(logits, reqs)
+        sample(logits, reqs, kernels=kernels)
         times.append(time.thread_time() - t)
     return statistics.median(times) * 1e3
 
@@ -424,7 +425,9 @@ def profile(runner, pool, args, vocab_sizes: list[int]) -> None:
     print("\nsampler CPU ms per step (engine's sample(), float32 logits):")
     for v in vocab_sizes:
         for bs in args.batch_sizes:
-            gr, sa = _sampler_ms(v, bs, False, args.steps), _sampler_ms(v, bs, True, args.steps)
+            k = runner.sampler_kernels
+            gr, sa = (_sampler_ms(v, bs, False, args.steps, k),
+                      _sampler_ms(v, bs, True, args.steps, k))
             print(f"  vocab {v:>6} bs {bs:>3}: greedy {gr:8.2f} | temperature 0.8 + top-p 0.95 {sa:8.2f}")
 
 
