@@ -220,6 +220,8 @@ gpu-wheels: setup
 	rm -rf .whl $(GPU_WHEEL_SITE) && mkdir -p .whl
 	$(PIP) download -q --no-deps --only-binary=:all: $(GPU_WHEEL_TAGS) -d .whl $$($(PY) bench/gpu_check.py --wheel-specs)
 	$(PY) bench/gpu_check.py --check-carry .whl
+	@# the commit the table names: the device's copy of the tree may report a stale HEAD
+	echo "$$(git rev-parse --short HEAD)$$(git diff --quiet HEAD -- . ':!.whl' || echo +changes)" > .whl/COMMIT
 	$(PIP) install -q --no-deps --only-binary=:all: --no-compile $(GPU_WHEEL_TAGS) --target $(GPU_WHEEL_SITE) .whl/*.whl
 	@if [ -n "$(GPU_PYTHON_BIN)" ]; then $(PY) bench/gpu_check.py --check-install $(GPU_WHEEL_SITE) $(GPU_PYTHON_BIN); \
 	else echo "gpu-wheels: no python$(GPU_PYTHON) here: the import check is skipped (the dry install passed)"; fi

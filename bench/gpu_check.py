@@ -193,7 +193,10 @@ def _pytest(ctx: Ctx, name: str, args: list[str]) -> tuple[int, ET.Element | Non
     # NOTE: junit_family xunit1 keeps record_property's figures (tests/test_bf16.py's)
     cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider",
            f"--junitxml={xml}", "-o", "junit_family=xunit1", f"--device={ctx.device}", *args]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    # COLUMNS: the short summary's reasons whole (pytest cuts them to the terminal's width,
+    # 80 in a pipe: the first run's table read "- to...")
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "COLUMNS": "400"})
     out = p.stdout + p.stderr
     print(out[-TAIL:], flush=True)
     root = ET.parse(xml).getroot() if xml.exists() else None
@@ -226,6 +229,18 @@ def missing_package(out: str) -> str | None:
     return None
 
 
+def _failures(root: ET.Element | None) -> str:
+    """Each failed or erred case of a junit report, a line each: its name and the first
+    line of its message (what the output's tail may have scrolled away)."""
+    lines = []
+    for c in [] if root is None else root.iter("testcase"):
+        for e in c:
+            if e.tag in ("failure", "error"):
+                msg = (e.get("message") or e.text or e.tag).strip().splitlines() or [e.tag]
+                lines.append(f"{c.get('name')}: {msg[0][:300]}")
+    return "\n".join(lines)
+
+
 def _suite_row(check: str, case: str, code: int, root, out: str, want_run: bool) -> Row:
     n = _counts(root)
     figures = ", ".join(f"{v} {k}" for k, v in n.items() if v)
@@ -234,7 +249,8 @@ def _suite_row(check: str, case: str, code: int, root, out: str, want_run: bool)
     if code != 0 and (why := missing_package(out)):
         return Row(check, case, Status.SKIPPED, f"{why}; {figures or 'nothing ran'}", out[-TAIL:])
     why = "skipped tests where all must run" if code == 0 and n["passed"] else f"pytest exit {code}"
-    return Row(check, case, Status.FAIL, figures or why, f"{why}\n{out[-TAIL:]}")
+    return Row(check, case, Status.FAIL, figures or why,
+               f"{why}\n{_failures(root)}\n{out[-TAIL:]}")
 
 
 def gpu_test_files() -> list[str]:
@@ -453,7 +469,7 @@ def check_e2e(ctx: Ctx) -> list[Row]:
     n = "2" if ctx.dry_run else str(E2E_REQUESTS)
     cmd = [sys.executable, str(ROOT / "bench" / "language.py"), "--model", str(path),
            "--device", ctx.device, "--dtype", ctx.dtype, "--requests", n, "--concurrency",
-           *conc, "--runs", "1", "--out", str(out)]
+           *conc, "--runs", "1", "--max-output", str(E2E_MAX_OUTPUT), "--out", str(out)]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     text = p.stdout + p.stderr
     print(text[-TAIL:], flush=True)
@@ -539,24 +555,32 @@ def check_host_syncs(ctx: Ctx) -> list[Row]:
 class Machine:
     """A lent machine's figures. The first two were measured there (the device notes,
     KINDS.md: an 8192^3 bf16 matrix product at 769-798 TFLOP/s, a device-to-device copy
-    at 4.3 TB/s counting bytes read and written); the host figures are assumptions, named
-    so the estimates say what they rest on, and checked by the first run's table (its
-    seconds beside each estimate)."""
+    at 4.3 TB/s counting bytes read and written); three more by the first `make gpu-check`
+    there (bench/results/gpu.md, 2026-11-29: see H200); the rest are assumptions, named so
+    the estimates say what they rest on, and checked by each run's table (its seconds
+    beside each estimate)."""
 
     name: str
     bf16_flops: float  # dense bf16 matrix work, per second
     hbm_bytes_s: float  # device memory traffic, per second
     process_s: float  # a fresh Python: torch, transformers and the CUDA context (assumed)
     compile_s: float  # torch.compile of flex attention, once per process, cold (assumed)
-    disk_bytes_s: float  # a checkpoint written or read (assumed; not measured there)
+    kernel_build_s: float  # the CPU kernels' compile on the machine's cores (measured)
+    disk_bytes_s: float  # a checkpoint written or read (measured: written)
     h2d_bytes_s: float  # host to device copies, pinned or not (assumed; PCIe 5 x16 ~ 50)
-    launch_s: float  # one kernel launched eagerly from Python (assumed)
+    launch_s: float  # one kernel launched eagerly from Python (measured: an eager step)
     pytest_case_s: float  # one exactness test case: the CPU oracle's side (assumed)
 
 
+# The first run's figures: the CPU kernels built in 36 s on the 16 cores (the `device` row);
+# 16.58 GB written in 23 s (the `build` row); the runner's eager decode step of the 7B
+# shape at batch 1 in 40.49 ms, over its 28 layers of ENGINE_LAUNCHES_PER_LAYER launches
+# (the `decode_graphs` row): 72 us a launch, Python's dispatch and not the GPU (the same
+# step replayed from a graph took 7.03 ms). Before it the estimates had assumed 1.0 GB/s
+# and 10 us and left the kernels' build out, and the e2e check overran its share.
 H200 = Machine("NVIDIA H200", bf16_flops=790e12, hbm_bytes_s=4.3e12, process_s=8.0,
-               compile_s=30.0, disk_bytes_s=1.0e9, h2d_bytes_s=20e9, launch_s=10e-6,
-               pytest_case_s=3.0)
+               compile_s=30.0, kernel_build_s=36.0, disk_bytes_s=16.58e9 / 23,
+               h2d_bytes_s=20e9, launch_s=40.49e-3 / (28 * 20), pytest_case_s=3.0)
 EFFICIENCY = 0.5  # the share of the peak figures real kernels reach (decode GEMVs, small GEMMs)
 
 
@@ -570,6 +594,7 @@ class Work:
     h2d_bytes: float = 0.0  # host to device
     processes: int = 1  # fresh Python processes
     compiles: int = 0  # processes that compile flex attention
+    kernel_builds: int = 0  # builds of the CPU kernels (the `device` check's, once)
     launches: int = 0  # eager kernel launches
     pytest_cases: int = 0  # exactness test cases
 
@@ -579,7 +604,8 @@ class Work:
         device = self.flops / (m.bf16_flops * EFFICIENCY) + self.hbm_bytes / (m.hbm_bytes_s * EFFICIENCY)
         return (max(device, self.launches * m.launch_s) + self.disk_bytes / m.disk_bytes_s
                 + self.h2d_bytes / m.h2d_bytes_s + self.processes * m.process_s
-                + self.compiles * m.compile_s + self.pytest_cases * m.pytest_case_s)
+                + self.compiles * m.compile_s + self.kernel_builds * m.kernel_build_s
+                + self.pytest_cases * m.pytest_case_s)
 
 
 @dataclass(frozen=True)
@@ -617,7 +643,11 @@ class Shape:
 DECODE_CONTEXT, DECODE_PAGE, DECODE_SIZES, DECODE_STEPS = 512, 16, (1, 5, 8, 17, 32), 20
 LONG_CONTEXTS, LONG_CHUNK, LONG_HEADS, LONG_HEAD_DIM, LONG_RUNS = (16384, 32768), 4096, 28, 128, 3
 E2E_CONCURRENCY, E2E_REQUESTS = (1, 8, 32), 32
-E2E_MEAN_PROMPT, E2E_MEAN_OUTPUT, E2E_MAX_OUTPUT = 288, 72, 128  # bench/language.py's workload
+# bench/language.py's workload at `--max-output E2E_MAX_OUTPUT` (outputs drawn from 16 up:
+# transformers' eager baselines, one token step at a time from Python, are most of the check)
+E2E_MEAN_PROMPT, E2E_MAX_OUTPUT = 288, 40
+E2E_MEAN_OUTPUT = (16 + E2E_MAX_OUTPUT) // 2
+E2E_CHECKED = 4  # the greedy check's requests (bench/language.py: work[:4])
 HF_LAUNCHES_PER_LAYER = 30  # transformers' eager decoder layer, kernels per token step
 ENGINE_LAUNCHES_PER_LAYER = 20  # the runner's eager decoder layer, kernels per step
 VIT_PATCHES = 6000  # bench/vit_graphs.py's MIX at patch 14, all batches
@@ -660,7 +690,7 @@ def _pytest_cases(files: list[str], gpu_only: bool = False) -> int:
 
 
 def estimate_device(shape: Shape) -> Work:
-    return Work(processes=2)  # the CPU kernels' build: a compiler run, about one more start
+    return Work(kernel_builds=1)
 
 
 def estimate_build(shape: Shape) -> Work:
@@ -703,20 +733,25 @@ def estimate_exactness_fp32(shape: Shape) -> Work:
 
 
 def estimate_e2e(shape: Shape) -> Work:
-    """bench/language.py at --runs 1: the engine (graphs) and transformers (eager) loaded
-    once each; HF one at a time for the greedy check and the figure, padded batches at each
-    concurrency; the engine at each concurrency."""
+    """bench/language.py at --runs 1, as it runs: the engine (graphs captured up to the
+    largest concurrency) and transformers (eager) loaded once each; the greedy check (HF
+    one at a time and the engine, E2E_CHECKED requests); HF one at a time over every
+    request (the c=1 baseline) and in padded batches at each larger concurrency, each
+    batch to its longest output; the engine at each concurrency."""
     tokens = E2E_REQUESTS * E2E_MEAN_OUTPUT
-    hf_token = _sum([_decode_step(shape, 1, E2E_MEAN_PROMPT),
-                     Work(launches=shape.layers * HF_LAUNCHES_PER_LAYER, processes=0)])
-    hf_one = _scaled(hf_token, 2 * tokens)  # the greedy check and the timed run
-    hf_padded = [_scaled(_sum([_decode_step(shape, c, E2E_MEAN_PROMPT),
-                               Work(launches=shape.layers * HF_LAUNCHES_PER_LAYER, processes=0)]),
-                         E2E_MAX_OUTPUT * -(-E2E_REQUESTS // c)) for c in E2E_CONCURRENCY]
-    engine = [_scaled(_decode_step(shape, c, E2E_MEAN_PROMPT), -(-tokens // c)) for c in E2E_CONCURRENCY]
-    prefill = Work(flops=2 * shape.text_params * E2E_REQUESTS * E2E_MEAN_PROMPT * (3 + 3), processes=0)
+    hf_launches = Work(launches=shape.layers * HF_LAUNCHES_PER_LAYER, processes=0)
+    hf_token = _sum([_decode_step(shape, 1, E2E_MEAN_PROMPT), hf_launches])
+    hf_one = _scaled(hf_token, tokens + E2E_CHECKED * E2E_MEAN_OUTPUT)
+    hf_padded = [_scaled(_sum([_decode_step(shape, c, E2E_MEAN_PROMPT), hf_launches]),
+                         E2E_MAX_OUTPUT * -(-E2E_REQUESTS // c)) for c in E2E_CONCURRENCY if c > 1]
+    engine = [_scaled(_decode_step(shape, c, E2E_MEAN_PROMPT), -(-tokens // c))
+              for c in (E2E_CHECKED, *E2E_CONCURRENCY)]
+    # graph captures (a warm-up step and the recorded one per batch bucket), eagerly
+    eager = Work(launches=shape.layers * ENGINE_LAUNCHES_PER_LAYER, processes=0)
+    captures = _scaled(eager, 2 * (2 * max(E2E_CONCURRENCY).bit_length() + 1))
+    prefill = Work(flops=2 * shape.text_params * E2E_REQUESTS * E2E_MEAN_PROMPT * (1 + 2), processes=0)
     return _sum([Work(compiles=1), _load_text(shape), _load_text(shape), hf_one, *hf_padded,
-                 *engine, prefill])
+                 *engine, captures, prefill])
 
 
 def estimate_vit_graphs(shape: Shape) -> Work:
@@ -745,9 +780,11 @@ class Check:
 # Most valuable first (issue 43): decode graphs equal to eager and faster; no SDPA math
 # fallback on the paged attention path; bf16 and fp32 exactness; the 7B-shaped model through
 # the engine at c=1/8/32; ViT graphs; host syncs; then the `gpu` tests. `device` is the table's
-# header and `build` makes the model the next checks load. The first call plans all but the
-# `gpu` tests (each check also runs later in that call if time is left): a second call right
+# header and `build` makes the model the next checks load. The first call plans the checks
+# through e2e (the last three also run in that call if time is left): a second call right
 # after it (`--resume`, on the still-warm machine) has what is left of the 15-minute lease.
+# (ViT graphs and host syncs were in the first call's plan until the first run's figures
+# priced the e2e check: bench/results/gpu.md.)
 CHECKS = [
     Check("device", check_device, estimate_device),
     Check("build", check_build, estimate_build),
@@ -756,8 +793,8 @@ CHECKS = [
     Check("exactness_bf16", check_exactness_bf16, estimate_exactness_bf16),
     Check("exactness_fp32", check_exactness_fp32, estimate_exactness_fp32),
     Check("e2e", check_e2e, estimate_e2e),
-    Check("vit_graphs", check_vit_graphs, estimate_vit_graphs),
-    Check("host_syncs", check_host_syncs, estimate_host_syncs),
+    Check("vit_graphs", check_vit_graphs, estimate_vit_graphs, first_call=False),
+    Check("host_syncs", check_host_syncs, estimate_host_syncs, first_call=False),
     Check("gpu_tests", check_gpu_tests, estimate_gpu_tests, cuda_only=True, first_call=False),
 ]
 INSTALL = Work(processes=2)  # `make gpu-check` before the script: pip installs .whl/ offline
@@ -1006,10 +1043,20 @@ def run_check(check: Check, ctx: Ctx, limit_s: float) -> list[Row]:
     return rows
 
 
+def tree_commit() -> str:
+    """The commit of the tree that ran: the one `make gpu-wheels` wrote beside the wheels
+    where they were carried (the device's copy of the tree reported a stale HEAD: the
+    first table named 302c52e for bcbc0a0), else git's."""
+    stamp = ROOT / ".whl" / "COMMIT"
+    if stamp.exists():
+        return f"{stamp.read_text().strip()} (as make gpu-wheels found it)"
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                          capture_output=True, text=True).stdout.strip() or "?"
+
+
 def markdown(rows: list[Row], ctx: Ctx, started: str, total_s: float, plan: Plan) -> str:
     device = next((r for r in rows if r.check == "device" and r.status is Status.PASS), None)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip() or "?"
+    commit = tree_commit()
     mode = "DRY RUN on the CPU (tiny sizes, float32)" if ctx.dry_run else "CUDA"
     counts = {s: sum(r.status is s for r in rows) for s in Status}
     lines = [

@@ -1,7 +1,8 @@
 """Output tokens per second of the language engine vs Hugging Face `generate()`.
 
     .venv/bin/python bench/language.py [--model DIR | --arch qwen2_5_vl --size small]
-        [--requests 32] [--concurrency 1 8 32] [--runs 3] [--device auto] [--dtype auto]
+        [--requests 32] [--concurrency 1 8 32] [--runs 3] [--max-output 128] [--device auto]
+        [--dtype auto]
         [--tp N] [--threads N] [--engine-profile] [--out bench/results/language.md]
 
 `--tp N` runs the engine over N tensor-parallel ranks (N processes: gloo on CPU, where the
@@ -9,9 +10,9 @@ host's threads are split among them, so on a small CPU host it is a correctness 
 expected slower than `--tp 1`; one GPU per rank on CUDA).
 
 Workload: `--requests` text prompts with lengths drawn from 64-512 tokens and output
-lengths from 16-128 (fixed seed; EOS ignored so every request produces exactly its
-length). The engine gets each prompt as the encoder would send it (token embeddings,
-text MRoPE positions); transformers gets the same token ids.
+lengths from 16 to `--max-output` (default 128; fixed seed; EOS ignored so every request
+produces exactly its length). The engine gets each prompt as the encoder would send it
+(token embeddings, text MRoPE positions); transformers gets the same token ids.
 
 - engine @ c: closed loop, at most c requests in flight (a new one is submitted when one
   finishes); tokens/s = all output tokens / wall time from first submit to last finish.
@@ -64,12 +65,13 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def workload(n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
+def workload(n: int, vocab: int, seed: int = 0, max_output: int = 128
+             ) -> list[tuple[list[int], int]]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
         plen = int(torch.randint(64, 513, (1,), generator=g))
-        olen = int(torch.randint(16, 129, (1,), generator=g))
+        olen = int(torch.randint(16, max_output + 1, (1,), generator=g))
         ids = torch.randint(10, vocab - 100, (plen,), generator=g).tolist()  # plain tokens
         out.append((ids, olen))
     return out
@@ -264,6 +266,9 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--max-output", type=int, default=128,
+                    help="output lengths are drawn from 16 to this (make gpu-check: 40, so "
+                         "transformers' eager baselines fit its budget)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--max-prefill-tokens", type=int, default=2048)
@@ -275,6 +280,8 @@ def main(argv=None) -> int:
                     help="default bench/results/language.md (language-profile-<dtype>.md "
                     "with --engine-profile)")
     a = ap.parse_args(argv)
+    if a.max_output < 16:
+        ap.error(f"--max-output must be at least 16 (outputs are 16 or more), got {a.max_output}")
 
     from transformers import AutoModelForImageTextToText
 
@@ -298,7 +305,7 @@ def main(argv=None) -> int:
     engine, spec, _ = build_engine(cfg, LanguageMetrics(CollectorRegistry()))
     device, dtype = engine.runner.device, engine.runner.dtype
     hf = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=dtype).to(device).eval()
-    work = workload(a.requests, spec.vocab_size)
+    work = workload(a.requests, spec.vocab_size, max_output=a.max_output)
     payloads = [payload(hf, ids) for ids, _ in work]
     pad = int(hf.generation_config.pad_token_id or 0)
     engine.start()

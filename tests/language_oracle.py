@@ -43,6 +43,20 @@ def test_device() -> torch.device:
 test_device.__test__ = False  # a helper, not a test (pytest collects test_* names)
 
 
+def page_size(device: torch.device | str) -> int:
+    """The KV page size of the runner tests on `device`: 4 on the CPU (chunk and prompt
+    boundaries fall mid-page; its attention takes any size), 16 on CUDA, the least flex
+    takes (it tiles a page by a power of two >= 16: `select_attention` refuses less; the
+    first `make gpu-check` on an H200 failed every exactness case on page 4)."""
+    return 4 if torch.device(device).type == "cpu" else 16
+
+
+def kv_pages(tokens: int, device: torch.device | str) -> int:
+    """Pages of `page_size(device)` that hold `tokens` tokens: a test sizes its KV cache in
+    tokens, so a small cache is as small on every device."""
+    return -(-tokens // page_size(device))
+
+
 @lru_cache(maxsize=4)
 def load(path: Path, dtype: torch.dtype = torch.float32):
     """(model, processor) in `dtype` (float32 unless a test says otherwise), eval mode."""

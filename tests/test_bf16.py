@@ -56,8 +56,9 @@ GREEDY_MARGIN = BF16_TOL  # greedy ids compared where the oracle's top-2 margin 
 ROUTER_TIE = 0.02  # MoE: expert probabilities this close are a near tie
 LOGIT_SCALE = (1.0, 16.0)  # the range of max |logit| in which BF16_TOL means what it says
 STEPS = 10
-PAGE = 4
 DEVICE = oracle.test_device()
+PAGE = oracle.page_size(DEVICE)  # the CPU-only cases' too (4)
+CUDA_PAGE = oracle.page_size("cuda")
 BACKENDS = ["auto", "gather"] if DEVICE.type == "cpu" else ["auto"]
 
 
@@ -381,19 +382,20 @@ def test_bf16_on_cuda_within_bound_and_graph_replay_equals_eager(arch, checkpoin
 
     path = checkpoint(arch)
     prompts = bf16_oracle(path, arch, "tiny")
-    runner = ModelRunner(oracle.text_weights(path, BF16), RunnerSettings(page_size=PAGE),
-                         num_pages=64, device="cuda", dtype=BF16)
-    finish(run_case(runner, 64, prompts, f"{arch} tiny cuda"), record_property)
+    pages = oracle.kv_pages(256, "cuda")
+    runner = ModelRunner(oracle.text_weights(path, BF16), RunnerSettings(page_size=CUDA_PAGE),
+                         num_pages=pages, device="cuda", dtype=BF16)
+    finish(run_case(runner, pages, prompts, f"{arch} tiny cuda"), record_property)
 
     max_seq = 256
     graphs = ModelRunner(
         oracle.text_weights(path, BF16),
-        RunnerSettings(page_size=PAGE, cuda_graph_max_bs=8, max_seq_len=max_seq),
-        num_pages=10 * ceil_div(max_seq, PAGE), device="cuda", dtype=BF16,
+        RunnerSettings(page_size=CUDA_PAGE, cuda_graph_max_bs=8, max_seq_len=max_seq),
+        num_pages=10 * ceil_div(max_seq, CUDA_PAGE), device="cuda", dtype=BF16,
     )
     gr = graphs.graph_runner
     assert gr is not None and gr.use_graphs and gr.graphs
-    seqs = _prefill(graphs, KVPagePool(graphs.num_pages, PAGE), 8, seed=2)
+    seqs = _prefill(graphs, KVPagePool(graphs.num_pages, CUDA_PAGE), 8, seed=2)
     for bs in (1, 3, 8):
         batch = _decode_batch(seqs[:bs])
         got = gr.run(batch).last_logits.float()

@@ -38,7 +38,7 @@ def _prefill(runner: ModelRunner, pool: KVPagePool, n_seqs: int, seed: int):
     for i in range(n_seqs):
         n = int(torch.randint(3, MAX_SEQ - 60, (1,), generator=g))
         ids = torch.randint(0, runner.vocab_size, (n,), generator=g)
-        pages = pool.alloc(ceil_div(n + 1, PAGE))
+        pages = pool.alloc(ceil_div(n + 1, pool.page_size))
         pos = torch.arange(n).expand(3, n)
         runner.forward_eager(ForwardBatch([SeqChunk(i, 0, pos, pages, token_ids=ids)]))
         seqs.append((i, n, pages, int(ids[-1])))
@@ -110,14 +110,15 @@ def test_batches_the_graph_runner_cannot_serve_fall_back(runner):
 
 @pytest.mark.gpu
 def test_cuda_graph_replay_equals_eager(checkpoint):
+    page = oracle.page_size("cuda")
     r = ModelRunner(
         oracle.text_weights(checkpoint("qwen2_5_vl")),
-        RunnerSettings(page_size=PAGE, cuda_graph_max_bs=MAX_BS, max_seq_len=MAX_SEQ),
-        num_pages=40 * ceil_div(MAX_SEQ, PAGE), device="cuda",
+        RunnerSettings(page_size=page, cuda_graph_max_bs=MAX_BS, max_seq_len=MAX_SEQ),
+        num_pages=40 * ceil_div(MAX_SEQ, page), device="cuda",
     )
     gr = r.graph_runner
     assert gr.use_graphs and len(gr.graphs) == len(gr.batch_sizes) * len(gr.widths)
-    seqs = _prefill(r, KVPagePool(r.num_pages, PAGE), MAX_BS, seed=1)
+    seqs = _prefill(r, KVPagePool(r.num_pages, page), MAX_BS, seed=1)
     for bs in (1, 3, 8, 17, 32):
         batch = _decode_batch(seqs[:bs])
         got = gr.run(batch)

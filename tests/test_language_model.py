@@ -21,8 +21,8 @@ from tandem.units import ceil_div
 
 ARCHS = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 TOL = 1e-4
-PAGE = 4  # small pages: chunk boundaries fall mid-page
 DEVICE = oracle.test_device()
+PAGE = oracle.page_size(DEVICE)  # small pages (4 on the CPU): chunk boundaries fall mid-page
 
 
 class Seq:
@@ -76,8 +76,10 @@ def case(request, checkpoint):
     return request.param, model, oracle.text_weights(path), prompts
 
 
-def make_runner(weights, pages: int = 96) -> tuple[ModelRunner, KVPagePool]:
-    """A runner and the pool of its KV pages (the engine's scheduler holds it in service)."""
+def make_runner(weights, tokens: int = 384) -> tuple[ModelRunner, KVPagePool]:
+    """A runner whose KV cache holds `tokens`, and the pool of its pages (the engine's
+    scheduler holds it in service)."""
+    pages = oracle.kv_pages(tokens, DEVICE)
     runner = ModelRunner(weights.copy(), RunnerSettings(page_size=PAGE), num_pages=pages, device=DEVICE)
     return runner, KVPagePool(pages, PAGE)
 
@@ -127,7 +129,7 @@ def _greedy_alone(runner, pool, payload, steps: int) -> tuple[list[int], list[to
 def test_mixed_batch_matches_each_sequence_alone(case):
     """Two prompt chunks of A and B beside decode tokens of C and D, over several steps."""
     _arch, _model, weights, prompts = case
-    runner, pool = make_runner(weights, pages=160)
+    runner, pool = make_runner(weights, tokens=640)
     alone = [_greedy_alone(runner, pool, p[1], 4) for p in prompts]  # tokens + logits per prompt
 
     a, b = Seq(10, prompts[2][1], pool), Seq(11, prompts[1][1], pool)
@@ -184,7 +186,7 @@ def test_greedy_decode_equals_generate(case):
     """All three prompts decode together (one batch per step) and match generate()."""
     _arch, model, weights, prompts = case
     steps = 10
-    runner, pool = make_runner(weights, pages=160)
+    runner, pool = make_runner(weights, tokens=640)
     eos = set(runner.eos_token_ids)
     seqs = [Seq(i, p[1], pool) for i, p in enumerate(prompts)]
     out = runner.forward(ForwardBatch([s.prompt_chunk(s.p.num_tokens, False) for s in seqs]))
@@ -213,7 +215,7 @@ def test_resume_recomputes_prompt_and_generated_tokens_in_one_step(case):
     tokens (as token ids): two chunks of ONE sequence in one batch, the second attending
     to the first's fresh K/V. The next logits equal those of uninterrupted decoding."""
     _arch, _model, weights, prompts = case
-    runner, pool = make_runner(weights, pages=96)
+    runner, pool = make_runner(weights, tokens=384)
     payload = prompts[1][1]
     tokens, logits = _greedy_alone(runner, pool, payload, 5)
     s = Seq(0, payload, pool)
@@ -257,12 +259,13 @@ def test_small_checkpoint_prompt_logits_and_greedy(arch, checkpoint):
 
 def test_bad_batches_are_refused(case):
     _arch, _model, weights, prompts = case
-    runner, _pool = make_runner(weights, pages=8)
+    runner, _pool = make_runner(weights, tokens=32)
     payload = prompts[0][1]
-    pos = payload.mrope_positions[:, :8].long()
+    n = PAGE + 4  # more tokens than the one page the block table names
+    pos = payload.mrope_positions[:, :n].long()
     with pytest.raises(ValueError, match="block table"):
         runner.forward(
-            ForwardBatch([SeqChunk(0, 0, pos, [0], input_embeds=payload.input_embeds[:8])])
+            ForwardBatch([SeqChunk(0, 0, pos, [0], input_embeds=payload.input_embeds[:n])])
         )
     with pytest.raises(ValueError, match="input_embeds"):
         runner.forward(ForwardBatch([SeqChunk(0, 0, pos, [0, 1], input_embeds=torch.zeros(8, 3))]))
