@@ -340,15 +340,15 @@ def _draw_cpu(xs: torch.Tensor, reqs: list[Request], t: dict[str, torch.Tensor],
     u = torch.tensor([torch.rand((), dtype=torch.float64, generator=_generator(r, xs.device))
                       .item() for r in reqs], dtype=torch.float64)
     fast = [k for k, r in enumerate(reqs) if kernels is not None and r.sampling.typical_p == 1.0]
-    slow = [k for k in range(len(reqs)) if k not in set(fast)]
+    slow = sorted(set(range(len(reqs))) - set(fast))
     drawn = torch.zeros(len(reqs), dtype=torch.long)
     if fast:
-        at = None if not slow else torch.tensor(fast)
-        def pick(v: torch.Tensor) -> torch.Tensor:  # noqa: E306
-            return v if at is None else v.index_select(0, at)
-        got = draw_rows(kernels, pick(xs).contiguous(), pick(t["temperature"]),
-                        pick(t["top_k"]) + 1, pick(t["top_p"]), pick(t["min_p"]), pick(u))
-        drawn = got if at is None else drawn.index_copy_(0, at, got)
+        x, cuts = xs, (t["temperature"], t["top_k"] + 1, t["top_p"], t["min_p"], u)
+        if slow:  # the fast rows only
+            at = torch.tensor(fast)
+            x, cuts = x.index_select(0, at), tuple(c.index_select(0, at) for c in cuts)
+        got = draw_rows(kernels, x.contiguous(), *cuts)
+        drawn = drawn.index_copy_(0, at, got) if slow else got
     if slow:
         host = {n: t[n].tolist() for n in _FILTERS}
         for k in slow:
