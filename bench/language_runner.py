@@ -423,9 +423,9 @@ def profile(runner, pool, args, vocab_sizes: list[int]) -> None:
     for name, med in rows:
         print(f"{name:>16} | " + " | ".join(f"{med[c]:>10.2f}" for c in (*COMPONENTS, "total")))
     print("\nsampler CPU ms per step (engine's sample(), float32 logits):")
+    k = runner.sampler_kernels
     for v in vocab_sizes:
         for bs in args.batch_sizes:
-            k = runner.sampler_kernels
             gr, sa = (_sampler_ms(v, bs, False, args.steps, k),
                       _sampler_ms(v, bs, True, args.steps, k))
             print(f"  vocab {v:>6} bs {bs:>3}: greedy {gr:8.2f} | temperature 0.8 + top-p 0.95 {sa:8.2f}")

@@ -476,8 +476,8 @@ def sampler_kernels(device: torch.device):
     (`nucleus_draw`, engine/sampler.py): the compiled module on the CPU, on any path (the
     kernel is mostly scalar passes: the generic build runs it near the vector builds'
     speed); None on another device (CUDA sorts) or where it cannot be built (the sampler
-    then cuts a row at a time in Python: the same rules, ~20x slower at a small
-    vocabulary)."""
+    then cuts a row at a time in Python: the same rules, 6x slower at 32 rows of a
+    1,024-token vocabulary, 2x at 152K; docs/benchmarks.md)."""
     return kernels() if device.type == "cpu" else None
 
 

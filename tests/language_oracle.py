@@ -17,6 +17,7 @@ import torch
 
 import tandem  # noqa: F401  (registers the image-only processors with AutoProcessor)
 from tandem.transfer.payload import PromptPayload
+from tandem.units import ceil_div
 
 # The device the exactness tests run our runner on (the oracle always runs on the CPU):
 # `pytest --device cuda` sets it (tests/conftest.py), `make gpu-check` runs the suite so.
@@ -54,7 +55,7 @@ def page_size(device: torch.device | str) -> int:
 def kv_pages(tokens: int, device: torch.device | str) -> int:
     """Pages of `page_size(device)` that hold `tokens` tokens: a test sizes its KV cache in
     tokens, so a small cache is as small on every device."""
-    return -(-tokens // page_size(device))
+    return ceil_div(tokens, page_size(device))
 
 
 @lru_cache(maxsize=4)

@@ -109,8 +109,7 @@ def test_concurrent_greedy_equals_generate(case, pool):
         engine = case.engine(kv_tokens=2048, max_prefill_tokens=64)
     else:  # the longest prompt + output fits alone, in whole pages, and nothing more
         need = max(p.num_tokens + n for p, n in zip(case.payloads, case.max_new, strict=True))
-        engine = case.engine(kv_tokens=-(-need // page) * page, max_prefill_tokens=64,
-                             init_new_token_ratio=0.05)
+        engine = case.engine(kv_tokens=need, max_prefill_tokens=64, init_new_token_ratio=0.05)
     try:
         reqs = greedy_requests(case, 1000)
         streams = collect(engine, reqs)
