@@ -307,7 +307,7 @@ def test_deadline_and_cancel_leave_nothing_behind(env, loop):
             return load
 
     load = loop.run_until_complete(go())
-    assert load.queued_requests == 0 and load.open_rooms == 0 and load.queued_patches == 0
+    assert load.queued_requests == 0 and load.open_rooms == 0 and load.queued_patches == 0 == load.vit_patches
 
 
 def test_sigterm_drains_in_flight_encodes(env, loop):

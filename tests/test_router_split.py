@@ -54,7 +54,7 @@ def enc(address: str, load: float = 0, patches: int = 0, model: str = "m", healt
 def test_helpers_are_the_least_loaded_others_up_to_split_encoders_minus_one():
     pool = [enc("lead", load=0), enc("a", load=5), enc("b", load=1), enc("c", load=1, patches=9),
             enc("d", load=1, patches=2), enc("e", load=0, patches=700)]
-    # requests first, then queued patches, then address; the lead is never its own helper
+    # requests first, then patches waiting for or in the ViT, then address; the lead is never its own helper
     assert pick_helpers(pool, "lead", media=8, split_encoders=4) == ["e", "b", "d"]
     assert pick_helpers(pool, "lead", media=8, split_encoders=2) == ["e"]
     assert pick_helpers(pool, "lead", media=8, split_encoders=64) == ["e", "b", "d", "c", "a"]
@@ -124,7 +124,9 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServicer):
 
     async def GetLoad(self, request, context):  # noqa: N802
         return encoder_pb2.EncoderGetLoadResponse(
-            queued_requests=self.load, queued_patches=self.patches, model=self.model,
+            # its patches half queued, half in the ViT: the router ranks by the two together
+            queued_requests=self.load, queued_patches=self.patches // 2,
+            vit_patches=self.patches - self.patches // 2, model=self.model,
             draining=self.draining, vit_stalled=self.vit_stalled)
 
     async def Encode(self, request, context):  # noqa: N802
@@ -272,6 +274,8 @@ def test_the_encode_names_the_least_loaded_eligible_encoders_and_a_failover_pick
             candidates = [c.address for c in dispatcher.registry.encoders.candidates()]
             assert sorted(candidates) == sorted(addr[n] for n in fakes
                                                 if n not in ("draining", "stalled"))
+            encoders = dispatcher.registry.encoders.instances
+            assert encoders[addr["next"]].pending_patches == 500  # queued + in its ViT
             urls = images_preferring([addr["lead"], addr["next"]], candidates, 3)
             out = await run(dispatcher, chat(urls))
             assert language.reattached == [addr["next"]]

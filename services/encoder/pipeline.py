@@ -603,6 +603,7 @@ class EncodePipeline:
     def load_figures(self) -> dict:
         return {
             "queued_patches": self.scheduler.queued_patches,
+            "vit_patches": self.scheduler.vit_patches,
             "cache_bytes": self.cache.bytes_used,
             "cache_capacity_bytes": self.cache.capacity,
         }

@@ -382,6 +382,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         return encoder_pb2.EncoderGetLoadResponse(
             queued_requests=self.num_active,
             queued_patches=f["queued_patches"],
+            vit_patches=f["vit_patches"],
             cache_bytes=f["cache_bytes"],
             cache_capacity_bytes=f["cache_capacity_bytes"],
             open_rooms=len(self.sender.rooms),

@@ -55,7 +55,7 @@ class Instance:
     draining: bool = False
     vit_stalled: bool = False  # an encoder whose ViT call stalled (GetLoad)
     model: str = ""
-    queued_patches: int = 0  # an encoder's vision patches waiting for its ViT (GetLoad)
+    pending_patches: int = 0  # an encoder's vision patches waiting for or in its ViT (GetLoad)
     running: int = 0  # a language instance's running batch (GetLoad)
     waiting: int = 0  # a language instance's queue, prompts in transfer included (GetLoad)
 
@@ -128,7 +128,7 @@ class Pool:
         """Every instance as plain data, eligible or not (the helper rule filters)."""
         return [
             EncoderState(i.address, i.model, i.tracker.healthy, i.takes_work, i.load,
-                         i.queued_patches)
+                         i.pending_patches)
             for i in self.instances.values()
         ]
 
@@ -194,7 +194,7 @@ class Pool:
         inst.draining = r.draining
         inst.model = r.model
         if self.kind == "encoder":
-            inst.queued_patches = r.queued_patches
+            inst.pending_patches = r.queued_patches + r.vit_patches
             inst.vit_stalled = r.vit_stalled
         else:
             inst.running, inst.waiting = r.running, r.waiting + r.transferring

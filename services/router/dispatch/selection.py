@@ -144,7 +144,7 @@ class EncoderState:
     healthy: bool  # not ejected, and answered a load poll or a request since it was seen
     takes_work: bool  # neither draining nor, its ViT stalled, refusing new work
     load: float  # requests: this router's outstanding ones + other routers' (GetLoad)
-    queued_patches: int  # vision patches waiting for its ViT (its last GetLoad)
+    pending_patches: int  # vision patches waiting for or in its ViT (its last GetLoad)
 
 
 def splittable(media: int, split_encoders: int, videos: int = 0) -> bool:
@@ -173,7 +173,7 @@ def pick_helpers(
     encoder's ViT is better spent on its own requests: under load a split only moves work
     around, and a helper renders the whole chat again), and are neither
     the lead nor in `exclude` (encoders that failed this request); least loaded first: by requests in flight (which include
-    this router's own, counted at once), then queued patches, then address. None when
+    this router's own, counted at once), then patches waiting for or in its ViT, then address. None when
     split_encoders is 1, when the prompt has fewer than 2 media and no video, or when the
     lead is not a
     known encoder. They are candidates only: the lead decides which ranges, if any, each
@@ -186,5 +186,5 @@ def pick_helpers(
     pool = [e for e in encoders
             if e.healthy and e.takes_work and e.model == model and e.load <= max_load
             and e.address != lead and e.address not in exclude]
-    pool.sort(key=lambda e: (e.load, e.queued_patches, e.address))
+    pool.sort(key=lambda e: (e.load, e.pending_patches, e.address))
     return [e.address for e in pool[:limit]]
