@@ -170,6 +170,16 @@ def _project_frame(frame) -> str:
 class HostSyncCounter(TorchDispatchMode):
     """Counts the host syncs of the code run inside it (module docstring)."""
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Compiled code runs compiled under the counter, its insides unseen (torch >= 2.9).
+        Without this dynamo compiles no frame while the mode is active, and the decode
+        step's flex attention ran uncompiled, which no dispatch mode can take (a GPU's
+        host_syncs check failed so, unseen on the CPU's gather path). Nothing is missed: a
+        host read in compiled code is a graph break, and the code at a break runs eagerly,
+        counted; a fullgraph compile (flex's) has none."""
+        return True
+
     def __init__(self, regions: Mapping[str, Callable] | None = None) -> None:
         super().__init__()
         self._regions = {getattr(f, "__func__", f).__code__: name

@@ -216,6 +216,20 @@ def test_flex_kernel_reads_only_the_listed_pages():
     torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
 
 
+def test_flex_runs_compiled_under_the_host_sync_counter():
+    """bench/step_syncs.py counts a decode step's syncs with flex attention on a GPU: under
+    the counter (a dispatch mode) the compiled kernel must still run compiled, not be
+    skipped by dynamo into an uncompiled flex_attention the mode cannot take."""
+    from tandem.host_syncs import HostSyncCounter
+
+    # NOTE: test_flex_equals_dense_reference's first geometry and shapes: its kernel serves
+    step = make_step(ROWS + CHUNKS, 4, 6, 2, seed=5)
+    with HostSyncCounter() as counter:
+        got = step.run(FLEX)
+    torch.testing.assert_close(got, step.reference(), rtol=0, atol=2e-5)
+    assert counter.events == []  # CPU tensors: nothing to count, nothing missed on the way
+
+
 # -- findings 2 and 3 on the path CUDA selects --------------------------------------------
 class FunctionLog(TorchFunctionMode):
     """SDPA calls with their mask / GQA arguments."""
@@ -551,7 +565,7 @@ def test_cuda_runner_attends_on_flex_without_math_fallback(checkpoint):
 
     def make(device, **kw):
         return ModelRunner(oracle.text_weights(path), RunnerSettings(page_size=16, **kw),
-                           num_pages=64, device=device)
+                           num_pages=oracle.kv_pages(1024, device, page=16), device=device)
 
     gpu = make("cuda", cuda_graph_max_bs=4, max_seq_len=256)
     assert gpu.attention.backend is AttentionBackend.FLEX and gpu.graph_runner.use_graphs
