@@ -61,12 +61,16 @@ def checkpoint():
 
 
 def _cuda() -> bool:
+    return _cuda_devices() > 0
+
+
+def _cuda_devices() -> int:
     try:
         import torch
 
-        return torch.cuda.is_available()
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:
-        return False
+        return 0
 
 
 def pytest_report_header(config):
@@ -125,11 +129,14 @@ def pytest_collection_modifyitems(config, items):
     slow = None if config.getoption("--run-slow") else pytest.mark.skip(
         reason="slow: run with --run-slow (make test-slow)")
     gpu = None if _cuda() else pytest.mark.skip(reason="needs CUDA")
+    two = None if _cuda_devices() >= 2 else pytest.mark.skip(reason="needs a second GPU")
     for item in items:
         if slow is not None and "slow" in item.keywords:
             item.add_marker(slow)
         if gpu is not None and "gpu" in item.keywords:
             item.add_marker(gpu)
+        if two is not None and "multi_gpu" in item.keywords:
+            item.add_marker(two)
     items.sort(key=_longest_first)  # stable: each file's own order is kept
 
 

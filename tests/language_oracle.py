@@ -52,10 +52,20 @@ def page_size(device: torch.device | str) -> int:
     return 4 if torch.device(device).type == "cpu" else 16
 
 
-def kv_pages(tokens: int, device: torch.device | str) -> int:
-    """Pages of `page_size(device)` that hold `tokens` tokens: a test sizes its KV cache in
-    tokens, so a small cache is as small on every device."""
-    return ceil_div(tokens, page_size(device))
+# On CUDA a test's KV cache has at least this many pages (2,048 tokens of 16). Flex
+# attention is compiled per cache geometry, its page count included (`_compiled_flex` in
+# services/language/model/attention.py; a server has one cache, so one geometry), and a
+# compile costs seconds there: with a page count per test size the exactness suites paid
+# a compile per test on a 15-minute lease, with one per model they pay one per model.
+CUDA_MIN_PAGES = 128
+
+
+def kv_pages(tokens: int, device: torch.device | str, page: int | None = None) -> int:
+    """Pages of `page` tokens (default `page_size(device)`) that hold `tokens` tokens: a
+    test sizes its KV cache in tokens. On the CPU that many; on CUDA at least
+    CUDA_MIN_PAGES (above): a test whose point is a small pool makes it on the CPU."""
+    need = ceil_div(tokens, page or page_size(device))
+    return need if torch.device(device).type == "cpu" else max(need, CUDA_MIN_PAGES)
 
 
 @lru_cache(maxsize=4)

@@ -222,11 +222,12 @@ def run_case(runner, num_pages: int, prompts: list[Prompt], name: str) -> Agreem
 def test_bf16_runner_within_bound_of_transformers(arch, backend, checkpoint, record_property):
     path = checkpoint(arch)
     prompts = bf16_oracle(path, arch, "tiny")
+    pages = oracle.kv_pages(256, DEVICE)
     runner = ModelRunner(
         oracle.text_weights(path, BF16), RunnerSettings(page_size=PAGE, attention_backend=backend),
-        num_pages=64, device=DEVICE, dtype=BF16,
+        num_pages=pages, device=DEVICE, dtype=BF16,
     )
-    finish(run_case(runner, 64, prompts, f"{arch} tiny {backend}"), record_property)
+    finish(run_case(runner, pages, prompts, f"{arch} tiny {backend}"), record_property)
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
@@ -234,9 +235,10 @@ def test_bf16_small_preset_within_bound(arch, checkpoint, record_property):
     """12 layers: the rounding of a deeper stack (the tiny preset has 2)."""
     path = checkpoint(arch, "small")
     prompts = bf16_oracle(path, arch, "small")
+    pages = oracle.kv_pages(256, DEVICE, page=16)
     runner = ModelRunner(oracle.text_weights(path, BF16), RunnerSettings(page_size=16),
-                         num_pages=16, device=DEVICE, dtype=BF16)
-    finish(run_case(runner, 16, prompts, f"{arch} small"), record_property)
+                         num_pages=pages, device=DEVICE, dtype=BF16)
+    finish(run_case(runner, pages, prompts, f"{arch} small"), record_property)
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="--tp 2 over gloo on the CPU (one GPU here)")
@@ -378,8 +380,6 @@ def test_bf16_on_cuda_within_bound_and_graph_replay_equals_eager(arch, checkpoin
     eager step: within BF16_TOL and the same greedy ids outside near ties."""
     from test_graph_runner import _decode_batch, _prefill
 
-    from tandem.units import ceil_div
-
     path = checkpoint(arch)
     prompts = bf16_oracle(path, arch, "tiny")
     pages = oracle.kv_pages(256, "cuda")
@@ -391,7 +391,7 @@ def test_bf16_on_cuda_within_bound_and_graph_replay_equals_eager(arch, checkpoin
     graphs = ModelRunner(
         oracle.text_weights(path, BF16),
         RunnerSettings(page_size=CUDA_PAGE, cuda_graph_max_bs=8, max_seq_len=max_seq),
-        num_pages=10 * ceil_div(max_seq, CUDA_PAGE), device="cuda", dtype=BF16,
+        num_pages=oracle.kv_pages(8 * max_seq, "cuda"), device="cuda", dtype=BF16,
     )
     gr = graphs.graph_runner
     assert gr is not None and gr.use_graphs and gr.graphs

@@ -238,9 +238,10 @@ def test_small_checkpoint_prompt_logits_and_greedy(arch, checkpoint):
     model, proc = oracle.load(path)
     inputs = oracle.make_inputs(proc, "What is in this image?", [oracle.make_image(7, (112, 84))])
     payload, ref = oracle.payload(model, inputs), oracle.prompt_logits(model, inputs).to(DEVICE)
-    runner = ModelRunner(oracle.text_weights(path), RunnerSettings(page_size=16), num_pages=16,
+    pages = oracle.kv_pages(256, DEVICE, page=16)
+    runner = ModelRunner(oracle.text_weights(path), RunnerSettings(page_size=16), num_pages=pages,
                          device=DEVICE)
-    s = Seq(0, payload, KVPagePool(16, 16))
+    s = Seq(0, payload, KVPagePool(pages, 16))
     half = payload.num_tokens // 2
     got = torch.cat([runner.forward(ForwardBatch([s.prompt_chunk(n)])).prompt_logits[0]
                      for n in (half, payload.num_tokens - half)])

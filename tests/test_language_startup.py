@@ -292,37 +292,56 @@ def test_the_runner_consumes_its_weights(checkpoint):
 # -- on a GPU ----------------------------------------------------------------------------------
 
 
+# What the sized-pool test leaves free on the GPU, the rest held by a ballast tensor (as
+# another process's memory would be): at 0.9 of an H200's ~140 GB the tiny model's pool
+# would be ~30M pages, each layer's K and V tensors ~2^34 elements, far past any real
+# model's (a 3B model's there: ~2^30) and past what 32-bit offsets in a kernel can reach.
+SIZED_POOL_ROOM = 8 << 30
+
+
 @pytest.mark.gpu
 def test_on_cuda_the_sized_pool_leaves_room_for_the_graphs_and_the_largest_step(checkpoint):
-    """Sized at a fraction of 0.9 (the pool takes most of the GPU), the graphs were captured
-    after it and the largest step the engine schedules still runs beside it."""
-    settings = RunnerSettings(page_size=16, max_seq_len=2048, cuda_graph_max_bs=16,
-                              max_prefill_tokens=1024, max_decode_rows=16)
-    runner = ModelRunner(oracle.text_weights(checkpoint("qwen2_5_vl"), torch.bfloat16), settings,
-                         num_pages=0, kv_memory_fraction=0.9, device="cuda",
-                         dtype=torch.bfloat16)
-    gr = runner.graph_runner
-    assert len(gr.graphs) == len(gr.batch_sizes) * len(gr.widths)
-    c = runner.cfg
-    per_page = KVCache.bytes_per_page(c.num_layers, 16, c.local_kv_heads, c.head_dim, runner.dtype)
+    """Sized at a fraction of 0.9 of what is free (SIZED_POOL_ROOM: the pool takes most of
+    it), the graphs were captured after it and the largest step the engine schedules still
+    runs beside it. Everything is let go at the end: the `gpu` tests share one process."""
+    import gc
+
     free, _total = torch.cuda.mem_get_info()
-    assert runner.num_pages * per_page > 4 * free  # the pool took most of what was free
-    out = runner.forward_eager(runner._worst_step())  # no out-of-memory beside the pool
-    assert out.last_logits.shape == (settings.max_decode_rows + 1, runner.vocab_size)
+    ballast = torch.empty(max(0, free - SIZED_POOL_ROOM), dtype=torch.uint8, device="cuda")
+    runner = None
+    try:
+        settings = RunnerSettings(page_size=16, max_seq_len=2048, cuda_graph_max_bs=16,
+                                  max_prefill_tokens=1024, max_decode_rows=16)
+        runner = ModelRunner(oracle.text_weights(checkpoint("qwen2_5_vl"), torch.bfloat16),
+                             settings, num_pages=0, kv_memory_fraction=0.9, device="cuda",
+                             dtype=torch.bfloat16)
+        gr = runner.graph_runner
+        assert len(gr.graphs) == len(gr.batch_sizes) * len(gr.widths)
+        c = runner.cfg
+        per_page = KVCache.bytes_per_page(c.num_layers, 16, c.local_kv_heads, c.head_dim,
+                                          runner.dtype)
+        free, _total = torch.cuda.mem_get_info()
+        assert runner.num_pages * per_page > 4 * free  # the pool took most of what was free
+        out = runner.forward_eager(runner._worst_step())  # no out-of-memory beside the pool
+        assert out.last_logits.shape == (settings.max_decode_rows + 1, runner.vocab_size)
+    finally:
+        del ballast, runner  # (a runner and its graph runner refer to each other: gc)
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                    reason="needs a second GPU")
+@pytest.mark.multi_gpu
 def test_a_runner_on_the_second_gpu_captures_there(checkpoint):
     from test_graph_runner import _decode_batch, _prefill
 
+    page = oracle.page_size("cuda:1")
     runner = ModelRunner(oracle.text_weights(checkpoint("qwen2_5_vl")),
-                         RunnerSettings(page_size=4, max_seq_len=256, cuda_graph_max_bs=8),
-                         num_pages=512, device="cuda:1")
+                         RunnerSettings(page_size=page, max_seq_len=256, cuda_graph_max_bs=8),
+                         num_pages=oracle.kv_pages(8 * 256, "cuda:1"), device="cuda:1")
     from tandem.services.language.engine.kv_pages import KVPagePool
 
-    seqs = _prefill(runner, KVPagePool(runner.num_pages, 4), 8, seed=3)
+    seqs = _prefill(runner, KVPagePool(runner.num_pages, page), 8, seed=3)
     for bs in (1, 3, 8):  # replays on cuda:1 equal eager there (stale graphs would not)
         batch = _decode_batch(seqs[:bs])
         got = runner.graph_runner.run(batch).last_logits

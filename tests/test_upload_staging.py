@@ -132,14 +132,15 @@ def test_graph_runner_uploads_from_its_static_mirror_behind_a_fence(checkpoint, 
 def test_on_cuda_the_uploaded_rows_are_pinned_and_replays_follow_each_batch(checkpoint):
     assert host_empty((4,), torch.float32, "cuda").is_pinned()
     assert EmbeddingBuffers(2, 4, 8, torch.float32, upload_device="cuda").private_embeds(3).is_pinned()
+    page = oracle.page_size("cuda")  # flex on CUDA takes pages of 16 and more
     runner = ModelRunner(oracle.text_weights(checkpoint("qwen2_5_vl")),
-                         RunnerSettings(page_size=PAGE, max_seq_len=64, cuda_graph_max_bs=4),
-                         num_pages=64, device="cuda")
+                         RunnerSettings(page_size=page, max_seq_len=64, cuda_graph_max_bs=4),
+                         num_pages=oracle.kv_pages(256, "cuda"), device="cuda")
     gr = runner.graph_runner
     assert gr._host_inputs.is_pinned() and gr.use_graphs
-    pool, seqs = KVPagePool(runner.num_pages, PAGE), []
+    pool, seqs = KVPagePool(runner.num_pages, page), []
     for i, n in enumerate((5, 9, 17)):
-        pages = pool.alloc(ceil_div(n + 1, PAGE))
+        pages = pool.alloc(ceil_div(n + 1, page))
         runner.forward_eager(ForwardBatch([SeqChunk(i, 0, torch.arange(n).expand(3, n), pages,
                                                     token_ids=torch.arange(n) % 7)]))
         seqs.append((i, n, pages))
