@@ -263,9 +263,13 @@ def gpu_test_files() -> list[str]:
 def check_gpu_tests(ctx: Ctx) -> list[Row]:
     """Every other `@pytest.mark.gpu` test, in one pytest process (one start, one compile
     cache), a row per file: a file that cannot import fails (or is skipped, for a package
-    NOT_CARRIED) alone."""
+    NOT_CARRIED) alone. `multi_gpu` tests are deselected on a machine of one GPU (every
+    test that is selected must run: a skip is a finding)."""
+    import torch
+
     files = gpu_test_files()
-    code, root, out = _pytest(ctx, "gpu-tests", ["-m", "gpu", "--continue-on-collection-errors", *files])
+    marks = "gpu" if torch.cuda.device_count() >= 2 else "gpu and not multi_gpu"
+    code, root, out = _pytest(ctx, "gpu-tests", ["-m", marks, "--continue-on-collection-errors", *files])
     if root is None:
         return [Row("gpu_tests", " ".join(files), Status.ERROR, f"pytest exit {code}, no report", out[-TAIL:])]
     rows = []
@@ -564,12 +568,12 @@ class Machine:
     bf16_flops: float  # dense bf16 matrix work, per second
     hbm_bytes_s: float  # device memory traffic, per second
     process_s: float  # a fresh Python: torch, transformers and the CUDA context (assumed)
-    compile_s: float  # torch.compile of flex attention, once per process, cold (assumed)
+    compile_s: float  # flex attention compiled for one KV cache geometry (a runner's warm-up)
     kernel_build_s: float  # the CPU kernels' compile on the machine's cores (measured)
     disk_bytes_s: float  # a checkpoint written or read (measured: written)
     h2d_bytes_s: float  # host to device copies, pinned or not (assumed; PCIe 5 x16 ~ 50)
     launch_s: float  # one kernel launched eagerly from Python (measured: an eager step)
-    pytest_case_s: float  # one exactness test case: the CPU oracle's side (assumed)
+    pytest_case_s: float  # one exactness test case: the CPU oracle's side
 
 
 EFFICIENCY = 0.5  # the share of the peak figures real kernels reach (decode GEMVs, small GEMMs)
@@ -584,7 +588,10 @@ class Work:
     disk_bytes: float = 0.0  # checkpoint bytes written or read
     h2d_bytes: float = 0.0  # host to device
     processes: int = 1  # fresh Python processes
-    compiles: int = 0  # processes that compile flex attention
+    # KV cache geometries (pages, page size, heads, head size, dtype) a check's processes
+    # compile flex attention for: each is its own set of kernels (attention.py
+    # `_compiled_flex`); a runner of a geometry compiled before in its process compiles none
+    compiles: int = 0
     kernel_builds: int = 0  # builds of the CPU kernels (the `device` check's, once)
     launches: int = 0  # eager kernel launches
     pytest_cases: int = 0  # exactness test cases
@@ -636,7 +643,7 @@ LONG_CONTEXTS, LONG_CHUNK, LONG_HEADS, LONG_HEAD_DIM, LONG_RUNS = (16384, 32768)
 E2E_CONCURRENCY, E2E_REQUESTS = (1, 8, 32), 32
 # bench/language.py's workload at `--max-output E2E_MAX_OUTPUT` (outputs drawn from 16 up:
 # transformers' eager baselines, one token step at a time from Python, are most of the check)
-E2E_MEAN_PROMPT, E2E_MAX_OUTPUT = 288, 40
+E2E_MEAN_PROMPT, E2E_MAX_OUTPUT = 288, 32
 E2E_MEAN_OUTPUT = (16 + E2E_MAX_OUTPUT) // 2
 E2E_CHECKED = 4  # the greedy check's requests (bench/language.py: work[:4])
 HF_LAUNCHES_PER_LAYER = 30  # transformers' eager decoder layer, kernels per token step
@@ -650,11 +657,16 @@ VIT_CAPTURES = 24  # ViT graph keys captured (buckets x bounds)
 # (the `decode_graphs` row): 72 us a launch, Python's dispatch and not the GPU (the same
 # step replayed from a graph took 7.03 ms). Before it the estimates had assumed 1.0 GB/s
 # and 10 us and left the kernels' build out, and the e2e check overran its share.
+# Two more from the same table: the decode_graphs row took 59 s, of which the estimate's
+# other terms are ~42 s, so one geometry's flex compile ~17 s (30 had been assumed); the
+# exactness rows ran their oracles' side and failed at the runner's construction, 35
+# cases in 77 s and 15 in 51 s, a process start each: (77 + 51 - 2 * 8) / 50 ~ 2.2 s a
+# case, 2.5 with a margin (3.0 had been assumed).
 H200 = Machine("NVIDIA H200", bf16_flops=790e12, hbm_bytes_s=4.3e12, process_s=8.0,
-               compile_s=30.0, kernel_build_s=36.0, disk_bytes_s=16.58e9 / 23,
+               compile_s=17.0, kernel_build_s=36.0, disk_bytes_s=16.58e9 / 23,
                h2d_bytes_s=20e9,
                launch_s=40.49e-3 / (Shape.of("7b").layers * ENGINE_LAUNCHES_PER_LAYER),
-               pytest_case_s=3.0)
+               pytest_case_s=2.5)
 
 
 def _decode_step(shape: Shape, bs: int, context: int) -> Work:
@@ -672,23 +684,56 @@ def _scaled(w: Work, n: int) -> Work:
 
 
 def _pytest_cases(files: list[str], gpu_only: bool = False) -> int:
-    """Test cases in these files, read statically: each test function (marked `gpu`, with
-    gpu_only) times the length of each of its literal `parametrize` lists (2 where it is not
-    a literal)."""
+    """Test cases in these files, read statically: each test function (marked `gpu` and not
+    `multi_gpu`, with gpu_only: the lent machine has one GPU) times the length of each of
+    its literal `parametrize` lists and of the `params` of each fixture of its file it
+    takes, directly or through another (a list is a literal or a module-level name of
+    one; 2 where it is neither)."""
+    return sum(_file_cases(ROOT / f, gpu_only) for f in files)
+
+
+def _file_cases(path: Path, gpu_only: bool) -> int:
     import ast
 
+    tree = ast.parse(path.read_text())
+    lists = {t.id: len(s.value.elts) for s in tree.body if isinstance(s, ast.Assign)
+             and isinstance(s.value, ast.List | ast.Tuple)
+             for t in s.targets if isinstance(t, ast.Name)}
+
+    def length(vals) -> int:
+        if isinstance(vals, ast.List | ast.Tuple):
+            return len(vals.elts)
+        return lists.get(vals.id, 2) if isinstance(vals, ast.Name) else 2
+
+    funcs = [node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)]
+    fixtures: dict[str, tuple[int, list[str]]] = {}  # name -> (its params, its fixtures)
+    for node in funcs:
+        for d in node.decorator_list:
+            call = d if isinstance(d, ast.Call) else None
+            if "fixture" in ast.unparse(call.func if call else d):
+                params = [k.value for k in (call.keywords if call else []) if k.arg == "params"]
+                fixtures[node.name] = (length(params[0]) if params else 1,
+                                       [a.arg for a in node.args.args])
+
+    def fanout(args: list[str], seen: frozenset = frozenset()) -> int:
+        out = 1
+        for a in args:
+            if a in fixtures and a not in seen:
+                own, deeper = fixtures[a]
+                out *= own * fanout(deeper, seen | {a})
+        return out
+
     n = 0
-    for f in files:
-        for node in ast.walk(ast.parse((ROOT / f).read_text())):
-            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
-                if gpu_only and "mark.gpu" not in "".join(ast.unparse(d) for d in node.decorator_list):
-                    continue
-                cases = 1
-                for d in node.decorator_list:
-                    if isinstance(d, ast.Call) and getattr(d.func, "attr", "") == "parametrize":
-                        vals = d.args[1] if len(d.args) > 1 else None
-                        cases *= len(vals.elts) if isinstance(vals, ast.List | ast.Tuple) else 2
-                n += cases
+    for node in funcs:
+        if node.name.startswith("test_"):
+            marks = "".join(ast.unparse(d) for d in node.decorator_list)
+            if gpu_only and ("mark.gpu" not in marks or "mark.multi_gpu" in marks):
+                continue
+            cases = fanout([a.arg for a in node.args.args])
+            for d in node.decorator_list:
+                if isinstance(d, ast.Call) and getattr(d.func, "attr", "") == "parametrize":
+                    cases *= length(d.args[1] if len(d.args) > 1 else None)
+            n += cases
     return n
 
 
@@ -727,12 +772,19 @@ def estimate_attention(shape: Shape) -> Work:
     return _sum([Work(compiles=1), *works])
 
 
+# The suites' cache geometries on CUDA: every test cache there has at least
+# tests/language_oracle.CUDA_MIN_PAGES pages, so the tiny models (one attention shape
+# across the three architectures) share one geometry and the `small` ones another, per
+# dtype (before that floor, a cache size per test: ~11 geometries in the float32 suite).
+SUITE_GEOMETRIES = 2
+
+
 def estimate_exactness_bf16(shape: Shape) -> Work:
-    return Work(pytest_cases=_pytest_cases(BF16_SUITE))
+    return Work(pytest_cases=_pytest_cases(BF16_SUITE), compiles=SUITE_GEOMETRIES)
 
 
 def estimate_exactness_fp32(shape: Shape) -> Work:
-    return Work(pytest_cases=_pytest_cases(FP32_SUITE), compiles=1)
+    return Work(pytest_cases=_pytest_cases(FP32_SUITE), compiles=SUITE_GEOMETRIES)
 
 
 def estimate_e2e(shape: Shape) -> Work:
@@ -766,9 +818,16 @@ def estimate_host_syncs(shape: Shape) -> Work:
     return Work(compiles=1)  # three `small` models: seconds of GPU work beside the start
 
 
+# The `gpu` tests' geometries: the graph runner's (640 pages), the tiny float32 runners'
+# (upload staging, paged attention: the suites' floor), the sized pool's (bfloat16), and
+# the paged-attention steps' own (two dtypes) and long chunks'.
+GPU_TEST_GEOMETRIES = 5
+
+
 def estimate_gpu_tests(shape: Shape) -> Work:
     files = gpu_test_files()  # one process; of their cases only the `gpu` ones run
-    return Work(compiles=1, pytest_cases=sum(_pytest_cases([f], gpu_only=True) for f in files))
+    return Work(compiles=GPU_TEST_GEOMETRIES,
+                pytest_cases=sum(_pytest_cases([f], gpu_only=True) for f in files))
 
 
 @dataclass(frozen=True)
@@ -783,11 +842,12 @@ class Check:
 # Most valuable first (issue 43): decode graphs equal to eager and faster; no SDPA math
 # fallback on the paged attention path; bf16 and fp32 exactness; the 7B-shaped model through
 # the engine at c=1/8/32; ViT graphs; host syncs; then the `gpu` tests. `device` is the table's
-# header and `build` makes the model the next checks load. The first call plans the checks
-# through e2e (the last three also run in that call if time is left): a second call right
-# after it (`--resume`, on the still-warm machine) has what is left of the 15-minute lease.
-# (ViT graphs and host syncs were in the first call's plan until the first run's figures
-# priced the e2e check: bench/results/gpu.md.)
+# header and `build` makes the model the next checks load. A call runs them in this order,
+# each that fits the time left. The first call plans all but the engine's and the `gpu`
+# tests (it reaches e2e with too little time left for it, as priced, and goes on to the
+# two small ones after it); a second call right after it (`--resume`, on the still-warm
+# machine) plans those two, in what is left of the 15-minute lease. (The first run's
+# figures priced e2e, and the geometry count the suites' compiles: bench/results/gpu.md.)
 CHECKS = [
     Check("device", check_device, estimate_device),
     Check("build", check_build, estimate_build),
@@ -795,15 +855,18 @@ CHECKS = [
     Check("attention_long_context", check_attention_long_context, estimate_attention),
     Check("exactness_bf16", check_exactness_bf16, estimate_exactness_bf16),
     Check("exactness_fp32", check_exactness_fp32, estimate_exactness_fp32),
-    Check("e2e", check_e2e, estimate_e2e),
-    Check("vit_graphs", check_vit_graphs, estimate_vit_graphs, first_call=False),
-    Check("host_syncs", check_host_syncs, estimate_host_syncs, first_call=False),
+    Check("e2e", check_e2e, estimate_e2e, first_call=False),
+    Check("vit_graphs", check_vit_graphs, estimate_vit_graphs),
+    Check("host_syncs", check_host_syncs, estimate_host_syncs),
     Check("gpu_tests", check_gpu_tests, estimate_gpu_tests, cuda_only=True, first_call=False),
 ]
 INSTALL = Work(processes=2)  # `make gpu-check` before the script: pip installs .whl/ offline
-# A second call: the 15-minute lease less the first call (BUDGET_S and ~1.5 minutes of the
-# machine's start and transfers), less a margin.
-RESUME_BUDGET_S = 3 * 60
+# A second call: the 15-minute lease (900 s) less the first call (BUDGET_S, and 38 s of the
+# machine's start, transfers and hand-back: the first lease had 352 s left after its 510 s
+# call), less a margin of ~50 s (the second call must follow within the machine's idle
+# release, 30 s, or it starts a fresh machine). Read `status`' budget_left_s before it: with
+# less than this + 30 s left, pass --budget-s (that less 30).
+RESUME_BUDGET_S = 5 * 60
 LIMIT_FACTOR = 2.5  # a check may run this many times its estimate before it is stopped
 LIMIT_FLOOR_S = 60  # and at least this long: the estimates' host terms are assumptions
 DRY_LIMIT_S = 480  # a cap on each check in the dry run (a hang never holds CI long)
@@ -1122,7 +1185,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="run only the checks the last table (--out) lacks, and keep its rows")
     ap.add_argument("--out", help="the table (default bench/results/gpu.md; dry run: "
                     ".cache/gpu-check/gpu-dry-run.md)")
-    ap.add_argument("--budget-s", type=float, default=BUDGET_S, help="the whole run's limit")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help=f"this call's limit (default {BUDGET_S:.0f}; with --resume "
+                         f"{RESUME_BUDGET_S:.0f}, what a second call has of the lease)")
     ap.add_argument("--started-at", type=float, default=None,
                     help="epoch seconds the budget counts from (make gpu-check's start)")
     ap.add_argument("--plan", action="store_true",
@@ -1154,12 +1219,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown checks {unknown}; known: {', '.join(names)}")
     out_default = WORK / "gpu-dry-run.md" if a.dry_run else RESULTS
     out = Path(a.out) if a.out else out_default
-    kept = read_table(out) if a.resume else []
-    skip = done_checks(kept)
-    kept = [r for r in kept if r.check in skip]
-    todo = [c for c in CHECKS if (not only or c.name in only) and c.name not in skip]
     # the whole plan must fit, whatever this call runs: a check that grew fails CI here
-    plan = Plan.of(a.budget_s)
+    plan = Plan.of(a.budget_s if a.budget_s is not None and not a.resume else BUDGET_S)
+    budget_s = a.budget_s if a.budget_s is not None else (
+        RESUME_BUDGET_S if a.resume else BUDGET_S)
     print(plan.describe(), flush=True)
     if a.plan or (a.dry_run and not plan.fits):
         return 0 if plan.fits else 1
@@ -1174,19 +1237,35 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Ctx(dry_run=a.dry_run, device="cpu" if a.dry_run else "cuda",
               dtype="float32" if a.dry_run else "bfloat16", work=str(work),
               model=str(work / f"model-{size}"), size=size)
+    kept = read_table(out) if a.resume else []
+    skip = done_checks(kept)
+    if not (Path(ctx.model) / ".complete").exists():
+        skip.discard("build")  # a fresh machine: the checks after it need the model again
+    kept = [r for r in kept if r.check in skip]
+    todo = [c for c in CHECKS if (not only or c.name in only) and c.name not in skip]
     started = time.strftime("%Y-%m-%d %H:%M %Z")
     # the budget counts from make's start (the wheels' install spent part of it)
     t0 = time.monotonic() - (time.time() - a.started_at if a.started_at else 0.0)
+    order = {c.name: i for i, c in enumerate(CHECKS)}
+
+    def write(rows: list[Row]) -> str:
+        """The table as it stands (after each check: a call the lease ends keeps its rows)."""
+        done = sorted(kept + rows, key=lambda r: order[r.check])  # stable: rows stay in order
+        table = markdown(done, ctx, started, time.monotonic() - t0, plan)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(table)
+        return table
+
     rows: list[Row] = []
     for check in todo:
-        left = a.budget_s - (time.monotonic() - t0)
+        left = budget_s - (time.monotonic() - t0)
         est = plan.estimates[check.name]
         if a.dry_run and check.cuda_only:
             rows.append(Row(check.name, "", Status.SKIPPED, "needs CUDA"))
         elif not a.dry_run and est > left:
             rows.append(Row(check.name, "", Status.SKIPPED,
                             f"no time left: estimated {est:.0f} s, {max(left, 0):.0f} s of the "
-                            f"{a.budget_s:.0f} s budget left (--resume runs it)"))
+                            f"{budget_s:.0f} s budget left (--resume runs it)"))
         else:
             limit = DRY_LIMIT_S if a.dry_run else min(left, max(LIMIT_FACTOR * est, LIMIT_FLOOR_S))
             print(f"gpu-check: {check.name} (estimated {est:.0f} s on the GPU, limit {limit:.0f} s)",
@@ -1198,12 +1277,8 @@ def main(argv: list[str] | None = None) -> int:
                                 traceback.format_exc()[-TAIL:]))
         for r in rows[-1:]:
             print(f"gpu-check: {r.check}: {r.status.value} {r.figures}"[:300], flush=True)
-    order = {c.name: i for i, c in enumerate(CHECKS)}
-    rows = sorted(kept + rows, key=lambda r: order[r.check])  # stable: a check's rows stay in order
-    table = markdown(rows, ctx, started, time.monotonic() - t0, plan)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(table)
-    print("\n" + table + f"\nwritten to {out}", flush=True)
+        write(rows)
+    print("\n" + write(rows) + f"\nwritten to {out}", flush=True)
     return 0
 
 

@@ -14,7 +14,7 @@ One vision tower (random weights, `tandem tiny-model`), three runners over it:
 - graph: CUDA graphs, every key captured when the runner is built (timed; the device
   memory the captures reserved is `stats.capture_bytes`);
 - static: the same step run eagerly over the same buffers: a replay must equal it bit for bit;
-- eager: transformers' blocks: a replay must be within `tolerance` of it.
+- eager: transformers' blocks: a replay must be within `tolerance` x (1 + |eager|) of it.
 The mix is batches of one to four images of assorted sizes, plus one batch over the largest
 bucket (it must run eagerly). The batches in buckets run `repeats` times on the graph and the
 eager runner after one warm-up; the speed-up is eager time / graph time over them.
@@ -70,6 +70,11 @@ class VitGraphCheck:
     eager_batches: int  # must be 1: the batch over the largest bucket
     replay_equals_static: bool
     max_diff_vs_eager: float
+    # every output x of a replay within tolerance * (1 + |eager's x|) of eager's: the `gpu`
+    # test's rule (assert_close, rtol = atol = tolerance). An absolute bound alone is a
+    # few bfloat16 steps at the 7B tower's largest outputs, where the graph's padded
+    # matrix sizes round differently.
+    within_tolerance: bool
     tolerance: float
     capture_s: float  # building the graph runner (all captures)
     capture_bytes: int | None  # None: skipped (CPU)
@@ -84,7 +89,7 @@ class VitGraphCheck:
         return (self.captured == self.keys and self.failed == 0
                 and self.captured_after_mix == self.captured and self.eager_batches == 1
                 and self.replays == self.batches - 1 and self.replay_equals_static
-                and self.max_diff_vs_eager <= self.tolerance)
+                and self.within_tolerance)
 
     def markdown(self) -> str:
         mode = "dry run, static step for graphs" if self.dry_run else "CUDA graphs"
@@ -94,7 +99,9 @@ class VitGraphCheck:
             ("batches: replayed / eager", f"{self.replays} / {self.eager_batches} of "
                                           f"{self.batches}"),
             ("replay equal to the static step", "yes" if self.replay_equals_static else "NO"),
-            ("max abs diff to eager", f"{self.max_diff_vs_eager:.3g} (bound {self.tolerance:g})"),
+            ("max abs diff to eager", f"{self.max_diff_vs_eager:.3g}, "
+                                      + ("within" if self.within_tolerance else "NOT within")
+                                      + f" {self.tolerance:g} x (1 + |eager|)"),
             ("capture time", f"{self.capture_s:.2f} s"),
             ("capture memory", SKIPPED if self.capture_bytes is None
                 else f"{self.capture_bytes / 2**20:.1f} MiB"),
@@ -165,13 +172,15 @@ def vit_graph_check(path: Path, device: str | torch.device, dtype: torch.dtype, 
     static = VisionRunner(visual, max_patches=limit, mode="static", attention=graph.attention)
     eager = VisionRunner(visual, mode="eager")
     captured = graph.stats.captured
-    equal, diff = True, 0.0
+    tol = 2e-3 if dtype == torch.float32 else 5e-2
+    equal, within, diff = True, True, 0.0
     for pixels, grids in batches:
         g, s, e = graph.run(pixels, grids), static.run(pixels, grids), eager.run(pixels, grids)
         for a, b, c in zip([g.embeds, *g.deepstack], [s.embeds, *s.deepstack],
                            [e.embeds, *e.deepstack], strict=True):
             equal &= torch.equal(a, b)
             diff = max(diff, (a.float() - c.float()).abs().max().item())
+            within &= torch.allclose(a.float(), c.float(), rtol=tol, atol=tol)
     replays, eager_batches = graph.stats.replays, graph.stats.eager
     eager_ms = graph_ms = None
     if not dry_run:
@@ -184,7 +193,7 @@ def vit_graph_check(path: Path, device: str | torch.device, dtype: torch.dtype, 
         captured=captured, failed=graph.stats.failed,
         captured_after_mix=graph.stats.captured, batches=len(batches), replays=replays,
         eager_batches=eager_batches, replay_equals_static=equal, max_diff_vs_eager=diff,
-        tolerance=2e-3 if dtype == torch.float32 else 5e-2, capture_s=capture_s,
+        within_tolerance=within, tolerance=tol, capture_s=capture_s,
         capture_bytes=None if dry_run else graph.stats.capture_bytes,
         eager_ms=eager_ms, graph_ms=graph_ms,
     )
@@ -199,7 +208,8 @@ def check_vit_graphs(model: Path, device: str, dtype: torch.dtype, dry_run: bool
         "keys": r.keys, "captured": r.captured, "failed": r.failed,
         "captured_after_mix": r.captured_after_mix, "replays": r.replays,
         "eager_batches": r.eager_batches, "replay_equals_static": r.replay_equals_static,
-        "max_diff_vs_eager": r.max_diff_vs_eager, "tolerance": r.tolerance,
+        "max_diff_vs_eager": r.max_diff_vs_eager, "within_tolerance": r.within_tolerance,
+        "tolerance": r.tolerance,
         "capture_s": round(r.capture_s, 2),
         "capture_mib": SKIPPED if mib is None else mib,
         "eager_ms": SKIPPED if r.eager_ms is None else round(r.eager_ms, 2),

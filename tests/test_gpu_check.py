@@ -20,6 +20,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -72,22 +73,24 @@ def test_dry_run_writes_a_row_for_every_check(tmp_path):
 def test_a_hang_and_a_crash_are_rows_and_the_next_check_runs(tmp_path, monkeypatch):
     """The parent with stand-in children (a shell script in place of the child process):
     `device` hangs past its limit (killed with its process group), `build` exits without a
-    result, `decode_graphs` writes one; all three rows reach the table."""
+    result, `decode_graphs` writes one; all three rows reach the table, which is written
+    after each check (a call the lease ends keeps what it ran)."""
+    out = tmp_path / "gpu.md"
     script = tmp_path / "child.sh"  # $2: the check's name, $6: where its result goes
-    script.write_text(textwrap.dedent("""\
+    script.write_text(textwrap.dedent(f"""\
         echo "output of $2"
         case "$2" in
           device) sleep 600 ;;
-          build) exit 3 ;;
-          *) echo '[{"check": "decode_graphs", "case": "batch 1", "status": "pass"}]' > "$6" ;;
+          build) cp {out} {tmp_path}/as-build-started.md; exit 3 ;;
+          *) echo '[{{"check": "decode_graphs", "case": "batch 1", "status": "pass"}}]' > "$6" ;;
         esac
     """))
     monkeypatch.setattr(sys, "executable", "/bin/sh")
     monkeypatch.setattr(gpu_check, "__file__", str(script))
     monkeypatch.setattr(gpu_check, "DRY_LIMIT_S", 3)
     monkeypatch.setattr(gpu_check, "WORK", tmp_path / "work")
-    out = tmp_path / "gpu.md"
     assert gpu_check.main(["--dry-run", "--only", "device,build,decode_graphs", "--out", str(out)]) == 0
+    assert [r["check"] for r in rows_of((tmp_path / "as-build-started.md").read_text())] == ["device"]
     table = out.read_text()
     rows = {r["check"]: r for r in rows_of(table)}
     assert rows["device"]["status"] == "error" and "timed out after 3 s" in rows["device"]["figures"]
@@ -96,15 +99,16 @@ def test_a_hang_and_a_crash_are_rows_and_the_next_check_runs(tmp_path, monkeypat
     assert "output of build" in table and "output of device" in table  # the details
 
     # --resume: only what the table lacks runs (the stand-in child now names its check), and
-    # the rows kept keep their details
+    # the rows kept keep their details; `build` runs again where its model is not there
+    # (a fresh machine), since the checks after it load that model
     script.write_text('echo \'[{"check": "\'$2\'", "case": "again", "status": "pass"}]\' > "$6"\n')
     assert gpu_check.main(["--dry-run", "--only", "device,build,decode_graphs,vit_graphs",
                            "--resume", "--out", str(out)]) == 0
     table = out.read_text()
     rows = rows_of(table)
     assert [(r["check"], r["case"]) for r in rows] == [
-        ("device", ""), ("build", ""), ("decode_graphs", "batch 1"), ("vit_graphs", "again")]
-    assert "output of build" in table
+        ("device", ""), ("build", "again"), ("decode_graphs", "batch 1"), ("vit_graphs", "again")]
+    assert "output of device" in table
 
 
 def test_the_plan_fits_the_lease_and_a_grown_check_fails_the_dry_run(tmp_path, monkeypatch, capsys):
@@ -136,6 +140,13 @@ def test_a_check_that_does_not_fit_the_time_left_is_skipped(tmp_path, monkeypatc
     assert [r["check"] for r in rows] == [c.name for c in gpu_check.CHECKS]
     assert all(r["status"] == "skipped" and "no time left: estimated" in r["figures"]
                and "--resume runs it" in r["figures"] for r in rows), rows
+    # --resume's own budget is what a second call has of the lease, not the first call's:
+    # started 178 s ago, 2 s of it are left
+    started = str(time.time() - (gpu_check.RESUME_BUDGET_S - 2))
+    assert gpu_check.main(["--resume", "--started-at", started, "--out", str(out)]) == 0
+    rows = rows_of(out.read_text())
+    assert all(f"of the {gpu_check.RESUME_BUDGET_S:.0f} s budget left" in r["figures"]
+               for r in rows), rows
 
 
 def test_a_package_not_carried_is_a_skip_naming_it():
