@@ -474,9 +474,16 @@ def check_e2e(ctx: Ctx) -> list[Row]:
     cmd = [sys.executable, str(ROOT / "bench" / "language.py"), "--model", str(path),
            "--device", ctx.device, "--dtype", ctx.dtype, "--requests", n, "--concurrency",
            *conc, "--runs", "1", "--max-output", str(E2E_MAX_OUTPUT), "--out", str(out)]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    text = p.stdout + p.stderr
-    print(text[-TAIL:], flush=True)
+    # NOTE: its lines go to this check's log as they come (a timeout kills the process
+    # group, and output held back until the script's end was lost: the first run's e2e row
+    # said only "timed out")
+    lines = []
+    with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) as p:
+        for line in p.stdout:
+            print(line, end="", flush=True)
+            lines.append(line)
+    text = "".join(lines)
     if p.returncode != 0 or not out.exists():
         return [Row("e2e", "bench/language.py", Status.ERROR, f"exit {p.returncode}", text[-TAIL:])]
     greedy = next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
@@ -643,7 +650,7 @@ LONG_CONTEXTS, LONG_CHUNK, LONG_HEADS, LONG_HEAD_DIM, LONG_RUNS = (16384, 32768)
 E2E_CONCURRENCY, E2E_REQUESTS = (1, 8, 32), 32
 # bench/language.py's workload at `--max-output E2E_MAX_OUTPUT` (outputs drawn from 16 up:
 # transformers' eager baselines, one token step at a time from Python, are most of the check)
-E2E_MEAN_PROMPT, E2E_MAX_OUTPUT = 288, 32
+E2E_MEAN_PROMPT, E2E_MAX_PROMPT, E2E_MAX_OUTPUT = 288, 512, 32
 E2E_MEAN_OUTPUT = (16 + E2E_MAX_OUTPUT) // 2
 E2E_CHECKED = 4  # the greedy check's requests (bench/language.py: work[:4])
 HF_LAUNCHES_PER_LAYER = 30  # transformers' eager decoder layer, kernels per token step
@@ -801,9 +808,14 @@ def estimate_e2e(shape: Shape) -> Work:
                          E2E_MAX_OUTPUT * -(-E2E_REQUESTS // c)) for c in E2E_CONCURRENCY if c > 1]
     engine = [_scaled(_decode_step(shape, c, E2E_MEAN_PROMPT), -(-tokens // c))
               for c in (E2E_CHECKED, *E2E_CONCURRENCY)]
-    # graph captures (a warm-up step and the recorded one per batch bucket), eagerly
+    # graph captures, eagerly: two warm-up steps and the recorded one per graph, a graph
+    # per batch bucket and table width (bench/language.py's max_model_len: the workload's)
+    from tandem.services.language.runner.graph_runner import batch_buckets, width_buckets
+    from tandem.units import ceil_div
+
     eager = Work(launches=shape.layers * ENGINE_LAUNCHES_PER_LAYER, processes=0)
-    captures = _scaled(eager, 2 * (2 * max(E2E_CONCURRENCY).bit_length() + 1))
+    widths = width_buckets(ceil_div(E2E_MAX_PROMPT + E2E_MAX_OUTPUT, DECODE_PAGE))
+    captures = _scaled(eager, 3 * len(batch_buckets(max(E2E_CONCURRENCY))) * len(widths))
     prefill = Work(flops=2 * shape.text_params * E2E_REQUESTS * E2E_MEAN_PROMPT * (1 + 2), processes=0)
     return _sum([Work(compiles=1), _load_text(shape), _load_text(shape), hf_one, *hf_padded,
                  *engine, captures, prefill])
@@ -842,11 +854,12 @@ class Check:
 # Most valuable first (issue 43): decode graphs equal to eager and faster; no SDPA math
 # fallback on the paged attention path; bf16 and fp32 exactness; the 7B-shaped model through
 # the engine at c=1/8/32; ViT graphs; host syncs; then the `gpu` tests. `device` is the table's
-# header and `build` makes the model the next checks load. A call runs them in this order,
-# each that fits the time left. The first call plans all but the engine's and the `gpu`
-# tests (it reaches e2e with too little time left for it, as priced, and goes on to the
-# two small ones after it); a second call right after it (`--resume`, on the still-warm
-# machine) plans those two, in what is left of the 15-minute lease. (The first run's
+# header and `build` makes the model the next checks load. A call runs its checks in this
+# order, each that fits the time left. The first call runs all but the engine's and the
+# `gpu` tests (first_call=False: it skips them, naming the second call, even with time
+# left: a check started on what is left could be stopped at the budget's end, its time and
+# the checks after it lost); a second call right after it (`--resume`, on the still-warm
+# machine) runs those two, in what is left of the 15-minute lease. (The first run's
 # figures priced e2e, and the geometry count the suites' compiles: bench/results/gpu.md.)
 CHECKS = [
     Check("device", check_device, estimate_device),
@@ -912,7 +925,7 @@ class Plan:
                  f"  {'install (make gpu-check)':<26} {self.install_s:5.0f}"]
         lines += [f"  {n:<26} {s:5.0f}" for n, s in self.estimates.items() if n not in self.resume]
         lines.append(f"  the first call: {verdict(self.total_s, self.budget_s)}")
-        lines += [f"  {n:<26} {s:5.0f}  (--resume; the first call runs it if time is left)"
+        lines += [f"  {n:<26} {s:5.0f}  (the second call: --resume)"
                   for n, s in self.estimates.items() if n in self.resume]
         lines.append(f"  a second call (--resume): {verdict(self.resume_s, RESUME_BUDGET_S)}")
         return "\n".join(lines)
@@ -1077,6 +1090,9 @@ def run_child(name: str, ctx: Ctx, result: Path) -> int:
     return 0
 
 
+TIMED_OUT = "timed out after"  # the figures of a check's row when its limit stopped it
+
+
 def run_check(check: Check, ctx: Ctx, limit_s: float) -> list[Row]:
     """In the parent: the check in a child process of its own (its own session, so a
     timeout ends its whole tree), its rows, or an error row with the output's tail."""
@@ -1097,7 +1113,7 @@ def run_check(check: Check, ctx: Ctx, limit_s: float) -> list[Row]:
     secs = time.perf_counter() - t0
     tail = log.read_text(errors="replace")[-TAIL:]
     if code is None:
-        rows = [Row(check.name, "", Status.ERROR, f"timed out after {limit_s:.0f} s", tail)]
+        rows = [Row(check.name, "", Status.ERROR, f"{TIMED_OUT} {limit_s:.0f} s", tail)]
     elif not result.exists() and (why := missing_package(tail)):
         rows = [Row(check.name, "", Status.SKIPPED, why, tail)]
     elif not result.exists():
@@ -1172,8 +1188,10 @@ def read_table(path: Path) -> list[Row]:
 
 
 def done_checks(rows: list[Row]) -> set[str]:
-    """Checks a table holds a result of: any row of theirs not skipped."""
-    return {r.check for r in rows if r.status is not Status.SKIPPED}
+    """Checks a table holds a result of: any row of theirs neither skipped nor timed out (a
+    check stopped at its limit left no result: a second call runs it again)."""
+    stopped = {r.check for r in rows if r.status is Status.ERROR and r.figures.startswith(TIMED_OUT)}
+    return {r.check for r in rows if r.status is not Status.SKIPPED} - stopped
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1239,8 +1257,8 @@ def main(argv: list[str] | None = None) -> int:
               model=str(work / f"model-{size}"), size=size)
     kept = read_table(out) if a.resume else []
     skip = done_checks(kept)
-    if not (Path(ctx.model) / ".complete").exists():
-        skip.discard("build")  # a fresh machine: the checks after it need the model again
+    if not (Path(ctx.model) / ".complete").exists():  # a fresh machine: what the checks
+        skip -= {"device", "build"}  # after them need (the CPU kernels, the model) again
     kept = [r for r in kept if r.check in skip]
     todo = [c for c in CHECKS if (not only or c.name in only) and c.name not in skip]
     started = time.strftime("%Y-%m-%d %H:%M %Z")
@@ -1262,6 +1280,10 @@ def main(argv: list[str] | None = None) -> int:
         est = plan.estimates[check.name]
         if a.dry_run and check.cuda_only:
             rows.append(Row(check.name, "", Status.SKIPPED, "needs CUDA"))
+        elif not a.dry_run and not a.resume and not check.first_call and not only:
+            rows.append(Row(check.name, "", Status.SKIPPED,
+                            f"planned for the second call (estimated {est:.0f} s; --resume "
+                            "runs it)"))
         elif not a.dry_run and est > left:
             rows.append(Row(check.name, "", Status.SKIPPED,
                             f"no time left: estimated {est:.0f} s, {max(left, 0):.0f} s of the "

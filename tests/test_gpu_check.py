@@ -98,17 +98,38 @@ def test_a_hang_and_a_crash_are_rows_and_the_next_check_runs(tmp_path, monkeypat
     assert rows["decode_graphs"]["status"] == "pass"
     assert "output of build" in table and "output of device" in table  # the details
 
-    # --resume: only what the table lacks runs (the stand-in child now names its check), and
-    # the rows kept keep their details; `build` runs again where its model is not there
-    # (a fresh machine), since the checks after it load that model
+    # --resume: only what the table lacks runs (the stand-in child now names its check): a
+    # check its limit stopped runs again, one with a result (a crash's error included)
+    # keeps its row and details
     script.write_text('echo \'[{"check": "\'$2\'", "case": "again", "status": "pass"}]\' > "$6"\n')
-    assert gpu_check.main(["--dry-run", "--only", "device,build,decode_graphs,vit_graphs",
-                           "--resume", "--out", str(out)]) == 0
+    model = tmp_path / "work" / "dry-run" / "model-tiny"
+    model.mkdir(parents=True)
+    (model / ".complete").touch()
+    resume = ["--dry-run", "--only", "device,build,decode_graphs,vit_graphs", "--resume",
+              "--out", str(out)]
+    assert gpu_check.main(resume) == 0
     table = out.read_text()
-    rows = rows_of(table)
-    assert [(r["check"], r["case"]) for r in rows] == [
-        ("device", ""), ("build", "again"), ("decode_graphs", "batch 1"), ("vit_graphs", "again")]
-    assert "output of device" in table
+    assert [(r["check"], r["case"]) for r in rows_of(table)] == [
+        ("device", "again"), ("build", ""), ("decode_graphs", "batch 1"), ("vit_graphs", "again")]
+    assert "output of build" in table
+    # on a fresh machine (no model there) `device` and `build` run again: the checks after
+    # them need the CPU kernels and the model
+    (model / ".complete").unlink()
+    assert gpu_check.main(resume) == 0
+    assert [(r["check"], r["case"]) for r in rows_of(out.read_text())] == [
+        ("device", "again"), ("build", "again"), ("decode_graphs", "batch 1"),
+        ("vit_graphs", "again")]
+
+
+def test_a_check_stopped_at_its_limit_is_not_done():
+    """--resume runs again a check whose row says its limit stopped it (no result), and
+    keeps one that failed or passed."""
+    Row, S = gpu_check.Row, gpu_check.Status
+    rows = [Row("e2e", "", S.ERROR, f"{gpu_check.TIMED_OUT} 194 s"),
+            Row("vit_graphs", "", S.ERROR, "the child exited 1 with no result"),
+            Row("host_syncs", "a", S.FAIL, "x"), Row("gpu_tests", "", S.SKIPPED, "no time left"),
+            Row("decode_graphs", "batch 1", S.PASS, "")]
+    assert gpu_check.done_checks(rows) == {"vit_graphs", "host_syncs", "decode_graphs"}
 
 
 def test_the_plan_fits_the_lease_and_a_grown_check_fails_the_dry_run(tmp_path, monkeypatch, capsys):
@@ -138,8 +159,10 @@ def test_a_check_that_does_not_fit_the_time_left_is_skipped(tmp_path, monkeypatc
     assert gpu_check.main(["--budget-s", "5", "--out", str(out)]) == 0
     rows = rows_of(out.read_text())
     assert [r["check"] for r in rows] == [c.name for c in gpu_check.CHECKS]
-    assert all(r["status"] == "skipped" and "no time left: estimated" in r["figures"]
-               and "--resume runs it" in r["figures"] for r in rows), rows
+    first = {c.name for c in gpu_check.CHECKS if c.first_call}
+    assert all(r["status"] == "skipped" and "--resume runs it" in r["figures"] for r in rows)
+    assert all(("no time left: estimated" if r["check"] in first else "planned for the "
+                "second call") in r["figures"] for r in rows), rows
     # --resume's own budget is what a second call has of the lease, not the first call's:
     # started 178 s ago, 2 s of it are left
     started = str(time.time() - (gpu_check.RESUME_BUDGET_S - 2))
