@@ -238,7 +238,8 @@ def test_small_checkpoint_prompt_logits_and_greedy(arch, checkpoint):
     model, proc = oracle.load(path)
     inputs = oracle.make_inputs(proc, "What is in this image?", [oracle.make_image(7, (112, 84))])
     payload, ref = oracle.payload(model, inputs), oracle.prompt_logits(model, inputs).to(DEVICE)
-    pages = oracle.kv_pages(256, DEVICE, page=16)
+    # (the engine suite's small-checkpoint cache: on CUDA one flex geometry for both)
+    pages = oracle.kv_pages(4096, DEVICE, page=16)
     runner = ModelRunner(oracle.text_weights(path), RunnerSettings(page_size=16), num_pages=pages,
                          device=DEVICE)
     s = Seq(0, payload, KVPagePool(pages, 16))
