@@ -655,6 +655,11 @@ E2E_MEAN_OUTPUT = (16 + E2E_MAX_OUTPUT) // 2
 E2E_CHECKED = 4  # the greedy check's requests (bench/language.py: work[:4])
 HF_LAUNCHES_PER_LAYER = 30  # transformers' eager decoder layer, kernels per token step
 ENGINE_LAUNCHES_PER_LAYER = 20  # the runner's eager decoder layer, kernels per step
+# (Both assumed; only their ratio matters, since launch_s comes from the runner's measured
+# eager step. Ops counted by a dispatch mode, 2026-11-30: transformers 5.24's greedy decode
+# step 42 a layer + 40 outside them on the CPU, the runner's step on a fake CUDA device
+# ~37 a layer (gather attention): a ratio of ~1.2, against the 1.5 assumed here, so the
+# HF side of the e2e estimate errs long.)
 VIT_PATCHES = 6000  # bench/vit_graphs.py's MIX at patch 14, all batches
 VIT_CAPTURES = 24  # ViT graph keys captured (buckets x bounds)
 
