@@ -28,7 +28,9 @@ of its output; the next check runs regardless. Row status (Status):
 
     pass            ran, and what must hold held (a target missed is said in its figures)
     FAIL            ran, and what must hold did not
-    error           crashed, timed out, or its result could not be read (output kept)
+    error           crashed, or its result could not be read (output kept)
+    stopped         ran past its time limit and was killed: no result (`--resume` runs it
+                    again)
     skipped         needs CUDA (dry run), no time was left in the budget, or it needs a
                     package the image lacks and the 64 MiB carried cannot hold (NOT_CARRIED)
     not built yet   the function the row calls (another part's) does not exist yet
@@ -78,6 +80,7 @@ class Status(enum.Enum):
     PASS = "pass"
     FAIL = "FAIL"
     ERROR = "error"
+    STOPPED = "stopped"
     SKIPPED = "skipped"
     NOT_BUILT = "not built yet"
 
@@ -1095,9 +1098,6 @@ def run_child(name: str, ctx: Ctx, result: Path) -> int:
     return 0
 
 
-TIMED_OUT = "timed out after"  # the figures of a check's row when its limit stopped it
-
-
 def run_check(check: Check, ctx: Ctx, limit_s: float) -> list[Row]:
     """In the parent: the check in a child process of its own (its own session, so a
     timeout ends its whole tree), its rows, or an error row with the output's tail."""
@@ -1118,7 +1118,7 @@ def run_check(check: Check, ctx: Ctx, limit_s: float) -> list[Row]:
     secs = time.perf_counter() - t0
     tail = log.read_text(errors="replace")[-TAIL:]
     if code is None:
-        rows = [Row(check.name, "", Status.ERROR, f"{TIMED_OUT} {limit_s:.0f} s", tail)]
+        rows = [Row(check.name, "", Status.STOPPED, f"timed out after {limit_s:.0f} s", tail)]
     elif not result.exists() and (why := missing_package(tail)):
         rows = [Row(check.name, "", Status.SKIPPED, why, tail)]
     elif not result.exists():
@@ -1165,7 +1165,7 @@ def markdown(rows: list[Row], ctx: Ctx, started: str, total_s: float, plan: Plan
     for r in rows:
         fig = r.figures.replace("|", "/").replace("\n", " ")
         lines.append(f"| {r.check} | {r.case} | {r.status.value} | {fig} | {r.seconds:.0f} |")
-    details = [r for r in rows if r.detail and r.status in (Status.FAIL, Status.ERROR)]
+    details = [r for r in rows if r.detail and r.status in (Status.FAIL, Status.ERROR, Status.STOPPED)]
     if details:
         lines += ["", "## Failures and errors", ""]
         for r in details:
@@ -1193,10 +1193,9 @@ def read_table(path: Path) -> list[Row]:
 
 
 def done_checks(rows: list[Row]) -> set[str]:
-    """Checks a table holds a result of: any row of theirs neither skipped nor timed out (a
+    """Checks a table holds a result of: any row of theirs neither skipped nor stopped (a
     check stopped at its limit left no result: a second call runs it again)."""
-    stopped = {r.check for r in rows if r.status is Status.ERROR and r.figures.startswith(TIMED_OUT)}
-    return {r.check for r in rows if r.status is not Status.SKIPPED} - stopped
+    return {r.check for r in rows if r.status not in (Status.SKIPPED, Status.STOPPED)}
 
 
 def main(argv: list[str] | None = None) -> int:
