@@ -1264,7 +1264,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (Path(ctx.model) / ".complete").exists():  # a fresh machine: what the checks
         skip -= {"device", "build"}  # after them need (the CPU kernels, the model) again
     kept = [r for r in kept if r.check in skip]
-    todo = [c for c in CHECKS if (not only or c.name in only) and c.name not in skip]
+    to_run = [c for c in CHECKS if (not only or c.name in only) and c.name not in skip]
     started = time.strftime("%Y-%m-%d %H:%M %Z")
     # the budget counts from make's start (the wheels' install spent part of it)
     t0 = time.monotonic() - (time.time() - a.started_at if a.started_at else 0.0)
@@ -1279,7 +1279,7 @@ def main(argv: list[str] | None = None) -> int:
         return table
 
     rows: list[Row] = []
-    for check in todo:
+    for check in to_run:
         left = budget_s - (time.monotonic() - t0)
         est = plan.estimates[check.name]
         if a.dry_run and check.cuda_only:

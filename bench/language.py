@@ -100,14 +100,12 @@ def workload(n: int, vocab: int, seed: int = 0, max_output: int = 128,
     return out
 
 
-def avoided_ids(tokenizer, config) -> frozenset[int]:
+def avoided_ids(tokenizer, spec) -> frozenset[int]:
     """The ids a plain-text prompt must not hold: the tokenizer's special ones and the
-    model's vision placeholders."""
-    text = getattr(config, "text_config", config)
-    vision = {getattr(c, k, None) for c in (config, text)
-              for k in ("image_token_id", "video_token_id", "vision_start_token_id",
-                        "vision_end_token_id")}
-    return frozenset(tokenizer.all_special_ids) | frozenset(v for v in vision if v is not None)
+    model's vision ids (its ModelSpec's)."""
+    return frozenset(tokenizer.all_special_ids) | {
+        spec.image_token_id, spec.video_token_id, spec.vision_start_token_id,
+        spec.vision_end_token_id}
 
 
 def payload(hf, ids: list[int]) -> PromptPayload:
@@ -143,7 +141,7 @@ def run_engine(engine, work, payloads, concurrency: int, sink_times: dict | None
                 sink_times["sink"] += time.thread_time() - c
         engine.submit(Request(RequestSpec(rid, sp, payloads[i])), sink)
 
-    reasons: dict[int, object] = {}
+    reasons: dict[int, RequestStatus] = {}
     while done < len(work):
         while inflight < concurrency and nxt < len(work):
             submit(nxt)
@@ -369,7 +367,7 @@ def main(argv=None) -> int:
     device, dtype = engine.runner.device, engine.runner.dtype
     hf = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=dtype).to(device).eval()
     work = workload(a.requests, spec.vocab_size, max_output=a.max_output,
-                    avoid=avoided_ids(tokenizer, hf.config))
+                    avoid=avoided_ids(tokenizer, spec))
     payloads = [payload(hf, ids) for ids, _ in work]
     pad = int(hf.generation_config.pad_token_id or 0)
     engine.start()

@@ -174,8 +174,8 @@ class HostSyncCounter(TorchDispatchMode):
     def ignore_compile_internals(cls) -> bool:
         """Compiled code runs compiled under the counter, its insides unseen (torch >= 2.9).
         Without this dynamo compiles no frame while the mode is active, and the decode
-        step's flex attention ran uncompiled, which no dispatch mode can take (a GPU's
-        host_syncs check failed so, unseen on the CPU's gather path). Nothing is missed: a
+        step's flex attention would run uncompiled, which no dispatch mode can take (make
+        gpu-check's host_syncs would fail so; its CPU dry run takes the gather path). Nothing is missed: a
         host read in compiled code is a graph break, and the code at a break runs eagerly,
         counted; a fullgraph compile (flex's) has none."""
         return True
