@@ -60,10 +60,6 @@ def checkpoint():
     return build_checkpoint
 
 
-def _cuda() -> bool:
-    return _cuda_devices() > 0
-
-
 def _cuda_devices() -> int:
     try:
         import torch
@@ -128,8 +124,9 @@ def _longest_first(item) -> int:
 def pytest_collection_modifyitems(config, items):
     slow = None if config.getoption("--run-slow") else pytest.mark.skip(
         reason="slow: run with --run-slow (make test-slow)")
-    gpu = None if _cuda() else pytest.mark.skip(reason="needs CUDA")
-    two = None if _cuda_devices() >= 2 else pytest.mark.skip(reason="needs a second GPU")
+    gpus = _cuda_devices()
+    gpu = None if gpus else pytest.mark.skip(reason="needs CUDA")
+    two = None if gpus >= 2 else pytest.mark.skip(reason="needs a second GPU")
     for item in items:
         if slow is not None and "slow" in item.keywords:
             item.add_marker(slow)

@@ -222,7 +222,8 @@ def test_flex_runs_compiled_under_the_host_sync_counter():
     skipped by dynamo into an uncompiled flex_attention the mode cannot take."""
     from tandem.host_syncs import HostSyncCounter
 
-    # NOTE: test_flex_equals_dense_reference's first geometry and shapes: its kernel serves
+    # NOTE: test_flex_equals_dense_reference's first geometry and shapes, so the kernel
+    # compiled for that test serves this one (no compile of its own in CI)
     step = make_step(ROWS + CHUNKS, 4, 6, 2, seed=5)
     with HostSyncCounter() as counter:
         got = step.run(FLEX)
